@@ -1,0 +1,33 @@
+"""GrowPage: on-demand KV-cache budgeting for LLM reasoning serving.
+
+One policy API (``CapacityPolicy``) drives both the trace-replay simulator (``growpage.sim``)
+and the paged-attention engine (``growpage.engine``).
+"""
+
+from growpage.core.capacity import BoundaryOutcome, CapacityController
+from growpage.core.config import GrowPageConfig
+from growpage.core.context import BoundaryContext
+from growpage.core.decision import Action, Decision
+from growpage.core.events import EventCounters
+from growpage.core.kvview import DenseKVView, KVView, QueryState
+from growpage.core.pages import PagePool
+from growpage.core.request import RequestState
+from growpage.errors import (
+    ConfigError,
+    EngineError,
+    GrowPageError,
+    PolicyError,
+    PoolExhaustedError,
+    TraceError,
+)
+from growpage.policies.base import CapacityPolicy
+from growpage.policies.registry import register_policy, resolve_policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Action", "BoundaryContext", "BoundaryOutcome", "CapacityController", "CapacityPolicy",
+    "ConfigError", "Decision", "DenseKVView", "EngineError", "EventCounters", "GrowPageConfig",
+    "GrowPageError", "KVView", "PagePool", "PolicyError", "PoolExhaustedError", "QueryState",
+    "RequestState", "TraceError", "register_policy", "resolve_policy",
+]

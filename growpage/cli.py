@@ -1,0 +1,55 @@
+"""The ``growpage`` command line.
+
+Each world adds its own subcommands through a ``register(subparsers)`` function in its own
+module (``growpage/engine/cli.py``, ``growpage/sim/cli.py``), so this file stays a dispatcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that contribute subcommands; a module that is not there yet is skipped.
+SUBCOMMAND_MODULES = ("growpage.demo", "growpage.policies.cli", "growpage.engine.cli", "growpage.sim.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="growpage",
+        description="On-demand KV-cache budgeting: one capacity-policy API for a trace-replay "
+        "simulator and a paged-attention engine.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a CLI prints errors, it does not dump tracebacks
+        from growpage.errors import GrowPageError
+
+        if isinstance(exc, GrowPageError):
+            print(f"growpage: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

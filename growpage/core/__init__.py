@@ -1,0 +1,1 @@
+"""Shared core: config, demand maths, RoPE, selection, pages, request state, controller."""

@@ -1,0 +1,206 @@
+"""``CapacityController``: executes capacity decisions at boundaries (DESIGN.md section 4).
+
+The controller owns no policy logic: it detects the boundary, forces growth below
+``min_capacity``, asks the policy, and executes GROW / COMPRESS & HOLD / SHRINK on the request's
+pages (through ``PagePool``) and KV content (through a ``KVView``). Every exit path leaves the
+request and the pool either fully updated or untouched.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from growpage.core.config import GrowPageConfig
+from growpage.core.context import BoundaryContext
+from growpage.core.decision import Action, Decision
+from growpage.core.events import EventCounters
+from growpage.core.kvview import KVView
+from growpage.core.pages import PagePool
+from growpage.core.request import RequestState
+from growpage.errors import PolicyError
+
+if TYPE_CHECKING:
+    from growpage.policies.base import CapacityPolicy
+
+
+@attrs.frozen
+class BoundaryOutcome:
+    """What happened at one boundary."""
+
+    decision: Decision | None  # the policy's answer; None when growth was forced
+    action: Action
+    fallback: bool = False     # GROW was refused and COMPRESS ran instead
+    pages_before: int = 0
+    pages_after: int = 0
+    tokens_after: int = 0
+    delta: float | None = None  # Delta_t when the policy computed it
+
+    @property
+    def needs_preemption(self) -> bool:
+        return self.action is Action.PREEMPT
+
+
+class CapacityController:
+    """Runs one policy over any number of requests sharing one ``PagePool``."""
+
+    def __init__(self, policy: CapacityPolicy, pool: PagePool, config: GrowPageConfig) -> None:
+        if pool.page_size != config.page_size:
+            raise ValueError(f"pool page size {pool.page_size} != config page size "
+                             f"{config.page_size}")
+        self.policy = policy
+        self.pool = pool
+        self.config = config
+        self.events = EventCounters()
+
+    def needs_decision(self, state: RequestState) -> bool:
+        return state.is_at_boundary(self.config.page_size)
+
+    def on_boundary(self, state: RequestState, view: KVView) -> BoundaryOutcome:
+        """Make room for one more token of ``state``; see ``BoundaryOutcome``."""
+        b = self.config.page_size
+        if state.num_tokens != state.num_pages * b:
+            raise ValueError(f"request {state.request_id!r} is not at a capacity boundary "
+                             f"({state.num_tokens} tokens in {state.num_pages} pages of {b})")
+        if view.num_tokens != state.num_tokens:
+            raise ValueError(f"KV view holds {view.num_tokens} tokens, request state "
+                             f"{state.num_tokens}")
+        self._count(state, "boundaries")
+        if state.num_pages < self.config.min_capacity:
+            return self._forced_grow(state)
+        ctx = BoundaryContext(state.request_id, state.num_tokens, state.position,
+                              state.num_pages, self.pool.num_free_pages, self.config, view)
+        decision = self.policy.decide(ctx)
+        if not isinstance(decision, Decision):
+            raise PolicyError(f"policy {_name(self.policy)} returned {decision!r} from decide(); "
+                              "expected a growpage.Decision")
+        self._count(state, f"decided_{decision.value}")
+        delta = _cached_delta(ctx)
+        if decision is Decision.GROW:
+            if self.pool.can_allocate(1, respect_watermark=True):
+                return self._grow(state, decision, delta)
+            self._count(state, "fallback")
+            return self._compress(state, view, ctx, decision, Action.COMPRESS, True, delta)
+        if decision is Decision.SHRINK and state.num_pages - 1 < self.config.min_capacity:
+            self._count(state, "shrink_refused")
+            return self._compress(state, view, ctx, decision, Action.COMPRESS, False, delta)
+        action = Action.SHRINK if decision is Decision.SHRINK else Action.COMPRESS
+        return self._compress(state, view, ctx, decision, action, False, delta)
+
+    # ---- actions --------------------------------------------------------------------------
+    def _forced_grow(self, state: RequestState) -> BoundaryOutcome:
+        if not self.pool.can_allocate(1):
+            return self._preempt(state, None, None)
+        self._count(state, "forced_grow")
+        return self._grow(state, None, None)
+
+    def _grow(self, state: RequestState, decision: Decision | None, delta: float | None
+              ) -> BoundaryOutcome:
+        before = state.num_pages
+        state.block_table.extend(self.pool.allocate(1))
+        self._count(state, "grow")
+        return self._done(state, decision, Action.GROW, False, before, delta)
+
+    def _compress(self, state: RequestState, view: KVView, ctx: BoundaryContext,
+                  decision: Decision, action: Action, fallback: bool, delta: float | None
+                  ) -> BoundaryOutcome:
+        b, before = self.config.page_size, state.num_pages
+        drop = 2 if action is Action.SHRINK else 1
+        keep = (before - drop) * b
+        indices = self._checked_selection(ctx, keep)
+        src = list(state.block_table)
+        dst, released = _target_pages(src, self.pool, shrink=action is Action.SHRINK)
+        shared_slots = [i for i, page in enumerate(dst) if self.pool.is_shared(page)]
+        if not self.pool.can_allocate(len(shared_slots)):
+            return self._preempt(state, decision, delta)
+        fresh = self.pool.allocate(len(shared_slots))
+        for i, page in zip(shared_slots, fresh):
+            released.append(dst[i])
+            dst[i] = page
+        try:
+            view.compact(indices, src, dst)
+        except BaseException:
+            self.pool.free(fresh)
+            raise
+        for page in dst:
+            self.pool.invalidate(page)  # compaction rewrites content: no longer a prefix page
+        self.pool.free(released)
+        state.block_table[:] = dst
+        state.num_tokens = keep
+        self._count(state, action.value)
+        if shared_slots:
+            self._count(state, "cow_pages", len(shared_slots))
+        return self._done(state, decision, action, fallback, before, delta)
+
+    def _preempt(self, state: RequestState, decision: Decision | None, delta: float | None
+                 ) -> BoundaryOutcome:
+        self._count(state, "preempt_needed")
+        return BoundaryOutcome(decision, Action.PREEMPT, False, state.num_pages,
+                               state.num_pages, state.num_tokens, delta)
+
+    def _done(self, state: RequestState, decision: Decision | None, action: Action,
+              fallback: bool, before: int, delta: float | None) -> BoundaryOutcome:
+        state.trajectory.append((state.position, state.num_pages, action.value))
+        return BoundaryOutcome(decision, action, fallback, before, state.num_pages,
+                               state.num_tokens, delta)
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _checked_selection(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
+        indices = self.policy.select(ctx, keep)
+        problem = selection_problem(indices, ctx, keep)
+        if problem:
+            raise PolicyError(f"policy {_name(self.policy)} select(): {problem}")
+        return indices.to(torch.long).sort(dim=-1).values
+
+    def _count(self, state: RequestState, field: str, n: int = 1) -> None:
+        for counters in (self.events, state.events):
+            setattr(counters, field, getattr(counters, field) + n)
+
+
+def selection_problem(indices: object, ctx: BoundaryContext, keep: int) -> str | None:
+    """Why ``indices`` is not a valid selection of ``keep`` slots, or None when it is."""
+    num_layers, num_kv = ctx.shape
+    expected = (num_layers, num_kv, keep)
+    if not isinstance(indices, torch.Tensor):
+        return f"returned {type(indices).__name__}, expected a torch.Tensor of shape {expected}"
+    if indices.dtype.is_floating_point or indices.dtype == torch.bool:
+        return f"returned dtype {indices.dtype}, expected an integer tensor"
+    if tuple(indices.shape) != expected:
+        return f"wrong shape {tuple(indices.shape)}, expected {expected} (exact kept count)"
+    idx = indices.to(torch.long)
+    if keep and (idx.min() < 0 or idx.max() >= ctx.num_tokens):
+        return f"slot index out of range [0, {ctx.num_tokens})"
+    ordered = idx.sort(dim=-1).values
+    if keep > 1 and (ordered[..., 1:] == ordered[..., :-1]).any():
+        return "duplicate slot indices within a layer/KV head"
+    recent = ctx.recent_window
+    if recent:
+        window = torch.arange(ctx.num_tokens - recent, ctx.num_tokens, device=idx.device)
+        # Sorted, unique and < N: the window is all there iff it is the last R entries.
+        if keep < recent or not (ordered[..., -recent:] == window).all():
+            return f"protected recent window (last {recent} slots) not fully kept"
+    return None
+
+
+def _target_pages(pages: list[int], pool: PagePool, shrink: bool) -> tuple[list[int], list[int]]:
+    """Block table after the action and the pages it releases (before copy-on-write)."""
+    dst = list(pages)
+    if not shrink:
+        return dst, []
+    # Release a shared page when there is one: dropping a reference costs no copy.
+    shared = [i for i, page in enumerate(dst) if pool.is_shared(page)]
+    victim = shared[-1] if shared else len(dst) - 1
+    return dst, [dst.pop(victim)]
+
+
+def _cached_delta(ctx: BoundaryContext) -> float | None:
+    key = ("short", ctx.config.top_p)
+    if key in ctx._ratios and ("long", ctx.config.top_p) in ctx._ratios:
+        return ctx.delta()
+    return None
+
+
+def _name(policy: object) -> str:
+    return getattr(policy, "name", type(policy).__name__)

@@ -1,0 +1,153 @@
+"""``BoundaryContext``: everything a policy may look at when a request hits its capacity boundary.
+
+The same class serves the simulator and the engine; only the ``KVView`` behind it differs.
+Signals are computed on first use and cached, so a policy pays only for what it reads.
+
+Candidate sets over the resident slots ``0..N-1`` (b = page size, R = recent window)::
+
+    slots:      0 ................................ N-b-1 | N-b ....... N-R-1 | N-R ... N-1
+    estimation: [----------- candidates C_t ----------]   (most recent page excluded)
+    selection:  [------------------------ candidates -------------------]   (protected R kept)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from growpage.core import demand
+from growpage.core.config import GrowPageConfig
+from growpage.core.kvview import KVView
+from growpage.core.rope import rope_at
+from growpage.core.selection import importance
+
+VIEWS = ("short", "long")
+
+
+class BoundaryContext:
+    """Read-only snapshot of one request at a capacity boundary, with lazily computed signals.
+
+    Attributes:
+        request_id: the request's id.
+        num_tokens: resident tokens N (all ``num_pages * page_size`` slots are used).
+        position: absolute position of the token that needs a slot (the current query's).
+        num_pages: pages held P.
+        num_free_pages: free pages in the pool right now.
+        config: the ``GrowPageConfig`` in force.
+        view: the KV view (read it; never change it).
+    """
+
+    def __init__(self, request_id: object, num_tokens: int, position: int, num_pages: int,
+                 num_free_pages: int, config: GrowPageConfig, view: KVView) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.position = position
+        self.num_pages = num_pages
+        self.num_free_pages = num_free_pages
+        self.config = config
+        self.view = view
+        self._ratios: dict[tuple[str, float], torch.Tensor] = {}
+
+    # ---- plain facts ----------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def recent_window(self) -> int:
+        return self.config.recent_window
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the request can hold now, ``num_pages * page_size``."""
+        return self.num_pages * self.page_size
+
+    @property
+    def num_estimation_candidates(self) -> int:
+        return self.num_tokens - self.page_size
+
+    @property
+    def num_selection_candidates(self) -> int:
+        return self.num_tokens - self.recent_window
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(L, Hkv)`` of the participating layers."""
+        return self.view.num_layers, self.view.num_kv_heads
+
+    @property
+    def device(self) -> torch.device:
+        return self.view.device
+
+    # ---- lazily computed signals ----------------------------------------------------------
+    @functools.cached_property
+    def _logits(self) -> torch.Tensor:
+        """``[2, L, Hkv, G, N]`` scaled logits of the calibrated, rotated short/long summaries."""
+        qs = self.view.query_state()
+        keys = self.view.keys().float()
+        out = []
+        for summary in (qs.short, qs.long):
+            q = demand.rms_calibrate(summary, qs.current)                 # Eq. 12
+            q = rope_at(self.view.rope, q, self.position)                 # current position
+            num_layers, num_q, d = q.shape
+            q = q.reshape(num_layers, self.view.num_kv_heads, -1, d)
+            out.append(torch.einsum("lhgd,lhnd->lhgn", q, keys) * self.view.softmax_scale)
+        return torch.stack(out)
+
+    def _group_softmax(self, num_candidates: int) -> torch.Tensor:
+        # Mean over the query group of each query head's softmax (see core.demand docstring).
+        return self._logits[..., :num_candidates].softmax(dim=-1).mean(dim=3)
+
+    @functools.cached_property
+    def _estimation_attention(self) -> torch.Tensor:
+        return self._group_softmax(self.num_estimation_candidates)
+
+    @functools.cached_property
+    def _selection_attention(self) -> torch.Tensor:
+        return self._group_softmax(self.num_selection_candidates)
+
+    def attention(self, view: str) -> torch.Tensor:
+        """Normalized attention of the ``"short"`` or ``"long"`` summary over the estimation
+        candidates, ``[L, Hkv, N - b]`` (mean over each KV head's query group)."""
+        return self._estimation_attention[_view_index(view)]
+
+    def working_set_ratio(self, view: str, p: float | None = None) -> torch.Tensor:
+        """Top-p working-set ratio r (Eq. 7) per layer and KV head, ``[L, Hkv]`` in (0, 1]."""
+        key = (view, self.config.top_p if p is None else p)
+        if key not in self._ratios:
+            self._ratios[key] = demand.working_set_ratio(self.attention(view), key[1])
+        return self._ratios[key]
+
+    def delta(self, p: float | None = None) -> float:
+        """Demand trend Delta_t = r^S - r^L averaged over layers and KV heads (Eq. 8)."""
+        return demand.demand_trend(self.working_set_ratio("short", p),
+                                   self.working_set_ratio("long", p))
+
+    def entropy_delta(self) -> float:
+        """Delta_t with the entropy ratio instead of the top-p working set (Table 2 ablation)."""
+        return demand.demand_trend(demand.entropy_ratio(self.attention("short")),
+                                   demand.entropy_ratio(self.attention("long")))
+
+    def scores(self) -> torch.Tensor:
+        """Importance s = max(a^S, a^L) (Eq. 9) of the selection candidates, ``[L, Hkv, N - R]``.
+
+        Each view's attention is normalized over the selection candidates.
+        """
+        attn = self._selection_attention
+        return importance(attn[0], attn[1])
+
+    def accumulated_attention(self) -> torch.Tensor | None:
+        """H2O-style accumulated attention ``[L, Hkv, N]`` if the view records it, else None."""
+        return self.view.accumulated_attention()
+
+    def positions(self) -> torch.Tensor:
+        """Absolute positions held by each slot, ``[L, Hkv, N]``."""
+        return self.view.positions()
+
+
+def _view_index(view: str) -> int:
+    try:
+        return VIEWS.index(view)
+    except ValueError:
+        raise ValueError(f"attention view must be 'short' or 'long', got {view!r}") from None

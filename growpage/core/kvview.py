@@ -1,0 +1,174 @@
+"""The KV view: what the controller and the ``BoundaryContext`` read and change of one request.
+
+The simulator implements it over a recorded or synthetic trace, the engine over the live paged
+cache. ``DenseKVView`` keeps everything in dense tensors; it serves the tests, the conformance kit
+and the simulator's replay.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import attrs
+import torch
+
+from growpage.core.rope import RopeConfig
+
+
+@attrs.frozen
+class QueryState:
+    """The query signals of a request at a boundary, all pre-RoPE (post q-norm), ``[L, Hq, d]``."""
+
+    short: torch.Tensor
+    long: torch.Tensor
+    current: torch.Tensor
+
+
+class KVView(abc.ABC):
+    """One request's KV content over its participating layers.
+
+    Slot ``i`` (0..num_tokens-1) is the i-th resident token in order; after a compaction each
+    (layer, KV head) may hold a different token in slot ``i``, but all hold ``num_tokens``.
+    """
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeConfig
+    softmax_scale: float
+
+    @property
+    @abc.abstractmethod
+    def num_tokens(self) -> int:
+        """Resident tokens."""
+
+    @abc.abstractmethod
+    def keys(self) -> torch.Tensor:
+        """Post-RoPE keys of the resident slots, ``[L, Hkv, num_tokens, d]``."""
+
+    @abc.abstractmethod
+    def query_state(self) -> QueryState:
+        """Short and long EMA summaries and the current query, each ``[L, Hq, d]``."""
+
+    @abc.abstractmethod
+    def positions(self) -> torch.Tensor:
+        """Absolute token positions held in each slot, ``[L, Hkv, num_tokens]`` int64."""
+
+    def accumulated_attention(self) -> torch.Tensor | None:
+        """Attention accumulated by every past query on each slot (H2O), ``[L, Hkv, N]``.
+
+        None when the view does not record it (the engine does not).
+        """
+        return None
+
+    @abc.abstractmethod
+    def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Keep only slots ``keep [L, Hkv, K]`` (ascending), moved to slots 0..K-1.
+
+        ``src_pages`` is the block table before, ``dst_pages`` after (shared pages replaced by
+        private ones, a released page dropped). Views without physical pages ignore them.
+        """
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class DenseKVView(KVView):
+    """A KV view over dense tensors with room for ``capacity`` slots."""
+
+    def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 rope: RopeConfig, capacity: int, softmax_scale: float | None = None,
+                 device: str | torch.device = "cpu", track_accumulated: bool = False) -> None:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
+        self.num_layers, self.num_q_heads = num_layers, num_q_heads
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.rope = rope
+        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+        self._device = torch.device(device)
+        shape = (num_layers, num_kv_heads, capacity)
+        self._keys = torch.zeros(*shape, head_dim, device=self._device)
+        self._positions = torch.zeros(shape, dtype=torch.long, device=self._device)
+        self._acc = torch.zeros(shape, device=self._device) if track_accumulated else None
+        self._n = 0
+        zeros = torch.zeros(num_layers, num_q_heads, head_dim, device=self._device)
+        self.summaries = torch.zeros(num_layers, 2, num_q_heads, head_dim, device=self._device)
+        self.current_query = zeros
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def num_tokens(self) -> int:
+        return self._n
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[2]
+
+    def append(self, keys: torch.Tensor, position: int) -> None:
+        """Write one token's post-RoPE keys ``[L, Hkv, d]`` into the next slot."""
+        if self._n >= self.capacity:
+            self._grow_storage(max(self.capacity, 1))
+        self._keys[:, :, self._n] = keys.to(self._keys.dtype)
+        self._positions[:, :, self._n] = position
+        if self._acc is not None:
+            self._acc[:, :, self._n] = 0
+        self._n += 1
+
+    def extend(self, keys: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write ``n`` tokens' post-RoPE keys ``[L, Hkv, n, d]`` at ``positions [n]``."""
+        n = keys.shape[2]
+        while self._n + n > self.capacity:
+            self._grow_storage(max(self.capacity, n))
+        self._keys[:, :, self._n:self._n + n] = keys.to(self._keys.dtype)
+        self._positions[:, :, self._n:self._n + n] = positions.to(self._positions.device)
+        if self._acc is not None:
+            self._acc[:, :, self._n:self._n + n] = 0
+        self._n += n
+
+    def add_attention(self, attn: torch.Tensor) -> None:
+        """Accumulate one query's attention ``[L, Hkv, N]`` over the resident slots (H2O)."""
+        if self._acc is not None:
+            self._acc[:, :, : self._n] += attn.to(self._acc.dtype)
+
+    def set_queries(self, summaries: torch.Tensor, current: torch.Tensor) -> None:
+        """``summaries [L, 2, Hq, d]`` (short, long) and ``current [L, Hq, d]``, pre-RoPE."""
+        self.summaries = summaries
+        self.current_query = current
+
+    def keys(self) -> torch.Tensor:
+        return self._keys[:, :, : self._n]
+
+    def positions(self) -> torch.Tensor:
+        return self._positions[:, :, : self._n]
+
+    def accumulated_attention(self) -> torch.Tensor | None:
+        return None if self._acc is None else self._acc[:, :, : self._n]
+
+    def query_state(self) -> QueryState:
+        return QueryState(self.summaries[:, 0], self.summaries[:, 1], self.current_query)
+
+    def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
+        k = keep.shape[-1]
+        idx = keep.to(self._device)
+        kept_keys = torch.gather(self.keys(), 2, idx.unsqueeze(-1).expand(-1, -1, -1, self.head_dim))
+        self._keys[:, :, :k] = kept_keys
+        self._positions[:, :, :k] = torch.gather(self.positions(), 2, idx)
+        if self._acc is not None:
+            self._acc[:, :, :k] = torch.gather(self._acc[:, :, : self._n], 2, idx)
+        self._n = k
+
+    def _grow_storage(self, extra: int) -> None:
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[2] = extra
+            return torch.cat([t, t.new_zeros(shape)], dim=2)
+
+        self._keys, self._positions = pad(self._keys), pad(self._positions)
+        if self._acc is not None:
+            self._acc = pad(self._acc)

@@ -1,0 +1,192 @@
+"""``PagePool``: the page accounting shared by the simulator and the engine.
+
+::
+
+    page ids 0..num_pages-1
+    +------+------+------+------+------+
+    |  0   |  1   |  2   |  3   |  4   |     refcount[p] = number of block tables holding p
+    +------+------+------+------+------+
+      held   free   held   free   free       free list: least recently freed first
+      rc=2          rc=1  cached               cached: a free page still holding a full
+                                               prefix page; reused on a hit, evicted on reuse
+
+Prefix caching: a full page's hash chains the previous page's hash with the page's token ids;
+on a hit the stored token ids are compared too, so a hash collision can never share wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from growpage.errors import ConfigError, PoolExhaustedError
+
+
+def chain_hash(prev_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Hash of one full page, chained with the previous page's hash."""
+    return hash((prev_hash, tuple(token_ids)))
+
+
+class PagePool:
+    """Fixed set of KV pages with reference counts, a free list and a prefix-cache table.
+
+    Allocation is all-or-nothing: ``allocate(n)`` either returns ``n`` pages or raises
+    ``PoolExhaustedError`` and changes nothing.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, watermark: int = 0) -> None:
+        if not isinstance(num_pages, int) or num_pages <= 0:
+            raise ConfigError(f"PagePool.num_pages must be a positive integer, got {num_pages!r}")
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ConfigError(f"PagePool.page_size must be a positive integer, got {page_size!r}")
+        if not isinstance(watermark, int) or not 0 <= watermark < num_pages:
+            raise ConfigError(f"PagePool.watermark must be in [0, num_pages), got {watermark!r}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.watermark = watermark
+        self.refcounts = [0] * num_pages
+        self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
+        self._hash_of: dict[int, int] = {}  # page -> hash of the prefix page it holds
+        self._page_of: dict[int, int] = {}  # hash -> page
+        self._tokens_of: dict[int, tuple[int, ...]] = {}  # page -> token ids it holds
+
+    # ---- allocation ---------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def can_allocate(self, num: int, respect_watermark: bool = False) -> bool:
+        reserve = self.watermark if respect_watermark else 0
+        return num <= len(self._free) - reserve
+
+    def allocate(self, num: int, respect_watermark: bool = False) -> list[int]:
+        """Take ``num`` free pages (refcount 1 each); all or nothing."""
+        if num < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({num})")
+        if not self.can_allocate(num, respect_watermark):
+            reserve = self.watermark if respect_watermark else 0
+            raise PoolExhaustedError(
+                f"need {num} page(s), {len(self._free)} free ({reserve} held back by the watermark)")
+        pages = []
+        for _ in range(num):
+            page, _ = self._free.popitem(last=False)
+            self._forget(page)  # a cached free page is evicted when reused
+            self.refcounts[page] = 1
+            pages.append(page)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Drop one reference to each page; a page with no holder returns to the free list."""
+        pages = list(pages)
+        for page in pages:
+            self._check_held(page)
+        if len(set(pages)) != len(pages):
+            counts = {p: pages.count(p) for p in pages}
+            for page, n in counts.items():
+                if n > self.refcounts[page]:
+                    raise ValueError(f"page {page} freed {n} times but held {self.refcounts[page]}")
+        for page in pages:
+            self.refcounts[page] -= 1
+            if self.refcounts[page] == 0:
+                self._free[page] = None
+
+    def fork(self, pages: Iterable[int]) -> list[int]:
+        """Share held pages with another holder (refcount + 1 each)."""
+        pages = list(pages)
+        for page in pages:
+            self._check_held(page)
+        for page in pages:
+            self.refcounts[page] += 1
+        return pages
+
+    def is_shared(self, page: int) -> bool:
+        return self.refcounts[page] > 1
+
+    def copy_on_write(self, page: int) -> int:
+        """Give the caller a private page for ``page``: itself if unshared, else a new one.
+
+        With a new page the caller must copy the content; its reference to ``page`` is dropped.
+        """
+        self._check_held(page)
+        if self.refcounts[page] == 1:
+            self.invalidate(page)
+            return page
+        (new,) = self.allocate(1)
+        self.free([page])
+        return new
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def register(self, page: int, page_hash: int, token_ids: Sequence[int]) -> None:
+        """Record that held ``page`` holds the full prefix page ``token_ids`` hashed ``page_hash``."""
+        self._check_held(page)
+        if len(token_ids) != self.page_size:
+            raise ValueError(f"only full pages are cached ({len(token_ids)} != {self.page_size})")
+        if page_hash in self._page_of:
+            return  # an equal page is cached already; keep the first
+        self._forget(page)
+        self._hash_of[page] = page_hash
+        self._page_of[page_hash] = page
+        self._tokens_of[page] = tuple(token_ids)
+
+    def lookup(self, page_hash: int, token_ids: Sequence[int]) -> int | None:
+        """The cached page holding exactly ``token_ids`` under ``page_hash``, if any."""
+        page = self._page_of.get(page_hash)
+        if page is None or self._tokens_of[page] != tuple(token_ids):
+            return None
+        return page
+
+    def acquire(self, page: int) -> None:
+        """Take a reference to a cached page (it leaves the free list if it was there)."""
+        if page not in self._hash_of:
+            raise ValueError(f"page {page} is not a cached prefix page")
+        if self.refcounts[page] == 0:
+            del self._free[page]
+        self.refcounts[page] += 1
+
+    def invalidate(self, page: int) -> None:
+        """Forget the cached content of a page about to be overwritten."""
+        self._forget(page)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached pages for the longest run of full leading pages of ``token_ids`` (not acquired)."""
+        pages, prev = [], None
+        b = self.page_size
+        for start in range(0, len(token_ids) - b + 1, b):
+            chunk = token_ids[start:start + b]
+            prev = chain_hash(prev, chunk)
+            page = self.lookup(prev, chunk)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._hash_of
+
+    # ---- internals ----------------------------------------------------------------------
+    def _forget(self, page: int) -> None:
+        h = self._hash_of.pop(page, None)
+        if h is not None:
+            del self._page_of[h]
+            del self._tokens_of[page]
+
+    def _check_held(self, page: int) -> None:
+        if not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise ValueError(f"page id {page!r} out of range [0, {self.num_pages})")
+        if self.refcounts[page] <= 0:
+            raise ValueError(f"page {page} is not allocated (double free?)")
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the internal bookkeeping is inconsistent (for tests)."""
+        free = set(self._free)
+        assert len(free) == len(self._free)
+        for page, rc in enumerate(self.refcounts):
+            assert rc >= 0, f"negative refcount on page {page}"
+            assert (rc == 0) == (page in free), f"page {page}: refcount {rc} vs free list"
+        for page, h in self._hash_of.items():
+            assert self._page_of[h] == page and page in self._tokens_of
+        assert len(self._page_of) == len(self._hash_of) == len(self._tokens_of)

@@ -1,0 +1,85 @@
+"""Rotary position embedding (RoPE), shared by the engine's models and the demand estimator.
+
+Layout is the "rotate-half" (GPT-NeoX / Hugging Face Llama) convention: the head dimension is
+split into two halves ``x = [x1, x2]`` and rotated as ``[x1*cos - x2*sin, x2*cos + x1*sin]``.
+Weights stored in the interleaved (GGUF / Meta) convention must be permuted on load.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class RopeConfig:
+    """RoPE parameters as they appear in a model config (and a trace header)."""
+
+    head_dim: int = attrs.field(validator=attrs.validators.gt(0))
+    theta: float = attrs.field(default=10000.0, validator=attrs.validators.gt(0))
+    # Llama-3 style frequency scaling; None means plain RoPE.
+    scaling_factor: float | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    @head_dim.validator
+    def _even(self, attribute: attrs.Attribute, value: int) -> None:
+        if value % 2:
+            raise ValueError(f"RopeConfig.head_dim must be even, got {value}")
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RopeConfig:
+        return cls(**d)
+
+
+def inv_frequencies(cfg: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` in fp32, with Llama-3 scaling when configured."""
+    inv = 1.0 / (cfg.theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    if cfg.scaling_factor is not None:
+        low_wavelen = cfg.original_max_position / cfg.low_freq_factor
+        high_wavelen = cfg.original_max_position / cfg.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (cfg.original_max_position / wavelen - cfg.low_freq_factor) / (
+            cfg.high_freq_factor - cfg.low_freq_factor
+        )
+        scaled = torch.where(wavelen > low_wavelen, inv / cfg.scaling_factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        blended = (1 - smooth) * inv / cfg.scaling_factor + smooth * inv
+        inv = torch.where(mid, blended, scaled)
+    return inv.to(torch.float32)
+
+
+def cos_sin(cfg: RopeConfig, positions: torch.Tensor, device: torch.device | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape ``[*positions.shape, head_dim]`` (fp32)."""
+    inv = inv_frequencies(cfg).to(device if device is not None else positions.device)
+    angles = positions.to(inv.device, torch.float32).unsqueeze(-1) * inv
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [..., head_dim]`` with ``cos``/``sin`` broadcastable to it; computed in fp32."""
+    out = x.float() * cos + rotate_half(x.float()) * sin
+    return out.to(x.dtype)
+
+
+def rope_at(cfg: RopeConfig, x: torch.Tensor, position: int) -> torch.Tensor:
+    """Rotate every vector of ``x [..., head_dim]`` to one absolute ``position``.
+
+    Used at capacity boundaries to align the pre-RoPE query summaries with the current
+    decoding position (paper appendix E.1).
+    """
+    cos, sin = cos_sin(cfg, torch.tensor([position]), device=x.device)
+    return apply_rope(x, cos[0], sin[0])

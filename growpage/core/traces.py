@@ -1,0 +1,449 @@
+"""Trace files: one request recorded with full KV (DESIGN.md section 5, docs/trace-format.md).
+
+The engine's recorder writes traces and the simulator replays them; both import this module
+and never each other. One trace is one safetensors file::
+
+    metadata["growpage.trace"]   JSON header (TraceHeader fields + format, version, dtype)
+    layer.{i}.q   [T, Hq, d]     pre-RoPE query (post q-norm) of model layer i
+    layer.{i}.k   [T, Hkv, d]    post-RoPE key
+    layer.{i}.v   [T, Hkv, d]    value (only when has_values)
+
+A trace set is a directory of trace files plus ``index.json`` (``TraceSet``). Every problem
+found in a file raises ``TraceError`` naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from growpage.core.rope import RopeConfig
+from growpage.errors import TraceError
+
+FORMAT_NAME = "growpage-trace"
+FORMAT_VERSION = 1
+HEADER_KEY = "growpage.trace"
+STORAGE_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _int(name: str, value: Any, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise TraceError(f"header field '{name}' must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _check_header(h: TraceHeader) -> None:
+    for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
+        _int(name, getattr(h, name), low=1)
+    _int("prompt_len", h.prompt_len, low=1)
+    if not isinstance(h.request_id, str) or not isinstance(h.model, str):
+        raise TraceError("header fields 'request_id' and 'model' must be strings")
+    if not isinstance(h.has_values, bool):
+        raise TraceError(f"header field 'has_values' must be a bool, got {h.has_values!r}")
+    if not isinstance(h.meta, dict):
+        raise TraceError(f"header field 'meta' must be a dict, got {type(h.meta).__name__}")
+    ids = [_int("layer_ids", i) for i in h.layer_ids]
+    if not ids or ids != sorted(set(ids)) or ids[-1] >= h.num_layers:
+        raise TraceError(f"header field 'layer_ids' must be non-empty, strictly increasing and "
+                         f"< num_layers={h.num_layers}, got {list(h.layer_ids)}")
+    if h.num_q_heads % h.num_kv_heads:
+        raise TraceError(f"num_q_heads={h.num_q_heads} is not a multiple of "
+                         f"num_kv_heads={h.num_kv_heads}")
+    if not isinstance(h.rope, RopeConfig):
+        raise TraceError(f"header field 'rope' must be a RopeConfig, got {h.rope!r}")
+    if h.head_dim % 2 or h.rope.head_dim != h.head_dim:
+        raise TraceError(f"head_dim={h.head_dim} must be even and equal rope.head_dim="
+                         f"{h.rope.head_dim}")
+    scale = h.softmax_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise TraceError(f"header field 'softmax_scale' must be a finite float > 0, got {scale!r}")
+    for t in h.token_ids:
+        _int("token_ids", t)
+    if not h.token_ids:
+        raise TraceError("header field 'token_ids' is empty")
+    if h.prompt_len > len(h.token_ids):
+        raise TraceError(f"prompt_len={h.prompt_len} exceeds the number of tokens "
+                         f"{len(h.token_ids)}")
+
+
+@attrs.frozen(kw_only=True)
+class TraceHeader:
+    """What a trace records besides tensors. ``num_tokens`` (T) is ``len(token_ids)``."""
+
+    request_id: str
+    model: str
+    num_layers: int                                   # layers of the model
+    layer_ids: tuple[int, ...] = attrs.field(converter=tuple)  # recorded model layers
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeConfig
+    softmax_scale: float
+    prompt_len: int
+    token_ids: tuple[int, ...] = attrs.field(converter=tuple)  # prompt + generated, length T
+    has_values: bool = True
+    meta: dict = attrs.field(factory=dict, hash=False)        # free-form, JSON-serializable
+
+    def __attrs_post_init__(self) -> None:
+        _check_header(self)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_recorded_layers(self) -> int:
+        return len(self.layer_ids)
+
+    def to_json(self) -> dict:
+        d = attrs.asdict(self, recurse=False)
+        d.update(layer_ids=list(self.layer_ids), token_ids=list(self.token_ids),
+                 rope=self.rope.to_dict())
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> TraceHeader:
+        """Build from ``to_json()`` output; raises ``TraceError`` on any bad field."""
+        names = {f.name for f in attrs.fields(cls)}
+        missing, unknown = names - d.keys(), d.keys() - names
+        if missing or unknown:
+            raise TraceError(f"header fields missing {sorted(missing)} / unknown {sorted(unknown)}")
+        for name in ("layer_ids", "token_ids"):
+            if not isinstance(d[name], list):
+                raise TraceError(f"header field '{name}' must be a list")
+        if not isinstance(d["rope"], dict):
+            raise TraceError("header field 'rope' must be an object")
+        try:
+            rope = RopeConfig.from_dict(d["rope"])
+            rope_ok = all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                          and math.isfinite(v) for v in attrs.astuple(rope) if v is not None)
+        except (TypeError, ValueError) as e:
+            raise TraceError(f"header field 'rope' is invalid: {e}") from None
+        if not rope_ok or not isinstance(rope.head_dim, int):
+            raise TraceError(f"header field 'rope' has non-numeric or non-finite values: "
+                         f"{d['rope']!r}")
+        return cls(**{**d, "rope": rope})
+
+
+@attrs.define(eq=False)
+class Trace:
+    """One recorded request; tensors stacked over recorded layers (in ``header.layer_ids`` order).
+
+    queries: ``[L_rec, T, Hq, d]`` pre-RoPE (post q-norm) queries.
+    keys:    ``[L_rec, T, Hkv, d]`` post-RoPE keys.
+    values:  ``[L_rec, T, Hkv, d]`` or None (exactly when ``header.has_values`` is false).
+    """
+
+    header: TraceHeader
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor | None = None
+
+    def __attrs_post_init__(self) -> None:
+        check_trace_tensors(self, "trace")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.header.num_tokens
+
+    @property
+    def prompt_len(self) -> int:
+        return self.header.prompt_len
+
+    @property
+    def num_generated(self) -> int:
+        return self.header.num_tokens - self.header.prompt_len
+
+    @property
+    def request_id(self) -> str:
+        return self.header.request_id
+
+
+def check_trace_tensors(trace: Trace, where: str) -> None:
+    """Raise ``TraceError`` (prefixed with ``where``) unless the tensors fit the header."""
+    h = trace.header
+    L, T, d = h.num_recorded_layers, h.num_tokens, h.head_dim
+    expected = {"queries": (L, T, h.num_q_heads, d), "keys": (L, T, h.num_kv_heads, d),
+                "values": (L, T, h.num_kv_heads, d)}
+    if (trace.values is not None) != h.has_values:
+        raise TraceError(f"{where}: has_values={h.has_values} but values are "
+                         f"{'present' if trace.values is not None else 'missing'}")
+    for name, shape in expected.items():
+        x = getattr(trace, name)
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TraceError(f"{where}: {name} must be a floating-point tensor")
+        if tuple(x.shape) != shape:
+            raise TraceError(f"{where}: {name} have shape {tuple(x.shape)}, header expects "
+                             f"{shape} [recorded layers, tokens, heads, head_dim]")
+
+
+def _tensor_names(h: TraceHeader) -> list[tuple[str, str, int]]:
+    """``(tensor name, Trace attribute, layer index)`` for every tensor a file must hold."""
+    kinds = [("q", "queries"), ("k", "keys")] + ([("v", "values")] if h.has_values else [])
+    return [(f"layer.{lid}.{s}", attr, i)
+            for i, lid in enumerate(h.layer_ids) for s, attr in kinds]
+
+
+def write_trace(path: str | os.PathLike, trace: Trace, dtype: torch.dtype = torch.float16) -> Path:
+    """Validate ``trace`` and write it atomically (temp file + rename) as fp16 or bf16."""
+    path = Path(path)
+    names = {v: k for k, v in STORAGE_DTYPES.items()}
+    if dtype not in names:
+        raise TraceError(f"{path}: storage dtype must be float16 or bfloat16, got {dtype}")
+    check_trace_tensors(trace, str(path))
+    header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "dtype": names[dtype],
+              **trace.header.to_json()}
+    try:
+        text = json.dumps(header, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TraceError(f"{path}: header is not JSON-serializable ({e})") from None
+    tensors = {}
+    for name, attr, i in _tensor_names(trace.header):
+        x = getattr(trace, attr)[i].to(device="cpu", dtype=dtype, copy=True)
+        if not torch.isfinite(x).all():
+            raise TraceError(f"{path}: tensor {name} has non-finite values in {names[dtype]}")
+        tensors[name] = x.contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={HEADER_KEY: text})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-finite number {name} in JSON")
+
+
+def _parse_header(metadata: dict[str, str] | None, path: Path) -> tuple[TraceHeader, torch.dtype]:
+    if not metadata or HEADER_KEY not in metadata:
+        raise TraceError(f"{path}: no '{HEADER_KEY}' header in the safetensors metadata")
+    try:
+        d = json.loads(metadata[HEADER_KEY], parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise TraceError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+        raise TraceError(f"{path}: header is not a '{FORMAT_NAME}' object")
+    version, dtype = d.pop("version", None), d.pop("dtype", None)
+    d.pop("format")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise TraceError(f"{path}: unsupported format version {version!r} "
+                         f"(this reader knows {FORMAT_VERSION})")
+    if not isinstance(dtype, str) or dtype not in STORAGE_DTYPES:
+        raise TraceError(f"{path}: header dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
+    try:
+        return TraceHeader.from_json(d), STORAGE_DTYPES[dtype]
+    except TraceError as e:
+        raise TraceError(f"{path}: {e}") from None
+
+
+def _open(path: Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such trace file") from None
+    except Exception as e:  # safetensors raises its own error type or OSError on bad input
+        raise TraceError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def read_trace_header(path: str | os.PathLike) -> TraceHeader:
+    """Only the header of a trace file (no tensor data is read)."""
+    path = Path(path)
+    with _open(path) as f:
+        return _parse_header(f.metadata(), path)[0]
+
+
+def read_trace(path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> Trace:
+    """Read and fully validate one trace file; tensors land on ``device`` as ``dtype``."""
+    path = Path(path)
+    with _open(path) as f:
+        header, stored = _parse_header(f.metadata(), path)
+        names = _tensor_names(header)
+        present = set(f.keys())
+        missing = [n for n, _, _ in names if n not in present]
+        extra = sorted(present - {n for n, _, _ in names})
+        if missing or extra:
+            raise TraceError(f"{path}: tensors missing {missing[:4]} / unexpected {extra[:4]} "
+                             f"for layer_ids {list(header.layer_ids)}, has_values="
+                             f"{header.has_values}")
+        out: dict[str, torch.Tensor] = {}
+        heads = {"queries": header.num_q_heads, "keys": header.num_kv_heads,
+                 "values": header.num_kv_heads}
+        for name, attr, i in names:
+            x = _load_tensor(f, name, path)
+            shape = (header.num_tokens, heads[attr], header.head_dim)
+            if x.dim() and x.shape[0] != header.num_tokens:
+                raise TraceError(f"{path}: tensor {name} holds {x.shape[0]} tokens but "
+                                 f"token_ids has {header.num_tokens}")
+            if x.dtype != stored or tuple(x.shape) != shape:
+                raise TraceError(f"{path}: tensor {name} is {x.dtype} {tuple(x.shape)}, header "
+                                 f"says {stored} {shape} [tokens, heads, head_dim]")
+            if not torch.isfinite(x).all():
+                raise TraceError(f"{path}: tensor {name} has non-finite values")
+            if attr not in out:
+                out[attr] = torch.empty((header.num_recorded_layers, *shape), dtype=dtype,
+                                        device=device)
+            out[attr][i].copy_(x)
+    return Trace(header=header, **out)
+
+
+def _load_tensor(f: Any, name: str, path: Path) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except Exception as e:  # corrupt offsets or dtypes surface here
+        raise TraceError(f"{path}: cannot load tensor {name} ({e})") from None
+
+
+# --- trace sets -------------------------------------------------------------------------------
+
+SET_FORMAT_NAME = "growpage-trace-set"
+INDEX_NAME = "index.json"
+
+
+@attrs.frozen(kw_only=True)
+class TraceEntry:
+    """One line of a trace set's index: where a trace is and what it holds."""
+
+    file: str                  # file name inside the set's directory
+    request_id: str
+    prompt_len: int
+    num_tokens: int
+    tags: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @classmethod
+    def from_json(cls, d: Any) -> TraceEntry:
+        if not isinstance(d, dict) or set(d) - {"tags"} != {"file", "request_id", "prompt_len",
+                                                            "num_tokens"}:
+            raise TraceError(f"index entry {d!r} must have exactly file, request_id, "
+                             "prompt_len, num_tokens and optional tags")
+        ok = (isinstance(d["file"], str) and isinstance(d["request_id"], str)
+              and isinstance(d.get("tags", []), list)
+              and all(isinstance(t, str) for t in d.get("tags", []))
+              and Path(d["file"]).name == d["file"] and d["file"] not in ("", ".", ".."))
+        if not ok:
+            raise TraceError(f"index entry {d!r} has a bad file name, request_id or tags")
+        _int("prompt_len", d["prompt_len"], low=1)
+        if _int("num_tokens", d["num_tokens"], low=1) < d["prompt_len"]:
+            raise TraceError(f"index entry {d['request_id']!r}: prompt_len > num_tokens")
+        return cls(**d)
+
+
+class TraceSet:
+    """A directory of trace files plus ``index.json``; traces are read lazily, one at a time.
+
+    ``TraceSet(dir)`` opens an existing set; ``TraceSet(dir, create=True)`` also starts an
+    empty one. ``write`` appends a trace (file first, then the index, both atomically).
+    NOTE: one writer at a time; concurrent writers would lose index entries.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, create: bool = False) -> None:
+        self.directory = Path(directory)
+        self._index_path = self.directory / INDEX_NAME
+        if self._index_path.is_file():
+            self._entries = self._load_index()
+        elif create and (not self.directory.exists() or self.directory.is_dir()):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._entries = []
+            self._save_index()
+        else:
+            raise TraceError(f"{self._index_path}: no trace-set index (not a trace set)")
+
+    @property
+    def index(self) -> tuple[TraceEntry, ...]:
+        return tuple(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Trace]:
+        return (self.read(e) for e in self._entries)
+
+    def read(self, entry: TraceEntry | int | str, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32) -> Trace:
+        """Read one trace by entry, position or request id; checks it against the index."""
+        if isinstance(entry, int):
+            entry = self._entries[entry]
+        elif isinstance(entry, str):
+            found = [e for e in self._entries if e.request_id == entry]
+            if not found:
+                raise TraceError(f"{self._index_path}: no request {entry!r}")
+            entry = found[0]
+        path = self.directory / entry.file
+        trace = read_trace(path, device=device, dtype=dtype)
+        got = (trace.request_id, trace.prompt_len, trace.num_tokens)
+        if got != (entry.request_id, entry.prompt_len, entry.num_tokens):
+            raise TraceError(f"{path}: (request_id, prompt_len, num_tokens) = {got} disagrees "
+                             f"with {self._index_path}")
+        return trace
+
+    def write(self, trace: Trace, *, tags: tuple[str, ...] | list[str] = (),
+              dtype: torch.dtype = torch.float16) -> TraceEntry:
+        """Append ``trace`` to the set; request ids must be unique."""
+        rid = trace.request_id
+        if any(e.request_id == rid for e in self._entries):
+            raise TraceError(f"{self._index_path}: request id {rid!r} is already in the set")
+        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in rid)[:64]
+        entry = TraceEntry(file=f"{len(self._entries):06d}-{slug}.safetensors", request_id=rid,
+                           prompt_len=trace.prompt_len, num_tokens=trace.num_tokens,
+                           tags=tuple(tags))
+        write_trace(self.directory / entry.file, trace, dtype=dtype)
+        self._entries.append(entry)
+        try:
+            self._save_index()
+        except BaseException:
+            self._entries.pop()
+            raise
+        return entry
+
+    def _load_index(self) -> list[TraceEntry]:
+        try:
+            d = json.loads(self._index_path.read_text(), parse_constant=_reject_constant)
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise TraceError(f"{self._index_path}: unreadable index ({e})") from None
+        if not isinstance(d, dict) or d.get("format") != SET_FORMAT_NAME:
+            raise TraceError(f"{self._index_path}: not a '{SET_FORMAT_NAME}' index")
+        if d.get("version") != FORMAT_VERSION or not isinstance(d.get("traces"), list):
+            raise TraceError(f"{self._index_path}: unsupported version {d.get('version')!r} "
+                             "or no 'traces' list")
+        try:
+            entries = [TraceEntry.from_json(e) for e in d["traces"]]
+        except TraceError as e:
+            raise TraceError(f"{self._index_path}: {e}") from None
+        for key in ("file", "request_id"):
+            if len({getattr(e, key) for e in entries}) != len(entries):
+                raise TraceError(f"{self._index_path}: duplicate {key} in the index")
+        return entries
+
+    def _save_index(self) -> None:
+        d = {"format": SET_FORMAT_NAME, "version": FORMAT_VERSION,
+             "traces": [{**attrs.asdict(e), "tags": list(e.tags)} for e in self._entries]}
+        fd, tmp = tempfile.mkstemp(prefix=".index.", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(d, f, indent=1)
+            os.replace(tmp, self._index_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def read_trace_set(directory: str | os.PathLike) -> TraceSet:
+    """Open an existing trace set (``TraceError`` if ``directory`` has no valid index)."""
+    return TraceSet(directory)

@@ -1,0 +1,44 @@
+"""``CapacityPolicy``: the one class a policy author subclasses."""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+
+from growpage.core.context import BoundaryContext
+from growpage.core.decision import Decision
+from growpage.core.selection import growpage_select
+
+
+class CapacityPolicy(abc.ABC):
+    """Decides, at a request's capacity boundary, whether to grow, compress or shrink, and which
+    KV slots a compression keeps. The same object runs in the simulator and the engine.
+
+    Subclasses are usually small ``attrs`` classes whose fields are their hyperparameters.
+    """
+
+    name: ClassVar[str] = "custom"
+
+    @abc.abstractmethod
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        """Return ``Decision.GROW``, ``Decision.COMPRESS`` or ``Decision.SHRINK``.
+
+        GROW may be refused by the controller when the pool has no page above its watermark;
+        COMPRESS then runs instead (a *fallback*).
+        """
+
+    def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
+        """Slots to keep, ``[L, Hkv, keep]`` int64, ascending per layer and KV head.
+
+        ``keep`` counts the protected recent window (the last ``ctx.recent_window`` slots),
+        which must always be included. Default: GrowPage selection, s = max(a^S, a^L) (Eq. 9)
+        with a block-local quota of ``ctx.config.local_quota`` per page plus global top-k
+        (Eq. 10).
+        """
+        return growpage_select(ctx.scores(), ctx.num_tokens, ctx.recent_window, keep,
+                               ctx.page_size, ctx.config.local_quota)
+
+    def __str__(self) -> str:
+        return self.name

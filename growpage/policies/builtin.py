@@ -1,0 +1,176 @@
+"""Built-in policies (paper section 3 and appendix H.1) and two classic selections."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import torch
+
+from growpage.core.context import BoundaryContext
+from growpage.core.decision import Decision
+from growpage.core.selection import topk_slots, with_protected
+from growpage.errors import ConfigError
+from growpage.policies.base import CapacityPolicy
+from growpage.policies.registry import register_policy
+
+
+def _in_range(lo: float, hi: float):
+    def check(inst: object, attribute: attrs.Attribute, value: float | None) -> None:
+        if value is not None and not lo <= value <= hi:
+            raise ConfigError(f"{type(inst).__name__}.{attribute.name} must lie in "
+                              f"[{lo}, {hi}], got {value!r}")
+    return check
+
+
+def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a positive "
+                          f"integer, got {value!r}")
+
+
+def _grow_if(condition: bool) -> Decision:
+    return Decision.GROW if condition else Decision.COMPRESS
+
+
+@register_policy
+@attrs.define
+class GrowPagePolicy(CapacityPolicy):
+    """GrowPage (section 3.2): grow when Delta_t > tau, else Compress & Hold.
+
+    ``tau`` and ``p`` default (None) to the controller's ``GrowPageConfig``.
+    """
+
+    name = "growpage"
+    tau: float | None = attrs.field(default=None, validator=_in_range(-1.0, 1.0))
+    p: float | None = attrs.field(default=None, validator=_in_range(1e-9, 1.0))
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        tau = ctx.config.tau if self.tau is None else self.tau
+        return _grow_if(ctx.delta(self.p) > tau)
+
+
+@register_policy
+@attrs.define
+class InversePolicy(GrowPagePolicy):
+    """GrowPage-Inverse (appendix H.1): grow when Delta_t <= tau, compress otherwise."""
+
+    name = "inverse"
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        tau = ctx.config.tau if self.tau is None else self.tau
+        return _grow_if(ctx.delta(self.p) <= tau)
+
+
+@register_policy
+@attrs.define
+class EntropyPolicy(CapacityPolicy):
+    """Delta_t from attention entropy instead of the top-p working set (Table 2 ablation)."""
+
+    name = "entropy"
+    tau: float | None = attrs.field(default=None, validator=_in_range(-1.0, 1.0))
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        tau = ctx.config.tau if self.tau is None else self.tau
+        return _grow_if(ctx.entropy_delta() > tau)
+
+
+@register_policy
+@attrs.define
+class ShrinkPolicy(CapacityPolicy):
+    """GrowPage-Shrink (Eq. 13): shrink below ``shrink_below``, compress up to ``tau``, else grow.
+
+    Never shrinks under ``min_capacity_tokens`` of capacity after the shrink.
+    """
+
+    name = "shrink"
+    shrink_below: float = attrs.field(default=-0.005, validator=_in_range(-1.0, 1.0))
+    tau: float | None = attrs.field(default=None, validator=_in_range(-1.0, 1.0))
+    min_capacity_tokens: int = attrs.field(default=1024, validator=_positive)
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        tau = ctx.config.tau if self.tau is None else self.tau
+        delta = ctx.delta()
+        if delta > tau:
+            return Decision.GROW
+        if delta < self.shrink_below and (ctx.num_pages - 1) * ctx.page_size >= self.min_capacity_tokens:
+            return Decision.SHRINK
+        return Decision.COMPRESS
+
+
+@register_policy
+@attrs.define
+class FixedBudgetPolicy(CapacityPolicy):
+    """Zipage-style fixed budget: grow up to ``budget_tokens`` of capacity, then always compress."""
+
+    name = "fixed"
+    budget_tokens: int = attrs.field(default=4096, validator=_positive)
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        return _grow_if(ctx.capacity + ctx.page_size <= self.budget_tokens)
+
+
+@register_policy
+@attrs.define
+class FullKVPolicy(CapacityPolicy):
+    """Full KV: always grow (plain PagedAttention; compresses only on fallback)."""
+
+    name = "fullkv"
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        return Decision.GROW
+
+
+@register_policy
+@attrs.define
+class RandomPolicy(CapacityPolicy):
+    """GrowPage-Random (appendix H.1): grow with probability ``grow_prob``.
+
+    The draw depends only on (seed, request id, position), so it is reproducible and the same
+    in the simulator and the engine whatever the order requests reach their boundaries.
+    """
+
+    name = "random"
+    grow_prob: float = attrs.field(default=0.3, validator=_in_range(0.0, 1.0))
+    seed: int = 0
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        rng = random.Random(f"{self.seed}:{ctx.request_id}:{ctx.position}")
+        return _grow_if(rng.random() < self.grow_prob)
+
+
+@register_policy
+@attrs.define
+class StreamingLLMPolicy(FixedBudgetPolicy):
+    """Fixed budget with StreamingLLM selection: keep ``num_sinks`` first slots plus the most
+    recent ones (attention sinks + sliding window)."""
+
+    name = "streamingllm"
+    num_sinks: int = attrs.field(default=4, validator=_positive)
+
+    def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
+        sinks = min(self.num_sinks, keep - ctx.recent_window)
+        slots = torch.cat([torch.arange(sinks), torch.arange(ctx.num_tokens - keep + sinks,
+                                                             ctx.num_tokens)])
+        return slots.to(ctx.device).expand(*ctx.shape, keep).clone()
+
+
+@register_policy
+@attrs.define
+class H2OPolicy(FixedBudgetPolicy):
+    """Fixed budget with H2O selection: heavy hitters by accumulated attention + recent window.
+
+    Uses the view's accumulated attention when it records one (simulator traces do); otherwise
+    the attention of the long-timescale summary, a running average of past queries, stands in.
+    """
+
+    name = "h2o"
+
+    def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
+        acc = ctx.accumulated_attention()
+        if acc is not None:
+            scores = acc[..., : ctx.num_selection_candidates]
+        else:
+            scores = ctx.scores()
+        chosen = topk_slots(scores, keep - ctx.recent_window)
+        return with_protected(chosen, ctx.num_tokens, ctx.recent_window)

@@ -1,0 +1,81 @@
+"""Resolving a policy from a name, ``"package.module:ClassName"`` or ``"path/file.py:ClassName"``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from growpage.errors import PolicyError
+from growpage.policies.base import CapacityPolicy
+
+_REGISTRY: dict[str, type[CapacityPolicy]] = {}
+
+
+def register_policy(cls: type[CapacityPolicy]) -> type[CapacityPolicy]:
+    """Class decorator: make a policy resolvable by its ``name``."""
+    name = cls.name
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise PolicyError(f"policy name {name!r} is already registered by "
+                          f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def registered_policies() -> dict[str, type[CapacityPolicy]]:
+    import growpage.policies.builtin  # noqa: F401 - registers the built-ins
+
+    return dict(sorted(_REGISTRY.items()))
+
+
+def _load_class(spec: str) -> type:
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise PolicyError(f"policy file {path} does not exist")
+        mod_name = f"growpage_user_policy_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise PolicyError(f"cannot import policy module {target!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise PolicyError(f"{target!r} has no attribute {attr!r}") from None
+
+
+def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: Any
+                   ) -> CapacityPolicy:
+    """A policy instance from an instance, a class, a registered name or an import spec.
+
+    ``kwargs`` are passed to the class (its hyperparameters).
+    """
+    if isinstance(spec, CapacityPolicy):
+        if kwargs:
+            raise PolicyError("hyperparameters cannot be given with a policy instance")
+        return spec
+    if isinstance(spec, str):
+        if ":" in spec:
+            cls = _load_class(spec)
+        else:
+            known = registered_policies()
+            if spec not in known:
+                raise PolicyError(f"unknown policy {spec!r}; registered: {', '.join(known)} "
+                                  "(or give 'package.module:ClassName' / 'file.py:ClassName')")
+            cls = known[spec]
+    else:
+        cls = spec
+    if not (isinstance(cls, type) and issubclass(cls, CapacityPolicy)):
+        raise PolicyError(f"{spec!r} is not a CapacityPolicy subclass")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}") from exc

@@ -1,0 +1,110 @@
+"""``check_policy``: the conformance kit a policy author runs on their own policy."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from growpage.core.capacity import selection_problem
+from growpage.core.decision import Decision
+from growpage.errors import GrowPageError
+from growpage.testing.strategies import BoundaryCase, boundary_cases
+
+RULES = {
+    "valid-decision": "decide() returns a growpage.Decision",
+    "exact-selection": "select() returns an integer tensor [L, Hkv, keep] of unique slot "
+                       "indices within the resident tokens, the protected recent window included",
+    "deterministic": "the same context gives the same decision and selection",
+    "no-mutation": "decide() and select() leave the context and its KV view unchanged",
+    "no-crash": "decide() and select() work on any valid small context (CPU tensors)",
+}
+
+
+class PolicyConformanceError(GrowPageError, AssertionError):
+    """A policy broke a conformance rule; ``rule`` is its key in ``RULES``."""
+
+    def __init__(self, rule: str, detail: str, case: BoundaryCase | None = None) -> None:
+        self.rule, self.detail, self.case = rule, detail, case
+        msg = f"[{rule}] {RULES[rule]}: {detail}"
+        if case is not None:
+            msg += f"\n  example: {case}"
+        super().__init__(msg)
+
+
+def _snapshot(ctx: object) -> dict:
+    view = ctx.view
+    state = {k: v for k, v in vars(ctx).items() if not k.startswith("_") and k != "view"}
+    tensors = {"keys": view.keys(), "positions": view.positions(),
+               "summaries": view.summaries, "current": view.current_query}
+    acc = view.accumulated_attention()
+    if acc is not None:
+        tensors["acc"] = acc
+    return {"state": copy.deepcopy(state), "tensors": {k: t.clone() for k, t in tensors.items()}}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["state"] == b["state"] and a["tensors"].keys() == b["tensors"].keys() and all(
+        torch.equal(a["tensors"][k], b["tensors"][k]) for k in a["tensors"])
+
+
+def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tensor]]:
+    ctx = case.context()
+    before = _snapshot(ctx)
+    decision = policy.decide(ctx)
+    if not isinstance(decision, Decision):
+        raise PolicyConformanceError("valid-decision", f"got {decision!r}", case)
+    keeps = [(case.num_pages - 1) * case.page_size]
+    if case.num_pages >= 3:
+        keeps.append((case.num_pages - 2) * case.page_size)
+    selections = []
+    for keep in keeps:
+        indices = policy.select(ctx, keep)
+        problem = selection_problem(indices, ctx, keep)
+        if problem:
+            raise PolicyConformanceError("exact-selection", f"keep={keep}: {problem}", case)
+        selections.append(indices.clone())
+    if not _same(before, _snapshot(ctx)):
+        raise PolicyConformanceError("no-mutation", "the context or its view changed", case)
+    return decision, selections
+
+
+def check_case(policy: object, case: BoundaryCase) -> None:
+    """Check every rule on one boundary; raise ``PolicyConformanceError`` on the first broken."""
+    try:
+        decision, selections = _run(policy, case)
+        again, selections2 = _run(policy, case)
+    except PolicyConformanceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any crash is a broken rule
+        raise PolicyConformanceError("no-crash", f"{type(exc).__name__}: {exc}", case) from exc
+    if again is not decision or any(not torch.equal(torch.sort(a, -1).values,
+                                                    torch.sort(b, -1).values)
+                                    for a, b in zip(selections, selections2)):
+        raise PolicyConformanceError("deterministic", f"decided {decision} then {again}, or "
+                                     "selected different slots", case)
+
+
+def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: object) -> None:
+    """Run the conformance rules (``RULES``) on ``max_examples`` random small boundaries.
+
+    Raises ``PolicyConformanceError`` naming the rule, with the shrunk (smallest) failing
+    example. ``strategy_kwargs`` go to ``growpage.testing.boundary_cases``.
+    """
+    failure: list[PolicyConformanceError] = []
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(boundary_cases(**strategy_kwargs))
+    def run(case: BoundaryCase) -> None:
+        try:
+            check_case(policy, case)
+        except PolicyConformanceError as exc:
+            failure[:] = [exc]
+            raise
+
+    try:
+        run()
+    except PolicyConformanceError:
+        raise failure[-1] from None

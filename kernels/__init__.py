@@ -1,0 +1,1 @@
+"""Triton kernels, importable as ``growpage.kernels`` (see issue: GPU path)."""

@@ -1,0 +1,200 @@
+"""CapacityController on hand-made KV views: exact counts, fallback, preemption, events."""
+
+import attrs
+import pytest
+import torch
+
+from growpage import (Action, CapacityController, CapacityPolicy, Decision, GrowPageConfig,
+                      PagePool, PolicyError, RequestState)
+from growpage.policies import GrowPagePolicy, ShrinkPolicy
+from growpage.testing import BoundaryCase
+
+B, R = 8, 3
+
+
+@attrs.define
+class Scripted(CapacityPolicy):
+    """Returns the scripted decisions in order and records each context it saw."""
+
+    name = "scripted"
+    script: list = attrs.field(factory=list)
+    seen: list = attrs.field(factory=list)
+
+    def decide(self, ctx):
+        self.seen.append(ctx)
+        return self.script.pop(0)
+
+
+def setup(decisions, pages=3, pool_pages=10, watermark=0, min_capacity=2, layers=2, kv=2):
+    case = BoundaryCase(num_layers=layers, num_kv_heads=kv, group_size=2, head_dim=8,
+                        page_size=B, recent_window=R, num_pages=pages, num_free_pages=0, gap=5,
+                        seed=3, sharpness=1.0, track_accumulated=False)
+    config = GrowPageConfig(page_size=B, recent_window=R, min_capacity=min_capacity)
+    pool = PagePool(pool_pages, B, watermark=watermark)
+    policy = Scripted(list(decisions))
+    ctrl = CapacityController(policy, pool, config)
+    state = RequestState("r0", pool.allocate(pages), num_tokens=pages * B,
+                         position=pages * B + 5)
+    return ctrl, state, case.view(), pool, policy
+
+
+def test_grow_appends_one_page():
+    ctrl, state, view, pool, _ = setup([Decision.GROW])
+    out = ctrl.on_boundary(state, view)
+    assert out.action is Action.GROW and not out.fallback
+    assert (state.num_pages, state.num_tokens, pool.num_free_pages) == (4, 3 * B, 6)
+    assert view.num_tokens == 3 * B
+
+
+def test_compress_and_hold_keeps_p_minus_one_pages_of_tokens():
+    ctrl, state, view, pool, _ = setup([Decision.COMPRESS])
+    pages_before, positions_before = list(state.block_table), view.positions().clone()
+    out = ctrl.on_boundary(state, view)
+    assert out.action is Action.COMPRESS
+    assert state.num_tokens == view.num_tokens == 2 * B
+    assert state.block_table == pages_before and pool.num_free_pages == 7
+    # The protected window survives in every head, and order is preserved.
+    assert torch.equal(view.positions()[..., -R:], positions_before[..., -R:])
+    assert (view.positions()[..., 1:] > view.positions()[..., :-1]).all()
+
+
+def test_shrink_keeps_p_minus_two_pages_and_releases_one():
+    ctrl, state, view, pool, _ = setup([Decision.SHRINK], pages=4)
+    out = ctrl.on_boundary(state, view)
+    assert out.action is Action.SHRINK
+    assert (state.num_pages, state.num_tokens, view.num_tokens) == (3, 2 * B, 2 * B)
+    assert pool.num_free_pages == 7
+
+
+def test_shrink_below_min_capacity_compresses_instead():
+    ctrl, state, view, pool, _ = setup([Decision.SHRINK], pages=3, min_capacity=3)
+    out = ctrl.on_boundary(state, view)
+    assert out.action is Action.COMPRESS and state.num_pages == 3
+    assert state.events.shrink_refused == 1 and state.events.shrink == 0
+
+
+def test_grow_falls_back_to_compress_when_pool_is_empty():
+    ctrl, state, view, pool, _ = setup([Decision.GROW], pages=3, pool_pages=3)
+    out = ctrl.on_boundary(state, view)
+    assert out.action is Action.COMPRESS and out.fallback and out.decision is Decision.GROW
+    assert state.num_tokens == 2 * B and state.num_pages == 3
+    assert ctrl.events.fallback == 1 and ctrl.events.decided_grow == 1
+
+
+def test_watermark_refuses_policy_growth():
+    ctrl, state, view, pool, _ = setup([Decision.GROW], pages=3, pool_pages=5, watermark=2)
+    assert ctrl.on_boundary(state, view).fallback
+
+
+def test_forced_growth_below_min_capacity_skips_the_policy():
+    ctrl, state, view, pool, policy = setup([], pages=2, min_capacity=3)
+    out = ctrl.on_boundary(state, view)
+    assert out.action is Action.GROW and out.decision is None and not policy.seen
+    assert state.events.forced_grow == 1 and state.events.grow == 1
+
+
+def test_forced_growth_with_empty_pool_needs_preemption():
+    ctrl, state, view, pool, _ = setup([], pages=2, pool_pages=2, min_capacity=3)
+    out = ctrl.on_boundary(state, view)
+    assert out.needs_preemption and state.num_pages == 2 and state.num_tokens == 2 * B
+
+
+def test_copy_on_write_replaces_shared_pages_before_compaction():
+    ctrl, state, view, pool, _ = setup([Decision.COMPRESS], pages=3, pool_pages=6)
+    shared = state.block_table[0]
+    pool.fork([shared])  # another request shares our first (prefix) page
+    ctrl.on_boundary(state, view)
+    assert state.block_table[0] != shared
+    assert pool.refcounts[shared] == 1  # only the other holder is left
+    assert state.events.cow_pages == 1 and pool.num_free_pages == 2
+
+
+def test_preemption_needed_when_compression_cannot_copy_shared_pages():
+    ctrl, state, view, pool, _ = setup([Decision.GROW], pages=3, pool_pages=3)
+    pool.fork(state.block_table)  # all pages shared, no free page anywhere
+    before = (list(state.block_table), state.num_tokens, view.positions().clone())
+    out = ctrl.on_boundary(state, view)
+    assert out.needs_preemption
+    assert (state.block_table, state.num_tokens) == (before[0], before[1])
+    assert torch.equal(view.positions(), before[2]) and pool.num_free_pages == 0
+    assert ctrl.events.fallback == 1 and ctrl.events.preempt_needed == 1
+
+
+@pytest.mark.parametrize("bad", ["grow", None, 1])
+def test_invalid_decision_is_a_policy_error_and_changes_nothing(bad):
+    ctrl, state, view, pool, _ = setup([bad])
+    with pytest.raises(PolicyError, match="expected a growpage.Decision"):
+        ctrl.on_boundary(state, view)
+    assert state.num_pages == 3 and pool.num_free_pages == 7 and view.num_tokens == 3 * B
+
+
+class WrongCount(Scripted):
+    def select(self, ctx, keep):
+        return super().select(ctx, keep)[..., 1:]
+
+
+def test_invalid_selection_is_a_policy_error_and_changes_nothing():
+    ctrl, state, view, pool, _ = setup([Decision.COMPRESS])
+    ctrl.policy = WrongCount([Decision.COMPRESS])
+    positions = view.positions().clone()
+    with pytest.raises(PolicyError, match="wrong shape"):
+        ctrl.on_boundary(state, view)
+    assert state.num_tokens == 3 * B and torch.equal(view.positions(), positions)
+
+
+def test_not_at_boundary_is_rejected():
+    ctrl, state, view, _, _ = setup([Decision.GROW])
+    state.num_tokens -= 1
+    with pytest.raises(ValueError, match="not at a capacity boundary"):
+        ctrl.on_boundary(state, view)
+
+
+def test_event_counters_are_exact_over_a_script():
+    script = [Decision.GROW, Decision.COMPRESS, Decision.GROW, Decision.SHRINK]
+    ctrl, state, view, pool, _ = setup(script, pages=3, pool_pages=5)
+    g = torch.Generator().manual_seed(0)
+    actions = []
+    for _ in range(4):
+        while not ctrl.needs_decision(state):
+            view.append(torch.randn(2, 2, 8, generator=g), state.position)
+            state.num_tokens += 1
+            state.position += 1
+        actions.append(ctrl.on_boundary(state, view).action)
+    # pool of 5: grow (4 pages), compress, grow (5 pages, pool empty), shrink (4 pages)
+    assert actions == [Action.GROW, Action.COMPRESS, Action.GROW, Action.SHRINK]
+    ev = ctrl.events
+    assert (ev.boundaries, ev.decided_grow, ev.decided_compress, ev.decided_shrink) == (4, 2, 1, 1)
+    assert (ev.grow, ev.compress, ev.shrink, ev.fallback, ev.preempt_needed) == (2, 1, 1, 0, 0)
+    assert state.events == ev
+    assert [t[1] for t in state.trajectory] == [4, 4, 5, 4]
+
+
+@pytest.mark.parametrize("policy", [GrowPagePolicy(), ShrinkPolicy(min_capacity_tokens=16)])
+def test_long_decode_loop_keeps_invariants(policy):
+    config = GrowPageConfig(page_size=B, recent_window=R)
+    pool = PagePool(12, B)
+    ctrl = CapacityController(policy, pool, config)
+    case = BoundaryCase(num_layers=2, num_kv_heads=1, group_size=3, head_dim=8, page_size=B,
+                        recent_window=R, num_pages=2, num_free_pages=0, gap=0, seed=9,
+                        sharpness=1.0, track_accumulated=False)
+    view = case.view()
+    state = RequestState("loop", pool.allocate(2), num_tokens=2 * B, position=2 * B)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        if ctrl.needs_decision(state):
+            out = ctrl.on_boundary(state, view)
+            assert not out.needs_preemption or pool.num_free_pages == 0
+            if out.needs_preemption:
+                break
+        view.append(torch.randn(2, 1, 8, generator=g), state.position)
+        view.set_queries(torch.randn(2, 2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g))
+        state.num_tokens += 1
+        state.position += 1
+        assert state.num_tokens <= state.num_pages * B
+        assert pool.num_used_pages == state.num_pages and view.num_tokens == state.num_tokens
+        assert state.num_pages >= 2
+    # Every kept position is a real past position, unique per head.
+    pos = view.positions()
+    assert (pos < state.position).all()
+    assert all(p.unique().numel() == p.numel() for p in pos.flatten(0, 1))
+    assert ctrl.events.boundaries > 10

@@ -1,0 +1,391 @@
+"""Trace format: round trips, atomic writes, validation, corruption fuzzing, trace sets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+import growpage.core.traces as traces_mod
+from growpage.core.rope import RopeConfig
+from growpage.core.traces import (
+    HEADER_KEY,
+    Trace,
+    TraceSet,
+    read_trace,
+    read_trace_header,
+    read_trace_set,
+    write_trace,
+)
+from growpage.errors import TraceError
+
+FUZZ = settings(max_examples=60, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def valid_file(tmp_path_factory, make_trace) -> Path:
+    return write_trace(tmp_path_factory.mktemp("valid") / "t.safetensors", make_trace())
+
+
+def read_metadata(path: Path) -> str:
+    """The raw header JSON text of a trace file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))["__metadata__"][HEADER_KEY]
+
+
+def _rewrite(src: Path, dst: Path, tensors=None, header=None, metadata=None) -> Path:
+    """Copy a trace file with its tensors and/or header JSON changed by callbacks."""
+    ts = load_file(src)
+    d = json.loads(read_metadata(src))
+    if tensors:
+        ts = tensors(ts) or ts
+    if header:
+        d = header(d) or d
+    save_file(ts, dst, metadata=metadata if metadata is not None else {HEADER_KEY: json.dumps(d)})
+    return dst
+
+
+# --- round trips --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("has_values", [True, False])
+def test_round_trip_is_exact_within_storage_dtype(tmp_path, make_trace, dtype, has_values):
+    trace = make_trace(has_values=has_values)
+    path = write_trace(tmp_path / "a.safetensors", trace, dtype=dtype)
+    back = read_trace(path)
+    assert back.header == trace.header
+    assert back.queries.dtype == torch.float32
+    for name in ("queries", "keys", "values"):
+        want = getattr(trace, name)
+        got = getattr(back, name)
+        if want is None:
+            assert got is None
+        else:
+            assert torch.equal(got, want.to(dtype).float()), name
+    assert read_trace(path, dtype=dtype).keys.dtype == dtype
+    assert read_trace_header(path) == trace.header
+
+
+def test_trace_properties(make_trace):
+    trace = make_trace(num_tokens=12, prompt_len=5)
+    assert (trace.num_tokens, trace.prompt_len, trace.num_generated) == (12, 5, 7)
+    assert trace.header.num_recorded_layers == 2 and trace.request_id == "req-0"
+
+
+# --- writer ---------------------------------------------------------------------------------------
+
+def _bad_shape(t: Trace) -> None:
+    t.queries = t.queries[:, :-1]
+
+
+def _inf(t: Trace) -> None:
+    t.keys[0, 3, 1, 2] = float("inf")
+
+
+def _fp16_overflow(t: Trace) -> None:
+    t.queries[1, 0, 0, 0] = 1e6
+
+
+def _values_dropped(t: Trace) -> None:
+    t.values = None
+
+
+def _bad_meta(t: Trace) -> None:
+    t.header.meta["x"] = object()
+
+
+@pytest.mark.parametrize("corrupt", [_bad_shape, _inf, _fp16_overflow, _values_dropped, _bad_meta])
+def test_writer_validates_and_leaves_old_file_untouched(tmp_path, make_trace, corrupt):
+    path = write_trace(tmp_path / "a.safetensors", make_trace(seed=1))
+    before = path.read_bytes()
+    trace = make_trace(seed=2)
+    corrupt(trace)
+    with pytest.raises(TraceError, match="a.safetensors"):
+        write_trace(path, trace)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
+def test_writer_cleans_up_when_saving_fails(tmp_path, make_trace, monkeypatch):
+    def boom(*args, **kwargs):
+        Path(args[1]).write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(traces_mod, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        write_trace(tmp_path / "a.safetensors", make_trace())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_rejects_other_storage_dtypes(tmp_path, make_trace):
+    with pytest.raises(TraceError, match="float16 or bfloat16"):
+        write_trace(tmp_path / "a.safetensors", make_trace(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"prompt_len": 13}, "prompt_len"),
+    ({"prompt_len": 0}, "prompt_len"),
+    ({"layer_ids": [3, 1]}, "layer_ids"),
+    ({"layer_ids": [1, 4]}, "layer_ids"),
+    ({"num_q_heads": 3}, "multiple"),
+    ({"rope": RopeConfig(head_dim=16)}, "rope.head_dim"),
+    ({"softmax_scale": float("nan")}, "softmax_scale"),
+    ({"token_ids": []}, "token_ids"),
+    ({"has_values": 1}, "has_values"),
+])
+def test_header_validates_fields(make_trace, change, problem):
+    import attrs
+
+    with pytest.raises(TraceError, match=problem):
+        attrs.evolve(make_trace().header, **change)
+
+
+def test_trace_validates_shapes(make_trace):
+    t = make_trace()
+    with pytest.raises(TraceError, match="keys have shape"):
+        Trace(header=t.header, queries=t.queries, keys=t.keys[:, :, :1], values=t.values)
+    with pytest.raises(TraceError, match="values are missing"):
+        Trace(header=t.header, queries=t.queries, keys=t.keys)
+
+
+# --- reader: each problem gets its own clear error -----------------------------------------------
+
+def _set(key, value):
+    def f(d):
+        d[key] = value
+    return f
+
+
+def _drop_layer(ts):
+    return {k: v for k, v in ts.items() if not k.startswith("layer.3.")}
+
+
+def _drop_values(ts):
+    return {k: v for k, v in ts.items() if not k.endswith(".v")}
+
+
+def _to_fp32(ts):
+    return {k: v.float() for k, v in ts.items()}
+
+
+def _shorter_key(ts):
+    ts["layer.1.k"] = ts["layer.1.k"][:-1].clone()
+
+
+def _one_head_key(ts):
+    ts["layer.1.k"] = ts["layer.1.k"][:, :1].clone()
+
+
+def _nan(ts):
+    ts["layer.3.v"][2, 0, 0] = float("nan")
+
+
+def _extra(ts):
+    ts["layer.2.q"] = ts["layer.1.q"].clone()
+
+
+READ_CASES = {
+    "unsupported format version": dict(header=_set("version", 2)),
+    "not a 'growpage-trace'": dict(header=_set("format", "other")),
+    "header dtype": dict(header=_set("dtype", "float32")),
+    "missing ['layer.3.q'": dict(tensors=_drop_layer),
+    "missing ['layer.1.v'": dict(tensors=_drop_values),
+    "unexpected ['layer.1.v'": dict(header=_set("has_values", False)),
+    "unexpected ['layer.2.q'": dict(tensors=_extra),
+    "torch.float32": dict(tensors=_to_fp32),
+    "layer.1.k holds 11 tokens": dict(tensors=_shorter_key),
+    "layer.1.k is": dict(tensors=_one_head_key),
+    "non-finite": dict(tensors=_nan),
+    "prompt_len=13": dict(header=_set("prompt_len", 13)),
+    "token_ids has 11": dict(header=_set("token_ids", list(range(11)))),
+    "missing ['model']": dict(header=lambda d: d.pop("model") and None),
+    "unknown ['extra']": dict(header=_set("extra", 1)),
+    "'rope' is invalid": dict(header=_set("rope", {"head_dim": 8, "bogus": 1})),
+    "non-finite number": dict(header=_set("softmax_scale", float("inf"))),
+    "no 'growpage.trace' header": dict(metadata={"other": "x"}),
+    "not valid JSON": dict(metadata={HEADER_KEY: "{nope"}),
+}
+
+
+@pytest.mark.parametrize("problem", list(READ_CASES))
+def test_reader_names_file_and_problem(tmp_path, valid_file, problem):
+    path = _rewrite(valid_file, tmp_path / "bad.safetensors", **READ_CASES[problem])
+    with pytest.raises(TraceError) as err:
+        read_trace(path)
+    assert str(path) in str(err.value) and problem in str(err.value)
+
+
+def test_overflowing_json_numbers_are_rejected(tmp_path, valid_file):
+    def overflow(d):
+        return {HEADER_KEY: json.dumps(d).replace('"theta": 10000.0', '"theta": 1e400')}
+
+    d = json.loads(read_metadata(valid_file))
+    path = _rewrite(valid_file, tmp_path / "b.safetensors", metadata=overflow(d))
+    with pytest.raises(TraceError, match="non-finite"):
+        read_trace(path)
+
+
+def test_head_dim_mismatch_with_rope_is_rejected(tmp_path, valid_file):
+    path = _rewrite(valid_file, tmp_path / "b.safetensors", header=_set("head_dim", 16))
+    with pytest.raises(TraceError, match="rope.head_dim"):
+        read_trace(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, not a trace", b"\x08" + b"\x00" * 7 + b"{}"])
+def test_non_safetensors_files(tmp_path, content):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(TraceError, match="x.safetensors"):
+        read_trace(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(TraceError, match="no such trace file"):
+        read_trace(tmp_path / "absent.safetensors")
+
+
+# --- corruption fuzzing: nothing but TraceError, ever --------------------------------------------
+
+def _read_or_trace_error(path: Path) -> None:
+    try:
+        trace = read_trace(path)
+    except TraceError as e:
+        assert str(path) in str(e)
+    else:
+        assert torch.isfinite(trace.queries).all()
+
+
+@FUZZ
+@given(data=st.data())
+def test_truncated_files_always_raise_trace_error(tmp_path_factory, valid_file, data):
+    raw = valid_file.read_bytes()
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    path = tmp_path_factory.mktemp("trunc") / "t.safetensors"
+    path.write_bytes(raw[:cut])
+    with pytest.raises(TraceError):
+        read_trace(path)
+
+
+@FUZZ
+@given(data=st.data())
+def test_flipped_bytes_never_raise_anything_else(tmp_path_factory, valid_file, data):
+    raw = bytearray(valid_file.read_bytes())
+    header_len = 8 + int.from_bytes(raw[:8], "little")
+    # Half the flips land in the safetensors header, where they matter most.
+    region = data.draw(st.sampled_from([(0, header_len), (0, len(raw))]))
+    for pos in data.draw(st.lists(st.integers(*region).filter(lambda i: i < len(raw)),
+                                  min_size=1, max_size=6)):
+        raw[pos] ^= data.draw(st.integers(1, 255))
+    path = tmp_path_factory.mktemp("flip") / "t.safetensors"
+    path.write_bytes(bytes(raw))
+    _read_or_trace_error(path)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+    | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                 max_size=3),
+    max_leaves=6)
+
+
+@st.composite
+def header_mutation(draw):
+    def mutate(d):
+        for _ in range(draw(st.integers(1, 3))):
+            nested = isinstance(d.get("rope"), dict) and draw(st.booleans())
+            target = d["rope"] if nested else d
+            key = draw(st.sampled_from(sorted(target) + ["new"]))
+            if draw(st.integers(0, 3)) == 0:
+                target.pop(key, None)
+            else:
+                target[key] = draw(JSON)
+        return d
+    return mutate
+
+
+@FUZZ
+@given(mutate=header_mutation())
+def test_header_mutations_never_raise_anything_else(tmp_path_factory, valid_file, mutate):
+    path = tmp_path_factory.mktemp("mut") / "t.safetensors"
+    _read_or_trace_error(_rewrite(valid_file, path, header=mutate))
+
+
+# --- trace sets ------------------------------------------------------------------------------------
+
+def test_trace_set_round_trip_and_lazy_iteration(tmp_path, make_trace, monkeypatch):
+    ts = TraceSet(tmp_path / "set", create=True)
+    written = [make_trace(num_tokens=10 + i, request_id=f"r/{i}", seed=i) for i in range(3)]
+    entries = [ts.write(t, tags=["a"] if i else []) for i, t in enumerate(written)]
+    reopened = read_trace_set(tmp_path / "set")
+    assert len(reopened) == 3 and reopened.index == tuple(entries)
+    assert entries[1].num_tokens == 11 and entries[1].tags == ("a",)
+    assert "/" not in entries[1].file
+    calls = []
+    real = traces_mod.read_trace
+    monkeypatch.setattr(traces_mod, "read_trace", lambda *a, **k: calls.append(a) or real(*a, **k))
+    it = iter(reopened)
+    first = next(it)
+    assert len(calls) == 1 and first.header == written[0].header
+    assert [t.request_id for t in it] == ["r/1", "r/2"]
+    assert torch.equal(reopened.read("r/2").keys, written[2].keys.half().float())
+    with pytest.raises(TraceError, match="already in the set"):
+        reopened.write(written[0])
+
+
+def test_opening_a_non_set_fails(tmp_path):
+    with pytest.raises(TraceError, match="not a trace set"):
+        read_trace_set(tmp_path)
+
+
+def _index(path: Path) -> dict:
+    return json.loads((path / "index.json").read_text())
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda d: d.update(version=9), "unsupported version"),
+    (lambda d: d["traces"][0].update(file="../escape.safetensors"), "bad file name"),
+    (lambda d: d["traces"][0].update(prompt_len=99), "prompt_len > num_tokens"),
+    (lambda d: d["traces"].append(dict(d["traces"][0])), "duplicate"),
+    (lambda d: d["traces"][0].pop("num_tokens"), "must have exactly"),
+])
+def test_bad_index_is_rejected(tmp_path, make_trace, edit, problem):
+    ts = TraceSet(tmp_path, create=True)
+    ts.write(make_trace())
+    d = _index(tmp_path)
+    edit(d)
+    (tmp_path / "index.json").write_text(json.dumps(d))
+    with pytest.raises(TraceError, match=problem):
+        read_trace_set(tmp_path)
+
+
+def test_index_disagreeing_with_file_is_rejected(tmp_path, make_trace):
+    TraceSet(tmp_path, create=True).write(make_trace())
+    d = _index(tmp_path)
+    d["traces"][0]["num_tokens"] = 11
+    (tmp_path / "index.json").write_text(json.dumps(d))
+    with pytest.raises(TraceError, match="disagrees"):
+        read_trace_set(tmp_path).read(0)
+
+
+@FUZZ
+@given(data=st.data())
+def test_corrupt_index_never_raises_anything_else(tmp_path_factory, make_trace, data):
+    root = tmp_path_factory.mktemp("idx")
+    TraceSet(root, create=True).write(make_trace())
+    raw = bytearray((root / "index.json").read_bytes())
+    for pos in data.draw(st.lists(st.integers(0, len(raw) - 1), min_size=1, max_size=4)):
+        raw[pos] = data.draw(st.integers(0, 255))
+    (root / "index.json").write_bytes(bytes(raw))
+    try:
+        for trace in read_trace_set(root):
+            assert trace.num_tokens == 12
+    except TraceError:
+        pass
