@@ -68,7 +68,7 @@ class CapacityController:
             raise ValueError(f"KV view holds {view.num_tokens} tokens, request state "
                              f"{state.num_tokens}")
         self._count(state, "boundaries")
-        if state.num_pages < self.config.min_capacity:
+        if state.num_pages < self.config.min_capacity or not view.has_query_state:
             return self._forced_grow(state)
         ctx = BoundaryContext(state.request_id, state.num_tokens, state.position,
                               state.num_pages, self.pool.num_free_pages, self.config, view)

@@ -49,7 +49,18 @@ class KVView(abc.ABC):
 
     @abc.abstractmethod
     def query_state(self) -> QueryState:
-        """Short and long EMA summaries and the current query, each ``[L, Hq, d]``."""
+        """Short and long EMA summaries and the current query, each ``[L, Hq, d]``.
+
+        NOTE: "current" is the query of the last token whose KV is resident (the token that
+        filled the last slot); the summaries include it. The token that needs a slot has no
+        query yet: the scheduler decides before its forward pass, in both worlds.
+        """
+
+    @property
+    def has_query_state(self) -> bool:
+        """False before the first decode query (a prompt that ends exactly on a page boundary);
+        the controller then grows without asking the policy."""
+        return True
 
     @abc.abstractmethod
     def positions(self) -> torch.Tensor:
@@ -97,6 +108,7 @@ class DenseKVView(KVView):
         zeros = torch.zeros(num_layers, num_q_heads, head_dim, device=self._device)
         self.summaries = torch.zeros(num_layers, 2, num_q_heads, head_dim, device=self._device)
         self.current_query = zeros
+        self._has_queries = False
 
     @property
     def device(self) -> torch.device:
@@ -140,6 +152,11 @@ class DenseKVView(KVView):
         """``summaries [L, 2, Hq, d]`` (short, long) and ``current [L, Hq, d]``, pre-RoPE."""
         self.summaries = summaries
         self.current_query = current
+        self._has_queries = True
+
+    @property
+    def has_query_state(self) -> bool:
+        return self._has_queries
 
     def keys(self) -> torch.Tensor:
         return self._keys[:, :, : self._n]

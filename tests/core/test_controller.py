@@ -198,3 +198,15 @@ def test_long_decode_loop_keeps_invariants(policy):
     assert (pos < state.position).all()
     assert all(p.unique().numel() == p.numel() for p in pos.flatten(0, 1))
     assert ctrl.events.boundaries > 10
+
+
+def test_boundary_before_any_decode_query_grows_without_the_policy():
+    from growpage.core.kvview import DenseKVView
+    from growpage.core.rope import RopeConfig
+
+    ctrl, state, _, pool, policy = setup([Decision.COMPRESS], pages=3)
+    view = DenseKVView(2, 4, 2, 8, RopeConfig(head_dim=8), capacity=3 * B)
+    view.extend(torch.randn(2, 2, 3 * B, 8), torch.arange(3 * B))  # prompt only, no decode yet
+    out = ctrl.on_boundary(state, view)
+    assert out.action is Action.GROW and out.decision is None and not policy.seen
+    assert state.events.forced_grow == 1
