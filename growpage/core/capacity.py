@@ -116,7 +116,7 @@ class CapacityController:
         if not self.pool.can_allocate(len(shared_slots)):
             return self._preempt(state, decision, delta)
         fresh = self.pool.allocate(len(shared_slots))
-        for i, page in zip(shared_slots, fresh):
+        for i, page in zip(shared_slots, fresh, strict=True):
             released.append(dst[i])
             dst[i] = page
         try:

@@ -81,7 +81,7 @@ def check_case(policy: object, case: BoundaryCase) -> None:
         raise PolicyConformanceError("no-crash", f"{type(exc).__name__}: {exc}", case) from exc
     if again is not decision or any(not torch.equal(torch.sort(a, -1).values,
                                                     torch.sort(b, -1).values)
-                                    for a, b in zip(selections, selections2)):
+                                    for a, b in zip(selections, selections2, strict=True)):
         raise PolicyConformanceError("deterministic", f"decided {decision} then {again}, or "
                                      "selected different slots", case)
 

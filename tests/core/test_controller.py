@@ -4,8 +4,16 @@ import attrs
 import pytest
 import torch
 
-from growpage import (Action, CapacityController, CapacityPolicy, Decision, GrowPageConfig,
-                      PagePool, PolicyError, RequestState)
+from growpage import (
+    Action,
+    CapacityController,
+    CapacityPolicy,
+    Decision,
+    GrowPageConfig,
+    PagePool,
+    PolicyError,
+    RequestState,
+)
 from growpage.policies import GrowPagePolicy, ShrinkPolicy
 from growpage.testing import BoundaryCase
 

@@ -9,12 +9,28 @@ import pytest
 import torch
 
 import growpage
-from growpage import CapacityController, CapacityPolicy, Decision, GrowPageConfig, PagePool
-from growpage import RequestState
+from growpage import (
+    CapacityController,
+    CapacityPolicy,
+    Decision,
+    GrowPageConfig,
+    PagePool,
+    RequestState,
+)
 from growpage.errors import ConfigError, PolicyError
-from growpage.policies import (EntropyPolicy, FixedBudgetPolicy, FullKVPolicy, GrowPagePolicy,
-                               H2OPolicy, InversePolicy, RandomPolicy, ShrinkPolicy,
-                               StreamingLLMPolicy, registered_policies, resolve_policy)
+from growpage.policies import (
+    EntropyPolicy,
+    FixedBudgetPolicy,
+    FullKVPolicy,
+    GrowPagePolicy,
+    H2OPolicy,
+    InversePolicy,
+    RandomPolicy,
+    ShrinkPolicy,
+    StreamingLLMPolicy,
+    registered_policies,
+    resolve_policy,
+)
 from growpage.testing import BoundaryCase, PolicyConformanceError, check_policy
 
 BUILTINS = [GrowPagePolicy(), FixedBudgetPolicy(budget_tokens=32), FullKVPolicy(),

@@ -1,0 +1,177 @@
+"""Attention backends over a paged KV cache, and the cache tensor itself.
+
+The cache is one tensor allocated once; layer ``i`` works on the view ``cache[:, i]``::
+
+    cache  [2, L, num_pages, page_size, Hkv, d]      2 = (key, value); keys are post-RoPE
+    layer  [2,    num_pages, page_size, Hkv, d]
+    slot   = page * page_size + offset               (flat index into num_pages * page_size)
+
+    block_tables[b] = [ 7 | 2 | 9 | -1 ... ]   the pages of sequence b, in slot order
+    slot order:         0..b-1 | b..2b-1 | ...  only the first context_lens[b] slots are valid
+
+NOTE: attention runs over slot order, never over positions: positions are baked into the
+post-RoPE keys. After a GrowPage compaction each (layer, KV head) holds a different subset of
+tokens in its slots, but the same count, so ``context_lens`` stays the one length per sequence.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+
+from growpage.engine.context import StepContext
+
+
+def allocate_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """Zero-filled cache ``[2, num_layers, num_pages, page_size, num_kv_heads, head_dim]``."""
+    shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_cache_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+    """Bytes one page takes across all layers (keys and values)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
+
+
+def gather_pages(layer_cache: torch.Tensor, block_tables: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of each sequence in slot order.
+
+    Args:
+        layer_cache: ``[2, num_pages, page_size, Hkv, d]``.
+        block_tables: ``[B, max_pages]`` page ids, ``-1`` padded (padding reads page 0; mask it).
+    Returns:
+        ``k, v`` each ``[B, max_pages * page_size, Hkv, d]``.
+    """
+    pages = block_tables.clamp(min=0).long()
+    batch, max_pages = pages.shape
+    _, _, page_size, num_heads, head_dim = layer_cache.shape
+    k = layer_cache[0][pages].reshape(batch, max_pages * page_size, num_heads, head_dim)
+    v = layer_cache[1][pages].reshape(batch, max_pages * page_size, num_heads, head_dim)
+    return k, v
+
+
+class AttentionBackend(abc.ABC):
+    """Stores a step's new keys/values in the paged cache and computes attention.
+
+    A backend is stateless between steps; the cache views and the metadata come in with each
+    call. ``scale`` is the softmax scale (``head_dim ** -0.5``).
+    """
+
+    name: str = "abstract"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer_cache: torch.Tensor | None, ctx: StepContext, scale: float
+                ) -> torch.Tensor:
+        """Store ``k, v [T, Hkv, d]`` at ``ctx.slot_mapping`` and attend with ``q [T, Hq, d]``.
+
+        Returns ``[T, Hq, d]`` in ``q``'s dtype.
+        """
+        if layer_cache is not None and ctx.slot_mapping is not None:
+            self.store_kv(k, v, layer_cache, ctx.slot_mapping)
+        if ctx.is_prefill:
+            return self.prefill(q, k, v, layer_cache, ctx, scale)
+        if layer_cache is None or ctx.block_tables is None:
+            raise RuntimeError("decode needs a bound KV cache and block tables")
+        return self.decode(q, layer_cache, ctx, scale)
+
+    @abc.abstractmethod
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Write ``k, v [T, Hkv, d]`` into ``layer_cache`` at flat slots ``[T]`` (-1 skipped)."""
+
+    @abc.abstractmethod
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer_cache: torch.Tensor | None, ctx: StepContext, scale: float
+                ) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its slots.
+
+        Without ``ctx.block_tables`` the keys are the new ``k, v`` only; with them, each
+        sequence attends to the first ``context_lens[b]`` slots of its pages (cached prefix
+        followed by its new tokens, already stored). ``q [T, Hq, d] -> [T, Hq, d]``.
+        """
+
+    @abc.abstractmethod
+    def decode(self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext,
+               scale: float) -> torch.Tensor:
+        """One query per sequence over its first ``context_lens[b]`` slots.
+
+        ``q [B, Hq, d] -> [B, Hq, d]``.
+        """
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend in plain torch (CPU or GPU); softmax in fp32."""
+
+    name = "torch"
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        num_heads, head_dim = layer_cache.shape[-2:]
+        slots = slot_mapping.long()
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, k, v = slots[keep], k[keep], v[keep]
+        layer_cache[0].view(-1, num_heads, head_dim).index_copy_(0, slots, k.to(layer_cache.dtype))
+        layer_cache[1].view(-1, num_heads, head_dim).index_copy_(0, slots, v.to(layer_cache.dtype))
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer_cache: torch.Tensor | None, ctx: StepContext, scale: float
+                ) -> torch.Tensor:
+        assert ctx.cu_seqlens_q is not None and ctx.context_lens is not None
+        use_cache = ctx.block_tables is not None
+        if use_cache and layer_cache is None:
+            raise RuntimeError("prefill over cached pages needs a bound KV cache")
+        bounds = ctx.cu_seqlens_q.tolist()
+        ctx_lens = ctx.context_lens.tolist()
+        out = torch.empty_like(q)
+        for b in range(len(bounds) - 1):
+            start, end = bounds[b], bounds[b + 1]
+            if end == start:
+                continue
+            if use_cache:
+                kb, vb = gather_pages(layer_cache, ctx.block_tables[b : b + 1])
+                kb, vb = kb[0, : ctx_lens[b]], vb[0, : ctx_lens[b]]
+            else:
+                kb, vb = k[start:end], v[start:end]
+            out[start:end] = _causal_attention(q[start:end], kb, vb, scale)
+        return out
+
+    def decode(self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext,
+               scale: float) -> torch.Tensor:
+        assert ctx.block_tables is not None and ctx.context_lens is not None
+        k, v = gather_pages(layer_cache, ctx.block_tables)  # [B, S, Hkv, d]
+        batch, num_q_heads, head_dim = q.shape
+        num_kv_heads = k.shape[2]
+        qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        scores = torch.einsum("bhgd,bshd->bhgs", qg, k.float()) * scale
+        slot_idx = torch.arange(k.shape[1], device=q.device)
+        invalid = slot_idx[None, :] >= ctx.context_lens.to(q.device)[:, None]  # [B, S]
+        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhgs,bshd->bhgd", probs, v.float())
+        return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                      ) -> torch.Tensor:
+    """``q [n, Hq, d]`` over ``k, v [c, Hkv, d]`` (c >= n); the n queries are the last n slots."""
+    n, c = q.shape[0], k.shape[0]
+    qt = q.float().transpose(0, 1).unsqueeze(0)  # [1, Hq, n, d]
+    kt = k.float().transpose(0, 1).unsqueeze(0)
+    vt = v.float().transpose(0, 1).unsqueeze(0)
+    if c == n:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    else:
+        rows = torch.arange(n, device=q.device)[:, None] + (c - n)
+        mask = torch.arange(c, device=q.device)[None, :] <= rows  # [n, c], True = attend
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+    return out[0].transpose(0, 1).to(q.dtype)

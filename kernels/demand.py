@@ -1,0 +1,230 @@
+"""Demand estimation at a capacity boundary (paper section 3.2, appendix E.1).
+
+Input: one request's calibrated, RoPE-rotated query summaries ``[V, L, Hq, d]`` (V = 2 views:
+short, long; calibration and rotation happen in ``growpage.core``) and its first Nc tokens
+(the estimation candidates) read through its block table. Output: per view, layer and KV head
+the attention distribution over the candidates, ``[V, L, Hkv, Nc]`` fp32, where a KV head's
+distribution is the mean of its query heads' softmax rows (native GQA mapping).
+
+Two kernels, keys read from HBM once:
+
+1. ``_demand_logits_kernel``, one program per (layer, KV head, candidate split): all V * GROUP
+   query rows of the KV head in one fp32 ``tl.dot`` tile (tf32x3 on GPU: boundary-only work,
+   so accuracy of the distributions wins over speed); writes log2-scaled logits to a scratch
+   ``[V, L, Hq, Nc]`` fp32 and per-split running max / sum.
+2. ``_demand_normalize_kernel``: merges the split statistics into a log-sum-exp per row, turns
+   the logits into probabilities and averages each view's GROUP rows.
+
+Top-p working-set sizes (Eq. 7) stay in torch (``working_set_sizes``: sort + cumsum);
+``estimate_demand`` bundles the distributions, sizes, Δt (Eq. 8) and the scores of Eq. 9.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import MIN_DOT_DIM, check_device, check_index, is_interpreter, next_pow2, num_sms
+from .split_k import LOG2E
+
+
+@triton.jit
+def _demand_logits_kernel(
+    q_ptr,  # [V, L, Hq, D] calibrated, rotated query summaries
+    k_cache_ptr,  # [L, num_pages, PAGE_SIZE, Hkv, D] keys of all layers
+    block_table_ptr,  # [max_pages] int the request's pages
+    logits_ptr,  # [V, L, Hq, Nc] fp32 scratch: log2-scaled logits
+    max_ptr,  # [V, L, Hq, NUM_SPLITS] fp32 running max per split
+    sum_ptr,  # [V, L, Hq, NUM_SPLITS] fp32 sum of exp2(logit - max) per split
+    num_candidates,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qv, stride_ql, stride_qh,
+    stride_kl, stride_kp, stride_kt, stride_kh,
+    stride_lv, stride_ll, stride_lh,
+    stride_mv, stride_ml, stride_mh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_VIEWS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    layer = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_R)  # row = view * GROUP + g
+    mask_r = rows < NUM_VIEWS * GROUP
+    view = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + view[:, None] * stride_qv + layer * stride_ql + head[:, None] * stride_qh
+                + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+    q = q.to(tl.float32)
+    k_base = k_cache_ptr + layer.to(tl.int64) * stride_kl + kv_head * stride_kh
+    l_rows = logits_ptr + view * stride_lv + layer * stride_ll + head * stride_lh  # [BLOCK_R]
+
+    chunk = tl.cdiv(tl.cdiv(num_candidates, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, num_candidates)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=-1)
+        mask_n = mask_n & (page >= 0)
+        k_off = page.to(tl.int64) * stride_kp + (offs_n % PAGE_SIZE) * stride_kt
+        k = tl.load(k_base + k_off[:, None] + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        tl.store(l_rows[:, None] + offs_n[None, :], s,
+                 mask=mask_r[:, None] & (offs_n < end)[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m_i = m_new
+    stat = view * stride_mv + layer * stride_ml + head * stride_mh + split
+    tl.store(max_ptr + stat, m_i, mask=mask_r)
+    tl.store(sum_ptr + stat, l_i, mask=mask_r)
+
+
+@triton.jit
+def _demand_normalize_kernel(
+    logits_ptr,  # [V, L, Hq, Nc] fp32 log2-scaled logits
+    max_ptr,  # [V, L, Hq, NUM_SPLITS] fp32
+    sum_ptr,  # [V, L, Hq, NUM_SPLITS] fp32
+    out_ptr,  # [V, L, Hkv, Nc] fp32 attention distributions
+    num_candidates,
+    stride_lv, stride_ll, stride_lh,
+    stride_mv, stride_ml, stride_mh,
+    stride_ov, stride_ol, stride_oh,
+    GROUP: tl.constexpr,
+    NUM_VIEWS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    layer = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < num_candidates
+    rows = tl.arange(0, BLOCK_R)
+    mask_r = rows < NUM_VIEWS * GROUP
+    view = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    offs_s = tl.arange(0, BLOCK_S)
+    stat = (view * stride_mv + layer * stride_ml + head * stride_mh)[:, None] + offs_s[None, :]
+    stat_mask = mask_r[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    m_s = tl.load(max_ptr + stat, mask=stat_mask, other=float("-inf"))
+    l_s = tl.load(sum_ptr + stat, mask=stat_mask, other=0.0)
+    m = tl.max(m_s, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(l_s * tl.exp2(m_s - m[:, None]), 1)
+    lse = m + tl.log2(tl.where(total > 0.0, total, 1.0))
+    logits = tl.load(logits_ptr + (view * stride_lv + layer * stride_ll + head * stride_lh)[:, None]
+                     + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :], other=float("-inf"))
+    p = tl.exp2(logits - lse[:, None]) / GROUP
+    for v in tl.static_range(NUM_VIEWS):
+        mean = tl.sum(tl.where((view == v)[:, None], p, 0.0), 0)
+        tl.store(out_ptr + v * stride_ov + layer * stride_ol + kv_head * stride_oh + offs_n, mean,
+                 mask=mask_n)
+
+
+def demand_attention(
+    queries: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_candidates: int,
+    sm_scale: float | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Per-KV-head attention distributions of the query summaries over the candidates.
+
+    Args:
+        queries: ``[V, L, Hq, d]`` calibrated, RoPE-rotated summaries (V=2: short, long).
+        k_cache: ``[L, num_pages, page_size, Hkv, d]`` keys of all layers (``kv_cache[0]``).
+        block_table: ``[max_pages]`` int32 the request's pages; candidates are its logical
+            tokens ``0..num_candidates-1`` (the caller excludes the most recent page).
+        num_candidates: Nc >= 1.
+
+    Returns:
+        ``[V, L, Hkv, Nc]`` fp32; each row sums to 1.
+    """
+    num_views, num_layers, num_heads, head_dim = queries.shape
+    _, _, page_size, num_kv_heads, d_cache = k_cache.shape
+    assert k_cache.shape[0] == num_layers and d_cache == head_dim, "queries vs k_cache layout"
+    assert num_heads % num_kv_heads == 0 and queries.stride(-1) == 1 and k_cache.stride(-1) == 1
+    check_index(block_table, 1, "block_table")
+    assert 0 < num_candidates <= block_table.shape[0] * page_size, "num_candidates out of range"
+    check_device(queries, k_cache, block_table)
+    group = num_heads // num_kv_heads
+    device = queries.device
+    block_n = block_n or (16 if is_interpreter() else 64)
+    if num_splits is None:
+        want = triton.cdiv(2 * num_sms(device), num_layers * num_kv_heads)
+        num_splits = max(1, min(want, triton.cdiv(num_candidates, 4 * block_n), 16))
+    logits = torch.empty(num_views, num_layers, num_heads, num_candidates, device=device)
+    row_max = torch.empty(num_views, num_layers, num_heads, num_splits, device=device)
+    row_sum = torch.empty_like(row_max)
+    out = torch.empty(num_views, num_layers, num_kv_heads, num_candidates, device=device)
+    scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
+    # fp32 operands: fp16/bf16 keys are exact in tf32, and tf32x3 keeps the fp32 query's precision.
+    precision = "ieee" if k_cache.dtype == torch.float32 or is_interpreter() else "tf32x3"
+    block_r = max(MIN_DOT_DIM, next_pow2(num_views * group))
+    _demand_logits_kernel[(num_layers, num_kv_heads, num_splits)](
+        queries, k_cache, block_table, logits, row_max, row_sum, num_candidates, scale,
+        *queries.stride()[:3], *k_cache.stride()[:4], *logits.stride()[:3], *row_max.stride()[:3],
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_VIEWS=num_views,
+        NUM_SPLITS=num_splits, BLOCK_R=block_r, BLOCK_N=block_n,
+        BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)), DOT_PRECISION=precision,
+    )
+    norm_block = 64 if is_interpreter() else 256
+    _demand_normalize_kernel[(num_layers, num_kv_heads, triton.cdiv(num_candidates, norm_block))](
+        logits, row_max, row_sum, out, num_candidates,
+        *logits.stride()[:3], *row_max.stride()[:3], *out.stride()[:3],
+        GROUP=group, NUM_VIEWS=num_views, NUM_SPLITS=num_splits, BLOCK_R=block_r,
+        BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_N=norm_block,
+    )
+    return out
+
+
+def working_set_sizes(attention: torch.Tensor, p: float) -> torch.Tensor:
+    """Top-p working-set size (Eq. 7) per row of ``attention [..., Nc]``: int64 ``[...]``.
+
+    The smallest k such that the k largest weights sum to at least p (clamped to Nc).
+    """
+    ordered = attention.sort(dim=-1, descending=True).values
+    below = (ordered.cumsum(dim=-1) < p).sum(dim=-1)
+    return (below + 1).clamp(max=attention.shape[-1])
+
+
+class DemandSignals(NamedTuple):
+    """What one boundary event needs (paper Eqs. 7-9); tensors on the cache's device."""
+
+    attention: torch.Tensor  # [V, L, Hkv, Nc] fp32 distributions (view 0 short, 1 long)
+    working_set: torch.Tensor  # [V, L, Hkv] int64 top-p sizes K^x
+    ratio: torch.Tensor  # [V] fp32 mean over (layer, KV head) of K^x / Nc
+    delta: torch.Tensor  # [] fp32 r^S - r^L (> tau: grow)
+    scores: torch.Tensor  # [L, Hkv, Nc] fp32 max over views (selection importance)
+
+
+def estimate_demand(queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                    num_candidates: int, p: float = 0.99,
+                    sm_scale: float | None = None) -> DemandSignals:
+    """``demand_attention`` plus the top-p sizes, Δt and scores, without a host sync."""
+    attention = demand_attention(queries, k_cache, block_table, num_candidates, sm_scale)
+    sizes = working_set_sizes(attention, p)
+    ratio = (sizes.float() / num_candidates).flatten(1).mean(dim=1)
+    return DemandSignals(attention, sizes, ratio, ratio[0] - ratio[-1], attention.amax(dim=0))

@@ -1,0 +1,78 @@
+"""KV store: write the new tokens' keys and values into the paged cache.
+
+Slot index = page * page_size + offset; slot -1 is padding and is skipped (static-shape batches).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_device, check_index, next_pow2
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [N, Hkv, D] new keys (post-RoPE)
+    value_ptr,  # [N, Hkv, D] new values
+    k_cache_ptr,  # [num_pages, PAGE_SIZE, Hkv, D]
+    v_cache_ptr,  # [num_pages, PAGE_SIZE, Hkv, D] (same strides as k_cache)
+    slot_mapping_ptr,  # [N] int, -1 = skip
+    stride_kn, stride_kh,
+    stride_vn, stride_vh,
+    stride_cp, stride_ct, stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
+    if slot >= 0:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(key_ptr + n * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :],
+                    mask=mask)
+        v = tl.load(value_ptr + n * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :],
+                    mask=mask)
+        dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_ct
+        dst_offs = dst + offs_h[:, None] * stride_ch + offs_d[None, :]
+        tl.store(k_cache_ptr + dst_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key/value [N, Hkv, d]`` into ``k_cache/v_cache [num_pages, page_size, Hkv, d]``.
+
+    Args:
+        key, value: ``[N, Hkv, d]`` (last dim contiguous); cast to the cache dtype on store.
+        k_cache, v_cache: one layer's views of the KV cache, identical strides.
+        slot_mapping: ``[N]`` int32/int64 physical slot per token; -1 skips the token.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape, f"value {tuple(value.shape)} vs key {tuple(key.shape)}"
+    assert key.stride(-1) == 1 and value.stride(-1) == 1, "key/value: last dim contiguous"
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), "k/v differ"
+    assert k_cache.dim() == 4 and k_cache.stride(-1) == 1, "cache: [num_pages, page_size, Hkv, d]"
+    assert k_cache.shape[2:] == key.shape[1:], f"cache {tuple(k_cache.shape)} vs {tuple(key.shape)}"
+    check_index(slot_mapping, 1, "slot_mapping")
+    assert slot_mapping.shape[0] == num_tokens, "one slot per token"
+    check_device(key, value, k_cache, v_cache, slot_mapping)
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=max(2, next_pow2(num_kv_heads)), BLOCK_D=next_pow2(head_dim),
+    )

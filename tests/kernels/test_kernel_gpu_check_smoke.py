@@ -1,0 +1,30 @@
+"""The GPU check script's --smoke mode runs every section on tiny shapes (CPU interpreter)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--no-sweep",
+         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["smoke"] and report["tests"] == {"skipped": "--smoke/--skip-tests"}
+    decode = report["decode"]
+    assert len(decode) == 4 and all(row["ms"] > 0 and row["gbps"] > 0 for row in decode)
+    (ema,) = report["ema"]
+    assert {"plain_ms", "fused_ms", "unfused_ms", "fused_overhead_pct"} <= ema.keys()
+    boundary = report["boundary"]
+    assert boundary["num_keep"] == boundary["context"] - 8  # one page of 8 slots freed
+    assert boundary["compaction_direct_ms"] > 0 and boundary["demand_total_ms"] > 0
+    assert report["engine"]["status"] in ("skipped", "ok", "error")
+    markdown = out.with_suffix(".md").read_text()
+    assert "| batch | context |" in markdown and "Boundary event" in markdown
