@@ -10,8 +10,11 @@
       rc=2          rc=1  cached               cached: a free page still holding a full
                                                prefix page; reused on a hit, evicted on reuse
 
-Prefix caching: a full page's hash chains the previous page's hash with the page's token ids;
-on a hit the stored token ids are compared too, so a hash collision can never share wrong KV.
+Prefix caching: a full page's hash chains the previous page's hash with the page's token ids.
+A page's KV depends on its whole prefix, so a hit must match three things: the hash, the page's
+own token ids, and its *parent* (the cached page that held the previous page when it was
+registered). Forgetting a page forgets its cached descendants, so parent identity implies the
+whole prefix is the same and even a hash collision cannot share wrong KV.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_size: int, watermark: int = 0) -> None:
-        if not isinstance(num_pages, int) or num_pages <= 0:
+        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages <= 0:
             raise ConfigError(f"PagePool.num_pages must be a positive integer, got {num_pages!r}")
-        if not isinstance(page_size, int) or page_size <= 0:
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
             raise ConfigError(f"PagePool.page_size must be a positive integer, got {page_size!r}")
         if not isinstance(watermark, int) or not 0 <= watermark < num_pages:
             raise ConfigError(f"PagePool.watermark must be in [0, num_pages), got {watermark!r}")
@@ -49,6 +52,8 @@ class PagePool:
         self._hash_of: dict[int, int] = {}  # page -> hash of the prefix page it holds
         self._page_of: dict[int, int] = {}  # hash -> page
         self._tokens_of: dict[int, tuple[int, ...]] = {}  # page -> token ids it holds
+        self._parent_of: dict[int, int | None] = {}  # page -> cached page of the previous chunk
+        self._children: dict[int, set[int]] = {}  # page -> cached pages registered after it
 
     # ---- allocation ---------------------------------------------------------------------
     @property
@@ -104,6 +109,7 @@ class PagePool:
         return pages
 
     def is_shared(self, page: int) -> bool:
+        self._check_index(page)
         return self.refcounts[page] > 1
 
     def copy_on_write(self, page: int) -> int:
@@ -120,22 +126,50 @@ class PagePool:
         return new
 
     # ---- prefix cache -------------------------------------------------------------------
-    def register(self, page: int, page_hash: int, token_ids: Sequence[int]) -> None:
-        """Record that held ``page`` holds the full prefix page ``token_ids`` hashed ``page_hash``."""
+    def register(self, page: int, page_hash: int, token_ids: Sequence[int], *,
+                 parent: int | None) -> bool:
+        """Record that held ``page`` holds the full prefix page ``token_ids`` hashed ``page_hash``.
+
+        ``parent`` is the cached page holding the previous page of the same prefix (None for a
+        first page). Returns False when nothing was cached: an equal page is cached already
+        (the first one stays), or the parent is no longer cached.
+        """
         self._check_held(page)
         if len(token_ids) != self.page_size:
             raise ValueError(f"only full pages are cached ({len(token_ids)} != {self.page_size})")
-        if page_hash in self._page_of:
-            return  # an equal page is cached already; keep the first
         self._forget(page)
+        if page_hash in self._page_of or (parent is not None and parent not in self._hash_of):
+            return False
         self._hash_of[page] = page_hash
         self._page_of[page_hash] = page
         self._tokens_of[page] = tuple(token_ids)
+        self._parent_of[page] = parent
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(page)
+        return True
 
-    def lookup(self, page_hash: int, token_ids: Sequence[int]) -> int | None:
-        """The cached page holding exactly ``token_ids`` under ``page_hash``, if any."""
+    def register_prefix(self, pages: Sequence[int], token_ids: Sequence[int]) -> int:
+        """Register every full page of a sequence's leading ``pages``; returns how many are
+        cached now. Stops at the first page that cannot be cached."""
+        prev_hash, parent, b = None, None, self.page_size
+        for i, page in enumerate(pages[: len(token_ids) // b]):
+            chunk = token_ids[i * b:(i + 1) * b]
+            prev_hash = chain_hash(prev_hash, chunk)
+            if self.lookup(prev_hash, chunk, parent) == page:
+                parent = page
+                continue
+            if not self.register(page, prev_hash, chunk, parent=parent):
+                return i
+            parent = page
+        return min(len(pages), len(token_ids) // b)
+
+    def lookup(self, page_hash: int, token_ids: Sequence[int], parent: int | None = None
+               ) -> int | None:
+        """The cached page holding exactly ``token_ids`` after ``parent`` under ``page_hash``."""
         page = self._page_of.get(page_hash)
         if page is None or self._tokens_of[page] != tuple(token_ids):
+            return None
+        if self._parent_of[page] != parent:
             return None
         return page
 
@@ -148,7 +182,8 @@ class PagePool:
         self.refcounts[page] += 1
 
     def invalidate(self, page: int) -> None:
-        """Forget the cached content of a page about to be overwritten."""
+        """Forget the cached content of a page about to be overwritten (and its descendants)."""
+        self._check_index(page)
         self._forget(page)
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
@@ -158,7 +193,7 @@ class PagePool:
         for start in range(0, len(token_ids) - b + 1, b):
             chunk = token_ids[start:start + b]
             prev = chain_hash(prev, chunk)
-            page = self.lookup(prev, chunk)
+            page = self.lookup(prev, chunk, pages[-1] if pages else None)
             if page is None:
                 break
             pages.append(page)
@@ -170,13 +205,24 @@ class PagePool:
     # ---- internals ----------------------------------------------------------------------
     def _forget(self, page: int) -> None:
         h = self._hash_of.pop(page, None)
-        if h is not None:
-            del self._page_of[h]
-            del self._tokens_of[page]
+        if h is None:
+            return
+        del self._page_of[h]
+        del self._tokens_of[page]
+        parent = self._parent_of.pop(page)
+        if parent is not None:
+            self._children[parent].discard(page)
+        # Descendants were computed after this page's content: they can no longer be matched.
+        for child in self._children.pop(page, set()):
+            self._parent_of[child] = None  # detach first so the recursion does not revisit us
+            self._forget(child)
+
+    def _check_index(self, page: int) -> None:
+        if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:
+            raise ValueError(f"page id {page!r} out of range [0, {self.num_pages})")
 
     def _check_held(self, page: int) -> None:
-        if not isinstance(page, int) or not 0 <= page < self.num_pages:
-            raise ValueError(f"page id {page!r} out of range [0, {self.num_pages})")
+        self._check_index(page)
         if self.refcounts[page] <= 0:
             raise ValueError(f"page {page} is not allocated (double free?)")
 
@@ -190,3 +236,7 @@ class PagePool:
         for page, h in self._hash_of.items():
             assert self._page_of[h] == page and page in self._tokens_of
         assert len(self._page_of) == len(self._hash_of) == len(self._tokens_of)
+        assert self._parent_of.keys() == self._hash_of.keys()
+        for page, parent in self._parent_of.items():
+            assert parent is None or page in self._children.get(parent, ()), \
+                f"cached page {page} lost its link to parent {parent}"
