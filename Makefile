@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.growpage-installed
 
-.PHONY: demo test install lint clean
+.PHONY: demo test install lint clean results bench-sim
 
 install: $(STAMP)
 
@@ -24,6 +24,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Regenerates the simulator results (not part of CI; tens of minutes).
+results: $(STAMP)
+	$(VENV)/bin/growpage demo
+	$(VENV)/bin/growpage sim replay --synthetic 16 --gen-len 8192 --signals --out results/signals
+	$(VENV)/bin/growpage sim sweep --workload mixed --jobs 2 --out results/mixed --points growpage fullkv inverse "random@grow_prob=0.3" "fixed@budget_tokens=1024,2048,4096,8192"
+
+bench-sim: $(STAMP)
+	$(PY) benchmarks/sim_speed.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check growpage kernels tests

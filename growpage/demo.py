@@ -1,93 +1,128 @@
-"""``growpage demo``: the policies side by side on one regime-switching decode stream.
+"""``growpage demo``: the policies side by side, in the simulator, in about a minute on a CPU.
 
-A small stand-in for a model: keys are random, and the query alternates between a concentrated
-regime (aimed at a few anchor tokens) and a diffuse one. Each policy runs through the shared
-``CapacityController``; the table shows what it spent (average KV budget, pages) and what it kept
-(attention mass of each new query that falls on the resident tokens, over all past tokens).
+1. Replay: a few synthetic traces (attention switching between concentrated and diffuse
+   regimes, paper Fig. 3) under ``growpage``, ``fixed`` at several budgets, ``fullkv``,
+   ``random`` and ``inverse``, through the shared ``CapacityController``. The table shows what
+   each policy spent (average KV budget) and what it kept: the attention mass the next page of
+   real future queries puts on the retained tokens (mean, and worst layer/head), and the
+   attention-output error.
+2. Serving: a small workload through the simpy serving simulator with a shared page pool.
+3. A Pareto plot (retained mass vs average budget) and the capacity trajectories of one trace,
+   written to ``results/demo/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+from pathlib import Path
 
+import attrs
 import torch
 from tqdm import tqdm
 
-from growpage.core.capacity import CapacityController
 from growpage.core.config import GrowPageConfig
-from growpage.core.demand import update_query_summaries
-from growpage.core.kvview import DenseKVView
-from growpage.core.pages import PagePool
-from growpage.core.request import RequestState
-from growpage.core.rope import RopeConfig, rope_at
 from growpage.policies import resolve_policy
 
-LAYERS, KV_HEADS, GROUP, HEAD_DIM = 2, 2, 2, 16
-REGIME_TOKENS = 300  # tokens per regime
+POLICIES: list[tuple[str, str, dict]] = [   # (label, policy, hyperparameters)
+    ("growpage", "growpage", {}),
+    ("fullkv", "fullkv", {}),
+    ("random", "random", {"grow_prob": 0.3}),
+    ("inverse", "inverse", {}),
+    ("fixed-512", "fixed", {"budget_tokens": 512}),
+    ("fixed-1024", "fixed", {"budget_tokens": 1024}),
+    ("fixed-2048", "fixed", {"budget_tokens": 2048}),
+]
+SERVE_POLICIES = ["growpage", "fixed-1024", "fixed-2048", "fullkv"]
+SERVE_PAGES = 600      # KV pool of the serving run, pages (of --page-size tokens)
+SERVE_SEATS = 64       # max_num_seqs
 
 
-def _stream(steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Post-RoPE keys ``[T, L, Hkv, d]`` and pre-RoPE queries ``[T, L, Hq, d]``."""
-    g = torch.Generator().manual_seed(seed)
-    keys = torch.randn(steps, LAYERS, KV_HEADS, HEAD_DIM, generator=g)
-    queries = torch.randn(steps, LAYERS, KV_HEADS * GROUP, HEAD_DIM, generator=g) * 0.3
-    rope = RopeConfig(head_dim=HEAD_DIM)
-    for t in range(steps):
-        if (t // REGIME_TOKENS) % 2 == 0 and t > 8:  # concentrated: aim at an anchor token
-            anchor = int(torch.randint(0, 8, (1,), generator=g))
-            target = keys[anchor].repeat_interleave(GROUP, dim=1) * 3.0
-            queries[t] = rope_at(rope, target, -t)
-    return keys, queries
+CAPACITY_PLOT = ["growpage", "fixed-1024", "random", "inverse", "fullkv"]
 
 
-def run_policy(name: str, steps: int, page_size: int, seed: int) -> dict:
-    config = GrowPageConfig(page_size=page_size, recent_window=page_size // 8)
-    pool = PagePool(steps // page_size + 4, page_size)
-    kwargs = {"budget_tokens": 4 * page_size} if name == "fixed" else {}
-    ctrl = CapacityController(resolve_policy(name, **kwargs), pool, config)
-    rope = RopeConfig(head_dim=HEAD_DIM)
-    keys, queries = _stream(steps, seed)
-    view = DenseKVView(LAYERS, KV_HEADS * GROUP, KV_HEADS, HEAD_DIM, rope, capacity=steps)
-    state = RequestState(name, pool.allocate(1))
-    summaries = torch.zeros(LAYERS, 2, KV_HEADS * GROUP, HEAD_DIM)
-    budget, mass = 0.0, 0.0
-    for t in range(steps):
-        update_query_summaries(summaries, queries[t], config.beta_short, config.beta_long, t == 0)
-        view.set_queries(summaries.clone(), queries[t])
-        if ctrl.needs_decision(state):
-            ctrl.on_boundary(state, view)
-        view.append(keys[t], t)
-        state.num_tokens += 1
-        state.position += 1
-        budget += state.num_pages * page_size
-        mass += _resident_mass(view, keys[: t + 1], rope_at(rope, queries[t], t))
-    return {"policy": name, "avg_budget": budget / steps, "final_pages": state.num_pages,
-            "kept_mass": mass / steps, **ctrl.events.as_dict()}
+def replay_table(args: argparse.Namespace, config: GrowPageConfig
+                 ) -> tuple[list[dict], dict, list[tuple[int, int]]]:
+    """Aggregate replay rows per policy; the trajectories and diffuse regimes of one trace."""
+    from growpage.sim.replay import ReplayOptions, replay_trace
+    from growpage.sim.reports import aggregate_replays
+    from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
+
+    spec = SyntheticSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                         prompt_len=128, gen_len=args.gen_len, schedule="random",
+                         mean_regime_len=1024.0)
+    traces = [synthetic_trace(spec, args.seed + i) for i in range(args.traces)]
+    rows, trajectories = [], {}
+    # Plot the trace with the most regime switches.
+    shown = max(range(len(traces)), key=lambda i: len(traces[i].header.meta["regimes"]))
+    diffuse = [(a, b) for a, b, kind in traces[shown].header.meta["regimes"] if kind == "diffuse"]
+    jobs = [(label, name, kw, t) for label, name, kw in POLICIES for t in traces]
+    results: dict[str, list] = {}
+    for label, name, kw, trace in tqdm(jobs, desc="replay", unit="run"):
+        result = replay_trace(trace, resolve_policy(name, **kw), config,
+                              ReplayOptions(fidelity_queries=8))
+        results.setdefault(label, []).append(result)
+    for label, name, _ in POLICIES:
+        row = aggregate_replays(results[label], label)
+        rows.append({**row, "group": "fixed" if name == "fixed" else label})
+        if label in CAPACITY_PLOT:
+            trajectories[label] = results[label][shown].trajectory
+    return rows, trajectories, diffuse
 
 
-def _resident_mass(view: DenseKVView, all_keys: torch.Tensor, q: torch.Tensor) -> float:
-    q = q.reshape(LAYERS, KV_HEADS, GROUP, HEAD_DIM)
-    attn = torch.einsum("lhgd,tlhd->lhgt", q, all_keys).mul(HEAD_DIM ** -0.5).softmax(-1)
-    attn = attn.mean(2)  # [L, Hkv, T]
-    kept = torch.gather(attn, 2, view.positions())
-    return float(kept.sum(-1).mean())
+def serving_table(args: argparse.Namespace, config: GrowPageConfig) -> list[dict]:
+    from growpage.sim.costmodel import load_cost_model
+    from growpage.sim.serving import SimConfig, simulate
+    from growpage.sim.workloads import resolve_workload
+
+    requests = resolve_workload("small", args.seed)
+    sim = SimConfig(num_kv_pages=SERVE_PAGES, max_num_seqs=SERVE_SEATS, seed=args.seed)
+    cost = load_cost_model("a100-qwen3-8b")
+    kwargs = {label: (name, kw) for label, name, kw in POLICIES}
+    rows = []
+    for label in tqdm(SERVE_POLICIES, desc="serve", unit="policy"):
+        name, kw = kwargs[label]
+        result = simulate(requests, resolve_policy(name, **kw), config, sim, cost)
+        rows.append({**result.metrics.as_dict(), "policy": label})
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = [run_policy(name, args.steps, args.page_size, args.seed)
-            for name in tqdm(args.policies, desc="policies", unit="policy")]
-    cols = ["policy", "avg_budget", "final_pages", "kept_mass", "grow", "compress", "fallback"]
-    print(" | ".join(f"{c:>11}" for c in cols))
-    for row in rows:
-        print(" | ".join(f"{row[c]:>11.3f}" if isinstance(row[c], float) else f"{row[c]:>11}"
-                         for c in cols))
+    from growpage.sim.plots import plot_capacity, plot_pareto
+    from growpage.sim.reports import REPLAY_COLUMNS, SERVING_COLUMNS, format_table, write_json
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    config = GrowPageConfig(page_size=args.page_size, recent_window=16)
+    rows, trajectories, diffuse = replay_table(args, config)
+    print(f"\nReplay: {args.traces} synthetic traces of {args.gen_len} generated tokens, "
+          f"page size {config.page_size}; fidelity = real attention of 8 sampled queries of "
+          "the next page (mass on retained tokens; 1 = nothing lost)")
+    print(format_table(rows, REPLAY_COLUMNS))
+    serve_rows = serving_table(args, config)
+    print(f"\nServing: 'small' workload (96 requests, all at t=0), {SERVE_PAGES} KV pages of "
+          f"{config.page_size} tokens, {SERVE_SEATS} seats, A100/Qwen3-8B roofline step times, "
+          "decisions scripted from synthetic traces")
+    print(format_table(serve_rows, SERVING_COLUMNS))
+    out = Path(args.out)
+    pareto = plot_pareto([{**r, "label": r["policy"]} for r in rows], out / "pareto.png",
+                         "avg_budget", "mass_mean", "average KV budget (tokens)",
+                         "retained attention mass (next page)", "fidelity vs KV budget")
+    capacity = plot_capacity(trajectories, out / "capacity.png", config.page_size,
+                             title="capacity over one synthetic trace", shaded=diffuse,
+                             shaded_label="diffuse attention")
+    write_json(out / "demo.json", {"replay": rows, "serving": serve_rows,
+                                   "config": attrs.asdict(config)})
+    print(f"\nPareto plot: {pareto}\nCapacity trajectories: {capacity}\n"
+          f"Numbers: {out / 'demo.json'}   ({time.perf_counter() - start:.0f} s)")
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="compare policies on a regime-switching stream")
-    p.add_argument("--policies", nargs="+", default=["growpage", "fixed", "fullkv", "inverse"])
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--page-size", type=int, default=32)
+    p = subparsers.add_parser("demo", help="compare policies in the simulator (about a minute)")
+    p.add_argument("--traces", type=int, default=3, help="synthetic traces to replay")
+    p.add_argument("--gen-len", type=int, default=3072, help="generated tokens per trace")
+    p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/demo", help="where plots and numbers go")
     p.set_defaults(func=run)

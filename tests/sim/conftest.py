@@ -50,3 +50,12 @@ def make_trace() -> Callable[..., Trace]:
 @pytest.fixture(scope="session")
 def ws_ratio() -> Callable[..., torch.Tensor]:
     return working_set_ratio
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Small tensor ops run several times faster single-threaded on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

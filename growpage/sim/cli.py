@@ -1,0 +1,92 @@
+"""``growpage sim replay|serve|sweep`` and ``growpage calibrate``: argument parsing.
+
+The commands themselves are in ``sim.commands``; this module only declares their options.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_POINTS = ["growpage", "fullkv", "fixed@budget_tokens=1024,2048,4096,8192"]
+
+
+def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
+    if policy:
+        p.add_argument("--policy", default="growpage",
+                       help="registered name, 'module:Class' or 'file.py:Class' (default growpage)")
+        p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                       help="policy hyperparameter (repeatable; VALUE parsed as JSON)")
+    p.add_argument("--page-size", type=int, default=256, help="tokens per KV page (default 256)")
+    p.add_argument("--recent-window", type=int, default=16, help="protected recent tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: best on a shared machine)")
+    p.add_argument("--out", metavar="DIR", help="write JSON/CSV results and PNG plots here")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _serving(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", required=True, metavar="NAME_OR_CSV",
+                   help="mixed, amc23, aime24, gsm8k, small, tiny, or a CSV file")
+    p.add_argument("--cost", default="a100-qwen3-8b",
+                   help="roofline preset (a100-qwen3-8b, a100-r1-llama-8b) or a JSON file "
+                        "from `growpage calibrate`")
+    p.add_argument("--kv-pages", type=int, metavar="N",
+                   help="pages in the KV pool (default: what the preset's GPU holds, else 1500)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--admission-reserve", type=float, default=0.05,
+                   help="share of the pool a new request must leave free (default 0.05)")
+    p.add_argument("--decisions", choices=["script", "trace"], default="script",
+                   help="script: played-back signals (scales); trace: a KV view per request")
+    p.add_argument("--traces", metavar="DIR", help="trace set for --decisions trace")
+    p.add_argument("--num-scripts", type=int, default=8)
+
+
+def _lazy(name: str):
+    """The command ``name`` of ``sim.commands``, imported only when it runs."""
+    def run(args: argparse.Namespace) -> int:
+        from growpage.sim import commands
+
+        return getattr(commands, name)(args)
+    return run
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    sim = subparsers.add_parser("sim", help="trace replay and serving simulation")
+    sub = sim.add_subparsers(dest="sim_command", metavar="SIM_COMMAND", required=True)
+
+    p = sub.add_parser("replay", help="replay traces under a policy: decisions and fidelity")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--traces", metavar="DIR", help="a trace set directory")
+    src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic traces instead")
+    p.add_argument("--gen-len", type=int, default=4096, help="synthetic: generated tokens")
+    p.add_argument("--schedule", default="random", help="synthetic: regime schedule")
+    p.add_argument("--fidelity-queries", type=int, default=8,
+                   help="future queries sampled per boundary (0: decisions only)")
+    p.add_argument("--signals", action="store_true",
+                   help="also measure Delta_t quality (Spearman, growth advantage; slower)")
+    _common(p)
+    p.set_defaults(func=_lazy("run_replay"))
+
+    p = sub.add_parser("serve", help="simulate serving a workload under a policy")
+    _serving(p)
+    _common(p)
+    p.set_defaults(func=_lazy("run_serve"))
+
+    p = sub.add_parser("sweep", help="policies x parameters: serving and fidelity, in parallel")
+    _serving(p)
+    p.add_argument("--points", nargs="+", default=DEFAULT_POINTS, metavar="SPEC",
+                   help="NAME or NAME@key=v1,v2;key2=v3 (default: %(default)s)")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes")
+    p.add_argument("--fidelity-traces", type=int, default=4,
+                   help="synthetic traces replayed per point for fidelity (0: none)")
+    _common(p, policy=False)
+    p.set_defaults(func=_lazy("run_sweep"))
+
+    p = subparsers.add_parser("calibrate", help="fit the linear step-time model")
+    p.add_argument("--measurements", metavar="FILE",
+                   help="CSV/JSON rows num_seqs,kv_tokens,prefill_tokens,step_s (default: "
+                        "measure the local engine)")
+    p.add_argument("--out", default="costmodel.json", help="where to write the model")
+    p.set_defaults(func=_lazy("run_calibrate"))

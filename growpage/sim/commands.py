@@ -1,0 +1,221 @@
+"""The ``growpage sim ...`` and ``growpage calibrate`` commands (options in ``sim.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from tqdm import tqdm
+
+from growpage.core.config import GrowPageConfig
+from growpage.core.traces import Trace, TraceSet
+from growpage.errors import ConfigError
+from growpage.policies.registry import resolve_policy
+from growpage.sim import reports
+from growpage.sim.costmodel import CostModel, RooflineCostModel, load_cost_model
+from growpage.sim.replay import ReplayOptions, replay_trace
+from growpage.sim.serving import SimConfig
+from growpage.sim.signal import signal_quality
+from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
+from growpage.sim.workload_csv import WorkloadRequest
+from growpage.sim.workloads import resolve_workload
+
+SWEEP_COLUMNS: list[reports.Column] = [
+    ("label", "point", ""), ("tps", "TPS", ".0f"), ("avg_resident", "C", ".1f"),
+    ("avg_kv_budget", "avg budget", ".0f"), ("mass_mean", "mass mean", ".4f"),
+    ("output_error", "out err", ".4f"), ("grow_ratio", "grow %", ".1%"),
+    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d")]
+
+
+def parse_params(items: list[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` -> kwargs; values parsed as JSON when they parse."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"--param expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def _setup(args: argparse.Namespace) -> GrowPageConfig:
+    torch.set_num_threads(max(1, args.threads))
+    return GrowPageConfig(page_size=args.page_size, recent_window=args.recent_window)
+
+
+def _emit(args: argparse.Namespace, table: str, payload: dict) -> None:
+    print(json.dumps(reports._jsonable(payload), indent=1) if args.json else table)
+
+
+def _note(args: argparse.Namespace, text: str) -> None:
+    """A message besides the results (on stderr when stdout carries JSON)."""
+    print(text, file=sys.stderr if args.json else sys.stdout)
+
+
+# ---- replay ----------------------------------------------------------------------------------
+def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace]]:
+    if args.traces:
+        traces = TraceSet(args.traces)
+        return len(traces), traces.read
+    spec = SyntheticSpec(gen_len=args.gen_len, schedule=args.schedule)
+    return args.synthetic, lambda i: synthetic_trace(spec, args.seed + i, f"synthetic-{i}")
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    config = _setup(args)
+    kwargs = parse_params(args.param)
+    options = ReplayOptions(fidelity_queries=args.fidelity_queries, signals=args.signals)
+    count, read = _replay_traces(args)
+    results = []
+    for i in tqdm(range(count), desc="replay", unit="trace", disable=args.json):
+        results.append(replay_trace(read(i), resolve_policy(args.policy, **kwargs), config,
+                                    options))
+    rows = [r.summary() for r in results] + [reports.aggregate_replays(results, "ALL")]
+    columns = [("request_id", "trace", "")] + reports.REPLAY_COLUMNS
+    table = reports.format_table(rows, columns)
+    payload: dict[str, Any] = {"config": attrs.asdict(config), "policy": args.policy,
+                               "params": kwargs, "summary": rows[-1],
+                               "traces": [r.as_dict() for r in results]}
+    if args.signals:
+        quality = signal_quality(rec for r in results for rec in r.records)
+        payload["signals"] = quality.as_dict()
+        table += "\n\n" + _signal_table(quality)
+    _emit(args, table, payload)
+    if args.out:
+        out = Path(args.out)
+        reports.write_json(out / "replay.json", payload)
+        reports.write_csv(out / "replay.csv", rows)
+        from growpage.sim.plots import plot_capacity
+
+        plot_capacity({r.request_id: r.trajectory for r in results[:12]}, out / "capacity.png",
+                      config.page_size, title=f"capacity under {args.policy}")
+        _note(args, f"results in {out}/ (replay.json, replay.csv, capacity.png)")
+    return 0
+
+
+def _signal_table(q: Any) -> str:
+    head = (f"Delta_t vs future demand change: Spearman rho = {q.spearman:.3f}, sign "
+            f"agreement = {q.sign_agreement:.1%} over {q.num_boundaries} boundaries")
+    rows = [{"bucket": f"[{b.low:g}, {b.high:g})", "count": b.count, "adv": b.mean_advantage,
+             "adv_err": b.mean_advantage_error} for b in q.buckets]
+    return head + "\n" + reports.format_table(rows, [
+        ("bucket", "Delta_t bucket", ""), ("count", "n", "d"),
+        ("adv", "growth adv (mass)", ".4f"), ("adv_err", "growth adv (out err)", ".4f")])
+
+
+# ---- serve -----------------------------------------------------------------------------------
+def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
+                   ) -> tuple[SimConfig, CostModel, list[WorkloadRequest]]:
+    cost = load_cost_model(args.cost)
+    pages = args.kv_pages
+    if pages is None:
+        pages = cost.kv_pages(config.page_size) if isinstance(cost, RooflineCostModel) else 1500
+    sim = SimConfig(num_kv_pages=pages, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    admission_reserve=args.admission_reserve, decisions=args.decisions,
+                    num_scripts=args.num_scripts, seed=args.seed)
+    return sim, cost, resolve_workload(args.workload, args.seed)
+
+
+def traces_for(requests: list[WorkloadRequest], directory: str
+               ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
+    """Trace mode over a trace set: each request takes its ``trace`` (or the set's entries in
+    turn) and the lengths of that trace."""
+    traces = TraceSet(directory)
+    if not len(traces):
+        raise ConfigError(f"{directory}: the trace set is empty")
+    by_id = {e.request_id: e for e in traces.index}
+    chosen, out = {}, []
+    for i, r in enumerate(requests):
+        entry = by_id.get(r.trace) if r.trace else traces.index[i % len(traces)]
+        if entry is None:
+            raise ConfigError(f"request {r.request_id}: trace {r.trace!r} is not in {directory}")
+        chosen[r.request_id] = entry
+        out.append(attrs.evolve(r, prompt_tokens=entry.prompt_len,
+                                output_tokens=max(entry.num_tokens - entry.prompt_len, 1)))
+    return out, lambda request: traces.read(chosen[request.request_id])
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from growpage.sim.serving import simulate
+
+    config = _setup(args)
+    sim, cost, requests = _serving_setup(args, config)
+    trace_of = None
+    if args.decisions == "trace" and args.traces:
+        requests, trace_of = traces_for(requests, args.traces)
+    policy = resolve_policy(args.policy, **parse_params(args.param))
+    with tqdm(total=len(requests), desc="serve", unit="req", disable=args.json) as bar:
+        result = simulate(requests, policy, config, sim, cost, trace_of,
+                          on_progress=lambda n: bar.update(n - bar.n))
+    m = result.metrics.as_dict()
+    table = reports.format_table([m], reports.SERVING_COLUMNS) + (
+        f"\n{m['num_requests']} requests, {m['output_tokens']} output tokens, "
+        f"{sim.num_kv_pages} KV pages (peak {m['peak_pages']}), cost model {args.cost}")
+    payload = {"metrics": m, "sim": attrs.asdict(sim), "config": attrs.asdict(config),
+               "cost": args.cost, "workload": args.workload}
+    _emit(args, table, payload)
+    if args.out:
+        out = Path(args.out)
+        reports.write_json(out / "metrics.json", payload)
+        reports.write_csv(out / "requests.csv", [_request_row(r) for r in result.requests])
+        from growpage.sim.plots import plot_capacity
+
+        trajectories = dict(list(result.capacity_trajectories().items())[:12])
+        plot_capacity(trajectories, out / "capacity.png", config.page_size, xlabel="time (s)",
+                      title=f"per-request capacity under {policy.name}")
+        _note(args, f"results in {out}/ (metrics.json, requests.csv, capacity.png)")
+    return 0
+
+
+def _request_row(r: Any) -> dict:
+    return {"request_id": r.request_id, "arrival_s": r.spec.arrival_s,
+            "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+            "avg_budget": r.avg_budget, "preemptions": r.preemptions,
+            "first_token_s": r.first_token_s, "finish_s": r.finish_s}
+
+
+# ---- sweep and calibrate ---------------------------------------------------------------------
+def run_sweep(args: argparse.Namespace) -> int:
+    from growpage.sim.plots import plot_pareto
+    from growpage.sim.sweep import SweepSettings, parse_points, run_sweep
+
+    config = _setup(args)
+    sim, _, requests = _serving_setup(args, config)
+    settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
+                             fidelity_traces=args.fidelity_traces, seed=args.seed)
+    rows = run_sweep(parse_points(args.points), settings, jobs=args.jobs, progress=not args.json)
+    _emit(args, reports.format_table(rows, SWEEP_COLUMNS), {"points": rows})
+    if args.out:
+        out = Path(args.out)
+        reports.write_json(out / "sweep.json", {"workload": args.workload, "points": rows})
+        reports.write_csv(out / "sweep.csv", rows)
+        plot_pareto(rows, out / "pareto.png", "tps", "mass_mean", "throughput (tokens/s)",
+                    "retained attention mass", f"fidelity vs throughput ({args.workload})")
+        _note(args, f"results in {out}/ (sweep.json, sweep.csv, pareto.png)")
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from growpage.sim.calibrate import fit_linear, load_measurements, measure_engine
+
+    rows = load_measurements(args.measurements) if args.measurements else measure_engine()
+    model = fit_linear(rows)
+    predicted = model.step_time(rows[:, 0], rows[:, 1], rows[:, 2])
+    rms = float(((predicted - rows[:, 3]) ** 2).mean() ** 0.5)
+    path = model.save(args.out)
+    print(f"fitted on {len(rows)} measurements (rms error {rms * 1e3:.3f} ms):")
+    for key, value in attrs.asdict(model).items():
+        if key != "name":
+            print(f"  {key:20s} {value:.6g}")
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,195 @@
+"""Step-time cost models for the serving simulator.
+
+A step is one engine iteration: a decode step for ``num_seqs`` running requests whose attention
+reads ``kv_tokens`` resident KV tokens in total, and/or a prefill of ``prefill_tokens`` prompt
+tokens. Two models:
+
+* ``LinearCostModel``: ``t = base + per_seq * num_seqs + per_kv_token * kv_tokens
+  + per_prefill_token * prefill_tokens``, fitted by least squares from engine measurements
+  (``growpage calibrate``), saved and loaded as JSON.
+* ``RooflineCostModel``: ``t = overhead + max(flops / (peak * mfu), bytes / (bandwidth * mbu))``
+  from hardware and model specs (``sim.hardware`` has the paper's presets).
+
+All arguments may be numpy arrays (broadcast), so a run of decode steps is priced in one call.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import math
+import os
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from growpage.errors import ConfigError
+from growpage.sim.hardware import PRESETS, HardwareSpec, ModelSpec
+
+ArrayLike = float | int | np.ndarray
+
+
+def _non_negative(inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a finite number >= 0, "
+                          f"got {value!r}")
+
+
+def _unit(inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must lie in (0, 1], got {value!r}")
+
+
+class CostModel(abc.ABC):
+    """Seconds per engine step."""
+
+    name: str = "cost"
+
+    @abc.abstractmethod
+    def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
+                  ) -> ArrayLike:
+        """Seconds of one step (scalars or broadcastable numpy arrays)."""
+
+    def decode_lines(self, num_seqs: int) -> tuple[float, list[tuple[float, float]]]:
+        """Decode step time as ``overhead + max_i(a_i + b_i * kv_tokens)`` for a batch size.
+
+        Returns ``(overhead_s, [(a_i, b_i), ...])``; every built-in model is of this form, which
+        prices a run of steps in closed form (``decode_time``).
+        """
+        raise NotImplementedError
+
+    def decode_times(self, num_seqs: int, kv_tokens: int, num_steps: int) -> np.ndarray:
+        """``[num_steps]`` seconds of consecutive decode steps of a fixed batch.
+
+        ``kv_tokens`` is what the first step reads (its new tokens included); every step adds
+        one token per sequence.
+        """
+        kv = kv_tokens + num_seqs * np.arange(num_steps, dtype=np.float64)
+        times = self.step_time(num_seqs, kv, 0)
+        return np.broadcast_to(np.asarray(times, dtype=np.float64), (num_steps,))
+
+    def decode_time(self, num_seqs: int, kv_tokens: int, num_steps: int) -> float:
+        """Total seconds of ``decode_times(...)``, in closed form when ``decode_lines`` is there."""
+        try:
+            overhead, lines = self.decode_lines(num_seqs)
+        except NotImplementedError:
+            return float(self.decode_times(num_seqs, kv_tokens, num_steps).sum())
+        return overhead * num_steps + _sum_of_max(lines, kv_tokens, num_seqs, num_steps)
+
+    def prefill_time(self, prefill_tokens: int) -> float:
+        """Seconds of a prefill-only step."""
+        return float(self.step_time(0, 0, prefill_tokens))
+
+    def describe(self) -> dict:
+        return {"kind": type(self).__name__, **attrs.asdict(self, recurse=True)}
+
+
+@attrs.frozen(kw_only=True)
+class LinearCostModel(CostModel):
+    """Linear step time (seconds); coefficients in seconds per unit."""
+
+    base_s: float = attrs.field(default=0.0, validator=_non_negative)
+    per_seq_s: float = attrs.field(default=0.0, validator=_non_negative)
+    per_kv_token_s: float = attrs.field(default=0.0, validator=_non_negative)
+    per_prefill_token_s: float = attrs.field(default=0.0, validator=_non_negative)
+    name: str = "linear"
+
+    def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
+                  ) -> ArrayLike:
+        return (self.base_s + self.per_seq_s * num_seqs + self.per_kv_token_s * kv_tokens
+                + self.per_prefill_token_s * prefill_tokens)
+
+    def decode_lines(self, num_seqs: int) -> tuple[float, list[tuple[float, float]]]:
+        return self.base_s + self.per_seq_s * num_seqs, [(0.0, self.per_kv_token_s)]
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps({"kind": "linear", **attrs.asdict(self)}, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> LinearCostModel:
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path}: cannot read a cost model ({e})") from None
+        if not isinstance(d, dict) or d.pop("kind", None) != "linear":
+            raise ConfigError(f"{path}: not a linear cost model (expected \"kind\": \"linear\")")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(f"{path}: bad cost model fields ({e})") from None
+
+
+@attrs.frozen(kw_only=True)
+class RooflineCostModel(CostModel):
+    """Roofline step time of a dense decoder on one accelerator.
+
+    Decode FLOPs are ``2 * params`` per new token plus ``4 * L * Hq * d`` per KV token read by
+    attention (QK^T and PV); bytes are the weights once per step plus every resident KV token.
+    Prefill adds ``2 * params`` FLOPs and one KV write per prompt token (the quadratic prompt
+    attention is ignored: prompts here are short).
+    """
+
+    hardware: HardwareSpec
+    model: ModelSpec
+    mfu: float = attrs.field(default=0.5, validator=_unit)   # achieved share of peak FLOP/s
+    mbu: float = attrs.field(default=0.8, validator=_unit)   # achieved share of peak bandwidth
+    overhead_s: float = attrs.field(default=0.002, validator=_non_negative)  # per step, seconds
+    name: str = "roofline"
+
+    def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
+                  ) -> ArrayLike:
+        m, hw = self.model, self.hardware
+        attn_flops_per_kv = 4.0 * m.num_layers * m.num_q_heads * m.head_dim
+        flops = (2.0 * m.num_params * (np.asarray(num_seqs) + prefill_tokens)
+                 + attn_flops_per_kv * kv_tokens)
+        num_bytes = (m.weight_bytes + m.kv_bytes_per_token * (np.asarray(kv_tokens) + prefill_tokens))
+        compute_s = flops / (hw.peak_flops * self.mfu)
+        memory_s = num_bytes / (hw.memory_bandwidth * self.mbu)
+        return self.overhead_s + np.maximum(compute_s, memory_s)
+
+    def decode_lines(self, num_seqs: int) -> tuple[float, list[tuple[float, float]]]:
+        m, hw = self.model, self.hardware
+        flops_rate, byte_rate = hw.peak_flops * self.mfu, hw.memory_bandwidth * self.mbu
+        compute = (2.0 * m.num_params * num_seqs / flops_rate,
+                   4.0 * m.num_layers * m.num_q_heads * m.head_dim / flops_rate)
+        memory = (m.weight_bytes / byte_rate, m.kv_bytes_per_token / byte_rate)
+        return self.overhead_s, [compute, memory]
+
+    def kv_pages(self, page_size: int) -> int:
+        """Pages of ``page_size`` tokens that fit in the hardware's KV memory for this model."""
+        return self.hardware.kv_pages(self.model, page_size)
+
+
+def _sum_of_max(lines: list[tuple[float, float]], kv0: float, step: float, n: int) -> float:
+    """``sum_{i<n} max_j(a_j + b_j * (kv0 + step * i))``, exactly, for a few lines."""
+    if n <= 0:
+        return 0.0
+    # Breakpoints where the maximum may switch lines, as step indices.
+    cuts = {0, n}
+    for a1, b1 in lines:
+        for a2, b2 in lines:
+            if b1 != b2 and step:
+                x = ((a2 - a1) / (b1 - b2) - kv0) / step
+                if 0 < x < n:
+                    cuts.add(int(math.ceil(x)))
+    total, bounds = 0.0, sorted(cuts)
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        mid = kv0 + step * (lo + hi - 1) / 2.0    # the max is one line on [lo, hi)
+        a, b = max(lines, key=lambda line: line[0] + line[1] * mid)
+        count = hi - lo
+        total += count * a + b * (count * kv0 + step * (lo + hi - 1) * count / 2.0)
+    return total
+
+
+def load_cost_model(spec: str) -> CostModel:
+    """A roofline preset by name (``sim.hardware.PRESETS``) or a linear model's JSON file."""
+    if spec in PRESETS:
+        hardware, model = PRESETS[spec]
+        return RooflineCostModel(hardware=hardware, model=model)
+    if Path(spec).suffix == ".json" or Path(spec).exists():
+        return LinearCostModel.load(spec)
+    raise ConfigError(f"unknown cost model {spec!r}: give a preset ({', '.join(PRESETS)}) or a "
+                      "JSON file written by `growpage calibrate`")

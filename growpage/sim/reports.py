@@ -1,0 +1,102 @@
+"""Tables on screen and JSON/CSV files for replay, serving and sweep results."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from growpage.sim.records import ReplayResult
+
+Column = tuple[str, str, str]   # (key, header, format spec)
+
+REPLAY_COLUMNS: list[Column] = [
+    ("policy", "policy", ""), ("avg_budget", "avg budget", ".0f"),
+    ("mass_mean", "mass mean", ".4f"), ("mass_min", "mass min", ".4f"),
+    ("output_error", "out err", ".4f"), ("grow", "grow", "d"), ("compress", "compress", "d"),
+    ("shrink", "shrink", "d"), ("fallback", "fallback", "d")]
+
+SERVING_COLUMNS: list[Column] = [
+    ("policy", "policy", ""), ("tps", "TPS", ".0f"), ("tpot_ms", "TPOT ms", ".1f"),
+    ("total_time_s", "time s", ".0f"), ("avg_resident", "C", ".1f"),
+    ("avg_kv_budget", "avg budget", ".0f"), ("grow_ratio", "grow %", ".1%"),
+    ("grows", "grow", "d"), ("compresses", "compress", "d"), ("shrinks", "shrink", "d"),
+    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d")]
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if fmt:
+        try:
+            return format(value, fmt)
+        except (TypeError, ValueError):
+            return str(value)
+    return str(value)
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
+    """A plain-text table, right-aligned numbers, one row per dict."""
+    cells = [[_cell(row.get(key), fmt) for key, _, fmt in columns] for row in rows]
+    headers = [header for _, header, _ in columns]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines)
+
+
+def aggregate_replays(results: Sequence[ReplayResult], label: str | None = None) -> dict:
+    """One row for a set of replays of the same policy: means, the worst minimum, event sums."""
+    if not results:
+        return {"policy": label}
+    summaries = [r.summary() for r in results]
+
+    def mean(key: str) -> float | None:
+        xs = [s[key] for s in summaries if s[key] is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    mins = [s["mass_min"] for s in summaries if s["mass_min"] is not None]
+    row: dict[str, Any] = {"policy": label or summaries[0]["policy"], "traces": len(results),
+                           "avg_budget": mean("avg_budget"), "mass_mean": mean("mass_mean"),
+                           "mass_min": min(mins) if mins else None,
+                           "output_error": mean("output_error")}
+    for key in ("boundaries", "grow", "compress", "shrink", "fallback"):
+        row[key] = sum(s[key] for s in summaries)
+    return row
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(obj), indent=1) + "\n")
+    return path
+
+
+def write_csv(path: str | os.PathLike, rows: Sequence[dict]) -> Path:
+    """CSV with the union of the rows' keys as columns (first-seen order)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _jsonable(v) for k, v in row.items()})
+    return path

@@ -1,0 +1,53 @@
+"""``SimRequest``: one request as the serving simulator tracks it."""
+
+from __future__ import annotations
+
+from growpage.core.kvview import KVView
+from growpage.core.request import RequestState
+from growpage.sim.workload_csv import WorkloadRequest
+
+
+class SimRequest:
+    """A request's serving state. Token counters are exact as of decode step ``sync_step``.
+
+    Attributes:
+        state: the controller's ``RequestState`` (block table; counts in controller units).
+        num_tokens: resident KV tokens; generated: output tokens written (both at sync_step).
+        event_step: decode step of its next event (boundary or finish).
+        budget_tokens: sum over its decoded tokens of its capacity (pages * b) when written.
+        capacity: ``(time_s, pages)`` whenever its page count changes (0 = not resident).
+    """
+
+    __slots__ = ("spec", "request_id", "prompt_tokens", "output_tokens", "state", "view",
+                 "num_tokens", "generated", "sync_step", "event_step", "event_tick",
+                 "admit_seq", "is_running", "resume_pages", "resume_tokens", "preemptions",
+                 "budget_tokens", "first_token_s", "finish_s", "capacity")
+
+    def __init__(self, spec: WorkloadRequest) -> None:
+        self.spec = spec
+        self.request_id = spec.request_id
+        self.prompt_tokens = spec.prompt_tokens
+        self.output_tokens = spec.output_tokens
+        self.state = RequestState(spec.request_id)
+        self.view: KVView | None = None
+        self.num_tokens = self.generated = self.sync_step = 0
+        self.event_step = self.event_tick = self.admit_seq = 0
+        self.is_running = False
+        self.resume_pages = self.resume_tokens = self.preemptions = 0
+        self.budget_tokens = 0
+        self.first_token_s: float | None = None
+        self.finish_s: float | None = None
+        self.capacity: list[tuple[float, int]] = []
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.state.block_table)
+
+    @property
+    def avg_budget(self) -> float:
+        """Mean capacity in tokens over its decoded tokens."""
+        return self.budget_tokens / self.generated if self.generated else 0.0
+
+    def __repr__(self) -> str:
+        return (f"SimRequest({self.request_id!r}, tokens={self.num_tokens}, "
+                f"generated={self.generated}/{self.output_tokens}, pages={self.num_pages})")

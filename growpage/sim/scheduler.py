@@ -1,0 +1,201 @@
+"""Continuous-batching scheduler of the serving simulator (nano-vLLM style, page accounting).
+
+Requests wait in FCFS order; a step either prefills newly admitted requests (they take priority)
+or decodes one token for every running request. Decode steps run in *segments*: between two
+events (a request at a capacity boundary, or finishing) nothing changes but token counts, so a
+segment of ``k`` steps is priced at once and nothing is done per token. A request's counters
+are brought up to date (``_sync``) only when it has an event.
+
+Preemption is by recompute, the victim being the most recently admitted running request (as in
+vLLM): its pages are freed and it goes back to the front of the queue; when re-admitted it pays a
+prefill of all its tokens (prompt + generated) and gets back the pages and resident tokens it
+had (its KV is rebuilt and compacted to the same state), so its decisions continue unchanged.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+
+from growpage.core.decision import Action
+from growpage.core.request import RequestState
+from growpage.errors import ConfigError
+from growpage.sim.requests import SimRequest
+from growpage.sim.sources import ScriptSource, TraceSource
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and (through the source) the page pool."""
+
+    def __init__(self, source: TraceSource | ScriptSource, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, admission_reserve: int = 0,
+                 record_events: bool = False) -> None:
+        self.source = source
+        self.controller = source.controller
+        self.pool = source.controller.pool
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.admission_reserve = admission_reserve   # pages left free for running requests
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.finished: list[SimRequest] = []
+        self.step = 0                 # decode steps done
+        self.num_preemptions = 0
+        self.events: list[tuple] | None = [] if record_events else None
+        self._heap: list[tuple[int, int, SimRequest]] = []
+        self._tick = 0
+        self._kv_offset = 0           # sum over running of (num_tokens - sync_step)
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def log(self, now: float, kind: str, request: SimRequest) -> None:
+        """``(time_s, kind, request_id, pages held)``; finish/preempt log the pages released."""
+        if self.events is not None:
+            self.events.append((round(now, 6), kind, request.request_id, request.num_pages))
+
+    def _sync(self, r: SimRequest) -> None:
+        d = self.step - r.sync_step
+        if d:
+            r.num_tokens += d
+            r.generated += d
+            r.budget_tokens += d * r.num_pages * self.page_size
+            r.sync_step = self.step
+
+    def _set_tokens(self, r: SimRequest, num_tokens: int) -> None:
+        self._kv_offset += num_tokens - r.num_tokens
+        r.num_tokens = num_tokens
+
+    def _schedule_event(self, r: SimRequest) -> None:
+        free = r.num_pages * self.page_size - r.num_tokens
+        r.event_step = self.step + min(free, r.output_tokens - r.generated)
+        self._tick += 1
+        r.event_tick = self._tick
+        heapq.heappush(self._heap, (r.event_step, self._tick, r))
+
+    def _pop_due(self) -> list[SimRequest]:
+        """Running requests whose event is now, in admission order."""
+        due = []
+        while self._heap and self._heap[0][0] <= self.step:
+            _, tick, r = heapq.heappop(self._heap)
+            if r.is_running and r.event_tick == tick:
+                due.append(r)
+        return sorted(due, key=lambda r: r.admit_seq)
+
+    def kv_tokens(self) -> int:
+        """Resident KV tokens of the running batch now."""
+        return self._kv_offset + len(self.running) * self.step
+
+    def next_event_step(self) -> int:
+        while self._heap and not (self._heap[0][2].is_running
+                                  and self._heap[0][2].event_tick == self._heap[0][1]):
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else self.step
+
+    # ---- admission --------------------------------------------------------------------------
+    def admit(self, now: float) -> tuple[list[SimRequest], int]:
+        """Admit waiting requests FCFS while pages, seats and the token budget allow.
+
+        Returns the admitted requests and the number of tokens their prefill computes.
+        """
+        batch: list[SimRequest] = []
+        tokens = 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            pages = r.resume_pages or math.ceil(r.prompt_tokens / self.page_size)
+            need = r.prompt_tokens + r.generated
+            if batch and tokens + need > self.max_num_batched_tokens:
+                break
+            reserve = self.admission_reserve if self.running or batch else 0
+            if not self.pool.can_allocate(pages + reserve, respect_watermark=True):
+                if not self.running and not batch:
+                    raise ConfigError(f"request {r.request_id!r} needs {pages} KV pages; the pool "
+                                      f"has {self.pool.num_pages} (watermark {self.pool.watermark})")
+                break
+            self.waiting.popleft()
+            self._start(r, pages, now)
+            batch.append(r)
+            tokens += need
+        return batch, tokens
+
+    def _start(self, r: SimRequest, pages: int, now: float) -> None:
+        if r.view is None:
+            r.view = self.source.view_for(r.spec)
+        r.state.block_table = self.pool.allocate(pages, respect_watermark=True)
+        r.num_tokens = r.resume_tokens or r.prompt_tokens
+        r.sync_step = self.step
+        self._kv_offset += r.num_tokens - r.sync_step
+        r.is_running = True
+        r.admit_seq = self._tick = self._tick + 1
+        self.running.append(r)
+        r.capacity.append((now, r.num_pages))
+        self.log(now, "resume" if r.resume_pages else "admit", r)
+        r.resume_pages = r.resume_tokens = 0
+        self._schedule_event(r)
+
+    # ---- decode -----------------------------------------------------------------------------
+    def resolve_boundaries(self, now: float) -> None:
+        """Run the controller for every running request at a capacity boundary now."""
+        for r in self._pop_due():
+            if r.is_running:
+                self._sync(r)
+                self._boundary(r, now)
+
+    def _boundary(self, r: SimRequest, now: float) -> None:
+        scale = self.source.scale
+        while True:
+            state: RequestState = r.state
+            state.num_tokens = r.num_tokens // scale
+            state.position = r.prompt_tokens + r.generated
+            self.source.prepare(r.view, state.num_tokens, state.position)
+            outcome = self.controller.on_boundary(state, r.view)
+            if outcome.action is not Action.PREEMPT:
+                break
+            victim = self.running[-1]
+            if victim is r and len(self.running) == 1:
+                raise ConfigError(f"request {r.request_id!r} cannot get a page even alone: the "
+                                  f"pool ({self.pool.num_pages} pages) is too small")
+            self.preempt(victim, now)
+            if victim is r:
+                return
+        if outcome.fallback:
+            self.log(now, "fallback", r)
+        self.log(now, outcome.action.value, r)
+        self._set_tokens(r, state.num_tokens * scale)
+        if outcome.pages_after != outcome.pages_before:
+            r.capacity.append((now, r.num_pages))
+        self._schedule_event(r)
+
+    def preempt(self, r: SimRequest, now: float) -> None:
+        """Recompute preemption: free the pages, back to the front of the queue."""
+        self._sync(r)
+        self.log(now, "preempt", r)
+        r.resume_pages, r.resume_tokens = r.num_pages, r.num_tokens
+        self._release(r)
+        r.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
+        r.capacity.append((now, 0))
+
+    def _release(self, r: SimRequest) -> None:
+        self.pool.free(r.state.block_table)
+        r.state.block_table = []
+        r.is_running = False
+        self.running.remove(r)
+        self._kv_offset -= r.num_tokens - r.sync_step
+
+    def advance(self, num_steps: int, now: float) -> None:
+        """``num_steps`` decode steps have run; finish the requests that are done."""
+        self.step += num_steps
+        for r in self._pop_due():
+            self._sync(r)
+            if r.generated >= r.output_tokens:
+                self.log(now, "finish", r)
+                self._release(r)
+                r.finish_s = now
+                r.capacity.append((now, 0))
+                self.finished.append(r)
+            else:   # at a boundary: resolved before the next decode step
+                self._tick += 1
+                r.event_tick = self._tick
+                heapq.heappush(self._heap, (r.event_step, self._tick, r))

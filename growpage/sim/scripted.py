@@ -1,0 +1,188 @@
+"""Scripted decisions: the policy runs live, its attention signals are played back.
+
+A paper-scale workload (thousands of requests, up to 32k tokens each) cannot afford a real KV
+view per request. In *script* mode the serving simulator still asks the real policy at every
+boundary, through the real ``CapacityController``, but:
+
+* the request's plain facts (pages, capacity, position, free pages in the shared pool) are live;
+* the attention signals the policy reads (``ctx.delta()``, ``ctx.entropy_delta()``, ...) are
+  played back from a *script*: the same policy replayed once on a synthetic trace with a private
+  pool (``sim.replay``), where a ``RecordingContext`` logged every signal call per boundary.
+
+So state-driven policies (``fixed``, ``fullkv``, ``random``) are exact, and signal-driven ones
+(``growpage``, ``inverse``, ``shrink``, ``entropy``) see the Delta_t sequence of a real replay of
+a request with the same regime dynamics. What is not modelled: a fallback changes the KV content
+a real request would have, the script's signals do not follow it.
+
+NOTE: in script mode the controller counts in *pages*: it runs with ``page_size = 1`` over a
+pool of the same pages, so a compression keeps ``P - 1`` one-slot "tokens" (no KV content is
+simulated, and the selection checks stay tiny). ``ScriptedContext`` converts back: the policy
+sees tokens and the real ``GrowPageConfig``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from growpage.core.config import GrowPageConfig
+from growpage.core.context import BoundaryContext
+from growpage.core.decision import Decision
+from growpage.core.kvview import KVView, QueryState
+from growpage.core.rope import RopeConfig
+from growpage.errors import GrowPageError
+from growpage.policies.base import CapacityPolicy
+
+SIGNALS = ("attention", "working_set_ratio", "delta", "entropy_delta", "scores",
+           "accumulated_attention", "positions")
+
+SignalLog = dict[tuple[Any, ...], Any]   # (method, *args) -> value, for one boundary
+
+
+def signal_key(method: str, *args: Any) -> tuple[Any, ...]:
+    """Log key of a signal call; trailing None arguments (defaults) are dropped."""
+    while args and args[-1] is None:
+        args = args[:-1]
+    return (method, *args)
+
+
+class SimulationError(GrowPageError):
+    """The simulator cannot model what was asked (e.g. a signal its script did not record)."""
+
+
+def page_units(config: GrowPageConfig) -> GrowPageConfig:
+    """The controller config of script mode: one slot per page (see the module NOTE)."""
+    return config.replace(page_size=1, recent_window=0, k_loc=0)
+
+
+class CountingView(KVView):
+    """KV view with no content: only the resident count (script mode, page units)."""
+
+    num_layers = num_q_heads = num_kv_heads = 1
+    head_dim = 2
+    rope = RopeConfig(head_dim=2)
+    softmax_scale = 1.0
+
+    def __init__(self, num_tokens: int = 0) -> None:
+        self.count = num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.count
+
+    def _no_content(self) -> torch.Tensor:
+        raise SimulationError("a script-mode request has no KV content")
+
+    def keys(self) -> torch.Tensor:
+        return self._no_content()
+
+    def positions(self) -> torch.Tensor:
+        return self._no_content()
+
+    def query_state(self) -> QueryState:
+        self._no_content()
+        raise AssertionError
+
+    def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
+        self.count = keep.shape[-1]
+
+
+class RecordingContext:
+    """Forwards everything to a real ``BoundaryContext`` and logs the signal calls."""
+
+    def __init__(self, ctx: BoundaryContext, log: SignalLog) -> None:
+        self._ctx, self._log = ctx, log
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._ctx, name)
+        if name not in SIGNALS:
+            return target
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            value = target(*args, **kwargs)
+            bound = inspect.signature(target).bind(*args, **kwargs)
+            logged = value.clone() if isinstance(value, torch.Tensor) else value
+            self._log[signal_key(name, *bound.args)] = logged
+            return value
+        return record
+
+
+class RecordingPolicy(CapacityPolicy):
+    """Wraps a policy; ``logs[request_id]`` gets one ``SignalLog`` per decided boundary."""
+
+    def __init__(self, inner: CapacityPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.logs: dict[object, list[SignalLog]] = {}
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        log: SignalLog = {}
+        self.logs.setdefault(ctx.request_id, []).append(log)
+        return self.inner.decide(RecordingContext(ctx, log))   # type: ignore[arg-type]
+
+    def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
+        return self.inner.select(ctx, keep)
+
+
+class ScriptedContext(BoundaryContext):
+    """A context with live facts (in tokens) and played-back signals."""
+
+    def __init__(self, ctx: BoundaryContext, config: GrowPageConfig,
+                 signal: Callable[[tuple[Any, ...]], Any]) -> None:
+        b = config.page_size
+        super().__init__(ctx.request_id, ctx.num_pages * b, ctx.position, ctx.num_pages,
+                         ctx.num_free_pages, config, ctx.view)
+        self._signal = signal
+
+    def attention(self, view: str) -> torch.Tensor:
+        return self._signal(signal_key("attention", view))
+
+    def working_set_ratio(self, view: str, p: float | None = None) -> torch.Tensor:
+        return self._signal(signal_key("working_set_ratio", view, p))
+
+    def delta(self, p: float | None = None) -> float:
+        return self._signal(signal_key("delta", p))
+
+    def entropy_delta(self) -> float:
+        return self._signal(signal_key("entropy_delta"))
+
+    def scores(self) -> torch.Tensor:
+        return self._signal(signal_key("scores"))
+
+    def accumulated_attention(self) -> torch.Tensor | None:
+        return self._signal(signal_key("accumulated_attention"))
+
+    def positions(self) -> torch.Tensor:
+        return self._signal(signal_key("positions"))
+
+
+class ScriptedPolicy(CapacityPolicy):
+    """Adapter run by the script-mode controller (page units): no decision logic of its own.
+
+    ``decide`` hands the wrapped policy a ``ScriptedContext``; ``lookup(request_id, ordinal,
+    key)`` returns the recorded signal ``key`` of the request's ``ordinal``-th decided boundary.
+    ``select`` keeps the last ``keep`` slots (there is no content to choose from).
+    """
+
+    def __init__(self, inner: CapacityPolicy, config: GrowPageConfig,
+                 lookup: Callable[[object, int, tuple[Any, ...]], Any]) -> None:
+        self.inner, self.config, self.lookup = inner, config, lookup
+        self.name = inner.name
+        self.ordinals: dict[object, int] = {}
+        self._keep: dict[tuple[int, int], torch.Tensor] = {}
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        rid = ctx.request_id
+        ordinal = self.ordinals.get(rid, 0)
+        self.ordinals[rid] = ordinal + 1
+        scripted = ScriptedContext(ctx, self.config, lambda key: self.lookup(rid, ordinal, key))
+        return self.inner.decide(scripted)
+
+    def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
+        key = (ctx.num_tokens, keep)
+        if key not in self._keep:
+            self._keep[key] = torch.arange(ctx.num_tokens - keep, ctx.num_tokens).view(1, 1, keep)
+        return self._keep[key]

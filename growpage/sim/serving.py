@@ -1,0 +1,207 @@
+"""Serving simulation (simpy): continuous batching over one shared ``PagePool``.
+
+Two processes share a ``Scheduler``: ``arrivals`` puts requests in the waiting queue at their
+arrival times; ``engine`` loops schedule -> run -> update: a prefill step when waiting requests
+can be admitted (they take priority, as in nano-vLLM), otherwise the capacity boundaries that are
+due go through the ``CapacityController`` and the running batch decodes up to its next event
+(one ``env.timeout`` per segment of identical steps, priced by the cost model). Simulated time
+is in seconds.
+
+Step semantics: a prefill step computes the admitted requests' prompts (plus, for a request back
+from preemption, its generated tokens: recompute) and produces no output token; each decode step
+writes one KV slot and one output token per running request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+
+import attrs
+import numpy as np
+import simpy
+
+from growpage.core.config import GrowPageConfig
+from growpage.core.pages import PagePool
+from growpage.core.traces import Trace
+from growpage.errors import ConfigError
+from growpage.policies.base import CapacityPolicy
+from growpage.policies.registry import resolve_policy
+from growpage.sim.costmodel import CostModel
+from growpage.sim.metrics import ServingMetrics, compute_metrics
+from growpage.sim.requests import SimRequest
+from growpage.sim.scheduler import Scheduler
+from growpage.sim.sources import ScriptSource, TraceSource, synthetic_trace_of
+from growpage.sim.workload_csv import WorkloadRequest
+
+DECISION_MODES = ("script", "trace")
+
+
+def _positive(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"SimConfig.{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _fraction(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"SimConfig.{attribute.name} must lie in [0, 1), got {value!r}")
+
+
+def _mode(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value not in DECISION_MODES:
+        raise ConfigError(f"SimConfig.decisions must be one of {DECISION_MODES}, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SimConfig:
+    """Settings of the serving simulator (the policy's settings are a ``GrowPageConfig``).
+
+    Attributes:
+        num_kv_pages: pages in the shared KV pool (1500 ~ Qwen3-8B on an A100 80 GB, b = 256).
+        max_num_seqs: most running requests (continuous-batching seats).
+        max_num_batched_tokens: most tokens one prefill step computes (a longer prompt still
+            runs, alone).
+        admission_reserve: share of the pool a new request must leave free when admitted
+            (room for the running requests to grow; 0 = nano-vLLM's greedy admission,
+            vLLM keeps 1%).
+        decisions: "script" (scales to paper-size workloads) or "trace" (a real KV view per
+            request); see ``sim.sources``.
+        num_scripts: script mode: synthetic traces shared by the requests (grouped by length).
+        seed: seeds the scripts' and per-request synthetic traces.
+        record_events: keep the ``(time_s, event, request_id, pages)`` log.
+    """
+
+    num_kv_pages: int = attrs.field(default=1500, validator=_positive)
+    max_num_seqs: int = attrs.field(default=256, validator=_positive)
+    max_num_batched_tokens: int = attrs.field(default=16384, validator=_positive)
+    decisions: str = attrs.field(default="script", validator=_mode)
+    admission_reserve: float = attrs.field(default=0.05, validator=_fraction)
+    num_scripts: int = attrs.field(default=8, validator=_positive)
+    seed: int = 0
+    record_events: bool = False
+
+
+@attrs.define
+class ServingResult:
+    """A finished run: metrics, the requests, and the optional event log."""
+
+    metrics: ServingMetrics
+    requests: list[SimRequest]
+    events: list[tuple] | None
+    pool: PagePool
+
+    def capacity_trajectories(self) -> dict[str, list[tuple[float, int]]]:
+        """Per request: ``(time_s, pages)`` at every change of its page count."""
+        return {r.request_id: list(r.capacity) for r in self.requests}
+
+
+@attrs.define
+class _Run:
+    """Mutable state shared by the two processes."""
+
+    scheduler: Scheduler
+    cost: CostModel
+    num_requests: int
+    next_arrival_s: float = float("inf")
+    idle: simpy.Event | None = None
+    resident_seconds: float = 0.0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    peak_pages: int = 0
+    on_progress: Callable[[int], None] | None = None   # called with the finished count
+
+    def spend(self, env: simpy.Environment, seconds: float) -> simpy.Timeout:
+        self.resident_seconds += len(self.scheduler.running) * seconds
+        self.peak_pages = max(self.peak_pages, self.scheduler.pool.num_used_pages)
+        return env.timeout(seconds)
+
+
+def arrivals(env: simpy.Environment, run: _Run, requests: Sequence[SimRequest]
+             ) -> Generator[simpy.Event, None, None]:
+    """Move each request to the waiting queue at its arrival time (requests sorted by it)."""
+    for i, r in enumerate(requests):
+        if r.spec.arrival_s > env.now:
+            run.next_arrival_s = r.spec.arrival_s
+            yield env.timeout(r.spec.arrival_s - env.now)
+        run.scheduler.waiting.append(r)
+        run.scheduler.log(env.now, "arrive", r)
+        nxt = requests[i + 1].spec.arrival_s if i + 1 < len(requests) else float("inf")
+        run.next_arrival_s = nxt
+        if run.idle is not None and not run.idle.triggered:
+            run.idle.succeed()
+    run.next_arrival_s = float("inf")
+
+
+def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, None]:
+    """The engine loop: prefill when possible, else decode up to the next event."""
+    sched, cost = run.scheduler, run.cost
+    while len(sched.finished) < run.num_requests:
+        batch, tokens = sched.admit(env.now)
+        if batch:
+            yield run.spend(env, cost.prefill_time(tokens))
+            run.prefill_steps += 1
+            for r in batch:
+                if r.first_token_s is None:
+                    r.first_token_s = env.now
+            continue
+        if not sched.running:
+            run.idle = env.event()
+            yield run.idle
+            continue
+        sched.resolve_boundaries(env.now)
+        if not sched.running:
+            continue
+        num_steps, seconds = _segment(run, env.now)
+        yield run.spend(env, seconds)
+        run.decode_steps += num_steps
+        done = len(sched.finished)
+        sched.advance(num_steps, env.now)
+        if run.on_progress is not None and len(sched.finished) != done:
+            run.on_progress(len(sched.finished))
+
+
+def _segment(run: _Run, now: float) -> tuple[int, float]:
+    """Decode steps until the next event (or the next arrival) and their total seconds."""
+    sched = run.scheduler
+    batch = len(sched.running)
+    num_steps = sched.next_event_step() - sched.step
+    assert num_steps >= 1, "an event is due but was not resolved"
+    kv = sched.kv_tokens() + batch
+    seconds = run.cost.decode_time(batch, kv, num_steps)
+    if run.next_arrival_s < now + seconds:   # stop after the step the arrival falls in
+        ends = np.cumsum(run.cost.decode_times(batch, kv, num_steps))
+        num_steps = int(np.searchsorted(ends, run.next_arrival_s - now)) + 1
+        return num_steps, float(ends[num_steps - 1])
+    return num_steps, seconds
+
+
+def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
+             config: GrowPageConfig, sim: SimConfig, cost: CostModel,
+             trace_of: Callable[[WorkloadRequest], Trace] | None = None,
+             on_progress: Callable[[int], None] | None = None) -> ServingResult:
+    """Serve ``requests`` under ``policy``; see the module docstring.
+
+    ``trace_of`` gives each request's trace in trace mode (default: a synthetic trace drawn for
+    the request's lengths); script mode ignores it. ``on_progress(num_finished)`` is called
+    whenever requests finish.
+    """
+    policy = resolve_policy(policy)
+    if sim.decisions == "trace":
+        source: TraceSource | ScriptSource = TraceSource(
+            policy, config, sim.num_kv_pages, trace_of or synthetic_trace_of(seed=sim.seed))
+    else:
+        source = ScriptSource(policy, config, sim.num_kv_pages, requests, sim.num_scripts,
+                              sim.seed)
+    reserve = int(sim.admission_reserve * sim.num_kv_pages)
+    sched = Scheduler(source, config.page_size, sim.max_num_seqs, sim.max_num_batched_tokens,
+                      reserve, sim.record_events)
+    sim_requests = [SimRequest(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
+    env = simpy.Environment()
+    run = _Run(sched, cost, len(sim_requests), on_progress=on_progress)
+    env.process(arrivals(env, run, sim_requests))
+    env.process(engine(env, run))
+    env.run()
+    first = min((r.arrival_s for r in requests), default=0.0)
+    metrics = compute_metrics(policy.name, sim_requests, source.controller.events, env.now - first,
+                              run.resident_seconds, sched.num_preemptions, run.decode_steps,
+                              run.prefill_steps, run.peak_pages, sched.pool.num_pages)
+    return ServingResult(metrics, sim_requests, sched.events, sched.pool)

@@ -1,0 +1,154 @@
+"""Where a served request's capacity decisions come from.
+
+* ``TraceSource`` (*trace* mode, exact): every request gets a ``TraceView`` over its own trace
+  (from a trace set, or a synthetic trace drawn for its lengths); the controller runs in tokens.
+* ``ScriptSource`` (*script* mode, scales to thousands of requests): see ``sim.scripted``. The
+  requests are split by length into ``num_scripts`` groups; each group shares one synthetic
+  trace long enough for its longest request, replayed once under the policy (only when the
+  policy reads an attention signal at all).
+
+Both own the shared ``PagePool`` (through their ``CapacityController``) and expose ``scale``:
+tokens per controller slot (1 in trace mode, the page size in script mode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from growpage.core.capacity import CapacityController
+from growpage.core.config import GrowPageConfig
+from growpage.core.kvview import KVView
+from growpage.core.pages import PagePool
+from growpage.core.traces import Trace
+from growpage.policies.base import CapacityPolicy
+from growpage.sim.replay import ReplayOptions, replay_trace
+from growpage.sim.scripted import (
+    CountingView,
+    RecordingPolicy,
+    ScriptedPolicy,
+    SignalLog,
+    SimulationError,
+    page_units,
+)
+from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
+from growpage.sim.traceview import TraceView
+from growpage.sim.workload_csv import WorkloadRequest
+
+# Synthetic traces behind scripts and per-request traces: small heads (the regime dynamics, not
+# the head count, drive Delta_t), regimes of ~1k tokens.
+SCRIPT_SPEC = SyntheticSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                            mean_regime_len=1024.0)
+
+
+class TraceSource:
+    """Trace mode: a real KV view per request."""
+
+    scale = 1
+
+    def __init__(self, policy: CapacityPolicy, config: GrowPageConfig, num_pages: int,
+                 trace_of: Callable[[WorkloadRequest], Trace]) -> None:
+        pool = PagePool(num_pages, config.page_size, watermark=config.watermark)
+        self.controller = CapacityController(policy, pool, config)
+        self.trace_of = trace_of
+
+    def view_for(self, request: WorkloadRequest) -> KVView:
+        view = TraceView(self.trace_of(request), self.controller.config)
+        view.write_until(request.prompt_tokens)
+        return view
+
+    def prepare(self, view: KVView, num_units: int, position: int) -> None:
+        view.prepare_boundary(position)   # type: ignore[attr-defined]
+
+
+class ScriptSource:
+    """Script mode: page-unit controller, signals played back from per-group scripts."""
+
+    def __init__(self, policy: CapacityPolicy, config: GrowPageConfig, num_pages: int,
+                 requests: Sequence[WorkloadRequest], num_scripts: int = 8, seed: int = 0,
+                 spec: SyntheticSpec = SCRIPT_SPEC) -> None:
+        self.scale = config.page_size
+        self.book = ScriptBook(policy, config, requests, num_scripts, seed, spec)
+        pool = PagePool(num_pages, 1, watermark=config.watermark)
+        adapter = ScriptedPolicy(policy, config, self.book.lookup)
+        self.controller = CapacityController(adapter, pool, page_units(config))
+
+    def view_for(self, request: WorkloadRequest) -> KVView:
+        return CountingView()
+
+    def prepare(self, view: KVView, num_units: int, position: int) -> None:
+        view.count = num_units   # type: ignore[attr-defined]
+
+
+@attrs.define
+class _Script:
+    prompt_len: int
+    gen_len: int
+    logs: list[SignalLog] | None = None
+
+
+class ScriptBook:
+    """Signal logs of scripted replays, built on first use; ``lookup`` serves ``ScriptedPolicy``."""
+
+    def __init__(self, policy: CapacityPolicy, config: GrowPageConfig,
+                 requests: Sequence[WorkloadRequest], num_scripts: int, seed: int,
+                 spec: SyntheticSpec) -> None:
+        self.policy, self.config, self.seed, self.spec = policy, config, seed, spec
+        self.script_of: dict[object, int] = {}
+        self.scripts: list[_Script] = []
+        if not requests:
+            return
+        totals = np.array([r.prompt_tokens + r.output_tokens for r in requests])
+        groups = np.array_split(np.argsort(totals, kind="stable"), max(1, num_scripts))
+        for g in (g for g in groups if len(g)):
+            prompt = int(np.median([requests[i].prompt_tokens for i in g]))
+            longest = int(totals[g].max())
+            gen = max(longest - prompt, 1) + 2 * config.page_size   # margin: never run out
+            for i in g:
+                self.script_of[requests[i].request_id] = len(self.scripts)
+            self.scripts.append(_Script(prompt, gen))
+
+    def lookup(self, request_id: object, ordinal: int, key: tuple[Any, ...]) -> Any:
+        index = self.script_of.get(request_id)
+        if index is None:
+            raise SimulationError(f"request {request_id!r} has no script")
+        logs = self._logs(index)
+        if ordinal >= len(logs):
+            raise SimulationError(f"request {request_id!r} reached decided boundary {ordinal}, "
+                                  f"its script has {len(logs)}")
+        if key not in logs[ordinal]:
+            raise SimulationError(
+                f"policy {self.policy.name!r} read signal {key} at boundary {ordinal} of request "
+                f"{request_id!r}, but its script run did not (signals must not depend on the "
+                "pool state in script mode; use trace mode)")
+        return logs[ordinal][key]
+
+    def _logs(self, index: int) -> list[SignalLog]:
+        script = self.scripts[index]
+        if script.logs is None:
+            spec = attrs.evolve(self.spec, prompt_len=script.prompt_len, gen_len=script.gen_len,
+                                with_values=False)
+            trace = synthetic_trace(spec, self.seed + index, request_id=f"script-{index}")
+            recorder = RecordingPolicy(self.policy)
+            replay_trace(trace, recorder, self.config, ReplayOptions(fidelity_queries=0))
+            script.logs = recorder.logs.get(trace.request_id, [])
+        return script.logs
+
+    @property
+    def num_built(self) -> int:
+        return sum(s.logs is not None for s in self.scripts)
+
+
+def synthetic_trace_of(spec: SyntheticSpec = SCRIPT_SPEC, seed: int = 0
+                       ) -> Callable[[WorkloadRequest], Trace]:
+    """Trace mode without recorded traces: a synthetic trace drawn for each request's lengths."""
+    index: dict[str, int] = {}
+
+    def trace_of(request: WorkloadRequest) -> Trace:
+        i = index.setdefault(request.request_id, len(index))
+        s = attrs.evolve(spec, prompt_len=request.prompt_tokens, gen_len=request.output_tokens)
+        return synthetic_trace(s, seed + i, request_id=request.request_id)
+    return trace_of

@@ -1,0 +1,96 @@
+"""``TraceView``: the KV view of one request replayed from a trace.
+
+The view is a ``DenseKVView`` fed from the trace's tensors: keys are written in position order up
+to wherever the replay (or the serving simulator) has got, and at a capacity boundary the query
+summaries are set from EMAs precomputed for the whole trace (``sim.ema``). Between boundaries
+nothing per token happens, so a replay costs one step per boundary, not per token.
+
+Boundaries of a request come every ``page_size`` tokens after the first one: every action of the
+controller (grow, compress & hold, shrink) leaves exactly one page of free slots. The EMAs are
+precomputed on that grid; any other position is computed on demand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from growpage.core.config import GrowPageConfig
+from growpage.core.kvview import DenseKVView
+from growpage.core.traces import Trace
+from growpage.sim.ema import ema_snapshots
+
+
+def first_boundary(prompt_len: int, page_size: int) -> int:
+    """Position of a request's first capacity boundary after prefilling ``prompt_len`` tokens."""
+    return math.ceil(prompt_len / page_size) * page_size
+
+
+class TraceView(DenseKVView):
+    """KV view over ``trace``; positions ``[0, written)`` have been appended (then maybe compacted).
+
+    Attributes:
+        trace: the replayed trace (fp32 tensors).
+        keys_by_head: ``[L, Hkv, T, d]`` post-RoPE keys of every position.
+        values_by_head: ``[L, Hkv, T, d]`` values, or None.
+        written: number of positions appended so far.
+    """
+
+    def __init__(self, trace: Trace, config: GrowPageConfig) -> None:
+        h = trace.header
+        b = config.page_size
+        super().__init__(h.num_recorded_layers, h.num_q_heads, h.num_kv_heads, h.head_dim,
+                         h.rope, capacity=min(trace.num_tokens, 4 * b),
+                         softmax_scale=h.softmax_scale)
+        self.trace = trace
+        self.config = config
+        self.keys_by_head = trace.keys.float().permute(0, 2, 1, 3).contiguous()
+        self.values_by_head = (None if trace.values is None
+                               else trace.values.float().permute(0, 2, 1, 3).contiguous())
+        self.written = 0
+        start = max(first_boundary(trace.prompt_len, b), trace.prompt_len)
+        # A boundary at t reads the summaries after the update at t - 1 (docs/architecture.md).
+        self._grid = [t - 1 for t in range(start, trace.num_tokens, b) if t > trace.prompt_len]
+        self._grid_index = {p: i for i, p in enumerate(self._grid)}
+        self._emas: torch.Tensor | None = None   # [n, L, 2, Hq, d], computed on first use
+
+    @property
+    def num_positions(self) -> int:
+        return self.trace.num_tokens
+
+    def write_until(self, position: int) -> None:
+        """Append the keys of positions ``[written, position)``."""
+        if position < self.written or position > self.trace.num_tokens:
+            raise ValueError(f"cannot write up to position {position} (written {self.written}, "
+                             f"trace has {self.trace.num_tokens})")
+        if position > self.written:
+            keys = self.keys_by_head[:, :, self.written:position]
+            self.extend(keys, torch.arange(self.written, position))
+            self.written = position
+
+    def summaries_at(self, position: int) -> torch.Tensor:
+        """Short/long EMA summaries after the update at decode ``position``, ``[L, 2, Hq, d]``."""
+        betas = (self.config.beta_short, self.config.beta_long)
+        index = self._grid_index.get(position)
+        if index is None:
+            return ema_snapshots(self.trace.queries, self.trace.prompt_len, [position], betas)[0]
+        if self._emas is None:
+            self._emas = ema_snapshots(self.trace.queries, self.trace.prompt_len, self._grid,
+                                       betas)
+        return self._emas[index]
+
+    def prepare_boundary(self, position: int) -> None:
+        """Bring the view to decode ``position``: keys before it written, queries set.
+
+        As in the engine, token ``position`` has no query yet: the summaries and the current
+        query are those of token ``position - 1``; before any decode query (a prompt ending on
+        a page boundary) none are set and the controller grows without asking the policy.
+        """
+        if position < self.trace.prompt_len:
+            raise ValueError(f"position {position} is inside the prompt "
+                             f"(prompt_len {self.trace.prompt_len}); no decisions in prefill")
+        self.write_until(position)
+        last = position - 1
+        if last >= self.trace.prompt_len:
+            self.set_queries(self.summaries_at(last), self.trace.queries[:, last].float())

@@ -1,0 +1,111 @@
+"""``WorkloadRequest`` and the CSV workload format.
+
+::
+
+    arrival_s,prompt_tokens,output_tokens,trace
+    0.0,120,2048,req-0
+    0.5,96,800,
+
+``arrival_s``: seconds (finite, >= 0); ``prompt_tokens`` / ``output_tokens``: integers in
+``[1, MAX_TOKENS]``; ``trace`` (optional column, may be empty): the request id of a trace in the
+trace set given to the simulator. Rows are returned in arrival order (stable). Every problem
+raises ``WorkloadError`` naming the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from pathlib import Path
+
+import attrs
+
+from growpage.errors import WorkloadError
+
+REQUIRED = ("arrival_s", "prompt_tokens", "output_tokens")
+OPTIONAL = ("trace",)
+MAX_TOKENS = 1 << 20    # longest prompt or output accepted, tokens
+MAX_FILE_BYTES = 1 << 28
+
+
+@attrs.frozen
+class WorkloadRequest:
+    """One request of a workload (lengths in tokens, arrival in seconds)."""
+
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    trace: str | None = None
+    kind: str = ""
+
+
+def _int_field(text: str, name: str, where: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise WorkloadError(f"{where}: {name} must be an integer, got {text!r}") from None
+    if not 1 <= value <= MAX_TOKENS:
+        raise WorkloadError(f"{where}: {name} must lie in [1, {MAX_TOKENS}], got {value}")
+    return value
+
+
+def _arrival(text: str, where: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise WorkloadError(f"{where}: arrival_s must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise WorkloadError(f"{where}: arrival_s must be finite and >= 0, got {text!r}")
+    return value
+
+
+def _read_text(path: Path) -> str:
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise WorkloadError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
+        return path.read_bytes().decode("utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkloadError(f"{path}: cannot read the workload file ({e})") from None
+
+
+def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
+    """Parse CSV text (see the module docstring)."""
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as e:
+        raise WorkloadError(f"{source}: not valid CSV ({e})") from None
+    rows = [r for r in rows if any(cell.strip() for cell in r)]
+    if not rows:
+        raise WorkloadError(f"{source}: empty workload (no header)")
+    header = [h.strip() for h in rows[0]]
+    missing = [c for c in REQUIRED if c not in header]
+    unknown = [c for c in header if c not in REQUIRED + OPTIONAL]
+    if missing or unknown or len(set(header)) != len(header):
+        raise WorkloadError(f"{source}: header must hold {', '.join(REQUIRED)} and optionally "
+                            f"trace, each once; got {header}")
+    if len(rows) == 1:
+        raise WorkloadError(f"{source}: no requests after the header")
+    col = {name: i for i, name in enumerate(header)}
+    out = []
+    for line, row in enumerate(rows[1:], start=2):
+        where = f"{source}, line {line}"
+        if len(row) != len(header):
+            raise WorkloadError(f"{where}: {len(row)} fields, header has {len(header)}")
+        trace = row[col["trace"]].strip() if "trace" in col else ""
+        out.append(WorkloadRequest(
+            request_id=f"req-{line - 2}", arrival_s=_arrival(row[col["arrival_s"]], where),
+            prompt_tokens=_int_field(row[col["prompt_tokens"]], "prompt_tokens", where),
+            output_tokens=_int_field(row[col["output_tokens"]], "output_tokens", where),
+            trace=trace or None, kind="csv"))
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def load_workload_csv(path: str | os.PathLike) -> list[WorkloadRequest]:
+    """Requests of a CSV workload file, in arrival order; ``WorkloadError`` on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise WorkloadError(f"{path}: no such workload file")
+    return parse_workload_csv(_read_text(path), str(path))

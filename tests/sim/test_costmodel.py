@@ -1,0 +1,111 @@
+"""Cost models: closed-form decode pricing, roofline presets, fitting and calibration."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from growpage.cli import main
+from growpage.errors import ConfigError, EngineError
+from growpage.sim.calibrate import fit_linear, load_measurements, measure_engine
+from growpage.sim.costmodel import LinearCostModel, RooflineCostModel, load_cost_model
+from growpage.sim.hardware import A100_80GB, PRESETS, QWEN3_8B
+
+
+def test_roofline_preset_pool_and_memory_bound_decode():
+    cost = load_cost_model("a100-qwen3-8b")
+    assert isinstance(cost, RooflineCostModel) and set(PRESETS) >= {"a100-qwen3-8b",
+                                                                      "a100-r1-llama-8b"}
+    assert QWEN3_8B.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2   # 144 KiB per token
+    assert cost.kv_pages(256) == 1500
+    # Decode of 120 requests x 3442 tokens is memory bound: (weights + KV) / (0.8 * 2.039 TB/s).
+    kv = 120 * 3442
+    expected = 0.002 + (QWEN3_8B.weight_bytes + kv * QWEN3_8B.kv_bytes_per_token) / (
+        0.8 * A100_80GB.memory_bandwidth)
+    assert cost.step_time(120, kv) == pytest.approx(expected)
+    # Prefill is compute bound: 2 * params FLOPs per token at 50% of 312 TFLOP/s.
+    assert cost.prefill_time(10000) == pytest.approx(0.002 + 2 * 8.19e9 * 1e4 / (0.5 * 312e12))
+
+
+@pytest.mark.parametrize("cost", [
+    load_cost_model("a100-qwen3-8b"), load_cost_model("a100-r1-llama-8b"),
+    RooflineCostModel(hardware=A100_80GB, model=QWEN3_8B, mfu=0.02, mbu=1.0),  # crosses over
+    LinearCostModel(base_s=0.01, per_seq_s=1e-3, per_kv_token_s=2e-7, per_prefill_token_s=1e-4),
+])
+@pytest.mark.parametrize("batch, kv, steps", [(1, 10, 1), (64, 50000, 300), (256, 10**6, 7),
+                                               (200, 0, 3000)])
+def test_closed_form_decode_time_equals_the_sum_of_steps(cost, batch, kv, steps):
+    per_step = cost.decode_times(batch, kv, steps)
+    assert per_step.shape == (steps,)
+    assert cost.decode_time(batch, kv, steps) == pytest.approx(float(per_step.sum()), rel=1e-9)
+
+
+def test_linear_fit_recovers_coefficients_and_round_trips(tmp_path):
+    truth = LinearCostModel(base_s=0.004, per_seq_s=2e-4, per_kv_token_s=3e-8,
+                            per_prefill_token_s=5e-5)
+    rng = np.random.default_rng(0)
+    x = np.column_stack([rng.integers(1, 64, 50), rng.integers(0, 10**6, 50),
+                         rng.integers(0, 4096, 50)]).astype(float)
+    y = truth.step_time(x[:, 0], x[:, 1], x[:, 2])
+    fitted = fit_linear(np.column_stack([x, y]))
+    for name in ("base_s", "per_seq_s", "per_kv_token_s", "per_prefill_token_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    path = fitted.save(tmp_path / "m.json")
+    assert LinearCostModel.load(path) == fitted == load_cost_model(str(path))
+
+
+def test_negative_coefficients_are_clamped_to_zero():
+    # Step time falls with num_seqs here: the fit must not go negative.
+    rows = np.array([[1, 0, 0, 0.010], [2, 0, 0, 0.009], [4, 0, 0, 0.008], [8, 0, 0, 0.007],
+                     [1, 1000, 0, 0.011]])
+    fitted = fit_linear(rows)
+    assert fitted.per_seq_s == 0.0 and fitted.base_s > 0 and fitted.per_kv_token_s > 0
+
+
+def test_calibrate_cli_fits_a_csv_and_the_model_loads(tmp_path, capsys):
+    truth = LinearCostModel(base_s=0.01, per_seq_s=1e-3, per_kv_token_s=1e-6)
+    lines = ["num_seqs,kv_tokens,prefill_tokens,step_s"]
+    for s, kv, p in [(1, 100, 0), (4, 800, 0), (8, 3000, 0), (2, 50, 500), (16, 9000, 0)]:
+        lines.append(f"{s},{kv},{p},{truth.step_time(s, kv, p)}")
+    (tmp_path / "m.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "model.json"
+    assert main(["calibrate", "--measurements", str(tmp_path / "m.csv"), "--out", str(out)]) == 0
+    assert "rms error" in capsys.readouterr().out
+    model = load_cost_model(str(out))
+    assert model.per_kv_token_s == pytest.approx(1e-6, rel=1e-6)
+
+
+@pytest.mark.parametrize("content, match", [
+    ("num_seqs,kv_tokens\n1,2\n", "exactly the fields"),
+    ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,x\n", "numbers"),
+    ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,-1\n", ">= 0"),
+    ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,4\n", "at least 4"),
+])
+def test_bad_measurements_are_config_errors(tmp_path, content, match):
+    path = tmp_path / "m.csv"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=match):
+        load_measurements(path)
+    bad_json = tmp_path / "m.json"
+    bad_json.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ConfigError, match="JSON list"):
+        load_measurements(bad_json)
+
+
+def test_engine_measurement_says_what_is_missing():
+    if importlib.util.find_spec("growpage.engine.profile") is not None:
+        pytest.skip("the engine offers a profiler now")
+    with pytest.raises(EngineError, match="measure_step_times"):
+        measure_engine()
+
+
+def test_unknown_cost_model_and_bad_specs():
+    with pytest.raises(ConfigError, match="unknown cost model"):
+        load_cost_model("h100-something")
+    with pytest.raises(ConfigError, match="mfu"):
+        RooflineCostModel(hardware=A100_80GB, model=QWEN3_8B, mfu=0.0)
+    with pytest.raises(ConfigError, match="per_kv_token_s"):
+        LinearCostModel(per_kv_token_s=-1.0)

@@ -1,0 +1,144 @@
+"""Per-request replay on synthetic traces where the right answer is known."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+import torch
+
+from growpage import GrowPageConfig, PagePool
+from growpage.core.demand import update_query_summaries
+from growpage.core.rope import rope_at
+from growpage.errors import ConfigError
+from growpage.policies import resolve_policy
+from growpage.sim.ema import ema_snapshots
+from growpage.sim.fidelity import FutureAttention
+from growpage.sim.replay import ReplayOptions, replay_trace
+from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
+from growpage.sim.traceview import TraceView
+
+B = 64
+CONFIG = GrowPageConfig(page_size=B, recent_window=8)
+SWITCH = SyntheticSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32, prompt_len=64,
+                       gen_len=1536, schedule="switch")
+SWITCH_AT = 64 + 1536 // 2
+
+
+@pytest.fixture(scope="module")
+def switch_trace():
+    return synthetic_trace(SWITCH, seed=3)
+
+
+@pytest.fixture(scope="module")
+def random_trace():
+    return synthetic_trace(attrs.evolve(SWITCH, schedule="random", mean_regime_len=256.0,
+                                        gen_len=1000), seed=5)
+
+
+def decided(result, start, end):
+    return [r.decision for r in result.records if start <= r.position < end and r.decision]
+
+
+def test_ema_snapshots_match_the_sequential_update(random_trace):
+    q, p0 = random_trace.queries, random_trace.prompt_len
+    positions = [p0, p0 + 1, p0 + 63, 200, 777, random_trace.num_tokens - 1]
+    got = ema_snapshots(q, p0, positions, (0.9, 0.999))
+    summaries = torch.zeros(q.shape[0], 2, q.shape[2], q.shape[3])
+    for t in range(p0, random_trace.num_tokens):
+        update_query_summaries(summaries, q[:, t], 0.9, 0.999, first=t == p0)
+        if t in positions:
+            torch.testing.assert_close(got[positions.index(t)], summaries, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="strictly"):
+        ema_snapshots(q, p0, [p0 + 5, p0 + 5], (0.9,))
+
+
+def test_switch_to_diffuse_makes_growpage_grow_and_inverse_compress(switch_trace):
+    options = ReplayOptions(fidelity_queries=0)
+    grow = replay_trace(switch_trace, "growpage", CONFIG, options)
+    inverse = replay_trace(switch_trace, "inverse", CONFIG, options)
+    # Concentrated first half: Delta_t ~ 0, growpage compresses, inverse grows.
+    assert set(decided(grow, 2 * B, SWITCH_AT)) == {"compress"}
+    assert set(decided(inverse, 2 * B, SWITCH_AT)) == {"grow"}
+    # After the switch to diffuse attention Delta_t > 0: the opposite.
+    after = SWITCH_AT + B
+    assert set(decided(grow, after, after + 6 * B)) == {"grow"}
+    assert set(decided(inverse, after, after + 6 * B)) == {"compress"}
+    assert all(r.delta > 0.3 for r in grow.records if after <= r.position < after + 4 * B)
+    assert grow.max_pages > 8 and inverse.records[-1].pages_after == inverse.max_pages
+
+
+def test_fullkv_never_loses_mass(random_trace):
+    result = replay_trace(random_trace, "fullkv", CONFIG, ReplayOptions(fidelity_queries=8))
+    assert result.events["compress"] == 0 and result.records
+    assert all(r.mass_mean == 1.0 and r.mass_min == 1.0 and r.output_error == 0.0
+               for r in result.records)
+    assert torch.equal(result.head_mass, torch.ones_like(result.head_mass))
+    # Capacity grows one page per boundary; avg budget = mean capacity over decode tokens.
+    caps = [math.ceil((t + 1) / B) * B for t in range(random_trace.prompt_len,
+                                                      random_trace.num_tokens)]
+    assert result.avg_budget == pytest.approx(sum(caps) / len(caps))
+
+
+@pytest.mark.parametrize("budget", [128, 320, 512])
+def test_fixed_never_exceeds_its_budget(random_trace, budget):
+    result = replay_trace(random_trace, resolve_policy("fixed", budget_tokens=budget), CONFIG,
+                          ReplayOptions(fidelity_queries=0))
+    assert result.max_pages * B == budget // B * B        # grows to the budget, never beyond
+    assert all(r.pages_after * B <= budget for r in result.records)
+    assert result.avg_budget <= budget
+
+
+def test_compression_loses_mass_and_fidelity_matches_brute_force(random_trace):
+    result = replay_trace(random_trace, resolve_policy("fixed", budget_tokens=256), CONFIG,
+                          ReplayOptions(fidelity_queries=4))
+    assert result.mass_mean < 1.0 and all(0 <= r.mass_min <= r.mass_mean <= 1
+                                          for r in result.records)
+    # Brute force at one boundary: rebuild the view, compress, and score each query alone.
+    view = TraceView(random_trace, CONFIG)
+    view.write_until(512)
+    keep = torch.arange(0, 512, 2).expand(2, 2, -1)          # every other token
+    view.compact(keep, [], [])
+    future = FutureAttention.compute(view, 512, 512 + B, 4)
+    lost = future.lost_mass(view.positions())                 # [L, Hkv, Q]
+    h = random_trace.header
+    for qi, t in enumerate(future.positions.tolist()):
+        q = rope_at(h.rope, random_trace.queries[:, t], t).view(2, 2, 2, -1)  # [L, Hkv, G, d]
+        k = view.keys_by_head[:, :, : t + 1]
+        attn = (torch.einsum("lhgd,lhkd->lhgk", q, k) * h.softmax_scale).softmax(-1).mean(2)
+        dropped = torch.ones(t + 1, dtype=torch.bool)
+        dropped[512:] = False
+        dropped[keep[0, 0]] = False
+        torch.testing.assert_close(lost[..., qi], attn[..., dropped].sum(-1), rtol=1e-4,
+                                   atol=1e-5)
+
+
+def test_signals_see_the_switch(switch_trace):
+    result = replay_trace(switch_trace, "growpage", CONFIG,
+                          ReplayOptions(fidelity_queries=4, signals=True))
+    at_switch = [r for r in result.records if SWITCH_AT <= r.position < SWITCH_AT + B]
+    assert at_switch and at_switch[0].future_change > 0.3       # demand jumps at the switch
+    later = [r for r in result.records if r.position >= SWITCH_AT + B]
+    assert all(r.delta > 0 for r in later[:4])
+    assert all(r.advantage is not None and r.advantage >= -1e-6
+               for r in result.records if r.decision)
+
+
+def test_a_shared_pool_can_refuse_growth_or_stop_the_replay(random_trace):
+    pool = PagePool(6, B)
+    result = replay_trace(random_trace, "fullkv", CONFIG, ReplayOptions(fidelity_queries=0),
+                          pool=pool)
+    assert result.max_pages == 6 and result.events["fallback"] > 0 and not result.preempted
+    assert pool.num_free_pages == 6
+    tight = PagePool(2, B)
+    tight.allocate(1)    # someone else holds a page: the forced growth cannot happen
+    stopped = replay_trace(random_trace, "fullkv", CONFIG, pool=tight)
+    assert stopped.preempted and stopped.records[-1].action == "preempt"
+
+
+def test_replay_options_are_validated():
+    with pytest.raises(ConfigError, match="fidelity_queries"):
+        ReplayOptions(fidelity_queries=-1)
+    with pytest.raises(ConfigError, match="signals"):
+        ReplayOptions(fidelity_queries=0, signals=True)

@@ -1,0 +1,71 @@
+"""Script mode: signals recorded in a replay are played back to the live policy."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from growpage import BoundaryContext, CapacityPolicy, Decision, GrowPageConfig
+from growpage.policies import resolve_policy
+from growpage.sim.costmodel import LinearCostModel
+from growpage.sim.replay import ReplayOptions, replay_trace
+from growpage.sim.scripted import RecordingPolicy, SimulationError, signal_key
+from growpage.sim.serving import SimConfig, simulate
+from growpage.sim.sources import SCRIPT_SPEC, ScriptBook
+from growpage.sim.synthetic import synthetic_trace
+from growpage.sim.workload_csv import WorkloadRequest
+
+CONFIG = GrowPageConfig(page_size=32, recent_window=4)
+COST = LinearCostModel(base_s=1.0, per_prefill_token_s=0.5)
+
+
+@attrs.define
+class PositionalP(CapacityPolicy):
+    """Reads delta with a keyword argument and the entropy signal."""
+
+    name = "positional-p"
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        delta, entropy = ctx.delta(p=0.9), ctx.entropy_delta()
+        return Decision.GROW if delta > 0 and entropy > -1 else Decision.COMPRESS
+
+
+def test_recording_logs_every_signal_the_policy_read():
+    trace = synthetic_trace(attrs.evolve(SCRIPT_SPEC, gen_len=300), seed=1, request_id="t")
+    recorder = RecordingPolicy(PositionalP())
+    replay_trace(trace, recorder, CONFIG, ReplayOptions(fidelity_queries=0))
+    logs = recorder.logs["t"]
+    assert logs and all(set(log) == {("delta", 0.9), ("entropy_delta",)} for log in logs)
+    assert signal_key("delta", None) == ("delta",) and signal_key("delta", 0.9) == ("delta", 0.9)
+
+
+def test_played_back_decisions_equal_the_replayed_ones():
+    """One request alone, an ample pool: script mode decides exactly as its script's replay."""
+    request = WorkloadRequest("only", 0.0, 40, 700)
+    book = ScriptBook(resolve_policy("growpage"), CONFIG, [request], 1, 7, SCRIPT_SPEC)
+    script = book.scripts[0]
+    trace = synthetic_trace(attrs.evolve(SCRIPT_SPEC, prompt_len=script.prompt_len,
+                                         gen_len=script.gen_len, with_values=False), 7,
+                            request_id="script-0")
+    replayed = [r.decision for r in replay_trace(trace, "growpage", CONFIG,
+                                                  ReplayOptions(fidelity_queries=0)).records
+                if r.decision]
+    result = simulate([request], "growpage", CONFIG,
+                      SimConfig(num_kv_pages=100, num_scripts=1, seed=7, record_events=True),
+                      COST)
+    served = [e[1] for e in result.events if e[1] in ("grow", "compress")]
+    assert served == replayed[: len(served)] and len(served) >= 20
+
+
+def test_a_signal_the_script_did_not_record_is_a_simulation_error():
+    class Moody(CapacityPolicy):
+        name = "moody"
+
+        def decide(self, ctx):   # reads a signal only when the pool is nearly full
+            if ctx.num_free_pages < 3 and ctx.delta() > 1:
+                return Decision.GROW
+            return Decision.GROW if ctx.num_pages < 3 else Decision.COMPRESS
+
+    with pytest.raises(SimulationError, match="did not"):
+        simulate([WorkloadRequest("a", 0.0, 40, 400), WorkloadRequest("b", 0.0, 40, 400)],
+                 Moody(), CONFIG, SimConfig(num_kv_pages=8, admission_reserve=0.0), COST)

@@ -1,0 +1,119 @@
+"""Workload specs and CSV files: the paper's mixed workload, validation, fuzzing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from growpage.errors import WorkloadError
+from growpage.sim.workload_csv import load_workload_csv, parse_workload_csv
+from growpage.sim.workloads import WORKLOADS, LengthDist, resolve_workload
+
+FUZZ = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def test_mixed_workload_is_table_6():
+    requests = resolve_workload("mixed", seed=0)
+    kinds = [r.kind for r in requests]
+    assert len(requests) == 3559
+    assert (kinds.count("amc23"), kinds.count("aime24"), kinds.count("gsm8k")) == (1280, 960, 1319)
+    assert max(r.output_tokens for r in requests) <= 32768
+    assert all(r.arrival_s == 0.0 for r in requests)
+    means = {k: np.mean([r.output_tokens for r in requests if r.kind == k])
+             for k in ("gsm8k", "amc23", "aime24")}
+    assert 1900 < means["gsm8k"] < 2500 and 7000 < means["amc23"] < 9000
+    assert 13000 < means["aime24"] < 16000
+    assert resolve_workload("mixed", seed=0) == requests          # seeded
+    assert resolve_workload("mixed", seed=1) != requests
+
+
+def test_poisson_arrivals_are_increasing():
+    import attrs
+
+    spec = attrs.evolve(WORKLOADS["tiny"], arrival="poisson", rate_per_s=2.0)
+    arrivals = [r.arrival_s for r in spec.requests(seed=3)]
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0
+
+
+def test_length_dist_clips_and_validates():
+    rng = np.random.default_rng(0)
+    x = LengthDist(1000, 1.5, 10, 2000).sample(rng, 5000)
+    assert x.min() >= 10 and x.max() <= 2000 and x.dtype == np.int64
+    assert (LengthDist(7).sample(rng, 3) == 7).all()
+    with pytest.raises(WorkloadError):
+        LengthDist(100, low=50, high=10)
+    with pytest.raises(WorkloadError, match="sigma"):
+        LengthDist(100, sigma=float("nan"))
+
+
+def test_csv_round_trip(tmp_path):
+    path = tmp_path / "w.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens,trace\n1.5,120,2048,req-0\n"
+                    "0,96,800,\n")
+    requests = load_workload_csv(path)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.trace) for r in requests] == [
+        (0.0, 96, 800, None), (1.5, 120, 2048, "req-0")]
+    assert resolve_workload(str(path)) == requests
+
+
+@pytest.mark.parametrize("text, match", [
+    ("", "empty"),
+    ("arrival_s,prompt_tokens\n0,1\n", "header"),
+    ("arrival_s,prompt_tokens,output_tokens,extra\n0,1,1,1\n", "header"),
+    ("arrival_s,prompt_tokens,output_tokens,output_tokens\n0,1,1,1\n", "header"),
+    ("arrival_s,prompt_tokens,output_tokens\n", "no requests"),
+    ("arrival_s,prompt_tokens,output_tokens\n0,12.5,3\n", "line 2: prompt_tokens"),
+    ("arrival_s,prompt_tokens,output_tokens\n0,1,3\n0,0,3\n", "line 3: prompt_tokens"),
+    ("arrival_s,prompt_tokens,output_tokens\n-1,1,3\n", "arrival_s"),
+    ("arrival_s,prompt_tokens,output_tokens\nnan,1,3\n", "arrival_s"),
+    ("arrival_s,prompt_tokens,output_tokens\ninf,1,3\n", "arrival_s"),
+    ("arrival_s,prompt_tokens,output_tokens\n0,1\n", "2 fields"),
+    ("arrival_s,prompt_tokens,output_tokens\n0,1,99999999999\n", "output_tokens"),
+])
+def test_bad_csv_gets_a_workload_error(tmp_path, text, match):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(WorkloadError, match=match):
+        load_workload_csv(path)
+
+
+def test_missing_or_binary_file(tmp_path):
+    with pytest.raises(WorkloadError, match="no such"):
+        load_workload_csv(tmp_path / "nope.csv")
+    binary = tmp_path / "b.csv"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(WorkloadError):
+        load_workload_csv(binary)
+    with pytest.raises(WorkloadError, match="unknown workload"):
+        resolve_workload("nonsense")
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_random_bytes_only_ever_raise_workload_error(tmp_path, data):
+    path = tmp_path / "fuzz.csv"
+    path.write_bytes(data)
+    try:
+        load_workload_csv(path)
+    except WorkloadError:
+        pass
+
+
+cell = st.one_of(st.text(max_size=8), st.integers(-5, 10**8).map(str),
+                 st.floats(allow_nan=True, allow_infinity=True).map(repr))
+
+
+@FUZZ
+@given(header=st.permutations(["arrival_s", "prompt_tokens", "output_tokens", "trace"]),
+       rows=st.lists(st.lists(cell, min_size=2, max_size=5), max_size=5))
+def test_mutated_csv_rows_only_ever_raise_workload_error(header, rows):
+    text = ",".join(header) + "\n" + "\n".join(",".join(r) for r in rows)
+    try:
+        requests = parse_workload_csv(text)
+    except WorkloadError:
+        return
+    assert all(r.prompt_tokens >= 1 and r.output_tokens >= 1 and r.arrival_s >= 0
+               for r in requests)
