@@ -81,6 +81,8 @@ class CapacityController:
         if decision is Decision.GROW:
             if self.pool.can_allocate(1, respect_watermark=True):
                 return self._grow(state, decision, delta)
+            if not getattr(self.policy, "fallback_to_compress", True):
+                return self._preempt(state, decision, delta)
             self._count(state, "fallback")
             return self._compress(state, view, ctx, decision, Action.COMPRESS, True, delta)
         if decision is Decision.SHRINK and state.num_pages - 1 < self.config.min_capacity:

@@ -20,6 +20,9 @@ class CapacityPolicy(abc.ABC):
     """
 
     name: ClassVar[str] = "custom"
+    # When GROW is refused by the pool: compress instead (a *fallback*), or, when False, ask
+    # the caller to preempt (plain PagedAttention / vLLM behaviour, used by ``fullkv``).
+    fallback_to_compress: ClassVar[bool] = True
 
     @abc.abstractmethod
     def decide(self, ctx: BoundaryContext) -> Decision:

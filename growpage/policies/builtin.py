@@ -113,9 +113,11 @@ class FixedBudgetPolicy(CapacityPolicy):
 @register_policy
 @attrs.define
 class FullKVPolicy(CapacityPolicy):
-    """Full KV: always grow (plain PagedAttention; compresses only on fallback)."""
+    """Full KV: always grow; when no page is free the request is preempted, never compressed
+    (plain PagedAttention, as vLLM)."""
 
     name = "fullkv"
+    fallback_to_compress = False
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         return Decision.GROW

@@ -116,6 +116,7 @@ class RecordingPolicy(CapacityPolicy):
     def __init__(self, inner: CapacityPolicy) -> None:
         self.inner = inner
         self.name = inner.name
+        self.fallback_to_compress = inner.fallback_to_compress
         self.logs: dict[object, list[SignalLog]] = {}
 
     def decide(self, ctx: BoundaryContext) -> Decision:
@@ -171,6 +172,7 @@ class ScriptedPolicy(CapacityPolicy):
                  lookup: Callable[[object, int, tuple[Any, ...]], Any]) -> None:
         self.inner, self.config, self.lookup = inner, config, lookup
         self.name = inner.name
+        self.fallback_to_compress = inner.fallback_to_compress
         self.ordinals: dict[object, int] = {}
         self._keep: dict[tuple[int, int], torch.Tensor] = {}
 

@@ -218,3 +218,14 @@ def test_boundary_before_any_decode_query_grows_without_the_policy():
     out = ctrl.on_boundary(state, view)
     assert out.action is Action.GROW and out.decision is None and not policy.seen
     assert state.events.forced_grow == 1
+
+
+def test_fullkv_is_preempted_instead_of_compressed_when_no_page_is_free():
+    from growpage.policies import FullKVPolicy
+
+    ctrl, state, view, pool, _ = setup([], pages=3, pool_pages=3)
+    ctrl.policy = FullKVPolicy()
+    out = ctrl.on_boundary(state, view)
+    assert out.needs_preemption and out.decision is Decision.GROW
+    assert state.num_tokens == view.num_tokens == 3 * B  # nothing was evicted
+    assert ctrl.events.fallback == 0 and ctrl.events.preempt_needed == 1

@@ -76,7 +76,7 @@ def test_parse_sweep_points():
 
 
 def test_sweep_runs_points_and_writes_a_pareto_plot(capsys, tmp_path):
-    out = run_json(capsys, ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "60",
+    out = run_json(capsys, ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "120",
                             "--points", "fullkv", "fixed@budget_tokens=64,128", "--jobs", "1",
                             "--fidelity-traces", "1", "--out", str(tmp_path)])
     labels = [p["label"] for p in out["points"]]

@@ -12,7 +12,7 @@ from growpage import GrowPageConfig, PagePool
 from growpage.core.demand import update_query_summaries
 from growpage.core.rope import rope_at
 from growpage.errors import ConfigError
-from growpage.policies import resolve_policy
+from growpage.policies import FixedBudgetPolicy, resolve_policy
 from growpage.sim.ema import ema_snapshots
 from growpage.sim.fidelity import FutureAttention
 from growpage.sim.replay import ReplayOptions, replay_trace
@@ -127,10 +127,15 @@ def test_signals_see_the_switch(switch_trace):
 
 def test_a_shared_pool_can_refuse_growth_or_stop_the_replay(random_trace):
     pool = PagePool(6, B)
-    result = replay_trace(random_trace, "fullkv", CONFIG, ReplayOptions(fidelity_queries=0),
+    always_grow = FixedBudgetPolicy(budget_tokens=10**6)  # wants pages, falls back when refused
+    result = replay_trace(random_trace, always_grow, CONFIG, ReplayOptions(fidelity_queries=0),
                           pool=pool)
     assert result.max_pages == 6 and result.events["fallback"] > 0 and not result.preempted
     assert pool.num_free_pages == 6
+    # fullkv never compresses: a refused page stops the replay (the request would be preempted).
+    full = replay_trace(random_trace, "fullkv", CONFIG, ReplayOptions(fidelity_queries=0),
+                        pool=PagePool(6, B))
+    assert full.preempted and full.events["fallback"] == 0 and full.events["compress"] == 0
     tight = PagePool(2, B)
     tight.allocate(1)    # someone else holds a page: the forced growth cannot happen
     stopped = replay_trace(random_trace, "fullkv", CONFIG, pool=tight)

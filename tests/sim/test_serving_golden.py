@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from growpage import CapacityPolicy, Decision, GrowPageConfig
+from growpage.policies import FixedBudgetPolicy
 from growpage.sim.costmodel import LinearCostModel
 from growpage.sim.serving import SimConfig, simulate
 from growpage.sim.workload_csv import WorkloadRequest
@@ -37,11 +38,15 @@ class GrowThenShrink(CapacityPolicy):
         return Decision.GROW if ctx.num_pages < 3 else Decision.SHRINK
 
 
+# Always asks for a page and falls back to compression when refused (fullkv would preempt).
+ALWAYS_GROW = FixedBudgetPolicy(budget_tokens=10**6)
+
+
 def test_grow_is_refused_when_the_pool_is_empty_and_falls_back_to_compress():
-    # Scenario: two requests share 5 pages under fullkv. Both prompts fill one page: forced
+    # Scenario: two requests share 5 pages under an always-grow policy. Both prompts fill one page: forced
     # growth at t=5; at t=9 r0 takes the last page, r1's GROW is refused (fallback); at t=13
     # both fall back; at t=14 both finish.
-    result = run([req("r0", 4, 9), req("r1", 4, 9)], "fullkv", pages=5)
+    result = run([req("r0", 4, 9), req("r1", 4, 9)], ALWAYS_GROW, pages=5)
     assert result.events == [
         (0, "arrive", "r0", 0), (0, "arrive", "r1", 0),
         (0, "admit", "r0", 1), (0, "admit", "r1", 1),
@@ -61,7 +66,7 @@ def test_forced_growth_without_a_page_preempts_the_most_recent_request():
     # preempted (it is the most recently admitted) while r0 decodes on. At t=9 r1 is
     # re-admitted (recompute prefill of its 4 tokens, 3 s), at t=12 r0's GROW falls back and r1
     # is preempted again; it runs once r0 has finished.
-    result = run([req("r0", 4, 6), req("r1", 4, 6)], "fullkv", pages=3)
+    result = run([req("r0", 4, 6), req("r1", 4, 6)], ALWAYS_GROW, pages=3)
     assert result.events == [
         (0, "arrive", "r0", 0), (0, "arrive", "r1", 0),
         (0, "admit", "r0", 1), (0, "admit", "r1", 1),
@@ -76,6 +81,17 @@ def test_forced_growth_without_a_page_preempts_the_most_recent_request():
     r1 = result.requests[1]
     assert r1.preemptions == 2 and r1.capacity == [
         (0, 1), (5.0, 0), (9.0, 1), (12.0, 0), (14.0, 1), (17.0, 2), (21.0, 3), (23.0, 0)]
+
+
+def test_fullkv_preempts_instead_of_compressing():
+    # Same scenario as the fallback one, under fullkv: at t=9 r1's GROW is refused, and since
+    # fullkv never compresses, r1 (the most recently admitted) is preempted and recomputed.
+    result = run([req("r0", 4, 9), req("r1", 4, 9)], "fullkv", pages=5)
+    kinds = [e[1] for e in result.events]
+    assert "compress" not in kinds and "fallback" not in kinds
+    assert result.events[7] == (9.0, "preempt", "r1", 2)
+    assert [e[2] for e in result.events if e[1] == "finish"] == ["r0", "r1"]
+    assert result.metrics.preemptions >= 1 and result.metrics.compresses == 0
 
 
 def test_shrink_releases_a_page_and_the_request_grows_again():

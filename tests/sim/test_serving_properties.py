@@ -69,6 +69,9 @@ def test_pages_are_conserved_and_runs_are_deterministic(spec, pages, policy, res
     config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
     requests = [WorkloadRequest(f"r{i}", a, p, o) for i, (p, o, a) in enumerate(spec)]
     assume(all(math.ceil(r.prompt_tokens / 4) <= pages for r in requests))
+    if policy == "fullkv":  # never compresses: every request must fit whole, at min_capacity
+        assume(all(max(2, math.ceil((r.prompt_tokens + r.output_tokens) / 4)) <= pages
+                   for r in requests))
     sim = SimConfig(num_kv_pages=pages, max_num_seqs=seats, admission_reserve=reserve,
                     record_events=True)
     first = simulate(requests, POLICIES[policy](), config, sim, COST)
