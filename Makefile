@@ -28,8 +28,8 @@ test: $(STAMP)
 # Regenerates the simulator results (not part of CI; tens of minutes).
 results: $(STAMP)
 	$(VENV)/bin/growpage demo
-	$(VENV)/bin/growpage sim replay --synthetic 16 --gen-len 8192 --signals --out results/signals
-	$(VENV)/bin/growpage sim sweep --workload mixed --jobs 2 --out results/mixed --points growpage fullkv inverse "random@grow_prob=0.3" "fixed@budget_tokens=1024,2048,4096,8192"
+	$(VENV)/bin/growpage sim replay --synthetic 16 --gen-len 8192 --policy growpage --signals --out results/signals
+	$(VENV)/bin/growpage sim sweep --workload mixed --cost a100-qwen3-8b --jobs 2 --out results/mixed --points growpage fullkv "random@grow_prob=0.3" inverse shrink "fixed@budget_tokens=1024,2048,4096,8192"
 
 bench-sim: $(STAMP)
 	$(PY) benchmarks/sim_speed.py

@@ -25,9 +25,20 @@ from growpage.policies.registry import register_policy, resolve_policy
 
 __version__ = "0.1.0"
 
+# The engine is imported on first use, so policy authors and the simulator do not pay for it.
+_LAZY = {"LLM": "growpage.engine.llm", "SamplingParams": "growpage.engine.sampling_params"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'growpage' has no attribute {name!r}")
+
 __all__ = [
     "Action", "BoundaryContext", "BoundaryOutcome", "CapacityController", "CapacityPolicy",
     "ConfigError", "Decision", "DenseKVView", "EngineError", "EventCounters", "GrowPageConfig",
-    "GrowPageError", "KVView", "PagePool", "PolicyError", "PoolExhaustedError", "QueryState",
+    "GrowPageError", "KVView", "LLM", "SamplingParams", "PagePool", "PolicyError", "PoolExhaustedError", "QueryState",
     "RequestState", "TraceError", "register_policy", "resolve_policy",
 ]
