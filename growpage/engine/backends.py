@@ -18,7 +18,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from growpage.engine.attention import AttentionBackend, TorchAttentionBackend
+from growpage.engine.attention import AttentionBackend
+from growpage.engine.attention_torch import PagedTorchBackend
 from growpage.engine.context import StepCapture
 from growpage.errors import EngineError
 
@@ -119,7 +120,7 @@ def make_attention_backend(name: str, device: torch.device | str) -> AttentionBa
     if choice == "auto":
         choice = "triton" if device.type == "cuda" else "torch"
     if choice == "torch":
-        return TorchAttentionBackend()
+        return PagedTorchBackend()
     return _triton_backend(device)
 
 

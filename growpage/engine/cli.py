@@ -1,0 +1,128 @@
+"""``growpage generate`` and ``growpage record``: the engine from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+from pathlib import Path
+from typing import Any
+
+from growpage.errors import EngineError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    g = subparsers.add_parser("generate", help="generate text with the paged engine and print "
+                              "engine statistics")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    _common(g, default_policy="growpage", default_max_tokens=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=run_generate)
+
+    r = subparsers.add_parser("record", help="record full-KV traces (fullkv policy) of prompts "
+                              "into a trace set for the simulator")
+    r.add_argument("--prompts", required=True, type=Path,
+                   help="text file, one prompt per line (or JSONL with a 'prompt' field)")
+    r.add_argument("--out", required=True, type=Path, help="trace-set directory")
+    r.add_argument("--layers", default=None,
+                   help="comma-separated model layers to record (default: all)")
+    r.add_argument("--no-values", dest="values", action="store_false",
+                   help="do not record values")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="progress bar over requests")
+    _common(r, default_policy=None, default_max_tokens=512)
+    r.set_defaults(func=run_record)
+
+
+def _common(p: argparse.ArgumentParser, default_policy: str | None,
+            default_max_tokens: int) -> None:
+    p.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    if default_policy is not None:
+        p.add_argument("--policy", default=default_policy,
+                       help="policy name, 'module:Class' or 'file.py:Class' (default growpage)")
+        p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help="policy hyperparameter, e.g. tau=0.01 (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=default_max_tokens)
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="KV cache pages (default: 512 MiB worth)")
+    p.add_argument("--page-size", type=int, default=64,
+                   help="tokens per KV page (default 64 for short CPU runs; the paper uses 256)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the model's chat template (default on)")
+
+
+def _policy_kwargs(items: list[str]) -> dict[str, Any]:
+    kwargs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise EngineError(f"--policy-arg expects KEY=VALUE, got {item!r}")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return kwargs
+
+
+def _build_llm(**kwargs: Any):
+    """Build the ``LLM`` (tests replace this to reuse a loaded model)."""
+    from growpage.engine.llm import LLM
+
+    return LLM(**kwargs)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": args.model, "kv_pages": args.kv_pages, "page_size": args.page_size}
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from growpage.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    llm = _build_llm(policy=args.policy, policy_kwargs=_policy_kwargs(args.policy_arg),
+                     **_engine_kwargs(args))
+    out = llm.generate([args.prompt], params, chat=args.chat, use_tqdm=False)[0]
+    print(out.text.strip())
+    print()
+    print(f"finish reason  {out.finish_reason} ({len(out.token_ids)} tokens)")
+    print(llm.last_stats.table())
+    return 0
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts of a text file (one per line) or a JSONL file (``{"prompt": ...}`` per line)."""
+    if not path.is_file():
+        raise EngineError(f"prompt file {path} not found")
+    prompts = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise EngineError(f"{path}: bad JSONL line {line[:60]!r} ({exc})") from exc
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise EngineError(f"{path} holds no prompts")
+    return prompts
+
+
+def run_record(args: argparse.Namespace) -> int:
+    from growpage.engine.sampling_params import SamplingParams
+
+    prompts = read_prompts(args.prompts)
+    layers = None if args.layers is None else [int(x) for x in args.layers.split(",") if x]
+    llm = _build_llm(policy="fullkv", record_traces=args.out, record_layers=layers,
+                     record_values=args.values, **_engine_kwargs(args))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens), chat=args.chat,
+                        use_tqdm=args.progress)
+    tokens = sum(len(o.token_ids) for o in outs)
+    print(f"recorded {len(outs)} traces ({tokens} generated tokens) into {args.out}")
+    print(llm.last_stats.table())
+    return 0

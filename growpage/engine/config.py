@@ -1,0 +1,95 @@
+"""``EngineConfig``: the settings of one engine instance (attrs, validated)."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from growpage.core.config import GrowPageConfig
+from growpage.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+BACKENDS = ("auto", "torch", "triton")
+DEFAULT_KV_CACHE_MEMORY = 512 * 2**20  # bytes, when neither kv_pages nor a budget is given
+
+
+def _to_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in DTYPES:
+        raise ConfigError(f"EngineConfig.dtype: unknown dtype {value!r} "
+                          f"(one of {', '.join(DTYPES)})")
+    return DTYPES[value]
+
+
+def _optional_positive(inst: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ConfigError(f"EngineConfig.{attribute.name} must be a positive integer or None, "
+                          f"got {value!r}")
+
+
+def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"EngineConfig.{attribute.name} must be a positive integer, "
+                          f"got {value!r}")
+
+
+def _layers(value: list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(sorted(set(value)))
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Settings of one engine.
+
+    Attributes:
+        growpage: capacity-control settings (``page_size`` is the KV page size b).
+        kv_pages: pages in the KV cache; None sizes it from ``kv_cache_memory``.
+        kv_cache_memory: bytes for the KV cache when ``kv_pages`` is None (default 512 MiB).
+        max_num_seqs: most requests resident (running) at once; also the query-state slots.
+        max_num_batched_tokens: prefill tokens per step; longer prompts prefill in chunks.
+        enable_prefix_caching: share full prompt pages across requests (PagePool hash table).
+        dtype: model weights and KV cache dtype.
+        device: torch device of the model and the cache.
+        attention_backend: ``"auto"`` (torch on CPU), ``"torch"``; ``"triton"`` is another issue.
+        record_traces: directory of a trace set to record every finished request into.
+        record_layers: model layers to record (None: all).
+        record_values: record the values too (``has_values``).
+        seed: seed of the engine's sampling RNG (requests without their own seed).
+    """
+
+    growpage: GrowPageConfig = attrs.field(factory=GrowPageConfig)
+    kv_pages: int | None = attrs.field(default=None, validator=_optional_positive)
+    kv_cache_memory: int | None = attrs.field(default=None, validator=_optional_positive)
+    max_num_seqs: int = attrs.field(default=64, validator=_positive)
+    max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive)
+    enable_prefix_caching: bool = True
+    dtype: torch.dtype = attrs.field(default=torch.float32, converter=_to_dtype)
+    device: str = "cpu"
+    attention_backend: str = attrs.field(default="auto")
+    record_traces: str | None = None
+    record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
+    record_values: bool = True
+    seed: int = 0
+
+    @attention_backend.validator
+    def _backend(self, attribute: attrs.Attribute, value: str) -> None:
+        if value not in BACKENDS:
+            raise ConfigError(f"EngineConfig.attention_backend must be one of "
+                              f"{', '.join(BACKENDS)}, got {value!r}")
+
+    @property
+    def page_size(self) -> int:
+        return self.growpage.page_size
+
+    def num_pages_for(self, bytes_per_page: int) -> int:
+        """Pages of the KV cache: ``kv_pages`` or as many as fit in the memory budget."""
+        if self.kv_pages is not None:
+            return self.kv_pages
+        budget = self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        pages = budget // bytes_per_page
+        if pages < 2:
+            raise ConfigError(f"EngineConfig.kv_cache_memory: {budget} bytes hold {pages} "
+                              f"page(s) of {bytes_per_page} bytes; need at least 2")
+        return int(pages)

@@ -1,0 +1,97 @@
+"""``EngineKVView``: the core ``KVView`` of one request over the live paged KV cache.
+
+The controller reads keys and query summaries through it at a capacity boundary and calls
+``compact`` to execute Compress & Hold / Shrink. Slots and pages::
+
+    src_pages [ 7 | 2 | 9 ]  slot i at page src_pages[i // b], offset i % b   (N = 3b slots)
+    keep[l, h] = [0, 3, 4, ..., N-1]      ascending slot indices, K per (layer, KV head)
+    dst_pages [ 7 | 5 | 9 ]  kept slot k goes to page dst_pages[k // b], offset k % b
+
+NOTE: destination slots may overlap source slots (pages not replaced by copy-on-write are
+reused), so all kept entries of a layer are gathered into a temporary before any is written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from growpage.core.kvview import KVView, QueryState
+from growpage.core.rope import RopeConfig
+from growpage.engine.query_state import QueryStatePool
+from growpage.engine.sequence import Sequence
+
+
+def page_slots(pages: list[int], num_slots: int, page_size: int,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """Flat cache slots ``[num_slots]`` of a request's slots ``0..num_slots-1``."""
+    idx = torch.arange(num_slots, device=device)
+    table = torch.tensor(pages, dtype=torch.long, device=device)
+    return table[idx // page_size] * page_size + idx % page_size
+
+
+class EngineKVView(KVView):
+    """KV view of ``seq`` over ``kv_cache [2, L, num_pages, page_size, Hkv, d]``."""
+
+    def __init__(self, seq: Sequence, kv_cache: torch.Tensor, query_pool: QueryStatePool,
+                 rope: RopeConfig, num_q_heads: int) -> None:
+        _, num_layers, _, page_size, num_kv_heads, head_dim = kv_cache.shape
+        self.seq, self.kv_cache, self.query_pool = seq, kv_cache, query_pool
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_q_heads, self.rope = num_q_heads, rope
+        self.softmax_scale = head_dim ** -0.5
+        self.page_size = page_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_cache.device
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.state.num_tokens
+
+    @property
+    def has_query_state(self) -> bool:
+        return self.seq.has_query_state
+
+    def _slots(self, pages: list[int], n: int) -> torch.Tensor:
+        return page_slots(pages, n, self.page_size, self.device)
+
+    @functools.cached_property
+    def _keys(self) -> torch.Tensor:
+        slots = self._slots(self.seq.state.block_table, self.num_tokens)
+        flat = self.kv_cache[0].flatten(1, 2)                 # [L, slots, Hkv, d]
+        return flat[:, slots].permute(0, 2, 1, 3)              # [L, Hkv, N, d]
+
+    def keys(self) -> torch.Tensor:
+        """Post-RoPE keys ``[L, Hkv, N, d]`` (a copy, in the cache dtype)."""
+        return self._keys
+
+    def query_state(self) -> QueryState:
+        if self.seq.query_slot is None:
+            raise RuntimeError(f"{self.seq.request_id!r} has no query-state slot")
+        return self.query_pool.read(self.seq.query_slot)
+
+    def positions(self) -> torch.Tensor:
+        return self.seq.slot_positions(self.num_layers, self.num_kv_heads).to(self.device)
+
+    def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Move slots ``keep [L, Hkv, K]`` (ascending) of ``src_pages`` to slots 0..K-1 of
+        ``dst_pages``, per layer and KV head; keys and values alike."""
+        num_kept = keep.shape[-1]
+        keep = keep.to(self.device, torch.long)
+        src = self._slots(src_pages, self.num_tokens)[keep]        # [L, Hkv, K] flat slots
+        dst = self._slots(dst_pages, num_kept)                     # [K]
+        heads = torch.arange(self.num_kv_heads, device=self.device)
+        # Index into a layer's cache flattened to [2, slots * Hkv, d].
+        src_idx = src * self.num_kv_heads + heads[None, :, None]   # [L, Hkv, K]
+        dst_idx = (dst[None, :] * self.num_kv_heads + heads[:, None]).reshape(-1)  # [Hkv*K]
+        for layer in range(self.num_layers):
+            flat = self.kv_cache[:, layer].reshape(2, -1, self.head_dim)
+            kept = flat[:, src_idx[layer].reshape(-1)]             # gather: a temporary copy
+            flat[:, dst_idx] = kept
+        new_positions = torch.gather(self.positions().cpu(), 2, keep.cpu())
+        self.seq.kept_positions = new_positions
+        self.seq.tail_start = self.seq.state.position
+        self.__dict__.pop("_keys", None)

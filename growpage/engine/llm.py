@@ -1,0 +1,242 @@
+"""``LLM``: the user-facing facade (``growpage.LLM``), in the manner of vLLM's ``LLM`` class.
+
+::
+
+    llm = LLM(policy="growpage", page_size=64, kv_pages=256)
+    outs = llm.generate(["What is 2+2?"], SamplingParams(max_tokens=64), chat=True)
+    outs[0].text, outs[0].trajectory, llm.last_stats.table()
+    llm.score(["The capital of France is"], [" Paris."])[0].mean_nll
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from growpage.core.config import GrowPageConfig
+from growpage.engine.config import EngineConfig
+from growpage.engine.llm_engine import LLMEngine
+from growpage.engine.model import CausalLM
+from growpage.engine.outputs import EngineStats, RequestOutput, ScoreOutput
+from growpage.engine.sampling_params import SamplingParams
+from growpage.engine.sequence import Sequence
+from growpage.errors import EngineError
+from growpage.policies.base import CapacityPolicy
+from growpage.policies.registry import resolve_policy
+
+Prompt = str | list[int]
+_GROWPAGE_FIELDS = {f.name for f in attrs.fields(GrowPageConfig)}
+
+
+class LLM:
+    """Load a model, build the engine, generate and score.
+
+    Args:
+        model: a GGUF file or Hugging Face directory; None = SmolLM2-135M-Instruct; or a
+            ready ``CausalLM`` (then pass ``tokenizer`` or use token-id prompts).
+        policy: a registered policy name, ``"module:Class"``, ``"file.py:Class"`` or an
+            instance; ``policy_kwargs`` are its hyperparameters.
+        config: a ``GrowPageConfig``; ``page_size`` and any other ``GrowPageConfig`` field
+            given as a keyword (``recent_window=8``...) override it. With a ``page_size`` not
+            above the default recent window (16) and no ``recent_window``, the window is
+            ``page_size // 4``.
+        kv_pages / kv_cache_memory / max_num_seqs / max_num_batched_tokens /
+        enable_prefix_caching / dtype / device / attention_backend / record_traces /
+        record_layers / record_values / seed: see ``EngineConfig``. Recording needs
+        ``policy="fullkv"`` and turns prefix caching off.
+    """
+
+    def __init__(self, model: str | Path | CausalLM | None = None,
+                 policy: str | CapacityPolicy = "growpage", policy_kwargs: dict | None = None,
+                 *, tokenizer: Any = None, config: GrowPageConfig | None = None,
+                 kv_pages: int | None = None, kv_cache_memory: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
+                 enable_prefix_caching: bool = True, dtype: str | torch.dtype = "float32",
+                 device: str = "cpu", attention_backend: str = "auto", record_traces: str | Path | None = None,
+                 record_layers: Seq[int] | None = None, record_values: bool = True,
+                 seed: int = 0,
+                 **growpage_fields: Any) -> None:
+        unknown = set(growpage_fields) - _GROWPAGE_FIELDS
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}")
+        base = config or GrowPageConfig()
+        if ("page_size" in growpage_fields and "recent_window" not in growpage_fields
+                and base.recent_window >= growpage_fields["page_size"]):
+            growpage_fields["recent_window"] = growpage_fields["page_size"] // 4  # small pages
+        gp = base.replace(**growpage_fields)
+        policy_obj = resolve_policy(policy, **(policy_kwargs or {}))
+        if record_traces is not None and getattr(policy_obj, "name", "") != "fullkv":
+            raise EngineError("trace recording needs policy='fullkv' (traces hold full KV)")
+        self.config = EngineConfig(
+            growpage=gp, kv_pages=kv_pages, kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching and record_traces is None, dtype=dtype,
+            device=device, attention_backend=attention_backend,
+            record_traces=None if record_traces is None else str(record_traces),
+            record_layers=None if record_layers is None else list(record_layers),
+            record_values=record_values, seed=seed)
+        self.model, self.tokenizer = _load(model, tokenizer, self.config)
+        eos = set(self.model.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        detok = None if self.tokenizer is None else self.tokenizer.decode
+        self.engine = LLMEngine(self.model, self.config, policy_obj, tuple(sorted(eos)), detok)
+        self.last_stats: EngineStats | None = None
+        self._num_requests = 0
+
+    @property
+    def policy(self) -> CapacityPolicy:
+        return self.engine.policy
+
+    # ---- public API -----------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
+                 | None = None, *, chat: bool = False, use_tqdm: bool = True
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (text, or token ids); outputs in prompt order."""
+        prompt_list = _as_list(prompts)
+        params_list = _per_prompt(params or SamplingParams(), len(prompt_list))
+        encoded = [self._encode(p, chat) for p in prompt_list]
+        seqs = self._run([(ids, prm, None, text) for (ids, text), prm
+                          in zip(encoded, params_list, strict=True)], use_tqdm)
+        return [self._request_output(s) for s in seqs]
+
+    def score(self, prompts: Prompt | Seq[Prompt], continuations: Prompt | Seq[Prompt], *,
+              chat: bool = False, use_tqdm: bool = False) -> list[ScoreOutput]:
+        """Teacher-forced NLL of each continuation after its prompt under the policy (paper
+        section 5.3): capacity decisions happen as in decoding, the next token is forced."""
+        prompt_list, cont_list = _as_list(prompts), _as_list(continuations)
+        if len(prompt_list) != len(cont_list):
+            raise EngineError(f"{len(prompt_list)} prompts but {len(cont_list)} continuations")
+        work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]] = []
+        for p, c in zip(prompt_list, cont_list, strict=True):
+            ids, text = self._encode(p, chat)
+            forced = self._encode_continuation(c)
+            params = SamplingParams(max_tokens=len(forced), ignore_eos=True)
+            work.append((ids, params, forced, text))
+        seqs = self._run(work, use_tqdm)
+        return [ScoreOutput(request_id=s.request_id, prompt_token_ids=s.prompt_token_ids,
+                            continuation_token_ids=s.output_token_ids,
+                            token_nlls=[-lp for lp in s.token_logprobs],
+                            trajectory=list(s.state.trajectory), events=s.state.events.as_dict(),
+                            num_preemptions=s.num_preemptions) for s in seqs]
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _encode(self, prompt: Prompt, chat: bool) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise EngineError("text prompts need a tokenizer; pass token ids instead")
+            if not prompt:
+                raise EngineError("empty prompt")
+            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+            return ids, prompt
+        ids = list(prompt)
+        if not ids:
+            raise EngineError("empty prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise EngineError("a token-id prompt must be a list of ints")
+        return ids, None
+
+    def _encode_continuation(self, cont: Prompt) -> list[int]:
+        if isinstance(cont, str) and self.tokenizer is not None:
+            ids = self.tokenizer.encode(cont, add_special_tokens=False)
+        else:
+            ids, _ = self._encode(cont, chat=False)
+        if not ids:
+            raise EngineError("empty continuation")
+        return ids
+
+    def _run(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
+             use_tqdm: bool) -> list[Sequence]:
+        engine = self.engine
+        engine.stats.reset(engine.scheduler.num_preemptions, engine.kv.prefix_hit_tokens)
+        seqs: list[Sequence] = []
+        try:
+            for ids, params, forced, text in work:
+                rid = str(self._num_requests)
+                seqs.append(engine.add_request(rid, ids, params, forced, text))
+                self._num_requests += 1
+            bar = _progress(len(seqs), use_tqdm)
+            while engine.has_unfinished():
+                done = engine.step()
+                if bar is not None and done:
+                    bar.update(len(done))
+            if bar is not None:
+                bar.close()
+        except BaseException:
+            engine.abort_all()
+            raise
+        self.last_stats = engine.stats.summary(
+            getattr(engine.policy, "name", type(engine.policy).__name__), self.config.page_size,
+            engine.kv.num_pages, engine.scheduler.num_preemptions, engine.kv.prefix_hit_tokens)
+        return seqs
+
+    def _request_output(self, s: Sequence) -> RequestOutput:
+        text = "" if self.tokenizer is None else self.tokenizer.decode(s.output_token_ids)
+        if s.stop_text_len is not None:
+            text = text[:s.stop_text_len]
+        ttft = (s.first_token_time or s.arrival_time) - s.arrival_time
+        n = s.num_output_tokens
+        tpot = ((s.finish_time or 0) - (s.first_token_time or 0)) / (n - 1) if n > 1 else 0.0
+        return RequestOutput(
+            request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
+            text=text, token_ids=list(s.output_token_ids),
+            finish_reason=s.finish_reason.value if s.finish_reason else "abort",
+            trajectory=list(s.state.trajectory), events=s.state.events.as_dict(),
+            num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens,
+            ttft_s=ttft, tpot_s=tpot)
+
+
+def _load(model: str | Path | CausalLM | None, tokenizer: Any, config: EngineConfig
+          ) -> tuple[CausalLM, Any]:
+    """The model, with the engine's attention backend installed, and its tokenizer.
+
+    NOTE: a ready ``CausalLM`` gets the backend installed in place (its layers share one).
+    """
+    backend = _attention_backend(config)
+    if isinstance(model, CausalLM):
+        model.backend = backend  # type: ignore[assignment]
+        for layer in model.model.layers:
+            layer.self_attn.backend = backend  # type: ignore[union-attr]
+        return model, tokenizer
+    from growpage.engine.loader import load_model
+    from growpage.engine.tokenizer import load_tokenizer
+
+    loaded = load_model(model, dtype=config.dtype, device=config.device, backend=backend)
+    return loaded, tokenizer if tokenizer is not None else load_tokenizer(model)
+
+
+def _attention_backend(config: EngineConfig):
+    """``"torch"`` (``PagedTorchBackend``), ``"triton"``, or ``"auto"`` (triton on CUDA)."""
+    from growpage.engine.backends import make_attention_backend
+
+    return make_attention_backend(config.attention_backend, config.device)
+
+
+def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one token-id prompt
+    return items
+
+
+def _per_prompt(params: SamplingParams | Seq[SamplingParams], n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+        raise EngineError(f"give one SamplingParams or one per prompt ({n}), got {len(params)}")
+    return params
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total <= 1:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)

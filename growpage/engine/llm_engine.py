@@ -1,0 +1,151 @@
+"""``LLMEngine``: requests in, one step at a time: schedule -> run -> update."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from growpage.engine.config import EngineConfig
+from growpage.engine.kv_manager import KVCacheManager
+from growpage.engine.model import CausalLM
+from growpage.engine.model_runner import ModelRunner
+from growpage.engine.recorder import TraceRecorder
+from growpage.engine.sampler import Sampler
+from growpage.engine.sampling_params import SamplingParams
+from growpage.engine.scheduler import Scheduler, SchedulerOutput
+from growpage.engine.sequence import FinishReason, Sequence
+from growpage.engine.stats import StatsCollector
+from growpage.errors import EngineError
+from growpage.policies.base import CapacityPolicy
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model, one KV cache and one capacity policy.
+
+    ``detokenize(ids) -> str`` is needed only for stop strings.
+    """
+
+    def __init__(self, model: CausalLM, config: EngineConfig, policy: CapacityPolicy,
+                 eos_token_ids: tuple[int, ...] = (),
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+        self.model, self.config, self.policy = model, config, policy
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize = detokenize
+        self.kv = KVCacheManager(model.config, config, policy)
+        self.scheduler = Scheduler(config, self.kv)
+        self.recorder = None
+        if config.record_traces is not None:
+            self.recorder = TraceRecorder(config.record_traces, model.config,
+                                          config.record_layers, config.record_values,
+                                          meta={"policy": getattr(policy, "name", "custom"),
+                                                "page_size": config.page_size})
+        self.runner = ModelRunner(model, self.kv, self.recorder)
+        self.sampler = Sampler(config.seed)
+        self.stats = StatsCollector(self.kv.controller.events)
+        self._next_id = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    forced_token_ids: list[int] | None = None, prompt: str | None = None
+                    ) -> Sequence:
+        """Queue a request (``EngineError`` when it is empty or can never fit)."""
+        if not prompt_token_ids:
+            raise EngineError(f"request {request_id!r}: empty prompt")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise EngineError(f"request {request_id!r}: token ids must lie in [0, {vocab})")
+        if params.stop and self.detokenize is None:
+            raise EngineError("stop strings need a tokenizer")
+        seq = Sequence(self._next_id, request_id, prompt_token_ids, params, forced_token_ids,
+                       prompt, arrival_time=time.perf_counter())
+        self.scheduler.add(seq)
+        self._next_id += 1
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_all(self) -> list[Sequence]:
+        """Finish every queued and running request as aborted (pages and slots returned)."""
+        seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for seq in seqs:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.sampler.forget(seq.seq_id)
+            if self.recorder is not None:
+                self.recorder.discard(seq)
+        return seqs
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the sequences that finished in it."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        capacities = [] if out.is_prefill else [s.state.capacity(self.kv.page_size)
+                                                for s in out.seqs]
+        seqs, logits = self.runner.run(out)
+        finished = self.update(out, seqs, logits)
+        self.stats.on_step(time.perf_counter() - start,
+                           len(self.scheduler.running) + len(finished), capacities,
+                           self.kv.pool.num_used_pages)
+        return finished
+
+    def update(self, out: SchedulerOutput, seqs: list[Sequence], logits) -> list[Sequence]:
+        """Append each sequence's next token (sampled, or forced when scoring); finish those
+        that are done."""
+        for seq in out.seqs:
+            if out.is_prefill:
+                self.kv.register_full_pages(seq)
+        if not seqs:
+            return []
+        forced = [s.forced_token_ids is not None for s in seqs]
+        tokens = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs]) \
+            if not all(forced) else [0] * len(seqs)
+        if any(forced):
+            tokens = [s.forced_token_ids[s.num_output_tokens] if s.forced_token_ids else t
+                      for s, t in zip(seqs, tokens, strict=True)]
+            logprobs = self.sampler.logprobs(logits, tokens)
+        now = time.perf_counter()
+        finished = []
+        for i, seq in enumerate(seqs):
+            seq.output_token_ids.append(tokens[i])
+            if forced[i]:
+                seq.token_logprobs.append(logprobs[i])
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self._finish(seq, reason, now)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
+        p, token = seq.params, seq.output_token_ids[-1]
+        if seq.forced_token_ids is not None:
+            done = seq.num_output_tokens >= len(seq.forced_token_ids)
+            return FinishReason.LENGTH if done else None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if p.stop and self._cut_at_stop(seq):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_total_tokens >= self.model.config.max_position:
+            return FinishReason.LENGTH
+        return None
+
+    def _cut_at_stop(self, seq: Sequence) -> bool:
+        assert self.detokenize is not None
+        text = self.detokenize(seq.output_token_ids)
+        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        if hits:
+            seq.stop_text_len = min(hits)
+        return bool(hits)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        seq.finish_time = now
+        self.scheduler.finish(seq, reason)
+        self.sampler.forget(seq.seq_id)
+        self.stats.on_finish(seq)
+        if self.recorder is not None:
+            self.recorder.finish(seq, {"finish_reason": reason.value,
+                                       "events": seq.state.events.as_dict()})

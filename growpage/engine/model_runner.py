@@ -1,0 +1,126 @@
+"""``ModelRunner``: turns a ``SchedulerOutput`` into a forward pass and next-token logits.
+
+It reads block tables and positions, never allocates pages. Decode steps capture the pre-RoPE
+queries of every layer and update the query-state pool in place (paper appendix E.1: the
+regular decode path only updates the two EMAs; the demand estimation runs at boundaries).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from growpage.engine.backends import QueryStateFusion
+from growpage.engine.context import (
+    StepCapture,
+    StepContext,
+    decode_context,
+    prefill_context,
+    use_context,
+)
+from growpage.engine.kv_manager import KVCacheManager
+from growpage.engine.model import CausalLM
+from growpage.engine.scheduler import SchedulerOutput
+from growpage.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from growpage.engine.recorder import TraceRecorder
+
+
+@attrs.define
+class FusedStepContext(StepContext):
+    """A decode context carrying the query-state update for a fusing backend (Triton)."""
+
+    query_state: QueryStateFusion | None = None
+
+
+class ModelRunner:
+    """Runs the model over the paged cache of ``kv``."""
+
+    def __init__(self, model: CausalLM, kv: KVCacheManager,
+                 recorder: TraceRecorder | None = None) -> None:
+        self.model, self.kv, self.recorder = model, kv, recorder
+        self.device = kv.cache.device
+        self.fuses_query_state = bool(getattr(model.backend, "fuses_query_state", False))
+        model.bind_kv_cache(kv.cache)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
+        """Forward the step; returns the sequences that get a next token and their logits
+        ``[B', V]`` (fp32): every decoded sequence, and prefills that reached their end."""
+        capture = StepCapture(record_kv=self.recorder is not None)
+        if out.is_prefill:
+            ctx, ids, positions = self._prepare_prefill(out, capture)
+        else:
+            ctx, ids, positions = self._prepare_decode(out, capture)
+        with use_context(ctx):
+            hidden = self.model(ids, positions)
+        if self.recorder is not None:
+            self.recorder.record(out, capture)
+        if out.is_prefill:
+            done = [i for i, seq in enumerate(out.seqs) if not seq.is_prefilling]
+            rows = ctx.last_token_indices()[done].to(self.device)
+            seqs = [out.seqs[i] for i in done]
+        else:
+            self._update_query_state(out, capture)
+            rows, seqs = None, list(out.seqs)
+        if not seqs:
+            return [], hidden.new_zeros(0, 0)
+        return seqs, self.model.compute_logits(hidden if rows is None else hidden[rows])
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _slot_ids(self, seqs: list[Sequence]) -> torch.Tensor:
+        """``[B]`` query-state slot of each running sequence."""
+        slots = [seq.query_slot for seq in seqs]
+        assert all(s is not None for s in slots), "a running sequence without a query slot"
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _prepare_prefill(self, out: SchedulerOutput, capture: StepCapture
+                         ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = []
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            end = seq.state.position
+            start = end - n
+            starts.append(start)
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += self.kv.slots(seq, start, n)  # no compaction before decoding: slot = position
+        # Without a cached prefix the new keys are all there is: attend to them directly.
+        tables = None if not any(starts) else self.kv.block_tables(list(out.seqs)).to(self.device)
+        ctx = prefill_context(list(out.num_new_tokens), self._tensor(slots), tables,
+                              [seq.state.num_tokens for seq in out.seqs],
+                              capture=capture if self.recorder is not None else None)
+        return ctx, self._tensor(ids), self._tensor(positions)
+
+    def _prepare_decode(self, out: SchedulerOutput, capture: StepCapture
+                        ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
+        seqs = list(out.seqs)
+        slots = [self.kv.slots(seq, seq.state.num_tokens - 1, 1)[0] for seq in seqs]
+        ctx = decode_context(self._tensor(slots), self.kv.block_tables(seqs).to(self.device),
+                             self._tensor([seq.state.num_tokens for seq in seqs]), capture)
+        if self.fuses_query_state:  # the backend updates the EMAs inside decode attention
+            pool = self.kv.query_pool
+            fusion = QueryStateFusion(
+                pool.summaries, self._slot_ids(seqs),
+                torch.tensor([seq.num_decode_steps == 0 for seq in seqs], device=self.device),
+                self.kv.cache, pool.beta_short, pool.beta_long)
+            ctx = FusedStepContext(**attrs.asdict(ctx, recurse=False), query_state=fusion)
+        ids = self._tensor([seq.last_token_id for seq in seqs])
+        positions = self._tensor([seq.state.position - 1 for seq in seqs])
+        return ctx, ids, positions
+
+    def _update_query_state(self, out: SchedulerOutput, capture: StepCapture) -> None:
+        num_layers = self.model.config.num_layers
+        queries = torch.stack([capture.queries[i] for i in range(num_layers)])  # [L, B, Hq, d]
+        slots = self._slot_ids(list(out.seqs))
+        first = torch.tensor([seq.num_decode_steps == 0 for seq in out.seqs], device=self.device)
+        self.kv.query_pool.update(slots, queries, first, summaries=not self.fuses_query_state)
+        for seq in out.seqs:
+            seq.num_decode_steps += 1

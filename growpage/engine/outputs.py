@@ -1,0 +1,114 @@
+"""What ``LLM.generate`` and ``LLM.score`` return, and the engine-wide statistics."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutput:
+    """One generated request.
+
+    Attributes:
+        trajectory: ``(position, num_pages, action)`` after every capacity boundary.
+        events: the request's boundary event counts (``EventCounters.as_dict()``).
+        ttft_s / tpot_s: time to first token; mean time per output token after the first.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    trajectory: list[tuple[int, int, str]]
+    events: dict[str, int]
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class ScoreOutput:
+    """Teacher-forced negative log-likelihood of a continuation (paper section 5.3).
+
+    ``token_nlls[i]`` is ``-log p(continuation[i] | prompt, continuation[:i])`` under the
+    policy's KV (compression decisions made as in decoding, the next token forced).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    continuation_token_ids: list[int]
+    token_nlls: list[float]
+    trajectory: list[tuple[int, int, str]]
+    events: dict[str, int]
+    num_preemptions: int = 0
+
+    @property
+    def nll(self) -> float:
+        return float(sum(self.token_nlls))
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll / len(self.token_nlls)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.mean_nll)
+
+
+@attrs.frozen(kw_only=True)
+class EngineStats:
+    """Engine-wide numbers of one ``generate`` / ``score`` call.
+
+    Attributes:
+        tps: output tokens per second over the whole call.
+        tpot_s: mean over requests of the time per output token after the first.
+        avg_resident: C, the time-averaged number of requests resident (running).
+        avg_kv_budget: mean KV capacity (tokens) a decoding request held, over decode steps.
+        events: the controller's event counts (grow, compress, shrink, fallback, ...).
+    """
+
+    policy: str
+    page_size: int
+    num_pages: int
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_steps: int
+    total_time_s: float
+    tps: float
+    tpot_s: float
+    ttft_s: float
+    avg_resident: float
+    avg_kv_budget: float
+    max_pages_used: int
+    num_preemptions: int
+    prefix_hit_tokens: int
+    events: dict[str, int]
+
+    def rows(self) -> list[tuple[str, str]]:
+        e = self.events
+        return [
+            ("policy", self.policy), ("requests", str(self.num_requests)),
+            ("prompt / output tokens", f"{self.num_prompt_tokens} / {self.num_output_tokens}"),
+            ("total time", f"{self.total_time_s:.2f} s"),
+            ("throughput (TPS)", f"{self.tps:.1f} tok/s"),
+            ("TPOT", f"{1000 * self.tpot_s:.1f} ms"), ("TTFT", f"{1000 * self.ttft_s:.1f} ms"),
+            ("avg resident requests C", f"{self.avg_resident:.2f}"),
+            ("avg KV budget", f"{self.avg_kv_budget:.0f} tokens"),
+            ("KV pages used (max / total)", f"{self.max_pages_used} / {self.num_pages} "
+                                            f"x {self.page_size} tokens"),
+            ("grow / compress / shrink", f"{e.get('grow', 0)} / {e.get('compress', 0)} / "
+                                         f"{e.get('shrink', 0)}"),
+            ("fallbacks", str(e.get("fallback", 0))), ("preemptions", str(self.num_preemptions)),
+            ("prefix-cache hit tokens", str(self.prefix_hit_tokens)),
+        ]
+
+    def table(self) -> str:
+        rows = self.rows()
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

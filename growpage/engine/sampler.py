@@ -1,0 +1,56 @@
+"""``Sampler``: next tokens from logits (greedy, temperature, top-p), and forced tokens' log-probs."""
+
+from __future__ import annotations
+
+import torch
+
+from growpage.engine.sampling_params import SamplingParams
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero all but the smallest set of top tokens whose mass reaches ``top_p``; ``[V]``."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(descending=True)
+    before = sorted_probs.cumsum(0) - sorted_probs   # mass strictly before each token
+    sorted_probs[before >= top_p] = 0.0
+    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+
+
+class Sampler:
+    """Draws one token per sequence; each request with a seed owns its generator."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._default = torch.Generator().manual_seed(seed)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._default
+        if seq_id not in self._generators:
+            self._generators[seq_id] = torch.Generator().manual_seed(params.seed)
+        return self._generators[seq_id]
+
+    def forget(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def sample(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]
+               ) -> list[int]:
+        """``logits [B, V]`` (fp32) -> one token id per row."""
+        logits = logits.float().cpu()
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, p in enumerate(params):
+            if p.is_greedy:
+                continue
+            probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+            probs = top_p_filter(probs, p.top_p)
+            gen = self._generator(seq_ids[i], p)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
+        return tokens
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, token_ids: list[int]) -> list[float]:
+        """Log-probability of ``token_ids[i]`` under row ``i`` of ``logits [B, V]``."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        index = torch.tensor(token_ids, device=logp.device).unsqueeze(1)
+        return logp.gather(1, index).squeeze(1).tolist()

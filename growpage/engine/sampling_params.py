@@ -1,0 +1,72 @@
+"""``SamplingParams``: how one request is decoded (validated on construction)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from growpage.errors import EngineError
+
+
+def _check(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise EngineError(f"SamplingParams.{field}: {msg}")
+
+
+def _stop_tuple(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """Decoding settings of one request.
+
+    Attributes:
+        temperature: 0 means greedy (the default); > 0 samples from ``softmax(logits / T)``.
+        top_p: nucleus sampling mass in (0, 1]; 1 keeps the whole distribution.
+        max_tokens: most tokens to generate (>= 1).
+        seed: per-request RNG seed; None draws from the engine's generator.
+        stop: strings that end generation; the returned text stops before the match.
+        stop_token_ids: token ids that end generation (besides the model's end tokens).
+        ignore_eos: keep generating past the model's end-of-sequence tokens.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    ignore_eos: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        t, p = self.temperature, self.top_p
+        _check(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+               and t >= 0, "temperature", f"must be a finite number >= 0, got {t!r}")
+        _check(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1,
+               "top_p", f"must lie in (0, 1], got {p!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+               f"must be a positive integer, got {self.max_tokens!r}")
+        _check(self.seed is None or _is_int(self.seed), "seed",
+               f"must be an integer or None, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               f"must be non-empty strings, got {self.stop!r}")
+        _check(all(_is_int(i) and i >= 0 for i in self.stop_token_ids), "stop_token_ids",
+               f"must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return attrs.evolve(self, **changes)

@@ -1,0 +1,173 @@
+"""``Scheduler``: continuous batching over the waiting and running queues.
+
+Each step is either a prefill step (chunks of prompts: running sequences still prefilling,
+then newly admitted ones, within ``max_num_batched_tokens``) or a decode step (one token for
+every running sequence). Before a decode step each sequence at a capacity boundary goes through
+the ``CapacityController`` (grow / compress & hold / shrink); when nothing can make room the
+most recently admitted running sequence is preempted.
+
+Preemption is by recompute: the victim frees its pages and query slot and returns to the front
+of the waiting queue; when admitted again it prefills prompt + generated tokens (its full KV,
+compressions forgotten) and its query summaries restart at its next decode step (paper E.1).
+Cached prefix pages often survive, so the recompute is partly free.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from growpage.engine.config import EngineConfig
+from growpage.engine.kv_manager import KVCacheManager
+from growpage.engine.sequence import FinishReason, Sequence, SequenceStatus
+from growpage.errors import EngineError
+
+
+@attrs.frozen
+class SchedulerOutput:
+    """What one step runs: the sequences and how many new tokens each feeds.
+
+    For a prefill step the new tokens of a sequence are the ``num_new_tokens[i]`` tokens
+    ending at its (already advanced) ``state.position``; for a decode step it is its last token.
+    """
+
+    is_prefill: bool
+    seqs: tuple[Sequence, ...]
+    num_new_tokens: tuple[int, ...]
+    preempted: tuple[Sequence, ...] = ()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Owns the queues; page operations go through the ``KVCacheManager``."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config, self.kv = config, kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # in admission order
+        self.num_preemptions = 0
+        self._preempted: list[Sequence] = []
+
+    # ---- queues ---------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; ``EngineError`` when it can never fit the KV cache.
+
+        A policy that compresses when the pool is full needs room for the prompt and one more
+        token; one that never compresses (``fallback_to_compress = False``: fullkv) needs room
+        for every token it may generate.
+        """
+        need = seq.num_total_tokens
+        if not getattr(self.kv.controller.policy, "fallback_to_compress", True):
+            need += seq.params.max_tokens - 1
+        if not self.kv.can_ever_fit(need):
+            raise EngineError(
+                f"request {seq.request_id!r}: {need} tokens (prompt {seq.num_total_tokens}) "
+                f"cannot fit in the KV cache ({self.kv.num_pages} pages of "
+                f"{self.kv.page_size} tokens); raise kv_pages, shorten the prompt or lower "
+                "max_tokens")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.kv.release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def preempt(self, seq: Sequence) -> None:
+        self.kv.release(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self._preempted.append(seq)
+
+    # ---- schedule -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """The next step's work; raises ``EngineError`` when nothing can make progress."""
+        self._preempted = []
+        out = self._schedule_prefill() or self._schedule_decode()
+        if out is None:
+            raise EngineError("the engine cannot make progress: every running request needs a "
+                              "KV page and none can be freed; raise kv_pages")
+        return out
+
+    def _schedule_prefill(self) -> SchedulerOutput | None:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        for seq in self.running:
+            if seq.is_prefilling and budget > 0:
+                n = min(seq.num_uncomputed_prefill, budget)
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.kv.can_admit(seq, respect_watermark=bool(self.running)):
+                break
+            self.waiting.popleft()
+            self.kv.admit(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_prefill, budget)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        if not seqs:
+            return None
+        for seq, n in zip(seqs, counts, strict=True):
+            seq.state.num_tokens += n
+            seq.state.position += n
+        return SchedulerOutput(True, tuple(seqs), tuple(counts), tuple(self._preempted))
+
+    def _schedule_decode(self) -> SchedulerOutput | None:
+        scheduled: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
+                continue
+            if self._make_room(seq, scheduled):
+                self.kv.append_slot(seq)
+                scheduled.append(seq)
+        if not scheduled:
+            return None
+        return SchedulerOutput(False, tuple(scheduled), (1,) * len(scheduled),
+                               tuple(self._preempted))
+
+    def _make_room(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
+        """Capacity control for ``seq``'s next token; preempts until it has a free slot.
+
+        False when ``seq`` itself was preempted or must wait (no victim can be recomputed).
+        """
+        while True:
+            outcome = self.kv.make_room(seq)
+            if outcome is None or not outcome.needs_preemption:
+                return True
+            victim = self._pick_victim()
+            if victim is None:
+                return False
+            self.preempt(victim)
+            if victim in scheduled:
+                scheduled.remove(victim)
+            if victim is seq:
+                return False
+
+    def _pick_victim(self) -> Sequence | None:
+        """The most recently admitted running sequence whose recompute can fit the pool."""
+        for seq in reversed(self.running):
+            if self.kv.can_ever_fit(seq.num_total_tokens):
+                return seq
+        return None

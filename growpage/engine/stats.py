@@ -1,0 +1,69 @@
+"""``StatsCollector``: per-step timing and occupancy, summarized as ``EngineStats``."""
+
+from __future__ import annotations
+
+import time
+
+from growpage.core.events import EventCounters
+from growpage.engine.outputs import EngineStats
+from growpage.engine.sequence import Sequence
+
+
+class StatsCollector:
+    """Accumulates what one ``generate`` / ``score`` call did."""
+
+    def __init__(self, events: EventCounters) -> None:
+        self._events = events
+        self.reset()
+
+    def reset(self, num_preemptions: int = 0, prefix_hits: int = 0) -> None:
+        """Start a new measurement; the counters given are the engine's running totals."""
+        self.start = time.perf_counter()
+        self.events_at_start = self._events.as_dict()
+        self.num_steps = 0
+        self.resident_time = 0.0      # sum of (running requests * step seconds)
+        self.step_time = 0.0
+        self.budget_tokens = 0        # sum over decode steps and requests of capacity (tokens)
+        self.budget_samples = 0
+        self.max_pages_used = 0
+        self.num_preemptions_at_start = num_preemptions
+        self.prefix_hits_at_start = prefix_hits
+        self.finished: list[Sequence] = []
+
+    def on_step(self, seconds: float, num_running: int, decode_capacities: list[int],
+                pages_used: int) -> None:
+        self.num_steps += 1
+        self.step_time += seconds
+        self.resident_time += seconds * num_running
+        self.budget_tokens += sum(decode_capacities)
+        self.budget_samples += len(decode_capacities)
+        self.max_pages_used = max(self.max_pages_used, pages_used)
+
+    def on_finish(self, seq: Sequence) -> None:
+        self.finished.append(seq)
+
+    def summary(self, policy: str, page_size: int, num_pages: int, num_preemptions: int,
+                prefix_hits: int) -> EngineStats:
+        total = time.perf_counter() - self.start
+        seqs = self.finished
+        num_out = sum(s.num_output_tokens for s in seqs)
+        tpots = [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
+                 for s in seqs if s.num_output_tokens > 1 and s.first_token_time is not None
+                 and s.finish_time is not None]
+        ttfts = [s.first_token_time - s.arrival_time for s in seqs
+                 if s.first_token_time is not None]
+        now = self._events.as_dict()
+        events = {k: v - self.events_at_start.get(k, 0) for k, v in now.items()}
+        return EngineStats(
+            policy=policy, page_size=page_size, num_pages=num_pages, num_requests=len(seqs),
+            num_prompt_tokens=sum(len(s.prompt_token_ids) for s in seqs),
+            num_output_tokens=num_out, num_steps=self.num_steps, total_time_s=total,
+            tps=num_out / total if total > 0 else 0.0,
+            tpot_s=sum(tpots) / len(tpots) if tpots else 0.0,
+            ttft_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
+            avg_resident=self.resident_time / self.step_time if self.step_time else 0.0,
+            avg_kv_budget=(self.budget_tokens / self.budget_samples
+                           if self.budget_samples else 0.0),
+            max_pages_used=self.max_pages_used,
+            num_preemptions=num_preemptions - self.num_preemptions_at_start,
+            prefix_hit_tokens=prefix_hits - self.prefix_hits_at_start, events=events)

@@ -1,0 +1,109 @@
+"""Memory pressure and bad input: every request finishes, every page comes back, errors are
+clear and leave the engine usable."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+from llm_helpers import GREEDY, assert_all_returned, prompt, tiny_llm, tiny_models
+
+from growpage.core.decision import Decision
+from growpage.engine.llm import LLM
+from growpage.engine.sampling_params import SamplingParams
+from growpage.errors import EngineError, PolicyError
+from growpage.policies import CapacityPolicy, GrowPagePolicy
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_models()[0]
+
+
+@pytest.mark.parametrize("policy", ["fullkv", "growpage", "shrink"])
+def test_overcommitted_workload_finishes_and_returns_every_page(model, policy):
+    kwargs = {"min_capacity_tokens": 8} if policy == "shrink" else {}
+    llm = tiny_llm(model, policy, policy_kwargs=kwargs, kv_pages=20, max_num_seqs=6)
+    # Each request fits the 20 pages (80 tokens) alone, with full KV; together they do not.
+    prompts = [prompt(5 + 2 * i, 100 + i) for i in range(10)]
+    params = [SamplingParams(max_tokens=20 + 4 * i, ignore_eos=True) for i in range(10)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [20 + 4 * i for i in range(10)]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert all(0 <= t < 128 for o in outs for t in o.token_ids)
+    stats = llm.last_stats
+    assert stats.num_requests == 10 and stats.max_pages_used <= 20
+    if policy == "fullkv":
+        assert stats.num_preemptions > 0
+    assert stats.avg_resident > 1
+    assert_all_returned(llm)
+
+
+def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
+    llm = tiny_llm(model, kv_pages=16)
+    good = llm.generate([prompt(5, 1)], GREEDY, use_tqdm=False)[0].token_ids
+    cases = [
+        ([[]], GREEDY, "empty prompt"),
+        ([prompt(5, 1), []], GREEDY, "empty prompt"),
+        ([prompt(70, 2)], GREEDY, "cannot fit"),            # 16 pages of 4 tokens
+        ([prompt(30, 2)], GREEDY, "cannot fit"),            # fullkv: 30 + 40 tokens
+        ([[5, 300]], GREEDY, r"token ids must lie in \[0, 128\)"),
+        (["text"], GREEDY, "need a tokenizer"),
+        ([prompt(5, 1)] * 2, [GREEDY], "one per prompt"),
+    ]
+    for prompts, params, message in cases:
+        with pytest.raises(EngineError, match=message):
+            llm.generate(prompts, params, use_tqdm=False)
+        assert_all_returned(llm)
+    with pytest.raises(EngineError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(EngineError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(EngineError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(PolicyError, match="unknown policy"):
+        tiny_llm(model, policy="no-such-policy")
+    with pytest.raises(EngineError, match="not found"):
+        LLM(str(tmp_path / "missing.gguf"))
+    with pytest.raises(EngineError, match="fullkv"):
+        tiny_llm(model, policy="growpage", record_traces=str(tmp_path / "t"))
+    assert llm.generate([prompt(5, 1)], GREEDY, use_tqdm=False)[0].token_ids == good
+
+
+@attrs.define
+class FailsOnce(CapacityPolicy):
+    """Returns a malformed selection at its first compression, then behaves."""
+
+    name = "fails-once"
+    failed: bool = False
+
+    def decide(self, ctx) -> Decision:
+        return Decision.COMPRESS
+
+    def select(self, ctx, keep: int) -> torch.Tensor:
+        if not self.failed:
+            self.failed = True
+            return torch.zeros(1, dtype=torch.long)
+        return super().select(ctx, keep)
+
+
+def test_policy_error_mid_run_aborts_cleanly(model):
+    llm = tiny_llm(model, FailsOnce())
+    prompts = [prompt(9, 3), prompt(14, 4)]
+    with pytest.raises(PolicyError, match="wrong shape"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_all_returned(llm)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(len(o.token_ids) == 40 for o in outs)
+    assert llm.last_stats.events["compress"] > 0
+    assert_all_returned(llm)
+
+
+def test_first_boundary_before_any_decode_query_grows_without_the_policy(model):
+    llm = tiny_llm(model, GrowPagePolicy())
+    out = llm.generate([prompt(8, 5)], SamplingParams(max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)[0]
+    # The prompt fills 2 pages exactly: the first generated token needs a page before any
+    # decode query exists.
+    assert out.events["forced_grow"] == 1 and out.events["decided_grow"] == 0
+    assert out.trajectory == [(8, 3, "grow")]
