@@ -1,0 +1,81 @@
+"""Step-time measurements of the local engine, for ``growpage calibrate``.
+
+Each row is one timed forward pass (model + logits of the last tokens) through the engine's paged
+attention backend: a decode step of ``num_seqs`` sequences reading ``kv_tokens`` cached tokens in
+total, or a prefill of ``prefill_tokens`` prompt tokens. The cache content is zeros: step time
+does not depend on it. ``growpage.sim.calibrate.fit_linear`` turns the rows into a cost model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from growpage.engine.attention import allocate_kv_cache
+from growpage.engine.backends import make_attention_backend
+from growpage.engine.context import decode_context, prefill_context, use_context
+from growpage.engine.model import CausalLM
+
+PAGE_SIZE = 64  # tokens per page of the measurement cache
+
+
+def _timed(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, ctx: object,
+           last: torch.Tensor, repeats: int) -> float:
+    best = float("inf")
+    with torch.inference_mode(), use_context(ctx):
+        for _ in range(repeats + 1):  # the first run warms up
+            start = time.perf_counter()
+            model.compute_logits(model(ids, positions)[last])
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _decode_row(model: CausalLM, num_seqs: int, context: int, repeats: int) -> dict:
+    pages_per_seq = -(-context // PAGE_SIZE)
+    tables = torch.arange(num_seqs * pages_per_seq).reshape(num_seqs, pages_per_seq)
+    lens = torch.full((num_seqs,), context)
+    slots = tables[:, (context - 1) // PAGE_SIZE] * PAGE_SIZE + (context - 1) % PAGE_SIZE
+    ctx = decode_context(slots, tables, lens)
+    ids = torch.zeros(num_seqs, dtype=torch.long)
+    step_s = _timed(model, ids, lens - 1, ctx, torch.arange(num_seqs), repeats)
+    return {"num_seqs": num_seqs, "kv_tokens": num_seqs * context, "prefill_tokens": 0,
+            "step_s": step_s}
+
+
+def _prefill_row(model: CausalLM, tokens: int, repeats: int) -> dict:
+    ctx = prefill_context([tokens], slot_mapping=torch.arange(tokens))
+    ids = torch.zeros(tokens, dtype=torch.long)
+    step_s = _timed(model, ids, torch.arange(tokens), ctx, torch.tensor([tokens - 1]), repeats)
+    return {"num_seqs": 1, "kv_tokens": 0, "prefill_tokens": tokens, "step_s": step_s}
+
+
+def measure_step_times(model: str | Path | CausalLM | None = None,
+                       batch_sizes: Sequence[int] = (1, 4, 16),
+                       contexts: Sequence[int] = (128, 512, 1024),
+                       prefills: Sequence[int] = (64, 256), repeats: int = 2,
+                       progress: bool = True) -> list[dict]:
+    """Time decode steps over ``batch_sizes x contexts`` and prefills of ``prefills`` tokens.
+
+    Returns rows ``{num_seqs, kv_tokens, prefill_tokens, step_s}`` (best of ``repeats``).
+    """
+    if not isinstance(model, CausalLM):
+        from growpage.engine.loader import load_model
+
+        model = load_model(model, backend=make_attention_backend("auto", "cpu"))
+    cfg = model.config
+    num_pages = max(max(batch_sizes) * -(-max(contexts) // PAGE_SIZE),
+                    -(-max(prefills) // PAGE_SIZE))
+    device = next(model.parameters()).device
+    model.bind_kv_cache(allocate_kv_cache(cfg.num_layers, num_pages, PAGE_SIZE, cfg.num_kv_heads,
+                                          cfg.head_dim, next(model.parameters()).dtype, device))
+    jobs = [(b, c) for b in batch_sizes for c in contexts] + [(None, n) for n in prefills]
+    rows = []
+    for num_seqs, n in tqdm(jobs, desc="calibrate", unit="shape", disable=not progress):
+        rows.append(_prefill_row(model, n, repeats) if num_seqs is None
+                    else _decode_row(model, num_seqs, n, repeats))
+    model.bind_kv_cache(None)
+    return rows

@@ -1,0 +1,24 @@
+"""``growpage calibrate`` on the engine: measured rows fit a cost model that predicts them."""
+
+import numpy as np
+from engine_helpers import random_state_dict, tiny_config
+
+from growpage.engine.backends import make_attention_backend
+from growpage.engine.loader import build_model
+from growpage.engine.profile import measure_step_times
+from growpage.sim.calibrate import fit_linear
+
+
+def test_measure_step_times_rows_and_fit():
+    cfg = tiny_config("llama")
+    model = build_model(cfg, random_state_dict(cfg, seed=0),
+                        backend=make_attention_backend("torch", "cpu"))
+    rows = measure_step_times(model, batch_sizes=(1, 4), contexts=(16, 96), prefills=(8, 40),
+                              repeats=1, progress=False)
+    assert [(r["num_seqs"], r["kv_tokens"], r["prefill_tokens"]) for r in rows] == [
+        (1, 16, 0), (1, 96, 0), (4, 64, 0), (4, 384, 0), (1, 0, 8), (1, 0, 40)]
+    assert all(r["step_s"] > 0 for r in rows)
+    table = np.array([[r["num_seqs"], r["kv_tokens"], r["prefill_tokens"], r["step_s"]]
+                      for r in rows])
+    model_fit = fit_linear(table)
+    assert model_fit.base_s >= 0 and model_fit.per_kv_token_s >= 0
