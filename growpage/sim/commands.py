@@ -94,11 +94,18 @@ def run_replay(args: argparse.Namespace) -> int:
         out = Path(args.out)
         reports.write_json(out / "replay.json", payload)
         reports.write_csv(out / "replay.csv", rows)
-        from growpage.sim.plots import plot_capacity
+        from growpage.sim.plots import plot_capacity, plot_signal_scatter
 
         plot_capacity({r.request_id: r.trajectory for r in results[:12]}, out / "capacity.png",
                       config.page_size, title=f"capacity under {args.policy}")
-        _note(args, f"results in {out}/ (replay.json, replay.csv, capacity.png)")
+        files = "replay.json, replay.csv, capacity.png"
+        if args.signals:
+            pairs = [(rec.delta, rec.future_change) for r in results for rec in r.records
+                     if rec.delta is not None and rec.future_change is not None]
+            plot_signal_scatter(pairs, out / "signals.png",
+                                title=f"Delta_t vs future demand ({len(pairs)} boundaries)")
+            files += ", signals.png"
+        _note(args, f"results in {out}/ ({files})")
     return 0
 
 

@@ -65,6 +65,21 @@ def plot_pareto(points: Sequence[Mapping], path: str | os.PathLike, x: str, y: s
     return _save(fig, path)
 
 
+def plot_signal_scatter(pairs: Sequence[tuple[float, float]], path: str | os.PathLike,
+                        title: str) -> Path:
+    """Scatter of Delta_t against the future demand change at each boundary (paper Fig. 6)."""
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    if pairs:
+        ax.scatter([p[0] for p in pairs], [p[1] for p in pairs], s=8, alpha=0.5)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.set_xlabel("Delta_t (short minus long working-set ratio)")
+    ax.set_ylabel("future demand change (next page)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def _save(fig: plt.Figure, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ def test_replay_synthetic_json_and_files(capsys, tmp_path):
     assert out["params"] == {"budget_tokens": 128}
     assert all(t["max_pages"] * 32 <= 128 for t in out["traces"])
     assert "spearman" in out["signals"]
-    for name in ("replay.json", "replay.csv", "capacity.png"):
+    for name in ("replay.json", "replay.csv", "capacity.png", "signals.png"):
         assert (tmp_path / name).stat().st_size > 0
 
 
