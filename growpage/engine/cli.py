@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 from pathlib import Path
 from typing import Any
 
 from growpage.errors import EngineError
+from growpage.policies.registry import parse_policy_params
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,19 +54,6 @@ def _common(p: argparse.ArgumentParser, default_policy: str | None,
                    help="apply the model's chat template (default on)")
 
 
-def _policy_kwargs(items: list[str]) -> dict[str, Any]:
-    kwargs = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise EngineError(f"--policy-arg expects KEY=VALUE, got {item!r}")
-        try:
-            kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key] = value
-    return kwargs
-
-
 def _build_llm(**kwargs: Any):
     """Build the ``LLM`` (tests replace this to reuse a loaded model)."""
     from growpage.engine.llm import LLM
@@ -83,7 +70,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
-    llm = _build_llm(policy=args.policy, policy_kwargs=_policy_kwargs(args.policy_arg),
+    llm = _build_llm(policy=args.policy, policy_kwargs=parse_policy_params(args.policy_arg, "--policy-arg"),
                      **_engine_kwargs(args))
     out = llm.generate([args.prompt], params, chat=args.chat, use_tqdm=False)[0]
     print(out.text.strip())

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from growpage.errors import PolicyError
+from growpage.errors import ConfigError, PolicyError
 from growpage.policies.base import CapacityPolicy
 
 _REGISTRY: dict[str, type[CapacityPolicy]] = {}
@@ -79,3 +81,23 @@ def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: 
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}") from exc
+
+
+def parse_policy_params(items: list[str], flag: str = "--param") -> dict[str, Any]:
+    """``["key=value", ...]`` from a command line -> policy kwargs.
+
+    Values are read as JSON, then as Python literals (``True``, ``1e-3``), else kept as strings.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            try:
+                out[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                out[key] = value
+    return out

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from growpage.core.config import GrowPageConfig
 from growpage.core.traces import Trace, TraceSet
 from growpage.errors import ConfigError
-from growpage.policies.registry import resolve_policy
+from growpage.policies.registry import parse_policy_params, resolve_policy
 from growpage.sim import reports
 from growpage.sim.costmodel import CostModel, RooflineCostModel, load_cost_model
 from growpage.sim.replay import ReplayOptions, replay_trace
@@ -34,17 +34,8 @@ SWEEP_COLUMNS: list[reports.Column] = [
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
-    """``["key=value", ...]`` -> kwargs; values parsed as JSON when they parse."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ConfigError(f"--param expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
-    return out
+    """``--param KEY=VALUE`` items -> policy kwargs."""
+    return parse_policy_params(items, "--param")
 
 
 def _setup(args: argparse.Namespace) -> GrowPageConfig:
