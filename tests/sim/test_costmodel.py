@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
 from growpage.cli import main
-from growpage.errors import ConfigError, EngineError
+from growpage.errors import ConfigError
 from growpage.sim.calibrate import fit_linear, load_measurements, measure_engine
 from growpage.sim.costmodel import LinearCostModel, RooflineCostModel, load_cost_model
 from growpage.sim.hardware import A100_80GB, PRESETS, QWEN3_8B
@@ -95,10 +94,14 @@ def test_bad_measurements_are_config_errors(tmp_path, content, match):
         load_measurements(bad_json)
 
 
-def test_engine_measurement_says_what_is_missing():
-    if importlib.util.find_spec("growpage.engine.profile") is not None:
-        pytest.skip("the engine offers a profiler now")
-    with pytest.raises(EngineError, match="measure_step_times"):
+def test_engine_measurement_goes_through_the_engine_profiler(monkeypatch):
+    import growpage.engine.profile as profile
+
+    rows = [{"num_seqs": 2, "kv_tokens": 100, "prefill_tokens": 0, "step_s": 0.5}]
+    monkeypatch.setattr(profile, "measure_step_times", lambda **kw: rows)
+    assert measure_engine().tolist() == [[2.0, 100.0, 0.0, 0.5]]
+    monkeypatch.setattr(profile, "measure_step_times", lambda **kw: [{"num_seqs": 1}])
+    with pytest.raises(ConfigError, match="exactly the fields"):
         measure_engine()
 
 
