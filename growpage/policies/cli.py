@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     policies = registered_policies()
     width = max(len(name) for name in policies)
     for name, cls in policies.items():
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())  # first paragraph
         print(f"{name:<{width}}  {cls.__name__}({_params(cls)})")
         print(f"{'':<{width}}  {doc}")
     return 0
