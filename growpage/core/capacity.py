@@ -77,7 +77,7 @@ class CapacityController:
             raise PolicyError(f"policy {_name(self.policy)} returned {decision!r} from decide(); "
                               "expected a growpage.Decision")
         self._count(state, f"decided_{decision.value}")
-        delta = _cached_delta(ctx)
+        delta = ctx.computed_delta()
         if decision is Decision.GROW:
             if self.pool.can_allocate(1, respect_watermark=True):
                 return self._grow(state, decision, delta)
@@ -195,13 +195,6 @@ def _target_pages(pages: list[int], pool: PagePool, shrink: bool) -> tuple[list[
     shared = [i for i, page in enumerate(dst) if pool.is_shared(page)]
     victim = shared[-1] if shared else len(dst) - 1
     return dst, [dst.pop(victim)]
-
-
-def _cached_delta(ctx: BoundaryContext) -> float | None:
-    key = ("short", ctx.config.top_p)
-    if key in ctx._ratios and ("long", ctx.config.top_p) in ctx._ratios:
-        return ctx.delta()
-    return None
 
 
 def _name(policy: object) -> str:

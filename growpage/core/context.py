@@ -124,6 +124,13 @@ class BoundaryContext:
         return demand.demand_trend(self.working_set_ratio("short", p),
                                    self.working_set_ratio("long", p))
 
+    def computed_delta(self) -> float | None:
+        """Delta_t at the configured p if the policy already paid for it, else None."""
+        p = self.config.top_p
+        if ("short", p) in self._ratios and ("long", p) in self._ratios:
+            return self.delta()
+        return None
+
     def entropy_delta(self) -> float:
         """Delta_t with the entropy ratio instead of the top-p working set (Table 2 ablation)."""
         return demand.demand_trend(demand.entropy_ratio(self.attention("short")),

@@ -124,13 +124,7 @@ class DenseKVView(KVView):
 
     def append(self, keys: torch.Tensor, position: int) -> None:
         """Write one token's post-RoPE keys ``[L, Hkv, d]`` into the next slot."""
-        if self._n >= self.capacity:
-            self._grow_storage(max(self.capacity, 1))
-        self._keys[:, :, self._n] = keys.to(self._keys.dtype)
-        self._positions[:, :, self._n] = position
-        if self._acc is not None:
-            self._acc[:, :, self._n] = 0
-        self._n += 1
+        self.extend(keys.unsqueeze(2), torch.tensor([position]))
 
     def extend(self, keys: torch.Tensor, positions: torch.Tensor) -> None:
         """Write ``n`` tokens' post-RoPE keys ``[L, Hkv, n, d]`` at ``positions [n]``."""
