@@ -10,6 +10,7 @@ acquires the longest cached run of leading pages instead of recomputing it.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -43,6 +44,7 @@ class KVCacheManager:
                                          c.head_dim, gp.beta_short, gp.beta_long, config.device)
         self.controller = CapacityController(policy, self.pool, gp)
         self.prefix_hit_tokens = 0
+        self.boundary_seconds = 0.0  # wall time spent in capacity control (running total)
 
     # ---- sizes ----------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -126,9 +128,15 @@ class KVCacheManager:
         """
         if not self.controller.needs_decision(seq.state):
             return None
-        view = EngineKVView(seq, self.cache, self.query_pool, self.model_config.rope,
-                            self.model_config.num_q_heads)
-        return self.controller.on_boundary(seq.state, view)
+        start = time.perf_counter()
+        try:
+            view = EngineKVView(seq, self.cache, self.query_pool, self.model_config.rope,
+                                self.model_config.num_q_heads)
+            return self.controller.on_boundary(seq.state, view)
+        finally:
+            if self.cache.is_cuda:
+                torch.cuda.synchronize(self.cache.device)  # count the kernels it launched
+            self.boundary_seconds += time.perf_counter() - start
 
     def append_slot(self, seq: Sequence) -> int:
         """Take the next slot of ``seq`` for its next token (room must have been made)."""

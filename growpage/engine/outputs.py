@@ -70,6 +70,7 @@ class EngineStats:
         avg_resident: C, the time-averaged number of requests resident (running).
         avg_kv_budget: mean KV capacity (tokens) a decoding request held, over decode steps.
         events: the controller's event counts (grow, compress, shrink, fallback, ...).
+        boundary_time_s: wall time spent in capacity control (decisions, scoring, compaction).
     """
 
     policy: str
@@ -89,6 +90,7 @@ class EngineStats:
     num_preemptions: int
     prefix_hit_tokens: int
     events: dict[str, int]
+    boundary_time_s: float = 0.0
 
     def rows(self) -> list[tuple[str, str]]:
         e = self.events
@@ -104,6 +106,8 @@ class EngineStats:
                                             f"x {self.page_size} tokens"),
             ("grow / compress / shrink", f"{e.get('grow', 0)} / {e.get('compress', 0)} / "
                                          f"{e.get('shrink', 0)}"),
+            ("boundary time", f"{self.boundary_time_s:.2f} s "
+                              f"({100 * self.boundary_time_s / max(self.total_time_s, 1e-9):.1f}%)"),
             ("fallbacks", str(e.get("fallback", 0))), ("preemptions", str(self.num_preemptions)),
             ("prefix-cache hit tokens", str(self.prefix_hit_tokens)),
         ]

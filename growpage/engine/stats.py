@@ -16,7 +16,8 @@ class StatsCollector:
         self._events = events
         self.reset()
 
-    def reset(self, num_preemptions: int = 0, prefix_hits: int = 0) -> None:
+    def reset(self, num_preemptions: int = 0, prefix_hits: int = 0,
+              boundary_seconds: float = 0.0) -> None:
         """Start a new measurement; the counters given are the engine's running totals."""
         self.start = time.perf_counter()
         self.events_at_start = self._events.as_dict()
@@ -28,6 +29,7 @@ class StatsCollector:
         self.max_pages_used = 0
         self.num_preemptions_at_start = num_preemptions
         self.prefix_hits_at_start = prefix_hits
+        self.boundary_seconds_at_start = boundary_seconds
         self.finished: list[Sequence] = []
 
     def on_step(self, seconds: float, num_running: int, decode_capacities: list[int],
@@ -43,7 +45,7 @@ class StatsCollector:
         self.finished.append(seq)
 
     def summary(self, policy: str, page_size: int, num_pages: int, num_preemptions: int,
-                prefix_hits: int) -> EngineStats:
+                prefix_hits: int, boundary_seconds: float = 0.0) -> EngineStats:
         total = time.perf_counter() - self.start
         seqs = self.finished
         num_out = sum(s.num_output_tokens for s in seqs)
@@ -66,4 +68,5 @@ class StatsCollector:
                            if self.budget_samples else 0.0),
             max_pages_used=self.max_pages_used,
             num_preemptions=num_preemptions - self.num_preemptions_at_start,
-            prefix_hit_tokens=prefix_hits - self.prefix_hits_at_start, events=events)
+            prefix_hit_tokens=prefix_hits - self.prefix_hits_at_start, events=events,
+            boundary_time_s=boundary_seconds - self.boundary_seconds_at_start)

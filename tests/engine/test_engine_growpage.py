@@ -43,6 +43,10 @@ def test_growpage_compresses_on_small_pages_and_output_stays_valid(model):
         n = first - len(out.prompt_token_ids) + 1   # identical up to the first compression
         assert out.token_ids[:n] == ref.token_ids[:n]
     assert llm.last_stats.avg_kv_budget < fullkv.last_stats.avg_kv_budget
+    # Capacity control is timed: a part of the call, counted once per call.
+    assert 0 < llm.last_stats.boundary_time_s < llm.last_stats.total_time_s
+    assert llm.engine.kv.boundary_seconds == pytest.approx(llm.last_stats.boundary_time_s)
+    assert "boundary time" in llm.last_stats.table()
     assert_all_returned(llm)
 
 
