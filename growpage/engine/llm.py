@@ -121,6 +121,7 @@ class LLM:
         return [ScoreOutput(request_id=s.request_id, prompt_token_ids=s.prompt_token_ids,
                             continuation_token_ids=s.output_token_ids,
                             token_nlls=[-lp for lp in s.token_logprobs],
+                            token_ranks=list(s.token_ranks),
                             trajectory=list(s.state.trajectory), events=s.state.events.as_dict(),
                             num_preemptions=s.num_preemptions) for s in seqs]
 

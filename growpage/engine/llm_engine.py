@@ -103,13 +103,14 @@ class LLMEngine:
         if any(forced):
             tokens = [s.forced_token_ids[s.num_output_tokens] if s.forced_token_ids else t
                       for s, t in zip(seqs, tokens, strict=True)]
-            logprobs = self.sampler.logprobs(logits, tokens)
+            logprobs, ranks = self.sampler.logprobs(logits, tokens)
         now = time.perf_counter()
         finished = []
         for i, seq in enumerate(seqs):
             seq.output_token_ids.append(tokens[i])
             if forced[i]:
                 seq.token_logprobs.append(logprobs[i])
+                seq.token_ranks.append(ranks[i])
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = self._finish_reason(seq)

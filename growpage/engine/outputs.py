@@ -36,7 +36,9 @@ class ScoreOutput:
     """Teacher-forced negative log-likelihood of a continuation (paper section 5.3).
 
     ``token_nlls[i]`` is ``-log p(continuation[i] | prompt, continuation[:i])`` under the
-    policy's KV (compression decisions made as in decoding, the next token forced).
+    policy's KV (compression decisions made as in decoding, the next token forced), and
+    ``token_ranks[i]`` the number of tokens the model scored strictly higher there (0: greedy
+    decoding would have produced it).
     """
 
     request_id: str
@@ -46,6 +48,7 @@ class ScoreOutput:
     trajectory: list[tuple[int, int, str]]
     events: dict[str, int]
     num_preemptions: int = 0
+    token_ranks: list[int] = attrs.Factory(list)
 
     @property
     def nll(self) -> float:
@@ -58,6 +61,10 @@ class ScoreOutput:
     @property
     def perplexity(self) -> float:
         return math.exp(self.mean_nll)
+
+    def greedy_match(self, start: int = 0, stop: int | None = None) -> bool:
+        """Whether greedy decoding would reproduce ``continuation[start:stop]`` exactly."""
+        return all(r == 0 for r in self.token_ranks[start:stop])
 
 
 @attrs.frozen(kw_only=True)

@@ -49,8 +49,12 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def logprobs(logits: torch.Tensor, token_ids: list[int]) -> list[float]:
-        """Log-probability of ``token_ids[i]`` under row ``i`` of ``logits [B, V]``."""
-        logp = torch.log_softmax(logits.float(), dim=-1)
+    def logprobs(logits: torch.Tensor, token_ids: list[int]) -> tuple[list[float], list[int]]:
+        """Log-probability of ``token_ids[i]`` under row ``i`` of ``logits [B, V]``, and its
+        rank there (0 = the greedy choice; ties with the chosen token do not count)."""
+        logits = logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
         index = torch.tensor(token_ids, device=logp.device).unsqueeze(1)
-        return logp.gather(1, index).squeeze(1).tolist()
+        chosen = logits.gather(1, index)
+        ranks = (logits > chosen).sum(dim=1)
+        return logp.gather(1, index).squeeze(1).tolist(), ranks.tolist()

@@ -49,6 +49,7 @@ class Sequence:
         self.params = params
         self.forced_token_ids = None if forced_token_ids is None else list(forced_token_ids)
         self.token_logprobs: list[float] = []  # log-probability of each forced token
+        self.token_ranks: list[int] = []       # its rank among all tokens (0 = greedy pick)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_text_len: int | None = None  # text cut at a stop string

@@ -4,6 +4,7 @@ batching, chunking, prefix caching or preemption; teacher-forced scoring."""
 from __future__ import annotations
 
 import pytest
+import torch
 from llm_helpers import (
     GREEDY,
     assert_all_returned,
@@ -86,6 +87,21 @@ def test_score_fullkv_matches_transformers_nll(models):
         assert out.token_nlls == pytest.approx(ref, abs=1e-4)
         assert out.mean_nll == pytest.approx(sum(ref) / len(ref), abs=1e-4)
     assert_all_returned(llm)
+
+
+def test_score_ranks_match_transformers_and_greedy_output(models):
+    llm = tiny_llm(models[0])
+    greedy = llm.generate(PROMPTS[:2], GREEDY.replace(max_tokens=12), use_tqdm=False)
+    outs = llm.score(PROMPTS[:2], [g.token_ids for g in greedy])
+    assert all(o.token_ranks == [0] * 12 and o.greedy_match() for o in outs)
+    cont = prompt(15, 52)
+    out = llm.score(PROMPTS[2], cont)[0]
+    seq = torch.tensor([PROMPTS[2] + cont])
+    logits = models[1](seq).logits[0].float()[len(PROMPTS[2]) - 1:-1]
+    want = (logits > logits.gather(1, torch.tensor(cont)[:, None])).sum(1).tolist()
+    assert out.token_ranks == want and max(want) > 0
+    assert out.greedy_match(0, want.index(max(want))) == all(r == 0 for r in want[:want.index(max(want))])
+    assert not out.greedy_match()
 
 
 def test_score_under_preemption_matches_unconstrained(models):
