@@ -1,0 +1,1 @@
+"""Evaluation helpers: the workload of the engine benchmarks (prompts, retrieval task)."""
