@@ -197,10 +197,12 @@ def _load(model: str | Path | CausalLM | None, tokenizer: Any, config: EngineCon
           ) -> tuple[CausalLM, Any]:
     """The model, with the engine's attention backend installed, and its tokenizer.
 
-    NOTE: a ready ``CausalLM`` gets the backend installed in place (its layers share one).
+    NOTE: a ready ``CausalLM`` gets the backend installed in place (its layers share one) and
+    is moved to the engine's device and dtype in place.
     """
     backend = _attention_backend(config)
     if isinstance(model, CausalLM):
+        model.to(device=torch.device(config.device), dtype=config.dtype)
         model.backend = backend  # type: ignore[assignment]
         for layer in model.model.layers:
             layer.self_attn.backend = backend  # type: ignore[union-attr]

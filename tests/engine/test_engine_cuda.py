@@ -1,0 +1,73 @@
+"""The whole engine on a CUDA device (skipped without one): same tokens and NLLs as on CPU.
+
+These run in the GPU check (``benchmarks/gpu_check.py``); on CPU-only machines they skip.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model
+
+from growpage.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PROMPTS = [prompt(9, 31), prompt(23, 32), prompt(5, 33), prompt(40, 34)]
+LONG = SamplingParams(max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cpu_model():
+    return tiny_model()
+
+
+def on_cuda(model, policy: str, backend: str, **kwargs):
+    return tiny_llm(copy.deepcopy(model), policy, device="cuda", attention_backend=backend,
+                    **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fullkv_greedy_tokens_and_nll_match_cpu(cpu_model, backend):
+    want = tiny_llm(copy.deepcopy(cpu_model)).generate(PROMPTS, LONG, use_tqdm=False)
+    llm = on_cuda(cpu_model, "fullkv", backend)
+    got = llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    conts = [o.token_ids for o in want]
+    ref = tiny_llm(copy.deepcopy(cpu_model)).score(PROMPTS, conts)
+    out = llm.score(PROMPTS, conts)
+    for a, b in zip(out, ref, strict=True):
+        assert a.token_nlls == pytest.approx(b.token_nlls, abs=2e-3)
+    assert_all_returned(llm)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("policy", ["growpage", "fixed"])
+def test_capacity_control_on_cuda_matches_cpu_decisions(cpu_model, backend, policy):
+    kwargs = {"policy_kwargs": {"budget_tokens": 24}} if policy == "fixed" else {}
+    cpu = tiny_llm(copy.deepcopy(cpu_model), policy, kv_pages=40, **kwargs)
+    want = cpu.generate(PROMPTS, LONG, use_tqdm=False)
+    llm = on_cuda(cpu_model, policy, backend, kv_pages=40, **kwargs)
+    got = llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert llm.last_stats.events["compress"] > 0
+    assert llm.last_stats.boundary_time_s > 0
+    for a, b in zip(got, want, strict=True):
+        assert len(a.token_ids) == 48
+        # Same decisions up to the first compaction at least (later, float noise may differ).
+        first = next((i for i, (_, _, act) in enumerate(b.trajectory) if act == "compress"),
+                     len(b.trajectory))
+        assert a.trajectory[:first + 1] == b.trajectory[:first + 1]
+    assert_all_returned(llm)
+
+
+def test_preemption_and_prefix_caching_on_cuda(cpu_model):
+    shared = prompt(16, 40)
+    prompts = [shared + p for p in PROMPTS]
+    want = tiny_llm(copy.deepcopy(cpu_model)).generate(prompts, LONG, use_tqdm=False)
+    llm = on_cuda(cpu_model, "fullkv", "triton", kv_pages=30)
+    got = llm.generate(prompts, LONG, use_tqdm=False)
+    assert llm.last_stats.num_preemptions > 0 and llm.last_stats.prefix_hit_tokens > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert_all_returned(llm)
