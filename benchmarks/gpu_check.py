@@ -62,10 +62,10 @@ def ensure_kernels_importable() -> None:
     growpage.kernels = module  # type: ignore[attr-defined]
 
 
-def run_kernel_tests(timeout_s: int, workers: int = 0) -> dict:
+def run_kernel_tests(timeout_s: int, workers: int = 0, log: Path | None = None) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
            "tests/engine/test_engine_triton_backend.py", "tests/engine/test_engine_cuda.py",
-           "-k", "not gpu_check"]
+           "-k", "not gpu_check", "--tb=short"]
     if workers > 0 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers)]  # kernel compilation dominates: spread it over CPU cores
     start = time.perf_counter()
@@ -73,6 +73,9 @@ def run_kernel_tests(timeout_s: int, workers: int = 0) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"passed": False, "summary": f"timed out after {timeout_s} s", "seconds": timeout_s}
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(proc.stdout + proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     failures = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
     return {"passed": proc.returncode == 0, "summary": lines[-1] if lines else proc.stderr[-500:],
@@ -142,7 +145,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.skip_tests or args.smoke or "tests" not in sections:
         report["tests"] = {"skipped": "--smoke/--skip-tests/--sections"}
     else:
-        timed(report, "tests", run_kernel_tests, args.test_timeout, args.test_workers)
+        timed(report, "tests", run_kernel_tests, args.test_timeout, args.test_workers,
+              Path(args.out).with_suffix(".tests.log"))
     config: dict = {}
     if not args.no_sweep and "sweep" in sections:
         timed(report, "sweep", gpu_bench.sweep_decode, shapes, dtype, device)
