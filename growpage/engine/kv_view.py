@@ -84,13 +84,14 @@ class EngineKVView(KVView):
         src = self._slots(src_pages, self.num_tokens)[keep]        # [L, Hkv, K] flat slots
         dst = self._slots(dst_pages, num_kept)                     # [K]
         heads = torch.arange(self.num_kv_heads, device=self.device)
-        # Index into a layer's cache flattened to [2, slots * Hkv, d].
-        src_idx = src * self.num_kv_heads + heads[None, :, None]   # [L, Hkv, K]
-        dst_idx = (dst[None, :] * self.num_kv_heads + heads[:, None]).reshape(-1)  # [Hkv*K]
-        for layer in range(self.num_layers):
-            flat = self.kv_cache[:, layer].reshape(2, -1, self.head_dim)
-            kept = flat[:, src_idx[layer].reshape(-1)]             # gather: a temporary copy
-            flat[:, dst_idx] = kept
+        # Index into the cache flattened to [2, L, slots * Hkv, d]: all layers in one gather
+        # and one scatter (a handful of kernel launches per boundary, not a few per layer).
+        src_idx = (src * self.num_kv_heads + heads[None, :, None]).flatten(1)  # [L, Hkv*K]
+        dst_idx = (dst[None, :] * self.num_kv_heads + heads[:, None]).reshape(1, -1)
+        layers = torch.arange(self.num_layers, device=self.device)[:, None]
+        flat = self.kv_cache.view(2, self.num_layers, -1, self.head_dim)
+        kept = flat[:, layers, src_idx]                            # gather: a temporary copy
+        flat[:, layers, dst_idx] = kept
         new_positions = torch.gather(self.positions().cpu(), 2, keep.cpu())
         self.seq.kept_positions = new_positions
         self.seq.tail_start = self.seq.state.position
