@@ -146,6 +146,7 @@ class Bench:
             answer_nlls = [sum(s.token_nlls[a:b]) for s, sp in zip(rscores, spans, strict=True)
                            for a, b in sp]
             row.update(retrieval_acc=sum(hits) / len(hits),
+                       retrieval_budget=llm.last_stats.avg_kv_budget,
                        retrieval_nll=sum(answer_nlls) / len(answer_nlls),
                        retrieval_questions=len(hits))
         row["wall_s"] = time.perf_counter() - start
@@ -273,7 +274,7 @@ def to_markdown(r: dict) -> str:
     has_ret = any("retrieval_acc" in x for x in r["rows"])
     head = ("| policy | TPS | x fullkv | TPOT ms | total s | C | avg budget | grow | compress | "
             "shrink | fallback | preempt | boundary s | NLL | NLL +% |"
-            + (" retrieval acc |" if has_ret else ""))
+            + (" retrieval acc @ budget |" if has_ret else ""))
     lines = [f"Engine policy table: {a['num_requests']} requests x {a['max_tokens']} tokens "
              f"(teacher-forced fullkv greedy continuations), pool {r['kv_pages']} pages x "
              f"{a['page_size']} tokens ({r['full_pages']} for all at full length), min capacity "
@@ -286,7 +287,8 @@ def to_markdown(r: dict) -> str:
                  str(x["fallback"]), str(x["preemptions"]), f"{x['boundary_s']:.2f}",
                  f"{x['nll']:.4f}", f"{x.get('nll_increase_pct', 0.0):+.2f}"]
         if has_ret:
-            cells.append(f"{x.get('retrieval_acc', float('nan')):.3f}")
+            cells.append(f"{x.get('retrieval_acc', float('nan')):.3f} "
+                         f"@ {x.get('retrieval_budget', float('nan')):.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     g = r["fullkv_generate"]
     lines += ["", f"fullkv *generating* the same workload (not forced): {g['tps']:.1f} tok/s, "
