@@ -1,0 +1,64 @@
+"""Pieces of benchmarks/policies_engine.py: the policy plan, matching and the targets."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("policies_engine",
+                                              ROOT / "benchmarks" / "policies_engine.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def row(policy: str, label: str | None = None, **kw) -> dict:
+    base = dict(policy=policy, label=label or policy, tps=100.0, nll=1.0, avg_budget=300.0,
+                decided_grow=3, decided_compress=1)
+    return {**base, **kw}
+
+
+def test_order_always_has_the_baseline_and_what_matching_needs():
+    assert bench.policy_order(None) == bench.ALL_POLICIES
+    assert bench.policy_order(["inverse"]) == ["fullkv", "inverse"]
+    assert bench.policy_order(["random"]) == ["fullkv", "growpage", "random"]
+    with pytest.raises(SystemExit, match="unknown policies"):
+        bench.policy_order(["nope"])
+
+
+def test_fixed_and_random_are_matched_to_growpage():
+    args = argparse.Namespace(page_size=64, min_capacity=4, seed=5)
+    g = row("growpage", avg_budget=290.0, decided_grow=3, decided_compress=1)
+    assert bench.plan(args, "fixed", g) == [("fixed-320", "fixed", {"budget_tokens": 320}),
+                                            ("fixed-640", "fixed", {"budget_tokens": 640})]
+    (label, name, kwargs), = bench.plan(args, "random", g)
+    assert name == "random" and kwargs == {"grow_prob": 0.75, "seed": 5} and "0.75" in label
+    small = row("growpage", avg_budget=10.0)  # never below the minimum capacity
+    assert bench.plan(args, "fixed", small)[0][2] == {"budget_tokens": 256}
+    assert bench.plan(args, "shrink", None) == [("shrink", "shrink",
+                                                 {"min_capacity_tokens": 256})]
+
+
+def test_targets_are_ratios_of_the_same_run():
+    rows = [row("fullkv", tps=100.0, nll=1.0), row("growpage", tps=160.0, nll=1.01),
+            row("fixed", "fixed-256", tps=150.0, nll=1.2), row("random", tps=120.0, nll=1.1),
+            row("inverse", tps=170.0, nll=1.005)]
+    t = bench.targets(rows)
+    assert t["growpage_tps_vs_fullkv"] == pytest.approx(1.6)
+    assert t["growpage_nll_increase_pct"] == pytest.approx(1.0)
+    assert t["tps_and_quality_met"] and t["growpage_beats_matched_fixed"]
+    assert t["matched_fixed"] == "fixed-256" and t["random_worse_nll"]
+    assert not t["inverse_worse_nll"]
+    rows[1]["nll"] = 1.05
+    assert not bench.targets(rows)["tps_and_quality_met"]
+
+
+def test_bad_arguments_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--pool-fraction", "1.5"])
+    assert "--pool-fraction" in capsys.readouterr().err
+    args = bench.parse_args(["--preset", "full", "--max-tokens", "64"])
+    assert args.num_requests == 48 and args.max_tokens == 64 and args.page_size == 64
