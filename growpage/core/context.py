@@ -82,21 +82,26 @@ class BoundaryContext:
 
     # ---- lazily computed signals ----------------------------------------------------------
     @functools.cached_property
+    def _queries(self) -> torch.Tensor:
+        """``[2, L, Hq, d]`` short/long summaries, RMS-calibrated (Eq. 12) and rotated to the
+        current position."""
+        qs = self.view.query_state()
+        return torch.stack([rope_at(self.view.rope, demand.rms_calibrate(summary, qs.current),
+                                    self.position) for summary in (qs.short, qs.long)])
+
+    @functools.cached_property
     def _logits(self) -> torch.Tensor:
         """``[2, L, Hkv, G, N]`` scaled logits of the calibrated, rotated short/long summaries."""
-        qs = self.view.query_state()
         keys = self.view.keys().float()
-        out = []
-        for summary in (qs.short, qs.long):
-            q = demand.rms_calibrate(summary, qs.current)                 # Eq. 12
-            q = rope_at(self.view.rope, q, self.position)                 # current position
-            num_layers, num_q, d = q.shape
-            q = q.reshape(num_layers, self.view.num_kv_heads, -1, d)
-            out.append(torch.einsum("lhgd,lhnd->lhgn", q, keys) * self.view.softmax_scale)
-        return torch.stack(out)
+        views, num_layers, _, d = self._queries.shape
+        q = self._queries.reshape(views, num_layers, self.view.num_kv_heads, -1, d)
+        return torch.einsum("vlhgd,lhnd->vlhgn", q, keys) * self.view.softmax_scale
 
     def _group_softmax(self, num_candidates: int) -> torch.Tensor:
         # Mean over the query group of each query head's softmax (see core.demand docstring).
+        fast = self.view.summary_attention(self._queries, num_candidates)
+        if fast is not None:
+            return fast
         return self._logits[..., :num_candidates].softmax(dim=-1).mean(dim=3)
 
     @functools.cached_property

@@ -73,6 +73,17 @@ class KVView(abc.ABC):
         """
         return None
 
+    def summary_attention(self, queries: torch.Tensor, num_candidates: int
+                          ) -> torch.Tensor | None:
+        """Optional fast path: attention of ``queries [V, L, Hq, d]`` (calibrated, rotated)
+        over slots ``0..num_candidates-1``, ``[V, L, Hkv, num_candidates]`` fp32 (softmax per
+        query head, then the mean over each KV head's group), computed without ``keys()``.
+
+        None (the default) lets ``BoundaryContext`` compute it from ``keys()`` in torch; the
+        engine answers with a Triton kernel on CUDA that reads keys through the block table.
+        """
+        return None
+
     @abc.abstractmethod
     def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
         """Keep only slots ``keep [L, Hkv, K]`` (ascending), moved to slots 0..K-1.

@@ -35,8 +35,11 @@ class EngineKVView(KVView):
     """KV view of ``seq`` over ``kv_cache [2, L, num_pages, page_size, Hkv, d]``."""
 
     def __init__(self, seq: Sequence, kv_cache: torch.Tensor, query_pool: QueryStatePool,
-                 rope: RopeConfig, num_q_heads: int) -> None:
+                 rope: RopeConfig, num_q_heads: int, use_kernels: bool | None = None) -> None:
+        """``use_kernels``: demand estimation and compaction with the Triton kernels of
+        ``growpage.kernels`` (default: on CUDA; on CPU only under ``TRITON_INTERPRET=1``)."""
         _, num_layers, _, page_size, num_kv_heads, head_dim = kv_cache.shape
+        self.use_kernels = kv_cache.is_cuda if use_kernels is None else use_kernels
         self.seq, self.kv_cache, self.query_pool = seq, kv_cache, query_pool
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_q_heads, self.rope = num_q_heads, rope
@@ -76,11 +79,33 @@ class EngineKVView(KVView):
     def positions(self) -> torch.Tensor:
         return self.seq.slot_positions(self.num_layers, self.num_kv_heads).to(self.device)
 
+    def _table(self, pages: list[int]) -> torch.Tensor:
+        return torch.tensor(pages, dtype=torch.int32, device=self.device)
+
+    def summary_attention(self, queries: torch.Tensor, num_candidates: int
+                          ) -> torch.Tensor | None:
+        """With kernels: ``demand_attention`` reads the keys through the block table (no
+        gathered copy of the request's keys, two launches for all layers and heads)."""
+        if not self.use_kernels or num_candidates < 1:
+            return None
+        from growpage.kernels import demand_attention
+
+        return demand_attention(queries.float().contiguous(), self.kv_cache[0],
+                                self._table(self.seq.state.block_table), num_candidates,
+                                self.softmax_scale)
+
     def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
         """Move slots ``keep [L, Hkv, K]`` (ascending) of ``src_pages`` to slots 0..K-1 of
         ``dst_pages``, per layer and KV head; keys and values alike."""
         num_kept = keep.shape[-1]
         keep = keep.to(self.device, torch.long)
+        if self.use_kernels:  # one launch; overlapping source and target slots handled there
+            from growpage.kernels import compact_kv
+
+            compact_kv(self.kv_cache, self._table(src_pages)[None], keep[None],
+                       self._table(dst_pages)[None])
+            self._after_compaction(keep)
+            return
         src = self._slots(src_pages, self.num_tokens)[keep]        # [L, Hkv, K] flat slots
         dst = self._slots(dst_pages, num_kept)                     # [K]
         heads = torch.arange(self.num_kv_heads, device=self.device)
@@ -92,6 +117,9 @@ class EngineKVView(KVView):
         flat = self.kv_cache.view(2, self.num_layers, -1, self.head_dim)
         kept = flat[:, layers, src_idx]                            # gather: a temporary copy
         flat[:, layers, dst_idx] = kept
+        self._after_compaction(keep)
+
+    def _after_compaction(self, keep: torch.Tensor) -> None:
         new_positions = torch.gather(self.positions().cpu(), 2, keep.cpu())
         self.seq.kept_positions = new_positions
         self.seq.tail_start = self.seq.state.position

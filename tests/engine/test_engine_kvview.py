@@ -132,3 +132,45 @@ def test_query_state_pool_matches_core_ema():
         assert torch.equal(state.current, q[:, i])
     pool.release(a)
     assert pool.num_free_slots == 3 and pool.bind() == a
+
+
+@pytest.mark.parametrize("copy_on_write", [False, True])
+def test_kernel_path_matches_torch_path(model, copy_on_write):
+    """Demand estimation and compaction through the Triton kernels (interpreter on CPU, compiled
+    on CUDA) give what the torch path gives, on the same live cache."""
+    from growpage.core.context import BoundaryContext
+
+    kv, seq = prefilled(model, prompt_len=5 * PAGE + 2)
+    c = model.config
+    q = torch.randn(c.num_layers, 1, c.num_q_heads, c.head_dim,
+                    generator=torch.Generator().manual_seed(7))
+    slot = kv.query_pool.bind()
+    seq.query_slot = slot
+    kv.query_pool.update(torch.tensor([slot]), q, torch.tensor([True]))
+    kv.query_pool.update(torch.tensor([slot]), q.flip(-1), torch.tensor([False]))
+    seq.num_decode_steps = 2
+    gp = GrowPageConfig(page_size=PAGE, recent_window=2)
+    views = {flag: EngineKVView(seq, kv.cache, kv.query_pool, c.rope, c.num_q_heads,
+                                use_kernels=flag) for flag in (False, True)}
+    st = seq.state
+    ctxs = {flag: BoundaryContext(st.request_id, st.num_tokens, st.position,
+                                  len(st.block_table), 0, gp, views[flag]) for flag in views}
+    for name in ("short", "long"):
+        torch.testing.assert_close(ctxs[True].attention(name), ctxs[False].attention(name),
+                                   atol=1e-6, rtol=1e-5)
+    assert ctxs[True].delta() == pytest.approx(ctxs[False].delta(), abs=1e-6)
+    assert "_logits" not in ctxs[True].__dict__  # the kernel path never gathers the keys
+    n = seq.state.num_tokens
+    keep = random_keep(c.num_layers, c.num_kv_heads, n, 4 * PAGE, seed=5)
+    src = list(seq.state.block_table)
+    dst = list(src)
+    if copy_on_write:
+        dst[1], dst[3] = kv.pool.allocate(2)
+    state = (seq.kept_positions, seq.tail_start)
+    before = kv.cache.clone()
+    views[False].compact(keep, src, dst)
+    want, want_positions = kv.cache.clone(), seq.kept_positions
+    kv.cache.copy_(before)
+    seq.kept_positions, seq.tail_start = state
+    views[True].compact(keep, src, dst)
+    assert torch.equal(kv.cache, want) and torch.equal(seq.kept_positions, want_positions)
