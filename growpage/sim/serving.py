@@ -30,7 +30,8 @@ from growpage.sim.costmodel import CostModel
 from growpage.sim.metrics import ServingMetrics, compute_metrics
 from growpage.sim.requests import SimRequest
 from growpage.sim.scheduler import Scheduler
-from growpage.sim.sources import ScriptSource, TraceSource, synthetic_trace_of
+from growpage.sim.sources import SCRIPT_SPEC, ScriptSource, TraceSource, synthetic_trace_of
+from growpage.sim.synthetic import SyntheticSpec
 from growpage.sim.workload_csv import WorkloadRequest
 
 DECISION_MODES = ("script", "trace")
@@ -177,20 +178,23 @@ def _segment(run: _Run, now: float) -> tuple[int, float]:
 def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
              config: GrowPageConfig, sim: SimConfig, cost: CostModel,
              trace_of: Callable[[WorkloadRequest], Trace] | None = None,
-             on_progress: Callable[[int], None] | None = None) -> ServingResult:
+             on_progress: Callable[[int], None] | None = None,
+             demand: SyntheticSpec = SCRIPT_SPEC) -> ServingResult:
     """Serve ``requests`` under ``policy``; see the module docstring.
 
     ``trace_of`` gives each request's trace in trace mode (default: a synthetic trace drawn for
-    the request's lengths); script mode ignores it. ``on_progress(num_finished)`` is called
-    whenever requests finish.
+    the request's lengths); script mode ignores it. ``demand`` is the synthetic demand behind
+    the scripts of script mode and trace mode's default traces: its regime parameters (the
+    lengths are set per script or request; ``benchmarks/paper_scale.py`` tunes it).
+    ``on_progress(num_finished)`` is called whenever requests finish.
     """
     policy = resolve_policy(policy)
     if sim.decisions == "trace":
         source: TraceSource | ScriptSource = TraceSource(
-            policy, config, sim.num_kv_pages, trace_of or synthetic_trace_of(seed=sim.seed))
+            policy, config, sim.num_kv_pages, trace_of or synthetic_trace_of(demand, sim.seed))
     else:
         source = ScriptSource(policy, config, sim.num_kv_pages, requests, sim.num_scripts,
-                              sim.seed)
+                              sim.seed, demand)
     reserve = int(sim.admission_reserve * sim.num_kv_pages)
     sched = Scheduler(source, config.page_size, sim.max_num_seqs, sim.max_num_batched_tokens,
                       reserve, sim.record_events)

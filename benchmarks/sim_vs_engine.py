@@ -1,0 +1,331 @@
+"""The serving simulator against the engine it models, on this machine's CPU.
+
+Scenario: 16 chat prompts from ``growpage.eval.workload.reasoning_prompts()``, every request
+generating exactly ``--max-tokens`` tokens (``ignore_eos``), all submitted at once to the engine
+(SmolLM2-135M-Instruct, fp32, torch backend) with a KV pool too small for ``fullkv`` to keep
+every request resident. Steps:
+
+1. **calibrate**: time the engine's forward passes over the workload's shapes
+   (``growpage.engine.profile.measure_step_times``) and fit the simulator's ``LinearCostModel``
+   (``growpage.sim.calibrate.fit_linear``), as ``growpage calibrate`` does. The machine is
+   shared, so one pass runs before the engine runs and one after each of them, and the model is
+   fitted on all passes together: it sees the load the engine runs saw;
+2. **record**: run the workload once under ``fullkv`` with a pool large enough for everything,
+   recording every layer's queries and keys (``LLM(record_traces=DIR)``);
+3. **engine**: run the workload under each policy with the small pool and keep ``EngineStats``;
+4. **simulate**: serve the same requests in ``growpage.sim.serving`` in *trace* mode (each request
+   decides on a ``TraceView`` over its own recorded trace: closed loop, the real policy on the
+   real queries and keys), with the calibrated cost model and the engine's pool, page size,
+   ``max_num_seqs`` and token budget;
+5. compare TPS, C (average resident requests), total time and event counts.
+
+Modelling choices that make both sides count the same thing:
+
+* the simulated request generates as many tokens as the engine's (``max_tokens``); the engine
+  samples the first token at the end of its prefill, the simulator in its first decode step, so
+  the simulator runs one more decode step per request (< 1% of the steps here);
+* prefix caching is off in the engine (the simulator does not model prefix sharing; with 32-token
+  pages the chat template's shared system prompt would fill at most one page anyway);
+* the simulator's ``admission_reserve`` is 0 (the engine admits greedily; its watermark is 0);
+* the engine's boundary work (capacity control: scoring and compaction) is measured separately
+  (``EngineStats.boundary_time_s``); the simulator does not price it.
+
+Run: ``.venv/bin/python benchmarks/sim_vs_engine.py`` (about 5 minutes of CPU time, one
+thread; 15 minutes of wall time when the 2-core machine is loaded by other jobs); writes ``results/sim_vs_engine/report.md`` and ``sim_vs_engine.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from growpage.core.config import GrowPageConfig
+from growpage.core.traces import Trace, TraceSet
+from growpage.policies.registry import resolve_policy
+from growpage.sim.calibrate import fit_linear
+from growpage.sim.costmodel import CostModel
+from growpage.sim.serving import ServingResult, SimConfig, simulate
+from growpage.sim.sweep import SweepPoint, parse_points
+from growpage.sim.workload_csv import WorkloadRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = 0.15   # relative error the simulator should stay within on TPS, C and total time
+
+
+@attrs.frozen(kw_only=True)
+class Scenario:
+    """The shared settings of both worlds."""
+
+    num_requests: int = 16
+    max_tokens: int = 192          # tokens generated per request (EOS ignored)
+    page_size: int = 32            # tokens per KV page
+    kv_pages: int = 64             # KV pool of the measured runs (pages)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    record_kv_pages: int = 512     # pool of the recording run: nothing is ever preempted
+    chat: bool = True
+
+
+# ---- the engine side -------------------------------------------------------------------------
+def make_llm(model: Any, tokenizer: Any, scenario: Scenario, point: SweepPoint,
+             kv_pages: int, **kwargs: Any) -> Any:
+    """An ``LLM`` over an already loaded model (loading once keeps the runs comparable)."""
+    from growpage.engine.llm import LLM
+
+    return LLM(model, policy=point.policy, policy_kwargs=dict(point.params), tokenizer=tokenizer,
+               page_size=scenario.page_size, kv_pages=kv_pages,
+               max_num_seqs=scenario.max_num_seqs,
+               max_num_batched_tokens=scenario.max_num_batched_tokens,
+               enable_prefix_caching=False, **kwargs)
+
+
+def sampling_params(scenario: Scenario) -> Any:
+    from growpage.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=scenario.max_tokens, ignore_eos=True)
+
+
+def calibration_shapes(scenario: Scenario, prompt_tokens: int
+                       ) -> tuple[list[int], list[int], list[int]]:
+    """Batch sizes, per-request contexts and prefill lengths spanning the workload's steps."""
+    n = scenario.num_requests
+    per_prompt = max(1, prompt_tokens // n)
+    longest = per_prompt + scenario.max_tokens
+    batch_sizes = sorted({1, max(1, n // 4), max(1, n // 2), n})
+    contexts = sorted({per_prompt, (per_prompt + longest) // 2, longest})
+    prefills = sorted({per_prompt, prompt_tokens})
+    return batch_sizes, contexts, prefills
+
+
+def measure(model: Any, shapes: tuple[list[int], list[int], list[int]], repeats: int = 1,
+            progress: bool = True) -> np.ndarray:
+    """One calibration pass: ``[n, 4]`` rows (num_seqs, kv_tokens, prefill_tokens, step_s) of
+    the engine's forward passes (``growpage.engine.profile``, best of ``repeats + 1``)."""
+    from growpage.engine.profile import measure_step_times
+
+    rows = measure_step_times(model, *shapes, repeats=repeats, progress=progress)
+    return np.array([[r["num_seqs"], r["kv_tokens"], r["prefill_tokens"], r["step_s"]]
+                     for r in rows], dtype=np.float64)
+
+
+def record_traces(model: Any, tokenizer: Any, scenario: Scenario, prompts: Sequence[str],
+                  directory: Path, layers: Sequence[int] | None = None,
+                  progress: bool = True) -> tuple[TraceSet, list[Any]]:
+    """Record the workload under ``fullkv`` (queries and keys of ``layers``, no values)."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    llm = make_llm(model, tokenizer, scenario, SweepPoint("fullkv"), scenario.record_kv_pages,
+                   record_traces=str(directory), record_layers=layers, record_values=False)
+    outs = llm.generate(list(prompts), sampling_params(scenario), chat=scenario.chat,
+                        use_tqdm=progress)
+    return TraceSet(directory), outs
+
+
+def run_engine(model: Any, tokenizer: Any, scenario: Scenario, point: SweepPoint,
+               prompts: Sequence[str], progress: bool = True) -> Any:
+    """``EngineStats`` of the workload under ``point`` with the small pool."""
+    llm = make_llm(model, tokenizer, scenario, point, scenario.kv_pages)
+    llm.generate(list(prompts), sampling_params(scenario), chat=scenario.chat,
+                 use_tqdm=progress)
+    return llm.last_stats, llm.config.growpage
+
+
+# ---- the simulator side ----------------------------------------------------------------------
+def workload_from_traces(traces: TraceSet, output_tokens: Sequence[int]
+                         ) -> tuple[list[WorkloadRequest], dict[str, Trace]]:
+    """One simulated request per recorded trace, in the set's order (= submission order), all
+    arriving at t = 0, generating what the engine generated."""
+    requests, by_id = [], {}
+    for entry, out_tokens in zip(traces.index, output_tokens, strict=True):
+        requests.append(WorkloadRequest(entry.request_id, 0.0, entry.prompt_len, int(out_tokens),
+                                        entry.request_id, "recorded"))
+        by_id[entry.request_id] = traces.read(entry)
+    return requests, by_id
+
+
+def run_sim(requests: Sequence[WorkloadRequest], traces: dict[str, Trace], point: SweepPoint,
+            config: GrowPageConfig, scenario: Scenario, cost: CostModel) -> ServingResult:
+    """The workload in the serving simulator, trace mode, the engine's pool and limits."""
+    sim = SimConfig(num_kv_pages=scenario.kv_pages, max_num_seqs=scenario.max_num_seqs,
+                    max_num_batched_tokens=scenario.max_num_batched_tokens, decisions="trace",
+                    admission_reserve=0.0)
+    policy = resolve_policy(point.policy, **dict(point.params))
+    return simulate(requests, policy, config, sim, cost,
+                    trace_of=lambda r: traces[r.request_id])
+
+
+# ---- comparison ------------------------------------------------------------------------------
+def engine_row(stats: Any) -> dict:
+    e = stats.events
+    return {"tps": stats.tps, "avg_resident": stats.avg_resident,
+            "total_time_s": stats.total_time_s, "output_tokens": stats.num_output_tokens,
+            "num_requests": stats.num_requests, "grows": e.get("grow", 0),
+            "compresses": e.get("compress", 0), "fallbacks": e.get("fallback", 0),
+            "preemptions": stats.num_preemptions, "avg_kv_budget": stats.avg_kv_budget,
+            "boundary_time_s": stats.boundary_time_s, "num_steps": stats.num_steps}
+
+
+def sim_row(result: ServingResult) -> dict:
+    m = result.metrics
+    decoded = sum(r.generated for r in result.requests)
+    return {"tps": m.tps, "avg_resident": m.avg_resident, "total_time_s": m.total_time_s,
+            "output_tokens": m.output_tokens, "num_requests": m.num_requests, "grows": m.grows,
+            "compresses": m.compresses, "fallbacks": m.fallbacks, "preemptions": m.preemptions,
+            "avg_kv_budget": sum(r.budget_tokens for r in result.requests) / max(decoded, 1),
+            "num_steps": m.decode_steps + m.prefill_steps}
+
+
+METRICS = [("tps", "TPS (tok/s)", ".1f"), ("avg_resident", "C", ".2f"),
+           ("total_time_s", "total time (s)", ".1f"), ("avg_kv_budget", "KV budget (tok)", ".0f"),
+           ("num_steps", "steps", "d"), ("grows", "grow", "d"), ("compresses", "compress", "d"),
+           ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d")]
+GATED = ("tps", "avg_resident", "total_time_s")
+
+
+def relative_error(sim: float, measured: float) -> float:
+    return (sim - measured) / measured if measured else float("nan") if sim else 0.0
+
+
+def compare(label: str, engine: dict, sim: dict) -> dict:
+    errors = {k: relative_error(sim[k], engine[k]) for k, _, _ in METRICS}
+    return {"point": label, "engine": engine, "sim": sim, "rel_error": errors,
+            "within_target": all(abs(errors[k]) <= TARGET for k in GATED)}
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = ["| point | metric | engine (measured) | simulator | rel. error |",
+             "|---|---|---:|---:|---:|"]
+    for row in rows:
+        for key, name, fmt in METRICS:
+            e, s, err = row["engine"][key], row["sim"][key], row["rel_error"][key]
+            mark = " **!**" if key in GATED and abs(err) > TARGET else ""
+            lines.append(f"| {row['point']} | {name} | {e:{fmt}} | {s:{fmt}} | "
+                         f"{err:+.1%}{mark} |")
+    c = meta["cost_model"]
+    return "\n".join([
+        "# Simulator vs engine (CPU, SmolLM2-135M-Instruct)", "",
+        f"Command: `{meta['command']}`", "",
+        f"Machine: {meta['machine']}; torch {meta['torch']}, {meta['threads']} thread(s); "
+        f"measured {meta['date']}; whole benchmark {meta['wall_s']:.0f} s.", "",
+        f"Workload: {meta['num_requests']} chat prompts from `reasoning_prompts()`, "
+        f"{meta['prompt_tokens']} prompt tokens in all, {meta['max_tokens']} generated tokens "
+        f"each (EOS ignored), all at t = 0; pool {meta['kv_pages']} pages x {meta['page_size']} "
+        f"tokens, max_num_seqs {meta['max_num_seqs']}, prefix caching off. Traces: "
+        f"{meta['recorded_layers']} layers recorded under fullkv. Simulator: trace mode "
+        "(closed loop on the recorded queries and keys), admission reserve 0.", "",
+        f"Cost model fitted on {meta['calibration_rows']} engine forward passes "
+        f"(rms {1e3 * meta['calibration_rms_s']:.2f} ms): base {1e3 * c['base_s']:.2f} ms + "
+        f"{1e3 * c['per_seq_s']:.3f} ms/seq + {1e6 * c['per_kv_token_s']:.3f} us/KV token + "
+        f"{1e3 * c['per_prefill_token_s']:.3f} ms/prefill token.", "",
+        *lines, "",
+        f"Target: TPS, C and total time within +-{TARGET:.0%} (**!** marks a miss).", ""])
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--kv-pages", type=int, default=64)
+    ap.add_argument("--points", nargs="+", default=["fullkv", "growpage",
+                                                    "fixed@budget_tokens=128"])
+    ap.add_argument("--layers", default="all", help="recorded layers: 'all' or 0,15,29")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2, help="timings per calibration shape")
+    ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_engine"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
+    machine = _machine()
+    scenario = Scenario(num_requests=args.num_requests, max_tokens=args.max_tokens,
+                        page_size=args.page_size, kv_pages=args.kv_pages)
+    points = parse_points(args.points)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from growpage.engine.loader import load_model
+    from growpage.engine.tokenizer import load_tokenizer
+    from growpage.eval.workload import reasoning_prompts
+
+    model, tokenizer = load_model(), load_tokenizer()
+    prompts = reasoning_prompts(scenario.num_requests)
+    prompt_tokens = sum(len(tokenizer.encode_chat(p)) for p in prompts)
+    layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
+
+    shapes = calibration_shapes(scenario, prompt_tokens)
+    steps = 2 + 2 * len(points)
+    passes: list[np.ndarray] = []
+
+    def calibration_pass(step: int) -> None:
+        print(f"[{step}/{steps}] calibration pass {len(passes) + 1} (engine forward passes)",
+              flush=True)
+        passes.append(measure(model, shapes, args.repeats))
+
+    calibration_pass(1)
+    print(f"[2/{steps}] recording fullkv traces", flush=True)
+    traces, rec_outs = record_traces(model, tokenizer, scenario, prompts, out / "traces", layers)
+    requests, by_id = workload_from_traces(traces, [len(o.token_ids) for o in rec_outs])
+    engine_stats = []
+    for i, point in enumerate(points):
+        print(f"[{3 + 2 * i}/{steps}] engine: {point.label}", flush=True)
+        engine_stats.append(run_engine(model, tokenizer, scenario, point, prompts))
+        calibration_pass(4 + 2 * i)
+    # NOTE: the passes are spread over the benchmark, so the fit sees the machine's load as the
+    # engine runs did (the machine is shared; one pass alone can be off by tens of percent).
+    table = np.concatenate(passes)
+    cost = fit_linear(table)
+    cost.save(out / "costmodel.json")
+    predicted = cost.step_time(table[:, 0], table[:, 1], table[:, 2])
+    rms = float(np.sqrt(np.mean((predicted - table[:, 3]) ** 2)))
+    rows = []
+    for point, (stats, config) in tqdm(list(zip(points, engine_stats, strict=True)),
+                                       desc="simulate", unit="point"):
+        result = run_sim(requests, by_id, point, config, scenario, cost)
+        rows.append(compare(point.label, engine_row(stats), sim_row(result)))
+    meta = {"command": "python " + " ".join(["benchmarks/sim_vs_engine.py", *sys.argv[1:]]),
+            "machine": machine, "torch": torch.__version__, "threads": args.threads,
+            "date": started, "wall_s": time.perf_counter() - start,
+            "num_requests": scenario.num_requests, "prompt_tokens": prompt_tokens,
+            "max_tokens": scenario.max_tokens, "kv_pages": scenario.kv_pages,
+            "page_size": scenario.page_size, "max_num_seqs": scenario.max_num_seqs,
+            "recorded_layers": "all" if layers is None else len(layers),
+            "calibration_rows": len(table), "calibration_rms_s": rms,
+            "cost_model": attrs.asdict(cost)}
+    report = markdown(rows, meta)
+    (out / "report.md").write_text(report)
+    (out / "sim_vs_engine.json").write_text(json.dumps(
+        {"meta": meta, "scenario": attrs.asdict(scenario), "rows": rows,
+         "calibration": table.tolist()}, indent=1) + "\n")
+    print(report)
+    print(f"results in {out}/ (report.md, sim_vs_engine.json, costmodel.json, traces/)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
