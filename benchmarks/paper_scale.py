@@ -245,7 +245,7 @@ def markdown(rows: dict[str, dict], found: SearchResult, knob: str, meta: dict) 
         f"Budget per token x C is the KV capacity held on average: GrowPage here "
         f"{held / 1e3:.0f}k tokens of a {pool / 1e3:.0f}k-token pool; the paper's "
         f"{PAPER_BUDGET} x 121 = {paper_held / 1e3:.0f}k tokens would not fit this pool, so "
-        "the paper's budget cannot be a per-token average over the same memory.", ""])
+        "the paper's budget is probably not a per-token average over a pool of this size.", ""])
 
 
 def plot_bars(rows: dict[str, dict], path: Path) -> None:
