@@ -7,7 +7,7 @@ request at its end-of-turn token (capped at ``--max-tokens``): the engine retire
 requests at once, HF's batch decodes until its longest row ends. Output tokens/s counts only
 real output tokens. Prints a table; not a test.
 
-    OMP_NUM_THREADS=1 python benchmarks/engine_vs_hf.py [--batch-sizes 1 16] [--max-tokens 64]
+    python benchmarks/engine_vs_hf.py [--threads 1] [--batch-sizes 1 16] [--max-tokens 64]
 
 On a shared CPU use one thread: with two, a core taken by another process stalls every GEMM.
 """
@@ -113,9 +113,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", nargs="+", default=["fixed", "eos"], choices=["fixed", "eos"])
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="best of N timed runs")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)
-    llm = LLM(policy="fullkv", page_size=args.page_size, kv_pages=4096 // args.page_size * 16,
-              enable_prefix_caching=False)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    pages_per_request = -(-(256 + args.max_tokens) // args.page_size)  # chat prompts < 256
+    llm = LLM(policy="fullkv", page_size=args.page_size,
+              kv_pages=max(args.batch_sizes) * pages_per_request, enable_prefix_caching=False)
     hf = hf_model_from(llm)
     run_ours(llm, [[1, 2, 3]], 4, True)      # warm-up
     run_hf(hf, [[1, 2, 3]], 4, True, [2])

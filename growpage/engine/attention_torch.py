@@ -2,12 +2,12 @@
 
 The reference ``TorchAttentionBackend.decode`` gathers every page of the block table for every
 layer and runs two einsums. Here the per-step metadata (flat slot of each used position, the
-padding mask) is computed once per step and shared by all layers, only the first
-``max(context_lens)`` slots are gathered (one ``index_select`` each for keys and values), and the
-attention itself is one fused SDPA call with the native GQA mapping::
+additive padding mask, the store slots) is computed once per step and shared by all layers, only
+the first ``max(context_lens)`` slots are gathered (one ``index_select`` each for keys and
+values), and the attention itself is one fused SDPA call with the native GQA mapping::
 
     slots [B, S]  = block_tables[b, s // page] * page + s % page       S = max(context_lens)
-    mask  [B, S]  = s < context_lens[b]
+    mask  [B, S]  = 0 where s < context_lens[b], else -inf
     k, v  [B, S, Hkv, d]    = layer_cache[0 / 1].view(slots, Hkv, d)[slots]
 """
 
@@ -28,12 +28,31 @@ class PagedTorchBackend(TorchAttentionBackend):
     def __init__(self) -> None:
         self._ctx: StepContext | None = None
         self._slots = torch.empty(0, dtype=torch.long)
-        self._mask = torch.empty(0, dtype=torch.bool)
+        self._mask = torch.empty(0)
+        self._store_src: torch.Tensor | None = None
+        self._store_slots = torch.empty(0, dtype=torch.long)
+        self._store_keep: torch.Tensor | None = None
 
-    def _metadata(self, ctx: StepContext, page_size: int, device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat slots ``[B * S]`` and mask ``[B, 1, 1, S]`` of this step (cached per step)."""
-        if ctx is not self._ctx:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """As the reference, with the slot check done once per step (per ``slot_mapping``)."""
+        if slot_mapping is not self._store_src:
+            slots = slot_mapping.long()
+            keep = slots >= 0
+            self._store_keep = None if bool(keep.all()) else keep
+            self._store_slots = slots if self._store_keep is None else slots[keep]
+            self._store_src = slot_mapping
+        if self._store_keep is not None:
+            k, v = k[self._store_keep], v[self._store_keep]
+        num_heads, head_dim = layer_cache.shape[-2:]
+        for cache, new in ((layer_cache[0], k), (layer_cache[1], v)):
+            cache.view(-1, num_heads, head_dim).index_copy_(0, self._store_slots,
+                                                            new.to(layer_cache.dtype))
+
+    def _metadata(self, ctx: StepContext, page_size: int, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat slots ``[B * S]`` and additive mask ``[B, 1, 1, S]`` of this step (cached)."""
+        if ctx is not self._ctx or self._mask.dtype != dtype:
             assert ctx.block_tables is not None and ctx.context_lens is not None
             lens = ctx.context_lens.to(device)
             tables = ctx.block_tables.to(device).clamp(min=0).long()
@@ -42,7 +61,9 @@ class PagedTorchBackend(TorchAttentionBackend):
             page_idx = (pos // page_size).expand(tables.shape[0], -1)
             slots = tables.gather(1, page_idx) * page_size + pos % page_size
             self._slots = slots.reshape(-1)
-            self._mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+            padding = pos[None, :] >= lens[:, None]
+            self._mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill_(
+                padding, float("-inf"))[:, None, None, :]
             self._ctx = ctx
         return self._slots, self._mask
 
@@ -50,12 +71,12 @@ class PagedTorchBackend(TorchAttentionBackend):
                scale: float) -> torch.Tensor:
         """``q [B, Hq, d]`` over each sequence's first ``context_lens[b]`` slots -> ``[B, Hq, d]``."""
         _, _, page_size, num_kv_heads, head_dim = layer_cache.shape
-        slots, mask = self._metadata(ctx, page_size, q.device)
+        dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+        slots, mask = self._metadata(ctx, page_size, dtype, q.device)
         batch, num_q_heads, _ = q.shape
         num_slots = mask.shape[-1]
         k, v = (layer_cache[i].view(-1, num_kv_heads, head_dim).index_select(0, slots)
                 .view(batch, num_slots, num_kv_heads, head_dim).transpose(1, 2) for i in (0, 1))
-        dtype = torch.float32 if q.device.type == "cpu" else q.dtype
         out = F.scaled_dot_product_attention(
             q.to(dtype).view(batch, num_q_heads, 1, head_dim), k.to(dtype), v.to(dtype),
             attn_mask=mask, scale=scale, enable_gqa=True)

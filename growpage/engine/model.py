@@ -1,17 +1,21 @@
 """Llama-architecture decoder (and the Qwen3 variant) over the paged KV cache.
 
-Module and parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``...)
-so that safetensors checkpoints load as they are. Tokens of all sequences of a step are packed
-into one ``[T]`` batch; attention metadata comes from the step context (``engine.context``).
+State-dict names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``...) so that
+safetensors checkpoints load as they are. Inside, q/k/v and gate/up are each one fused
+projection (one GEMM): ``FusedLinear`` concatenates the HF weights on load and splits them again
+in ``state_dict()``. Tokens of all sequences of a step are packed into one ``[T]`` batch;
+attention metadata comes from the step context (``engine.context``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import attrs
 import torch
 from torch import nn
 
-from growpage.core.rope import RopeConfig, apply_rope, cos_sin
+from growpage.core.rope import RopeConfig, inv_frequencies
 from growpage.engine.attention import AttentionBackend, TorchAttentionBackend
 from growpage.engine.context import get_context
 
@@ -73,9 +77,69 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One op, bitwise equal to the expression below for fp32 (tested).
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class FusedLinear(nn.Linear):
+    """Several Hugging Face projections of the same input as one ``nn.Linear``: their output
+    rows side by side (``q|k|v``, ``gate|up``), so one GEMM instead of several.
+
+    Registered on the parent module, the fused weight keeps the HF names in the state dict:
+    ``state_dict()`` splits it into views ``<part>.weight`` (and ``.bias``), and
+    ``load_state_dict`` concatenates the parts back (any loader, ``assign=True`` too).
+    """
+
+    def __init__(self, parent: nn.Module, name: str, in_features: int,
+                 parts: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.name, self.parts = name, dict(parts)
+        # partials, not bound methods: torch marks the hooks it registers with an attribute
+        parent.register_state_dict_post_hook(functools.partial(FusedLinear._split_state, self))
+        parent.register_load_state_dict_pre_hook(functools.partial(FusedLinear._merge_state, self))
+
+    def _split_state(self, parent: nn.Module, state_dict: dict, prefix: str,
+                     local_metadata: dict) -> None:
+        items = list(state_dict.items())
+        state_dict.clear()
+        for key, value in items:  # the parts take the fused entry's place: HF order
+            suffix = key.rpartition(".")[2]
+            if key != f"{prefix}{self.name}.{suffix}":
+                state_dict[key] = value
+                continue
+            for part, t in zip(self.parts, value.split(list(self.parts.values())), strict=True):
+                state_dict[f"{prefix}{part}.{suffix}"] = t
+
+    def _merge_state(self, parent: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+        for suffix in ("weight", "bias"):
+            keys = [f"{prefix}{part}.{suffix}" for part in self.parts]
+            if all(k in state_dict for k in keys):  # else strict loading reports the gap
+                state_dict[f"{prefix}{self.name}.{suffix}"] = torch.cat(
+                    [state_dict.pop(k) for k in keys])
+
+
+def rope_tables(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [T, 1, d/2]`` (fp32) of ``positions [T]``: the first half of
+    ``core.rope.cos_sin`` (its second half repeats it), broadcast over heads."""
+    inv = inv_frequencies(cfg).to(positions.device)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv
+    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+
+def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [T, H, d]`` with half tables ``[T, 1, d/2]``; bitwise equal to
+    ``core.rope.apply_rope`` for fp32 (tested) with half the ops and no concatenation."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.empty_like(xf)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2).add_(x1 * sin)
+    return out.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -87,10 +151,10 @@ class Attention(nn.Module):
         self.num_q_heads, self.num_kv_heads = cfg.num_q_heads, cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_q_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        q_size, kv_size = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = FusedLinear(self, "qkv_proj", cfg.hidden_size,
+                                    {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+                                    bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_q_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
@@ -100,34 +164,52 @@ class Attention(nn.Module):
         # View [2, num_pages, page_size, Hkv, d] of the shared cache; not a module buffer.
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]``, ``cos/sin [T, 1, d]`` -> ``[T, hidden]``."""
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_q_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, hidden]``, ``cos/sin [T, 1, d/2]`` -> ``[T, hidden]``; with ``residual``
+        the output projection is added to it in place (one GEMM with beta=1) and returned."""
+        num_tokens, num_q = x.shape[0], self.num_q_heads
+        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, d]
+        q, k, v = qkv.split([num_q, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+            qk = torch.cat([q, k], dim=1)
+        else:
+            qk = qkv[:, : num_q + self.num_kv_heads]
         ctx = get_context()
         q_pre_rope = q
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk = apply_rope_half(qk, cos, sin)  # q and k rotated together
+        q, k = qk[:, :num_q], qk[:, num_q:]
         if ctx.capture is not None:
             ctx.capture.record(self.layer_idx, q_pre_rope, k, v)
         out = self.backend.forward(q, k, v, self.kv_cache, ctx, self.scale)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return _linear(out.reshape(num_tokens, -1), self.o_proj, residual)
+
+
+def _linear(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
+    """``proj(x)``, or ``residual += proj(x)`` in place (bias-free ``proj``) and returned."""
+    if residual is None:
+        return proj(x)
+    return residual.addmm_(x, proj.weight.t())
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one fused GEMM."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(self, "gate_up_proj", cfg.hidden_size,
+                                        {"gate_proj": cfg.intermediate_size,
+                                         "up_proj": cfg.intermediate_size}, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, hidden] -> [T, hidden]``; with ``residual``, added to it in place."""
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size:]
+        hidden = nn.functional.silu(gate, inplace=True).mul_(up)  # in gate_up's own storage
+        return _linear(hidden, self.down_proj, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -139,8 +221,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """Updates the residual stream ``x [T, hidden]`` in place and returns it."""
+        x = self.self_attn(self.input_layernorm(x), cos, sin, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class DecoderModel(nn.Module):
@@ -165,9 +248,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the packed step tokens ``input_ids [T]`` at
         absolute ``positions [T]``; needs a step context (``use_context``)."""
-        cos, sin = cos_sin(self.config.rope, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, d], broadcast over heads
-        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_tables(self.config.rope, positions)
+        x = self.model.embed_tokens(input_ids)  # a fresh tensor: the layers add into it
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         return self.model.norm(x)

@@ -1,9 +1,11 @@
-"""TorchAttentionBackend against a naive per-sequence, per-head softmax reference."""
+"""TorchAttentionBackend and PagedTorchBackend against a naive per-sequence, per-head softmax
+reference."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +16,10 @@ from growpage.engine.attention import (
     gather_pages,
     kv_cache_bytes,
 )
+from growpage.engine.attention_torch import PagedTorchBackend
 from growpage.engine.context import decode_context, prefill_context
+
+BACKENDS = [TorchAttentionBackend, PagedTorchBackend]
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | None
@@ -60,14 +65,15 @@ def _fill(page_size, hkv, lens, seed, d=8):
     return cache, torch.tensor(tables), ks, vs
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.__name__)
 @settings(max_examples=40, deadline=None)
 @given(paged_batches())
-def test_decode_matches_naive(batch):
+def test_decode_matches_naive(backend, batch):
     page_size, hkv, group, lens, seed = batch
     cache, tables, ks, vs = _fill(page_size, hkv, lens, seed)
     q = torch.randn(len(lens), hkv * group, 8, generator=torch.Generator().manual_seed(seed))
     ctx = decode_context(torch.full((len(lens),), -1), tables, torch.tensor(lens))
-    out = TorchAttentionBackend().decode(q, cache, ctx, 8 ** -0.5)
+    out = backend().decode(q, cache, ctx, 8 ** -0.5)
     for b in range(len(lens)):
         ref = naive_attention(q[b : b + 1], ks[b], vs[b], causal_offset=None)
         torch.testing.assert_close(out[b : b + 1], ref, atol=1e-5, rtol=1e-5)
@@ -91,16 +97,32 @@ def test_prefill_over_cached_prefix_matches_naive(batch, data):
         start += m
 
 
-def test_store_kv_skips_padding_slots_and_gather_follows_block_table():
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.__name__)
+def test_store_kv_skips_padding_slots_and_gather_follows_block_table(backend):
     cache = allocate_kv_cache(1, 3, 2, 1, 4)[:, 0]
     k = torch.arange(12.0).view(3, 1, 4)
-    TorchAttentionBackend().store_kv(k, -k, cache, torch.tensor([5, -1, 0]))
+    backend().store_kv(k, -k, cache, torch.tensor([5, -1, 0]))
     assert torch.equal(cache[0, 2, 1], k[0]) and torch.equal(cache[1, 2, 1], -k[0])
     assert torch.equal(cache[0, 0, 0], k[2])
     assert int((cache != 0).sum()) == 2 * 2 * 4 - 2  # two rows each in k and v; k[0][0] = 0
     gk, gv = gather_pages(cache, torch.tensor([[2, 0, -1]]))
     assert gk.shape == (1, 6, 1, 4)
     assert torch.equal(gk[0, 1], k[0]) and torch.equal(gk[0, 2], k[2]) and torch.equal(gv[0, 1], -k[0])
+
+
+def test_paged_store_kv_reuses_step_slots_across_layers_and_not_across_steps():
+    """The slot check is cached per ``slot_mapping`` tensor (one per step, shared by layers)."""
+    backend = PagedTorchBackend()
+    caches = allocate_kv_cache(2, 3, 2, 1, 4)
+    k = torch.arange(12.0).view(3, 1, 4)
+    step1 = torch.tensor([5, -1, 0])
+    for layer in (0, 1):
+        backend.store_kv(k + layer, -k, caches[:, layer], step1)
+        assert torch.equal(caches[0, layer, 2, 1], k[0] + layer)
+        assert torch.equal(caches[0, layer, 0, 0], k[2] + layer)
+    backend.store_kv(k[:1] + 7, k[:1], caches[:, 0], torch.tensor([3]))  # next step
+    assert torch.equal(caches[0, 0, 1, 1], k[0] + 7) and torch.equal(caches[1, 0, 1, 1], k[0])
+    assert torch.equal(caches[0, 0, 2, 1], k[0])  # untouched by the second step
 
 
 def test_kv_cache_bytes():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -13,7 +14,7 @@ from engine_helpers import hf_logits, hf_model, random_state_dict, tiny_config
 
 from growpage.engine import loader
 from growpage.engine.context import prefill_context, use_context
-from growpage.engine.loader import load_checkpoint, load_model, unpermute_qk
+from growpage.engine.loader import build_model, load_checkpoint, load_model, unpermute_qk
 from growpage.errors import EngineError
 
 IDS = [5, 17, 99, 3, 64, 12, 12, 101, 7, 45, 88]
@@ -130,6 +131,68 @@ def test_hf_directory_llama3_rope_scaling(tmp_path):
     torch.testing.assert_close(our_logits(model, ids), hf_logits(ref, ids), atol=1e-4, rtol=0)
 
 
+def _fused_parts(sd: dict[str, torch.Tensor], layer: int, suffix: str = "weight"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    p = f"model.layers.{layer}."
+    qkv = torch.cat([sd[f"{p}self_attn.{n}_proj.{suffix}"] for n in "qkv"])
+    return qkv, torch.cat([sd[f"{p}mlp.gate_proj.weight"], sd[f"{p}mlp.up_proj.weight"]])
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-tied", "qwen3"])
+def test_fused_projections_hold_the_hf_weights_under_hf_names(variant):
+    """Inside, q|k|v and gate|up are one weight each; the state dict keeps the HF names, with
+    the parts where the fused weight would be (key order seeds ``random_state_dict``)."""
+    cfg = tiny_config(variant)
+    sd = random_state_dict(cfg, seed=7)
+    model = build_model(cfg, dict(sd))
+    for i, layer in enumerate(model.model.layers):
+        qkv, gate_up = _fused_parts(sd, i)
+        assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+        assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
+    ours = model.state_dict()
+    assert set(ours) == set(sd)
+    attn = [k.split(".")[-2] for k in ours if k.startswith("model.layers.1.self_attn.")]
+    mlp = [k.split(".")[-2] for k in ours if k.startswith("model.layers.1.mlp.")]
+    assert attn[:4] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert mlp == ["gate_proj", "up_proj", "down_proj"]
+    for k in sd:
+        assert torch.equal(ours[k], sd[k]), k
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-tied", "qwen3"])
+def test_hf_state_dict_loads_into_fused_model_in_place(variant):
+    """``load_state_dict`` from HF names (strict, copying into existing fused weights)."""
+    cfg = tiny_config(variant)
+    ref = hf_model(cfg, random_state_dict(cfg, seed=8))
+    model = build_model(cfg, random_state_dict(cfg, seed=0))
+    fused_before = model.model.layers[0].self_attn.qkv_proj.weight
+    theirs = ref.state_dict()
+    if cfg.tie_word_embeddings:
+        theirs.pop("lm_head.weight")
+    model.load_state_dict(theirs)
+    assert model.model.layers[0].self_attn.qkv_proj.weight is fused_before  # copied in place
+    assert "model.layers.0.self_attn.q_proj.weight" in theirs  # the caller's dict is untouched
+    torch.testing.assert_close(our_logits(model), hf_logits(ref, IDS), atol=1e-4, rtol=0)
+    again = build_model(cfg, model.state_dict())  # round trip through HF names
+    assert torch.equal(our_logits(again), our_logits(model))
+
+
+def test_fused_qkv_bias_concatenates_hf_biases():
+    cfg = attrs.evolve(tiny_config("llama"), attention_bias=True)
+    sd = random_state_dict(cfg, seed=4)
+    assert "model.layers.1.self_attn.k_proj.bias" in sd
+    model = build_model(cfg, dict(sd))
+    attn = model.model.layers[1].self_attn
+    assert torch.equal(attn.qkv_proj.bias, _fused_parts(sd, 1, "bias")[0])
+    x = torch.randn(5, cfg.hidden_size)
+    p = "model.layers.1.self_attn."
+    separate = [torch.nn.functional.linear(x, sd[f"{p}{n}_proj.weight"], sd[f"{p}{n}_proj.bias"])
+                for n in "qkv"]
+    torch.testing.assert_close(attn.qkv_proj(x), torch.cat(separate, dim=1))
+    ours = model.state_dict()
+    assert set(ours) == set(sd) and all(torch.equal(ours[k], sd[k]) for k in sd)
+
+
 def test_bad_paths_raise_engine_error(tmp_path):
     with pytest.raises(EngineError, match="not found"):
         load_model(tmp_path / "nope.gguf")
@@ -234,8 +297,6 @@ def test_gguf_tokenizer_rejects_unsupported_kinds(tmp_path):
 
 
 def test_build_model_rejects_mismatched_state_dict():
-    from growpage.engine.loader import build_model
-
     cfg = tiny_config("llama")
     sd = random_state_dict(cfg, seed=0)
     sd.pop("model.layers.1.mlp.up_proj.weight")

@@ -124,7 +124,8 @@ def test_capture_records_pre_rope_query_and_cached_keys(pair):
     attn = ours.model.layers[0].self_attn
     with torch.inference_mode():
         x = ours.model.layers[0].input_layernorm(ours.model.embed_tokens(torch.tensor(ids)))
-        q = attn.q_proj(x).view(10, cfg.num_q_heads, cfg.head_dim)
+        q = attn.qkv_proj(x)[:, : cfg.num_q_heads * cfg.head_dim].view(10, cfg.num_q_heads,
+                                                                        cfg.head_dim)
         if cfg.qk_norm:
             q = attn.q_norm(q)
     torch.testing.assert_close(cap.queries[0], q)
