@@ -1,0 +1,371 @@
+"""Real SmolLM2 traces: record them, and measure the Delta_t signal and the policies on them.
+
+    .venv/bin/python benchmarks/real_traces.py --record DIR [--num 16] [--max-tokens 1100]
+    .venv/bin/python benchmarks/real_traces.py --shrink DIR          # DIR -> data/traces/smollm2
+    .venv/bin/python benchmarks/real_traces.py [--traces DIR] [--page-size 64] [--out DIR]
+
+``--record`` runs the engine (SmolLM2-135M-Instruct, ``fullkv``) on
+``growpage.eval.workload.reasoning_prompts()`` in chat form and writes a trace set (fp16, the
+layers of ``--layers``, values included). SmolLM2 ends its answers after a few hundred tokens,
+so recording samples (temperature 0.7, top-p 0.95, request ``i`` seeded ``seed + i``) with
+``ignore_eos``: past its end of turn the model writes further chat turns, and the trace's
+``meta.first_eos`` says where that starts.
+
+``--shrink`` writes the committed set: the first 8 traces, layer 19 only, cut to 1024
+generated tokens (values kept), about 17 MB. The analysis (default) replays every trace of ``--traces`` (default: the committed set)
+under each policy of the appendix-H table and measures the signal (paper section 5.3); it
+writes ``report.md``, ``real_traces.json`` and plots under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMITTED = ROOT / "data" / "traces" / "smollm2"
+RECORD_LAYERS = (1, 10, 19, 28)
+# The committed set (<= 20 MB): see --shrink.
+COMMIT_NUM = 8
+COMMIT_LAYERS = (19,)
+COMMIT_MAX_GENERATED = 1024
+
+
+def record(out: Path, num: int, max_tokens: int, layers: tuple[int, ...], seed: int,
+           temperature: float, top_p: float, page_size: int, model: str | None = None) -> float:
+    """Record ``num`` reasoning prompts (chat) into the trace set ``out``; returns wall seconds."""
+    from growpage.engine.llm import LLM
+    from growpage.eval.workload import reasoning_prompts
+
+    pages_each = math.ceil((512 + max_tokens) / page_size)
+    llm = LLM(model, policy="fullkv", record_traces=out, record_layers=list(layers),
+              page_size=page_size, kv_pages=num * pages_each + 8, max_num_seqs=num, seed=seed)
+    params = sampling_params(num, max_tokens, seed, temperature, top_p)
+    wall = record_with(llm, reasoning_prompts(num), params, out, chat=True)
+    print(llm.last_stats.table())
+    return wall
+
+
+def sampling_params(num: int, max_tokens: int, seed: int, temperature: float, top_p: float
+                    ) -> list:
+    """Request ``i`` samples with seed ``seed + i`` and ignores end-of-sequence tokens."""
+    from growpage.engine.sampling_params import SamplingParams
+
+    return [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                           seed=seed + i, ignore_eos=True) for i in range(num)]
+
+
+def record_with(llm, prompts: list, params: list, out: Path, chat: bool) -> float:
+    """Generate with a recording ``LLM`` and annotate its traces (``first_eos``, sampling)."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, chat=chat, use_tqdm=True)
+    wall = time.perf_counter() - start
+    eos = set(llm.engine.eos_token_ids)
+    firsts = [next((i for i, t in enumerate(o.token_ids) if t in eos), None) for o in outs]
+    _annotate(out, {o.request_id: {"first_eos": f, "sampling": {
+        "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
+        "ignore_eos": p.ignore_eos, "max_tokens": p.max_tokens, "chat": chat,
+        "record_wall_s": round(wall, 1)}} for o, f, p in zip(outs, firsts, params, strict=True)})
+    print(f"recorded {len(outs)} traces, {sum(len(o.token_ids) for o in outs)} generated "
+          f"tokens in {wall:.0f} s into {out}")
+    print("first end of turn (generated token index):", firsts)
+    return wall
+
+
+def _annotate(directory: Path, per_request: dict[str, dict]) -> None:
+    """Rewrite each trace of the set with ``per_request[request_id]`` merged into its meta."""
+    from growpage.core.traces import read_trace, read_trace_set, write_trace
+
+    traces = read_trace_set(directory)
+    for entry in traces.index:
+        extra = per_request.get(entry.request_id)
+        if extra is None:
+            continue
+        path = traces.directory / entry.file
+        trace = read_trace(path, dtype=torch.float16)
+        meta = {**trace.header.meta, **extra}
+        trace = attrs.evolve(trace, header=attrs.evolve(trace.header, meta=meta))
+        write_trace(path, trace, dtype=torch.float16)
+
+
+def shrink(source: Path, dest: Path, num: int, layers: tuple[int, ...], values: bool,
+           max_generated: int | None) -> int:
+    """Write the first ``num`` traces of ``source`` into ``dest`` cut down (``subset_trace``)."""
+    from growpage.core.traces import TraceSet, read_trace_set
+    from growpage.sim.realtrace import subset_trace
+
+    src = read_trace_set(source)
+    if dest.exists():
+        for f in list(dest.glob("*.safetensors")) + [dest / "index.json"]:
+            f.unlink(missing_ok=True)
+    out = TraceSet(dest, create=True)
+    for i in range(min(num, len(src))):
+        trace = subset_trace(src.read(i, dtype=torch.float16), layers, values, max_generated)
+        out.write(trace, tags=["smollm2", "real"])
+    size = sum(f.stat().st_size for f in dest.iterdir())
+    print(f"wrote {len(out)} traces ({size / 2**20:.1f} MiB) into {dest}")
+    return size
+
+
+def load_traces(directory: Path, limit: int | None = None) -> list:
+    from growpage.core.traces import read_trace_set
+
+    traces = read_trace_set(directory)
+    n = len(traces) if limit is None else min(limit, len(traces))
+    return [traces.read(i, dtype=torch.float32) for i in range(n)]
+
+
+# ---- report ----------------------------------------------------------------------------------
+TABLE_COLUMNS = [("policy", "policy", ""), ("avg_budget", "avg budget", ".0f"),
+                 ("mass_mean", "mass mean", ".4f"), ("mass_min", "mass min", ".4f"),
+                 ("output_error", "out err", ".4f"), ("grow_ratio", "grow %", ".1%"),
+                 ("grow", "grow", "d"), ("compress", "compress", "d"), ("shrink", "shrink", "d"),
+                 ("fallback", "fallback", "d")]
+
+
+def _md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    from growpage.sim.reports import _cell
+
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
+             "|" + "|".join("---" if not f else "---:" for _, _, f in columns) + "|"]
+    lines += ["| " + " | ".join(_cell(r.get(k), f) for k, _, f in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _bucket_rows(signal: dict) -> list[dict]:
+    return [{"bucket": f"[{b['low']:g}, {b['high']:g})", "count": b["count"],
+             "adv": b["mean_advantage"], "adv_err": b["mean_advantage_error"]}
+            for b in signal["buckets"]]
+
+
+H2O_NOTE = ("Note: in the simulator `h2o` equals the fixed budget at the same size: "
+            "`TraceView` does not track accumulated attention, so `H2OPolicy.select` falls back "
+            "to the summary scores, which here pick the same tokens as GrowPage's selection.")
+
+BUCKET_COLUMNS = [("bucket", "Δt bucket", ""), ("count", "n", "d"),
+                  ("adv", "advantage (1 − mass)", ".4f"),
+                  ("adv_err", "advantage (output error)", ".4f")]
+
+
+def signal_text(label: str, sig: dict, page_size: int) -> str:
+    ci = sig.get("spearman_ci95")
+    ci_text = f" (95% trace-bootstrap interval {ci[0]:.3f} to {ci[1]:.3f})" if ci else ""
+    return "\n".join([
+        f"**{label}, b = {page_size}**: {sig['num_boundaries']} boundaries. "
+        f"Spearman ρ(Δt, future demand change) = {sig['spearman']:.3f}{ci_text}; "
+        f"sign agreement = {sig['sign_agreement']:.1%}. "
+        f"Yardstick: the demand change of the page just finished predicts the next one with "
+        f"ρ = {sig['persistence_spearman']:.3f} ({sig['persistence_pairs']} pairs). "
+        f"ρ(Δt, growth advantage) = {sig['spearman_delta_advantage']:.3f}. "
+        f"Δt mean {sig['delta_mean']:.4f}, std {sig['delta_std']:.4f}; future change std "
+        f"{sig['future_change_std']:.4f}."] + _split_text(sig.get("split"))
+        + _level_text(sig.get("levels")) + [""])
+
+
+def _level_text(levels: dict | None) -> list[str]:
+    if not levels:
+        return []
+    return [f"Levels: ρ(Δt, demand of the page before) = {levels['spearman_current_level']:.3f}, "
+            f"ρ(Δt, demand of the page after) = {levels['spearman_next_level']:.3f}, "
+            f"ρ(demand before, its change) = "
+            f"{levels['spearman_current_level_vs_change']:.3f} "
+            f"({levels['num_boundaries']} boundaries)."]
+
+
+def _split_text(split: dict | None) -> list[str]:
+    if not split:
+        return []
+    parts = []
+    for key, name in (("before", "inside the model's own answer (next page ends before its "
+                                 "first end of turn)"),
+                      ("after", "past the first end of turn")):
+        q = split[key]
+        if q["num_boundaries"]:
+            parts.append(f"{name}: {q['num_boundaries']} boundaries, ρ = {q['spearman']:.3f}, "
+                         f"sign {q['sign_agreement']:.1%}")
+    return ["Split: " + "; ".join(parts) + "."] if parts else []
+
+
+def describe_traces(traces: list) -> tuple[str, dict]:
+    gen = [t.num_generated for t in traces]
+    eos = [t.header.meta.get("first_eos") for t in traces]
+    eos_known = [e for e in eos if e is not None]
+    h = traces[0].header
+    info = {"num_traces": len(traces), "model": h.model, "layer_ids": list(h.layer_ids),
+            "has_values": h.has_values, "prompt_len": [t.prompt_len for t in traces],
+            "generated": gen, "first_eos": eos}
+    text = (f"{len(traces)} traces of `{h.model}`, recorded layers {list(h.layer_ids)} of "
+            f"{h.num_layers}, values {'yes' if h.has_values else 'no'}; prompts "
+            f"{min(info['prompt_len'])}–{max(info['prompt_len'])} tokens, "
+            f"{min(gen)}–{max(gen)} generated tokens per trace. ")
+    if eos_known:
+        text += (f"First end of turn (ignored) after {min(eos_known)}–{max(eos_known)} "
+                 f"generated tokens (median {sorted(eos_known)[len(eos_known) // 2]}) in "
+                 f"{len(eos_known)} of {len(traces)} traces; the rest of each trace is the "
+                 f"model continuing past it.")
+    return text, info
+
+
+def write_report(out: Path, analysis, extra: dict, traces: list, command: str,
+                 wall_s: float) -> Path:
+    from growpage.sim import plots, reports
+
+    out.mkdir(parents=True, exist_ok=True)
+    b = analysis.settings.page_size
+    trace_text, trace_info = describe_traces(traces)
+    _plot_signals(out, analysis, b)
+    lines = ["# Real SmolLM2 traces: the Δt signal and the policies", "",
+             f"Command: `{command}` ({wall_s:.0f} s wall). Machine: shared 2-core CPU box, "
+             f"torch {torch.__version__}, 1 thread.", "", trace_text, "",
+             f"Page size b = {b} (the traces are ~1.1k tokens; the paper uses 256 on 8k–15k "
+             f"token traces), recent window {analysis.settings.config().recent_window}, "
+             f"βS = 0.9, βL = 0.999, p = 0.99, τ = 0, {analysis.settings.fidelity_queries} "
+             f"sampled future queries per boundary. Δt is computed over the recorded layers "
+             f"only.", "", "## Signal quality (paper Fig. 6: ρ = 0.78, sign 80.3%)", ""]
+    for label, sig in analysis.signals.items():
+        lines.append(signal_text(label, sig, b))
+    for size, sigs in extra.items():
+        for label, sig in sigs.items():
+            lines.append(signal_text(label, sig, size))
+    lines += ["![Δt vs future demand](scatter.png)", "",
+              "## Counterfactual growth advantage by Δt bucket (paper Fig. 7)", ""]
+    for label, sig in analysis.signals.items():
+        lines += [f"Boundaries of the `{label}` replay:", "",
+                  _md_table(_bucket_rows(sig), BUCKET_COLUMNS), ""]
+    lines += ["![growth advantage](advantage.png)", "", "## Policy table (paper appendix H)", "",
+              _md_table(analysis.rows, TABLE_COLUMNS), "", H2O_NOTE, "",
+              "![capacity](capacity.png)", "![capacity per policy](capacity-policies.png)", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    payload = {"command": command, "wall_s": wall_s, "trace_set": trace_info,
+               **analysis.as_dict(),
+               "extra_page_sizes": {str(k): v for k, v in extra.items()}}
+    reports.write_json(out / "real_traces.json", payload)
+    first = analysis.results["growpage"]
+    plots.plot_capacity({r.request_id: r.trajectory for r in first[:8]}, out / "capacity.png",
+                        b, title=f"growpage capacity, real traces (b = {b})")
+    labels = ["fullkv"] + [row["policy"] for row in analysis.rows
+                           if row["policy"].startswith(("fixed", "random"))]
+    labels += ["inverse", "entropy", "shrink", "growpage"]  # growpage drawn last, on top
+    plots.plot_capacity({lab: analysis.results[lab][0].trajectory for lab in labels
+                         if lab in analysis.results}, out / "capacity-policies.png", b,
+                        title=f"capacity per policy, trace {first[0].request_id}")
+    return path
+
+
+def _plot_signals(out: Path, analysis, page_size: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from growpage.sim.plots import plot_signal_scatter
+
+    sig = analysis.signals["growpage"]
+    plot_signal_scatter(sig["pairs"], out / "scatter.png",
+                        title=f"real SmolLM2 traces, growpage, b={page_size}: "
+                              f"rho={sig['spearman']:.2f}")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, name in ((axes[0], "mean_advantage", "1 - retained mass"),
+                          (axes[1], "mean_advantage_error", "output error")):
+        for i, (label, s) in enumerate(analysis.signals.items()):
+            buckets = s["buckets"]
+            xs = [j + 0.4 * i for j in range(len(buckets))]
+            ys = [bk[key] if bk[key] is not None else 0.0 for bk in buckets]
+            ax.bar(xs, ys, width=0.4, label=label)
+        ax.set_xticks([j + 0.2 for j in range(len(buckets))])
+        ax.set_xticklabels([f"[{bk['low']:g},{bk['high']:g})" for bk in buckets], rotation=45,
+                           fontsize=7)
+        ax.set_xlabel("Delta_t bucket")
+        ax.set_ylabel(f"growth advantage ({name})")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "advantage.png", dpi=120)
+    plt.close(fig)
+
+
+def run_analysis(args: argparse.Namespace) -> int:
+    from growpage.sim.realtrace import RealTraceSettings, analyze
+    from growpage.sim.reports import format_table
+
+    start = time.perf_counter()
+    traces = load_traces(args.traces, args.limit)
+    budgets = tuple(int(x) for x in args.budgets.split(","))
+    settings = RealTraceSettings(page_size=args.page_size, budgets=budgets,
+                                 fidelity_queries=args.fidelity_queries,
+                                 bootstrap=args.bootstrap)
+    analysis = analyze(traces, settings, progress=True, table=not args.signals_only)
+    extra = {}
+    for size in (int(x) for x in args.signal_page_sizes.split(",") if x):
+        more = analyze(traces, attrs.evolve(settings, page_size=size), progress=True,
+                       table=False)
+        extra[size] = more.signals
+    wall = time.perf_counter() - start
+    print(format_table(analysis.rows, TABLE_COLUMNS))
+    for label, sig in analysis.signals.items():
+        print(signal_text(label, sig, settings.page_size))
+    command = "python benchmarks/real_traces.py " + " ".join(sys.argv[1:] if args.argv is None
+                                                             else args.argv)
+    path = write_report(args.out, analysis, extra, traces, command.strip(), wall)
+    print(f"report: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--record", type=Path, default=None, metavar="DIR",
+                   help="record a new trace set into DIR and stop")
+    p.add_argument("--num", type=int, default=16, help="prompts to record (default 16)")
+    p.add_argument("--max-tokens", type=int, default=1100)
+    p.add_argument("--layers", default=",".join(map(str, RECORD_LAYERS)))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--shrink", type=Path, default=None, metavar="DIR",
+                   help="cut the trace set DIR down into --traces (the committed set) and stop")
+    p.add_argument("--shrink-num", type=int, default=COMMIT_NUM)
+    p.add_argument("--shrink-layers", default=",".join(map(str, COMMIT_LAYERS)))
+    p.add_argument("--shrink-values", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep values (default on)")
+    p.add_argument("--shrink-max-generated", type=int, default=COMMIT_MAX_GENERATED)
+    p.add_argument("--traces", type=Path, default=COMMITTED,
+                   help=f"trace set to analyze (default {COMMITTED.relative_to(ROOT)})")
+    p.add_argument("--limit", type=int, default=None, help="analyze only the first N traces")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--signal-page-sizes", default="32",
+                   help="further page sizes for the signal measurements only ('' for none)")
+    p.add_argument("--budgets", default="256,512,768", help="fixed-budget points (tokens)")
+    p.add_argument("--signals-only", action="store_true",
+                   help="replay only growpage and fullkv (no policy table)")
+    p.add_argument("--fidelity-queries", type=int, default=8)
+    p.add_argument("--bootstrap", type=int, default=1000)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "real_traces")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    args = p.parse_args(argv)
+    args.argv = argv
+    torch.set_num_threads(args.threads)
+    if args.record is not None:
+        layers = tuple(int(x) for x in args.layers.split(",") if x)
+        record(args.record, args.num, args.max_tokens, layers, args.seed, args.temperature,
+               args.top_p, page_size=64)
+        return 0
+    if args.shrink is not None:
+        layers = tuple(int(x) for x in args.shrink_layers.split(",") if x)
+        shrink(args.shrink, args.traces, args.shrink_num, layers, args.shrink_values,
+               args.shrink_max_generated)
+        return 0
+    return run_analysis(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
