@@ -23,6 +23,9 @@ class CapacityPolicy(abc.ABC):
     # When GROW is refused by the pool: compress instead (a *fallback*), or, when False, ask
     # the caller to preempt (plain PagedAttention / vLLM behaviour, used by ``fullkv``).
     fallback_to_compress: ClassVar[bool] = True
+    #: True when ``select``/``decide`` read ``ctx.accumulated_attention()`` (H2O): the simulator's
+    #: trace views then accumulate every replayed query's attention, which costs replay time.
+    needs_accumulated_attention: ClassVar[bool] = False
 
     @abc.abstractmethod
     def decide(self, ctx: BoundaryContext) -> Decision:

@@ -162,11 +162,12 @@ class StreamingLLMPolicy(FixedBudgetPolicy):
 class H2OPolicy(FixedBudgetPolicy):
     """Fixed budget with H2O selection: heavy hitters by accumulated attention + recent window.
 
-    Uses the view's accumulated attention when it records one (simulator traces do); otherwise
-    the attention of the long-timescale summary, a running average of past queries, stands in.
+    Uses the view's accumulated attention when it records one (the simulator's trace views do,
+    for policies that ask); otherwise (the engine) the summaries' attention stands in.
     """
 
     name = "h2o"
+    needs_accumulated_attention = True
 
     def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
         acc = ctx.accumulated_attention()

@@ -75,7 +75,7 @@ def replay_trace(trace: Trace, policy: str | CapacityPolicy, config: GrowPageCon
     if pool is None:
         pool = PagePool(math.ceil(total / b) + config.watermark + 2, b, watermark=config.watermark)
     controller = CapacityController(policy, pool, config)
-    view = TraceView(trace, config)
+    view = TraceView(trace, config, track_accumulated=getattr(policy, "needs_accumulated_attention", False))
     state = RequestState(trace.request_id, pool.allocate(math.ceil(prompt / b)),
                          num_tokens=prompt, position=prompt)
     view.write_until(prompt)

@@ -56,7 +56,9 @@ class TraceSource:
         self.trace_of = trace_of
 
     def view_for(self, request: WorkloadRequest) -> KVView:
-        view = TraceView(self.trace_of(request), self.controller.config)
+        view = TraceView(self.trace_of(request), self.controller.config,
+                         track_accumulated=getattr(self.controller.policy,
+                                                   "needs_accumulated_attention", False))
         view.write_until(request.prompt_tokens)
         return view
 

@@ -18,6 +18,7 @@ import torch
 
 from growpage.core.config import GrowPageConfig
 from growpage.core.kvview import DenseKVView
+from growpage.core.rope import apply_rope, cos_sin
 from growpage.core.traces import Trace
 from growpage.sim.ema import ema_snapshots
 
@@ -37,12 +38,16 @@ class TraceView(DenseKVView):
         written: number of positions appended so far.
     """
 
-    def __init__(self, trace: Trace, config: GrowPageConfig) -> None:
+    def __init__(self, trace: Trace, config: GrowPageConfig,
+                 track_accumulated: bool = False) -> None:
+        """``track_accumulated``: replay every query's attention over the resident slots into
+        ``accumulated_attention()`` (H2O), catching up at each boundary."""
         h = trace.header
         b = config.page_size
         super().__init__(h.num_recorded_layers, h.num_q_heads, h.num_kv_heads, h.head_dim,
                          h.rope, capacity=min(trace.num_tokens, 4 * b),
-                         softmax_scale=h.softmax_scale)
+                         softmax_scale=h.softmax_scale, track_accumulated=track_accumulated)
+        self.accumulated_until = 0  # queries of positions below this are accumulated
         self.trace = trace
         self.config = config
         self.keys_by_head = trace.keys.float().permute(0, 2, 1, 3).contiguous()
@@ -91,6 +96,31 @@ class TraceView(DenseKVView):
             raise ValueError(f"position {position} is inside the prompt "
                              f"(prompt_len {self.trace.prompt_len}); no decisions in prefill")
         self.write_until(position)
+        if self._acc is not None:
+            self.accumulate_until(position)
         last = position - 1
         if last >= self.trace.prompt_len:
             self.set_queries(self.summaries_at(last), self.trace.queries[:, last].float())
+
+    def accumulate_until(self, position: int, chunk: int = 256) -> None:
+        """Add the attention of the queries of positions ``[accumulated_until, position)`` over
+        the resident slots (causal: a query sees slots holding positions up to its own), as
+        H2O accumulates it token by token; group-mean per KV head."""
+        start = self.accumulated_until
+        if position <= start:
+            return
+        keys, slot_pos = self.keys().float(), self.positions()     # [L, Hkv, N, d], [L, Hkv, N]
+        group = self.num_q_heads // self.num_kv_heads
+        for lo in range(start, position, chunk):
+            hi = min(lo + chunk, position)
+            pos = torch.arange(lo, hi)
+            cos, sin = cos_sin(self.rope, pos, device=keys.device)  # [n, d]
+            q = self.trace.queries[:, lo:hi].float().to(keys.device)  # [L, n, Hq, d] pre-RoPE
+            q = apply_rope(q, cos[None, :, None], sin[None, :, None])
+            q = q.reshape(q.shape[0], hi - lo, self.num_kv_heads, group, self.head_dim)
+            logits = torch.einsum("lnhgd,lhsd->lhngs", q, keys) * self.softmax_scale
+            visible = slot_pos[:, :, None, :] <= pos.to(slot_pos.device)[None, None, :, None]
+            logits = logits.masked_fill(~visible[:, :, :, None, :], float("-inf"))
+            attn = logits.softmax(dim=-1).nan_to_num(0.0).mean(dim=3).sum(dim=2)  # [L, Hkv, N]
+            self.add_attention(attn)
+        self.accumulated_until = position
