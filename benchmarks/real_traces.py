@@ -147,9 +147,8 @@ def _bucket_rows(signal: dict) -> list[dict]:
             for b in signal["buckets"]]
 
 
-H2O_NOTE = ("Note: in the simulator `h2o` equals the fixed budget at the same size: "
-            "`TraceView` does not track accumulated attention, so `H2OPolicy.select` falls back "
-            "to the summary scores, which here pick the same tokens as GrowPage's selection.")
+H2O_NOTE = ("`h2o` keeps the heavy hitters of the attention accumulated by every replayed "
+            "query (`TraceView(track_accumulated=True)`), with the fixed budget's decisions.")
 
 BUCKET_COLUMNS = [("bucket", "Δt bucket", ""), ("count", "n", "d"),
                   ("adv", "advantage (1 − mass)", ".4f"),
