@@ -55,10 +55,22 @@ def inv_frequencies(cfg: RopeConfig) -> torch.Tensor:
     return inv.to(torch.float32)
 
 
+_INV_CACHE: dict[tuple[RopeConfig, torch.device], torch.Tensor] = {}
+
+
+def _inv_on(cfg: RopeConfig, device: torch.device) -> torch.Tensor:
+    """``inv_frequencies(cfg)`` on ``device``, computed and copied there once."""
+    key = (cfg, torch.device(device))
+    inv = _INV_CACHE.get(key)
+    if inv is None:
+        inv = _INV_CACHE[key] = inv_frequencies(cfg).to(device)
+    return inv
+
+
 def cos_sin(cfg: RopeConfig, positions: torch.Tensor, device: torch.device | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` of shape ``[*positions.shape, head_dim]`` (fp32)."""
-    inv = inv_frequencies(cfg).to(device if device is not None else positions.device)
+    inv = _inv_on(cfg, device if device is not None else positions.device)
     angles = positions.to(inv.device, torch.float32).unsqueeze(-1) * inv
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -81,5 +93,8 @@ def rope_at(cfg: RopeConfig, x: torch.Tensor, position: int) -> torch.Tensor:
     Used at capacity boundaries to align the pre-RoPE query summaries with the current
     decoding position (paper appendix E.1).
     """
-    cos, sin = cos_sin(cfg, torch.tensor([position]), device=x.device)
-    return apply_rope(x, cos[0], sin[0])
+    # NOTE: the angles are built on x's device from a Python int: no host-to-device copy per
+    # boundary (same fp32 product as ``cos_sin`` of a one-element position tensor).
+    angles = _inv_on(cfg, x.device) * float(position)
+    angles = torch.cat([angles, angles])
+    return apply_rope(x, angles.cos(), angles.sin())
