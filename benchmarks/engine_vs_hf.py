@@ -4,8 +4,11 @@ Same model weights (SmolLM2-135M-Instruct, fp32; the HF model is built from our 
 dict), same chat prompts, greedy. Two modes: ``fixed`` makes every request exactly
 ``--max-tokens`` long (EOS ignored on our side, ``min_new_tokens`` on HF's); ``eos`` stops each
 request at its end-of-turn token (capped at ``--max-tokens``): the engine retires finished
-requests at once, HF's batch decodes until its longest row ends. Output tokens/s counts only
-real output tokens. Prints a table; not a test.
+requests at once, HF's batch decodes until its longest row ends. ``serve`` is ``eos`` with
+``--serve-factor`` (4) times as many prompts as the batch size: the engine keeps ``batch``
+requests running and admits the next one as soon as one ends (continuous batching, as a server
+does), HF runs the prompts in consecutive static batches of ``batch``. Output tokens/s counts
+only real output tokens. Prints a table; not a test.
 
     python benchmarks/engine_vs_hf.py [--threads 1] [--batch-sizes 1 16] [--max-tokens 64]
 
@@ -93,16 +96,33 @@ def _agree(ours: list[list[int]], theirs: list[list[int]], eos: set[int]) -> boo
     return True
 
 
-def measure(llm: LLM, hf, batch: int, max_tokens: int, fixed: bool, repeats: int) -> tuple:
+def run_hf_batches(model, prompts: list[list[int]], batch: int, max_tokens: int, fixed: bool,
+                   eos: list[int]) -> tuple[float, list[list[int]]]:
+    """``run_hf`` over consecutive static batches of ``batch`` prompts."""
+    seconds, rows = 0.0, []
+    for i in range(0, len(prompts), batch):
+        t, out = run_hf(model, prompts[i:i + batch], max_tokens, fixed, eos)
+        seconds += t
+        rows += out
+    return seconds, rows
+
+
+def measure(llm: LLM, hf, batch: int, max_tokens: int, mode: str, repeats: int,
+            serve_factor: int = 4) -> tuple:
     """``(batch, mode, engine tok/s, HF tok/s, ratio, outputs agree)``."""
-    prompts = [llm.tokenizer.encode_chat(QUESTIONS[i % len(QUESTIONS)]) for i in range(batch)]
+    fixed = mode == "fixed"
+    num = batch * serve_factor if mode == "serve" else batch
+    prompts = [llm.tokenizer.encode_chat(QUESTIONS[i % len(QUESTIONS)]) for i in range(num)]
     eos = sorted(set(llm.model.config.eos_token_ids))
-    ours = [run_ours(llm, prompts, max_tokens, fixed) for _ in range(repeats)]
-    theirs = [run_hf(hf, prompts, max_tokens, fixed, eos) for _ in range(repeats)]
+    engine = llm if mode != "serve" else LLM(
+        llm.model, policy="fullkv", tokenizer=llm.tokenizer, page_size=llm.config.page_size,
+        kv_pages=llm.engine.kv.num_pages, max_num_seqs=batch, enable_prefix_caching=False)
+    ours = [run_ours(engine, prompts, max_tokens, fixed) for _ in range(repeats)]
+    theirs = [run_hf_batches(hf, prompts, batch, max_tokens, fixed, eos) for _ in range(repeats)]
     t_ours, out_ours = min(ours, key=lambda r: r[0])
     t_hf, out_hf = min(theirs, key=lambda r: r[0])
     n_ours, n_hf = sum(map(len, out_ours)), sum(map(len, out_hf))
-    return (batch, "fixed" if fixed else "eos", n_ours / t_ours, n_hf / t_hf,
+    return (batch, mode, n_ours / t_ours, n_hf / t_hf,
             (n_ours / t_ours) / (n_hf / t_hf), _agree(out_ours, out_hf, set(eos)))
 
 
@@ -110,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--modes", nargs="+", default=["fixed", "eos"], choices=["fixed", "eos"])
+    ap.add_argument("--modes", nargs="+", default=["fixed", "eos", "serve"],
+                    choices=["fixed", "eos", "serve"])
+    ap.add_argument("--serve-factor", type=int, default=4,
+                    help="serve mode: prompts per batch slot (default 4)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="best of N timed runs")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -123,11 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     hf = hf_model_from(llm)
     run_ours(llm, [[1, 2, 3]], 4, True)      # warm-up
     run_hf(hf, [[1, 2, 3]], 4, True, [2])
-    rows = [measure(llm, hf, batch, args.max_tokens, mode == "fixed", args.repeats)
+    rows = [measure(llm, hf, batch, args.max_tokens, mode, args.repeats, args.serve_factor)
             for batch in args.batch_sizes for mode in args.modes]
     print(f"threads={torch.get_num_threads()}  max_tokens={args.max_tokens}  "
           f"page_size={args.page_size}  (fixed: every request max_tokens long; "
-          "eos: stop at end of turn)")
+          f"eos: stop at end of turn; serve: eos with {args.serve_factor}x the prompts, "
+          "continuous vs static batches)")
     print(f"{'batch':>5}  {'mode':>5}  {'engine tok/s':>12}  {'HF tok/s':>9}  {'ratio':>6}  same")
     for batch, mode, ours_tps, hf_tps, ratio, same in rows:
         print(f"{batch:>5}  {mode:>5}  {ours_tps:>12.1f}  {hf_tps:>9.1f}  {ratio:>5.2f}x  {same}")
