@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +40,7 @@ import torch
 from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig
+from growpage.eval.machine import describe_machine
 from growpage.policies.registry import resolve_policy
 from growpage.sim.costmodel import RooflineCostModel, load_cost_model
 from growpage.sim.serving import ServingResult, SimConfig, simulate
@@ -280,18 +280,6 @@ def plot_bars(rows: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _machine() -> str:
-    cpu = "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="mixed")
@@ -310,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "results" / "paper_scale"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    start, started, machine = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M"), _machine()
+    start, started, machine = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M"), describe_machine()
     config = GrowPageConfig(page_size=args.page_size)
     cost = load_cost_model(args.cost)
     pages = cost.kv_pages(args.page_size) if isinstance(cost, RooflineCostModel) else 1500

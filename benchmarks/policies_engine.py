@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from growpage.engine.llm import LLM  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
+from growpage.eval.machine import describe_machine  # noqa: E402
 from growpage.eval.workload import (  # noqa: E402
     reasoning_prompts,
     retrieval_continuation,
@@ -265,7 +265,7 @@ def machine(args: argparse.Namespace) -> str:
     if args.device.startswith("cuda") and torch.cuda.is_available():
         dev = torch.cuda.get_device_name()
     else:
-        dev = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+        dev = f"{describe_machine()}, {torch.get_num_threads()} threads"
     return f"{dev}; torch {torch.__version__}; {args.dtype}"
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import sys
 import time
@@ -53,6 +52,7 @@ from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig
 from growpage.core.traces import Trace, TraceSet
+from growpage.eval.machine import describe_machine
 from growpage.policies.registry import resolve_policy
 from growpage.sim.calibrate import fit_linear
 from growpage.sim.costmodel import CostModel
@@ -233,20 +233,6 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Target: TPS, C and total time within +-{TARGET:.0%} (**!** marks a miss).", ""])
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-
-    return f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=16)
@@ -262,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
-    machine = _machine()
+    machine = describe_machine()
     scenario = Scenario(num_requests=args.num_requests, max_tokens=args.max_tokens,
                         page_size=args.page_size, kv_pages=args.kv_pages)
     points = parse_points(args.points)
