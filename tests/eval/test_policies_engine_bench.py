@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("policies_engine",
-                                              ROOT / "benchmarks" / "policies_engine.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = load_benchmark("policies_engine")
 
 
 def row(policy: str, label: str | None = None, **kw) -> dict:

@@ -3,11 +3,11 @@ and on a small serving configuration) and the report's ratios."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 from growpage.core.config import GrowPageConfig
 from growpage.sim.costmodel import load_cost_model
@@ -19,11 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("paper_scale_script",
-                                                  ROOT / "benchmarks" / "paper_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("paper_scale")
 
 
 def test_search_finds_a_decreasing_functions_target(bench):

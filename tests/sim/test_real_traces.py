@@ -4,12 +4,12 @@ numbers, and the recorder writes a valid annotated trace from a tiny random mode
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 from safetensors import safe_open
 
 from growpage.core.traces import read_trace, read_trace_set
@@ -21,11 +21,7 @@ COMMITTED = ROOT / "data" / "traces" / "smollm2"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("real_traces_script",
-                                                  ROOT / "benchmarks" / "real_traces.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("real_traces")
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,12 @@ fit the cost model on the engine's forward passes, serve the same requests in th
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "engine"))
@@ -22,11 +22,7 @@ NUM_REQUESTS, MAX_TOKENS = 4, 24
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("sim_vs_engine_script",
-                                                  ROOT / "benchmarks" / "sim_vs_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sim_vs_engine")
 
 
 @pytest.fixture(scope="module")
