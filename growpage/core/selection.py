@@ -72,7 +72,9 @@ def block_local_topk(scores: torch.Tensor, k: int, block: int, k_loc: int) -> to
     extra = torch.zeros_like(taken)
     extra.scatter_(-1, order, rank < need.unsqueeze(-1))
     keep = taken | extra
-    return keep.nonzero()[:, -1].reshape(*s.shape[:-1], k)
+    # The kept slots in ascending order, without ``nonzero`` (a host sync on GPUs): kept slots
+    # sort before the others, which are pushed past ``m``.
+    return torch.where(keep, rank, rank + m).sort(dim=-1).values[..., :k]
 
 
 def growpage_select(scores: torch.Tensor, num_tokens: int, recent: int, keep: int, block: int,
