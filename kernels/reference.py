@@ -9,6 +9,9 @@ import math
 
 import torch
 
+from growpage.core.demand import rms_calibrate
+from growpage.core.rope import apply_rope
+
 from .query_state import BETA_LONG, BETA_SHORT
 
 
@@ -137,3 +140,17 @@ def working_set_sizes(attention: torch.Tensor, p: float) -> torch.Tensor:
                 break
         sizes.append(k)
     return torch.tensor(sizes, dtype=torch.int64).reshape(attention.shape[:-1]).to(attention.device)
+
+
+def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, position: int,
+                     inv_freq: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``[2, L, Hq, d]``: per view ``rope_at(cfg, rms_calibrate(s, cur), position)`` of ``slot``.
+
+    ``rope_at`` math spelled out with ``inv_freq`` in place of the config (same fp32 angles).
+    """
+    cur = current[:, slot]
+    angles = inv_freq * float(position)
+    angles = torch.cat([angles, angles])
+    cos, sin = angles.cos(), angles.sin()
+    views = [apply_rope(rms_calibrate(summaries[:, slot, v], cur, eps), cos, sin) for v in (0, 1)]
+    return torch.stack(views)

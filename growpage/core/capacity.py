@@ -151,10 +151,10 @@ class CapacityController:
     # ---- helpers --------------------------------------------------------------------------
     def _checked_selection(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
         indices = self.policy.select(ctx, keep)
-        problem = selection_problem(indices, ctx, keep)
+        problem, ordered = _check_selection(indices, ctx, keep)
         if problem:
             raise PolicyError(f"policy {_name(self.policy)} select(): {problem}")
-        return indices.to(torch.long).sort(dim=-1).values
+        return ordered
 
     def _count(self, state: RequestState, field: str, n: int = 1) -> None:
         for counters in (self.events, state.events):
@@ -163,27 +163,42 @@ class CapacityController:
 
 def selection_problem(indices: object, ctx: BoundaryContext, keep: int) -> str | None:
     """Why ``indices`` is not a valid selection of ``keep`` slots, or None when it is."""
+    return _check_selection(indices, ctx, keep)[0]
+
+
+def _check_selection(indices: object, ctx: BoundaryContext, keep: int
+                     ) -> tuple[str | None, torch.Tensor | None]:
+    """``(problem, indices sorted ascending)``; one host sync when the selection is valid."""
     num_layers, num_kv = ctx.shape
     expected = (num_layers, num_kv, keep)
     if not isinstance(indices, torch.Tensor):
-        return f"returned {type(indices).__name__}, expected a torch.Tensor of shape {expected}"
+        return (f"returned {type(indices).__name__}, expected a torch.Tensor of shape "
+                f"{expected}"), None
     if indices.dtype.is_floating_point or indices.dtype == torch.bool:
-        return f"returned dtype {indices.dtype}, expected an integer tensor"
+        return f"returned dtype {indices.dtype}, expected an integer tensor", None
     if tuple(indices.shape) != expected:
-        return f"wrong shape {tuple(indices.shape)}, expected {expected} (exact kept count)"
-    idx = indices.to(torch.long)
-    if keep and (idx.min() < 0 or idx.max() >= ctx.num_tokens):
-        return f"slot index out of range [0, {ctx.num_tokens})"
-    ordered = idx.sort(dim=-1).values
-    if keep > 1 and (ordered[..., 1:] == ordered[..., :-1]).any():
-        return "duplicate slot indices within a layer/KV head"
-    recent = ctx.recent_window
+        return f"wrong shape {tuple(indices.shape)}, expected {expected} (exact kept count)", None
+    ordered = indices.to(torch.long).sort(dim=-1).values
+    n, recent = ctx.num_tokens, ctx.recent_window
+    if keep < recent:
+        return f"protected recent window (last {recent} slots) not fully kept", None
+    if not keep:
+        return None, ordered
+    # Every check on the sorted slots, folded into one flag per head: a single sync when valid.
+    bad = (ordered[..., 0] < 0) | (ordered[..., -1] >= n)
+    repeats = ordered[..., 1:] == ordered[..., :-1]
+    bad |= repeats.any(dim=-1)
     if recent:
-        window = torch.arange(ctx.num_tokens - recent, ctx.num_tokens, device=idx.device)
         # Sorted, unique and < N: the window is all there iff it is the last R entries.
-        if keep < recent or not (ordered[..., -recent:] == window).all():
-            return f"protected recent window (last {recent} slots) not fully kept"
-    return None
+        window = torch.arange(n - recent, n, device=ordered.device)
+        bad |= (ordered[..., -recent:] != window).any(dim=-1)
+    if not bool(bad.any()):
+        return None, ordered
+    if bool((ordered[..., 0] < 0).any()) or bool((ordered[..., -1] >= n).any()):
+        return f"slot index out of range [0, {n})", None
+    if bool(repeats.any()):
+        return "duplicate slot indices within a layer/KV head", None
+    return f"protected recent window (last {recent} slots) not fully kept", None
 
 
 def _target_pages(pages: list[int], pool: PagePool, shrink: bool) -> tuple[list[int], list[int]]:

@@ -47,7 +47,8 @@ class BoundaryContext:
         self.num_free_pages = num_free_pages
         self.config = config
         self.view = view
-        self._ratios: dict[tuple[str, float], torch.Tensor] = {}
+        self._ratios: dict[float, torch.Tensor] = {}   # p -> [2, L, Hkv]
+        self._deltas: dict[float, float] = {}          # p -> Delta_t (one host sync each)
 
     # ---- plain facts ----------------------------------------------------------------------
     @property
@@ -85,9 +86,13 @@ class BoundaryContext:
     def _queries(self) -> torch.Tensor:
         """``[2, L, Hq, d]`` short/long summaries, RMS-calibrated (Eq. 12) and rotated to the
         current position."""
+        fast = self.view.boundary_queries(self.position)
+        if fast is not None:
+            return fast
         qs = self.view.query_state()
-        return torch.stack([rope_at(self.view.rope, demand.rms_calibrate(summary, qs.current),
-                                    self.position) for summary in (qs.short, qs.long)])
+        # Both views in one pass: the same elementwise maths as calibrating each on its own.
+        summaries = torch.stack([qs.short, qs.long])
+        return rope_at(self.view.rope, demand.rms_calibrate(summaries, qs.current), self.position)
 
     @functools.cached_property
     def _logits(self) -> torch.Tensor:
@@ -119,22 +124,26 @@ class BoundaryContext:
 
     def working_set_ratio(self, view: str, p: float | None = None) -> torch.Tensor:
         """Top-p working-set ratio r (Eq. 7) per layer and KV head, ``[L, Hkv]`` in (0, 1]."""
-        key = (view, self.config.top_p if p is None else p)
-        if key not in self._ratios:
-            self._ratios[key] = demand.working_set_ratio(self.attention(view), key[1])
-        return self._ratios[key]
+        return self._ratio_pair(p)[_view_index(view)]
+
+    def _ratio_pair(self, p: float | None) -> torch.Tensor:
+        """``[2, L, Hkv]`` working-set ratios of both views at ``p``: one sort for both."""
+        p = self.config.top_p if p is None else p
+        if p not in self._ratios:
+            self._ratios[p] = demand.working_set_ratio(self._estimation_attention, p)
+        return self._ratios[p]
 
     def delta(self, p: float | None = None) -> float:
         """Demand trend Delta_t = r^S - r^L averaged over layers and KV heads (Eq. 8)."""
-        return demand.demand_trend(self.working_set_ratio("short", p),
-                                   self.working_set_ratio("long", p))
+        key = self.config.top_p if p is None else p
+        if key not in self._deltas:
+            ratios = self._ratio_pair(key)
+            self._deltas[key] = demand.demand_trend(ratios[0], ratios[1])
+        return self._deltas[key]
 
     def computed_delta(self) -> float | None:
         """Delta_t at the configured p if the policy already paid for it, else None."""
-        p = self.config.top_p
-        if ("short", p) in self._ratios and ("long", p) in self._ratios:
-            return self.delta()
-        return None
+        return self.delta() if self.config.top_p in self._ratios else None
 
     def entropy_delta(self) -> float:
         """Delta_t with the entropy ratio instead of the top-p working set (Table 2 ablation)."""

@@ -73,6 +73,15 @@ class KVView(abc.ABC):
         """
         return None
 
+    def boundary_queries(self, position: int) -> torch.Tensor | None:
+        """Optional fast path: the short/long summaries RMS-calibrated to the current query
+        (Eq. 12) and rotated to ``position``, ``[2, L, Hq, d]`` fp32.
+
+        None (the default) lets ``BoundaryContext`` compute them from ``query_state()`` in
+        torch; the engine answers with one Triton launch on CUDA.
+        """
+        return None
+
     def summary_attention(self, queries: torch.Tensor, num_candidates: int
                           ) -> torch.Tensor | None:
         """Optional fast path: attention of ``queries [V, L, Hq, d]`` (calibrated, rotated)

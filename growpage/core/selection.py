@@ -15,15 +15,18 @@ def importance(attn_short: torch.Tensor, attn_long: torch.Tensor) -> torch.Tenso
     return torch.maximum(attn_short, attn_long)
 
 
-def with_protected(chosen: torch.Tensor, num_tokens: int, recent: int) -> torch.Tensor:
+def with_protected(chosen: torch.Tensor, num_tokens: int, recent: int,
+                   chosen_sorted: bool = False) -> torch.Tensor:
     """Append the protected recent window to chosen historical slots and sort.
 
     ``chosen [L, Hkv, k]`` (slots < num_tokens - recent) -> ``[L, Hkv, k + recent]`` ascending.
+    ``chosen_sorted``: ``chosen`` is already ascending (the window follows it; no sort).
     """
     lead = chosen.shape[:-1]
     window = torch.arange(num_tokens - recent, num_tokens, device=chosen.device)
     window = window.expand(*lead, recent)
-    return torch.cat([chosen, window], dim=-1).sort(dim=-1).values
+    both = torch.cat([chosen, window], dim=-1)
+    return both if chosen_sorted else both.sort(dim=-1).values
 
 
 def topk_slots(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -45,7 +48,7 @@ def block_local_topk(scores: torch.Tensor, k: int, block: int, k_loc: int) -> to
         scores: ``[L, Hkv, M]`` importance of the M selection candidates (slots 0..M-1).
         k: number of slots to keep, 0 <= k <= M.
     Returns:
-        ``[L, Hkv, k]`` int64 slot indices, unique per head (unsorted).
+        ``[L, Hkv, k]`` int64 slot indices, unique per head, ascending.
     """
     m = scores.shape[-1]
     if not 0 <= k <= m:
@@ -53,7 +56,6 @@ def block_local_topk(scores: torch.Tensor, k: int, block: int, k_loc: int) -> to
     num_blocks = -(-m // block) if m else 0
     quota = min(k_loc, k // num_blocks) if num_blocks else 0
     s = scores.float()
-    taken = torch.zeros_like(s, dtype=torch.bool)
     if quota > 0:
         pad = num_blocks * block - m
         padded = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
@@ -63,18 +65,12 @@ def block_local_topk(scores: torch.Tensor, k: int, block: int, k_loc: int) -> to
         taken_padded = torch.zeros_like(padded, dtype=torch.bool)
         taken_padded.scatter_(-1, local.flatten(-2), True)
         # A short last block may pick padding slots (>= m); they are cut off here.
-        taken = taken_padded[..., :m]
-    num_local = taken.sum(-1)  # [L, Hkv]
-    rest = s.masked_fill(taken, float("-inf"))
-    order = rest.argsort(dim=-1, descending=True, stable=True)
-    need = k - num_local  # [L, Hkv]
-    rank = torch.arange(m, device=s.device).expand_as(order)
-    extra = torch.zeros_like(taken)
-    extra.scatter_(-1, order, rank < need.unsqueeze(-1))
-    keep = taken | extra
-    # The kept slots in ascending order, without ``nonzero`` (a host sync on GPUs): kept slots
-    # sort before the others, which are pushed past ``m``.
-    return torch.where(keep, rank, rank + m).sort(dim=-1).values[..., :k]
+        s = s.masked_fill(taken_padded[..., :m], float("inf"))
+    # Local picks first (pushed to +inf; at most k of them), then the best of the rest, ties to
+    # earlier slots (stable sort); the first k of that order, ascending. No ``nonzero`` (a host
+    # sync on GPUs) anywhere.
+    order = s.argsort(dim=-1, descending=True, stable=True)
+    return order[..., :k].sort(dim=-1).values
 
 
 def growpage_select(scores: torch.Tensor, num_tokens: int, recent: int, keep: int, block: int,
@@ -87,5 +83,5 @@ def growpage_select(scores: torch.Tensor, num_tokens: int, recent: int, keep: in
     Returns:
         ``[L, Hkv, keep]`` ascending slot indices.
     """
-    chosen = block_local_topk(scores, keep - recent, block, k_loc)
-    return with_protected(chosen, num_tokens, recent)
+    chosen = block_local_topk(scores, keep - recent, block, k_loc)  # ascending
+    return with_protected(chosen, num_tokens, recent, chosen_sorted=True)

@@ -52,7 +52,11 @@ class EngineConfig:
         enable_prefix_caching: share full prompt pages across requests (PagePool hash table).
         dtype: model weights and KV cache dtype.
         device: torch device of the model and the cache.
-        attention_backend: ``"auto"`` (torch on CPU), ``"torch"``; ``"triton"`` is another issue.
+        attention_backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"torch"`` or
+            ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``: slow, for tests).
+        boundary_kernels: run demand estimation and compaction at capacity boundaries with the
+            Triton kernels; None (default) = on CUDA. True on CPU needs the interpreter (tests,
+            ``benchmarks/boundary_ops.py``).
         record_traces: directory of a trace set to record every finished request into.
         record_layers: model layers to record (None: all).
         record_values: record the values too (``has_values``).
@@ -68,6 +72,7 @@ class EngineConfig:
     dtype: torch.dtype = attrs.field(default=torch.float32, converter=_to_dtype)
     device: str = "cpu"
     attention_backend: str = attrs.field(default="auto")
+    boundary_kernels: bool | None = None
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
     record_values: bool = True

@@ -131,7 +131,8 @@ class KVCacheManager:
         start = time.perf_counter()
         try:
             view = EngineKVView(seq, self.cache, self.query_pool, self.model_config.rope,
-                                self.model_config.num_q_heads)
+                                self.model_config.num_q_heads,
+                                use_kernels=self.config.boundary_kernels)
             return self.controller.on_boundary(seq.state, view)
         finally:
             if self.cache.is_cuda:

@@ -77,10 +77,27 @@ class EngineKVView(KVView):
         return self.query_pool.read(self.seq.query_slot)
 
     def positions(self) -> torch.Tensor:
-        return self.seq.slot_positions(self.num_layers, self.num_kv_heads).to(self.device)
+        return self.seq.slot_positions(self.num_layers, self.num_kv_heads, self.device)
 
     def _table(self, pages: list[int]) -> torch.Tensor:
         return torch.tensor(pages, dtype=torch.int32, device=self.device)
+
+    @functools.cached_property
+    def _block_table(self) -> torch.Tensor:
+        """The request's pages on the device, copied once per boundary (a copy syncs)."""
+        return self._table(self.seq.state.block_table)
+
+    def boundary_queries(self, position: int) -> torch.Tensor | None:
+        """With kernels: calibration and rotation of both summaries in one launch."""
+        if not self.use_kernels:
+            return None
+        if self.seq.query_slot is None:
+            raise RuntimeError(f"{self.seq.request_id!r} has no query-state slot")
+        from growpage.core.rope import _inv_on
+        from growpage.kernels import boundary_queries
+
+        return boundary_queries(self.query_pool.summaries, self.query_pool.current,
+                                self.seq.query_slot, position, _inv_on(self.rope, self.device))
 
     def summary_attention(self, queries: torch.Tensor, num_candidates: int
                           ) -> torch.Tensor | None:
@@ -91,8 +108,7 @@ class EngineKVView(KVView):
         from growpage.kernels import demand_attention
 
         return demand_attention(queries.float().contiguous(), self.kv_cache[0],
-                                self._table(self.seq.state.block_table), num_candidates,
-                                self.softmax_scale)
+                                self._block_table, num_candidates, self.softmax_scale)
 
     def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
         """Move slots ``keep [L, Hkv, K]`` (ascending) of ``src_pages`` to slots 0..K-1 of
@@ -102,8 +118,12 @@ class EngineKVView(KVView):
         if self.use_kernels:  # one launch; overlapping source and target slots handled there
             from growpage.kernels import compact_kv
 
-            compact_kv(self.kv_cache, self._table(src_pages)[None], keep[None],
-                       self._table(dst_pages)[None])
+            # Both tables in one host-to-device copy; the overlap check runs on the host
+            # (``compact_kv`` would otherwise check it on the device, with a sync).
+            width = len(src_pages)
+            tables = self._table([src_pages, dst_pages + [-1] * (width - len(dst_pages))])
+            compact_kv(self.kv_cache, tables[:1], keep[None], tables[1:],
+                       staged=not direct_copy_safe(src_pages, dst_pages))
             self._after_compaction(keep)
             return
         src = self._slots(src_pages, self.num_tokens)[keep]        # [L, Hkv, K] flat slots
@@ -120,7 +140,15 @@ class EngineKVView(KVView):
         self._after_compaction(keep)
 
     def _after_compaction(self, keep: torch.Tensor) -> None:
-        new_positions = torch.gather(self.positions().cpu(), 2, keep.cpu())
-        self.seq.kept_positions = new_positions
+        # Positions stay on the cache's device: no device-to-host copy at a boundary.
+        self.seq.kept_positions = torch.gather(self.positions(), 2, keep)
         self.seq.tail_start = self.seq.state.position
         self.__dict__.pop("_keys", None)
+        self.__dict__.pop("_block_table", None)
+
+
+def direct_copy_safe(src_pages: list[int], dst_pages: list[int]) -> bool:
+    """Whether compaction may copy in place: every page in both tables sits at the same index
+    (the host-side twin of ``growpage.kernels.is_direct_safe``)."""
+    index = {page: i for i, page in enumerate(src_pages)}
+    return all(index.get(page, j) == j for j, page in enumerate(dst_pages))

@@ -45,8 +45,8 @@ class LLM:
             above the default recent window (16) and no ``recent_window``, the window is
             ``page_size // 4``.
         kv_pages / kv_cache_memory / max_num_seqs / max_num_batched_tokens /
-        enable_prefix_caching / dtype / device / attention_backend / record_traces /
-        record_layers / record_values / seed: see ``EngineConfig``. Recording needs
+        enable_prefix_caching / dtype / device / attention_backend / boundary_kernels /
+        record_traces / record_layers / record_values / seed: see ``EngineConfig``. Recording needs
         ``policy="fullkv"`` and turns prefix caching off.
     """
 
@@ -56,7 +56,8 @@ class LLM:
                  kv_pages: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
                  enable_prefix_caching: bool = True, dtype: str | torch.dtype = "float32",
-                 device: str = "cpu", attention_backend: str = "auto", record_traces: str | Path | None = None,
+                 device: str = "cpu", attention_backend: str = "auto",
+                 boundary_kernels: bool | None = None, record_traces: str | Path | None = None,
                  record_layers: Seq[int] | None = None, record_values: bool = True,
                  seed: int = 0,
                  **growpage_fields: Any) -> None:
@@ -75,7 +76,7 @@ class LLM:
             growpage=gp, kv_pages=kv_pages, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching and record_traces is None, dtype=dtype,
-            device=device, attention_backend=attention_backend,
+            device=device, attention_backend=attention_backend, boundary_kernels=boundary_kernels,
             record_traces=None if record_traces is None else str(record_traces),
             record_layers=None if record_layers is None else list(record_layers),
             record_values=record_values, seed=seed)

@@ -115,14 +115,18 @@ class Sequence:
         self.kept_positions = None
         self.tail_start = 0
 
-    def slot_positions(self, num_layers: int, num_kv_heads: int) -> torch.Tensor:
-        """Absolute position held by each resident slot, ``[L, Hkv, num_tokens]`` int64."""
+    def slot_positions(self, num_layers: int, num_kv_heads: int,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+        """Absolute position held by each resident slot, ``[L, Hkv, num_tokens]`` int64, on
+        ``device`` (default: where ``kept_positions`` lives, else the CPU)."""
         n = self.state.num_tokens
-        if self.kept_positions is None:
-            return torch.arange(n).expand(num_layers, num_kv_heads, n)
         kept = self.kept_positions
-        tail = torch.arange(self.tail_start, self.tail_start + n - kept.shape[-1])
-        return torch.cat([kept, tail.expand(num_layers, num_kv_heads, -1)], dim=-1)
+        if device is None:
+            device = kept.device if kept is not None else "cpu"
+        if kept is None:
+            return torch.arange(n, device=device).expand(num_layers, num_kv_heads, n)
+        tail = torch.arange(self.tail_start, self.tail_start + n - kept.shape[-1], device=device)
+        return torch.cat([kept.to(device), tail.expand(num_layers, num_kv_heads, -1)], dim=-1)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "

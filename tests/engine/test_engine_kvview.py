@@ -14,7 +14,7 @@ from growpage.engine.attention import TorchAttentionBackend
 from growpage.engine.config import EngineConfig
 from growpage.engine.context import decode_context
 from growpage.engine.kv_manager import KVCacheManager
-from growpage.engine.kv_view import EngineKVView, page_slots
+from growpage.engine.kv_view import EngineKVView, direct_copy_safe, page_slots
 from growpage.engine.model_runner import ModelRunner
 from growpage.engine.query_state import QueryStatePool
 from growpage.engine.sampling_params import SamplingParams
@@ -134,8 +134,8 @@ def test_query_state_pool_matches_core_ema():
     assert pool.num_free_slots == 3 and pool.bind() == a
 
 
-@pytest.mark.parametrize("copy_on_write", [False, True])
-def test_kernel_path_matches_torch_path(model, copy_on_write):
+@pytest.mark.parametrize("tables", ["same", "copy_on_write", "shrink", "swapped"])
+def test_kernel_path_matches_torch_path(model, tables):
     """Demand estimation and compaction through the Triton kernels (interpreter on CPU, compiled
     on CUDA) give what the torch path gives, on the same live cache."""
     from growpage.core.context import BoundaryContext
@@ -155,6 +155,8 @@ def test_kernel_path_matches_torch_path(model, copy_on_write):
     st = seq.state
     ctxs = {flag: BoundaryContext(st.request_id, st.num_tokens, st.position,
                                   len(st.block_table), 0, gp, views[flag]) for flag in views}
+    # calibrated, rotated summaries: one Triton launch vs the torch maths
+    torch.testing.assert_close(ctxs[True]._queries, ctxs[False]._queries, atol=2e-5, rtol=1e-5)
     for name in ("short", "long"):
         torch.testing.assert_close(ctxs[True].attention(name), ctxs[False].attention(name),
                                    atol=1e-6, rtol=1e-5)
@@ -164,8 +166,12 @@ def test_kernel_path_matches_torch_path(model, copy_on_write):
     keep = random_keep(c.num_layers, c.num_kv_heads, n, 4 * PAGE, seed=5)
     src = list(seq.state.block_table)
     dst = list(src)
-    if copy_on_write:
+    if tables == "copy_on_write":
         dst[1], dst[3] = kv.pool.allocate(2)
+    elif tables == "shrink":  # one page fewer: the destination table is -1 padded on the device
+        dst.pop(2)
+    elif tables == "swapped":  # pages at other indices: only the staged copy is safe
+        dst[0], dst[4] = dst[4], dst[0]
     state = (seq.kept_positions, seq.tail_start)
     before = kv.cache.clone()
     views[False].compact(keep, src, dst)
@@ -174,3 +180,21 @@ def test_kernel_path_matches_torch_path(model, copy_on_write):
     seq.kept_positions, seq.tail_start = state
     views[True].compact(keep, src, dst)
     assert torch.equal(kv.cache, want) and torch.equal(seq.kept_positions, want_positions)
+
+
+@pytest.mark.parametrize(("src", "dst", "safe"), [
+    ([7, 2, 9], [7, 2, 9], True),
+    ([7, 2, 9], [7, 5, 9], True),     # a fresh page: nothing moves across pages
+    ([7, 2, 9], [7, 9], False),       # 9 moves from index 2 to 1
+    ([7, 2, 9], [7, 2], True),        # the last page dropped
+    ([7, 2, 9], [2, 7, 9], False),
+    ([], [], True),
+])
+def test_direct_copy_safe_matches_the_kernel_check(src, dst, safe):
+    from growpage.kernels import is_direct_safe
+
+    assert direct_copy_safe(src, dst) is safe
+    if src:
+        width = max(len(src), len(dst))
+        pad = lambda t: torch.tensor([t + [-1] * (width - len(t))], dtype=torch.int32)  # noqa: E731
+        assert bool(is_direct_safe(pad(src), pad(dst))[0]) is safe

@@ -1,0 +1,227 @@
+"""Host-side work of one capacity boundary in the engine: torch ops, Triton launches, syncs.
+
+On a GPU a boundary of a small model costs launch overhead and host syncs, not FLOPs, so this
+counts them, per outcome, on any machine (on CPU the Triton path runs under the interpreter):
+
+    python benchmarks/boundary_ops.py                     # tiny random model, Triton path
+    python benchmarks/boundary_ops.py --path torch        # the torch path (CPU default)
+    python benchmarks/boundary_ops.py --json out.json
+
+Counted inside ``KVCacheManager.make_room`` for every boundary the policy decided:
+
+* ``ops``: torch operator calls (``aten``) that launch work; views and metadata calls
+  (``view``, ``select``, ``slice``, ``expand``...) are counted apart as ``views``;
+* ``launches``: Triton kernel launches;
+* ``syncs``: calls that make the host wait for the device (``.item()``, ``bool(tensor)``,
+  ``float(tensor)``, device-to-host copies);
+* ``h2d``: tensors built from host data (``torch.tensor(list, device=...)``): on a GPU each is
+  a host-to-device copy, which waits for the copy;
+* ``ms``: mean wall time of the boundary in a second, uncounted run (on CPU with the Triton
+  path this is the interpreter's time, not a GPU's; the torch path's is host overhead).
+
+The counts do not depend on the model's size (every step is vectorized over layers and heads),
+so the tiny model stands for SmolLM2 or Llama here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU machines)
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from growpage.core.decision import Action  # noqa: E402
+from growpage.core.rope import RopeConfig  # noqa: E402
+from growpage.engine.llm import LLM  # noqa: E402
+from growpage.engine.loader import build_model  # noqa: E402
+from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
+from growpage.engine.sampling_params import SamplingParams  # noqa: E402
+
+VIEW_OPS = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "permute",
+            "expand", "transpose", "t", "alias", "detach", "as_strided", "unbind", "split",
+            "lift_fresh", "_reshape_alias", "reshape", "flatten", "unflatten", "empty",
+            "empty_like", "empty_strided", "new_empty"}
+SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero"}
+
+
+def _kind(func: object) -> str:
+    name = str(func).split(".")[1] if str(func).startswith("aten.") else str(func)
+    if name in SYNC_OPS:
+        return "syncs"
+    if name == "lift_fresh":
+        return "h2d"
+    return "views" if name in VIEW_OPS else "ops"
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.names: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = _kind(func)
+        self.counts[kind] += 1
+        if kind != "views":
+            self.names[str(func)] += 1
+        if str(func).startswith("aten._to_copy") and args and _crosses_to_host(args, kwargs):
+            self.counts["syncs"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _crosses_to_host(args: tuple, kwargs: dict | None) -> bool:
+    src = args[0]
+    dst = (kwargs or {}).get("device")
+    return isinstance(src, torch.Tensor) and src.device.type != "cpu" and str(dst) == "cpu"
+
+
+@contextlib.contextmanager
+def _counting_triton_launches(counter: _Counter):
+    """Count Triton launches and keep the interpreter's own tensor traffic out of the counts
+    (the launch methods are restored on exit)."""
+    from triton.runtime import interpreter, jit
+
+    originals = {cls: cls.run for cls in (interpreter.InterpretedFunction, jit.JITFunction)}
+    for cls, original in originals.items():
+        def run(self, *args, _original=original, **kwargs):
+            if kwargs.get("warmup"):
+                return _original(self, *args, **kwargs)
+            counter.counts["launches"] += 1
+            counter.names[f"triton.{getattr(self, '__name__', 'kernel')}"] += 1
+            with _disable_current_modes():
+                return _original(self, *args, **kwargs)
+
+        cls.run = run
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+
+
+def tiny_model(seed: int = 0) -> CausalLM:
+    """A random 4-layer GQA model (6 query heads on 2 KV heads, head dim 32)."""
+    cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=96, intermediate_size=128,
+                      num_layers=4, num_q_heads=6, num_kv_heads=2, head_dim=32,
+                      rope=RopeConfig(head_dim=32), bos_token_id=1, eos_token_ids=(2,),
+                      name="tiny-random")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in CausalLM(cfg).state_dict().items()}
+    sd = {name: (1.0 + 0.1 * torch.randn(shape, generator=gen)) if name.endswith("norm.weight")
+          else torch.randn(shape, generator=gen) * (1.5 / shape[-1] ** 0.5)
+          for name, shape in shapes.items()}
+    return build_model(cfg, sd)
+
+
+def outcome_kind(outcome) -> str:
+    if outcome.decision is None:
+        return "forced grow"
+    if outcome.action is Action.GROW:
+        return "decided grow"
+    return "compress" if outcome.action is Action.COMPRESS else outcome.action.value
+
+
+def measure(args: argparse.Namespace) -> dict:
+    counter = _Counter()
+    with _counting_triton_launches(counter):
+        counted_rows, names = _run(args, counter)
+    timed_rows, _ = _run(args, None)  # again, without the counting overhead
+    for kind, row in counted_rows.items():
+        row["ms"] = timed_rows[kind]["ms"]
+    return {"path": args.path, "policy": args.policy, "model": args.model,
+            "rows": counted_rows, "top_ops": names.most_common(args.top)}
+
+
+def _run(args: argparse.Namespace, counter: _Counter | None
+         ) -> tuple[dict[str, dict], collections.Counter]:
+    """One generation; per outcome the mean counts (``counter``) or host time (None)."""
+    model = tiny_model() if args.model == "tiny" else (None if args.model == "smollm2"
+                                                         else args.model)
+    llm = LLM(model, policy=args.policy, page_size=args.page_size, kv_pages=args.kv_pages,
+              max_num_seqs=args.requests, min_capacity=2, enable_prefix_caching=False,
+              boundary_kernels=args.path == "triton")
+    kv = llm.engine.kv
+    make_room = kv.make_room
+    buckets: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    seconds: dict[str, float] = collections.defaultdict(float)
+
+    def counted(seq):
+        if not kv.controller.needs_decision(seq.state):
+            return make_room(seq)
+        start = time.perf_counter()
+        if counter is None:
+            outcome = make_room(seq)
+        else:
+            counter.counts.clear()
+            with counter:
+                outcome = make_room(seq)
+        elapsed = time.perf_counter() - start
+        kind = outcome_kind(outcome) if outcome is not None else "none"
+        if counter is not None:
+            buckets[kind].update(counter.counts)
+        buckets[kind]["n"] += 1
+        seconds[kind] += elapsed
+        return outcome
+
+    kv.make_room = counted  # type: ignore[method-assign]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(20, 60))]
+               for _ in range(args.requests)]
+    llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
+                 use_tqdm=False)
+    rows = {}
+    for kind, c in sorted(buckets.items()):
+        n = c["n"]
+        rows[kind] = {"boundaries": n, **{k: round(c[k] / n, 2) for k in
+                                          ("ops", "views", "launches", "syncs", "h2d")},
+                      "ms": round(1000 * seconds[kind] / n, 3)}
+    return rows, (counter.names if counter is not None else collections.Counter())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--path", choices=("triton", "torch"), default="triton")
+    p.add_argument("--model", default="tiny", help="tiny (random), smollm2, or a GGUF path")
+    p.add_argument("--policy", default="growpage")
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-pages", type=int, default=30)
+    p.add_argument("--top", type=int, default=0, help="also list the N most called operators")
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = measure(args)
+    print(f"{report['policy']} on the {report['path']} path ({report['model']} model); "
+          "per boundary:")
+    print("| outcome | boundaries | ops | views | Triton launches | syncs | host->device | "
+          "ms (this machine) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind, r in report["rows"].items():
+        print(f"| {kind} | {r['boundaries']} | {r['ops']} | {r['views']} | {r['launches']} | "
+              f"{r['syncs']} | {r['h2d']} | {r['ms']} |")
+    for name, n in report["top_ops"]:
+        print(f"{n:6d}  {name}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

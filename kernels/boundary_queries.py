@@ -1,0 +1,154 @@
+"""Boundary query summaries: RMS calibration (Eq. 12) and RoPE alignment in one launch.
+
+At a KV capacity boundary the demand estimator needs, for one request, its two query summaries
+(short and long EMA of the *pre-RoPE* queries, see ``query_state``) turned into queries that can
+be scored against the cached, already rotated keys (paper appendix E.1):
+
+1. RMS calibration (Eq. 12): each (layer, head) summary row ``x`` is rescaled to the RMS of the
+   request's current query row ``q``: ``x * (rms(q) / max(rms(x), eps))`` with
+   ``rms(v) = sqrt(mean_d(v**2))``. EMAs of unit-ish vectors shrink; this restores their scale.
+2. RoPE alignment: the calibrated row is rotated to the current absolute ``position`` with the
+   rotate-half convention of ``growpage.core.rope``: ``angles = inv_freq * position`` (an fp32
+   product, as ``rope_at`` computes it), ``cos/sin`` of ``[angles, angles]`` and
+   ``out = x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``.
+
+Output ``[2, L, Hq, d]`` fp32 (view 0 short, 1 long) is the ``queries`` input of
+``demand.demand_attention``. The torch path is ``rope_at(cfg, rms_calibrate(s, cur), position)``
+per view (``growpage.core.context``); this kernel replaces its ~30 small ops with one launch.
+
+One program per (layer, block of query heads) handles both views: it loads the current rows once,
+then per view the rows and their rotate-half partners (permuted offsets ``(d + D/2) % D`` and a
+sign), and computes cos/sin in fp32 in the kernel. Any even head dim works (masked to the next
+power of two).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_device, next_pow2
+
+NUM_VIEWS = 2
+# Elements of one [BLOCK_H, BLOCK_D] tile: bounds the heads per program for large head dims.
+_TILE_ELEMS = 4096
+
+
+@triton.jit
+def _boundary_queries_kernel(
+    summ_ptr,  # [L, 2, Hq, D] fp32: the request's slot of the query-state pool (pre-RoPE)
+    cur_ptr,  # [L, Hq, D] fp32: the request's current (last) query
+    inv_freq_ptr,  # [D/2] fp32 RoPE inverse frequencies
+    out_ptr,  # [2, L, Hq, D] fp32 calibrated, rotated summaries
+    position,  # fp32 absolute position (as float(position) in ``rope_at``)
+    eps,
+    stride_sl, stride_sv, stride_sh,
+    stride_cl, stride_ch,
+    stride_ov, stride_ol, stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    layer = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    half: tl.constexpr = HEAD_DIM // 2
+    mask_h = offs_h < NUM_HEADS
+    mask_d = offs_d < HEAD_DIM
+    mask = mask_h[:, None] & mask_d[None, :]
+    # rotate_half([x1, x2]) = [-x2, x1]: element i takes its partner (i + D/2) % D with a sign
+    partner = (offs_d + half) % HEAD_DIM
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+
+    # angles = inv_freq * position in fp32, duplicated over both halves: [angles, angles]
+    inv = tl.load(inv_freq_ptr + offs_d % half, mask=mask_d, other=0.0)
+    angles = inv * position
+    cos = tl.cos(angles)[None, :]
+    sin = (tl.sin(angles) * sign)[None, :]
+
+    cur = tl.load(cur_ptr + layer * stride_cl + offs_h[:, None] * stride_ch + offs_d[None, :],
+                  mask=mask, other=0.0)
+    rms_q = tl.sqrt(tl.sum(cur * cur, 1) / HEAD_DIM)  # [BLOCK_H]
+
+    rows = offs_h[:, None] * stride_sh
+    for v in tl.static_range(2):
+        base = summ_ptr + layer * stride_sl + v * stride_sv + rows
+        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
+        x_partner = tl.load(base + partner[None, :], mask=mask, other=0.0)
+        rms_s = tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM)
+        scale = (rms_q / tl.maximum(rms_s, eps))[:, None]
+        calibrated = x * scale
+        out = calibrated * cos + (x_partner * scale) * sin
+        tl.store(out_ptr + v * stride_ov + layer * stride_ol + offs_h[:, None] * stride_oh
+                 + offs_d[None, :], out, mask=mask)
+
+
+def _check_args(summaries: torch.Tensor, current: torch.Tensor, slot: int, position: int,
+                inv_freq: torch.Tensor) -> tuple[int, int]:
+    for name, t, ndim in (("summaries", summaries, 5), ("current", current, 4),
+                          ("inv_freq", inv_freq, 1)):
+        if t.dim() != ndim:
+            raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name}: expected torch.float32, got {t.dtype}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dimension must be contiguous")
+    num_layers, num_slots, num_views, num_heads, head_dim = summaries.shape
+    if num_views != NUM_VIEWS:
+        raise ValueError(f"summaries: expected [L, M, 2, Hq, d], got shape {tuple(summaries.shape)}")
+    if current.shape != (num_layers, num_slots, num_heads, head_dim):
+        raise ValueError(f"current: expected shape {(num_layers, num_slots, num_heads, head_dim)} "
+                         f"([L, M, Hq, d] of summaries), got {tuple(current.shape)}")
+    if head_dim == 0 or head_dim % 2:
+        raise ValueError(f"head dim must be even and > 0, got {head_dim}")
+    if inv_freq.shape[0] != head_dim // 2:
+        raise ValueError(f"inv_freq: expected length d/2 = {head_dim // 2}, "
+                         f"got {inv_freq.shape[0]}")
+    slot, position = operator.index(slot), operator.index(position)
+    if not 0 <= slot < num_slots:
+        raise ValueError(f"slot {slot} out of range [0, {num_slots})")
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    check_device(summaries, current, inv_freq)
+    return slot, position
+
+
+def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, position: int,
+                     inv_freq: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Calibrated (Eq. 12), RoPE-aligned query summaries of one request at a boundary.
+
+    Args:
+        summaries: ``[L, M, 2, Hq, d]`` fp32 query-state pool, pre-RoPE (0 short, 1 long EMA).
+        current: ``[L, M, Hq, d]`` fp32 last (pre-RoPE) query of each slot.
+        slot: the request's slot, ``0 <= slot < M``; no other slot is read.
+        position: absolute position ``>= 0`` to rotate the summaries to.
+        inv_freq: ``[d/2]`` fp32 RoPE inverse frequencies on the same device
+            (``growpage.core.rope._inv_on(cfg, device)``).
+        eps: floor of a summary row's RMS (an all-zero row stays zero).
+
+    Returns:
+        ``[2, L, Hq, d]`` fp32, equal to ``rope_at(cfg, rms_calibrate(s, cur), position)`` for
+        ``s`` = short and long summary. Raises ``ValueError`` on bad shapes, dtypes, slot,
+        position or head dim (AssertionError from ``check_device`` on a device mismatch).
+    """
+    slot, position = _check_args(summaries, current, slot, position, inv_freq)
+    num_layers, _, _, num_heads, head_dim = summaries.shape
+    out = torch.empty(NUM_VIEWS, num_layers, num_heads, head_dim, dtype=torch.float32,
+                      device=summaries.device)
+    if out.numel() == 0:
+        return out
+    # The slot is selected on the host (pointer offset of a view, no copy): the kernel never
+    # addresses other slots, and slot * stride cannot overflow int32 inside it.
+    summ, cur = summaries[:, slot], current[:, slot]  # [L, 2, Hq, d], [L, Hq, d]
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(num_heads), max(1, _TILE_ELEMS // block_d))
+    _boundary_queries_kernel[(num_layers, triton.cdiv(num_heads, block_h))](
+        summ, cur, inv_freq, out, float(position), float(eps),
+        *summ.stride()[:3], *cur.stride()[:2], *out.stride()[:3],
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+    )
+    return out

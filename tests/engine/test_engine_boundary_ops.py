@@ -1,0 +1,44 @@
+"""Host work per capacity boundary on the kernel path (``benchmarks/boundary_ops.py``).
+
+On a GPU a boundary of a small model costs launches and host syncs, so their counts are
+behaviour: a regression here is a slower engine, whatever this machine's clock says.
+"""
+
+from __future__ import annotations
+
+import pytest
+from benchmark_scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def report():
+    bench = load_benchmark("boundary_ops")
+    return bench.measure(bench.parse_args(["--requests", "3", "--max-tokens", "40",
+                                           "--kv-pages", "9", "--top", "5"]))
+
+
+def test_both_outcomes_are_measured(report):
+    rows = report["rows"]
+    assert {"compress", "decided grow"} <= set(rows), rows
+    assert all(r["boundaries"] > 0 and r["ms"] > 0 for r in rows.values())
+
+
+def test_a_decided_grow_waits_for_the_device_once(report):
+    grow = report["rows"]["decided grow"]
+    # Delta_t is read once; the block table is copied once; three launches: the calibrated,
+    # rotated summaries and the two demand-attention kernels.
+    assert grow["syncs"] == 1 and grow["h2d"] == 1 and grow["launches"] == 3, grow
+    assert grow["ops"] <= 16, grow  # the top-p sizes and Delta_t in torch
+
+
+def test_a_compression_waits_for_the_device_twice(report):
+    compress = report["rows"]["compress"]
+    # Delta_t, then the selection check; the source and destination tables in one copy.
+    assert compress["syncs"] == 2 and compress["h2d"] == 2, compress
+    assert compress["launches"] == 6 and compress["ops"] <= 48, compress
+
+
+def test_the_launch_counter_is_removed_afterwards(report):
+    from triton.runtime import interpreter
+
+    assert interpreter.InterpretedFunction.run.__qualname__ == "InterpretedFunction.run"
