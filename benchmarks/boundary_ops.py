@@ -4,6 +4,7 @@ On a GPU a boundary of a small model costs launch overhead and host syncs, not F
 counts them, per outcome, on any machine (on CPU the Triton path runs under the interpreter):
 
     python benchmarks/boundary_ops.py                     # tiny random model, Triton path
+    python benchmarks/boundary_ops.py --model smollm2 --kv-pages 60   # on a GPU: real ms
     python benchmarks/boundary_ops.py --path torch        # the torch path (CPU default)
     python benchmarks/boundary_ops.py --json out.json
 
@@ -29,18 +30,19 @@ import argparse
 import collections
 import contextlib
 import json
-import os
 import random
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU machines)
-
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# NOTE: first, before anything imports triton: growpage.kernels turns Triton's interpreter on
+# when there is no CUDA device.
+import growpage.kernels  # noqa: E402, F401
 
 from growpage.core.decision import Action  # noqa: E402
 from growpage.core.rope import RopeConfig  # noqa: E402
@@ -142,7 +144,7 @@ def measure(args: argparse.Namespace) -> dict:
     for kind, row in counted_rows.items():
         row["ms"] = timed_rows[kind]["ms"]
     return {"path": args.path, "policy": args.policy, "model": args.model,
-            "rows": counted_rows, "top_ops": names.most_common(args.top)}
+            "device": args.device, "rows": counted_rows, "top_ops": names.most_common(args.top)}
 
 
 def _run(args: argparse.Namespace, counter: _Counter | None
@@ -152,7 +154,7 @@ def _run(args: argparse.Namespace, counter: _Counter | None
                                                          else args.model)
     llm = LLM(model, policy=args.policy, page_size=args.page_size, kv_pages=args.kv_pages,
               max_num_seqs=args.requests, min_capacity=2, enable_prefix_caching=False,
-              boundary_kernels=args.path == "triton")
+              device=args.device, boundary_kernels=args.path == "triton")
     kv = llm.engine.kv
     make_room = kv.make_room
     buckets: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -195,6 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--path", choices=("triton", "torch"), default="triton")
     p.add_argument("--model", default="tiny", help="tiny (random), smollm2, or a GGUF path")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--policy", default="growpage")
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=96)
@@ -208,8 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = measure(args)
-    print(f"{report['policy']} on the {report['path']} path ({report['model']} model); "
-          "per boundary:")
+    print(f"{report['policy']} on the {report['path']} path ({report['model']} model, "
+          f"{report['device']}); per boundary:")
     print("| outcome | boundaries | ops | views | Triton launches | syncs | host->device | "
           "ms (this machine) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -111,13 +111,18 @@ def prefill_context(seq_lens: list[int], slot_mapping: torch.Tensor | None = Non
 
 
 def decode_context(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, capture: StepCapture | None = None
-                   ) -> StepContext:
-    """Build a decode context: one new token per sequence, ``context_lens`` includes it."""
+                   context_lens: torch.Tensor, capture: StepCapture | None = None,
+                   max_seqlen_k: int | None = None) -> StepContext:
+    """Build a decode context: one new token per sequence, ``context_lens`` includes it.
+
+    Pass ``max_seqlen_k`` when the lengths are known on the host: reading it from a device
+    ``context_lens`` is a host sync.
+    """
+    if max_seqlen_k is None:
+        max_seqlen_k = int(context_lens.max()) if context_lens.numel() else 0
     return StepContext(
         is_prefill=False, slot_mapping=slot_mapping, block_tables=block_tables,
-        context_lens=context_lens, max_seqlen_q=1,
-        max_seqlen_k=int(context_lens.max()) if context_lens.numel() else 0, capture=capture,
+        context_lens=context_lens, max_seqlen_q=1, max_seqlen_k=max_seqlen_k, capture=capture,
     )
 
 

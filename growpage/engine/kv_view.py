@@ -21,6 +21,7 @@ from growpage.core.kvview import KVView, QueryState
 from growpage.core.rope import RopeConfig
 from growpage.engine.query_state import QueryStatePool
 from growpage.engine.sequence import Sequence
+from growpage.engine.transfer import to_device
 
 
 def page_slots(pages: list[int], num_slots: int, page_size: int,
@@ -79,12 +80,12 @@ class EngineKVView(KVView):
     def positions(self) -> torch.Tensor:
         return self.seq.slot_positions(self.num_layers, self.num_kv_heads, self.device)
 
-    def _table(self, pages: list[int]) -> torch.Tensor:
-        return torch.tensor(pages, dtype=torch.int32, device=self.device)
+    def _table(self, pages: list[int] | list[list[int]]) -> torch.Tensor:
+        return to_device(pages, torch.int32, self.device)  # queued: no host sync on CUDA
 
     @functools.cached_property
     def _block_table(self) -> torch.Tensor:
-        """The request's pages on the device, copied once per boundary (a copy syncs)."""
+        """The request's pages on the device, copied once per boundary."""
         return self._table(self.seq.state.block_table)
 
     def boundary_queries(self, position: int) -> torch.Tensor | None:

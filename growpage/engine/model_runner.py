@@ -24,6 +24,7 @@ from growpage.engine.kv_manager import KVCacheManager
 from growpage.engine.model import CausalLM
 from growpage.engine.scheduler import SchedulerOutput
 from growpage.engine.sequence import Sequence
+from growpage.engine.transfer import to_device
 
 if TYPE_CHECKING:
     from growpage.engine.recorder import TraceRecorder
@@ -70,14 +71,19 @@ class ModelRunner:
             return [], hidden.new_zeros(0, 0)
         return seqs, self.model.compute_logits(hidden if rows is None else hidden[rows])
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    def _tensor(self, values: list[int] | torch.Tensor, dtype: torch.dtype = torch.long
+                ) -> torch.Tensor:
+        return to_device(values, dtype, self.device)  # queued: no host sync on CUDA
 
     def _slot_ids(self, seqs: list[Sequence]) -> torch.Tensor:
         """``[B]`` query-state slot of each running sequence."""
         slots = [seq.query_slot for seq in seqs]
         assert all(s is not None for s in slots), "a running sequence without a query slot"
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
+        return self._tensor(slots)
+
+    def _first_steps(self, seqs: list[Sequence]) -> torch.Tensor:
+        """``[B]`` bool: the sequence's first decode step (its EMAs start from the query)."""
+        return self._tensor([seq.num_decode_steps == 0 for seq in seqs], torch.bool)
 
     def _prepare_prefill(self, out: SchedulerOutput, capture: StepCapture
                          ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
@@ -93,7 +99,7 @@ class ModelRunner:
             positions += range(start, end)
             slots += self.kv.slots(seq, start, n)  # no compaction before decoding: slot = position
         # Without a cached prefix the new keys are all there is: attend to them directly.
-        tables = None if not any(starts) else self.kv.block_tables(list(out.seqs)).to(self.device)
+        tables = None if not any(starts) else self._tensor(self.kv.block_tables(list(out.seqs)))
         ctx = prefill_context(list(out.num_new_tokens), self._tensor(slots), tables,
                               [seq.state.num_tokens for seq in out.seqs],
                               capture=capture if self.recorder is not None else None)
@@ -103,13 +109,13 @@ class ModelRunner:
                         ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
         seqs = list(out.seqs)
         slots = [self.kv.slots(seq, seq.state.num_tokens - 1, 1)[0] for seq in seqs]
-        ctx = decode_context(self._tensor(slots), self.kv.block_tables(seqs).to(self.device),
-                             self._tensor([seq.state.num_tokens for seq in seqs]), capture)
+        lens = [seq.state.num_tokens for seq in seqs]
+        ctx = decode_context(self._tensor(slots), self._tensor(self.kv.block_tables(seqs)),
+                             self._tensor(lens), capture, max_seqlen_k=max(lens, default=0))
         if self.fuses_query_state:  # the backend updates the EMAs inside decode attention
             pool = self.kv.query_pool
             fusion = QueryStateFusion(
-                pool.summaries, self._slot_ids(seqs),
-                torch.tensor([seq.num_decode_steps == 0 for seq in seqs], device=self.device),
+                pool.summaries, self._slot_ids(seqs), self._first_steps(seqs),
                 self.kv.cache, pool.beta_short, pool.beta_long)
             ctx = FusedStepContext(**attrs.asdict(ctx, recurse=False), query_state=fusion)
         ids = self._tensor([seq.last_token_id for seq in seqs])
@@ -120,7 +126,7 @@ class ModelRunner:
         num_layers = self.model.config.num_layers
         queries = torch.stack([capture.queries[i] for i in range(num_layers)])  # [L, B, Hq, d]
         slots = self._slot_ids(list(out.seqs))
-        first = torch.tensor([seq.num_decode_steps == 0 for seq in out.seqs], device=self.device)
+        first = self._first_steps(list(out.seqs))
         self.kv.query_pool.update(slots, queries, first, summaries=not self.fuses_query_state)
         for seq in out.seqs:
             seq.num_decode_steps += 1

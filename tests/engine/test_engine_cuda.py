@@ -71,3 +71,17 @@ def test_preemption_and_prefix_caching_on_cuda(cpu_model):
     assert llm.last_stats.num_preemptions > 0 and llm.last_stats.prefix_hit_tokens > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert_all_returned(llm)
+
+
+def test_queued_host_to_device_copies_arrive_intact():
+    """``to_device`` queues pinned copies (no host sync); many in a row, then used at once."""
+    from growpage.engine.transfer import to_device
+
+    device = torch.device("cuda")
+    rows = [[i, i + 1, -1] for i in range(64)]
+    copies = [to_device(rows[: i + 1], torch.int32, device) for i in range(64)]
+    for i, t in enumerate(copies):
+        assert t.device.type == "cuda" and t.dtype == torch.int32
+        assert t.cpu().tolist() == rows[: i + 1]
+    mask = to_device([True, False], torch.bool, device)
+    assert mask.cpu().tolist() == [True, False]
