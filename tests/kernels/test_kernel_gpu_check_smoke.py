@@ -25,10 +25,12 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     boundary = report["boundary"]
     assert boundary["num_keep"] == boundary["context"] - 8  # one page of 8 slots freed
     assert boundary["compaction_direct_ms"] > 0 and boundary["demand_total_ms"] > 0
+    host = report["hostwork"]["rows"]  # tiny model, Triton path under the interpreter
+    assert host["compress"]["launches"] > 0 and host["compress"]["syncs"] >= 1
     engine = report["engine"]  # SmolLM2 on CPU, two short requests per policy
     assert engine["fullkv"]["tokens_per_s"] > 0 and engine["growpage"]["tokens_per_s"] > 0
     assert 0 <= engine["growpage"]["boundary_pct"] < 100
     assert report["targets"]["boundary_pct_of_run"] == engine["growpage"]["boundary_pct"]
     markdown = out.with_suffix(".md").read_text()
     assert "| batch | context |" in markdown and "Boundary event" in markdown
-    assert "| growpage |" in markdown
+    assert "| growpage |" in markdown and "Host work per boundary" in markdown
