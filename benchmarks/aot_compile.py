@@ -64,7 +64,8 @@ def install_fake_driver(arch: int, compiled: list[dict]) -> None:
 def compile_all(quick: bool) -> None:
     import growpage.kernels as K
 
-    for name in ("decode_attention", "kv_store", "compaction", "demand", "query_state"):
+    for name in ("decode_attention", "kv_store", "compaction", "demand", "query_state",
+                 "boundary_queries"):
         module = sys.modules[f"growpage.kernels.{name}"]
         module.check_device = lambda *_: None  # type: ignore[attr-defined]  # CPU tensors
     shapes = [LLAMA] if quick else [LLAMA, SMOLLM]
@@ -86,6 +87,8 @@ def compile_all(quick: bool) -> None:
         if not quick:
             K.compact_kv(kv_cache, tables[:1], keep, staged=True)
         K.demand_attention(torch.empty(2, 2, hq, dim), kv_cache[0], tables[0], 100)
+        K.boundary_queries(torch.empty(2, 4, 2, hq, dim), torch.empty(2, 4, hq, dim), 1, 100,
+                           torch.empty(dim // 2))
     if not quick:  # the launch configs gpu_check sweeps
         k_cache = torch.empty(8, 256, 8, 128, dtype=torch.bfloat16)
         q = torch.empty(4, 32, 128, dtype=torch.bfloat16)
