@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from growpage.engine.sampling_params import SamplingParams
+from growpage.engine.transfer import to_device
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -36,13 +37,19 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]
                ) -> list[int]:
-        """``logits [B, V]`` (fp32) -> one token id per row."""
-        logits = logits.float().cpu()
+        """``logits [B, V]`` (fp32) -> one token id per row.
+
+        Greedy picks are made where the logits are (on a GPU only ``B`` ids cross to the host,
+        not ``B x V`` logits); rows that sample are copied to the host and drawn there with the
+        request's CPU generator, so a seed gives the same tokens on every device.
+        """
+        logits = logits.float()
         tokens = logits.argmax(dim=-1).tolist()
-        for i, p in enumerate(params):
-            if p.is_greedy:
-                continue
-            probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        rows = logits[sampled].cpu() if sampled else None
+        for j, i in enumerate(sampled):
+            p = params[i]
+            probs = torch.softmax(rows[j] / p.temperature, dim=-1)
             probs = top_p_filter(probs, p.top_p)
             gen = self._generator(seq_ids[i], p)
             tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
@@ -54,7 +61,7 @@ class Sampler:
         rank there (0 = the greedy choice; ties with the chosen token do not count)."""
         logits = logits.float()
         logp = torch.log_softmax(logits, dim=-1)
-        index = torch.tensor(token_ids, device=logp.device).unsqueeze(1)
+        index = to_device(token_ids, torch.long, logp.device).unsqueeze(1)
         chosen = logits.gather(1, index)
         ranks = (logits > chosen).sum(dim=1)
         return logp.gather(1, index).squeeze(1).tolist(), ranks.tolist()
