@@ -124,7 +124,8 @@ class BoundaryContext:
 
     def working_set_ratio(self, view: str, p: float | None = None) -> torch.Tensor:
         """Top-p working-set ratio r (Eq. 7) per layer and KV head, ``[L, Hkv]`` in (0, 1]."""
-        return self._ratio_pair(p)[_view_index(view)]
+        index = _view_index(view)
+        return self._ratio_pair(p)[index]
 
     def _ratio_pair(self, p: float | None) -> torch.Tensor:
         """``[2, L, Hkv]`` working-set ratios of both views at ``p``: one sort for both."""
