@@ -127,7 +127,7 @@ def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, 
         slot: the request's slot, ``0 <= slot < M``; no other slot is read.
         position: absolute position ``>= 0`` to rotate the summaries to.
         inv_freq: ``[d/2]`` fp32 RoPE inverse frequencies on the same device
-            (``growpage.core.rope._inv_on(cfg, device)``).
+            (``growpage.core.rope.inv_frequencies_on(cfg, device)``).
         eps: floor of a summary row's RMS (an all-zero row stays zero).
 
     Returns:

@@ -58,7 +58,7 @@ def inv_frequencies(cfg: RopeConfig) -> torch.Tensor:
 _INV_CACHE: dict[tuple[RopeConfig, torch.device], torch.Tensor] = {}
 
 
-def _inv_on(cfg: RopeConfig, device: torch.device) -> torch.Tensor:
+def inv_frequencies_on(cfg: RopeConfig, device: torch.device) -> torch.Tensor:
     """``inv_frequencies(cfg)`` on ``device``, computed and copied there once."""
     key = (cfg, torch.device(device))
     inv = _INV_CACHE.get(key)
@@ -70,7 +70,7 @@ def _inv_on(cfg: RopeConfig, device: torch.device) -> torch.Tensor:
 def cos_sin(cfg: RopeConfig, positions: torch.Tensor, device: torch.device | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` of shape ``[*positions.shape, head_dim]`` (fp32)."""
-    inv = _inv_on(cfg, device if device is not None else positions.device)
+    inv = inv_frequencies_on(cfg, device if device is not None else positions.device)
     angles = positions.to(inv.device, torch.float32).unsqueeze(-1) * inv
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -95,6 +95,6 @@ def rope_at(cfg: RopeConfig, x: torch.Tensor, position: int) -> torch.Tensor:
     """
     # NOTE: the angles are built on x's device from a Python int: no host-to-device copy per
     # boundary (same fp32 product as ``cos_sin`` of a one-element position tensor).
-    angles = _inv_on(cfg, x.device) * float(position)
+    angles = inv_frequencies_on(cfg, x.device) * float(position)
     angles = torch.cat([angles, angles])
     return apply_rope(x, angles.cos(), angles.sin())

@@ -94,11 +94,11 @@ class EngineKVView(KVView):
             return None
         if self.seq.query_slot is None:
             raise RuntimeError(f"{self.seq.request_id!r} has no query-state slot")
-        from growpage.core.rope import _inv_on
+        from growpage.core.rope import inv_frequencies_on
         from growpage.kernels import boundary_queries
 
         return boundary_queries(self.query_pool.summaries, self.query_pool.current,
-                                self.seq.query_slot, position, _inv_on(self.rope, self.device))
+                                self.seq.query_slot, position, inv_frequencies_on(self.rope, self.device))
 
     def summary_attention(self, queries: torch.Tensor, num_candidates: int
                           ) -> torch.Tensor | None:

@@ -65,7 +65,7 @@ class ModelRunner:
             rows = ctx.last_token_indices()[done].to(self.device)
             seqs = [out.seqs[i] for i in done]
         else:
-            self._update_query_state(out, capture)
+            self._update_query_state(out, capture, ctx)
             rows, seqs = None, list(out.seqs)
         if not seqs:
             return [], hidden.new_zeros(0, 0)
@@ -116,17 +116,21 @@ class ModelRunner:
             pool = self.kv.query_pool
             fusion = QueryStateFusion(
                 pool.summaries, self._slot_ids(seqs), self._first_steps(seqs),
-                self.kv.cache, pool.beta_short, pool.beta_long)
+                self.kv.cache, pool.beta_short, pool.beta_long)  # reused after the forward
             ctx = FusedStepContext(**attrs.asdict(ctx, recurse=False), query_state=fusion)
         ids = self._tensor([seq.last_token_id for seq in seqs])
         positions = self._tensor([seq.state.position - 1 for seq in seqs])
         return ctx, ids, positions
 
-    def _update_query_state(self, out: SchedulerOutput, capture: StepCapture) -> None:
+    def _update_query_state(self, out: SchedulerOutput, capture: StepCapture,
+                            ctx: StepContext) -> None:
         num_layers = self.model.config.num_layers
         queries = torch.stack([capture.queries[i] for i in range(num_layers)])  # [L, B, Hq, d]
-        slots = self._slot_ids(list(out.seqs))
-        first = self._first_steps(list(out.seqs))
+        fusion = getattr(ctx, "query_state", None)
+        if fusion is not None:  # the same rows the kernel used: no second copy
+            slots, first = fusion.slot_ids, fusion.is_first
+        else:
+            slots, first = self._slot_ids(list(out.seqs)), self._first_steps(list(out.seqs))
         self.kv.query_pool.update(slots, queries, first, summaries=not self.fuses_query_state)
         for seq in out.seqs:
             seq.num_decode_steps += 1

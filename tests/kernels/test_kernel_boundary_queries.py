@@ -8,7 +8,7 @@ from growpage.kernels import boundary_queries, reference
 from kernel_helpers import DEVICE, gen, randn
 
 from growpage.core.demand import rms_calibrate
-from growpage.core.rope import RopeConfig, _inv_on, rope_at
+from growpage.core.rope import RopeConfig, inv_frequencies_on, rope_at
 
 # Kernel and reference both build the angles as the same fp32 product inv_freq * float(position)
 # and take fp32 cos/sin of it, so even at position 131071 they agree to a few ulps: the tight
@@ -48,7 +48,7 @@ def library(cfg: RopeConfig, summaries: torch.Tensor, current: torch.Tensor, slo
 def test_boundary_queries_match_library(shape: tuple[int, int, int, int], scaled: bool) -> None:
     layers, slots, heads, d = shape
     cfg = rope_cfg(d, scaled)
-    inv = _inv_on(cfg, DEVICE)
+    inv = inv_frequencies_on(cfg, DEVICE)
     summaries, current = make_pool(layers, slots, heads, d, seed=d + heads)
     for slot in sorted({0, slots - 1}):
         for position in POSITIONS:
@@ -65,7 +65,7 @@ def test_boundary_queries_match_library(shape: tuple[int, int, int, int], scaled
 def test_calibration_matches_current_rms() -> None:
     """RoPE is a rotation: each output row keeps the RMS of the current query row."""
     summaries, current = make_pool(2, 2, 3, 48, seed=5)
-    inv = _inv_on(rope_cfg(48, True), DEVICE)
+    inv = inv_frequencies_on(rope_cfg(48, True), DEVICE)
     out = boundary_queries(summaries, current, 1, 4093, inv)
     rms = out.pow(2).mean(-1).sqrt()
     expected = current[:, 1].pow(2).mean(-1).sqrt().expand(2, -1, -1)
@@ -76,7 +76,7 @@ def test_zero_summary_row_stays_zero() -> None:
     summaries, current = make_pool(2, 2, 3, 16, seed=1)
     summaries[1, 0, 1, 2] = 0.0  # layer 1, slot 0, long view, head 2
     summaries[0, 0, 0] = 0.0  # every head of layer 0's short view
-    inv = _inv_on(rope_cfg(16, False), DEVICE)
+    inv = inv_frequencies_on(rope_cfg(16, False), DEVICE)
     out = boundary_queries(summaries, current, 0, 7, inv)
     assert torch.isfinite(out).all(), "eps guard: no NaN/inf from a zero RMS"
     assert torch.equal(out[1, 1, 2], torch.zeros(16, device=DEVICE))
@@ -94,7 +94,7 @@ def test_other_slots_never_leak(slot: int) -> None:
     poisoned_s[:, slot] = summaries[:, slot]
     poisoned_c[:, slot] = current[:, slot]
     cfg = rope_cfg(d, True)
-    out = boundary_queries(poisoned_s, poisoned_c, slot, 4093, _inv_on(cfg, DEVICE))
+    out = boundary_queries(poisoned_s, poisoned_c, slot, 4093, inv_frequencies_on(cfg, DEVICE))
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, library(cfg, summaries, current, slot, 4093),
                                atol=ATOL, rtol=RTOL)
@@ -105,13 +105,13 @@ def test_strided_pool_view() -> None:
     summaries, current = make_pool(2, 3, 6, 16, seed=3)
     sub_s, sub_c = summaries[:, :, :, ::2], current[:, :, 1::2]  # heads 0,2,4 / 1,3,5
     cfg = rope_cfg(16, False)
-    out = boundary_queries(sub_s, sub_c, 2, 131071, _inv_on(cfg, DEVICE))
+    out = boundary_queries(sub_s, sub_c, 2, 131071, inv_frequencies_on(cfg, DEVICE))
     torch.testing.assert_close(out, library(cfg, sub_s, sub_c, 2, 131071), atol=ATOL, rtol=RTOL)
 
 
 def test_bad_inputs_raise() -> None:
     summaries, current = make_pool(1, 2, 3, 16, seed=4)
-    inv = _inv_on(rope_cfg(16, False), DEVICE)
+    inv = inv_frequencies_on(rope_cfg(16, False), DEVICE)
     with pytest.raises(ValueError, match=r"summaries: expected torch.float32"):
         boundary_queries(summaries.half(), current, 0, 1, inv)
     with pytest.raises(ValueError, match=r"current: expected torch.float32"):
