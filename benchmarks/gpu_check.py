@@ -86,6 +86,8 @@ def run_kernel_tests(timeout_s: int, workers: int = 0, log: Path | None = None) 
 def engine_throughput(smoke: bool, model: str | None, attention_backend: str) -> dict:
     """SmolLM2 (or ``model``) generating the same workload with ``fullkv`` and ``growpage``
     under the same page pool; boundary work as a share of the run (target <= 1%)."""
+    from growpage.kernels.variants import compiled_variants
+
     from growpage.engine.llm import LLM
     from growpage.engine.sampling_params import SamplingParams
     from growpage.eval.workload import reasoning_prompts
@@ -104,11 +106,14 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
         llm = LLM(base.model, policy=policy, tokenizer=base.tokenizer, page_size=page,
                   kv_pages=kv_pages, max_num_seqs=num, device=device,
                   attention_backend=attention_backend, min_capacity=4)
-        # Warm-up through several boundaries: Triton compiles the boundary kernels (demand,
-        # compaction) on first use, which must not land in the timed run.
+        # LLM() compiled every kernel variant (growpage.engine.warmup); this short run warms
+        # the rest (allocator, torch's own kernels). A compile during the timed run would
+        # stall it: counted below, and it should be 0.
         warm = SamplingParams(max_tokens=max_tokens if smoke else 6 * page, ignore_eos=True)
         llm.generate(prompts[:4], warm, use_tqdm=False)
+        before = compiled_variants()
         llm.generate(prompts, params, use_tqdm=False)
+        after = compiled_variants()
         st = llm.last_stats
         decided = sum(st.events.get(f"decided_{d}", 0) for d in ("grow", "compress", "shrink"))
         rows[policy] = {"tokens_per_s": st.tps, "total_s": st.total_time_s,
@@ -117,7 +122,10 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
                         "avg_resident": st.avg_resident, "avg_kv_budget": st.avg_kv_budget,
                         "boundary_s": st.boundary_time_s,
                         "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
-                        "preemptions": st.num_preemptions, "events": st.events}
+                        "preemptions": st.num_preemptions, "events": st.events,
+                        "warmup_s": llm.engine.warmup_report.seconds,
+                        "compiles_during_run": {k: after[k] - before.get(k, 0) for k in after
+                                                if after[k] != before.get(k, 0)}}
         del llm
     rows["growpage_vs_fullkv_tps"] = rows["growpage"]["tokens_per_s"] / rows["fullkv"][
         "tokens_per_s"]
@@ -243,14 +251,16 @@ def to_markdown(r: dict) -> str:
         lines += ["", f"Engine ({engine['requests']} requests x {engine['max_tokens']} tokens, "
                   f"{engine['kv_pages']} pages x {engine['page_size']}, {engine['backend']}):", "",
                   "| policy | tok/s | total s | C | avg budget | boundary s | boundary % | "
-                  "ms per decided boundary |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "ms per decided boundary | warm-up s | compiles in run |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name in ("fullkv", "growpage"):
             e = engine[name]
+            compiles = sum(e.get("compiles_during_run", {}).values())
             lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['total_s']:.2f} | "
                          f"{e['avg_resident']:.1f} | {e['avg_kv_budget']:.0f} | "
                          f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} | "
-                         f"{e['ms_per_decided_boundary']:.2f} |")
+                         f"{e['ms_per_decided_boundary']:.2f} | {e.get('warmup_s', 0.0):.2f} | "
+                         f"{compiles} |")
         lines += ["", f"growpage / fullkv throughput: {engine['growpage_vs_fullkv_tps']:.2f}x; "
                   "target: boundary work <= 1% of the run."]
     else:

@@ -37,7 +37,10 @@ NUM_VIEWS = 2
 _TILE_ELEMS = 4096
 
 
-@triton.jit
+# The slot is chosen by offsetting the pool's address, and the layer strides follow the pool's
+# slot count: neither may pick the compiled variant.
+@triton.jit(do_not_specialize=["stride_sl", "stride_cl"],
+            do_not_specialize_on_alignment=["summ_ptr", "cur_ptr"])
 def _boundary_queries_kernel(
     summ_ptr,  # [L, 2, Hq, D] fp32: the request's slot of the query-state pool (pre-RoPE)
     cur_ptr,  # [L, Hq, D] fp32: the request's current (last) query

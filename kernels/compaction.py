@@ -31,7 +31,14 @@ import triton.language as tl
 from ._utils import check_device, check_index, is_interpreter, next_pow2
 
 
-@triton.jit
+# Per-boundary quantities (kept count, table widths, strides that follow the kept count, layer
+# chunk start), the cache strides that follow the pool size and the tables' addresses stay out
+# of the compile key: the engine compiles the three routes (direct, stage-out, stage-in) once.
+# See ``growpage.kernels.variants``.
+@triton.jit(do_not_specialize=["num_keep", "layer0", "stride_ckv", "stride_cl", "stride_sbt",
+                               "stride_dbt", "stride_kr", "stride_kl", "stride_kh", "stride_sr",
+                               "stride_sl", "stride_sh", "stride_skv"],
+            do_not_specialize_on_alignment=["src_bt_ptr", "dst_bt_ptr", "keep_ptr"])
 def _compact_kernel(
     cache_ptr,  # [2, L, num_pages, PAGE_SIZE, Hkv, D] KV cache (all layers)
     src_bt_ptr,  # [R, max_pages] int source block tables, -1 padded

@@ -42,20 +42,27 @@ from .query_state import BETA_LONG, BETA_SHORT, _ema_update, check_query_state_a
 from .split_k import LOG2E, default_num_splits, merge_splits
 
 
-@triton.jit
+# Per-step quantities (split count, table width, strides of the split scratch) and the
+# addresses of the per-step index tensors stay out of the compile key, so a run compiles two
+# variants (one split, several) and no more: see ``growpage.kernels.variants``.
+@triton.jit(do_not_specialize=["num_splits", "max_tokens", "stride_btb", "stride_ob", "stride_oh",
+                               "stride_os", "stride_lb", "stride_lh"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr",
+                                            "slot_ids_ptr", "is_first_ptr", "lse_ptr"])
 def _decode_attention_kernel(
     q_ptr,  # [B, Hq, D] post-RoPE query
     k_cache_ptr,  # [num_pages, PAGE_SIZE, Hkv, D]
     v_cache_ptr,  # [num_pages, PAGE_SIZE, Hkv, D] (same strides as k_cache)
     block_tables_ptr,  # [B, max_pages] int, -1 padded
     context_lens_ptr,  # [B] int
-    out_ptr,  # NUM_SPLITS == 1: [B, Hq, D] output; else [B, Hq, NUM_SPLITS, D] fp32 partials
-    lse_ptr,  # [B, Hq, NUM_SPLITS] fp32 log2-sum-exp of each split (NUM_SPLITS > 1)
+    out_ptr,  # SPLIT: [B, Hq, num_splits, D] fp32 partials; else [B, Hq, D] output
+    lse_ptr,  # [B, Hq, num_splits] fp32 log2-sum-exp of each split (SPLIT)
     q_pre_ptr,  # [B, Hq, D] pre-RoPE query (HAS_EMA)
     state_ptr,  # [M, 2, Hq, D] fp32 query-state pool of this layer (HAS_EMA)
     slot_ids_ptr,  # [B] int, -1 = no slot (HAS_EMA)
     is_first_ptr,  # [B] int (HAS_EMA)
     max_tokens,  # max_pages * PAGE_SIZE: longer context_lens are clamped (no OOB table reads)
+    num_splits,  # programs along axis 2 (1 unless SPLIT)
     qk_scale,  # sm_scale * log2(e)
     beta_short,
     beta_long,
@@ -69,7 +76,7 @@ def _decode_attention_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials and their log-sum-exp
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -98,7 +105,7 @@ def _decode_attention_kernel(
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     context_len = tl.minimum(tl.load(context_lens_ptr + b), max_tokens)
-    chunk = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, context_len)
 
@@ -136,15 +143,15 @@ def _decode_attention_kernel(
     has_mass = l_i > 0.0
     out = acc / tl.where(has_mass, l_i, 1.0)[:, None]  # empty context -> zeros, not NaN
     out_mask = mask_h[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
+    if SPLIT:
         o_ptrs = (out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os
                   + offs_d[None, :])
         tl.store(o_ptrs, out, mask=out_mask)
         lse = tl.where(has_mass, m_i + tl.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh + split, lse, mask=mask_h)
+    else:
+        o_ptrs = out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def paged_decode_attention(
@@ -229,14 +236,14 @@ def paged_decode_attention(
     _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, dst, lse,
         q_pre, query_state, slot_ids, is_first,
-        block_tables.shape[1] * page_size, scale, float(beta_short), float(beta_long),
+        block_tables.shape[1] * page_size, splits, scale, float(beta_short), float(beta_long),
         q.stride(0), q.stride(1), q_pre.stride(0), q_pre.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         *dst_strides,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         *(query_state.stride()[:3] if has_ema else (0, 0, 0)),
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT=splits > 1,
         BLOCK_H=max(MIN_DOT_DIM, next_pow2(group)), BLOCK_N=block_n,
         BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)),
         HAS_EMA=has_ema, DOT_FP32=dot_in_fp32(k_cache.dtype),

@@ -31,16 +31,27 @@ import triton.language as tl
 from ._utils import MIN_DOT_DIM, check_device, check_index, is_interpreter, next_pow2, num_sms
 from .split_k import LOG2E
 
+# Most candidate splits per (layer, KV head); the merge reads one tile of this width.
+MAX_SPLITS = 16
 
-@triton.jit
+
+# Per-boundary quantities (candidate count, split count, scratch strides that follow them,
+# table address) and the cache's layer stride (it follows the pool size) stay out of the
+# compile key: see ``growpage.kernels.variants``.
+_PER_CALL = ["num_candidates", "num_splits", "stride_kl", "stride_lv", "stride_ll", "stride_lh",
+             "stride_mv", "stride_ml", "stride_mh", "stride_ov", "stride_ol", "stride_oh"]
+
+
+@triton.jit(do_not_specialize=_PER_CALL[:9], do_not_specialize_on_alignment=["block_table_ptr"])
 def _demand_logits_kernel(
     q_ptr,  # [V, L, Hq, D] calibrated, rotated query summaries
     k_cache_ptr,  # [L, num_pages, PAGE_SIZE, Hkv, D] keys of all layers
     block_table_ptr,  # [max_pages] int the request's pages
     logits_ptr,  # [V, L, Hq, Nc] fp32 scratch: log2-scaled logits
-    max_ptr,  # [V, L, Hq, NUM_SPLITS] fp32 running max per split
-    sum_ptr,  # [V, L, Hq, NUM_SPLITS] fp32 sum of exp2(logit - max) per split
+    max_ptr,  # [V, L, Hq, num_splits] fp32 running max per split
+    sum_ptr,  # [V, L, Hq, num_splits] fp32 sum of exp2(logit - max) per split
     num_candidates,
+    num_splits,
     qk_scale,  # sm_scale * log2(e)
     stride_qv, stride_ql, stride_qh,
     stride_kl, stride_kp, stride_kt, stride_kh,
@@ -50,7 +61,6 @@ def _demand_logits_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_VIEWS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -71,7 +81,7 @@ def _demand_logits_kernel(
     k_base = k_cache_ptr + layer.to(tl.int64) * stride_kl + kv_head * stride_kh
     l_rows = logits_ptr + view * stride_lv + layer * stride_ll + head * stride_lh  # [BLOCK_R]
 
-    chunk = tl.cdiv(tl.cdiv(num_candidates, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(num_candidates, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, num_candidates)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -97,21 +107,21 @@ def _demand_logits_kernel(
     tl.store(sum_ptr + stat, l_i, mask=mask_r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _demand_normalize_kernel(
     logits_ptr,  # [V, L, Hq, Nc] fp32 log2-scaled logits
-    max_ptr,  # [V, L, Hq, NUM_SPLITS] fp32
-    sum_ptr,  # [V, L, Hq, NUM_SPLITS] fp32
+    max_ptr,  # [V, L, Hq, num_splits] fp32
+    sum_ptr,  # [V, L, Hq, num_splits] fp32
     out_ptr,  # [V, L, Hkv, Nc] fp32 attention distributions
     num_candidates,
+    num_splits,
     stride_lv, stride_ll, stride_lh,
     stride_mv, stride_ml, stride_mh,
     stride_ov, stride_ol, stride_oh,
     GROUP: tl.constexpr,
     NUM_VIEWS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits
     BLOCK_N: tl.constexpr,
 ):
     layer = tl.program_id(0)
@@ -124,7 +134,7 @@ def _demand_normalize_kernel(
     head = kv_head * GROUP + rows % GROUP
     offs_s = tl.arange(0, BLOCK_S)
     stat = (view * stride_mv + layer * stride_ml + head * stride_mh)[:, None] + offs_s[None, :]
-    stat_mask = mask_r[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    stat_mask = mask_r[:, None] & (offs_s < num_splits)[None, :]
     m_s = tl.load(max_ptr + stat, mask=stat_mask, other=float("-inf"))
     l_s = tl.load(sum_ptr + stat, mask=stat_mask, other=0.0)
     m = tl.max(m_s, 1)
@@ -174,7 +184,8 @@ def demand_attention(
     block_n = block_n or (16 if is_interpreter() else 64)
     if num_splits is None:
         want = triton.cdiv(2 * num_sms(device), num_layers * num_kv_heads)
-        num_splits = max(1, min(want, triton.cdiv(num_candidates, 4 * block_n), 16))
+        num_splits = max(1, min(want, triton.cdiv(num_candidates, 4 * block_n), MAX_SPLITS))
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}]"
     logits = torch.empty(num_views, num_layers, num_heads, num_candidates, device=device)
     row_max = torch.empty(num_views, num_layers, num_heads, num_splits, device=device)
     row_sum = torch.empty_like(row_max)
@@ -184,18 +195,19 @@ def demand_attention(
     precision = "ieee" if k_cache.dtype == torch.float32 or is_interpreter() else "tf32x3"
     block_r = max(MIN_DOT_DIM, next_pow2(num_views * group))
     _demand_logits_kernel[(num_layers, num_kv_heads, num_splits)](
-        queries, k_cache, block_table, logits, row_max, row_sum, num_candidates, scale,
+        queries, k_cache, block_table, logits, row_max, row_sum, num_candidates, num_splits,
+        scale,
         *queries.stride()[:3], *k_cache.stride()[:4], *logits.stride()[:3], *row_max.stride()[:3],
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_VIEWS=num_views,
-        NUM_SPLITS=num_splits, BLOCK_R=block_r, BLOCK_N=block_n,
+        BLOCK_R=block_r, BLOCK_N=block_n,
         BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)), DOT_PRECISION=precision,
     )
     norm_block = 64 if is_interpreter() else 256
     _demand_normalize_kernel[(num_layers, num_kv_heads, triton.cdiv(num_candidates, norm_block))](
-        logits, row_max, row_sum, out, num_candidates,
+        logits, row_max, row_sum, out, num_candidates, num_splits,
         *logits.stride()[:3], *row_max.stride()[:3], *out.stride()[:3],
-        GROUP=group, NUM_VIEWS=num_views, NUM_SPLITS=num_splits, BLOCK_R=block_r,
-        BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_N=norm_block,
+        GROUP=group, NUM_VIEWS=num_views, BLOCK_R=block_r, BLOCK_S=MAX_SPLITS,
+        BLOCK_N=norm_block,
     )
     return out
 

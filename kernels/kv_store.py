@@ -12,7 +12,8 @@ import triton.language as tl
 from ._utils import check_device, check_index, next_pow2
 
 
-@triton.jit
+# The slot mapping's address (often a slice of a step's metadata) stays out of the compile key.
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _store_kv_kernel(
     key_ptr,  # [N, Hkv, D] new keys (post-RoPE)
     value_ptr,  # [N, Hkv, D] new values

@@ -56,7 +56,8 @@ def _ema_update(
         tl.store(s_ptrs + stride_sv, new_l, mask=mask)
 
 
-@triton.jit
+# The index tensors' addresses (slices of a step's metadata) stay out of the compile key.
+@triton.jit(do_not_specialize_on_alignment=["slot_ids_ptr", "is_first_ptr"])
 def _update_query_state_kernel(
     q_pre_ptr,  # [B, Hq, D] pre-RoPE query
     state_ptr,  # [M, 2, Hq, D] fp32

@@ -14,25 +14,29 @@ import triton.language as tl
 from ._utils import next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
+# Most splits of one row; the merge reads them as one tile of this width, whatever the count,
+# so the count never changes the compiled kernel.
+MAX_SPLITS = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps", "stride_lb",
+                               "stride_lh"])
 def _merge_splits_kernel(
-    part_ptr,  # [B, Hq, NUM_SPLITS, D] fp32 normalized partial outputs
-    lse_ptr,  # [B, Hq, NUM_SPLITS] fp32 log2-sum-exp per split (-inf = empty split)
+    part_ptr,  # [B, Hq, num_splits, D] fp32 normalized partial outputs
+    lse_ptr,  # [B, Hq, num_splits] fp32 log2-sum-exp per split (-inf = empty split)
     out_ptr,  # [B, Hq, D]
+    num_splits,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits
     BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
@@ -54,7 +58,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
     programs = max(num_seqs * num_kv_heads, 1)
     want = triton.cdiv(2 * num_sms(device), programs)
     most = max(max_context // (4 * block_n), 1)
-    return int(max(1, min(want, most, 32)))
+    return int(max(1, min(want, most, MAX_SPLITS)))
 
 
 def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
@@ -62,11 +66,11 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> No
     num_seqs, num_heads, splits, head_dim = part.shape
     assert part.stride(-1) == 1 and lse.shape == part.shape[:3] and lse.stride(-1) == 1
     assert out.shape == (num_seqs, num_heads, head_dim) and out.stride(-1) == 1
+    assert 1 <= splits <= MAX_SPLITS, f"split count must lie in [1, {MAX_SPLITS}], got {splits}"
     _merge_splits_kernel[(num_seqs, num_heads)](
-        part, lse, out,
+        part, lse, out, splits,
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, HEAD_DIM=head_dim,
-        BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=next_pow2(head_dim),
+        HEAD_DIM=head_dim, BLOCK_S=MAX_SPLITS, BLOCK_D=next_pow2(head_dim),
     )

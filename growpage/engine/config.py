@@ -57,6 +57,9 @@ class EngineConfig:
         boundary_kernels: run demand estimation and compaction at capacity boundaries with the
             Triton kernels; None (default) = on CUDA. True on CPU needs the interpreter (tests,
             ``benchmarks/boundary_ops.py``).
+        warmup: launch every Triton kernel variant the engine can need once when it is built
+            (``growpage.engine.warmup``), so no compile stalls a step while serving; None
+            (default) = when a Triton path runs on CUDA.
         record_traces: directory of a trace set to record every finished request into.
         record_layers: model layers to record (None: all).
         record_values: record the values too (``has_values``).
@@ -73,6 +76,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = attrs.field(default="auto")
     boundary_kernels: bool | None = None
+    warmup: bool | None = None
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
     record_values: bool = True

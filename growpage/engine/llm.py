@@ -45,7 +45,7 @@ class LLM:
             above the default recent window (16) and no ``recent_window``, the window is
             ``page_size // 4``.
         kv_pages / kv_cache_memory / max_num_seqs / max_num_batched_tokens /
-        enable_prefix_caching / dtype / device / attention_backend / boundary_kernels /
+        enable_prefix_caching / dtype / device / attention_backend / boundary_kernels / warmup /
         record_traces / record_layers / record_values / seed: see ``EngineConfig``. Recording needs
         ``policy="fullkv"`` and turns prefix caching off.
     """
@@ -57,7 +57,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
                  enable_prefix_caching: bool = True, dtype: str | torch.dtype = "float32",
                  device: str = "cpu", attention_backend: str = "auto",
-                 boundary_kernels: bool | None = None, record_traces: str | Path | None = None,
+                 boundary_kernels: bool | None = None, warmup: bool | None = None,
+                 record_traces: str | Path | None = None,
                  record_layers: Seq[int] | None = None, record_values: bool = True,
                  seed: int = 0,
                  **growpage_fields: Any) -> None:
@@ -77,6 +78,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching and record_traces is None, dtype=dtype,
             device=device, attention_backend=attention_backend, boundary_kernels=boundary_kernels,
+            warmup=warmup,
             record_traces=None if record_traces is None else str(record_traces),
             record_layers=None if record_layers is None else list(record_layers),
             record_values=record_values, seed=seed)

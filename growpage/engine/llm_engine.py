@@ -15,6 +15,7 @@ from growpage.engine.sampling_params import SamplingParams
 from growpage.engine.scheduler import Scheduler, SchedulerOutput
 from growpage.engine.sequence import FinishReason, Sequence
 from growpage.engine.stats import StatsCollector
+from growpage.engine.warmup import WarmupReport, warm_up
 from growpage.errors import EngineError
 from growpage.policies.base import CapacityPolicy
 
@@ -43,6 +44,9 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.stats = StatsCollector(self.kv.controller.events)
         self._next_id = 0
+        self.warmup_report = WarmupReport()
+        if config.warmup or (config.warmup is None and self.kv.cache.is_cuda):
+            self.warmup_report = warm_up(self)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
