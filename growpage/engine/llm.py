@@ -200,15 +200,14 @@ def _load(model: str | Path | CausalLM | None, tokenizer: Any, config: EngineCon
           ) -> tuple[CausalLM, Any]:
     """The model, with the engine's attention backend installed, and its tokenizer.
 
-    NOTE: a ready ``CausalLM`` gets the backend installed in place (its layers share one) and
-    is moved to the engine's device and dtype in place.
+    NOTE: a ready ``CausalLM`` is moved to the engine's device and dtype in place and gets the
+    engine's backend. Several ``LLM`` may share one: each engine installs its own backend and
+    KV cache in the model before each of its steps.
     """
     backend = _attention_backend(config)
     if isinstance(model, CausalLM):
         model.to(device=torch.device(config.device), dtype=config.dtype)
-        model.backend = backend  # type: ignore[assignment]
-        for layer in model.model.layers:
-            layer.self_attn.backend = backend  # type: ignore[union-attr]
+        model.set_backend(backend)
         return model, tokenizer
     from growpage.engine.loader import load_model
     from growpage.engine.tokenizer import load_tokenizer

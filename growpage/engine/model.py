@@ -242,6 +242,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.backend = backend if backend is not None else TorchAttentionBackend()
         self.model = DecoderModel(cfg, self.backend)
+        self.kv_cache: torch.Tensor | None = None  # what ``bind_kv_cache`` bound last
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -260,7 +261,14 @@ class CausalLM(nn.Module):
                   else self.lm_head.weight)
         return nn.functional.linear(hidden, weight).float()
 
+    def set_backend(self, backend: AttentionBackend) -> None:
+        """Install ``backend`` in the model and every attention layer."""
+        self.backend = backend
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend  # type: ignore[union-attr]
+
     def bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         """Give each layer its view of ``kv_cache [2, L, num_pages, page_size, Hkv, d]``."""
+        self.kv_cache = kv_cache
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = None if kv_cache is None else kv_cache[:, i]

@@ -25,6 +25,7 @@ from growpage.engine.model import CausalLM
 from growpage.engine.scheduler import SchedulerOutput
 from growpage.engine.sequence import Sequence
 from growpage.engine.transfer import to_device
+from growpage.errors import EngineError
 
 if TYPE_CHECKING:
     from growpage.engine.recorder import TraceRecorder
@@ -44,13 +45,30 @@ class ModelRunner:
                  recorder: TraceRecorder | None = None) -> None:
         self.model, self.kv, self.recorder = model, kv, recorder
         self.device = kv.cache.device
+        self.backend = model.backend
         self.fuses_query_state = bool(getattr(model.backend, "fuses_query_state", False))
         model.bind_kv_cache(kv.cache)
+
+    def claim_model(self) -> None:
+        """Install this engine's KV cache and backend in the model, which another engine
+        (another ``LLM`` over the same ``CausalLM``, the warm-up) may have bound since."""
+        model = self.model
+        if model.kv_cache is self.kv.cache and model.backend is self.backend:
+            return
+        weight = model.model.embed_tokens.weight
+        if weight.device != self.device or weight.dtype != self.kv.cache.dtype:
+            raise EngineError(
+                f"the model is on {weight.device} in {weight.dtype}, this engine runs on "
+                f"{self.device} in {self.kv.cache.dtype}: another LLM moved the shared "
+                "CausalLM; give each device/dtype its own model")
+        model.set_backend(self.backend)
+        model.bind_kv_cache(self.kv.cache)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
         """Forward the step; returns the sequences that get a next token and their logits
         ``[B', V]`` (fp32): every decoded sequence, and prefills that reached their end."""
+        self.claim_model()
         capture = StepCapture(record_kv=self.recorder is not None)
         if out.is_prefill:
             ctx, ids, positions = self._prepare_prefill(out, capture)

@@ -65,7 +65,7 @@ def uses_kernels(engine: LLMEngine) -> tuple[bool, bool]:
 def warm_up(engine: LLMEngine) -> WarmupReport:
     """Launch every Triton kernel variant ``engine`` can need, once (compiling it on a GPU).
 
-    Nothing of ``engine`` changes but the model's bound KV cache, which is bound back.
+    Nothing of ``engine`` changes; the model is bound back to its KV cache and backend.
     """
     from growpage.engine.llm_engine import LLMEngine
     from growpage.kernels.variants import record_variants
@@ -101,7 +101,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     finally:
         if decode:
             backend.num_splits = saved_splits
-        engine.model.bind_kv_cache(engine.kv.cache)
+        engine.runner.claim_model()
     if engine.kv.cache.is_cuda:
         torch.cuda.synchronize(engine.kv.cache.device)
     return WarmupReport(time.perf_counter() - start, log.counts(), log.launches)

@@ -140,3 +140,26 @@ def test_sampling_is_seeded_and_respects_stop_tokens(models):
     d = llm.generate(PROMPTS[0], params.replace(stop_token_ids=(stop,)), use_tqdm=False)[0]
     assert d.finish_reason == "stop" and d.token_ids[-1] == stop and stop not in d.token_ids[:-1]
     assert_all_returned(llm)
+
+
+def test_llms_sharing_one_model_each_use_their_own_cache(models, expected):
+    """Two engines over one ``CausalLM`` (different page sizes, so different caches), used in
+    turn: each step runs on its own engine's cache and backend."""
+    first = tiny_llm(models[0])
+    second = tiny_llm(models[0], page_size=16, recent_window=4)  # binds the model to its cache
+    for llm in (first, second, first):
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == expected
+        assert_all_returned(llm)
+    assert models[0].kv_cache is first.engine.kv.cache
+
+
+def test_an_llm_refuses_a_shared_model_moved_to_another_dtype(models):
+    from growpage.engine.loader import build_model
+    from growpage.errors import EngineError
+
+    model = build_model(models[0].config, models[0].state_dict())
+    first = tiny_llm(model)
+    tiny_llm(model, dtype="bfloat16")  # moves the shared model to bf16 in place
+    with pytest.raises(EngineError, match="another LLM moved the shared CausalLM"):
+        first.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
