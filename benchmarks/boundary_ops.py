@@ -7,6 +7,7 @@ counts them, per outcome, on any machine (on CPU the Triton path runs under the 
     python benchmarks/boundary_ops.py --model smollm2 --kv-pages 60   # on a GPU: real ms
     python benchmarks/boundary_ops.py --path torch        # the torch path (CPU default)
     python benchmarks/boundary_ops.py --json out.json
+    python benchmarks/boundary_ops.py --host-only          # host ms per boundary, any machine
 
 Counted inside ``KVCacheManager.make_room`` for every boundary the policy decided:
 
@@ -19,6 +20,10 @@ Counted inside ``KVCacheManager.make_room`` for every boundary the policy decide
   a host-to-device copy, which waits for the copy;
 * ``ms``: mean wall time of the boundary in a second, uncounted run (on CPU with the Triton
   path this is the interpreter's time, not a GPU's; the torch path's is host overhead).
+  ``--host-only`` runs once, with every Triton launch a no-op and nothing counted: ``ms`` is
+  then the host's part of a kernel-path boundary (Python, torch dispatch, launch wrappers),
+  measurable on any machine. The kernels' outputs stay unwritten, so the decisions are not the
+  real run's; the code path of each outcome is.
 
 The counts do not depend on the model's size (every step is vectorized over layers and heads),
 so the tiny model stands for SmolLM2 or Llama here.
@@ -113,6 +118,20 @@ def _counting_triton_launches(counter: _Counter):
             cls.run = original
 
 
+@contextlib.contextmanager
+def _stubbed_kernels():
+    """Every Triton launch of ``growpage.kernels`` becomes a no-op inside the block."""
+    from growpage.kernels.variants import KERNELS
+
+    for kernel in KERNELS.values():
+        kernel.run = lambda *args, grid, warmup, **kwargs: None
+    try:
+        yield
+    finally:
+        for kernel in KERNELS.values():
+            del kernel.run
+
+
 def tiny_model(seed: int = 0) -> CausalLM:
     """A random 4-layer GQA model (6 query heads on 2 KV heads, head dim 32)."""
     cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=96, intermediate_size=128,
@@ -137,13 +156,20 @@ def outcome_kind(outcome) -> str:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    if args.host_only:  # one run, launches stubbed: host milliseconds only, no counts
+        with _stubbed_kernels():
+            rows, _ = _run(args, None)
+        return {"path": args.path, "policy": args.policy, "model": args.model,
+                "device": args.device, "host_only": True, "top_ops": [],
+                "rows": {kind: {"boundaries": r["boundaries"], "ms": r["ms"]}
+                         for kind, r in rows.items()}}
     counter = _Counter()
     with _counting_triton_launches(counter):
         counted_rows, names = _run(args, counter)
     timed_rows, _ = _run(args, None)  # again, without the counting overhead
     for kind, row in counted_rows.items():
         row["ms"] = timed_rows[kind]["ms"]
-    return {"path": args.path, "policy": args.policy, "model": args.model,
+    return {"path": args.path, "policy": args.policy, "model": args.model, "host_only": False,
             "device": args.device, "rows": counted_rows, "top_ops": names.most_common(args.top)}
 
 
@@ -204,6 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-pages", type=int, default=30)
     p.add_argument("--top", type=int, default=0, help="also list the N most called operators")
+    p.add_argument("--host-only", action="store_true",
+                   help="time the boundaries with Triton launches stubbed out (host cost only)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -211,14 +239,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = measure(args)
+    host = ", launches stubbed: ms is host time" if report["host_only"] else ""
     print(f"{report['policy']} on the {report['path']} path ({report['model']} model, "
-          f"{report['device']}); per boundary:")
+          f"{report['device']}{host}); per boundary:")
     print("| outcome | boundaries | ops | views | Triton launches | syncs | host->device | "
           "ms (this machine) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for kind, r in report["rows"].items():
-        print(f"| {kind} | {r['boundaries']} | {r['ops']} | {r['views']} | {r['launches']} | "
-              f"{r['syncs']} | {r['h2d']} | {r['ms']} |")
+        counts = " | ".join(str(r.get(k, "-")) for k in ("ops", "views", "launches", "syncs",
+                                                          "h2d"))
+        print(f"| {kind} | {r['boundaries']} | {counts} | {r['ms']} |")
     for name, n in report["top_ops"]:
         print(f"{n:6d}  {name}")
     if args.json:

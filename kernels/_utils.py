@@ -6,19 +6,31 @@ import functools
 import os
 
 import torch
-import triton
 
 # NOTE: tl.dot needs every block dimension >= 16 on GPU.
 MIN_DOT_DIM = 16
 
 
+# NOTE: Triton picks interpreter or compiler when a kernel is decorated, i.e. when the kernel
+# modules import (after this one), so the value read here is the one in force. Read once: the
+# wrappers ask on every launch, and an environment lookup costs microseconds.
+_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 def is_interpreter() -> bool:
-    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """True when the kernels run under the CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return _INTERPRETER
+
+
+# Host-side helpers in plain Python: ``triton.cdiv`` / ``triton.next_power_of_2`` go through
+# Triton's jit wrapper (~5 us a call), and the wrappers call them on every launch.
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
 
 
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -36,7 +48,7 @@ def check_device(*tensors: torch.Tensor) -> None:
     for t in tensors:
         assert t.device == device, f"tensors on different devices: {t.device} vs {device}"
     if device.type == "cpu":
-        assert is_interpreter(), "Triton kernels on CPU tensors need TRITON_INTERPRET=1"
+        assert _INTERPRETER, "Triton kernels on CPU tensors need TRITON_INTERPRET=1"
 
 
 def check_index(t: torch.Tensor, ndim: int, name: str) -> None:

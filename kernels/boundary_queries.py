@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device, next_pow2
+from ._utils import cdiv, check_device, next_pow2
 
 NUM_VIEWS = 2
 # Elements of one [BLOCK_H, BLOCK_D] tile: bounds the heads per program for large head dims.
@@ -149,7 +149,7 @@ def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, 
     summ, cur = summaries[:, slot], current[:, slot]  # [L, 2, Hq, d], [L, Hq, d]
     block_d = next_pow2(head_dim)
     block_h = min(next_pow2(num_heads), max(1, _TILE_ELEMS // block_d))
-    _boundary_queries_kernel[(num_layers, triton.cdiv(num_heads, block_h))](
+    _boundary_queries_kernel[(num_layers, cdiv(num_heads, block_h))](
         summ, cur, inv_freq, out, float(position), float(eps),
         *summ.stride()[:3], *cur.stride()[:2], *out.stride()[:3],
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,

@@ -28,7 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import MIN_DOT_DIM, check_device, check_index, is_interpreter, next_pow2, num_sms
+from ._utils import (
+    MIN_DOT_DIM,
+    cdiv,
+    check_device,
+    check_index,
+    is_interpreter,
+    next_pow2,
+    num_sms,
+)
 from .split_k import LOG2E
 
 # Most candidate splits per (layer, KV head); the merge reads one tile of this width.
@@ -183,8 +191,8 @@ def demand_attention(
     device = queries.device
     block_n = block_n or (16 if is_interpreter() else 64)
     if num_splits is None:
-        want = triton.cdiv(2 * num_sms(device), num_layers * num_kv_heads)
-        num_splits = max(1, min(want, triton.cdiv(num_candidates, 4 * block_n), MAX_SPLITS))
+        want = cdiv(2 * num_sms(device), num_layers * num_kv_heads)
+        num_splits = max(1, min(want, cdiv(num_candidates, 4 * block_n), MAX_SPLITS))
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}]"
     logits = torch.empty(num_views, num_layers, num_heads, num_candidates, device=device)
     row_max = torch.empty(num_views, num_layers, num_heads, num_splits, device=device)
@@ -203,7 +211,7 @@ def demand_attention(
         BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)), DOT_PRECISION=precision,
     )
     norm_block = 64 if is_interpreter() else 256
-    _demand_normalize_kernel[(num_layers, num_kv_heads, triton.cdiv(num_candidates, norm_block))](
+    _demand_normalize_kernel[(num_layers, num_kv_heads, cdiv(num_candidates, norm_block))](
         logits, row_max, row_sum, out, num_candidates, num_splits,
         *logits.stride()[:3], *row_max.stride()[:3], *out.stride()[:3],
         GROUP=group, NUM_VIEWS=num_views, BLOCK_R=block_r, BLOCK_S=MAX_SPLITS,

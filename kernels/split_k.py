@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_pow2, num_sms
+from ._utils import cdiv, next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
 # Most splits of one row; the merge reads them as one tile of this width, whatever the count,
@@ -56,7 +56,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
                        block_n: int) -> int:
     """Split count from static quantities only: fill ~2 waves of SMs, >= 4 tiles per split."""
     programs = max(num_seqs * num_kv_heads, 1)
-    want = triton.cdiv(2 * num_sms(device), programs)
+    want = cdiv(2 * num_sms(device), programs)
     most = max(max_context // (4 * block_n), 1)
     return int(max(1, min(want, most, MAX_SPLITS)))
 

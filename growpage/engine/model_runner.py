@@ -99,9 +99,11 @@ class ModelRunner:
         assert all(s is not None for s in slots), "a running sequence without a query slot"
         return self._tensor(slots)
 
-    def _first_steps(self, seqs: list[Sequence]) -> torch.Tensor:
-        """``[B]`` bool: the sequence's first decode step (its EMAs start from the query)."""
-        return self._tensor([seq.num_decode_steps == 0 for seq in seqs], torch.bool)
+    def _first_steps(self, seqs: list[Sequence], dtype: torch.dtype = torch.bool
+                     ) -> torch.Tensor:
+        """``[B]``: the sequence's first decode step (its EMAs start from the query); bool,
+        or int32 for the fused kernel (which would otherwise convert it in every layer)."""
+        return self._tensor([seq.num_decode_steps == 0 for seq in seqs], dtype)
 
     def _prepare_prefill(self, out: SchedulerOutput, capture: StepCapture
                          ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
@@ -133,7 +135,7 @@ class ModelRunner:
         if self.fuses_query_state:  # the backend updates the EMAs inside decode attention
             pool = self.kv.query_pool
             fusion = QueryStateFusion(
-                pool.summaries, self._slot_ids(seqs), self._first_steps(seqs),
+                pool.summaries, self._slot_ids(seqs), self._first_steps(seqs, torch.int32),
                 self.kv.cache, pool.beta_short, pool.beta_long)  # reused after the forward
             ctx = FusedStepContext(**attrs.asdict(ctx, recurse=False), query_state=fusion)
         ids = self._tensor([seq.last_token_id for seq in seqs])

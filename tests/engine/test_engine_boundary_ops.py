@@ -42,3 +42,15 @@ def test_the_launch_counter_is_removed_afterwards(report):
     from triton.runtime import interpreter
 
     assert interpreter.InterpretedFunction.run.__qualname__ == "InterpretedFunction.run"
+
+
+def test_host_only_times_boundaries_with_launches_stubbed():
+    from growpage.kernels.variants import KERNELS
+
+    bench = load_benchmark("boundary_ops")
+    report = bench.measure(bench.parse_args(["--requests", "2", "--max-tokens", "30",
+                                             "--kv-pages", "6", "--host-only"]))
+    assert report["host_only"] and report["rows"]
+    for row in report["rows"].values():
+        assert set(row) == {"boundaries", "ms"} and row["boundaries"] > 0 and row["ms"] > 0
+    assert all("run" not in kernel.__dict__ for kernel in KERNELS.values())  # stubs removed

@@ -242,6 +242,10 @@ def test_factory_names_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         make_attention_backend("auto", "gpu")
     with pytest.raises(EngineError, match="not on mps"):
         make_attention_backend("triton", "mps")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # Kernels imported without the interpreter (the flag is read once, at import, as Triton
+    # reads it when the kernels are decorated): the triton backend cannot run on CPU.
+    from growpage.kernels import _utils
+
+    monkeypatch.setattr(_utils, "_INTERPRETER", False)
     with pytest.raises(EngineError, match="TRITON_INTERPRET=1"):
         make_attention_backend("triton", "cpu")
