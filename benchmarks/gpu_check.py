@@ -66,6 +66,7 @@ def ensure_kernels_importable() -> None:
 def run_kernel_tests(timeout_s: int, workers: int = 0, log: Path | None = None) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
            "tests/engine/test_engine_triton_backend.py", "tests/engine/test_engine_cuda.py",
+           "tests/engine/test_engine_warmup.py", "tests/engine/test_engine_cuda_graphs.py",
            "-k", "not gpu_check", "--tb=short"]
     if workers > 0 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers)]  # kernel compilation dominates: spread it over CPU cores
@@ -85,51 +86,71 @@ def run_kernel_tests(timeout_s: int, workers: int = 0, log: Path | None = None) 
 
 def engine_throughput(smoke: bool, model: str | None, attention_backend: str) -> dict:
     """SmolLM2 (or ``model``) generating the same workload with ``fullkv`` and ``growpage``
-    under the same page pool; boundary work as a share of the run (target <= 1%)."""
-    from growpage.kernels.variants import compiled_variants
-
+    under the same page pool; boundary work as a share of the run (target <= 1%). On the
+    Triton backend both again with CUDA-graph decode (beyond the paper; rows ``<policy>+graphs``,
+    an error there is reported, not raised)."""
     from growpage.engine.llm import LLM
-    from growpage.engine.sampling_params import SamplingParams
     from growpage.eval.workload import reasoning_prompts
 
     device = "cpu" if smoke else "cuda"
     num, max_tokens, page = (2, 6, 16) if smoke else (64, 512, 64)
     prompts = reasoning_prompts(num)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     base = LLM(model, policy="fullkv", page_size=page, kv_pages=8, device=device,
                attention_backend=attention_backend)
     lengths = [len(base.tokenizer.encode_chat(p)) + max_tokens + 1 for p in prompts]
     kv_pages = max(sum(-(-n // page) for n in lengths) * 2 // 5, max(lengths) // page + 2)
     rows: dict = {"requests": num, "max_tokens": max_tokens, "page_size": page,
                   "kv_pages": kv_pages, "backend": base.engine.runner.model.backend.name}
-    for policy in ("fullkv", "growpage"):
-        llm = LLM(base.model, policy=policy, tokenizer=base.tokenizer, page_size=page,
-                  kv_pages=kv_pages, max_num_seqs=num, device=device,
-                  attention_backend=attention_backend, min_capacity=4)
-        # LLM() compiled every kernel variant (growpage.engine.warmup); this short run warms
-        # the rest (allocator, torch's own kernels). A compile during the timed run would
-        # stall it: counted below, and it should be 0.
-        warm = SamplingParams(max_tokens=max_tokens if smoke else 6 * page, ignore_eos=True)
-        llm.generate(prompts[:4], warm, use_tqdm=False)
-        before = compiled_variants()
-        llm.generate(prompts, params, use_tqdm=False)
-        after = compiled_variants()
-        st = llm.last_stats
-        decided = sum(st.events.get(f"decided_{d}", 0) for d in ("grow", "compress", "shrink"))
-        rows[policy] = {"tokens_per_s": st.tps, "total_s": st.total_time_s,
-                        "decided_boundaries": decided,
-                        "ms_per_decided_boundary": 1000 * st.boundary_time_s / max(decided, 1),
-                        "avg_resident": st.avg_resident, "avg_kv_budget": st.avg_kv_budget,
-                        "boundary_s": st.boundary_time_s,
-                        "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
-                        "preemptions": st.num_preemptions, "events": st.events,
-                        "warmup_s": llm.engine.warmup_report.seconds,
-                        "compiles_during_run": {k: after[k] - before.get(k, 0) for k in after
-                                                if after[k] != before.get(k, 0)}}
-        del llm
+    runs = [("fullkv", False), ("growpage", False)]
+    if not smoke and rows["backend"] == "triton":
+        runs += [("fullkv", True), ("growpage", True)]
+    for policy, graphs in runs:
+        name = f"{policy}+graphs" if graphs else policy
+        llm_kwargs = dict(policy=policy, tokenizer=base.tokenizer, page_size=page,
+                          kv_pages=kv_pages, max_num_seqs=num, device=device,
+                          attention_backend=attention_backend, min_capacity=4,
+                          cuda_graphs=graphs)
+        try:
+            rows[name] = _engine_run(LLM(base.model, **llm_kwargs), prompts, max_tokens,
+                                     6 * page if not smoke else max_tokens)
+        except Exception as exc:  # the graph rows are extra: keep the others
+            if not graphs:
+                raise
+            rows[name] = {"error": repr(exc)[:500]}
     rows["growpage_vs_fullkv_tps"] = rows["growpage"]["tokens_per_s"] / rows["fullkv"][
         "tokens_per_s"]
     return rows
+
+
+def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> dict:
+    """One timed row of ``engine_throughput``."""
+    from growpage.kernels.variants import compiled_variants
+
+    from growpage.engine.sampling_params import SamplingParams
+
+    # LLM() compiled every kernel variant (growpage.engine.warmup); this short run warms the
+    # rest (allocator, torch's own kernels, the first CUDA graphs). A compile during the timed
+    # run would stall it: counted below, and it should be 0.
+    llm.generate(prompts[:4], SamplingParams(max_tokens=warm_tokens, ignore_eos=True),
+                 use_tqdm=False)
+    before = compiled_variants()
+    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                 use_tqdm=False)
+    after = compiled_variants()
+    st = llm.last_stats
+    decided = sum(st.events.get(f"decided_{d}", 0) for d in ("grow", "compress", "shrink"))
+    graphs = llm.engine.runner.graphs
+    return {"tokens_per_s": st.tps, "total_s": st.total_time_s,
+            "decided_boundaries": decided,
+            "ms_per_decided_boundary": 1000 * st.boundary_time_s / max(decided, 1),
+            "avg_resident": st.avg_resident, "avg_kv_budget": st.avg_kv_budget,
+            "boundary_s": st.boundary_time_s,
+            "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
+            "preemptions": st.num_preemptions, "events": st.events,
+            "warmup_s": llm.engine.warmup_report.seconds,
+            "cuda_graphs_captured": 0 if graphs is None else graphs.num_captured,
+            "compiles_during_run": {k: after[k] - before.get(k, 0) for k in after
+                                    if after[k] != before.get(k, 0)}}
 
 
 def host_work(smoke: bool, model: str | None) -> dict:
@@ -253,8 +274,13 @@ def to_markdown(r: dict) -> str:
                   "| policy | tok/s | total s | C | avg budget | boundary s | boundary % | "
                   "ms per decided boundary | warm-up s | compiles in run |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for name in ("fullkv", "growpage"):
-            e = engine[name]
+        for name in ("fullkv", "growpage", "fullkv+graphs", "growpage+graphs"):
+            e = engine.get(name)
+            if e is None:
+                continue
+            if "error" in e:
+                lines.append(f"| {name} | error: {e['error'][:200]} |")
+                continue
             compiles = sum(e.get("compiles_during_run", {}).values())
             lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['total_s']:.2f} | "
                          f"{e['avg_resident']:.1f} | {e['avg_kv_budget']:.0f} | "

@@ -60,6 +60,9 @@ class EngineConfig:
         warmup: launch every Triton kernel variant the engine can need once when it is built
             (``growpage.engine.warmup``), so no compile stalls a step while serving; None
             (default) = when a Triton path runs on CUDA.
+        cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket
+            (``growpage.engine.cuda_graphs``); needs CUDA and the Triton backend, and no
+            trace recording. Off by default.
         record_traces: directory of a trace set to record every finished request into.
         record_layers: model layers to record (None: all).
         record_values: record the values too (``has_values``).
@@ -77,6 +80,7 @@ class EngineConfig:
     attention_backend: str = attrs.field(default="auto")
     boundary_kernels: bool | None = None
     warmup: bool | None = None
+    cuda_graphs: bool = False
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
     record_values: bool = True

@@ -47,6 +47,20 @@ class LLMEngine:
         self.warmup_report = WarmupReport()
         if config.warmup or (config.warmup is None and self.kv.cache.is_cuda):
             self.warmup_report = warm_up(self)
+        if config.cuda_graphs:
+            self._enable_cuda_graphs()
+
+    def _enable_cuda_graphs(self) -> None:
+        from growpage.engine.cuda_graphs import DecodeGraphs
+
+        if not self.kv.cache.is_cuda or not self.runner.fuses_query_state:
+            raise EngineError("cuda_graphs needs a CUDA device and attention_backend='triton' "
+                              f"(device {self.kv.cache.device}, backend "
+                              f"{getattr(self.model.backend, 'name', '?')})")
+        if self.recorder is not None:
+            raise EngineError("cuda_graphs cannot record traces (the recorder reads each step's "
+                              "keys and values); turn one of them off")
+        self.runner.graphs = DecodeGraphs(self.runner, self.config.max_num_seqs)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

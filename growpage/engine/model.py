@@ -13,7 +13,7 @@ import attrs
 import torch
 from torch import nn
 
-from growpage.core.rope import RopeConfig, inv_frequencies
+from growpage.core.rope import RopeConfig, inv_frequencies_on
 from growpage.engine.attention import AttentionBackend, TorchAttentionBackend
 from growpage.engine.context import get_context
 from growpage.engine.fused_linear import FusedLinear
@@ -87,7 +87,7 @@ class RMSNorm(nn.Module):
 def rope_tables(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin [T, 1, d/2]`` (fp32) of ``positions [T]``: the first half of
     ``core.rope.cos_sin`` (its second half repeats it), broadcast over heads."""
-    inv = inv_frequencies(cfg).to(positions.device)
+    inv = inv_frequencies_on(cfg, positions.device)  # cached there: no copy per step
     angles = positions.to(torch.float32).unsqueeze(-1) * inv
     return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
 

@@ -28,6 +28,7 @@ from growpage.engine.transfer import to_device
 from growpage.errors import EngineError
 
 if TYPE_CHECKING:
+    from growpage.engine.cuda_graphs import DecodeGraphs
     from growpage.engine.recorder import TraceRecorder
 
 
@@ -47,6 +48,7 @@ class ModelRunner:
         self.device = kv.cache.device
         self.backend = model.backend
         self.fuses_query_state = bool(getattr(model.backend, "fuses_query_state", False))
+        self.graphs: DecodeGraphs | None = None  # set by the engine with ``cuda_graphs``
         model.bind_kv_cache(kv.cache)
 
     def claim_model(self) -> None:
@@ -70,12 +72,17 @@ class ModelRunner:
         ``[B', V]`` (fp32): every decoded sequence, and prefills that reached their end."""
         self.claim_model()
         capture = StepCapture(record_kv=self.recorder is not None)
-        if out.is_prefill:
-            ctx, ids, positions = self._prepare_prefill(out, capture)
+        if (not out.is_prefill and self.graphs is not None
+                and self.graphs.fits(list(out.seqs))):
+            hidden, ctx = self.graphs.run(list(out.seqs))  # static buffers, bucket rows
+            capture = ctx.capture
         else:
-            ctx, ids, positions = self._prepare_decode(out, capture)
-        with use_context(ctx):
-            hidden = self.model(ids, positions)
+            if out.is_prefill:
+                ctx, ids, positions = self._prepare_prefill(out, capture)
+            else:
+                ctx, ids, positions = self._prepare_decode(out, capture)
+            with use_context(ctx):
+                hidden = self.model(ids, positions)
         if self.recorder is not None:
             self.recorder.record(out, capture)
         if out.is_prefill:
@@ -144,11 +151,12 @@ class ModelRunner:
 
     def _update_query_state(self, out: SchedulerOutput, capture: StepCapture,
                             ctx: StepContext) -> None:
-        num_layers = self.model.config.num_layers
-        queries = torch.stack([capture.queries[i] for i in range(num_layers)])  # [L, B, Hq, d]
+        num_layers, batch = self.model.config.num_layers, len(out.seqs)
+        # [L, B, Hq, d]; a CUDA-graph step has more rows (its bucket's padding): the first B.
+        queries = torch.stack([capture.queries[i][:batch] for i in range(num_layers)])
         fusion = getattr(ctx, "query_state", None)
         if fusion is not None:  # the same rows the kernel used: no second copy
-            slots, first = fusion.slot_ids, fusion.is_first
+            slots, first = fusion.slot_ids[:batch], fusion.is_first[:batch]
         else:
             slots, first = self._slot_ids(list(out.seqs)), self._first_steps(list(out.seqs))
         self.kv.query_pool.update(slots, queries, first, summaries=not self.fuses_query_state)

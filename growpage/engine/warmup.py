@@ -78,7 +78,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     gp = engine.config.growpage.replace(min_capacity=2, watermark=0)
     config = attrs.evolve(engine.config, growpage=gp, kv_pages=4, kv_cache_memory=None,
                           max_num_seqs=1, enable_prefix_caching=False, record_traces=None,
-                          warmup=False)
+                          warmup=False, cuda_graphs=False)
     backend = engine.model.backend
     saved_splits = getattr(backend, "num_splits", None)
     try:

@@ -1,0 +1,169 @@
+"""CUDA-graph replay of decode steps for fixed batch-size buckets (beyond the paper).
+
+A decode step of a small model is bound by the host: per layer some 25 torch operators and
+three Triton launches, each a few microseconds of Python and driver work, while the GPU needs
+less. With ``LLM(cuda_graphs=True)`` (Triton backend on CUDA) the runner captures the decode
+forward pass once per batch bucket and then replays it: the host fills static input buffers
+and launches one graph.
+
+Static buffers, rows padded to the bucket (``B <= bucket``)::
+
+    input ids, positions     [Bmax]      padding 0
+    slot mapping             [Bmax]      -1: the KV store skips the row
+    context lengths          [Bmax]      0: attention over nothing (zeros)
+    block tables             [Bmax, W]   -1; W = pages of the longest request the pool can hold
+    query slots, first flags [Bmax]      -1 / 0: the fused EMA update skips the row
+
+Padding rows therefore write nothing: not the KV cache, not the query-state pool. Launch shapes
+depend only on the bucket and W, which is what a graph needs (the decode kernel's split count
+comes from them). A batch above the largest bucket runs eagerly.
+
+``capture=False`` runs the same static-shape forward eagerly, without a graph: the CPU tests use
+it to check the padding and the buffers against the ordinary decode path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from growpage.engine.backends import QueryStateFusion
+from growpage.engine.context import StepCapture, StepContext, decode_context, use_context
+from growpage.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from growpage.engine.model_runner import ModelRunner
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every multiple of 8, up to and including ``max_batch``."""
+    small = [b for b in (1, 2, 4) if b < max_batch]
+    return tuple(small + list(range(8, max_batch, 8)) + [max_batch])
+
+
+@attrs.define
+class _Entry:
+    bucket: int
+    ctx: StepContext
+    graph: object | None = None        # torch.cuda.CUDAGraph when captured
+    hidden: torch.Tensor | None = None  # the graph's output [bucket, hidden]
+
+
+class DecodeGraphs:
+    """Captured (or, with ``capture=False``, eagerly run) static-shape decode forwards."""
+
+    def __init__(self, runner: ModelRunner, max_batch: int, capture: bool = True) -> None:
+        kv, model = runner.kv, runner.model
+        if capture and not kv.cache.is_cuda:
+            raise RuntimeError("CUDA graphs need the KV cache on a CUDA device")
+        if not runner.fuses_query_state:
+            raise RuntimeError("CUDA graphs need an attention backend that fuses the query-state "
+                               "update (the Triton backend)")
+        self.runner, self.capture = runner, capture
+        self.buckets = batch_buckets(max_batch)
+        self.page_size = kv.page_size
+        self.width = min(kv.num_pages, math.ceil((model.config.max_position + 1) / kv.page_size))
+        device, rows = kv.cache.device, self.buckets[-1]
+        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.lens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.tables = torch.full((rows, self.width), -1, dtype=torch.long, device=device)
+        self.slot_ids = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.first = torch.zeros(rows, dtype=torch.int32, device=device)
+        self._entries: dict[int, _Entry] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def num_captured(self) -> int:
+        return sum(1 for e in self._entries.values() if e.graph is not None)
+
+    def bucket(self, batch: int) -> int | None:
+        """The smallest bucket holding ``batch`` rows; None above the largest."""
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return None
+
+    def fits(self, seqs: list[Sequence]) -> bool:
+        return (self.bucket(len(seqs)) is not None
+                and all(s.state.num_pages <= self.width for s in seqs))
+
+    def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, StepContext]:
+        """The decode forward of ``seqs`` (call ``fits`` first): hidden states ``[B, hidden]``
+        and the bucket's step context (its capture holds the pre-RoPE queries, bucket rows)."""
+        bucket = self.bucket(len(seqs))
+        assert bucket is not None
+        entry = self._entries.get(bucket)
+        if entry is None:
+            entry = self._entries[bucket] = self._build(bucket)
+        self._fill(seqs, bucket)
+        if entry.graph is not None:
+            entry.graph.replay()
+            hidden = entry.hidden
+        else:
+            hidden = self._forward(entry.ctx, bucket)
+        return hidden[: len(seqs)], entry.ctx
+
+    # ---- internals ------------------------------------------------------------------------
+    def _fill(self, seqs: list[Sequence], bucket: int) -> None:
+        """Rows ``0..B-1`` from ``seqs``, rows ``B..bucket-1`` padding; one queued copy each."""
+        kv, b = self.runner.kv, len(seqs)
+        pad = bucket - b
+        ids = [s.last_token_id for s in seqs] + [0] * pad
+        positions = [s.state.position - 1 for s in seqs] + [0] * pad
+        slots = [kv.slots(s, s.state.num_tokens - 1, 1)[0] for s in seqs] + [-1] * pad
+        lens = [s.state.num_tokens for s in seqs] + [0] * pad
+        slot_ids = [s.query_slot for s in seqs] + [-1] * pad
+        first = [int(s.num_decode_steps == 0) for s in seqs] + [0] * pad
+        tables = torch.full((bucket, self.width), -1, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tables[i, : s.state.num_pages] = torch.tensor(s.state.block_table)
+        for dst, values in ((self.ids, ids), (self.positions, positions), (self.slots, slots),
+                            (self.lens, lens), (self.slot_ids, slot_ids), (self.first, first),
+                            (self.tables, tables)):
+            _copy_rows(dst, values)
+
+    def _context(self, bucket: int) -> StepContext:
+        from growpage.engine.model_runner import FusedStepContext
+
+        kv = self.runner.kv
+        ctx = decode_context(self.slots[:bucket], self.tables[:bucket], self.lens[:bucket],
+                             StepCapture(), max_seqlen_k=self.width * self.page_size)
+        fusion = QueryStateFusion(kv.query_pool.summaries, self.slot_ids[:bucket],
+                                  self.first[:bucket], kv.cache, kv.query_pool.beta_short,
+                                  kv.query_pool.beta_long)
+        return FusedStepContext(**attrs.asdict(ctx, recurse=False), query_state=fusion)
+
+    def _forward(self, ctx: StepContext, bucket: int) -> torch.Tensor:
+        with use_context(ctx):
+            return self.runner.model(self.ids[:bucket], self.positions[:bucket])
+
+    def _build(self, bucket: int) -> _Entry:
+        ctx = self._context(bucket)
+        if not self.capture:
+            return _Entry(bucket, ctx)
+        # All rows are padding now (their last use reset them, or they are new): the warm-up
+        # and capture runs write neither the cache nor the query-state pool.
+        self._fill([], bucket)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # lazy initialisations happen outside the capture
+                self._forward(ctx, bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden = self._forward(ctx, bucket)
+        return _Entry(bucket, ctx, graph, hidden)
+
+
+def _copy_rows(dst: torch.Tensor, values: list | torch.Tensor) -> None:
+    """``dst[:n] = values`` without a host sync on CUDA (pinned source, queued copy)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dst.dtype)
+    if dst.is_cuda:
+        host = host.pin_memory()
+    dst[: host.shape[0]].copy_(host, non_blocking=dst.is_cuda)

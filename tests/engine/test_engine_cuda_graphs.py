@@ -1,0 +1,82 @@
+"""CUDA-graph decode (``growpage.engine.cuda_graphs``): static buffers padded to batch buckets.
+
+On CPU the static-shape forward runs eagerly (``capture=False``) under Triton's interpreter:
+it must give the ordinary decode path's tokens, decisions and cache contents, so the padding
+rows write nothing. On CUDA the same checks run with real graph capture and replay.
+"""
+
+from __future__ import annotations
+
+import random
+
+import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
+import pytest
+import torch
+from llm_helpers import assert_all_returned, tiny_model
+
+from growpage.engine.cuda_graphs import DecodeGraphs, batch_buckets
+from growpage.engine.llm import LLM
+from growpage.engine.sampling_params import SamplingParams
+from growpage.errors import EngineError
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert batch_buckets(20) == (1, 2, 4, 8, 16, 20)
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+
+
+def kernel_llm(graphs: bool, model) -> LLM:
+    llm = LLM(model, policy="growpage", page_size=8, recent_window=2, kv_pages=40,
+              max_num_seqs=6, device=DEVICE, attention_backend="triton", boundary_kernels=True,
+              warmup=False, cuda_graphs=graphs and ON_CUDA)
+    # One split in both runs: the static path's table width would otherwise pick another
+    # split count, and the merge order would change the last bits.
+    llm.engine.model.backend.num_splits = 1
+    if graphs and not ON_CUDA:
+        llm.engine.runner.graphs = DecodeGraphs(llm.engine.runner, 6, capture=False)
+    return llm
+
+
+def test_static_decode_matches_the_ordinary_path():
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
+    params = [SamplingParams(max_tokens=rng.randrange(12, 30), ignore_eos=True) for _ in prompts]
+    eager = kernel_llm(False, tiny_model())
+    static = kernel_llm(True, tiny_model())
+    want = eager.generate(prompts, params, use_tqdm=False)
+    got = static.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.trajectory for o in got] == [o.trajectory for o in want]
+    events = static.last_stats.events
+    assert events == eager.last_stats.events and events["compress"] > 0, events
+    # Padding rows (5 requests run in a bucket of 6, then 4, 2, 1) wrote nothing anywhere.
+    torch.testing.assert_close(static.engine.kv.cache, eager.engine.kv.cache, atol=1e-5, rtol=0)
+    torch.testing.assert_close(static.engine.kv.query_pool.summaries,
+                               eager.engine.kv.query_pool.summaries, atol=1e-5, rtol=0)
+    graphs = static.engine.runner.graphs
+    # The first decode steps ran in the largest bucket; later ones in smaller buckets.
+    assert 6 in graphs._entries and len(graphs._entries) > 1
+    assert set(graphs._entries) <= {1, 2, 4, 6}
+    if ON_CUDA:
+        assert graphs.num_captured == len(graphs._entries)
+    assert_all_returned(static)
+
+
+def test_cuda_graphs_refuse_a_cpu_engine():
+    if ON_CUDA:
+        pytest.skip("checks the CPU refusal")
+    with pytest.raises(EngineError, match="cuda_graphs needs a CUDA device"):
+        LLM(tiny_model(), page_size=8, recent_window=2, kv_pages=16, cuda_graphs=True)
