@@ -11,12 +11,14 @@ Static buffers, rows padded to the bucket (``B <= bucket``)::
     input ids, positions     [Bmax]      padding 0
     slot mapping             [Bmax]      -1: the KV store skips the row
     context lengths          [Bmax]      0: attention over nothing (zeros)
-    block tables             [Bmax, W]   -1; W = pages of the longest request the pool can hold
+    block tables             [Bmax, W]   -1; one buffer per width bucket W (a power of two of
+                                         pages, at least the batch's longest block table)
     query slots, first flags [Bmax]      -1 / 0: the fused EMA update skips the row
 
 Padding rows therefore write nothing: not the KV cache, not the query-state pool. Launch shapes
-depend only on the bucket and W, which is what a graph needs (the decode kernel's split count
-comes from them). A batch above the largest bucket runs eagerly.
+depend only on the batch bucket and W, which is what a graph needs (the decode kernel's split
+count comes from them): one graph per (batch bucket, width bucket) met. A batch above the
+largest bucket, or a block table longer than the pool or the model allows, runs eagerly.
 
 ``capture=False`` runs the same static-shape forward eagerly, without a graph: the CPU tests use
 it to check the padding and the buffers against the ordinary decode path.
@@ -47,6 +49,7 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 @attrs.define
 class _Entry:
     bucket: int
+    width: int
     ctx: StepContext
     graph: object | None = None        # torch.cuda.CUDAGraph when captured
     hidden: torch.Tensor | None = None  # the graph's output [bucket, hidden]
@@ -65,16 +68,17 @@ class DecodeGraphs:
         self.runner, self.capture = runner, capture
         self.buckets = batch_buckets(max_batch)
         self.page_size = kv.page_size
-        self.width = min(kv.num_pages, math.ceil((model.config.max_position + 1) / kv.page_size))
+        self.max_width = min(kv.num_pages,
+                             math.ceil((model.config.max_position + 1) / kv.page_size))
         device, rows = kv.cache.device, self.buckets[-1]
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.slots = torch.full((rows,), -1, dtype=torch.long, device=device)
         self.lens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.tables = torch.full((rows, self.width), -1, dtype=torch.long, device=device)
         self.slot_ids = torch.full((rows,), -1, dtype=torch.long, device=device)
         self.first = torch.zeros(rows, dtype=torch.int32, device=device)
-        self._entries: dict[int, _Entry] = {}
+        self._tables: dict[int, torch.Tensor] = {}  # width bucket -> [rows, width] page ids
+        self._entries: dict[tuple[int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
@@ -88,19 +92,24 @@ class DecodeGraphs:
                 return b
         return None
 
+    def width(self, num_pages: int) -> int:
+        """The width bucket of block tables with at most ``num_pages`` pages."""
+        return min(1 << max(num_pages - 1, 0).bit_length(), self.max_width)
+
     def fits(self, seqs: list[Sequence]) -> bool:
         return (self.bucket(len(seqs)) is not None
-                and all(s.state.num_pages <= self.width for s in seqs))
+                and max((s.state.num_pages for s in seqs), default=0) <= self.max_width)
 
     def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, StepContext]:
         """The decode forward of ``seqs`` (call ``fits`` first): hidden states ``[B, hidden]``
         and the bucket's step context (its capture holds the pre-RoPE queries, bucket rows)."""
         bucket = self.bucket(len(seqs))
         assert bucket is not None
-        entry = self._entries.get(bucket)
+        width = self.width(max(s.state.num_pages for s in seqs))
+        entry = self._entries.get((bucket, width))
         if entry is None:
-            entry = self._entries[bucket] = self._build(bucket)
-        self._fill(seqs, bucket)
+            entry = self._entries[bucket, width] = self._build(bucket, width)
+        self._fill(seqs, bucket, width)
         if entry.graph is not None:
             entry.graph.replay()
             hidden = entry.hidden
@@ -109,7 +118,7 @@ class DecodeGraphs:
         return hidden[: len(seqs)], entry.ctx
 
     # ---- internals ------------------------------------------------------------------------
-    def _fill(self, seqs: list[Sequence], bucket: int) -> None:
+    def _fill(self, seqs: list[Sequence], bucket: int, width: int) -> None:
         """Rows ``0..B-1`` from ``seqs``, rows ``B..bucket-1`` padding; one queued copy each."""
         kv, b = self.runner.kv, len(seqs)
         pad = bucket - b
@@ -119,20 +128,27 @@ class DecodeGraphs:
         lens = [s.state.num_tokens for s in seqs] + [0] * pad
         slot_ids = [s.query_slot for s in seqs] + [-1] * pad
         first = [int(s.num_decode_steps == 0) for s in seqs] + [0] * pad
-        tables = torch.full((bucket, self.width), -1, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tables[i, : s.state.num_pages] = torch.tensor(s.state.block_table)
+        tables = [s.state.block_table + [-1] * (width - s.state.num_pages) for s in seqs]
+        tables += [[-1] * width] * pad
         for dst, values in ((self.ids, ids), (self.positions, positions), (self.slots, slots),
                             (self.lens, lens), (self.slot_ids, slot_ids), (self.first, first),
-                            (self.tables, tables)):
+                            (self._table(width), tables)):
             _copy_rows(dst, values)
 
-    def _context(self, bucket: int) -> StepContext:
+    def _table(self, width: int) -> torch.Tensor:
+        table = self._tables.get(width)
+        if table is None:
+            table = self._tables[width] = torch.full(
+                (self.buckets[-1], width), -1, dtype=torch.long, device=self.ids.device)
+        return table
+
+    def _context(self, bucket: int, width: int) -> StepContext:
         from growpage.engine.model_runner import FusedStepContext
 
         kv = self.runner.kv
-        ctx = decode_context(self.slots[:bucket], self.tables[:bucket], self.lens[:bucket],
-                             StepCapture(), max_seqlen_k=self.width * self.page_size)
+        ctx = decode_context(self.slots[:bucket], self._table(width)[:bucket],
+                             self.lens[:bucket], StepCapture(),
+                             max_seqlen_k=width * self.page_size)
         fusion = QueryStateFusion(kv.query_pool.summaries, self.slot_ids[:bucket],
                                   self.first[:bucket], kv.cache, kv.query_pool.beta_short,
                                   kv.query_pool.beta_long)
@@ -142,13 +158,13 @@ class DecodeGraphs:
         with use_context(ctx):
             return self.runner.model(self.ids[:bucket], self.positions[:bucket])
 
-    def _build(self, bucket: int) -> _Entry:
-        ctx = self._context(bucket)
+    def _build(self, bucket: int, width: int) -> _Entry:
+        ctx = self._context(bucket, width)
         if not self.capture:
-            return _Entry(bucket, ctx)
-        # All rows are padding now (their last use reset them, or they are new): the warm-up
-        # and capture runs write neither the cache nor the query-state pool.
-        self._fill([], bucket)
+            return _Entry(bucket, width, ctx)
+        # All rows padding: the warm-up and capture runs write neither the cache nor the
+        # query-state pool.
+        self._fill([], bucket, width)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -158,7 +174,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             hidden = self._forward(ctx, bucket)
-        return _Entry(bucket, ctx, graph, hidden)
+        return _Entry(bucket, width, ctx, graph, hidden)
 
 
 def _copy_rows(dst: torch.Tensor, values: list | torch.Tensor) -> None:

@@ -67,9 +67,13 @@ def test_static_decode_matches_the_ordinary_path():
     torch.testing.assert_close(static.engine.kv.query_pool.summaries,
                                eager.engine.kv.query_pool.summaries, atol=1e-5, rtol=0)
     graphs = static.engine.runner.graphs
-    # The first decode steps ran in the largest bucket; later ones in smaller buckets.
-    assert 6 in graphs._entries and len(graphs._entries) > 1
-    assert set(graphs._entries) <= {1, 2, 4, 6}
+    # The first decode steps ran in the largest bucket, later ones in smaller buckets, with
+    # block tables in power-of-two width buckets.
+    buckets = {bucket for bucket, _ in graphs._entries}
+    assert 6 in buckets and buckets <= {1, 2, 4, 6} and len(buckets) > 1
+    assert {width for _, width in graphs._entries} <= {1, 2, 4, 8}
+    assert [graphs.width(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert graphs.width(10**6) == graphs.max_width <= static.engine.kv.num_pages
     if ON_CUDA:
         assert graphs.num_captured == len(graphs._entries)
     assert_all_returned(static)
