@@ -120,20 +120,16 @@ class DecodeGraphs:
     # ---- internals ------------------------------------------------------------------------
     def _fill(self, seqs: list[Sequence], bucket: int, width: int) -> None:
         """Rows ``0..B-1`` from ``seqs``, rows ``B..bucket-1`` padding; one queued copy each."""
-        kv, b = self.runner.kv, len(seqs)
-        pad = bucket - b
-        ids = [s.last_token_id for s in seqs] + [0] * pad
-        positions = [s.state.position - 1 for s in seqs] + [0] * pad
-        slots = [kv.slots(s, s.state.num_tokens - 1, 1)[0] for s in seqs] + [-1] * pad
-        lens = [s.state.num_tokens for s in seqs] + [0] * pad
-        slot_ids = [s.query_slot for s in seqs] + [-1] * pad
-        first = [int(s.num_decode_steps == 0) for s in seqs] + [0] * pad
+        from growpage.engine.model_runner import DecodeRows
+
+        rows, pad = DecodeRows.of(self.runner.kv, seqs), bucket - len(seqs)
         tables = [s.state.block_table + [-1] * (width - s.state.num_pages) for s in seqs]
-        tables += [[-1] * width] * pad
-        for dst, values in ((self.ids, ids), (self.positions, positions), (self.slots, slots),
-                            (self.lens, lens), (self.slot_ids, slot_ids), (self.first, first),
-                            (self._table(width), tables)):
-            _copy_rows(dst, values)
+        for dst, values, padding in (
+                (self.ids, rows.ids, 0), (self.positions, rows.positions, 0),
+                (self.slots, rows.slots, -1), (self.lens, rows.lens, 0),
+                (self.slot_ids, rows.query_slots, -1), (self.first, rows.first, 0),
+                (self._table(width), tables, [-1] * width)):
+            _copy_rows(dst, values + [padding] * pad)
 
     def _table(self, width: int) -> torch.Tensor:
         table = self._tables.get(width)

@@ -39,6 +39,33 @@ class FusedStepContext(StepContext):
     query_state: QueryStateFusion | None = None
 
 
+@attrs.frozen
+class DecodeRows:
+    """Host metadata of a decode batch, one entry per sequence: its last token and position,
+    the cache slot that token's KV goes to, its context length after the step, its
+    query-state slot and whether this is its first decode step."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    lens: list[int]
+    query_slots: list[int]
+    first: list[bool]
+
+    @classmethod
+    def of(cls, kv: KVCacheManager, seqs: list[Sequence]) -> DecodeRows:
+        b = kv.page_size
+        slots = []
+        for seq in seqs:
+            i = seq.state.num_tokens - 1
+            slots.append(seq.state.block_table[i // b] * b + i % b)
+        query_slots = [seq.query_slot for seq in seqs]
+        assert None not in query_slots, "a running sequence without a query slot"
+        return cls([s.last_token_id for s in seqs], [s.state.position - 1 for s in seqs], slots,
+                   [s.state.num_tokens for s in seqs], query_slots,
+                   [s.num_decode_steps == 0 for s in seqs])
+
+
 class ModelRunner:
     """Runs the model over the paged cache of ``kv``."""
 
@@ -106,11 +133,9 @@ class ModelRunner:
         assert all(s is not None for s in slots), "a running sequence without a query slot"
         return self._tensor(slots)
 
-    def _first_steps(self, seqs: list[Sequence], dtype: torch.dtype = torch.bool
-                     ) -> torch.Tensor:
-        """``[B]``: the sequence's first decode step (its EMAs start from the query); bool,
-        or int32 for the fused kernel (which would otherwise convert it in every layer)."""
-        return self._tensor([seq.num_decode_steps == 0 for seq in seqs], dtype)
+    def _first_steps(self, seqs: list[Sequence]) -> torch.Tensor:
+        """``[B]`` bool: the sequence's first decode step (its EMAs start from the query)."""
+        return self._tensor([seq.num_decode_steps == 0 for seq in seqs], torch.bool)
 
     def _prepare_prefill(self, out: SchedulerOutput, capture: StepCapture
                          ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
@@ -135,19 +160,18 @@ class ModelRunner:
     def _prepare_decode(self, out: SchedulerOutput, capture: StepCapture
                         ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
         seqs = list(out.seqs)
-        slots = [self.kv.slots(seq, seq.state.num_tokens - 1, 1)[0] for seq in seqs]
-        lens = [seq.state.num_tokens for seq in seqs]
-        ctx = decode_context(self._tensor(slots), self._tensor(self.kv.block_tables(seqs)),
-                             self._tensor(lens), capture, max_seqlen_k=max(lens, default=0))
+        rows = DecodeRows.of(self.kv, seqs)
+        ctx = decode_context(self._tensor(rows.slots), self._tensor(self.kv.block_tables(seqs)),
+                             self._tensor(rows.lens), capture,
+                             max_seqlen_k=max(rows.lens, default=0))
         if self.fuses_query_state:  # the backend updates the EMAs inside decode attention
             pool = self.kv.query_pool
             fusion = QueryStateFusion(
-                pool.summaries, self._slot_ids(seqs), self._first_steps(seqs, torch.int32),
+                pool.summaries, self._tensor(rows.query_slots),
+                self._tensor(rows.first, torch.int32),  # int32: not converted in every layer
                 self.kv.cache, pool.beta_short, pool.beta_long)  # reused after the forward
             ctx = FusedStepContext(**attrs.asdict(ctx, recurse=False), query_state=fusion)
-        ids = self._tensor([seq.last_token_id for seq in seqs])
-        positions = self._tensor([seq.state.position - 1 for seq in seqs])
-        return ctx, ids, positions
+        return ctx, self._tensor(rows.ids), self._tensor(rows.positions)
 
     def _update_query_state(self, out: SchedulerOutput, capture: StepCapture,
                             ctx: StepContext) -> None:

@@ -23,12 +23,7 @@ ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_batch_buckets():

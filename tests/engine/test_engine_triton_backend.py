@@ -8,7 +8,6 @@ GPU when there is one: the model, cache and step tensors then live on CUDA.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 import attrs
 import pytest
@@ -36,13 +35,7 @@ NUM_DECODES, JOIN_AT = 8, 4
 TOL = {torch.float32: (5e-5, 1e-5), torch.float16: (3e-2, 1e-2), torch.bfloat16: (2e-1, 2e-2)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: one intra-op thread beats two that contend for a loaded CPU by far."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @attrs.define

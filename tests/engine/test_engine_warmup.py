@@ -22,12 +22,7 @@ from growpage.engine.sampling_params import SamplingParams
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def kernel_llm(policy: str = "growpage", warmup: bool = True, **kwargs) -> LLM:
