@@ -1,0 +1,83 @@
+"""Host cost of the kernels' Python launch wrappers, with every Triton launch stubbed out.
+
+On a GPU a small model's decode step is bound by the host, and the wrappers run once per layer
+(decode attention, KV store) or per boundary (demand, boundary queries, compaction). With the
+launches replaced by no-ops, what is left is the wrappers' own work (argument checks, scratch
+allocations, strides, split counts), which this measures on any machine:
+
+    python benchmarks/wrapper_host.py            # SmolLM2 shapes, batch 64, microseconds/call
+    python benchmarks/wrapper_host.py --calls 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import timeit
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import growpage.kernels as K  # noqa: E402  (turns the interpreter on without CUDA)
+from growpage.kernels.variants import KERNELS  # noqa: E402
+
+# SmolLM2-135M: 30 layers, 9 query / 3 KV heads of 64; pages of 64, contexts of ~600
+LAYERS, HQ, HKV, D, PAGE, BATCH, PAGES = 30, 9, 3, 64, 64, 64, 10
+
+
+def calls(device: torch.device) -> dict:
+    """The wrapper calls to time, as closures over fixed inputs."""
+    q = torch.randn(BATCH, HQ, D, device=device)
+    cache = torch.zeros(2, LAYERS, BATCH * PAGES, PAGE, HKV, D, device=device)
+    tables = torch.arange(BATCH * PAGES, device=device).view(BATCH, PAGES)
+    lens = torch.full((BATCH,), PAGES * PAGE - 5, dtype=torch.long, device=device)
+    pool = torch.zeros(LAYERS, BATCH, 2, HQ, D, device=device)
+    current = torch.zeros(LAYERS, BATCH, HQ, D, device=device)
+    slots = torch.arange(BATCH, device=device)
+    first = torch.zeros(BATCH, dtype=torch.int32, device=device)
+    k = torch.randn(BATCH, HKV, D, device=device)
+    keep = torch.arange(PAGE * (PAGES - 1), device=device).expand(1, LAYERS, HKV, -1).contiguous()
+    table = tables[:1].to(torch.int32)
+    inv_freq = torch.ones(D // 2, device=device)
+    queries = torch.randn(2, LAYERS, HQ, D, device=device)
+    return {
+        "paged_decode_attention (fused EMA), per layer": lambda: K.paged_decode_attention(
+            q, cache[0, 0], cache[1, 0], tables, lens, 0.125, q_pre=q, query_state=pool[0],
+            slot_ids=slots, is_first=first),
+        "store_kv, per layer": lambda: K.store_kv(k, k, cache[0, 0], cache[1, 0], lens),
+        "boundary_queries, per boundary": lambda: K.boundary_queries(pool, current, 3, 600,
+                                                                     inv_freq),
+        "demand_attention, per boundary": lambda: K.demand_attention(
+            queries, cache[0], table[0], PAGE * (PAGES - 1)),
+        "compact_kv (direct), per boundary": lambda: K.compact_kv(cache, table, keep, table,
+                                                                  staged=False),
+    }
+
+
+def measure(num_calls: int, device: torch.device) -> dict[str, float]:
+    """Microseconds per call of each wrapper, launches stubbed (restored afterwards)."""
+    for kernel in KERNELS.values():
+        kernel.run = lambda *args, grid, warmup, **kwargs: None
+    try:
+        return {name: timeit.timeit(fn, number=num_calls) / num_calls * 1e6
+                for name, fn in calls(device).items()}
+    finally:
+        for kernel in KERNELS.values():
+            del kernel.run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    print("| wrapper (launch stubbed) | us per call |\n|---|---:|")
+    for name, us in measure(args.calls, torch.device(args.device)).items():
+        print(f"| {name} | {us:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
