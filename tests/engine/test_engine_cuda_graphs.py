@@ -33,8 +33,8 @@ def test_batch_buckets():
     assert batch_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 
 
-def kernel_llm(graphs: bool, model) -> LLM:
-    llm = LLM(model, policy="growpage", page_size=8, recent_window=2, kv_pages=40,
+def kernel_llm(graphs: bool, model, policy: str = "growpage", kv_pages: int = 40) -> LLM:
+    llm = LLM(model, policy=policy, page_size=8, recent_window=2, kv_pages=kv_pages,
               max_num_seqs=6, device=DEVICE, attention_backend="triton", boundary_kernels=True,
               warmup=False, cuda_graphs=graphs and ON_CUDA)
     # One split in both runs: the static path's table width would otherwise pick another
@@ -79,3 +79,19 @@ def test_cuda_graphs_refuse_a_cpu_engine():
         pytest.skip("checks the CPU refusal")
     with pytest.raises(EngineError, match="cuda_graphs needs a CUDA device"):
         LLM(tiny_model(), page_size=8, recent_window=2, kv_pages=16, cuda_graphs=True)
+
+
+def test_static_decode_through_preemption_and_prefix_hits():
+    """fullkv in a pool too small for all requests: preempted requests come back (recompute,
+    new query slots, cached prefix pages) and decode in the static buffers again."""
+    shared = [5, 9, 11, 3, 7, 13, 17, 19, 23]  # a common prefix: one full page and a bit
+    prompts = [shared + [30 + i] * (3 + i) for i in range(5)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    eager = kernel_llm(False, tiny_model(), policy="fullkv", kv_pages=14)
+    static = kernel_llm(True, tiny_model(), policy="fullkv", kv_pages=14)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    got = static.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert static.engine.scheduler.num_preemptions == eager.engine.scheduler.num_preemptions > 0
+    assert static.engine.kv.prefix_hit_tokens == eager.engine.kv.prefix_hit_tokens > 0
+    assert_all_returned(static)

@@ -13,7 +13,7 @@ import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
 import growpage.kernels.decode_attention as decode_module
 import pytest
 import torch
-from growpage.kernels.variants import record_variants
+from growpage.kernels.variants import compiled_variants, record_variants
 from llm_helpers import assert_all_returned, tiny_model
 
 from growpage.engine.llm import LLM
@@ -53,11 +53,13 @@ def test_warm_up_launches_every_variant_a_run_needs(monkeypatch):
                                  "demand_logits": 1, "demand_normalize": 1, "merge_splits": 1,
                                  "store_kv": 1}
     prompts, params = workload()
+    compiled = compiled_variants()  # on CUDA: the binaries themselves ({} elsewhere)
     with record_variants() as serving:
         llm.generate(prompts, params, use_tqdm=False)
     events = llm.last_stats.events
     assert events["compress"] > 0 and events["grow"] > 0, events  # both boundary paths ran
     assert serving.new_since(at_start) == {}, serving.new_since(at_start)
+    assert compiled_variants() == compiled  # nothing compiled while serving
     assert_all_returned(llm)
 
 
