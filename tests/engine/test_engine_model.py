@@ -148,3 +148,23 @@ def test_model_config_validation_and_roundtrip():
         ModelConfig(**{**cfg.to_dict(), "rope": RopeConfig(head_dim=8)})
     with pytest.raises(ValueError):
         ModelConfig(**{**cfg.to_dict(), "rope": cfg.rope, "arch": "gpt2"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(5, 576), (64, 9, 64), (3, 128)])
+def test_rms_norm_is_hugging_faces_expression(dtype, shape):
+    """The fused forms round exactly where Hugging Face's LlamaRMSNorm does (bitwise on CPU)."""
+    from growpage.engine.model import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    norm = RMSNorm(shape[-1], eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], generator=gen))
+    norm = norm.to(dtype)
+    xf = x.float()
+    expected = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    with torch.no_grad():
+        got = norm(x)
+    assert got.dtype == dtype and torch.equal(got, expected)
