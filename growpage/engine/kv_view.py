@@ -40,7 +40,7 @@ class EngineKVView(KVView):
         """``use_kernels``: demand estimation and compaction with the Triton kernels of
         ``growpage.kernels`` (default: on CUDA; on CPU only under ``TRITON_INTERPRET=1``)."""
         _, num_layers, _, page_size, num_kv_heads, head_dim = kv_cache.shape
-        self.use_kernels = kv_cache.is_cuda if use_kernels is None else use_kernels
+        self.use_kernels = boundary_kernels_on(use_kernels, kv_cache)
         self.seq, self.kv_cache, self.query_pool = seq, kv_cache, query_pool
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_q_heads, self.rope = num_q_heads, rope
@@ -146,6 +146,11 @@ class EngineKVView(KVView):
         self.seq.tail_start = self.seq.state.position
         self.__dict__.pop("_keys", None)
         self.__dict__.pop("_block_table", None)
+
+
+def boundary_kernels_on(use_kernels: bool | None, kv_cache: torch.Tensor) -> bool:
+    """Whether boundaries run the Triton kernels: ``use_kernels``, or None = on CUDA."""
+    return kv_cache.is_cuda if use_kernels is None else use_kernels
 
 
 def direct_copy_safe(src_pages: list[int], dst_pages: list[int]) -> bool:

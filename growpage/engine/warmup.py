@@ -21,7 +21,7 @@ import torch
 
 from growpage.core.context import BoundaryContext
 from growpage.core.decision import Decision
-from growpage.engine.kv_view import EngineKVView
+from growpage.engine.kv_view import EngineKVView, boundary_kernels_on
 from growpage.engine.sampling_params import SamplingParams
 from growpage.policies.base import CapacityPolicy
 
@@ -56,10 +56,7 @@ class _CompressAtEveryBoundary(CapacityPolicy):
 def uses_kernels(engine: LLMEngine) -> tuple[bool, bool]:
     """(decode path, boundary path) of ``engine`` that run Triton kernels."""
     decode = bool(getattr(engine.model.backend, "fuses_query_state", False))
-    boundary = engine.config.boundary_kernels
-    if boundary is None:
-        boundary = engine.kv.cache.is_cuda
-    return decode, bool(boundary)
+    return decode, boundary_kernels_on(engine.config.boundary_kernels, engine.kv.cache)
 
 
 def warm_up(engine: LLMEngine) -> WarmupReport:
