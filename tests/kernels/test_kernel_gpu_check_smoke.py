@@ -31,6 +31,9 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     assert engine["fullkv"]["tokens_per_s"] > 0 and engine["growpage"]["tokens_per_s"] > 0
     assert 0 <= engine["growpage"]["boundary_pct"] < 100
     assert report["targets"]["boundary_pct_of_run"] == engine["growpage"]["boundary_pct"]
+    # Nothing compiles on CPU (interpreter): every timed row reports zero compiles.
+    assert report["targets"]["compiles_in_engine_runs"] == {"fullkv": 0, "growpage": 0}
+    assert report["targets"]["no_compiles_met"]
     markdown = out.with_suffix(".md").read_text()
     assert "| batch | context |" in markdown and "Boundary event" in markdown
     assert "| growpage |" in markdown and "Host work per boundary" in markdown
