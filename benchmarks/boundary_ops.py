@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # NOTE: first, before anything imports triton: growpage.kernels turns Triton's interpreter on
 # when there is no CUDA device.
 import growpage.kernels  # noqa: E402, F401
+from growpage.kernels.variants import stubbed_launches  # noqa: E402
 
 from growpage.core.decision import Action  # noqa: E402
 from growpage.core.rope import RopeConfig  # noqa: E402
@@ -118,20 +119,6 @@ def _counting_triton_launches(counter: _Counter):
             cls.run = original
 
 
-@contextlib.contextmanager
-def _stubbed_kernels():
-    """Every Triton launch of ``growpage.kernels`` becomes a no-op inside the block."""
-    from growpage.kernels.variants import KERNELS
-
-    for kernel in KERNELS.values():
-        kernel.run = lambda *args, grid, warmup, **kwargs: None
-    try:
-        yield
-    finally:
-        for kernel in KERNELS.values():
-            del kernel.run
-
-
 def tiny_model(seed: int = 0) -> CausalLM:
     """A random 4-layer GQA model (6 query heads on 2 KV heads, head dim 32)."""
     cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=96, intermediate_size=128,
@@ -157,7 +144,7 @@ def outcome_kind(outcome) -> str:
 
 def measure(args: argparse.Namespace) -> dict:
     if args.host_only:  # one run, launches stubbed: host milliseconds only, no counts
-        with _stubbed_kernels():
+        with stubbed_launches():
             rows, _ = _run(args, None)
         return {"path": args.path, "policy": args.policy, "model": args.model,
                 "device": args.device, "host_only": True, "top_ops": [],

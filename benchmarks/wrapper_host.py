@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import growpage.kernels as K  # noqa: E402  (turns the interpreter on without CUDA)
-from growpage.kernels.variants import KERNELS  # noqa: E402
+from growpage.kernels.variants import stubbed_launches  # noqa: E402
 
 # SmolLM2-135M: 30 layers, 9 query / 3 KV heads of 64; pages of 64, contexts of ~600
 LAYERS, HQ, HKV, D, PAGE, BATCH, PAGES = 30, 9, 3, 64, 64, 64, 10
@@ -58,14 +58,9 @@ def calls(device: torch.device) -> dict:
 
 def measure(num_calls: int, device: torch.device) -> dict[str, float]:
     """Microseconds per call of each wrapper, launches stubbed (restored afterwards)."""
-    for kernel in KERNELS.values():
-        kernel.run = lambda *args, grid, warmup, **kwargs: None
-    try:
+    with stubbed_launches():
         return {name: timeit.timeit(fn, number=num_calls) / num_calls * 1e6
                 for name, fn in calls(device).items()}
-    finally:
-        for kernel in KERNELS.values():
-            del kernel.run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -169,6 +169,19 @@ def record_variants(log: VariantLog | None = None) -> Iterator[VariantLog]:
                 kernel.run = outer
 
 
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """Every launch of ``KERNELS`` is a no-op inside the block (the wrappers still run): for
+    timing the host's part of a launch path on any machine. Restored on exit."""
+    for kernel in KERNELS.values():
+        kernel.run = lambda *args, grid, warmup, **kwargs: None
+    try:
+        yield
+    finally:
+        for kernel in KERNELS.values():
+            del kernel.run
+
+
 def compiled_variants() -> dict[str, int]:
     """On CUDA: binaries each kernel holds in Triton's in-memory cache, summed over devices
     (an empty dict under the interpreter, which compiles nothing)."""

@@ -35,6 +35,7 @@ import torch
 from growpage.engine.backends import QueryStateFusion
 from growpage.engine.context import StepCapture, StepContext, decode_context, use_context
 from growpage.engine.sequence import Sequence
+from growpage.engine.transfer import copy_into
 
 if TYPE_CHECKING:
     from growpage.engine.model_runner import ModelRunner
@@ -129,7 +130,7 @@ class DecodeGraphs:
                 (self.slots, rows.slots, -1), (self.lens, rows.lens, 0),
                 (self.slot_ids, rows.query_slots, -1), (self.first, rows.first, 0),
                 (self._table(width), tables, [-1] * width)):
-            _copy_rows(dst, values + [padding] * pad)
+            copy_into(dst, values + [padding] * pad)
 
     def _table(self, width: int) -> torch.Tensor:
         table = self._tables.get(width)
@@ -172,10 +173,3 @@ class DecodeGraphs:
             hidden = self._forward(ctx, bucket)
         return _Entry(bucket, width, ctx, graph, hidden)
 
-
-def _copy_rows(dst: torch.Tensor, values: list | torch.Tensor) -> None:
-    """``dst[:n] = values`` without a host sync on CUDA (pinned source, queued copy)."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dst.dtype)
-    if dst.is_cuda:
-        host = host.pin_memory()
-    dst[: host.shape[0]].copy_(host, non_blocking=dst.is_cuda)

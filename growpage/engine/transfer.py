@@ -13,6 +13,14 @@ from typing import Any
 import torch
 
 
+def copy_into(dst: torch.Tensor, values: Any) -> None:
+    """``dst[:len(values)] = values`` (nested lists or a CPU tensor), queued on CUDA."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dst.dtype)
+    if dst.is_cuda:
+        host = host.pin_memory()
+    dst[: host.shape[0]].copy_(host, non_blocking=dst.is_cuda)
+
+
 def to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` (nested lists of numbers, or a CPU tensor) as a ``dtype`` tensor on
     ``device``, without a host sync on CUDA."""
