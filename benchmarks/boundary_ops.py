@@ -8,6 +8,7 @@ counts them, per outcome, on any machine (on CPU the Triton path runs under the 
     python benchmarks/boundary_ops.py --path torch        # the torch path (CPU default)
     python benchmarks/boundary_ops.py --json out.json
     python benchmarks/boundary_ops.py --host-only          # host ms per boundary, any machine
+    python benchmarks/boundary_ops.py --phases             # and ms by boundary phase
 
 Counted inside ``KVCacheManager.make_room`` for every boundary the policy decided:
 
@@ -52,6 +53,7 @@ from growpage.kernels.variants import stubbed_launches  # noqa: E402
 
 from growpage.core.decision import Action  # noqa: E402
 from growpage.core.rope import RopeConfig  # noqa: E402
+from growpage.engine.boundary_profile import profile_boundaries  # noqa: E402
 from growpage.engine.llm import LLM  # noqa: E402
 from growpage.engine.loader import build_model  # noqa: E402
 from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
@@ -144,25 +146,30 @@ def outcome_kind(outcome) -> str:
 
 def measure(args: argparse.Namespace) -> dict:
     if args.host_only:  # one run, launches stubbed: host milliseconds only, no counts
+        phases: dict | None = {} if args.phases else None
         with stubbed_launches():
-            rows, _ = _run(args, None)
+            rows, _ = _run(args, None, phases)
         return {"path": args.path, "policy": args.policy, "model": args.model,
                 "device": args.device, "host_only": True, "top_ops": [],
                 "rows": {kind: {"boundaries": r["boundaries"], "ms": r["ms"]}
-                         for kind, r in rows.items()}}
+                         for kind, r in rows.items()}, **({"phases": phases} if phases else {})}
     counter = _Counter()
     with _counting_triton_launches(counter):
         counted_rows, names = _run(args, counter)
     timed_rows, _ = _run(args, None)  # again, without the counting overhead
     for kind, row in counted_rows.items():
         row["ms"] = timed_rows[kind]["ms"]
-    return {"path": args.path, "policy": args.policy, "model": args.model, "host_only": False,
-            "device": args.device, "rows": counted_rows, "top_ops": names.most_common(args.top)}
+    report = {"path": args.path, "policy": args.policy, "model": args.model, "host_only": False,
+              "device": args.device, "rows": counted_rows, "top_ops": names.most_common(args.top)}
+    if args.phases:  # a third run: the phase timers (and their syncs) stay out of the ms above
+        _run(args, None, report.setdefault("phases", {}))
+    return report
 
 
-def _run(args: argparse.Namespace, counter: _Counter | None
+def _run(args: argparse.Namespace, counter: _Counter | None, phases: dict | None = None
          ) -> tuple[dict[str, dict], collections.Counter]:
-    """One generation; per outcome the mean counts (``counter``) or host time (None)."""
+    """One generation; per outcome the mean counts (``counter``) or host time (None).
+    ``phases``: filled with the run's boundary phases (synced per phase on CUDA)."""
     model = tiny_model() if args.model == "tiny" else (None if args.model == "smollm2"
                                                          else args.model)
     llm = LLM(model, policy=args.policy, page_size=args.page_size, kv_pages=args.kv_pages,
@@ -195,8 +202,12 @@ def _run(args: argparse.Namespace, counter: _Counter | None
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(20, 60))]
                for _ in range(args.requests)]
-    llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
-                 use_tqdm=False)
+    with (profile_boundaries(llm, sync=True) if phases is not None
+          else contextlib.nullcontext()) as profile:
+        llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
+                     use_tqdm=False)
+    if phases is not None:
+        phases.update(profile.as_dict(), markdown=profile.markdown())
     rows = {}
     for kind, c in sorted(buckets.items()):
         n = c["n"]
@@ -219,6 +230,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=0, help="also list the N most called operators")
     p.add_argument("--host-only", action="store_true",
                    help="time the boundaries with Triton launches stubbed out (host cost only)")
+    p.add_argument("--phases", action="store_true",
+                   help="also time each boundary phase, the device synced per phase on CUDA "
+                        "(growpage.engine.boundary_profile), in a run of its own (with "
+                        "--host-only: in the same run)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -238,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {kind} | {r['boundaries']} | {counts} | {r['ms']} |")
     for name, n in report["top_ops"]:
         print(f"{n:6d}  {name}")
+    if "phases" in report:
+        print("\n" + report["phases"]["markdown"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -67,6 +67,7 @@ def run_kernel_tests(timeout_s: int, workers: int = 0, log: Path | None = None) 
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
            "tests/engine/test_engine_triton_backend.py", "tests/engine/test_engine_cuda.py",
            "tests/engine/test_engine_warmup.py", "tests/engine/test_engine_cuda_graphs.py",
+           "tests/engine/test_engine_boundary_profile.py",
            "-k", "not gpu_check", "--tb=short"]
     if workers > 0 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers)]  # kernel compilation dominates: spread it over CPU cores
@@ -126,6 +127,7 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     """One timed row of ``engine_throughput``."""
     from growpage.kernels.variants import compiled_variants
 
+    from growpage.engine.boundary_profile import profile_boundaries
     from growpage.engine.sampling_params import SamplingParams
 
     # LLM() compiled every kernel variant (growpage.engine.warmup); this short run warms the
@@ -134,8 +136,9 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     llm.generate(prompts[:4], SamplingParams(max_tokens=warm_tokens, ignore_eos=True),
                  use_tqdm=False)
     before = compiled_variants()
-    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                 use_tqdm=False)
+    with profile_boundaries(llm) as phases:  # ~1 us per timed call: the run's own numbers
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                     use_tqdm=False)
     after = compiled_variants()
     st = llm.last_stats
     decided = sum(st.events.get(f"decided_{d}", 0) for d in ("grow", "compress", "shrink"))
@@ -149,6 +152,7 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
             "preemptions": st.num_preemptions, "events": st.events,
             "warmup_s": llm.engine.warmup_report.seconds,
             "cuda_graphs_captured": 0 if graphs is None else graphs.num_captured,
+            "boundary_phases": phases.as_dict(),
             "compiles_during_run": {k: after[k] - before.get(k, 0) for k in after
                                     if after[k] != before.get(k, 0)}}
 
@@ -158,9 +162,11 @@ def host_work(smoke: bool, model: str | None) -> dict:
     device (``benchmarks/boundary_ops.py`` with the real model)."""
     import boundary_ops
 
-    argv = ["--requests", "8", "--max-tokens", "192", "--page-size", "32", "--kv-pages", "40"]
+    argv = ["--requests", "8", "--max-tokens", "192", "--page-size", "32", "--kv-pages", "40",
+            "--phases"]
     if smoke:
-        argv = ["--requests", "2", "--max-tokens", "40", "--kv-pages", "6", "--device", "cpu"]
+        argv = ["--requests", "2", "--max-tokens", "40", "--kv-pages", "6", "--device", "cpu",
+                "--phases"]
     else:
         argv += ["--device", "cuda", "--model", model or "smollm2"]
     return boundary_ops.measure(boundary_ops.parse_args(argv))
@@ -271,6 +277,8 @@ def to_markdown(r: dict) -> str:
         for kind, row in host["rows"].items():
             lines.append(f"| {kind} | {row['boundaries']} | {row['ops']} | {row['views']} | "
                          f"{row['launches']} | {row['syncs']} | {row['h2d']} | {row['ms']} |")
+        if "phases" in host:
+            lines += ["", host["phases"]["markdown"]]
     elif host is not None:
         lines += ["", f"Host work: {json.dumps(host)}"]
     engine = r.get("engine")
@@ -295,12 +303,29 @@ def to_markdown(r: dict) -> str:
                          f"{compiles} |")
         lines += ["", f"growpage / fullkv throughput: {engine['growpage_vs_fullkv_tps']:.2f}x; "
                   "target: boundary work <= 1% of the run."]
+        lines += _phase_table(engine)
     else:
         lines += ["", f"Engine: {json.dumps(engine)}"]
     lines += ["",
               f"Targets: {json.dumps(r.get('targets'))}", "",
               f"Section seconds: {r.get('section_seconds')}", ""]
     return "\n".join(lines)
+
+
+def _phase_table(engine: dict) -> list[str]:
+    """ms per decided boundary by phase (``growpage.engine.boundary_profile``), per policy."""
+    rows = {name: e["boundary_phases"] for name, e in engine.items()
+            if isinstance(e, dict) and e.get("boundary_phases", {}).get("decided")}
+    if not rows:
+        return []
+    phases = list(next(iter(rows.values()))["ms_per_decided"])
+    lines = ["", "Boundary phases, ms per decided boundary (exclusive times; they add up to the "
+             "boundary time):", "", "| policy | " + " | ".join(phases) + " |",
+             "|---|" + "---:|" * len(phases)]
+    for name, row in rows.items():
+        lines.append(f"| {name} | " + " | ".join(f"{row['ms_per_decided'][p]:.3f}"
+                                                 for p in phases) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,8 +49,13 @@ def test_host_only_times_boundaries_with_launches_stubbed():
 
     bench = load_benchmark("boundary_ops")
     report = bench.measure(bench.parse_args(["--requests", "2", "--max-tokens", "30",
-                                             "--kv-pages", "6", "--host-only"]))
+                                             "--kv-pages", "6", "--host-only", "--phases"]))
     assert report["host_only"] and report["rows"]
+    phases = report["phases"]  # the boundary phases of the same run
+    assert phases["decided"] == sum(row["boundaries"] for kind, row in report["rows"].items()
+                                    if kind != "forced grow")
+    assert phases["calls"]["compact"] == report["rows"].get("compress", {}).get("boundaries", 0)
+    assert "| attention |" in phases["markdown"]
     for row in report["rows"].values():
         assert set(row) == {"boundaries", "ms"} and row["boundaries"] > 0 and row["ms"] > 0
     assert all("run" not in kernel.__dict__ for kernel in KERNELS.values())  # stubs removed

@@ -27,9 +27,13 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     assert boundary["compaction_direct_ms"] > 0 and boundary["demand_total_ms"] > 0
     host = report["hostwork"]["rows"]  # tiny model, Triton path under the interpreter
     assert host["compress"]["launches"] > 0 and host["compress"]["syncs"] >= 1
+    phases = report["hostwork"]["phases"]  # by phase, in a run of their own
+    assert phases["calls"]["compact"] == host["compress"]["boundaries"]
     engine = report["engine"]  # SmolLM2 on CPU, two short requests per policy
     assert engine["fullkv"]["tokens_per_s"] > 0 and engine["growpage"]["tokens_per_s"] > 0
     assert 0 <= engine["growpage"]["boundary_pct"] < 100
+    assert engine["growpage"]["boundary_phases"]["boundaries"] == engine["growpage"]["events"][
+        "boundaries"]
     assert report["targets"]["boundary_pct_of_run"] == engine["growpage"]["boundary_pct"]
     # Nothing compiles on CPU (interpreter): every timed row reports zero compiles.
     assert report["targets"]["compiles_in_engine_runs"] == {"fullkv": 0, "growpage": 0}
