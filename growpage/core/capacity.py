@@ -168,7 +168,8 @@ def selection_problem(indices: object, ctx: BoundaryContext, keep: int) -> str |
 
 def _check_selection(indices: object, ctx: BoundaryContext, keep: int
                      ) -> tuple[str | None, torch.Tensor | None]:
-    """``(problem, indices sorted ascending)``; one host sync when the selection is valid."""
+    """``(problem, indices sorted ascending)``; one host sync when the selection is valid and
+    ascending, as the contract asks (an unordered one is sorted here, at a second sync)."""
     num_layers, num_kv = ctx.shape
     expected = (num_layers, num_kv, keep)
     if not isinstance(indices, torch.Tensor):
@@ -178,27 +179,33 @@ def _check_selection(indices: object, ctx: BoundaryContext, keep: int
         return f"returned dtype {indices.dtype}, expected an integer tensor", None
     if tuple(indices.shape) != expected:
         return f"wrong shape {tuple(indices.shape)}, expected {expected} (exact kept count)", None
-    ordered = indices.to(torch.long).sort(dim=-1).values
+    slots = indices.to(torch.long)
     n, recent = ctx.num_tokens, ctx.recent_window
     if keep < recent:
         return f"protected recent window (last {recent} slots) not fully kept", None
     if not keep:
-        return None, ordered
-    # Every check on the sorted slots, folded into one flag per head: a single sync when valid.
-    bad = (ordered[..., 0] < 0) | (ordered[..., -1] >= n)
-    repeats = ordered[..., 1:] == ordered[..., :-1]
-    bad |= repeats.any(dim=-1)
-    if recent:
-        # Sorted, unique and < N: the window is all there iff it is the last R entries.
-        window = torch.arange(n - recent, n, device=ordered.device)
-        bad |= (ordered[..., -recent:] != window).any(dim=-1)
-    if not bool(bad.any()):
+        return None, slots
+    if not bool(_invalid(slots, n, recent).any()):
+        return None, slots
+    ordered = slots.sort(dim=-1).values
+    if not bool(_invalid(ordered, n, recent).any()):
         return None, ordered
     if bool((ordered[..., 0] < 0).any()) or bool((ordered[..., -1] >= n).any()):
         return f"slot index out of range [0, {n})", None
-    if bool(repeats.any()):
+    if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
         return "duplicate slot indices within a layer/KV head", None
     return f"protected recent window (last {recent} slots) not fully kept", None
+
+
+def _invalid(slots: torch.Tensor, n: int, recent: int) -> torch.Tensor:
+    """Per layer and KV head: not strictly ascending, out of ``[0, n)``, or without the last
+    ``recent`` slots. Strictly ascending and below ``n``, the window is there iff the R-th last
+    entry is ``n - R``, so every rule is one flag (and one sync for all of them)."""
+    bad = (slots[..., 0] < 0) | (slots[..., -1] >= n)
+    bad |= (slots[..., 1:] <= slots[..., :-1]).any(dim=-1)
+    if recent:
+        bad |= slots[..., -recent] != n - recent
+    return bad
 
 
 def _target_pages(pages: list[int], pool: PagePool, shrink: bool) -> tuple[list[int], list[int]]:

@@ -62,11 +62,10 @@ def block_local_topk(scores: torch.Tensor, k: int, block: int, k_loc: int) -> to
         blocks = padded.reshape(*s.shape[:-1], num_blocks, block)
         local = blocks.topk(min(quota, block), dim=-1).indices  # [L, Hkv, nb, q]
         local = local + torch.arange(num_blocks, device=s.device).unsqueeze(-1) * block
-        taken_padded = torch.zeros_like(padded, dtype=torch.bool)
-        taken_padded.scatter_(-1, local.flatten(-2), True)
-        # A short last block may pick padding slots (>= m); they are cut off here.
-        s = s.masked_fill(taken_padded[..., :m], float("inf"))
-    # Local picks first (pushed to +inf; at most k of them), then the best of the rest, ties to
+        # Local picks pushed to +inf. A short last block may pick padding slots (>= m); they
+        # are cut off here.
+        s = padded.scatter(-1, local.flatten(-2), float("inf"))[..., :m]
+    # Local picks first (at most k of them), then the best of the rest, ties to
     # earlier slots (stable sort); the first k of that order, ascending. No ``nonzero`` (a host
     # sync on GPUs) anywhere.
     order = s.argsort(dim=-1, descending=True, stable=True)

@@ -150,6 +150,54 @@ def test_invalid_selection_is_a_policy_error_and_changes_nothing():
     assert state.num_tokens == 3 * B and torch.equal(view.positions(), positions)
 
 
+@attrs.define
+class Chosen(Scripted):
+    """Compresses, keeping ``make(num_tokens, keep) -> [keep]`` on every layer and KV head."""
+
+    make: object = None
+
+    def select(self, ctx, keep):
+        slots = torch.as_tensor(self.make(ctx.num_tokens, keep))
+        return slots.expand(*ctx.shape, keep).clone()
+
+
+def _last(n, keep):
+    return list(range(n - keep, n))
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda n, k: [-1] + _last(n, k - 1), "slot index out of range"),
+    (lambda n, k: _last(n, k - 1) + [n], "slot index out of range"),
+    (lambda n, k: [0, 0] + _last(n, k - 2), "duplicate slot indices"),
+    (lambda n, k: list(range(k)), "protected recent window"),
+    (lambda n, k: list(range(k - 1)) + [n - 1], "protected recent window"),
+])
+def test_each_invalid_selection_is_named_and_changes_nothing(make, problem):
+    ctrl, state, view, pool, _ = setup([])
+    ctrl.policy = Chosen([Decision.COMPRESS], make=make)
+    positions, table = view.positions().clone(), list(state.block_table)
+    with pytest.raises(PolicyError, match=problem):
+        ctrl.on_boundary(state, view)
+    assert state.num_tokens == 3 * B and state.block_table == table
+    assert torch.equal(view.positions(), positions) and pool.num_free_pages == 7
+
+
+def test_an_unordered_selection_is_sorted_before_compaction():
+    def shuffled(n, k):
+        return list(reversed(range(2, 2 + k - R))) + _last(n, R)  # history out of order
+
+    results = []
+    for make in (shuffled, lambda n, k: sorted(shuffled(n, k))):
+        ctrl, state, view, _, _ = setup([])
+        ctrl.policy = Chosen([Decision.COMPRESS], make=make)
+        before = view.positions().clone()
+        assert ctrl.on_boundary(state, view).action is Action.COMPRESS
+        results.append((view.positions().clone(), view.keys().clone()))
+    kept = sorted(shuffled(3 * B, 2 * B))
+    assert torch.equal(results[0][0], before[..., kept])  # slot order kept, not the policy's
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_not_at_boundary_is_rejected():
     ctrl, state, view, _, _ = setup([Decision.GROW])
     state.num_tokens -= 1
