@@ -90,6 +90,8 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
     under the same page pool; boundary work as a share of the run (target <= 1%). On the
     Triton backend both again with CUDA-graph decode (beyond the paper; rows ``<policy>+graphs``,
     an error there is reported, not raised)."""
+    from boundary_share import gpu_check_pool
+
     from growpage.engine.llm import LLM
     from growpage.eval.workload import reasoning_prompts
 
@@ -98,8 +100,8 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
     prompts = reasoning_prompts(num)
     base = LLM(model, policy="fullkv", page_size=page, kv_pages=8, device=device,
                attention_backend=attention_backend)
-    lengths = [len(base.tokenizer.encode_chat(p)) + max_tokens + 1 for p in prompts]
-    kv_pages = max(sum(-(-n // page) for n in lengths) * 2 // 5, max(lengths) // page + 2)
+    kv_pages = gpu_check_pool([len(base.tokenizer.encode_chat(p)) for p in prompts], max_tokens,
+                              page)
     rows: dict = {"requests": num, "max_tokens": max_tokens, "page_size": page,
                   "kv_pages": kv_pages, "backend": base.engine.runner.model.backend.name}
     runs = [("fullkv", False), ("growpage", False)]

@@ -87,7 +87,7 @@ class BoundaryPhases:
     def as_dict(self) -> dict:
         return {"boundaries": self.boundaries, "decided": self.decided, "sync": self.sync,
                 "total_s": round(self.total_s, 6), "ms_per_decided": self.per_decided_ms(),
-                "calls": dict(self.calls)}
+                "calls": {phase: self.calls[phase] for phase in PHASES}}
 
     def markdown(self) -> str:
         """A table of ms per decided boundary and share of boundary time, by phase."""

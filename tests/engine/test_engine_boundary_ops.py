@@ -59,3 +59,18 @@ def test_host_only_times_boundaries_with_launches_stubbed():
     for row in report["rows"].values():
         assert set(row) == {"boundaries", "ms"} and row["boundaries"] > 0 and row["ms"] > 0
     assert all("run" not in kernel.__dict__ for kernel in KERNELS.values())  # stubs removed
+
+
+def test_boundary_share_estimates_the_gpu_check_run_host_side():
+    bench = load_benchmark("boundary_share")
+    args = bench.parse_args(["--requests", "3", "--max-tokens", "60", "--page-size", "8",
+                             "--layers", "2", "--policies", "fullkv", "growpage"])
+    report = bench.run(args)
+    grow, full = report["rows"]["growpage"], report["rows"]["fullkv"]
+    assert grow["decided"] > 0 and grow["events"]["compress"] > 0, grow["events"]
+    assert 0 < grow["boundary_pct"] < 100 and grow["boundary_s"] <= grow["total_s"]
+    assert grow["phases"]["calls"]["compact"] == grow["events"]["compress"]
+    assert full["events"]["compress"] == 0 and full["phases"]["calls"]["compact"] == 0
+    # 40% of what fullkv needs for all requests, but room for the longest one.
+    assert bench.gpu_check_pool([100] * 10, 412, 64) == 36  # 10 x 9 pages -> 36
+    assert bench.gpu_check_pool([100], 60, 8) == 22  # 161 tokens: 21 pages, 8 < 161 // 8 + 2

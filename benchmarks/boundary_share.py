@@ -1,0 +1,128 @@
+"""The engine run of the GPU check, host side only: what share of it capacity boundaries take.
+
+On the H200 the engine section (SmolLM2, 64 requests x 512 tokens, pages of 64, 40% of the pool
+fullkv needs) is host-bound: every kernel is tiny, so a decode step costs what its Python,
+torch dispatch and launch wrappers cost, and so does a boundary. This runs the same workload on
+any machine with every Triton launch stubbed out and a model with SmolLM2's layers and heads
+(30 layers, 9 query heads on 3 KV heads of 64) but a narrow hidden size, so the matrix products
+cost next to nothing either:
+
+    python benchmarks/boundary_share.py                  # fullkv and growpage, ~1.5 min
+    python benchmarks/boundary_share.py --requests 16 --max-tokens 256 --policies growpage
+
+It prints, per policy, the run's seconds, the boundary seconds and share, ms per decided
+boundary, and the boundary phases (``growpage.engine.boundary_profile``).
+
+NOTE: an estimate, not a measurement. With launches stubbed the kernels' outputs are left
+unwritten, so the decisions differ from a real run's; and torch ops still compute on the CPU, so
+phases that sort the candidates (``demand``, ``select``) cost more here than the launches they
+are on a GPU. Read it for where the host time goes and for before/after comparisons on one
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# NOTE: first, before anything imports triton: growpage.kernels turns Triton's interpreter on
+# when there is no CUDA device.
+import growpage.kernels  # noqa: E402, F401
+from growpage.kernels.variants import stubbed_launches  # noqa: E402
+
+from growpage.core.rope import RopeConfig  # noqa: E402
+from growpage.engine.boundary_profile import profile_boundaries  # noqa: E402
+from growpage.engine.llm import LLM  # noqa: E402
+from growpage.engine.loader import build_model  # noqa: E402
+from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
+from growpage.engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def narrow_smollm2(layers: int = 30, seed: int = 0) -> CausalLM:
+    """SmolLM2-135M's attention shapes (9 q heads, 3 KV heads, head dim 64) on a hidden size of
+    64: the host work of every layer, almost none of the arithmetic."""
+    cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=64,
+                      num_layers=layers, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                      rope=RopeConfig(head_dim=64), bos_token_id=1, eos_token_ids=(2,),
+                      name="narrow-smollm2")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in CausalLM(cfg).state_dict().items()}
+    return build_model(cfg, {name: torch.randn(shape, generator=gen) * 0.1
+                             for name, shape in shapes.items()})
+
+
+def gpu_check_pool(prompt_lengths: list[int], max_tokens: int, page: int) -> int:
+    """The GPU check's pool: 40% of the pages fullkv needs for every request at once."""
+    lengths = [n + max_tokens + 1 for n in prompt_lengths]
+    return max(sum(-(-n // page) for n in lengths) * 2 // 5, max(lengths) // page + 2)
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = narrow_smollm2(args.layers)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(80, 160))]
+               for _ in range(args.requests)]
+    kv_pages = gpu_check_pool([len(p) for p in prompts], args.max_tokens, args.page_size)
+    report: dict = {"requests": args.requests, "max_tokens": args.max_tokens,
+                    "page_size": args.page_size, "kv_pages": kv_pages, "layers": args.layers,
+                    "rows": {}}
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    for policy in args.policies:
+        with stubbed_launches():
+            llm = LLM(model, policy=policy, page_size=args.page_size, kv_pages=kv_pages,
+                      max_num_seqs=args.requests, device="cpu", attention_backend="triton",
+                      boundary_kernels=True, min_capacity=4, enable_prefix_caching=False)
+            with profile_boundaries(llm) as phases:
+                llm.generate(prompts, params, use_tqdm=False)
+        st = llm.last_stats
+        report["rows"][policy] = {
+            "total_s": st.total_time_s, "boundary_s": st.boundary_time_s,
+            "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
+            "decided": phases.decided,
+            "ms_per_decided": 1000 * st.boundary_time_s / max(phases.decided, 1),
+            "events": dict(st.events), "phases": phases.as_dict(),
+            "phases_markdown": phases.markdown()}
+    return report
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--policies", nargs="+", default=["fullkv", "growpage"])
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    report = run(args)
+    print(f"{args.requests} requests x {args.max_tokens} tokens, {report['kv_pages']} pages x "
+          f"{args.page_size}, {args.layers} layers, launches stubbed (host time only):\n")
+    print("| policy | run s | boundary s | boundary % | decided | ms per decided |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for policy, r in report["rows"].items():
+        print(f"| {policy} | {r['total_s']:.2f} | {r['boundary_s']:.3f} | "
+              f"{r['boundary_pct']:.2f} | {r['decided']} | {r['ms_per_decided']:.3f} |")
+    for policy, r in report["rows"].items():
+        if r["decided"]:
+            print(f"\n{policy}: {r['phases_markdown']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
