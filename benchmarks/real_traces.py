@@ -83,7 +83,8 @@ def record_with(llm, prompts: list, params: list, out: Path, chat: bool) -> floa
 
 def _annotate(directory: Path, per_request: dict[str, dict]) -> None:
     """Rewrite each trace of the set with ``per_request[request_id]`` merged into its meta."""
-    from growpage.core.traces import read_trace, read_trace_set, write_trace
+    from growpage.core.trace_set import read_trace_set
+    from growpage.core.traces import read_trace, write_trace
 
     traces = read_trace_set(directory)
     for entry in traces.index:
@@ -100,7 +101,7 @@ def _annotate(directory: Path, per_request: dict[str, dict]) -> None:
 def shrink(source: Path, dest: Path, num: int, layers: tuple[int, ...], values: bool,
            max_generated: int | None) -> int:
     """Write the first ``num`` traces of ``source`` into ``dest`` cut down (``subset_trace``)."""
-    from growpage.core.traces import TraceSet, read_trace_set
+    from growpage.core.trace_set import TraceSet, read_trace_set
     from growpage.sim.realtrace import subset_trace
 
     src = read_trace_set(source)
@@ -117,7 +118,7 @@ def shrink(source: Path, dest: Path, num: int, layers: tuple[int, ...], values: 
 
 
 def load_traces(directory: Path, limit: int | None = None) -> list:
-    from growpage.core.traces import read_trace_set
+    from growpage.core.trace_set import read_trace_set
 
     traces = read_trace_set(directory)
     n = len(traces) if limit is None else min(limit, len(traces))

@@ -51,7 +51,8 @@ import torch
 from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig
-from growpage.core.traces import Trace, TraceSet
+from growpage.core.trace_set import TraceSet
+from growpage.core.traces import Trace
 from growpage.eval.machine import describe_machine
 from growpage.policies.registry import resolve_policy
 from growpage.sim.calibrate import fit_linear

@@ -8,8 +8,8 @@ and never each other. One trace is one safetensors file::
     layer.{i}.k   [T, Hkv, d]    post-RoPE key
     layer.{i}.v   [T, Hkv, d]    value (only when has_values)
 
-A trace set is a directory of trace files plus ``index.json`` (``TraceSet``). Every problem
-found in a file raises ``TraceError`` naming the file and the problem.
+A trace set is a directory of trace files plus ``index.json`` (``growpage.core.trace_set``).
+Every problem found in a file raises ``TraceError`` naming the file and the problem.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,23 +36,24 @@ HEADER_KEY = "growpage.trace"
 STORAGE_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _int(name: str, value: Any, low: int = 0) -> int:
+def checked_int(name: str, value: Any, low: int = 0, what: str = "header field") -> int:
+    """``value`` when it is an int (not a bool) ``>= low``; else ``TraceError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise TraceError(f"header field '{name}' must be an int >= {low}, got {value!r}")
+        raise TraceError(f"{what} '{name}' must be an int >= {low}, got {value!r}")
     return value
 
 
 def _check_header(h: TraceHeader) -> None:
     for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
-        _int(name, getattr(h, name), low=1)
-    _int("prompt_len", h.prompt_len, low=1)
+        checked_int(name, getattr(h, name), low=1)
+    checked_int("prompt_len", h.prompt_len, low=1)
     if not isinstance(h.request_id, str) or not isinstance(h.model, str):
         raise TraceError("header fields 'request_id' and 'model' must be strings")
     if not isinstance(h.has_values, bool):
         raise TraceError(f"header field 'has_values' must be a bool, got {h.has_values!r}")
     if not isinstance(h.meta, dict):
         raise TraceError(f"header field 'meta' must be a dict, got {type(h.meta).__name__}")
-    ids = [_int("layer_ids", i) for i in h.layer_ids]
+    ids = [checked_int("layer_ids", i) for i in h.layer_ids]
     if not ids or ids != sorted(set(ids)) or ids[-1] >= h.num_layers:
         raise TraceError(f"header field 'layer_ids' must be non-empty, strictly increasing and "
                          f"< num_layers={h.num_layers}, got {list(h.layer_ids)}")
@@ -68,7 +69,7 @@ def _check_header(h: TraceHeader) -> None:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
         raise TraceError(f"header field 'softmax_scale' must be a finite float > 0, got {scale!r}")
     for t in h.token_ids:
-        _int("token_ids", t)
+        checked_int("token_ids", t)
     if not h.token_ids:
         raise TraceError("header field 'token_ids' is empty")
     if h.prompt_len > len(h.token_ids):
@@ -216,18 +217,25 @@ def write_trace(path: str | os.PathLike, trace: Trace, dtype: torch.dtype = torc
             raise TraceError(f"{path}: tensor {name} has non-finite values in {names[dtype]}")
         tensors[name] = x.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={HEADER_KEY: text}))
+    return path
+
+
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` a temporary file beside ``path``, then rename it over ``path``: readers
+    see the old file or the new one, never half of one (the temporary is removed on failure)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={HEADER_KEY: text})
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
 
 
-def _reject_constant(name: str) -> float:
+def reject_json_constant(name: str) -> float:
+    """``json.loads(..., parse_constant=...)``: NaN and infinities are not valid JSON here."""
     raise ValueError(f"non-finite number {name} in JSON")
 
 
@@ -235,7 +243,7 @@ def _parse_header(metadata: dict[str, str] | None, path: Path) -> tuple[TraceHea
     if not metadata or HEADER_KEY not in metadata:
         raise TraceError(f"{path}: no '{HEADER_KEY}' header in the safetensors metadata")
     try:
-        d = json.loads(metadata[HEADER_KEY], parse_constant=_reject_constant)
+        d = json.loads(metadata[HEADER_KEY], parse_constant=reject_json_constant)
     except (ValueError, RecursionError) as e:
         raise TraceError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
@@ -311,139 +319,13 @@ def _load_tensor(f: Any, name: str, path: Path) -> torch.Tensor:
         raise TraceError(f"{path}: cannot load tensor {name} ({e})") from None
 
 
-# --- trace sets -------------------------------------------------------------------------------
-
-SET_FORMAT_NAME = "growpage-trace-set"
-INDEX_NAME = "index.json"
+_MOVED = {"TraceEntry", "TraceSet", "read_trace_set", "SET_FORMAT_NAME", "INDEX_NAME"}
 
 
-@attrs.frozen(kw_only=True)
-class TraceEntry:
-    """One line of a trace set's index: where a trace is and what it holds."""
+def __getattr__(name: str) -> Any:
+    # Trace sets live in growpage.core.trace_set; importing them from here still works.
+    if name in _MOVED:
+        from growpage.core import trace_set
 
-    file: str                  # file name inside the set's directory
-    request_id: str
-    prompt_len: int
-    num_tokens: int
-    tags: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-
-    @classmethod
-    def from_json(cls, d: Any) -> TraceEntry:
-        if not isinstance(d, dict) or set(d) - {"tags"} != {"file", "request_id", "prompt_len",
-                                                            "num_tokens"}:
-            raise TraceError(f"index entry {d!r} must have exactly file, request_id, "
-                             "prompt_len, num_tokens and optional tags")
-        ok = (isinstance(d["file"], str) and isinstance(d["request_id"], str)
-              and isinstance(d.get("tags", []), list)
-              and all(isinstance(t, str) for t in d.get("tags", []))
-              and Path(d["file"]).name == d["file"] and d["file"] not in ("", ".", ".."))
-        if not ok:
-            raise TraceError(f"index entry {d!r} has a bad file name, request_id or tags")
-        _int("prompt_len", d["prompt_len"], low=1)
-        if _int("num_tokens", d["num_tokens"], low=1) < d["prompt_len"]:
-            raise TraceError(f"index entry {d['request_id']!r}: prompt_len > num_tokens")
-        return cls(**d)
-
-
-class TraceSet:
-    """A directory of trace files plus ``index.json``; traces are read lazily, one at a time.
-
-    ``TraceSet(dir)`` opens an existing set; ``TraceSet(dir, create=True)`` also starts an
-    empty one. ``write`` appends a trace (file first, then the index, both atomically).
-    NOTE: one writer at a time; concurrent writers would lose index entries.
-    """
-
-    def __init__(self, directory: str | os.PathLike, *, create: bool = False) -> None:
-        self.directory = Path(directory)
-        self._index_path = self.directory / INDEX_NAME
-        if self._index_path.is_file():
-            self._entries = self._load_index()
-        elif create and (not self.directory.exists() or self.directory.is_dir()):
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._entries = []
-            self._save_index()
-        else:
-            raise TraceError(f"{self._index_path}: no trace-set index (not a trace set)")
-
-    @property
-    def index(self) -> tuple[TraceEntry, ...]:
-        return tuple(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __iter__(self) -> Iterator[Trace]:
-        return (self.read(e) for e in self._entries)
-
-    def read(self, entry: TraceEntry | int | str, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.float32) -> Trace:
-        """Read one trace by entry, position or request id; checks it against the index."""
-        if isinstance(entry, int):
-            entry = self._entries[entry]
-        elif isinstance(entry, str):
-            found = [e for e in self._entries if e.request_id == entry]
-            if not found:
-                raise TraceError(f"{self._index_path}: no request {entry!r}")
-            entry = found[0]
-        path = self.directory / entry.file
-        trace = read_trace(path, device=device, dtype=dtype)
-        got = (trace.request_id, trace.prompt_len, trace.num_tokens)
-        if got != (entry.request_id, entry.prompt_len, entry.num_tokens):
-            raise TraceError(f"{path}: (request_id, prompt_len, num_tokens) = {got} disagrees "
-                             f"with {self._index_path}")
-        return trace
-
-    def write(self, trace: Trace, *, tags: tuple[str, ...] | list[str] = (),
-              dtype: torch.dtype = torch.float16) -> TraceEntry:
-        """Append ``trace`` to the set; request ids must be unique."""
-        rid = trace.request_id
-        if any(e.request_id == rid for e in self._entries):
-            raise TraceError(f"{self._index_path}: request id {rid!r} is already in the set")
-        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in rid)[:64]
-        entry = TraceEntry(file=f"{len(self._entries):06d}-{slug}.safetensors", request_id=rid,
-                           prompt_len=trace.prompt_len, num_tokens=trace.num_tokens,
-                           tags=tuple(tags))
-        write_trace(self.directory / entry.file, trace, dtype=dtype)
-        self._entries.append(entry)
-        try:
-            self._save_index()
-        except BaseException:
-            self._entries.pop()
-            raise
-        return entry
-
-    def _load_index(self) -> list[TraceEntry]:
-        try:
-            d = json.loads(self._index_path.read_text(), parse_constant=_reject_constant)
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise TraceError(f"{self._index_path}: unreadable index ({e})") from None
-        if not isinstance(d, dict) or d.get("format") != SET_FORMAT_NAME:
-            raise TraceError(f"{self._index_path}: not a '{SET_FORMAT_NAME}' index")
-        if d.get("version") != FORMAT_VERSION or not isinstance(d.get("traces"), list):
-            raise TraceError(f"{self._index_path}: unsupported version {d.get('version')!r} "
-                             "or no 'traces' list")
-        try:
-            entries = [TraceEntry.from_json(e) for e in d["traces"]]
-        except TraceError as e:
-            raise TraceError(f"{self._index_path}: {e}") from None
-        for key in ("file", "request_id"):
-            if len({getattr(e, key) for e in entries}) != len(entries):
-                raise TraceError(f"{self._index_path}: duplicate {key} in the index")
-        return entries
-
-    def _save_index(self) -> None:
-        d = {"format": SET_FORMAT_NAME, "version": FORMAT_VERSION,
-             "traces": [{**attrs.asdict(e), "tags": list(e.tags)} for e in self._entries]}
-        fd, tmp = tempfile.mkstemp(prefix=".index.", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(d, f, indent=1)
-            os.replace(tmp, self._index_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-
-def read_trace_set(directory: str | os.PathLike) -> TraceSet:
-    """Open an existing trace set (``TraceError`` if ``directory`` has no valid index)."""
-    return TraceSet(directory)
+        return getattr(trace_set, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from growpage.core.traces import Trace, TraceHeader, TraceSet
+from growpage.core.trace_set import TraceSet
+from growpage.core.traces import Trace, TraceHeader
 from growpage.engine.context import StepCapture
 from growpage.engine.model import ModelConfig
 from growpage.engine.scheduler import SchedulerOutput

@@ -14,7 +14,8 @@ import torch
 from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig
-from growpage.core.traces import Trace, TraceSet
+from growpage.core.trace_set import TraceSet
+from growpage.core.traces import Trace
 from growpage.errors import ConfigError
 from growpage.policies.registry import parse_policy_params, resolve_policy
 from growpage.sim import reports

@@ -36,7 +36,8 @@ import attrs
 import torch
 
 from growpage.core.rope import RopeConfig, apply_rope, inv_frequencies
-from growpage.core.traces import Trace, TraceHeader, TraceSet
+from growpage.core.trace_set import TraceSet
+from growpage.core.traces import Trace, TraceHeader
 from growpage.errors import ConfigError
 
 SCHEDULES = ("random", "switch", "reverse_switch", "concentrated", "diffuse")

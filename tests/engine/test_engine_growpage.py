@@ -147,7 +147,7 @@ class LoggingGrowPage(GrowPagePolicy):
 def test_first_decision_equals_the_simulators_on_the_recorded_trace(model, tmp_path):
     """Engine and simulator see the same KV and query summaries at the first policy boundary
     (afterwards the engine's future tokens attend to compressed KV, the trace's do not)."""
-    from growpage.core.traces import TraceSet
+    from growpage.core.trace_set import TraceSet
     from growpage.sim.replay import ReplayOptions, replay_trace
 
     recorder = tiny_llm(model, record_traces=tmp_path / "set")

@@ -10,7 +10,7 @@ import torch
 from llm_helpers import assert_all_returned, hf_from_ours, hf_greedy
 
 from growpage import cli
-from growpage.core.traces import TraceSet
+from growpage.core.trace_set import TraceSet
 from growpage.engine import cli as engine_cli
 from growpage.engine.context import prefill_context, use_context
 from growpage.engine.llm import LLM

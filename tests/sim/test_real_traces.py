@@ -12,7 +12,8 @@ import torch
 from benchmark_scripts import load_benchmark
 from safetensors import safe_open
 
-from growpage.core.traces import read_trace, read_trace_set
+from growpage.core.trace_set import read_trace_set
+from growpage.core.traces import read_trace
 from growpage.errors import ConfigError
 from growpage.sim.realtrace import RealTraceSettings, analyze, grow_ratio, subset_trace
 

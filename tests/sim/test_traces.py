@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+import growpage.core.trace_set as trace_set_mod
 import growpage.core.traces as traces_mod
 from growpage.core.rope import RopeConfig
 from growpage.core.traces import (
@@ -329,8 +330,9 @@ def test_trace_set_round_trip_and_lazy_iteration(tmp_path, make_trace, monkeypat
     assert entries[1].num_tokens == 11 and entries[1].tags == ("a",)
     assert "/" not in entries[1].file
     calls = []
-    real = traces_mod.read_trace
-    monkeypatch.setattr(traces_mod, "read_trace", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = trace_set_mod.read_trace
+    monkeypatch.setattr(trace_set_mod, "read_trace",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
     it = iter(reopened)
     first = next(it)
     assert len(calls) == 1 and first.header == written[0].header
@@ -389,3 +391,10 @@ def test_corrupt_index_never_raises_anything_else(tmp_path_factory, make_trace, 
             assert trace.num_tokens == 12
     except TraceError:
         pass
+
+
+def test_trace_sets_still_import_from_the_trace_module():
+    assert traces_mod.TraceSet is trace_set_mod.TraceSet
+    assert traces_mod.read_trace_set is trace_set_mod.read_trace_set
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        traces_mod.NoSuchThing  # noqa: B018

@@ -1,0 +1,156 @@
+"""Trace sets: a directory of trace files plus ``index.json`` (docs/trace-format.md).
+
+``TraceSet`` reads its traces lazily, one at a time, and checks each against its index line;
+``write`` appends a trace, the file first and then the index, both atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from growpage.core.traces import (
+    FORMAT_VERSION,
+    Trace,
+    atomic_write,
+    checked_int,
+    read_trace,
+    reject_json_constant,
+    write_trace,
+)
+from growpage.errors import TraceError
+
+SET_FORMAT_NAME = "growpage-trace-set"
+INDEX_NAME = "index.json"
+
+
+@attrs.frozen(kw_only=True)
+class TraceEntry:
+    """One line of a trace set's index: where a trace is and what it holds."""
+
+    file: str                  # file name inside the set's directory
+    request_id: str
+    prompt_len: int
+    num_tokens: int
+    tags: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @classmethod
+    def from_json(cls, d: Any) -> TraceEntry:
+        if not isinstance(d, dict) or set(d) - {"tags"} != {"file", "request_id", "prompt_len",
+                                                            "num_tokens"}:
+            raise TraceError(f"index entry {d!r} must have exactly file, request_id, "
+                             "prompt_len, num_tokens and optional tags")
+        ok = (isinstance(d["file"], str) and isinstance(d["request_id"], str)
+              and isinstance(d.get("tags", []), list)
+              and all(isinstance(t, str) for t in d.get("tags", []))
+              and Path(d["file"]).name == d["file"] and d["file"] not in ("", ".", ".."))
+        if not ok:
+            raise TraceError(f"index entry {d!r} has a bad file name, request_id or tags")
+        checked_int("prompt_len", d["prompt_len"], low=1, what="index entry field")
+        if checked_int("num_tokens", d["num_tokens"], low=1, what="index entry field") < d[
+                "prompt_len"]:
+            raise TraceError(f"index entry {d['request_id']!r}: prompt_len > num_tokens")
+        return cls(**d)
+
+
+class TraceSet:
+    """A directory of trace files plus ``index.json``; traces are read lazily, one at a time.
+
+    ``TraceSet(dir)`` opens an existing set; ``TraceSet(dir, create=True)`` also starts an
+    empty one. ``write`` appends a trace (file first, then the index, both atomically).
+    NOTE: one writer at a time; concurrent writers would lose index entries.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, create: bool = False) -> None:
+        self.directory = Path(directory)
+        self._index_path = self.directory / INDEX_NAME
+        if self._index_path.is_file():
+            self._entries = self._load_index()
+        elif create and (not self.directory.exists() or self.directory.is_dir()):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._entries = []
+            self._save_index()
+        else:
+            raise TraceError(f"{self._index_path}: no trace-set index (not a trace set)")
+
+    @property
+    def index(self) -> tuple[TraceEntry, ...]:
+        return tuple(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Trace]:
+        return (self.read(e) for e in self._entries)
+
+    def read(self, entry: TraceEntry | int | str, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32) -> Trace:
+        """Read one trace by entry, position or request id; checks it against the index."""
+        if isinstance(entry, int):
+            entry = self._entries[entry]
+        elif isinstance(entry, str):
+            found = [e for e in self._entries if e.request_id == entry]
+            if not found:
+                raise TraceError(f"{self._index_path}: no request {entry!r}")
+            entry = found[0]
+        path = self.directory / entry.file
+        trace = read_trace(path, device=device, dtype=dtype)
+        got = (trace.request_id, trace.prompt_len, trace.num_tokens)
+        if got != (entry.request_id, entry.prompt_len, entry.num_tokens):
+            raise TraceError(f"{path}: (request_id, prompt_len, num_tokens) = {got} disagrees "
+                             f"with {self._index_path}")
+        return trace
+
+    def write(self, trace: Trace, *, tags: tuple[str, ...] | list[str] = (),
+              dtype: torch.dtype = torch.float16) -> TraceEntry:
+        """Append ``trace`` to the set; request ids must be unique."""
+        rid = trace.request_id
+        if any(e.request_id == rid for e in self._entries):
+            raise TraceError(f"{self._index_path}: request id {rid!r} is already in the set")
+        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in rid)[:64]
+        entry = TraceEntry(file=f"{len(self._entries):06d}-{slug}.safetensors", request_id=rid,
+                           prompt_len=trace.prompt_len, num_tokens=trace.num_tokens,
+                           tags=tuple(tags))
+        write_trace(self.directory / entry.file, trace, dtype=dtype)
+        self._entries.append(entry)
+        try:
+            self._save_index()
+        except BaseException:
+            self._entries.pop()
+            raise
+        return entry
+
+    def _load_index(self) -> list[TraceEntry]:
+        try:
+            d = json.loads(self._index_path.read_text(), parse_constant=reject_json_constant)
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise TraceError(f"{self._index_path}: unreadable index ({e})") from None
+        if not isinstance(d, dict) or d.get("format") != SET_FORMAT_NAME:
+            raise TraceError(f"{self._index_path}: not a '{SET_FORMAT_NAME}' index")
+        if d.get("version") != FORMAT_VERSION or not isinstance(d.get("traces"), list):
+            raise TraceError(f"{self._index_path}: unsupported version {d.get('version')!r} "
+                             "or no 'traces' list")
+        try:
+            entries = [TraceEntry.from_json(e) for e in d["traces"]]
+        except TraceError as e:
+            raise TraceError(f"{self._index_path}: {e}") from None
+        for key in ("file", "request_id"):
+            if len({getattr(e, key) for e in entries}) != len(entries):
+                raise TraceError(f"{self._index_path}: duplicate {key} in the index")
+        return entries
+
+    def _save_index(self) -> None:
+        d = {"format": SET_FORMAT_NAME, "version": FORMAT_VERSION,
+             "traces": [{**attrs.asdict(e), "tags": list(e.tags)} for e in self._entries]}
+        atomic_write(self._index_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=1)))
+
+
+def read_trace_set(directory: str | os.PathLike) -> TraceSet:
+    """Open an existing trace set (``TraceError`` if ``directory`` has no valid index)."""
+    return TraceSet(directory)
