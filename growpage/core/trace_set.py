@@ -68,7 +68,7 @@ class TraceSet:
     """
 
     def __init__(self, directory: str | os.PathLike, *, create: bool = False) -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory).absolute()  # later reads do not depend on the cwd
         self._index_path = self.directory / INDEX_NAME
         if self._index_path.is_file():
             self._entries = self._load_index()

@@ -17,6 +17,7 @@ import torch
 
 from growpage.core.rope import RopeConfig
 from growpage.engine.attention import AttentionBackend
+from growpage.engine.gguf_file import GGUFFile
 from growpage.engine.model import SUPPORTED_ARCHS, CausalLM, ModelConfig
 from growpage.errors import EngineError
 
@@ -101,25 +102,19 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor],
 # ---------------------------------------------------------------- GGUF
 
 
-def open_gguf(path: str | Path):  # -> gguf.GGUFReader
-    """A (cached) reader; model and tokenizer loading share it, parsing takes seconds."""
+def open_gguf(path: str | Path) -> GGUFFile:
+    """A (cached) reader; model and tokenizer loading share it."""
     p = Path(path).resolve()
     return _open_gguf(str(p), p.stat().st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _open_gguf(path: str, mtime_ns: int):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises bare ValueError/struct errors
-        raise EngineError(f"cannot read GGUF file {path}: {exc}") from exc
+def _open_gguf(path: str, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def gguf_value(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def gguf_value(reader: GGUFFile, key: str, default=None):
+    return reader.value(key, default)
 
 
 def _gguf_config(reader, path: Path, tensor_shapes: dict[str, list[int]]) -> ModelConfig:
@@ -180,14 +175,14 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
     reader = open_gguf(path)
-    cfg = _gguf_config(reader, path, {t.name: t.shape.tolist() for t in reader.tensors})
+    cfg = _gguf_config(reader, path, {t.name: list(t.shape) for t in reader.tensors})
     sd: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = _gguf_hf_name(tensor.name)
         if name is None:
             continue
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        w = torch.from_numpy(data.reshape(tuple(reversed(tensor.shape.tolist()))).copy()).float()
+        data = gguf.quants.dequantize(reader.raw(tensor), gguf.GGMLQuantizationType(tensor.type))
+        w = torch.from_numpy(data.reshape(tuple(reversed(tensor.shape))).copy()).float()
         if cfg.arch == "llama" and ".q_proj." in name:
             w = unpermute_qk(w, cfg.num_q_heads)
         elif cfg.arch == "llama" and ".k_proj." in name:

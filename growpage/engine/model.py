@@ -194,7 +194,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: no random init (the weights come from a checkpoint, see ``build_model``): on the
+        # meta device, nn.Embedding's normal_ alone imports torch's Python decompositions (~2 s).
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
