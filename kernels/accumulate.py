@@ -27,6 +27,8 @@ import triton.language as tl
 from ._utils import MIN_DOT_DIM, check_device, check_index, dot_in_fp32, is_interpreter, next_pow2
 from .split_k import LOG2E
 
+_LOG2E = tl.constexpr(LOG2E)  # a global a kernel may read
+
 
 # Per-step quantities (table width, context lengths), the index tensors' addresses and the
 # layer view's address stay out of the compile key: an engine compiles one variant. See
@@ -71,7 +73,7 @@ def _accumulate_kernel(
     head_off = kv_head * stride_ch
 
     if HAS_LSE:
-        lse = tl.load(lse_ptr + b * stride_lb + offs_h, mask=mask_h, other=0.0) * LOG2E
+        lse = tl.load(lse_ptr + b * stride_lb + offs_h, mask=mask_h, other=0.0) * _LOG2E
     else:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
