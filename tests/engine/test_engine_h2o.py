@@ -183,6 +183,30 @@ def test_triton_backend_gives_the_torch_backends_sums():
     assert_all_returned(llm)
 
 
+def test_static_decode_pads_without_touching_the_sums():
+    """CUDA-graph decode (static buffers; eager on CPU): padding rows have length 0, so the
+    accumulation kernel adds nothing for them; same tokens and the same sums everywhere."""
+    from growpage.engine.cuda_graphs import DecodeGraphs
+
+    prompts, params = [prompt(5 + 4 * i, 70 + i) for i in range(3)], SamplingParams(
+        max_tokens=10, ignore_eos=True)
+    llms = []
+    for graphs in (False, True):
+        llm = tiny_llm(tiny_model(), policy=SpyH2O(budget_tokens=12), max_num_seqs=4,
+                       kv_pages=40, device=DEVICE, attention_backend="triton",
+                       boundary_kernels=True, cuda_graphs=graphs and DEVICE == "cuda")
+        llm.engine.model.backend.num_splits = 1
+        if graphs and DEVICE == "cpu":
+            llm.engine.runner.graphs = DecodeGraphs(llm.engine.runner, 4, capture=False)
+        llms.append((llm, llm.generate(prompts, params, use_tqdm=False)))
+    (eager, want), (static, got) = llms
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert {b for b, _ in static.engine.runner.graphs._entries} == {4}  # 3 rows + 1 padding
+    torch.testing.assert_close(static.engine.kv.accumulated, eager.engine.kv.accumulated,
+                               atol=1e-5, rtol=0)
+    assert static.engine.kv.accumulated.abs().sum() > 0
+
+
 def test_overhead_benchmark_runs(capsys):
     from benchmark_scripts import load_benchmark
 
