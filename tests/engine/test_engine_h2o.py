@@ -68,6 +68,7 @@ def test_compaction_moves_the_sums_with_the_keys(use_kernels, pages):
     config = EngineConfig(growpage=GrowPageConfig(page_size=4, recent_window=2), kv_pages=24,
                           device=DEVICE)
     kv = KVCacheManager(model.config, config, SumsReadingGrowPage())
+    assert config.enable_prefix_caching and not kv.prefix_caching  # refused: slots private
     kv.pool.allocate(9)  # the request's pages come from the middle of the cache
     seq = Sequence(0, "r", prompt(12, 63), SamplingParams())
     kv.admit(seq)
