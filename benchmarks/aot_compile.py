@@ -65,7 +65,7 @@ def compile_all(quick: bool) -> None:
     import growpage.kernels as K
 
     for name in ("decode_attention", "kv_store", "compaction", "demand", "query_state",
-                 "boundary_queries"):
+                 "boundary_queries", "accumulate"):
         module = sys.modules[f"growpage.kernels.{name}"]
         module.check_device = lambda *_: None  # type: ignore[attr-defined]  # CPU tensors
     shapes = [LLAMA] if quick else [LLAMA, SMOLLM]
@@ -84,8 +84,13 @@ def compile_all(quick: bool) -> None:
         kv_cache = torch.empty(2, 2, 8, page, hkv, dim, dtype=dtype)
         keep = torch.zeros(1, 2, hkv, 16, dtype=torch.int32)
         K.compact_kv(kv_cache, tables[:1], keep, staged=False)
+        sums = torch.empty(2, 8 * page, hkv)  # H2O accumulated attention, [L, slots, Hkv]
+        K.accumulate_attention(q, k_cache, tables, lens, sums[0])
+        K.compact_kv(kv_cache, tables[:1], keep, staged=False, accumulated=sums)
         if not quick:
             K.compact_kv(kv_cache, tables[:1], keep, staged=True)
+            K.compact_kv(kv_cache, tables[:1], keep, staged=True, accumulated=sums)
+            K.accumulate_attention(q, k_cache, tables, lens, sums[0], lse=torch.empty(4, hq))
         K.demand_attention(torch.empty(2, 2, hq, dim), kv_cache[0], tables[0], 100)
         K.boundary_queries(torch.empty(2, 4, 2, hq, dim), torch.empty(2, 4, hq, dim), 1, 100,
                            torch.empty(dim // 2))

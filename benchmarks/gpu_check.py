@@ -67,7 +67,7 @@ def run_kernel_tests(timeout_s: int, workers: int = 0, log: Path | None = None) 
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
            "tests/engine/test_engine_triton_backend.py", "tests/engine/test_engine_cuda.py",
            "tests/engine/test_engine_warmup.py", "tests/engine/test_engine_cuda_graphs.py",
-           "tests/engine/test_engine_boundary_profile.py",
+           "tests/engine/test_engine_boundary_profile.py", "tests/engine/test_engine_h2o.py",
            "-k", "not gpu_check", "--tb=short"]
     if workers > 0 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers)]  # kernel compilation dominates: spread it over CPU cores

@@ -18,6 +18,7 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from .accumulate import accumulate_attention  # noqa: E402
 from .boundary_queries import boundary_queries  # noqa: E402
 from .compaction import compact_kv, is_direct_safe  # noqa: E402
 from .decode_attention import paged_decode_attention  # noqa: E402
@@ -34,6 +35,7 @@ __all__ = [
     "BETA_LONG",
     "BETA_SHORT",
     "DemandSignals",
+    "accumulate_attention",
     "boundary_queries",
     "compact_kv",
     "demand_attention",

@@ -20,6 +20,9 @@ Two routes:
   ``is_direct_safe``.
 * staged: gather every kept token into a staging buffer, then scatter it; correct for any
   overlap. Layers go in chunks so the buffer stays under ``max_stage_bytes``.
+
+With ``accumulated`` (the engine's H2O sums, ``[L, num_pages * page_size, Hkv]`` fp32) each
+kept slot's sum moves in the same program, on the same route, as its key and value.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from ._utils import check_device, check_index, is_interpreter, next_pow2
 # See ``growpage.kernels.variants``.
 @triton.jit(do_not_specialize=["num_keep", "layer0", "stride_ckv", "stride_cl", "stride_sbt",
                                "stride_dbt", "stride_kr", "stride_kl", "stride_kh", "stride_sr",
-                               "stride_sl", "stride_sh", "stride_skv"],
+                               "stride_sl", "stride_sh", "stride_skv", "stride_qr", "stride_ql",
+                               "stride_qh"],
             do_not_specialize_on_alignment=["src_bt_ptr", "dst_bt_ptr", "keep_ptr"])
 def _compact_kernel(
     cache_ptr,  # [2, L, num_pages, PAGE_SIZE, Hkv, D] KV cache (all layers)
@@ -45,12 +49,16 @@ def _compact_kernel(
     dst_bt_ptr,  # [R, max_pages_dst] int destination block tables, -1 padded
     keep_ptr,  # [R, L, Hkv, K] int logical positions to keep, ascending, -1 padded
     stage_ptr,  # [R, Lc, Hkv, 2, K, D] staging buffer (READ_STAGE or WRITE_STAGE)
+    acc_ptr,  # [L, num_pages * PAGE_SIZE, Hkv] fp32 accumulated attention (HAS_ACC)
+    acc_stage_ptr,  # [R, Lc, Hkv, K] fp32 staging of the sums (HAS_ACC, staged route)
     num_keep,
     layer0,  # first layer of this launch's layer chunk
     stride_ckv, stride_cl, stride_cp, stride_ct, stride_ch,
     stride_sbt, stride_dbt,
     stride_kr, stride_kl, stride_kh,
     stride_sr, stride_sl, stride_sh, stride_skv, stride_sk,
+    stride_al, stride_as,
+    stride_qr, stride_ql, stride_qh,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -58,6 +66,7 @@ def _compact_kernel(
     READ_STAGE: tl.constexpr,
     WRITE_STAGE: tl.constexpr,
     IN_PLACE: tl.constexpr,  # same table for source and destination: keep[j] == j moves nothing
+    HAS_ACC: tl.constexpr,  # move each kept slot's accumulated attention along with its K/V
 ):
     r = tl.program_id(0)
     chunk_layer = tl.program_id(1)
@@ -68,6 +77,8 @@ def _compact_kernel(
     cache_base = cache_ptr + layer.to(tl.int64) * stride_cl + h * stride_ch
     stage_base = stage_ptr + r * stride_sr + chunk_layer * stride_sl + h * stride_sh
     keep_base = keep_ptr + r * stride_kr + layer * stride_kl + h * stride_kh
+    acc_base = acc_ptr + layer.to(tl.int64) * stride_al + h
+    acc_stage_base = acc_stage_ptr + r * stride_qr + chunk_layer * stride_ql + h * stride_qh
     for j0 in range(0, num_keep, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         pos = tl.load(keep_base + offs_j, mask=offs_j < num_keep, other=-1)
@@ -77,26 +88,34 @@ def _compact_kernel(
         if READ_STAGE:
             src = stage_base + offs_j.to(tl.int64) * stride_sk
             src_kv = stride_skv
+            acc_src = acc_stage_base + offs_j
         else:
             page = tl.load(src_bt_ptr + r * stride_sbt + pos // PAGE_SIZE, mask=mask, other=-1)
             mask = mask & (page >= 0)
             src = cache_base + page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_ct
             src_kv = stride_ckv
+            acc_src = acc_base + (page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE) * stride_as
         if WRITE_STAGE:
             dst = stage_base + offs_j.to(tl.int64) * stride_sk
             dst_kv = stride_skv
+            acc_dst = acc_stage_base + offs_j
         else:
             page = tl.load(dst_bt_ptr + r * stride_dbt + offs_j // PAGE_SIZE, mask=mask, other=-1)
             mask = mask & (page >= 0)
             dst = cache_base + page.to(tl.int64) * stride_cp + (offs_j % PAGE_SIZE) * stride_ct
             dst_kv = stride_ckv
+            acc_dst = acc_base + (page.to(tl.int64) * PAGE_SIZE + offs_j % PAGE_SIZE) * stride_as
         mask2 = mask[:, None] & mask_d[None, :]
         k = tl.load(src[:, None] + offs_d[None, :], mask=mask2)
         v = tl.load(src[:, None] + src_kv + offs_d[None, :], mask=mask2)
+        if HAS_ACC:
+            a = tl.load(acc_src, mask=mask)
         # NOTE: every source of this tile is read before any of its destinations is written.
         tl.debug_barrier()
         tl.store(dst[:, None] + offs_d[None, :], k, mask=mask2)
         tl.store(dst[:, None] + dst_kv + offs_d[None, :], v, mask=mask2)
+        if HAS_ACC:
+            tl.store(acc_dst, a, mask=mask)
 
 
 def is_direct_safe(block_tables: torch.Tensor, dst_block_tables: torch.Tensor) -> torch.Tensor:
@@ -115,6 +134,7 @@ def compact_kv(
     keep: torch.Tensor,
     dst_block_tables: torch.Tensor | None = None,
     *,
+    accumulated: torch.Tensor | None = None,
     staged: bool | None = None,
     block_n: int | None = None,
     max_stage_bytes: int = 1 << 30,
@@ -127,12 +147,21 @@ def compact_kv(
         keep: ``[R, L, Hkv, K]`` int32/int64 ascending logical positions to keep, -1 padded at
             the end (a request keeping fewer tokens than K).
         dst_block_tables: ``[R, max_pages_dst]`` destination pages; None = in place.
+        accumulated: optional ``[L, num_pages * page_size, Hkv]`` fp32 per-slot sums (H2O
+            accumulated attention), moved exactly like the keys and values.
         staged: force the staging route (True) or the direct route (False); None picks direct
             unless ``is_direct_safe`` fails for some request (that check syncs with the GPU).
     """
     num_layers, page_size, num_kv_heads, head_dim = (kv_cache.shape[1], *kv_cache.shape[3:])
     assert kv_cache.dim() == 6 and kv_cache.shape[0] == 2, "kv_cache: [2, L, pages, page, Hkv, d]"
     assert kv_cache.stride(-1) == 1, "kv_cache: last dim contiguous"
+    if accumulated is not None:
+        expected = (num_layers, kv_cache.shape[2] * page_size, num_kv_heads)
+        assert accumulated.dtype == torch.float32 and tuple(accumulated.shape) == expected, \
+            f"accumulated: fp32 {expected} expected, got {accumulated.dtype} " \
+            f"{tuple(accumulated.shape)}"
+        assert accumulated.stride(2) == 1, "accumulated: heads contiguous"
+        check_device(kv_cache, accumulated)
     check_index(block_tables, 2, "block_tables")
     check_index(keep, 4, "keep")
     num_reqs, num_keep = keep.shape[0], keep.shape[3]
@@ -151,27 +180,35 @@ def compact_kv(
 
     in_place = dst_block_tables is None or dst_block_tables is block_tables
 
-    def launch(stage: torch.Tensor, layer0: int, num: int, read: bool, write: bool) -> None:
+    has_acc = accumulated is not None
+    acc = accumulated if has_acc else kv_cache  # unused without sums
+
+    def launch(stage: torch.Tensor, acc_stage: torch.Tensor, layer0: int, num: int, read: bool,
+               write: bool) -> None:
         _compact_kernel[(num_reqs, num, num_kv_heads)](
-            kv_cache, block_tables, dst_tables, keep, stage, num_keep, layer0,
+            kv_cache, block_tables, dst_tables, keep, stage, acc, acc_stage, num_keep, layer0,
             *kv_cache.stride()[:2], *kv_cache.stride()[2:5],
             block_tables.stride(0), dst_tables.stride(0),
             *keep.stride()[:3],
             *stage.stride()[:5],
+            *(acc.stride()[:2] if has_acc else (0, 0)),
+            *(acc_stage.stride()[:3] if has_acc else (0, 0, 0)),
             PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_N=block_n,
             BLOCK_D=next_pow2(head_dim), READ_STAGE=read, WRITE_STAGE=write,
-            IN_PLACE=in_place and not (read or write),
+            IN_PLACE=in_place and not (read or write), HAS_ACC=has_acc,
             num_stages=1,  # NOTE: no software pipelining: loads must not slide past the barrier
         )
 
     if not staged:
         dummy = kv_cache.new_empty(1, 1, 1, 1, 1, 1)
-        launch(dummy, 0, num_layers, False, False)
+        launch(dummy, acc, 0, num_layers, False, False)
         return
-    per_layer = num_reqs * num_kv_heads * 2 * num_keep * head_dim * kv_cache.element_size()
+    per_layer = num_reqs * num_kv_heads * num_keep * (2 * head_dim * kv_cache.element_size()
+                                                      + 4 * has_acc)
     chunk = max(1, min(num_layers, max_stage_bytes // per_layer))
     stage = kv_cache.new_empty(num_reqs, chunk, num_kv_heads, 2, num_keep, head_dim)
+    acc_stage = acc.new_empty(num_reqs, chunk, num_kv_heads, num_keep) if has_acc else acc
     for layer0 in range(0, num_layers, chunk):
         num = min(chunk, num_layers - layer0)
-        launch(stage, layer0, num, False, True)
-        launch(stage, layer0, num, True, False)
+        launch(stage, acc_stage, layer0, num, False, True)
+        launch(stage, acc_stage, layer0, num, True, False)

@@ -78,11 +78,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def compact_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.Tensor,
-               dst_block_tables: torch.Tensor | None = None) -> None:
+               dst_block_tables: torch.Tensor | None = None,
+               accumulated: torch.Tensor | None = None) -> None:
     """Gather ``keep [R, L, Hkv, K]`` logical positions into logical ``0..K-1`` of the dst tables.
 
     Reads everything before writing anything, so any overlap of source and destination is fine.
     ``kv_cache`` is ``[2, L, num_pages, page_size, Hkv, d]``; -1 in ``keep`` is skipped.
+    ``accumulated [L, num_pages * page_size, Hkv]`` (optional) moves alike.
     """
     dst_tables = block_tables if dst_block_tables is None else dst_block_tables
     page_size = kv_cache.shape[3]
@@ -96,10 +98,13 @@ def compact_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.T
                 idx = idx[idx >= 0]
                 src = token_slots(block_tables[r], int(idx.max()) + 1 if len(idx) else 0, page_size)
                 dst = token_slots(dst_tables[r], len(idx), page_size)
-                staged.append((layer, h, dst, flat[:, src[idx.long()], h].clone()))
-    for layer, h, dst, values in staged:
+                sums = None if accumulated is None else accumulated[layer, src[idx.long()], h]
+                staged.append((layer, h, dst, flat[:, src[idx.long()], h].clone(), sums))
+    for layer, h, dst, values, sums in staged:
         flat = kv_cache[:, layer].reshape(2, -1, *kv_cache.shape[4:])
         flat[:, dst, h] = values
+        if accumulated is not None:
+            accumulated[layer, dst, h] = sums
 
 
 def demand_attention(queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
@@ -154,3 +159,24 @@ def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, 
     cos, sin = angles.cos(), angles.sin()
     views = [apply_rope(rms_calibrate(summaries[:, slot, v], cur, eps), cos, sin) for v in (0, 1)]
     return torch.stack(views)
+
+
+def accumulate_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, acc: torch.Tensor,
+                         sm_scale: float | None = None) -> None:
+    """Add ``q [B, Hq, d]``'s softmax over each row's context, averaged over each KV head's
+    query heads, into ``acc [num_slots, Hkv]``; the row's last slot is set, not added."""
+    num_seqs, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    for b in range(num_seqs):
+        n = int(context_lens[b])
+        if n == 0:
+            continue
+        slots = token_slots(block_tables[b], n, page_size)
+        k = flat_cache(k_cache)[slots].float()  # [n, Hkv, d]
+        acc[slots[-1]] = 0.0
+        for h in range(num_heads):
+            weights = torch.softmax(k[:, h // group] @ q[b, h].float() * scale, dim=0)
+            acc[slots, h // group] += weights / group

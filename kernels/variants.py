@@ -29,10 +29,11 @@ from collections.abc import Iterator
 import attrs
 from triton.backends.compiler import BaseBackend
 
-from . import compaction, decode_attention, demand, kv_store, query_state, split_k
+from . import accumulate, compaction, decode_attention, demand, kv_store, query_state, split_k
 from .boundary_queries import _boundary_queries_kernel
 
 KERNELS = {
+    "accumulate": accumulate._accumulate_kernel,
     "boundary_queries": _boundary_queries_kernel,
     "compact": compaction._compact_kernel,
     "decode_attention": decode_attention._decode_attention_kernel,

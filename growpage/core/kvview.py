@@ -69,7 +69,10 @@ class KVView(abc.ABC):
     def accumulated_attention(self) -> torch.Tensor | None:
         """Attention accumulated by every past query on each slot (H2O), ``[L, Hkv, N]``.
 
-        None when the view does not record it (the engine does not).
+        Every query the request has run counts, prompt included: its softmax weight on the
+        slot, averaged over the query heads of each KV head, summed over queries; a compaction
+        keeps the kept slots' sums. None when the view does not record it (both worlds record
+        it for a policy with ``needs_accumulated_attention``).
         """
         return None
 

@@ -21,6 +21,7 @@ import abc
 import torch
 import torch.nn.functional as F
 
+from growpage.engine.accumulation import DecodeIndex, add_decode, add_prefill, table_slots
 from growpage.engine.context import StepContext
 
 
@@ -61,7 +62,9 @@ class AttentionBackend(abc.ABC):
     """Stores a step's new keys/values in the paged cache and computes attention.
 
     A backend is stateless between steps; the cache views and the metadata come in with each
-    call. ``scale`` is the softmax scale (``head_dim ** -0.5``).
+    call. ``scale`` is the softmax scale (``head_dim ** -0.5``). When ``ctx.accumulation`` is
+    set, ``prefill`` and ``decode`` also add their attention weights into the H2O sums
+    (``growpage.engine.accumulation``).
     """
 
     name: str = "abstract"
@@ -130,6 +133,10 @@ class TorchAttentionBackend(AttentionBackend):
             raise RuntimeError("prefill over cached pages needs a bound KV cache")
         bounds = ctx.cu_seqlens_q.tolist()
         ctx_lens = ctx.context_lens.tolist()
+        sums = None
+        if ctx.accumulation is not None:
+            assert layer_cache is not None and ctx.slot_mapping is not None
+            sums = ctx.accumulation.layer(layer_cache)
         out = torch.empty_like(q)
         for b in range(len(bounds) - 1):
             start, end = bounds[b], bounds[b + 1]
@@ -141,6 +148,10 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 kb, vb = k[start:end], v[start:end]
             out[start:end] = _causal_attention(q[start:end], kb, vb, scale)
+            if sums is not None:
+                slots = (table_slots(ctx.block_tables[b], ctx_lens[b], layer_cache.shape[2])
+                         if use_cache else ctx.slot_mapping[start:end])
+                add_prefill(sums, q[start:end], kb, slots, scale)
         return out
 
     def decode(self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext,
@@ -156,6 +167,12 @@ class TorchAttentionBackend(AttentionBackend):
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("bhgs,bshd->bhgd", probs, v.float())
+        if ctx.accumulation is not None:
+            page_size = layer_cache.shape[2]
+            slots = torch.stack([table_slots(t.clamp(min=0), k.shape[1], page_size)
+                                 for t in ctx.block_tables])
+            index = DecodeIndex.of(slots, ctx.context_lens.to(q.device), num_kv_heads)
+            add_decode(ctx.accumulation.layer(layer_cache), probs.mean(dim=2), index)
         return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 

@@ -9,6 +9,9 @@ values), and the attention itself is one fused SDPA call with the native GQA map
     slots [B, S]  = block_tables[b, s // page] * page + s % page       S = max(context_lens)
     mask  [B, S]  = 0 where s < context_lens[b], else -inf
     k, v  [B, S, Hkv, d]    = layer_cache[0 / 1].view(slots, Hkv, d)[slots]
+
+With ``ctx.accumulation`` (H2O sums) decode also computes the softmax weights explicitly from
+the same gathered keys (SDPA does not return them) and adds them into the sums.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from growpage.engine.accumulation import DecodeIndex, add_decode, group_attention
 from growpage.engine.attention import TorchAttentionBackend
 from growpage.engine.context import StepContext
 
@@ -29,6 +33,7 @@ class PagedTorchBackend(TorchAttentionBackend):
         self._ctx: StepContext | None = None
         self._slots = torch.empty(0, dtype=torch.long)
         self._mask = torch.empty(0)
+        self._sums_index: DecodeIndex | None = None
         self._store_src: torch.Tensor | None = None
         self._store_slots = torch.empty(0, dtype=torch.long)
         self._store_keep: torch.Tensor | None = None
@@ -64,6 +69,7 @@ class PagedTorchBackend(TorchAttentionBackend):
             padding = pos[None, :] >= lens[:, None]
             self._mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill_(
                 padding, float("-inf"))[:, None, None, :]
+            self._sums_index = None  # H2O sums: built on first use in the step
             self._ctx = ctx
         return self._slots, self._mask
 
@@ -80,4 +86,11 @@ class PagedTorchBackend(TorchAttentionBackend):
         out = F.scaled_dot_product_attention(
             q.to(dtype).view(batch, num_q_heads, 1, head_dim), k.to(dtype), v.to(dtype),
             attn_mask=mask, scale=scale, enable_gqa=True)
+        if ctx.accumulation is not None:  # H2O sums: the weights again, explicitly
+            if self._sums_index is None:
+                self._sums_index = DecodeIndex.of(slots.view(batch, num_slots),
+                                                  ctx.context_lens.to(q.device), num_kv_heads)
+            weights = group_attention(q.view(batch, num_q_heads, 1, head_dim), k, scale,
+                                      mask.float()[:, :, None])  # [B, Hkv, 1, S]
+            add_decode(ctx.accumulation.layer(layer_cache), weights, self._sums_index)
         return out.view(batch, num_q_heads, head_dim).to(q.dtype)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from growpage.engine.accumulation import layer_index
 from growpage.engine.attention import AttentionBackend
 from growpage.engine.attention_torch import PagedTorchBackend
 from growpage.engine.context import StepCapture
@@ -78,14 +79,7 @@ class QueryStateFusion:
 
     def layer_of(self, layer_cache: torch.Tensor) -> int:
         """Index ``i`` such that ``layer_cache`` is ``kv_cache[:, i]``."""
-        cache = self.kv_cache
-        offset = layer_cache.data_ptr() - cache.data_ptr()
-        layer, rest = divmod(offset, cache.stride(1) * cache.element_size())
-        if rest or not 0 <= layer < cache.shape[1] or layer_cache.stride() != (
-                cache.stride(0), *cache.stride()[2:]):
-            raise EngineError("QueryStateFusion: the layer cache is not a view kv_cache[:, i] of "
-                              "its kv_cache (bind the same cache to the model)")
-        return layer
+        return layer_index(self.kv_cache, layer_cache)
 
     def pre_rope_query(self, capture: StepCapture | None, layer: int) -> torch.Tensor:
         """This step's pre-RoPE query ``[B, Hq, d]`` of ``layer``, as the model recorded it."""

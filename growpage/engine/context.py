@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
+
+if TYPE_CHECKING:
+    from growpage.engine.accumulation import AttentionAccumulation
 
 
 @attrs.define
@@ -64,6 +68,8 @@ class StepContext:
         cu_seqlens_q: ``[B + 1]`` cumulative new-token counts (prefill).
         max_seqlen_q / max_seqlen_k: largest new-token count / context length in the batch.
         capture: optional recorder of pre-RoPE queries (and keys/values) per layer.
+        accumulation: optional request to add the step's attention into the H2O sums
+            (``growpage.engine.accumulation``); None = nothing extra.
     """
 
     is_prefill: bool
@@ -74,6 +80,7 @@ class StepContext:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     capture: StepCapture | None = None
+    accumulation: AttentionAccumulation | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -93,7 +100,8 @@ class StepContext:
 def prefill_context(seq_lens: list[int], slot_mapping: torch.Tensor | None = None,
                     block_tables: torch.Tensor | None = None,
                     context_lens: list[int] | None = None,
-                    capture: StepCapture | None = None) -> StepContext:
+                    capture: StepCapture | None = None,
+                    accumulation: AttentionAccumulation | None = None) -> StepContext:
     """Build a prefill context for sequences of ``seq_lens`` new tokens.
 
     ``context_lens`` defaults to ``seq_lens`` (no cached prefix). Without ``slot_mapping`` the
@@ -106,13 +114,14 @@ def prefill_context(seq_lens: list[int], slot_mapping: torch.Tensor | None = Non
         is_prefill=True, slot_mapping=slot_mapping, block_tables=block_tables,
         context_lens=torch.tensor(ctx_lens, dtype=torch.int64), cu_seqlens_q=cu,
         max_seqlen_q=max(seq_lens, default=0), max_seqlen_k=max(ctx_lens, default=0),
-        capture=capture,
+        capture=capture, accumulation=accumulation,
     )
 
 
 def decode_context(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                    context_lens: torch.Tensor, capture: StepCapture | None = None,
-                   max_seqlen_k: int | None = None) -> StepContext:
+                   max_seqlen_k: int | None = None,
+                   accumulation: AttentionAccumulation | None = None) -> StepContext:
     """Build a decode context: one new token per sequence, ``context_lens`` includes it.
 
     Pass ``max_seqlen_k`` when the lengths are known on the host: reading it from a device
@@ -123,6 +132,7 @@ def decode_context(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
     return StepContext(
         is_prefill=False, slot_mapping=slot_mapping, block_tables=block_tables,
         context_lens=context_lens, max_seqlen_q=1, max_seqlen_k=max_seqlen_k, capture=capture,
+        accumulation=accumulation,
     )
 
 

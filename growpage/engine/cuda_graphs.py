@@ -15,7 +15,8 @@ Static buffers, rows padded to the bucket (``B <= bucket``)::
                                          pages, at least the batch's longest block table)
     query slots, first flags [Bmax]      -1 / 0: the fused EMA update skips the row
 
-Padding rows therefore write nothing: not the KV cache, not the query-state pool. Launch shapes
+Padding rows therefore write nothing: not the KV cache, not the query-state pool, not the H2O
+sums (the accumulation kernel skips a row of length 0). Launch shapes
 depend only on the batch bucket and W, which is what a graph needs (the decode kernel's split
 count comes from them): one graph per (batch bucket, width bucket) met. A batch above the
 largest bucket, or a block table longer than the pool or the model allows, runs eagerly.
@@ -145,7 +146,8 @@ class DecodeGraphs:
         kv = self.runner.kv
         ctx = decode_context(self.slots[:bucket], self._table(width)[:bucket],
                              self.lens[:bucket], StepCapture(),
-                             max_seqlen_k=width * self.page_size)
+                             max_seqlen_k=width * self.page_size,
+                             accumulation=self.runner.accumulation)
         fusion = QueryStateFusion(kv.query_pool.summaries, self.slot_ids[:bucket],
                                   self.first[:bucket], kv.cache, kv.query_pool.beta_short,
                                   kv.query_pool.beta_long)

@@ -5,6 +5,9 @@ One ``PagePool`` does the accounting; the ``CapacityController`` gets the same p
 it grants at a boundary come from the pages admission competes for. Prefix caching (paper
 appendix E.2) registers every full page of prefilled tokens under a chained hash; admission
 acquires the longest cached run of leading pages instead of recomputing it.
+
+For a policy that reads H2O accumulated attention (``needs_accumulated_attention``) it also
+holds the per-slot sums (``growpage.engine.accumulation``) and turns prefix caching off.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from growpage.core.capacity import BoundaryOutcome, CapacityController
 from growpage.core.pages import PagePool, chain_hash
+from growpage.engine.accumulation import allocate_sums, sum_bytes
 from growpage.engine.attention import allocate_kv_cache, kv_cache_bytes
 from growpage.engine.config import EngineConfig
 from growpage.engine.kv_view import EngineKVView
@@ -33,11 +37,20 @@ class KVCacheManager:
         c, gp = model_config, config.growpage
         self.model_config, self.config = model_config, config
         self.page_size = gp.page_size
+        records_sums = bool(getattr(policy, "needs_accumulated_attention", False))
         page_bytes = kv_cache_bytes(c.num_layers, gp.page_size, c.num_kv_heads, c.head_dim,
                                     config.dtype)
+        if records_sums:
+            page_bytes += sum_bytes(c.num_layers, gp.page_size, c.num_kv_heads)
         self.num_pages = config.num_pages_for(page_bytes)
         self.cache = allocate_kv_cache(c.num_layers, self.num_pages, gp.page_size,
                                        c.num_kv_heads, c.head_dim, config.dtype, config.device)
+        # H2O sums [L, slots, Hkv] fp32, only for a policy that reads them; their slots must
+        # not be shared, so they turn prefix caching off.
+        self.accumulated = (allocate_sums(c.num_layers, self.num_pages * gp.page_size,
+                                          c.num_kv_heads, config.device)
+                            if records_sums else None)
+        self.prefix_caching = config.enable_prefix_caching and not records_sums
         self.pool = PagePool(self.num_pages, gp.page_size, watermark=min(gp.watermark,
                                                                          self.num_pages - 1))
         self.query_pool = QueryStatePool(c.num_layers, config.max_num_seqs, c.num_q_heads,
@@ -56,7 +69,7 @@ class KVCacheManager:
 
     # ---- admission ------------------------------------------------------------------------
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        if not self.config.enable_prefix_caching:
+        if not self.prefix_caching:
             return []
         tokens = seq.token_ids
         pages = self.pool.match_prefix(tokens)
@@ -104,7 +117,7 @@ class KVCacheManager:
 
     def register_full_pages(self, seq: Sequence) -> None:
         """Enter the full, uncompacted pages of computed tokens in the prefix cache."""
-        if not self.config.enable_prefix_caching or seq.kept_positions is not None:
+        if not self.prefix_caching or seq.kept_positions is not None:
             return
         b, tokens = self.page_size, seq.token_ids
         while (seq.num_registered_pages + 1) * b <= seq.state.position:
@@ -130,14 +143,18 @@ class KVCacheManager:
             return None
         start = time.perf_counter()
         try:
-            view = EngineKVView(seq, self.cache, self.query_pool, self.model_config.rope,
-                                self.model_config.num_q_heads,
-                                use_kernels=self.config.boundary_kernels)
-            return self.controller.on_boundary(seq.state, view)
+            return self.controller.on_boundary(seq.state, self.view(seq))
         finally:
             if self.cache.is_cuda:
                 torch.cuda.synchronize(self.cache.device)  # count the kernels it launched
             self.boundary_seconds += time.perf_counter() - start
+
+    def view(self, seq: Sequence, use_kernels: bool | None = None) -> EngineKVView:
+        """``seq``'s KV view over the cache (``use_kernels`` None: the config's choice)."""
+        return EngineKVView(seq, self.cache, self.query_pool, self.model_config.rope,
+                            self.model_config.num_q_heads,
+                            use_kernels=self.config.boundary_kernels if use_kernels is None
+                            else use_kernels, accumulated=self.accumulated)
 
     def append_slot(self, seq: Sequence) -> int:
         """Take the next slot of ``seq`` for its next token (room must have been made)."""

@@ -9,6 +9,10 @@ The controller reads keys and query summaries through it at a capacity boundary 
 
 NOTE: destination slots may overlap source slots (pages not replaced by copy-on-write are
 reused), so all kept entries of a layer are gathered into a temporary before any is written.
+
+With H2O sums (``accumulated [L, num_pages * page_size, Hkv]``, ``growpage.engine.accumulation``)
+``accumulated_attention`` reads the request's slots and ``compact`` moves each kept slot's sum
+with its key and value; the sums of dropped slots are gone.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from growpage.core.kvview import KVView, QueryState
 from growpage.core.rope import RopeConfig
+from growpage.engine.accumulation import gather_sums
 from growpage.engine.query_state import QueryStatePool
 from growpage.engine.sequence import Sequence
 from growpage.engine.transfer import to_device
@@ -36,12 +41,15 @@ class EngineKVView(KVView):
     """KV view of ``seq`` over ``kv_cache [2, L, num_pages, page_size, Hkv, d]``."""
 
     def __init__(self, seq: Sequence, kv_cache: torch.Tensor, query_pool: QueryStatePool,
-                 rope: RopeConfig, num_q_heads: int, use_kernels: bool | None = None) -> None:
+                 rope: RopeConfig, num_q_heads: int, use_kernels: bool | None = None,
+                 accumulated: torch.Tensor | None = None) -> None:
         """``use_kernels``: demand estimation and compaction with the Triton kernels of
-        ``growpage.kernels`` (default: on CUDA; on CPU only under ``TRITON_INTERPRET=1``)."""
+        ``growpage.kernels`` (default: on CUDA; on CPU only under ``TRITON_INTERPRET=1``).
+        ``accumulated``: the engine's H2O sums, when its policy reads them."""
         _, num_layers, _, page_size, num_kv_heads, head_dim = kv_cache.shape
         self.use_kernels = boundary_kernels_on(use_kernels, kv_cache)
         self.seq, self.kv_cache, self.query_pool = seq, kv_cache, query_pool
+        self.accumulated = accumulated
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_q_heads, self.rope = num_q_heads, rope
         self.softmax_scale = head_dim ** -0.5
@@ -80,6 +88,14 @@ class EngineKVView(KVView):
     def positions(self) -> torch.Tensor:
         return self.seq.slot_positions(self.num_layers, self.num_kv_heads, self.device)
 
+    def accumulated_attention(self) -> torch.Tensor | None:
+        """H2O sums of the resident slots ``[L, Hkv, N]`` fp32 (a copy); None when the engine
+        does not record them (its policy does not read them)."""
+        if self.accumulated is None:
+            return None
+        return gather_sums(self.accumulated, self._slots(self.seq.state.block_table,
+                                                         self.num_tokens))
+
     def _table(self, pages: list[int] | list[list[int]]) -> torch.Tensor:
         return to_device(pages, torch.int32, self.device)  # queued: no host sync on CUDA
 
@@ -113,7 +129,7 @@ class EngineKVView(KVView):
 
     def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
         """Move slots ``keep [L, Hkv, K]`` (ascending) of ``src_pages`` to slots 0..K-1 of
-        ``dst_pages``, per layer and KV head; keys and values alike."""
+        ``dst_pages``, per layer and KV head; keys, values and H2O sums alike."""
         num_kept = keep.shape[-1]
         keep = keep.to(self.device, torch.long)
         if self.use_kernels:  # one launch; overlapping source and target slots handled there
@@ -124,6 +140,7 @@ class EngineKVView(KVView):
             width = len(src_pages)
             tables = self._table([src_pages, dst_pages + [-1] * (width - len(dst_pages))])
             compact_kv(self.kv_cache, tables[:1], keep[None], tables[1:],
+                       accumulated=self.accumulated,
                        staged=not direct_copy_safe(src_pages, dst_pages))
             self._after_compaction(keep)
             return
@@ -138,6 +155,9 @@ class EngineKVView(KVView):
         flat = self.kv_cache.view(2, self.num_layers, -1, self.head_dim)
         kept = flat[:, layers, src_idx]                            # gather: a temporary copy
         flat[:, layers, dst_idx] = kept
+        if self.accumulated is not None:  # [L, slots * Hkv]: the same flat indices
+            sums = self.accumulated.view(self.num_layers, -1)
+            sums[layers, dst_idx] = sums[layers, src_idx]
         self._after_compaction(keep)
 
     def _after_compaction(self, keep: torch.Tensor) -> None:

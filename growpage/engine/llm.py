@@ -47,7 +47,8 @@ class LLM:
         kv_pages / kv_cache_memory / max_num_seqs / max_num_batched_tokens /
         enable_prefix_caching / dtype / device / attention_backend / boundary_kernels / warmup /
         cuda_graphs / record_traces / record_layers / record_values / seed: see ``EngineConfig``. Recording needs
-        ``policy="fullkv"`` and turns prefix caching off.
+        ``policy="fullkv"`` and turns prefix caching off; so does a policy that reads H2O
+        accumulated attention (``needs_accumulated_attention``, e.g. ``"h2o"``).
     """
 
     def __init__(self, model: str | Path | CausalLM | None = None,
@@ -74,11 +75,13 @@ class LLM:
         policy_obj = resolve_policy(policy, **(policy_kwargs or {}))
         if record_traces is not None and getattr(policy_obj, "name", "") != "fullkv":
             raise EngineError("trace recording needs policy='fullkv' (traces hold full KV)")
+        # Per-slot H2O sums cannot live in shared prompt pages (growpage.engine.accumulation).
+        sums = bool(getattr(policy_obj, "needs_accumulated_attention", False))
         self.config = EngineConfig(
             growpage=gp, kv_pages=kv_pages, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching and record_traces is None, dtype=dtype,
-            device=device, attention_backend=attention_backend, boundary_kernels=boundary_kernels,
+            enable_prefix_caching=enable_prefix_caching and record_traces is None and not sums,
+            dtype=dtype, device=device, attention_backend=attention_backend, boundary_kernels=boundary_kernels,
             warmup=warmup, cuda_graphs=cuda_graphs,
             record_traces=None if record_traces is None else str(record_traces),
             record_layers=None if record_layers is None else list(record_layers),

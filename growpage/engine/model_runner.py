@@ -3,6 +3,8 @@
 It reads block tables and positions, never allocates pages. Decode steps capture the pre-RoPE
 queries of every layer and update the query-state pool in place (paper appendix E.1: the
 regular decode path only updates the two EMAs; the demand estimation runs at boundaries).
+When the KV manager holds H2O sums, every step asks the backend to add its attention into
+them (``ctx.accumulation``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from growpage.engine.accumulation import AttentionAccumulation
 from growpage.engine.backends import QueryStateFusion
 from growpage.engine.context import (
     StepCapture,
@@ -76,6 +79,8 @@ class ModelRunner:
         self.backend = model.backend
         self.fuses_query_state = bool(getattr(model.backend, "fuses_query_state", False))
         self.graphs: DecodeGraphs | None = None  # set by the engine with ``cuda_graphs``
+        self.accumulation = (None if kv.accumulated is None
+                             else AttentionAccumulation(kv.accumulated, kv.cache))
         model.bind_kv_cache(kv.cache)
 
     def claim_model(self) -> None:
@@ -154,7 +159,8 @@ class ModelRunner:
         tables = None if not any(starts) else self._tensor(self.kv.block_tables(list(out.seqs)))
         ctx = prefill_context(list(out.num_new_tokens), self._tensor(slots), tables,
                               [seq.state.num_tokens for seq in out.seqs],
-                              capture=capture if self.recorder is not None else None)
+                              capture=capture if self.recorder is not None else None,
+                              accumulation=self.accumulation)
         return ctx, self._tensor(ids), self._tensor(positions)
 
     def _prepare_decode(self, out: SchedulerOutput, capture: StepCapture
@@ -163,7 +169,8 @@ class ModelRunner:
         rows = DecodeRows.of(self.kv, seqs)
         ctx = decode_context(self._tensor(rows.slots), self._tensor(self.kv.block_tables(seqs)),
                              self._tensor(rows.lens), capture,
-                             max_seqlen_k=max(rows.lens, default=0))
+                             max_seqlen_k=max(rows.lens, default=0),
+                             accumulation=self.accumulation)
         if self.fuses_query_state:  # the backend updates the EMAs inside decode attention
             pool = self.kv.query_pool
             fusion = QueryStateFusion(

@@ -13,6 +13,10 @@ Optional fused EMA: when the step context carries ``query_state``
 (a ``growpage.engine.backends.QueryStateFusion``; read with ``getattr``, default None), decode
 also updates that layer's query summaries in the same launch. See docs/kernels.md.
 
+Optional H2O sums: when the step context carries ``accumulation``, decode launches
+``growpage.kernels.accumulate_attention`` after attention (it recomputes each row's
+log-sum-exp); prefill adds them in torch, as the torch backend does.
+
 NOTE: importing this module imports ``growpage.kernels``, which turns on Triton's CPU
 interpreter (``TRITON_INTERPRET=1``) on a machine without CUDA; the backend then runs on CPU
 tensors (slowly: tests and tiny models only).
@@ -25,7 +29,7 @@ import torch
 from growpage.engine.attention import AttentionBackend, TorchAttentionBackend
 from growpage.engine.backends import QueryStateFusion
 from growpage.engine.context import StepContext
-from growpage.kernels import paged_decode_attention, store_kv
+from growpage.kernels import accumulate_attention, paged_decode_attention, store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -65,6 +69,10 @@ class TritonAttentionBackend(AttentionBackend):
                        query_state=fusion.pool[layer], slot_ids=fusion.slot_ids,
                        is_first=fusion.is_first, beta_short=fusion.beta_short,
                        beta_long=fusion.beta_long)
-        return paged_decode_attention(q, layer_cache[0], layer_cache[1], ctx.block_tables,
-                                      ctx.context_lens, scale, num_splits=self.num_splits,
-                                      block_n=self.block_n, **ema)
+        out = paged_decode_attention(q, layer_cache[0], layer_cache[1], ctx.block_tables,
+                                     ctx.context_lens, scale, num_splits=self.num_splits,
+                                     block_n=self.block_n, **ema)
+        if ctx.accumulation is not None:  # H2O sums: a second launch over the keys
+            accumulate_attention(q, layer_cache[0], ctx.block_tables, ctx.context_lens,
+                                 ctx.accumulation.layer(layer_cache), scale)
+        return out

@@ -4,11 +4,13 @@ Triton compiles a kernel the first time it is launched with a new specialization
 (``growpage.kernels.variants``). The kernels keep per-step and per-boundary quantities out of
 their keys, so an engine needs only a few variants: decode attention with and without split-K,
 the KV store, the boundary queries, the two demand kernels and the three compaction routes
-(direct, stage-out, stage-in). Compiled lazily, each would stall the step that first needs it
-by a fraction of a second to seconds: the first compression of a run, the first step whose
-batch shrinks enough to split the context. ``warm_up`` launches every one of them once, through
-the engine's own call sites, in a scratch engine that shares the model (its own small KV cache,
-query-state pool and page pool), so the real engine's state is untouched.
+(direct, stage-out, stage-in); for a policy that reads H2O sums, also the accumulation kernel,
+with the compaction routes that move the sums. Compiled lazily, each would stall the step
+that first needs it by a fraction of a second to seconds: the first compression of a run, the
+first step whose batch shrinks enough to split the context. ``warm_up`` launches every one of
+them once, through the engine's own call sites, in a scratch engine that shares the model
+(its own small KV cache, query-state pool and page pool), so the real engine's state is
+untouched.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from growpage.core.context import BoundaryContext
 from growpage.core.decision import Decision
-from growpage.engine.kv_view import EngineKVView, boundary_kernels_on
+from growpage.engine.kv_view import boundary_kernels_on
 from growpage.engine.sampling_params import SamplingParams
 from growpage.policies.base import CapacityPolicy
 
@@ -53,6 +55,13 @@ class _CompressAtEveryBoundary(CapacityPolicy):
         return Decision.COMPRESS
 
 
+class _CompressWithSums(_CompressAtEveryBoundary):
+    """The same, recording H2O sums: the accumulation kernel runs in decode and compaction
+    moves the sums (the variants of an engine whose policy reads them)."""
+
+    needs_accumulated_attention = True
+
+
 def uses_kernels(engine: LLMEngine) -> tuple[bool, bool]:
     """(decode path, boundary path) of ``engine`` that run Triton kernels."""
     decode = bool(getattr(engine.model.backend, "fuses_query_state", False))
@@ -79,7 +88,9 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     backend = engine.model.backend
     saved_splits = getattr(backend, "num_splits", None)
     try:
-        scratch = LLMEngine(engine.model, config, _CompressAtEveryBoundary())
+        policy = (_CompressWithSums() if engine.kv.accumulated is not None
+                  else _CompressAtEveryBoundary())
+        scratch = LLMEngine(engine.model, config, policy)
         with record_variants() as log:
             # Prompt 2b - 1: the first decode fills two pages, the second meets a boundary
             # with history (one page of candidates) and compresses.
@@ -107,9 +118,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
 def _staged_compaction(scratch: LLMEngine, seq) -> None:
     """The staged compaction route (destination pages in another order), which a run takes
     only when a shrink releases a shared page from the middle of a block table."""
-    kv = scratch.kv
-    view = EngineKVView(seq, kv.cache, kv.query_pool, kv.model_config.rope,
-                        kv.model_config.num_q_heads, use_kernels=True)
+    view = scratch.kv.view(seq, use_kernels=True)
     n = view.num_tokens
     keep = torch.arange(n, device=view.device).expand(view.num_layers, view.num_kv_heads, n)
     pages = list(seq.state.block_table)

@@ -24,7 +24,9 @@ class CapacityPolicy(abc.ABC):
     # the caller to preempt (plain PagedAttention / vLLM behaviour, used by ``fullkv``).
     fallback_to_compress: ClassVar[bool] = True
     #: True when ``select``/``decide`` read ``ctx.accumulated_attention()`` (H2O): the simulator's
-    #: trace views then accumulate every replayed query's attention, which costs replay time.
+    #: trace views then accumulate every replayed query's attention, which costs replay time;
+    #: the engine keeps a per-slot fp32 sum beside the KV cache, adds every step's attention
+    #: into it and turns prefix caching off (``growpage.engine.accumulation``).
     needs_accumulated_attention: ClassVar[bool] = False
 
     @abc.abstractmethod

@@ -162,8 +162,10 @@ class StreamingLLMPolicy(FixedBudgetPolicy):
 class H2OPolicy(FixedBudgetPolicy):
     """Fixed budget with H2O selection: heavy hitters by accumulated attention + recent window.
 
-    Uses the view's accumulated attention when it records one (the simulator's trace views do,
-    for policies that ask); otherwise (the engine) the summaries' attention stands in.
+    ``needs_accumulated_attention`` makes both worlds record the sums: the simulator's trace
+    views replay every query, the engine adds each step's attention per cache slot (and runs
+    without prefix caching). A view that records none (a custom one) falls back on the
+    summaries' importance (``ctx.scores()``).
     """
 
     name = "h2o"

@@ -21,5 +21,6 @@ def test_kernels_compile_for_sm90() -> None:
         pytest.skip(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for kernel in ("_decode_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel",
-                   "_compact_kernel", "_demand_logits_kernel", "_demand_normalize_kernel"):
+                   "_compact_kernel", "_demand_logits_kernel", "_demand_normalize_kernel",
+                   "_accumulate_kernel"):
         assert f"sm_90 {kernel}" in proc.stdout

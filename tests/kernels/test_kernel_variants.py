@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from growpage.kernels import (
+    accumulate_attention,
     boundary_queries,
     compact_kv,
     demand_attention,
@@ -146,6 +147,25 @@ def test_compaction_compiles_one_variant_per_route() -> None:
                        max_stage_bytes=1 if i else 1 << 30)
     assert staged.counts() == {"compact": 2}  # stage-out and stage-in
     assert direct.new_since(staged)  # the direct route is a third variant
+
+
+def test_accumulation_compiles_one_variant_whatever_the_step() -> None:
+    """Batch, context lengths, table widths and addresses vary; so does the address of the
+    sums (``sums[layer]`` per layer; not always 16-byte aligned)."""
+    g = gen(5)
+    k_cache = randn(24, PAGE, HKV, D, g=g)
+    sums = torch.zeros(LAYERS, 24 * PAGE, HKV, device=DEVICE)
+    odd = torch.zeros(1 + 24 * PAGE * HKV, device=DEVICE)[1:].view(24 * PAGE, HKV)  # unaligned
+    views = [sums[0], sums[1], odd]
+    with record_variants() as log:
+        for i, lens in enumerate([[3], [5, 9, 1], [17], [2, 30], [11, 4, 8, 6, 13]]):
+            batch = len(lens)
+            width = max(-(-n // PAGE) for n in lens) + i % 2
+            tables = make_block_tables(lens, PAGE, 24, width, g)
+            accumulate_attention(randn(batch, HQ, D, g=g), k_cache,
+                                 _sliced(tables.flatten().tolist(), i).view(batch, width),
+                                 _sliced(lens, i + 1), views[i % 3])
+    assert log.counts() == {"accumulate": 1}, [describe(k) for k in log.keys["accumulate"]]
 
 
 def test_boundary_queries_and_store_compile_one_variant() -> None:
