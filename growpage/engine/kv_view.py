@@ -33,7 +33,7 @@ def page_slots(pages: list[int], num_slots: int, page_size: int,
                device: torch.device | str = "cpu") -> torch.Tensor:
     """Flat cache slots ``[num_slots]`` of a request's slots ``0..num_slots-1``."""
     idx = torch.arange(num_slots, device=device)
-    table = torch.tensor(pages, dtype=torch.long, device=device)
+    table = to_device(pages, torch.long, torch.device(device))  # queued: no host sync on CUDA
     return table[idx // page_size] * page_size + idx % page_size
 
 
