@@ -79,3 +79,38 @@ def measure_step_times(model: str | Path | CausalLM | None = None,
                     else _decode_row(model, num_seqs, n, repeats))
     model.bind_kv_cache(None)
     return rows
+
+
+def measure_boundary_costs(model: str | Path | CausalLM | None = None, num_requests: int = 6,
+                           max_tokens: int = 96, page_size: int = 16, policy: str = "growpage",
+                           progress: bool = True) -> dict:
+    """Seconds per capacity decision and per compaction on the local engine, for the
+    simulator's cost model (``CostModel.boundary_time``).
+
+    Runs ``policy`` on ``num_requests`` random prompts in a pool with room for 40% of what they
+    would need at full length (so that requests both grow and compress) and splits the boundary
+    time by phase (``growpage.engine.boundary_profile``): ``compaction_s`` is the selection, its
+    check and the compaction per compaction; ``boundary_s`` the rest per decided boundary.
+    Returns ``{"boundary_s", "compaction_s", "decided", "compactions"}``.
+    """
+    import random
+
+    from growpage.engine.boundary_profile import profile_boundaries
+    from growpage.engine.llm import LLM
+    from growpage.engine.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    llm = LLM(model, policy=policy, page_size=page_size, max_num_seqs=num_requests,
+              kv_pages=max(num_requests * -(-(max_tokens + 48) // page_size) * 2 // 5, 8),
+              min_capacity=2, enable_prefix_caching=False, warmup=False)
+    vocab = llm.engine.model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(16, 48))]
+               for _ in range(num_requests)]
+    with profile_boundaries(llm) as phases:
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                     use_tqdm=progress)
+    compacting = sum(phases.seconds[p] for p in ("select", "check", "compact"))
+    compactions = phases.calls["compact"]
+    return {"boundary_s": (phases.total_s - compacting) / max(phases.decided, 1),
+            "compaction_s": compacting / compactions if compactions else 0.0,
+            "decided": phases.decided, "compactions": compactions}

@@ -31,6 +31,11 @@ def _serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost", default="a100-qwen3-8b",
                    help="roofline preset (a100-qwen3-8b, a100-r1-llama-8b) or a JSON file "
                         "from `growpage calibrate`")
+    p.add_argument("--boundary-ms", type=float, metavar="MS",
+                   help="charge MS per policy decision at a capacity boundary (default: the "
+                        "cost model's, 0 for the presets: asynchronous, as the paper)")
+    p.add_argument("--compaction-ms", type=float, metavar="MS",
+                   help="charge MS per KV compaction (default: the cost model's)")
     p.add_argument("--kv-pages", type=int, metavar="N",
                    help="pages in the KV pool (default: what the preset's GPU holds, else 1500)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -89,4 +94,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="CSV/JSON rows num_seqs,kv_tokens,prefill_tokens,step_s (default: "
                         "measure the local engine)")
     p.add_argument("--out", default="costmodel.json", help="where to write the model")
+    p.add_argument("--no-boundaries", dest="boundaries", action="store_false",
+                   help="do not measure the seconds per capacity decision and per compaction "
+                        "(a short growpage run on the engine; default: measure them)")
     p.set_defaults(func=_lazy("run_calibrate"))

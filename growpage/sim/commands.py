@@ -19,7 +19,12 @@ from growpage.core.traces import Trace
 from growpage.errors import ConfigError
 from growpage.policies.registry import parse_policy_params, resolve_policy
 from growpage.sim import reports
-from growpage.sim.costmodel import CostModel, RooflineCostModel, load_cost_model
+from growpage.sim.costmodel import (
+    CostModel,
+    RooflineCostModel,
+    load_cost_model,
+    with_boundary_costs,
+)
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.serving import SimConfig
 from growpage.sim.signal import signal_quality
@@ -114,7 +119,7 @@ def _signal_table(q: Any) -> str:
 # ---- serve -----------------------------------------------------------------------------------
 def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
                    ) -> tuple[SimConfig, CostModel, list[WorkloadRequest]]:
-    cost = load_cost_model(args.cost)
+    cost = with_boundary_costs(load_cost_model(args.cost), *_boundary_prices(args))
     pages = args.kv_pages
     if pages is None:
         pages = cost.kv_pages(config.page_size) if isinstance(cost, RooflineCostModel) else 1500
@@ -123,6 +128,16 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
                     admission_reserve=args.admission_reserve, decisions=args.decisions,
                     num_scripts=args.num_scripts, seed=args.seed)
     return sim, cost, resolve_workload(args.workload, args.seed)
+
+
+def _boundary_prices(args: argparse.Namespace) -> tuple[float | None, float | None]:
+    """``--boundary-ms`` / ``--compaction-ms`` in seconds (None where not given)."""
+    prices = []
+    for flag, ms in (("--boundary-ms", args.boundary_ms), ("--compaction-ms", args.compaction_ms)):
+        if ms is not None and not (ms >= 0 and ms != float("inf")):
+            raise ConfigError(f"{flag} must be a finite number >= 0, got {ms}")
+        prices.append(None if ms is None else ms / 1000.0)
+    return prices[0], prices[1]
 
 
 def traces_for(requests: list[WorkloadRequest], directory: str
@@ -190,8 +205,10 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     config = _setup(args)
     sim, _, requests = _serving_setup(args, config)
+    boundary_s, compaction_s = _boundary_prices(args)
     settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
-                             fidelity_traces=args.fidelity_traces, seed=args.seed)
+                             fidelity_traces=args.fidelity_traces, seed=args.seed,
+                             boundary_s=boundary_s, compaction_s=compaction_s)
     rows = run_sweep(parse_points(args.points), settings, jobs=args.jobs, progress=not args.json)
     _emit(args, reports.format_table(rows, SWEEP_COLUMNS), {"points": rows})
     if args.out:
@@ -209,6 +226,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     rows = load_measurements(args.measurements) if args.measurements else measure_engine()
     model = fit_linear(rows)
+    if not args.measurements and args.boundaries:  # capacity control on the same engine
+        from growpage.engine.profile import measure_boundary_costs
+
+        costs = measure_boundary_costs()
+        model = with_boundary_costs(model, costs["boundary_s"], costs["compaction_s"])
+        print(f"capacity control: {costs['decided']} decisions, {costs['compactions']} "
+              "compactions measured")
     predicted = model.step_time(rows[:, 0], rows[:, 1], rows[:, 2])
     rms = float(((predicted - rows[:, 3]) ** 2).mean() ** 0.5)
     path = model.save(args.out)

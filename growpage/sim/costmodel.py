@@ -10,6 +10,9 @@ tokens. Two models:
 * ``RooflineCostModel``: ``t = overhead + max(flops / (peak * mfu), bytes / (bandwidth * mbu))``
   from hardware and model specs (``sim.hardware`` has the paper's presets).
 
+Both may also price capacity control (``boundary_time``): seconds per policy decision and per
+compaction, 0 by default (the paper's asynchronous pipeline).
+
 All arguments may be numpy arrays (broadcast), so a run of decode steps is priced in one call.
 """
 
@@ -81,6 +84,18 @@ class CostModel(abc.ABC):
         """Seconds of a prefill-only step."""
         return float(self.step_time(0, 0, prefill_tokens))
 
+    def boundary_time(self, decided: int, compactions: int) -> float:
+        """Seconds of capacity control between two steps: ``decided`` policy decisions, of
+        which ``compactions`` compacted KV (Compress & Hold, Shrink, a refused GROW).
+
+        ``boundary_s`` per decision plus ``compaction_s`` per compaction; both 0 unless set,
+        which is the paper's asynchronous pipeline (appendix E.3: compaction overlaps decoding
+        and the decision's cost is not modelled). ``growpage calibrate`` measures both on the
+        local engine (``growpage.engine.profile.measure_boundary_costs``).
+        """
+        return (decided * getattr(self, "boundary_s", 0.0)
+                + compactions * getattr(self, "compaction_s", 0.0))
+
     def describe(self) -> dict:
         return {"kind": type(self).__name__, **attrs.asdict(self, recurse=True)}
 
@@ -93,6 +108,8 @@ class LinearCostModel(CostModel):
     per_seq_s: float = attrs.field(default=0.0, validator=_non_negative)
     per_kv_token_s: float = attrs.field(default=0.0, validator=_non_negative)
     per_prefill_token_s: float = attrs.field(default=0.0, validator=_non_negative)
+    boundary_s: float = attrs.field(default=0.0, validator=_non_negative)    # per decision
+    compaction_s: float = attrs.field(default=0.0, validator=_non_negative)  # per compaction
     name: str = "linear"
 
     def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
@@ -137,6 +154,8 @@ class RooflineCostModel(CostModel):
     mfu: float = attrs.field(default=0.5, validator=_unit)   # achieved share of peak FLOP/s
     mbu: float = attrs.field(default=0.8, validator=_unit)   # achieved share of peak bandwidth
     overhead_s: float = attrs.field(default=0.002, validator=_non_negative)  # per step, seconds
+    boundary_s: float = attrs.field(default=0.0, validator=_non_negative)    # per decision
+    compaction_s: float = attrs.field(default=0.0, validator=_non_negative)  # per compaction
     name: str = "roofline"
 
     def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
@@ -182,6 +201,20 @@ def _sum_of_max(lines: list[tuple[float, float]], kv0: float, step: float, n: in
         count = hi - lo
         total += count * a + b * (count * kv0 + step * (lo + hi - 1) * count / 2.0)
     return total
+
+
+def with_boundary_costs(cost: CostModel, boundary_s: float | None = None,
+                        compaction_s: float | None = None) -> CostModel:
+    """``cost`` with its capacity-control prices replaced where given (None keeps them)."""
+    changes = {k: v for k, v in (("boundary_s", boundary_s), ("compaction_s", compaction_s))
+               if v is not None}
+    if not changes:
+        return cost
+    fields = attrs.fields_dict(type(cost)) if attrs.has(type(cost)) else {}
+    if not all(f in fields for f in changes):
+        raise ConfigError(f"cost model {type(cost).__name__} has no boundary_s/compaction_s "
+                          "fields to set")
+    return attrs.evolve(cost, **changes)
 
 
 def load_cost_model(spec: str) -> CostModel:

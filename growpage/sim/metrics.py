@@ -23,6 +23,8 @@ class ServingMetrics:
         grows: executed growths (forced ones included); compresses, shrinks, fallbacks as the
             controller counted them; preemptions: requests preempted by the scheduler.
         peak_pages: most pages in use at once.
+        boundary_time_s: simulated seconds of capacity control (``CostModel.boundary_time``),
+            part of ``total_time_s``; 0 unless the cost model prices it.
     """
 
     policy: str
@@ -45,6 +47,7 @@ class ServingMetrics:
     prefill_steps: int
     peak_pages: int
     num_pages: int
+    boundary_time_s: float = 0.0
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -52,8 +55,8 @@ class ServingMetrics:
 
 def compute_metrics(policy: str, requests: list[SimRequest], events: EventCounters,
                     total_time_s: float, resident_seconds: float, num_preemptions: int,
-                    decode_steps: int, prefill_steps: int, peak_pages: int, num_pages: int
-                    ) -> ServingMetrics:
+                    decode_steps: int, prefill_steps: int, peak_pages: int, num_pages: int,
+                    boundary_time_s: float = 0.0) -> ServingMetrics:
     """Metrics of a finished run; ``resident_seconds`` is the integral of the batch size."""
     out_tokens = sum(r.output_tokens for r in requests)
     n = max(len(requests), 1)
@@ -69,4 +72,4 @@ def compute_metrics(policy: str, requests: list[SimRequest], events: EventCounte
         grows=events.grow, forced_grows=events.forced_grow, compresses=events.compress,
         shrinks=events.shrink, fallbacks=events.fallback, preemptions=num_preemptions,
         decode_steps=decode_steps, prefill_steps=prefill_steps, peak_pages=peak_pages,
-        num_pages=num_pages)
+        num_pages=num_pages, boundary_time_s=boundary_time_s)

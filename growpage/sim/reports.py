@@ -25,7 +25,8 @@ SERVING_COLUMNS: list[Column] = [
     ("total_time_s", "time s", ".0f"), ("avg_resident", "C", ".1f"),
     ("avg_kv_budget", "avg budget", ".0f"), ("grow_ratio", "grow %", ".1%"),
     ("grows", "grow", "d"), ("compresses", "compress", "d"), ("shrinks", "shrink", "d"),
-    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d")]
+    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d"),
+    ("boundary_time_s", "boundary s", ".2f")]
 
 
 def _cell(value: Any, fmt: str) -> str:

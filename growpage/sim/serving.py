@@ -108,6 +108,7 @@ class _Run:
     prefill_steps: int = 0
     decode_steps: int = 0
     peak_pages: int = 0
+    boundary_seconds: float = 0.0
     on_progress: Callable[[int], None] | None = None   # called with the finished count
 
     def spend(self, env: simpy.Environment, seconds: float) -> simpy.Timeout:
@@ -148,7 +149,10 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             run.idle = env.event()
             yield run.idle
             continue
-        sched.resolve_boundaries(env.now)
+        seconds = _resolve_boundaries(run, env.now)
+        if seconds > 0:  # capacity control as the cost model prices it (0: asynchronous)
+            run.boundary_seconds += seconds
+            yield run.spend(env, seconds)
         if not sched.running:
             continue
         num_steps, seconds = _segment(run, env.now)
@@ -158,6 +162,19 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
         sched.advance(num_steps, env.now)
         if run.on_progress is not None and len(sched.finished) != done:
             run.on_progress(len(sched.finished))
+
+
+def _resolve_boundaries(run: _Run, now: float) -> float:
+    """Resolve the boundaries due now; the seconds the cost model charges for them."""
+    events = run.scheduler.controller.events
+    decided, compacted = _decided(events), events.compress + events.shrink
+    run.scheduler.resolve_boundaries(now)
+    return run.cost.boundary_time(_decided(events) - decided,
+                                  events.compress + events.shrink - compacted)
+
+
+def _decided(events) -> int:
+    return events.decided_grow + events.decided_compress + events.decided_shrink
 
 
 def _segment(run: _Run, now: float) -> tuple[int, float]:
@@ -207,5 +224,6 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
     first = min((r.arrival_s for r in requests), default=0.0)
     metrics = compute_metrics(policy.name, sim_requests, source.controller.events, env.now - first,
                               run.resident_seconds, sched.num_preemptions, run.decode_steps,
-                              run.prefill_steps, run.peak_pages, sched.pool.num_pages)
+                              run.prefill_steps, run.peak_pages, sched.pool.num_pages,
+                              run.boundary_seconds)
     return ServingResult(metrics, sim_requests, sched.events, sched.pool)

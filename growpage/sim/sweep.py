@@ -24,7 +24,7 @@ from tqdm import tqdm
 from growpage.core.config import GrowPageConfig
 from growpage.errors import ConfigError
 from growpage.policies.registry import resolve_policy
-from growpage.sim.costmodel import load_cost_model
+from growpage.sim.costmodel import load_cost_model, with_boundary_costs
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.reports import aggregate_replays
 from growpage.sim.serving import SimConfig, simulate
@@ -78,6 +78,8 @@ class SweepSettings:
     fidelity_traces: int = 4          # synthetic traces replayed per point (0: no fidelity)
     fidelity_gen_len: int = 4096      # tokens generated per fidelity trace
     seed: int = 0
+    boundary_s: float | None = None   # capacity-control prices over the cost model's (None: its)
+    compaction_s: float | None = None
 
 
 def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
@@ -85,7 +87,9 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
     torch.set_num_threads(1)
     kwargs = dict(point.params)
     serving = simulate(settings.requests, resolve_policy(point.policy, **kwargs),
-                       settings.config, settings.sim, load_cost_model(settings.cost))
+                       settings.config, settings.sim,
+                       with_boundary_costs(load_cost_model(settings.cost), settings.boundary_s,
+                                           settings.compaction_s))
     spec = attrs.evolve(SCRIPT_SPEC, gen_len=settings.fidelity_gen_len)
     replays = [replay_trace(synthetic_trace(spec, settings.seed + 1000 + i),
                             resolve_policy(point.policy, **kwargs), settings.config,

@@ -22,3 +22,19 @@ def test_measure_step_times_rows_and_fit():
                       for r in rows])
     model_fit = fit_linear(table)
     assert model_fit.base_s >= 0 and model_fit.per_kv_token_s >= 0
+
+
+def test_measure_boundary_costs_prices_decisions_and_compactions():
+    from growpage.engine.profile import measure_boundary_costs
+    from growpage.sim.costmodel import with_boundary_costs
+
+    cfg = tiny_config("llama")
+    model = build_model(cfg, random_state_dict(cfg, seed=0))
+    costs = measure_boundary_costs(model, num_requests=3, max_tokens=48, page_size=4,
+                                   progress=False)
+    assert costs["decided"] > 0 and costs["compactions"] > 0, costs
+    assert costs["boundary_s"] > 0 and costs["compaction_s"] > 0
+    priced = with_boundary_costs(fit_linear(np.array([[1, 16, 0, 0.01], [4, 64, 0, 0.02],
+                                                      [1, 0, 8, 0.03], [2, 32, 0, 0.015]])),
+                                 costs["boundary_s"], costs["compaction_s"])
+    assert priced.boundary_time(2, 1) == 2 * costs["boundary_s"] + costs["compaction_s"]
