@@ -27,8 +27,10 @@ Modelling choices that make both sides count the same thing:
 * prefix caching is off in the engine (the simulator does not model prefix sharing; with 32-token
   pages the chat template's shared system prompt would fill at most one page anyway);
 * the simulator's ``admission_reserve`` is 0 (the engine admits greedily; its watermark is 0);
-* the engine's boundary work (capacity control: scoring and compaction) is measured separately
-  (``EngineStats.boundary_time_s``); the simulator does not price it.
+* the engine's boundary work (capacity control: scoring and compaction) is measured by the
+  engine (``EngineStats.boundary_time_s``); the simulator prices it per decision and per
+  compaction as a separate growpage run measured it (``measure_boundary_costs``; off with
+  ``--no-boundaries``), and both sides report it (``boundary s``).
 
 Run: ``.venv/bin/python benchmarks/sim_vs_engine.py`` (about 5 minutes of CPU time, one
 thread; 15 minutes of wall time when the 2-core machine is loaded by other jobs); writes ``results/sim_vs_engine/report.md`` and ``sim_vs_engine.json``.
@@ -56,7 +58,7 @@ from growpage.core.traces import Trace
 from growpage.eval.machine import describe_machine
 from growpage.policies.registry import resolve_policy
 from growpage.sim.calibrate import fit_linear
-from growpage.sim.costmodel import CostModel
+from growpage.sim.costmodel import CostModel, with_boundary_costs
 from growpage.sim.serving import ServingResult, SimConfig, simulate
 from growpage.sim.sweep import SweepPoint, parse_points
 from growpage.sim.workload_csv import WorkloadRequest
@@ -167,6 +169,17 @@ def run_sim(requests: Sequence[WorkloadRequest], traces: dict[str, Trace], point
                     trace_of=lambda r: traces[r.request_id])
 
 
+def boundary_prices(model: Any, point: SweepPoint, scenario: Scenario) -> dict:
+    """Seconds per capacity decision and per compaction of ``point``'s policy on this engine
+    (``growpage.engine.profile.measure_boundary_costs``)."""
+    from growpage.engine.profile import measure_boundary_costs
+
+    print(f"pricing capacity control: {point.label}", flush=True)
+    policy = resolve_policy(point.policy, **dict(point.params))
+    return measure_boundary_costs(model, policy=policy, page_size=scenario.page_size,
+                                  progress=False)
+
+
 # ---- comparison ------------------------------------------------------------------------------
 def engine_row(stats: Any) -> dict:
     e = stats.events
@@ -185,13 +198,14 @@ def sim_row(result: ServingResult) -> dict:
             "output_tokens": m.output_tokens, "num_requests": m.num_requests, "grows": m.grows,
             "compresses": m.compresses, "fallbacks": m.fallbacks, "preemptions": m.preemptions,
             "avg_kv_budget": sum(r.budget_tokens for r in result.requests) / max(decoded, 1),
-            "num_steps": m.decode_steps + m.prefill_steps}
+            "num_steps": m.decode_steps + m.prefill_steps, "boundary_time_s": m.boundary_time_s}
 
 
 METRICS = [("tps", "TPS (tok/s)", ".1f"), ("avg_resident", "C", ".2f"),
            ("total_time_s", "total time (s)", ".1f"), ("avg_kv_budget", "KV budget (tok)", ".0f"),
            ("num_steps", "steps", "d"), ("grows", "grow", "d"), ("compresses", "compress", "d"),
-           ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d")]
+           ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d"),
+           ("boundary_time_s", "boundary s", ".2f")]
 GATED = ("tps", "avg_resident", "total_time_s")
 
 
@@ -229,7 +243,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Cost model fitted on {meta['calibration_rows']} engine forward passes "
         f"(rms {1e3 * meta['calibration_rms_s']:.2f} ms): base {1e3 * c['base_s']:.2f} ms + "
         f"{1e3 * c['per_seq_s']:.3f} ms/seq + {1e6 * c['per_kv_token_s']:.3f} us/KV token + "
-        f"{1e3 * c['per_prefill_token_s']:.3f} ms/prefill token.", "",
+        f"{1e3 * c['per_prefill_token_s']:.3f} ms/prefill token. Capacity control, ms per "
+        "decision + ms per compaction, measured per policy in runs of their own "
+        "(`measure_boundary_costs`; 0 with `--no-boundaries`): " + "; ".join(
+            f"{label} {1e3 * p['boundary_s']:.2f} + {1e3 * p['compaction_s']:.2f}"
+            for label, p in meta.get("boundary_prices", {}).items()) + ".", "",
         *lines, "",
         f"Target: TPS, C and total time within +-{TARGET:.0%} (**!** marks a miss).", ""])
 
@@ -245,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default="all", help="recorded layers: 'all' or 0,15,29")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2, help="timings per calibration shape")
+    ap.add_argument("--no-boundaries", dest="boundaries", action="store_false",
+                    help="leave capacity control unpriced in the simulator (asynchronous)")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_engine"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -288,12 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     table = np.concatenate(passes)
     cost = fit_linear(table)
     cost.save(out / "costmodel.json")
+    # Capacity control priced per point on this engine, in runs of their own: what a decision
+    # costs depends on the policy (fullkv reads nothing, growpage estimates demand).
+    prices = {point.label: boundary_prices(model, point, scenario) if args.boundaries
+              else {"boundary_s": 0.0, "compaction_s": 0.0} for point in points}
     predicted = cost.step_time(table[:, 0], table[:, 1], table[:, 2])
     rms = float(np.sqrt(np.mean((predicted - table[:, 3]) ** 2)))
     rows = []
     for point, (stats, config) in tqdm(list(zip(points, engine_stats, strict=True)),
                                        desc="simulate", unit="point"):
-        result = run_sim(requests, by_id, point, config, scenario, cost)
+        priced = with_boundary_costs(cost, prices[point.label]["boundary_s"],
+                                     prices[point.label]["compaction_s"])
+        result = run_sim(requests, by_id, point, config, scenario, priced)
         rows.append(compare(point.label, engine_row(stats), sim_row(result)))
     meta = {"command": "python " + " ".join(["benchmarks/sim_vs_engine.py", *sys.argv[1:]]),
             "machine": machine, "torch": torch.__version__, "threads": args.threads,
@@ -303,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             "page_size": scenario.page_size, "max_num_seqs": scenario.max_num_seqs,
             "recorded_layers": "all" if layers is None else len(layers),
             "calibration_rows": len(table), "calibration_rms_s": rms,
-            "cost_model": attrs.asdict(cost)}
+            "cost_model": attrs.asdict(cost), "boundary_prices": prices}
     report = markdown(rows, meta)
     (out / "report.md").write_text(report)
     (out / "sim_vs_engine.json").write_text(json.dumps(

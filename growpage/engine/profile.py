@@ -82,12 +82,14 @@ def measure_step_times(model: str | Path | CausalLM | None = None,
 
 
 def measure_boundary_costs(model: str | Path | CausalLM | None = None, num_requests: int = 6,
-                           max_tokens: int = 96, page_size: int = 16, policy: str = "growpage",
-                           progress: bool = True) -> dict:
+                           max_tokens: int = 96, page_size: int = 16,
+                           policy: object = "growpage", progress: bool = True) -> dict:
     """Seconds per capacity decision and per compaction on the local engine, for the
     simulator's cost model (``CostModel.boundary_time``).
 
-    Runs ``policy`` on ``num_requests`` random prompts in a pool with room for 40% of what they
+    What a decision costs depends on the policy (``fullkv`` reads nothing, ``growpage``
+    estimates demand), so price the policy you simulate. Runs ``policy`` (a name or an
+    instance) on ``num_requests`` random prompts in a pool with room for 40% of what they
     would need at full length (so that requests both grow and compress) and splits the boundary
     time by phase (``growpage.engine.boundary_profile``): ``compaction_s`` is the selection, its
     check and the compaction per compaction; ``boundary_s`` the rest per decided boundary.

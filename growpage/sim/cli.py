@@ -96,5 +96,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="costmodel.json", help="where to write the model")
     p.add_argument("--no-boundaries", dest="boundaries", action="store_false",
                    help="do not measure the seconds per capacity decision and per compaction "
-                        "(a short growpage run on the engine; default: measure them)")
+                        "(a short run of --boundary-policy on the engine; default: measure)")
+    p.add_argument("--boundary-policy", default="growpage",
+                   help="the policy whose capacity control is priced (what a decision costs "
+                        "depends on it; default growpage)")
     p.set_defaults(func=_lazy("run_calibrate"))

@@ -229,7 +229,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if not args.measurements and args.boundaries:  # capacity control on the same engine
         from growpage.engine.profile import measure_boundary_costs
 
-        costs = measure_boundary_costs()
+        costs = measure_boundary_costs(policy=args.boundary_policy)
         model = with_boundary_costs(model, costs["boundary_s"], costs["compaction_s"])
         print(f"capacity control: {costs['decided']} decisions, {costs['compactions']} "
               "compactions measured")
