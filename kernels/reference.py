@@ -31,16 +31,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            sm_scale: float | None = None) -> torch.Tensor:
     """``q [B, Hq, d]`` -> ``[B, Hq, d]``, one request and one head at a time."""
     num_seqs, num_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    group, scale, rows = _paged_rows(q, k_cache, block_tables, context_lens, sm_scale)
     out = torch.zeros(num_seqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
-    for b in range(num_seqs):
-        n = int(context_lens[b])
-        if n == 0:
-            continue
-        slots = token_slots(block_tables[b], n, page_size)
-        k = flat_cache(k_cache)[slots].float()  # [n, Hkv, d]
+    for b, slots, k in rows:
         v = flat_cache(v_cache)[slots].float()
         for h in range(num_heads):
             scores = k[:, h // group] @ q[b, h].float() * scale
@@ -166,17 +159,27 @@ def accumulate_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: t
                          sm_scale: float | None = None) -> None:
     """Add ``q [B, Hq, d]``'s softmax over each row's context, averaged over each KV head's
     query heads, into ``acc [num_slots, Hkv]``; the row's last slot is set, not added."""
-    num_seqs, num_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    for b in range(num_seqs):
-        n = int(context_lens[b])
-        if n == 0:
-            continue
-        slots = token_slots(block_tables[b], n, page_size)
-        k = flat_cache(k_cache)[slots].float()  # [n, Hkv, d]
+    num_heads = q.shape[1]
+    group, scale, rows = _paged_rows(q, k_cache, block_tables, context_lens, sm_scale)
+    for b, slots, k in rows:
         acc[slots[-1]] = 0.0
         for h in range(num_heads):
             weights = torch.softmax(k[:, h // group] @ q[b, h].float() * scale, dim=0)
             acc[slots, h // group] += weights / group
+
+
+def _paged_rows(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                context_lens: torch.Tensor, sm_scale: float | None
+                ) -> tuple[int, float, list[tuple[int, torch.Tensor, torch.Tensor]]]:
+    """``(group, scale, rows)``: per request with a context, ``(b, slots [n], keys [n, Hkv, d]
+    fp32)`` read through its block table."""
+    num_seqs, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    rows = []
+    for b in range(num_seqs):
+        n = int(context_lens[b])
+        if n:
+            slots = token_slots(block_tables[b], n, page_size)
+            rows.append((b, slots, flat_cache(k_cache)[slots].float()))
+    return num_heads // num_kv_heads, scale, rows
