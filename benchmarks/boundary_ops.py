@@ -55,7 +55,7 @@ from growpage.core.decision import Action  # noqa: E402
 from growpage.core.rope import RopeConfig  # noqa: E402
 from growpage.engine.boundary_profile import profile_boundaries  # noqa: E402
 from growpage.engine.llm import LLM  # noqa: E402
-from growpage.engine.loader import build_model  # noqa: E402
+from growpage.engine.loader import build_model, meta_shapes  # noqa: E402
 from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -128,8 +128,7 @@ def tiny_model(seed: int = 0) -> CausalLM:
                       rope=RopeConfig(head_dim=32), bos_token_id=1, eos_token_ids=(2,),
                       name="tiny-random")
     gen = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in CausalLM(cfg).state_dict().items()}
+    shapes = meta_shapes(cfg)
     sd = {name: (1.0 + 0.1 * torch.randn(shape, generator=gen)) if name.endswith("norm.weight")
           else torch.randn(shape, generator=gen) * (1.5 / shape[-1] ** 0.5)
           for name, shape in shapes.items()}

@@ -40,7 +40,7 @@ from growpage.kernels.variants import stubbed_launches  # noqa: E402
 from growpage.core.rope import RopeConfig  # noqa: E402
 from growpage.engine.boundary_profile import profile_boundaries  # noqa: E402
 from growpage.engine.llm import LLM  # noqa: E402
-from growpage.engine.loader import build_model  # noqa: E402
+from growpage.engine.loader import build_model, meta_shapes  # noqa: E402
 from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -53,8 +53,7 @@ def narrow_smollm2(layers: int = 30, seed: int = 0) -> CausalLM:
                       rope=RopeConfig(head_dim=64), bos_token_id=1, eos_token_ids=(2,),
                       name="narrow-smollm2")
     gen = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in CausalLM(cfg).state_dict().items()}
+    shapes = meta_shapes(cfg)
     return build_model(cfg, {name: torch.randn(shape, generator=gen) * 0.1
                              for name, shape in shapes.items()})
 

@@ -84,6 +84,13 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     return build_model(cfg, sd, device=device, backend=backend)
 
 
+def meta_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """Parameter shapes of ``CausalLM(cfg)`` under Hugging Face names (built on the meta
+    device: no memory, no initialization), e.g. to draw random weights for ``build_model``."""
+    with torch.device("meta"):
+        return {name: t.shape for name, t in CausalLM(cfg).state_dict().items()}
+
+
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor],
                 device: torch.device | str = "cpu", backend: AttentionBackend | None = None
                 ) -> CausalLM:

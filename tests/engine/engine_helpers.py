@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from growpage.core.rope import RopeConfig  # noqa: E402
 from growpage.engine.attention import allocate_kv_cache  # noqa: E402
 from growpage.engine.context import decode_context, prefill_context, use_context  # noqa: E402
-from growpage.engine.loader import build_model  # noqa: E402
+from growpage.engine.loader import build_model, meta_shapes  # noqa: E402
 from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=4,
@@ -53,8 +53,7 @@ def hf_config(cfg: ModelConfig):
 def random_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Weights large enough that attention is peaked and logits are far from uniform."""
     gen = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in CausalLM(cfg).state_dict().items()}
+    shapes = meta_shapes(cfg)
     sd = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):

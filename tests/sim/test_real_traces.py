@@ -96,16 +96,15 @@ def test_subset_trace_cuts_layers_values_and_tokens(make_trace):
 def test_recorder_writes_an_annotated_trace_from_a_tiny_model(tmp_path):
     from growpage.core.rope import RopeConfig
     from growpage.engine.llm import LLM
-    from growpage.engine.loader import build_model
-    from growpage.engine.model import CausalLM, ModelConfig
+    from growpage.engine.loader import build_model, meta_shapes
+    from growpage.engine.model import ModelConfig
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
                       num_q_heads=4, num_kv_heads=2, head_dim=8, rms_eps=1e-6, arch="llama",
                       tie_word_embeddings=False, qk_norm=False, rope=RopeConfig(head_dim=8),
                       bos_token_id=1, eos_token_ids=(2,), name="tiny-llama")
     gen = torch.Generator().manual_seed(0)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in CausalLM(cfg).state_dict().items()}
+    shapes = meta_shapes(cfg)
     model = build_model(cfg, {k: torch.randn(s, generator=gen) * 0.3 for k, s in shapes.items()})
     script = _script()
     out = tmp_path / "set"
