@@ -52,6 +52,10 @@ def _common(p: argparse.ArgumentParser, default_policy: str | None,
                    help="tokens per KV page (default 64 for short CPU runs; the paper uses 256)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the model's chat template (default on)")
+    p.add_argument("--device", default="auto",
+                   help="'cpu', 'cuda' or 'cuda:N' (default auto: cuda when torch sees a GPU)")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto (default): Triton on CUDA, torch on CPU")
 
 
 def _build_llm(**kwargs: Any):
@@ -62,7 +66,25 @@ def _build_llm(**kwargs: Any):
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {"model": args.model, "kv_pages": args.kv_pages, "page_size": args.page_size}
+    return {"model": args.model, "kv_pages": args.kv_pages, "page_size": args.page_size,
+            "device": resolve_device(args.device), "attention_backend": args.attention_backend}
+
+
+def resolve_device(name: str) -> str:
+    """``--device``: ``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise EngineError(f"--layers: expected comma-separated layer numbers, got {text!r}") \
+            from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -104,7 +126,7 @@ def run_record(args: argparse.Namespace) -> int:
     from growpage.engine.sampling_params import SamplingParams
 
     prompts = read_prompts(args.prompts)
-    layers = None if args.layers is None else [int(x) for x in args.layers.split(",") if x]
+    layers = None if args.layers is None else _layers(args.layers)
     llm = _build_llm(policy="fullkv", record_traces=args.out, record_layers=layers,
                      record_values=args.values, **_engine_kwargs(args))
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens), chat=args.chat,

@@ -35,6 +35,29 @@ def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
                           f"got {value!r}")
 
 
+def check_device(value: str) -> torch.device:
+    """``value`` as a ``torch.device`` the engine can run on (cpu, or a CUDA device that torch
+    sees); ``ConfigError`` naming the problem otherwise."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"EngineConfig.device: {value!r} is not a torch device "
+                          "(use 'cpu', 'cuda' or 'cuda:N')") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"EngineConfig.device: {value!r} is not supported (the engine runs "
+                          "on 'cpu' or 'cuda[:N]')")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
+            raise ConfigError(f"EngineConfig.device: {value!r} asked for, but torch sees no "
+                              f"CUDA device ({build}; torch {torch.__version__})")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"EngineConfig.device: {value!r} asked for, but torch sees "
+                              f"{count} CUDA device(s)")
+    return device
+
+
 def _layers(value: list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
     return None if value is None else tuple(sorted(set(value)))
 
@@ -76,7 +99,7 @@ class EngineConfig:
     max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive)
     enable_prefix_caching: bool = True
     dtype: torch.dtype = attrs.field(default=torch.float32, converter=_to_dtype)
-    device: str = "cpu"
+    device: str = attrs.field(default="cpu", converter=str)
     attention_backend: str = attrs.field(default="auto")
     boundary_kernels: bool | None = None
     warmup: bool | None = None
@@ -91,6 +114,10 @@ class EngineConfig:
         if value not in BACKENDS:
             raise ConfigError(f"EngineConfig.attention_backend must be one of "
                               f"{', '.join(BACKENDS)}, got {value!r}")
+
+    @device.validator
+    def _device(self, attribute: attrs.Attribute, value: str) -> None:
+        check_device(value)
 
     @property
     def page_size(self) -> int:

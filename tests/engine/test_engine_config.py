@@ -1,0 +1,89 @@
+"""``EngineConfig`` validation: every bad setting is a ``ConfigError`` naming the setting, raised
+before a model is loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from growpage.engine.config import EngineConfig, check_device
+from growpage.errors import ConfigError
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("kv_pages", 0, "kv_pages must be a positive integer"),
+    ("kv_pages", True, "kv_pages must be a positive integer"),
+    ("kv_cache_memory", -1, "kv_cache_memory must be a positive integer"),
+    ("max_num_seqs", 0, "max_num_seqs must be a positive integer"),
+    ("max_num_batched_tokens", 2.5, "max_num_batched_tokens must be a positive integer"),
+    ("dtype", "int8", "unknown dtype 'int8'"),
+    ("attention_backend", "cudnn", "attention_backend must be one of"),
+    ("device", "gpu0", "'gpu0' is not a torch device"),
+    ("device", "meta", "'meta' is not supported"),
+])
+def test_bad_setting_names_it(field, value, words):
+    with pytest.raises(ConfigError, match=words):
+        EngineConfig(**{field: value})
+
+
+def test_cuda_without_a_gpu_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="'cuda' asked for, but torch sees no CUDA device"):
+        EngineConfig(device="cuda")
+
+
+def test_cuda_index_past_the_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert check_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match="'cuda:1' asked for, but torch sees 1 CUDA device"):
+        EngineConfig(device="cuda:1")
+
+
+def test_device_accepts_a_torch_device():
+    assert EngineConfig(device=torch.device("cpu")).device == "cpu"
+
+
+def test_llm_rejects_the_device_before_loading(monkeypatch):
+    from growpage.engine import llm as llm_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the config was checked")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(llm_module, "_load", no_load)
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        llm_module.LLM(device="cuda")
+
+
+def test_cli_device_and_backend_reach_the_engine(monkeypatch, capsys):
+    from growpage import cli
+    from growpage.engine import cli as engine_cli
+
+    seen = {}
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(engine_cli, "_build_llm", fake_llm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["generate", "--prompt", "hi"]) == 2
+    assert (seen["device"], seen["attention_backend"]) == ("cpu", "auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.main(["generate", "--prompt", "hi", "--attention-backend", "torch"]) == 2
+    assert (seen["device"], seen["attention_backend"]) == ("cuda", "torch")
+    assert cli.main(["generate", "--prompt", "hi", "--device", "cuda:1"]) == 2
+    assert seen["device"] == "cuda:1"
+    assert "stop here" in capsys.readouterr().err
+
+
+def test_cli_record_bad_layers(tmp_path, capsys):
+    from growpage import cli
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    assert cli.main(["record", "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+                     "--layers", "0,last"]) == 2
+    assert "--layers: expected comma-separated layer numbers, got '0,last'" in \
+        capsys.readouterr().err
