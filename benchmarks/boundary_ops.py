@@ -16,7 +16,7 @@ Counted inside ``KVCacheManager.make_room`` for every boundary the policy decide
   (``view``, ``select``, ``slice``, ``expand``...) are counted apart as ``views``;
 * ``launches``: Triton kernel launches;
 * ``syncs``: calls that make the host wait for the device (``.item()``, ``bool(tensor)``,
-  ``float(tensor)``, device-to-host copies);
+  ``float(tensor)``, ``.tolist()``, device-to-host copies);
 * ``h2d``: tensors built from host data (``torch.tensor(list, device=...)``): on a GPU each is
   a host-to-device copy, which waits for the copy;
 * ``ms``: mean wall time of the boundary in a second, uncounted run (on CPU with the Triton
@@ -80,6 +80,23 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
         self.names: collections.Counter[str] = collections.Counter()
+
+    def __enter__(self):
+        # ``tolist()`` reads a tensor on the host (a sync on a GPU) without an aten operator
+        # on the CPU: counted here, and its own device-to-host copy not counted again.
+        original = self._tolist = torch.Tensor.tolist
+
+        def tolist(tensor):
+            self.counts["syncs"] += 1
+            with _disable_current_modes():
+                return original(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = _kind(func)
@@ -151,13 +168,15 @@ def measure(args: argparse.Namespace) -> dict:
         return {"path": args.path, "policy": args.policy, "model": args.model,
                 "device": args.device, "host_only": True, "top_ops": [],
                 "rows": {kind: {"boundaries": r["boundaries"], "ms": r["ms"]}
-                         for kind, r in rows.items()}, **({"phases": phases} if phases else {})}
+                         for kind, r in rows.items() if kind != "shared steps"},
+                **({"phases": phases} if phases else {})}
     counter = _Counter()
     with _counting_triton_launches(counter):
         counted_rows, names = _run(args, counter)
     timed_rows, _ = _run(args, None)  # again, without the counting overhead
     for kind, row in counted_rows.items():
-        row["ms"] = timed_rows[kind]["ms"]
+        if kind != "shared steps":
+            row["ms"] = timed_rows[kind]["ms"]
     report = {"path": args.path, "policy": args.policy, "model": args.model, "host_only": False,
               "device": args.device, "rows": counted_rows, "top_ops": names.most_common(args.top)}
     if args.phases:  # a third run: the phase timers (and their syncs) stay out of the ms above
@@ -175,9 +194,16 @@ def _run(args: argparse.Namespace, counter: _Counter | None, phases: dict | None
               max_num_seqs=args.requests, min_capacity=2, enable_prefix_caching=False,
               device=args.device, boundary_kernels=args.path == "triton")
     kv = llm.engine.kv
-    make_room = kv.make_room
+    make_room, prepare = kv.make_room, kv.prepare_boundaries
     buckets: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     seconds: dict[str, float] = collections.defaultdict(float)
+    shared_steps: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    step = {"id": 0, "shared": False}
+
+    def prepared(seqs):
+        prepare(seqs)
+        step["id"] += 1
+        step["shared"] = kv._batch is not None  # two or more decided boundaries this step
 
     def counted(seq):
         if not kv.controller.needs_decision(seq.state):
@@ -191,6 +217,10 @@ def _run(args: argparse.Namespace, counter: _Counter | None, phases: dict | None
                 outcome = make_room(seq)
         elapsed = time.perf_counter() - start
         kind = outcome_kind(outcome) if outcome is not None else "none"
+        if step["shared"] and kind != "forced grow":
+            shared_steps[step["id"]].update(counter.counts if counter is not None else {})
+            shared_steps[step["id"]][kind] += 1
+            kind += " (shared step)"
         if counter is not None:
             buckets[kind].update(counter.counts)
         buckets[kind]["n"] += 1
@@ -198,8 +228,10 @@ def _run(args: argparse.Namespace, counter: _Counter | None, phases: dict | None
         return outcome
 
     kv.make_room = counted  # type: ignore[method-assign]
+    kv.prepare_boundaries = prepared  # type: ignore[method-assign]
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(20, 60))]
+    lo, hi = args.prompt_len
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(lo, hi))]
                for _ in range(args.requests)]
     with (profile_boundaries(llm, sync=True) if phases is not None
           else contextlib.nullcontext()) as profile:
@@ -208,12 +240,29 @@ def _run(args: argparse.Namespace, counter: _Counter | None, phases: dict | None
     if phases is not None:
         phases.update(profile.as_dict(), markdown=profile.markdown())
     rows = {}
+    if shared_steps:  # steps whose decided boundaries shared one BoundaryBatch
+        rows["shared steps"] = _shared_summary(list(shared_steps.values()))
     for kind, c in sorted(buckets.items()):
         n = c["n"]
         rows[kind] = {"boundaries": n, **{k: round(c[k] / n, 2) for k in
                                           ("ops", "views", "launches", "syncs", "h2d")},
                       "ms": round(1000 * seconds[kind] / n, 3)}
     return rows, (counter.names if counter is not None else collections.Counter())
+
+
+def _shared_summary(steps: list[collections.Counter]) -> dict:
+    """Per step with a shared batch: decided boundaries, compressions and the host syncs of all
+    of them together (one for every Delta_t of the step, one per compression's check)."""
+    decided = [sum(c[k] for k in c if k in ("decided grow", "compress", "shrink")) for c in steps]
+    return {"steps": len(steps), "boundaries": sum(decided),
+            "per_step": [{"decided": d, "compress": c["compress"] + c["shrink"],
+                          "syncs": c["syncs"], "launches": c["launches"], "ops": c["ops"]}
+                         for d, c in zip(decided, steps, strict=True)]}
+
+
+def _prompt_len(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -226,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-pages", type=int, default=30)
+    p.add_argument("--prompt-len", type=_prompt_len, default=(20, 59), metavar="LO-HI",
+                   help="prompt lengths drawn from LO..HI (equal lengths put the requests' "
+                        "boundaries in the same steps)")
     p.add_argument("--top", type=int, default=0, help="also list the N most called operators")
     p.add_argument("--host-only", action="store_true",
                    help="time the boundaries with Triton launches stubbed out (host cost only)")
@@ -247,9 +299,19 @@ def main(argv: list[str] | None = None) -> int:
           "ms (this machine) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for kind, r in report["rows"].items():
+        if kind == "shared steps":
+            continue
         counts = " | ".join(str(r.get(k, "-")) for k in ("ops", "views", "launches", "syncs",
                                                           "h2d"))
         print(f"| {kind} | {r['boundaries']} | {counts} | {r['ms']} |")
+    shared = report["rows"].get("shared steps")
+    if shared:
+        print(f"\n{shared['steps']} steps held {shared['boundaries']} decided boundaries between "
+              "them (a shared BoundaryBatch); per step:")
+        print("| decided | compressions | syncs | Triton launches | ops |\n|---:|---:|---:|---:|---:|")
+        for row in shared["per_step"]:
+            print(f"| {row['decided']} | {row['compress']} | {row['syncs']} | "
+                  f"{row['launches']} | {row['ops']} |")
     for name, n in report["top_ops"]:
         print(f"{n:6d}  {name}")
     if "phases" in report:

@@ -9,6 +9,7 @@ cost next to nothing either:
 
     python benchmarks/boundary_share.py                  # fullkv and growpage, ~1.5 min
     python benchmarks/boundary_share.py --requests 16 --max-tokens 256 --policies growpage
+    python benchmarks/boundary_share.py --policies growpage --alone --prompt-len 45-75
 
 It prints, per policy, the run's seconds, the boundary seconds and share, ms per decided
 boundary, and the boundary phases (``growpage.engine.boundary_profile``).
@@ -67,22 +68,29 @@ def gpu_check_pool(prompt_lengths: list[int], max_tokens: int, page: int) -> int
 def run(args: argparse.Namespace) -> dict:
     model = narrow_smollm2(args.layers)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(80, 160))]
+    lo, _, hi = args.prompt_len.partition("-")
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(int(lo), int(hi or lo)))]
                for _ in range(args.requests)]
     kv_pages = gpu_check_pool([len(p) for p in prompts], args.max_tokens, args.page_size)
     report: dict = {"requests": args.requests, "max_tokens": args.max_tokens,
                     "page_size": args.page_size, "kv_pages": kv_pages, "layers": args.layers,
                     "rows": {}}
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    for policy in args.policies:
+    runs = [(policy, True) for policy in args.policies]
+    if args.alone:
+        runs += [(policy, False) for policy in args.policies if policy != "fullkv"]
+    for policy, shared in runs:
         with stubbed_launches():
             llm = LLM(model, policy=policy, page_size=args.page_size, kv_pages=kv_pages,
                       max_num_seqs=args.requests, device="cpu", attention_backend="triton",
                       boundary_kernels=True, min_capacity=4, enable_prefix_caching=False)
+            if not shared:  # every boundary on its own: no BoundaryBatch per step
+                kv = llm.engine.kv
+                kv.prepare_boundaries = lambda seqs, kv=kv: kv.end_boundaries()
             with profile_boundaries(llm) as phases:
                 llm.generate(prompts, params, use_tqdm=False)
         st = llm.last_stats
-        report["rows"][policy] = {
+        report["rows"][policy if shared else f"{policy} (alone)"] = {
             "total_s": st.total_time_s, "boundary_s": st.boundary_time_s,
             "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
             "decided": phases.decided,
@@ -100,6 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--policies", nargs="+", default=["fullkv", "growpage"])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--prompt-len", default="80-159", metavar="LO-HI",
+                   help="prompt lengths drawn from LO..HI tokens (default 80-159; the GPU "
+                        "check's SmolLM2 chat prompts are 45-75)")
+    p.add_argument("--alone", action="store_true",
+                   help="also run each policy with every boundary on its own (no shared "
+                        "BoundaryBatch per step), in the same process, for a ratio")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 

@@ -8,13 +8,14 @@ request and the pool either fully updated or untouched.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryContext
+from growpage.core.context import BoundaryBatch, BoundaryContext
 from growpage.core.decision import Action, Decision
 from growpage.core.events import EventCounters
 from growpage.core.kvview import KVView
@@ -58,8 +59,38 @@ class CapacityController:
     def needs_decision(self, state: RequestState) -> bool:
         return state.is_at_boundary(self.config.page_size)
 
-    def on_boundary(self, state: RequestState, view: KVView) -> BoundaryOutcome:
-        """Make room for one more token of ``state``; see ``BoundaryOutcome``."""
+    def will_decide(self, state: RequestState, view: KVView) -> bool:
+        """Whether the policy decides ``state``'s boundary (at one, not forced to grow)."""
+        return (self.needs_decision(state) and state.num_pages >= self.config.min_capacity
+                and view.has_query_state)
+
+    def prepare(self, items: Iterable[tuple[RequestState, KVView]]) -> BoundaryBatch:
+        """One ``BoundaryBatch`` of the requests among ``items`` whose boundary the policy will
+        decide: give it to ``on_boundary`` for each of them, in any order, in the same step."""
+        batch = BoundaryBatch()
+        for state, view in items:
+            if self.will_decide(state, view):
+                batch.add(self._context(state, view))
+        return batch
+
+    def _context(self, state: RequestState, view: KVView) -> BoundaryContext:
+        return BoundaryContext(state.request_id, state.num_tokens, state.position,
+                               state.num_pages, self.pool.num_free_pages, self.config, view)
+
+    def on_boundary(self, state: RequestState, view: KVView,
+                    batch: BoundaryBatch | None = None) -> BoundaryOutcome:
+        """Make room for one more token of ``state``; see ``BoundaryOutcome``.
+
+        ``batch``: from ``prepare`` in this step; when it holds a context for ``state`` that
+        context (and its view, of the same request) is used, so its signals are shared.
+        """
+        ctx = batch.take(state.request_id) if batch is not None else None
+        if ctx is not None:
+            if (ctx.num_tokens, ctx.position, ctx.num_pages) != (
+                    state.num_tokens, state.position, state.num_pages):
+                raise ValueError(f"request {state.request_id!r} changed since its boundary "
+                                 "batch was prepared (prepare and decide in the same step)")
+            view = ctx.view
         b = self.config.page_size
         if state.num_tokens != state.num_pages * b:
             raise ValueError(f"request {state.request_id!r} is not at a capacity boundary "
@@ -70,8 +101,9 @@ class CapacityController:
         self._count(state, "boundaries")
         if state.num_pages < self.config.min_capacity or not view.has_query_state:
             return self._forced_grow(state)
-        ctx = BoundaryContext(state.request_id, state.num_tokens, state.position,
-                              state.num_pages, self.pool.num_free_pages, self.config, view)
+        if ctx is None:
+            ctx = self._context(state, view)
+        ctx.num_free_pages = self.pool.num_free_pages  # now, not when the batch was prepared
         decision = self.policy.decide(ctx)
         if not isinstance(decision, Decision):
             raise PolicyError(f"policy {_name(self.policy)} returned {decision!r} from decide(); "

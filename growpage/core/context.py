@@ -47,6 +47,9 @@ class BoundaryContext:
         self.num_free_pages = num_free_pages
         self.config = config
         self.view = view
+        #: The ``BoundaryBatch`` this context shares its top-p sizes and Delta_t with, if any.
+        self.batch: BoundaryBatch | None = None
+        self._counts: dict[float, torch.Tensor] = {}   # p -> [2, L, Hkv] top-p sizes (int64)
         self._ratios: dict[float, torch.Tensor] = {}   # p -> [2, L, Hkv]
         self._deltas: dict[float, float] = {}          # p -> Delta_t (one host sync each)
 
@@ -127,24 +130,36 @@ class BoundaryContext:
         index = _view_index(view)
         return self._ratio_pair(p)[index]
 
+    def _size_pair(self, p: float) -> torch.Tensor:
+        """``[2, L, Hkv]`` top-p working-set sizes of both views at ``p`` (one sort for both;
+        with a batch, one sort for every request in it)."""
+        if p not in self._counts and self.batch is not None:
+            self.batch.fill(p, self, deltas=False)
+        if p not in self._counts:
+            self._counts[p] = demand.working_set_counts([self._estimation_attention], p)[0]
+        return self._counts[p]
+
     def _ratio_pair(self, p: float | None) -> torch.Tensor:
-        """``[2, L, Hkv]`` working-set ratios of both views at ``p``: one sort for both."""
+        """``[2, L, Hkv]`` working-set ratios of both views at ``p``."""
         p = self.config.top_p if p is None else p
         if p not in self._ratios:
-            self._ratios[p] = demand.working_set_ratio(self._estimation_attention, p)
+            self._ratios[p] = self._size_pair(p).float() / self.num_estimation_candidates
         return self._ratios[p]
 
     def delta(self, p: float | None = None) -> float:
         """Demand trend Delta_t = r^S - r^L averaged over layers and KV heads (Eq. 8)."""
         key = self.config.top_p if p is None else p
+        if key not in self._deltas and self.batch is not None:
+            self.batch.fill(key, self, deltas=True)
         if key not in self._deltas:
-            ratios = self._ratio_pair(key)
-            self._deltas[key] = demand.demand_trend(ratios[0], ratios[1])
+            sizes = self._size_pair(key)
+            self._deltas[key] = demand.demand_trends(sizes[None],
+                                                     [self.num_estimation_candidates])[0]
         return self._deltas[key]
 
     def computed_delta(self) -> float | None:
         """Delta_t at the configured p if the policy already paid for it, else None."""
-        return self.delta() if self.config.top_p in self._ratios else None
+        return self.delta() if self.config.top_p in self._counts else None
 
     def entropy_delta(self) -> float:
         """Delta_t with the entropy ratio instead of the top-p working set (Table 2 ablation)."""
@@ -166,6 +181,87 @@ class BoundaryContext:
     def positions(self) -> torch.Tensor:
         """Absolute positions held by each slot, ``[L, Hkv, N]``."""
         return self.view.positions()
+
+
+class BoundaryBatch:
+    """Contexts of the requests that reach their capacity boundaries in the same step.
+
+    The first time one of them reads its top-p sizes or Delta_t (``working_set_ratio``,
+    ``delta``), they are computed for every member still at that boundary: one padded sort and
+    one host sync for all of them instead of one each. Each member's numbers are the ones it
+    gets alone (``demand.working_set_counts``, ``demand.demand_trends``). A member whose request
+    has moved on (compacted, preempted: its view no longer holds the context's tokens or query
+    state) is left out. The engine builds one per decode step
+    (``CapacityController.prepare``); a context without a batch computes its own.
+    """
+
+    #: Most padded attention entries sorted at once; more members are split into groups.
+    max_elements: int = 1 << 24
+    #: Sort members of different candidate counts together, zero-padded; None: off the CPU
+    #: only (on a GPU the sort is one launch either way; on the CPU padding is arithmetic).
+    pad: bool | None = None
+
+    def __init__(self) -> None:
+        self._contexts: list[BoundaryContext] = []
+        self._pending: dict[object, BoundaryContext] = {}
+
+    def __len__(self) -> int:
+        return len(self._contexts)
+
+    def add(self, ctx: BoundaryContext) -> None:
+        if ctx.request_id in self._pending:
+            raise ValueError(f"request {ctx.request_id!r} is already in this boundary batch")
+        ctx.batch = self
+        self._contexts.append(ctx)
+        self._pending[ctx.request_id] = ctx
+
+    def take(self, request_id: object) -> BoundaryContext | None:
+        """The context prepared for ``request_id`` (once), or None."""
+        return self._pending.pop(request_id, None)
+
+    def fill(self, p: float, asking: BoundaryContext, deltas: bool) -> None:
+        """Top-p sizes (and with ``deltas`` Delta_t) at ``p`` of every live member lacking them."""
+        cache = "_deltas" if deltas else "_counts"
+        todo = [c for c in self._contexts
+                if p not in getattr(c, cache) and (c is asking or _still_at_boundary(c))]
+        groups = self._groups(todo)
+        stacked = []
+        for group in groups:
+            missing = [c for c in group if p not in c._counts]
+            if missing:
+                counts = demand.working_set_counts([c._estimation_attention for c in missing], p)
+                for c, k in zip(missing, counts, strict=True):
+                    c._counts[p] = k
+            if len(missing) < len(group):
+                counts = torch.stack([c._counts[p] for c in group])
+            stacked.append(counts)
+        if deltas:
+            members = [c for group in groups for c in group]
+            trends = demand.demand_trends(stacked, [c.num_estimation_candidates for c in members])
+            for c, d in zip(members, trends, strict=True):
+                c._deltas[p] = d
+
+    def _groups(self, todo: list[BoundaryContext]) -> list[list[BoundaryContext]]:
+        """``todo`` in groups sorted together, by candidate count, each within ``max_elements``
+        padded entries; without ``pad`` only equal candidate counts share a group."""
+        groups: list[list[BoundaryContext]] = []
+        pad = self.pad if self.pad is not None else bool(todo) and todo[0].device.type != "cpu"
+        widest = 0
+        for c in sorted(todo, key=lambda c: c.num_estimation_candidates):
+            n = c.num_estimation_candidates
+            rows = 2 * c.view.num_layers * c.view.num_kv_heads
+            if (groups and (pad or n == widest)
+                    and (len(groups[-1]) + 1) * max(widest, n) * rows <= self.max_elements):
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+            widest = max(widest, n) if pad and len(groups[-1]) > 1 else n
+        return groups
+
+
+def _still_at_boundary(ctx: BoundaryContext) -> bool:
+    view = ctx.view
+    return view.has_query_state and view.num_tokens == ctx.num_tokens
 
 
 def _view_index(view: str) -> int:

@@ -72,6 +72,53 @@ def working_set_ratio(attn: torch.Tensor, p: float) -> torch.Tensor:
     return coverage_demand(attn, p).float() / attn.shape[-1]
 
 
+def working_set_counts(attns: list[torch.Tensor], p: float) -> torch.Tensor:
+    """``coverage_demand`` of several distributions at once: int64 ``[R, ...]`` for ``R``
+    tensors ``[..., N_r]`` that share their leading shape but not their candidate count.
+
+    The rows are zero-padded to the longest and sorted together (one sort and one cumsum for
+    all). Padding zeros sort last and add nothing to the running sums, so each row's count is
+    the one it has alone.
+    """
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"coverage p must lie in (0, 1], got {p}")
+    if not attns:
+        raise ValueError("working_set_counts needs at least one distribution")
+    lead = attns[0].shape[:-1]
+    if any(a.shape[:-1] != lead or a.shape[-1] < 1 for a in attns):
+        raise ValueError("distributions must share their leading shape and hold >= 1 candidate, "
+                         f"got {[tuple(a.shape) for a in attns]}")
+    if len(attns) == 1:
+        padded = attns[0].float().unsqueeze(0)
+    else:  # [R, N_max, ...] through pad_sequence (one copy), candidates back to the last dim
+        padded = torch.nn.utils.rnn.pad_sequence([a.float().movedim(-1, 0) for a in attns],
+                                                 batch_first=True).movedim(1, -1)
+    cum = padded.sort(dim=-1, descending=True).values.cumsum(dim=-1)
+    # The last running sum is each row's total (the padding adds exact zeros), so the count
+    # never passes the row's own length; the relative tolerance is coverage_demand's.
+    target = p * cum[..., -1:] * (1.0 - 1e-6)
+    return (cum < target).sum(dim=-1) + 1
+
+
+def demand_trends(counts: torch.Tensor | list[torch.Tensor], num_candidates: list[int]
+                  ) -> list[float]:
+    """Delta_t (Eq. 8) of each request from its top-p sizes ``counts [R, 2, ...]`` (short,
+    long; or a list of such groups, in order) over its ``num_candidates[r]`` estimation
+    candidates; one host sync for all.
+
+    Both views share the candidate set, so r^S - r^L averaged over layers and heads is the mean
+    size difference over |C|. The sums of integer sizes are exact, so a request's Delta_t does
+    not depend on the others it is computed with.
+    """
+    groups = [counts] if isinstance(counts, torch.Tensor) else counts
+    diffs = []
+    for group in groups:
+        means = group.float().flatten(2).mean(dim=-1)
+        diffs.append(means[:, 0] - means[:, 1])
+    flat = (diffs[0] if len(diffs) == 1 else torch.cat(diffs)).tolist()
+    return [d / n for d, n in zip(flat, num_candidates, strict=True)]
+
+
 def entropy_ratio(attn: torch.Tensor) -> torch.Tensor:
     """Entropy-based alternative to Eq. 7 (paper Table 2): exp(H(a)) / |C| in (0, 1].
 

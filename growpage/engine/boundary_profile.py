@@ -123,6 +123,7 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
     phases = BoundaryPhases(sync and kv.cache.is_cuda)
     controller = kv.controller
     make_room = kv.make_room
+    prepare = kv.prepare_boundaries
 
     timed_make_room = phases.timed("control", make_room)
 
@@ -132,6 +133,14 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
         phases.boundaries += 1
         return timed_make_room(seq)
 
+    timed_prepare = phases.timed("control", prepare)
+
+    def counted_prepare(seqs: Any) -> Any:
+        # A step's shared batch (contexts built before its first boundary) is control time.
+        if sum(controller.needs_decision(seq.state) for seq in seqs) < 2:
+            return prepare(seqs)  # nothing to share: no batch is built
+        return timed_prepare(seqs)
+
     def counted_decide(*args: Any, **kwargs: Any) -> Any:
         phases.decided += 1
         return decide(*args, **kwargs)
@@ -139,11 +148,12 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
     patches: list[tuple[object, str, Any]] = [
         (EngineKVView, "boundary_queries", "queries"), (EngineKVView, "summary_attention",
                                                         "attention"),
-        (EngineKVView, "compact", "compact"), (demand_module, "working_set_ratio", "demand"),
-        (demand_module, "demand_trend", "demand"), (capacity_module, "_check_selection", "check"),
+        (EngineKVView, "compact", "compact"), (demand_module, "working_set_counts", "demand"),
+        (demand_module, "demand_trends", "demand"), (capacity_module, "_check_selection", "check"),
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
-    own_make_room = kv.__dict__.get("make_room")  # an instance-level wrapper already there
+    # Instance-level wrappers already there (a benchmark's counters) are put back afterwards.
+    own = {name: kv.__dict__.get(name) for name in ("make_room", "prepare_boundaries")}
     policy = controller.policy
     timed_policy = _TimedPolicy(policy, phases)
     decide = timed_policy.decide
@@ -153,12 +163,14 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
             setattr(owner, name, phases.timed(phase, getattr(owner, name)))
         controller.policy = timed_policy
         kv.make_room = counted_make_room  # type: ignore[method-assign]
+        kv.prepare_boundaries = counted_prepare  # type: ignore[method-assign]
         yield phases
     finally:
-        if own_make_room is None:
-            del kv.make_room
-        else:
-            kv.make_room = own_make_room  # type: ignore[method-assign]
+        for name, wrapper in own.items():
+            if wrapper is None:
+                delattr(kv, name)
+            else:
+                setattr(kv, name, wrapper)
         controller.policy = policy
         for owner, name, original in saved:
             setattr(owner, name, original)

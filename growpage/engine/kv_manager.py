@@ -18,6 +18,7 @@ import time
 import torch
 
 from growpage.core.capacity import BoundaryOutcome, CapacityController
+from growpage.core.context import BoundaryBatch
 from growpage.core.pages import PagePool, chain_hash
 from growpage.engine.accumulation import allocate_sums, sum_bytes
 from growpage.engine.attention import allocate_kv_cache, kv_cache_bytes
@@ -58,6 +59,7 @@ class KVCacheManager:
         self.controller = CapacityController(policy, self.pool, gp)
         self.prefix_hit_tokens = 0
         self.boundary_seconds = 0.0  # wall time spent in capacity control (running total)
+        self._batch: BoundaryBatch | None = None  # this decode step's (prepare_boundaries)
 
     # ---- sizes ----------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -134,6 +136,22 @@ class KVCacheManager:
         b, table = self.page_size, seq.state.block_table
         return [table[i // b] * b + i % b for i in range(start, start + num)]
 
+    def prepare_boundaries(self, seqs: list[Sequence]) -> None:
+        """Before a decode step: the sequences of ``seqs`` whose boundary the policy will decide
+        share one ``BoundaryBatch`` (their top-p sizes and Delta_t in one pass and one host
+        sync), used by ``make_room`` until ``end_boundaries``."""
+        at = [seq for seq in seqs if self.controller.needs_decision(seq.state)]
+        self._batch = None
+        if len(at) < 2:
+            return
+        start = time.perf_counter()
+        batch = self.controller.prepare((seq.state, self.view(seq)) for seq in at)
+        self._batch = batch if len(batch) > 1 else None
+        self.boundary_seconds += time.perf_counter() - start
+
+    def end_boundaries(self) -> None:
+        self._batch = None
+
     def make_room(self, seq: Sequence) -> BoundaryOutcome | None:
         """Run capacity control when ``seq`` is at a boundary (None when it has a free slot).
 
@@ -143,7 +161,7 @@ class KVCacheManager:
             return None
         start = time.perf_counter()
         try:
-            return self.controller.on_boundary(seq.state, self.view(seq))
+            return self.controller.on_boundary(seq.state, self.view(seq), self._batch)
         finally:
             if self.cache.is_cuda:
                 torch.cuda.synchronize(self.cache.device)  # count the kernels it launched

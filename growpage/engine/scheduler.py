@@ -136,12 +136,18 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput | None:
         scheduled: list[Sequence] = []
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
-                continue
-            if self._make_room(seq, scheduled):
-                self.kv.append_slot(seq)
-                scheduled.append(seq)
+        ready = [seq for seq in self.running
+                 if seq.status is SequenceStatus.RUNNING and not seq.is_prefilling]
+        self.kv.prepare_boundaries(ready)  # their boundary signals in one pass
+        try:
+            for seq in ready:
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # preempted for an earlier one
+                if self._make_room(seq, scheduled):
+                    self.kv.append_slot(seq)
+                    scheduled.append(seq)
+        finally:
+            self.kv.end_boundaries()
         if not scheduled:
             return None
         return SchedulerOutput(False, tuple(scheduled), (1,) * len(scheduled),

@@ -38,6 +38,28 @@ def test_a_compression_waits_for_the_device_twice(report):
     assert compress["launches"] == 6 and compress["ops"] <= 38, compress
 
 
+@pytest.fixture(scope="module")
+def shared(report):
+    """Four requests of equal prompt length: their boundaries fall in the same steps."""
+    bench = load_benchmark("boundary_ops")
+    return bench.measure(bench.parse_args(["--requests", "4", "--max-tokens", "60",
+                                           "--kv-pages", "14", "--prompt-len", "30"]))
+
+
+def test_boundaries_of_one_step_wait_for_delta_once(report, shared):
+    steps = shared["rows"]["shared steps"]["per_step"]
+    assert steps and all(step["decided"] >= 2 for step in steps), steps
+    solo_grow, solo_compress = report["rows"]["decided grow"], report["rows"]["compress"]
+    for step in steps:
+        # One sync for every Delta_t of the step, then one per compression (its check); each
+        # decided boundary still launches its own queries and demand attention (3 launches).
+        assert step["syncs"] == 1 + step["compress"], step
+        assert step["launches"] == 3 * step["decided"] + 3 * step["compress"], step
+        alone = (solo_grow["ops"] * (step["decided"] - step["compress"])
+                 + solo_compress["ops"] * step["compress"])
+        assert step["ops"] < alone, (step, alone)  # one top-p sort for all of them
+
+
 def test_the_launch_counter_is_removed_afterwards(report):
     from triton.runtime import interpreter
 

@@ -31,7 +31,7 @@ def squeezed(model, **kwargs):
 def originals() -> list[object]:
     return [EngineKVView.__dict__[n] for n in ("boundary_queries", "summary_attention",
                                                "compact")] + [
-        demand.working_set_ratio, demand.demand_trend, capacity_module._check_selection]
+        demand.working_set_counts, demand.demand_trends, capacity_module._check_selection]
 
 
 def test_phases_account_for_every_boundary_and_change_nothing(model) -> None:

@@ -162,3 +162,49 @@ def test_first_decision_equals_the_simulators_on_the_recorded_trace(model, tmp_p
         (pos, delta, decision), (sim_pos, sim_delta, sim_decision) = engine.log[0], sim.log[0]
         assert (pos, decision) == (sim_pos, sim_decision)
         assert delta == pytest.approx(sim_delta, abs=0.02)   # the trace is stored in fp16
+
+
+@attrs.define
+class RecordingGrowPage(GrowPagePolicy):
+    """GrowPage that notes every Delta_t it decides on, by request and position."""
+
+    seen: dict = attrs.field(factory=dict)
+
+    def decide(self, ctx):
+        self.seen[(ctx.request_id, ctx.position)] = ctx.delta()
+        return super().decide(ctx)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeypatch, kernels):
+    """Equal prompts reach their boundaries in the same decode steps: their Delta_t comes from
+    one ``BoundaryBatch`` pass, and every Delta_t, token, decision and page is what it is
+    without."""
+    from growpage.engine.kv_manager import KVCacheManager
+
+    prompts = [prompt(11, 40 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=30 if kernels else 60, ignore_eos=True)
+
+    def run():
+        policy = RecordingGrowPage()
+        llm = tiny_llm(model, policy, kv_pages=40, boundary_kernels=kernels)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return ([(o.token_ids, o.trajectory, o.events) for o in outs], llm.last_stats.events,
+                policy.seen)
+
+    sizes = []
+    prepare = KVCacheManager.prepare_boundaries
+
+    def counted(self, seqs):
+        prepare(self, seqs)
+        sizes.append(0 if self._batch is None else len(self._batch))
+
+    monkeypatch.setattr(KVCacheManager, "prepare_boundaries", counted)
+    shared, shared_events, shared_deltas = run()
+    assert max(sizes) >= 3 and shared_events["compress"] > 0, (sizes, shared_events)
+    monkeypatch.setattr(KVCacheManager, "prepare_boundaries",
+                        lambda self, seqs: setattr(self, "_batch", None))
+    alone, alone_events, alone_deltas = run()
+    assert len(set(shared_deltas.values())) > 4  # distinct requests, distinct signals
+    assert shared_deltas == alone_deltas
+    assert shared == alone and shared_events == alone_events
