@@ -49,6 +49,26 @@ def _setup(args: argparse.Namespace) -> GrowPageConfig:
     return GrowPageConfig(page_size=args.page_size, recent_window=args.recent_window)
 
 
+def _out_dir(args: argparse.Namespace) -> Path | None:
+    """``--out DIR``, created before the work starts, so that a bad directory fails at once
+    rather than after a long run."""
+    if not args.out:
+        return None
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create the output directory "
+                          f"({e.strerror or e})") from None
+    return out
+
+
+def _at_least(flag: str, value: int, low: int) -> int:
+    if value < low:
+        raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    return value
+
+
 def _emit(args: argparse.Namespace, table: str, payload: dict) -> None:
     print(json.dumps(reports._jsonable(payload), indent=1) if args.json else table)
 
@@ -62,7 +82,10 @@ def _note(args: argparse.Namespace, text: str) -> None:
 def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace]]:
     if args.traces:
         traces = TraceSet(args.traces)
+        if not len(traces):
+            raise ConfigError(f"{args.traces}: the trace set is empty")
         return len(traces), traces.read
+    _at_least("--synthetic", args.synthetic, 1)
     spec = SyntheticSpec(gen_len=args.gen_len, schedule=args.schedule)
     return args.synthetic, lambda i: synthetic_trace(spec, args.seed + i, f"synthetic-{i}")
 
@@ -72,6 +95,8 @@ def run_replay(args: argparse.Namespace) -> int:
     kwargs = parse_params(args.param)
     options = ReplayOptions(fidelity_queries=args.fidelity_queries, signals=args.signals)
     count, read = _replay_traces(args)
+    resolve_policy(args.policy, **kwargs)   # a bad name or hyperparameter fails before the work
+    out = _out_dir(args)
     results = []
     for i in tqdm(range(count), desc="replay", unit="trace", disable=args.json):
         results.append(replay_trace(read(i), resolve_policy(args.policy, **kwargs), config,
@@ -87,8 +112,7 @@ def run_replay(args: argparse.Namespace) -> int:
         payload["signals"] = quality.as_dict()
         table += "\n\n" + _signal_table(quality)
     _emit(args, table, payload)
-    if args.out:
-        out = Path(args.out)
+    if out is not None:
         reports.write_json(out / "replay.json", payload)
         reports.write_csv(out / "replay.csv", rows)
         from growpage.sim.plots import plot_capacity, plot_signal_scatter
@@ -168,6 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.decisions == "trace" and args.traces:
         requests, trace_of = traces_for(requests, args.traces)
     policy = resolve_policy(args.policy, **parse_params(args.param))
+    out = _out_dir(args)
     with tqdm(total=len(requests), desc="serve", unit="req", disable=args.json) as bar:
         result = simulate(requests, policy, config, sim, cost, trace_of,
                           on_progress=lambda n: bar.update(n - bar.n))
@@ -178,8 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
     payload = {"metrics": m, "sim": attrs.asdict(sim), "config": attrs.asdict(config),
                "cost": args.cost, "workload": args.workload}
     _emit(args, table, payload)
-    if args.out:
-        out = Path(args.out)
+    if out is not None:
         reports.write_json(out / "metrics.json", payload)
         reports.write_csv(out / "requests.csv", [_request_row(r) for r in result.requests])
         from growpage.sim.plots import plot_capacity
@@ -204,15 +228,18 @@ def run_sweep(args: argparse.Namespace) -> int:
     from growpage.sim.sweep import SweepSettings, parse_points, run_sweep
 
     config = _setup(args)
+    _at_least("--jobs", args.jobs, 1)
+    _at_least("--fidelity-traces", args.fidelity_traces, 0)
     sim, _, requests = _serving_setup(args, config)
+    points = parse_points(args.points)
+    out = _out_dir(args)
     boundary_s, compaction_s = _boundary_prices(args)
     settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
                              fidelity_traces=args.fidelity_traces, seed=args.seed,
                              boundary_s=boundary_s, compaction_s=compaction_s)
-    rows = run_sweep(parse_points(args.points), settings, jobs=args.jobs, progress=not args.json)
+    rows = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
     _emit(args, reports.format_table(rows, SWEEP_COLUMNS), {"points": rows})
-    if args.out:
-        out = Path(args.out)
+    if out is not None:
         reports.write_json(out / "sweep.json", {"workload": args.workload, "points": rows})
         reports.write_csv(out / "sweep.csv", rows)
         plot_pareto(rows, out / "pareto.png", "tps", "mass_mean", "throughput (tokens/s)",

@@ -84,3 +84,47 @@ def test_sweep_runs_points_and_writes_a_pareto_plot(capsys, tmp_path):
     assert out["points"][0]["mass_mean"] == 1.0 > out["points"][1]["mass_mean"]
     assert (tmp_path / "pareto.png").stat().st_size > 0
     assert attrs.has(SweepPoint)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sim", "replay", "--synthetic", "0"], "--synthetic must be >= 1"),
+    (["sim", "replay", "--synthetic", "-2"], "--synthetic must be >= 1"),
+    (["sim", "sweep", "--workload", "tiny", "--points", "fullkv", "--jobs", "0"],
+     "--jobs must be >= 1"),
+    (["sim", "sweep", "--workload", "tiny", "--points", "fullkv", "--fidelity-traces", "-1"],
+     "--fidelity-traces must be >= 0"),
+])
+def test_bad_counts_are_reported(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_replay_of_an_empty_trace_set_is_an_error_and_writes_nothing(capsys, tmp_path):
+    from growpage.core.trace_set import TraceSet
+
+    TraceSet(tmp_path / "set", create=True)
+    assert main(["sim", "replay", "--traces", str(tmp_path / "set"), *SMALL,
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "the trace set is empty" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["sim", "replay", "--synthetic", "1", "--gen-len", "64"],
+    ["sim", "serve", "--workload", "tiny"],
+    ["sim", "sweep", "--workload", "tiny", "--points", "fullkv", "--jobs", "1",
+     "--fidelity-traces", "0"],
+])
+def test_an_unusable_out_dir_fails_before_the_work(capsys, tmp_path, monkeypatch, command):
+    import growpage.sim.commands as commands
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the work started before --out was checked")
+
+    for name in ("replay_trace", "tqdm"):
+        monkeypatch.setattr(commands, name, no_work)
+    monkeypatch.setattr("growpage.sim.sweep.run_sweep", no_work)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(command + [*SMALL, "--out", str(blocker / "out")]) == 2
+    assert "--out" in capsys.readouterr().err
