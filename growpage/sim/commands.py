@@ -248,9 +248,23 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_path(text: str) -> Path:
+    """``calibrate --out FILE``, checked before measuring (its folder is created)."""
+    path = Path(text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot create its folder ({e.strerror or e})") from None
+    if path.is_dir():
+        raise ConfigError(f"--out {path}: is a directory; give a file name such as "
+                          f"{path / 'costmodel.json'}")
+    return path
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     from growpage.sim.calibrate import fit_linear, load_measurements, measure_engine
 
+    out = _model_path(args.out)
     rows = load_measurements(args.measurements) if args.measurements else measure_engine()
     model = fit_linear(rows)
     if not args.measurements and args.boundaries:  # capacity control on the same engine
@@ -262,7 +276,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
               "compactions measured")
     predicted = model.step_time(rows[:, 0], rows[:, 1], rows[:, 2])
     rms = float(((predicted - rows[:, 3]) ** 2).mean() ** 0.5)
-    path = model.save(args.out)
+    try:
+        path = model.save(out)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write the cost model ({e.strerror or e})") from None
     print(f"fitted on {len(rows)} measurements (rms error {rms * 1e3:.3f} ms):")
     for key, value in attrs.asdict(model).items():
         if key != "name":

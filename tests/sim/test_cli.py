@@ -128,3 +128,16 @@ def test_an_unusable_out_dir_fails_before_the_work(capsys, tmp_path, monkeypatch
     blocker.write_text("x")
     assert main(command + [*SMALL, "--out", str(blocker / "out")]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_calibrate_reports_an_unusable_out_path(capsys, tmp_path):
+    rows = tmp_path / "m.csv"
+    rows.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+                    "4,400,0,0.03\n8,800,100,0.05\n1,50,500,0.04\n")
+    assert main(["calibrate", "--measurements", str(rows), "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["calibrate", "--measurements", str(rows), "--out", str(rows / "x.json")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["calibrate", "--measurements", str(rows),
+                 "--out", str(tmp_path / "new" / "cm.json")]) == 0
+    assert json.loads((tmp_path / "new" / "cm.json").read_text())["kind"] == "linear"
