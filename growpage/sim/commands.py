@@ -28,6 +28,7 @@ from growpage.sim.costmodel import (
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.serving import SimConfig
 from growpage.sim.signal import signal_quality
+from growpage.sim.sources import traces_for
 from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
@@ -151,6 +152,9 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     admission_reserve=args.admission_reserve, decisions=args.decisions,
                     num_scripts=args.num_scripts, seed=args.seed)
+    if args.traces and args.decisions != "trace":
+        raise ConfigError("--traces is used only with --decisions trace (script mode draws "
+                          "synthetic traces)")
     return sim, cost, resolve_workload(args.workload, args.seed)
 
 
@@ -162,25 +166,6 @@ def _boundary_prices(args: argparse.Namespace) -> tuple[float | None, float | No
             raise ConfigError(f"{flag} must be a finite number >= 0, got {ms}")
         prices.append(None if ms is None else ms / 1000.0)
     return prices[0], prices[1]
-
-
-def traces_for(requests: list[WorkloadRequest], directory: str
-               ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
-    """Trace mode over a trace set: each request takes its ``trace`` (or the set's entries in
-    turn) and the lengths of that trace."""
-    traces = TraceSet(directory)
-    if not len(traces):
-        raise ConfigError(f"{directory}: the trace set is empty")
-    by_id = {e.request_id: e for e in traces.index}
-    chosen, out = {}, []
-    for i, r in enumerate(requests):
-        entry = by_id.get(r.trace) if r.trace else traces.index[i % len(traces)]
-        if entry is None:
-            raise ConfigError(f"request {r.request_id}: trace {r.trace!r} is not in {directory}")
-        chosen[r.request_id] = entry
-        out.append(attrs.evolve(r, prompt_tokens=entry.prompt_len,
-                                output_tokens=max(entry.num_tokens - entry.prompt_len, 1)))
-    return out, lambda request: traces.read(chosen[request.request_id])
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -236,7 +221,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     boundary_s, compaction_s = _boundary_prices(args)
     settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
                              fidelity_traces=args.fidelity_traces, seed=args.seed,
-                             boundary_s=boundary_s, compaction_s=compaction_s)
+                             boundary_s=boundary_s, compaction_s=compaction_s,
+                             traces=args.traces)
+    if args.traces:
+        traces_for(requests, args.traces)   # a bad set or trace name fails before the work
     rows = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
     _emit(args, reports.format_table(rows, SWEEP_COLUMNS), {"points": rows})
     if out is not None:

@@ -141,3 +141,29 @@ def test_calibrate_reports_an_unusable_out_path(capsys, tmp_path):
     assert main(["calibrate", "--measurements", str(rows),
                  "--out", str(tmp_path / "new" / "cm.json")]) == 0
     assert json.loads((tmp_path / "new" / "cm.json").read_text())["kind"] == "linear"
+
+
+def test_sweep_in_trace_mode_serves_the_trace_set(capsys, tmp_path):
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[90, 60], seed=2)
+    csv = tmp_path / "w.csv"
+    csv.write_text("arrival_s,prompt_tokens,output_tokens,trace\n0,5,5,synthetic-1\n0,5,5,\n")
+    out = run_json(capsys, ["sim", "sweep", "--workload", str(csv), *SMALL, "--kv-pages", "20",
+                            "--points", "fullkv", "--jobs", "1", "--fidelity-traces", "0",
+                            "--decisions", "trace", "--traces", str(tmp_path / "set")])
+    # As in serve: synthetic-1 (60 tokens), then the set's entry 1 (60), not the CSV's 5 + 5.
+    assert out["points"][0]["output_tokens"] == 120
+    assert main(["sim", "sweep", "--workload", str(csv), *SMALL, "--points", "fullkv",
+                 "--decisions", "trace", "--traces", str(tmp_path / "nothing")]) == 2
+    assert "not a trace set" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "sweep"])
+def test_traces_without_trace_mode_is_an_error(capsys, tmp_path, command):
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[90], seed=2)
+    assert main(["sim", command, "--workload", "tiny", *SMALL,
+                 "--traces", str(tmp_path / "set")]) == 2
+    assert "--decisions trace" in capsys.readouterr().err
