@@ -230,8 +230,13 @@ def run_sweep(args: argparse.Namespace) -> int:
     if out is not None:
         reports.write_json(out / "sweep.json", {"workload": args.workload, "points": rows})
         reports.write_csv(out / "sweep.csv", rows)
-        plot_pareto(rows, out / "pareto.png", "tps", "mass_mean", "throughput (tokens/s)",
-                    "retained attention mass", f"fidelity vs throughput ({args.workload})")
+        if any(r.get("mass_mean") is not None for r in rows):
+            plot_pareto(rows, out / "pareto.png", "tps", "mass_mean", "throughput (tokens/s)",
+                        "retained attention mass", f"fidelity vs throughput ({args.workload})")
+        else:   # --fidelity-traces 0: no fidelity to plot, the KV budget instead
+            plot_pareto(rows, out / "pareto.png", "tps", "avg_kv_budget",
+                        "throughput (tokens/s)", "average KV budget (tokens)",
+                        f"KV budget vs throughput ({args.workload})")
         _note(args, f"results in {out}/ (sweep.json, sweep.csv, pareto.png)")
     return 0
 

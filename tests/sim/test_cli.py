@@ -167,3 +167,16 @@ def test_traces_without_trace_mode_is_an_error(capsys, tmp_path, command):
     assert main(["sim", command, "--workload", "tiny", *SMALL,
                  "--traces", str(tmp_path / "set")]) == 2
     assert "--decisions trace" in capsys.readouterr().err
+
+
+def test_sweep_without_fidelity_plots_the_budget(capsys, tmp_path, monkeypatch):
+    import growpage.sim.plots as plots
+
+    calls = []
+    monkeypatch.setattr(plots, "plot_pareto", lambda rows, path, x, y, *a: calls.append(
+        [(r[x], r[y]) for r in rows]))
+    run_json(capsys, ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "120",
+                      "--points", "fullkv", "fixed@budget_tokens=64", "--jobs", "1",
+                      "--fidelity-traces", "0", "--out", str(tmp_path)])
+    assert len(calls) == 1 and len(calls[0]) == 2
+    assert all(x > 0 and y is not None and y > 0 for x, y in calls[0])   # no empty plot
