@@ -89,10 +89,9 @@ def serving_table(args: argparse.Namespace, config: GrowPageConfig) -> list[dict
 
 
 def run(args: argparse.Namespace) -> int:
+    from growpage.errors import ConfigError
     from growpage.sim.plots import plot_capacity, plot_pareto
     from growpage.sim.reports import REPLAY_COLUMNS, SERVING_COLUMNS, format_table, write_json
-
-    from growpage.errors import ConfigError
 
     if args.traces < 1:
         raise ConfigError(f"--traces must be >= 1, got {args.traces}")
