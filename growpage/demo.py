@@ -36,6 +36,7 @@ POLICIES: list[tuple[str, str, dict]] = [   # (label, policy, hyperparameters)
 SERVE_POLICIES = ["growpage", "fixed-1024", "fixed-2048", "fullkv"]
 SERVE_PAGES = 600      # KV pool of the serving run, pages (of --page-size tokens)
 SERVE_SEATS = 64       # max_num_seqs
+RECENT_WINDOW = 16     # protected recent tokens
 
 
 CAPACITY_PLOT = ["growpage", "fixed-1024", "random", "inverse", "fullkv"]
@@ -88,12 +89,24 @@ def serving_table(args: argparse.Namespace, config: GrowPageConfig) -> list[dict
 
 
 def run(args: argparse.Namespace) -> int:
+    from growpage.errors import ConfigError
     from growpage.sim.plots import plot_capacity, plot_pareto
     from growpage.sim.reports import REPLAY_COLUMNS, SERVING_COLUMNS, format_table, write_json
 
+    if args.traces < 1:
+        raise ConfigError(f"--traces must be >= 1, got {args.traces}")
+    if args.page_size <= RECENT_WINDOW:
+        raise ConfigError(f"--page-size must be > {RECENT_WINDOW} (the demo protects the "
+                          f"{RECENT_WINDOW} most recent tokens), got {args.page_size}")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create the output directory "
+                          f"({e.strerror or e})") from None
     torch.set_num_threads(1)
     start = time.perf_counter()
-    config = GrowPageConfig(page_size=args.page_size, recent_window=16)
+    config = GrowPageConfig(page_size=args.page_size, recent_window=RECENT_WINDOW)
     rows, trajectories, diffuse = replay_table(args, config)
     print(f"\nReplay: {args.traces} synthetic traces of {args.gen_len} generated tokens, "
           f"page size {config.page_size}; fidelity = real attention of 8 sampled queries of "
@@ -104,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
           f"{config.page_size} tokens, {SERVE_SEATS} seats, A100/Qwen3-8B roofline step times, "
           "decisions scripted from synthetic traces")
     print(format_table(serve_rows, SERVING_COLUMNS))
-    out = Path(args.out)
     pareto = plot_pareto([{**r, "label": r["policy"]} for r in rows], out / "pareto.png",
                          "avg_budget", "mass_mean", "average KV budget (tokens)",
                          "retained attention mass (next page)", "fidelity vs KV budget")

@@ -28,6 +28,7 @@ from growpage.sim.costmodel import (
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.serving import SimConfig
 from growpage.sim.signal import signal_quality
+from growpage.sim.sources import traces_for
 from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
@@ -49,6 +50,26 @@ def _setup(args: argparse.Namespace) -> GrowPageConfig:
     return GrowPageConfig(page_size=args.page_size, recent_window=args.recent_window)
 
 
+def _out_dir(args: argparse.Namespace) -> Path | None:
+    """``--out DIR``, created before the work starts, so that a bad directory fails at once
+    rather than after a long run."""
+    if not args.out:
+        return None
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create the output directory "
+                          f"({e.strerror or e})") from None
+    return out
+
+
+def _at_least(flag: str, value: int, low: int) -> int:
+    if value < low:
+        raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    return value
+
+
 def _emit(args: argparse.Namespace, table: str, payload: dict) -> None:
     print(json.dumps(reports._jsonable(payload), indent=1) if args.json else table)
 
@@ -62,7 +83,10 @@ def _note(args: argparse.Namespace, text: str) -> None:
 def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace]]:
     if args.traces:
         traces = TraceSet(args.traces)
+        if not len(traces):
+            raise ConfigError(f"{args.traces}: the trace set is empty")
         return len(traces), traces.read
+    _at_least("--synthetic", args.synthetic, 1)
     spec = SyntheticSpec(gen_len=args.gen_len, schedule=args.schedule)
     return args.synthetic, lambda i: synthetic_trace(spec, args.seed + i, f"synthetic-{i}")
 
@@ -72,6 +96,8 @@ def run_replay(args: argparse.Namespace) -> int:
     kwargs = parse_params(args.param)
     options = ReplayOptions(fidelity_queries=args.fidelity_queries, signals=args.signals)
     count, read = _replay_traces(args)
+    resolve_policy(args.policy, **kwargs)   # a bad name or hyperparameter fails before the work
+    out = _out_dir(args)
     results = []
     for i in tqdm(range(count), desc="replay", unit="trace", disable=args.json):
         results.append(replay_trace(read(i), resolve_policy(args.policy, **kwargs), config,
@@ -87,8 +113,7 @@ def run_replay(args: argparse.Namespace) -> int:
         payload["signals"] = quality.as_dict()
         table += "\n\n" + _signal_table(quality)
     _emit(args, table, payload)
-    if args.out:
-        out = Path(args.out)
+    if out is not None:
         reports.write_json(out / "replay.json", payload)
         reports.write_csv(out / "replay.csv", rows)
         from growpage.sim.plots import plot_capacity, plot_signal_scatter
@@ -127,6 +152,9 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     admission_reserve=args.admission_reserve, decisions=args.decisions,
                     num_scripts=args.num_scripts, seed=args.seed)
+    if args.traces and args.decisions != "trace":
+        raise ConfigError("--traces is used only with --decisions trace (script mode draws "
+                          "synthetic traces)")
     return sim, cost, resolve_workload(args.workload, args.seed)
 
 
@@ -140,25 +168,6 @@ def _boundary_prices(args: argparse.Namespace) -> tuple[float | None, float | No
     return prices[0], prices[1]
 
 
-def traces_for(requests: list[WorkloadRequest], directory: str
-               ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
-    """Trace mode over a trace set: each request takes its ``trace`` (or the set's entries in
-    turn) and the lengths of that trace."""
-    traces = TraceSet(directory)
-    if not len(traces):
-        raise ConfigError(f"{directory}: the trace set is empty")
-    by_id = {e.request_id: e for e in traces.index}
-    chosen, out = {}, []
-    for i, r in enumerate(requests):
-        entry = by_id.get(r.trace) if r.trace else traces.index[i % len(traces)]
-        if entry is None:
-            raise ConfigError(f"request {r.request_id}: trace {r.trace!r} is not in {directory}")
-        chosen[r.request_id] = entry
-        out.append(attrs.evolve(r, prompt_tokens=entry.prompt_len,
-                                output_tokens=max(entry.num_tokens - entry.prompt_len, 1)))
-    return out, lambda request: traces.read(chosen[request.request_id])
-
-
 def run_serve(args: argparse.Namespace) -> int:
     from growpage.sim.serving import simulate
 
@@ -168,6 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.decisions == "trace" and args.traces:
         requests, trace_of = traces_for(requests, args.traces)
     policy = resolve_policy(args.policy, **parse_params(args.param))
+    out = _out_dir(args)
     with tqdm(total=len(requests), desc="serve", unit="req", disable=args.json) as bar:
         result = simulate(requests, policy, config, sim, cost, trace_of,
                           on_progress=lambda n: bar.update(n - bar.n))
@@ -178,8 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
     payload = {"metrics": m, "sim": attrs.asdict(sim), "config": attrs.asdict(config),
                "cost": args.cost, "workload": args.workload}
     _emit(args, table, payload)
-    if args.out:
-        out = Path(args.out)
+    if out is not None:
         reports.write_json(out / "metrics.json", payload)
         reports.write_csv(out / "requests.csv", [_request_row(r) for r in result.requests])
         from growpage.sim.plots import plot_capacity
@@ -204,26 +213,51 @@ def run_sweep(args: argparse.Namespace) -> int:
     from growpage.sim.sweep import SweepSettings, parse_points, run_sweep
 
     config = _setup(args)
+    _at_least("--jobs", args.jobs, 1)
+    _at_least("--fidelity-traces", args.fidelity_traces, 0)
     sim, _, requests = _serving_setup(args, config)
+    points = parse_points(args.points)
+    out = _out_dir(args)
     boundary_s, compaction_s = _boundary_prices(args)
     settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
                              fidelity_traces=args.fidelity_traces, seed=args.seed,
-                             boundary_s=boundary_s, compaction_s=compaction_s)
-    rows = run_sweep(parse_points(args.points), settings, jobs=args.jobs, progress=not args.json)
+                             boundary_s=boundary_s, compaction_s=compaction_s,
+                             traces=args.traces)
+    if args.traces:
+        traces_for(requests, args.traces)   # a bad set or trace name fails before the work
+    rows = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
     _emit(args, reports.format_table(rows, SWEEP_COLUMNS), {"points": rows})
-    if args.out:
-        out = Path(args.out)
+    if out is not None:
         reports.write_json(out / "sweep.json", {"workload": args.workload, "points": rows})
         reports.write_csv(out / "sweep.csv", rows)
-        plot_pareto(rows, out / "pareto.png", "tps", "mass_mean", "throughput (tokens/s)",
-                    "retained attention mass", f"fidelity vs throughput ({args.workload})")
+        if any(r.get("mass_mean") is not None for r in rows):
+            plot_pareto(rows, out / "pareto.png", "tps", "mass_mean", "throughput (tokens/s)",
+                        "retained attention mass", f"fidelity vs throughput ({args.workload})")
+        else:   # --fidelity-traces 0: no fidelity to plot, the KV budget instead
+            plot_pareto(rows, out / "pareto.png", "tps", "avg_kv_budget",
+                        "throughput (tokens/s)", "average KV budget (tokens)",
+                        f"KV budget vs throughput ({args.workload})")
         _note(args, f"results in {out}/ (sweep.json, sweep.csv, pareto.png)")
     return 0
+
+
+def _model_path(text: str) -> Path:
+    """``calibrate --out FILE``, checked before measuring (its folder is created)."""
+    path = Path(text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot create its folder ({e.strerror or e})") from None
+    if path.is_dir():
+        raise ConfigError(f"--out {path}: is a directory; give a file name such as "
+                          f"{path / 'costmodel.json'}")
+    return path
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from growpage.sim.calibrate import fit_linear, load_measurements, measure_engine
 
+    out = _model_path(args.out)
     rows = load_measurements(args.measurements) if args.measurements else measure_engine()
     model = fit_linear(rows)
     if not args.measurements and args.boundaries:  # capacity control on the same engine
@@ -235,7 +269,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
               "compactions measured")
     predicted = model.step_time(rows[:, 0], rows[:, 1], rows[:, 2])
     rms = float(((predicted - rows[:, 3]) ** 2).mean() ** 0.5)
-    path = model.save(args.out)
+    try:
+        path = model.save(out)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write the cost model ({e.strerror or e})") from None
     print(f"fitted on {len(rows)} measurements (rms error {rms * 1e3:.3f} ms):")
     for key, value in attrs.asdict(model).items():
         if key != "name":

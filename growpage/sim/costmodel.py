@@ -100,6 +100,9 @@ class CostModel(abc.ABC):
         return {"kind": type(self).__name__, **attrs.asdict(self, recurse=True)}
 
 
+STEP_COEFFICIENTS = ("base_s", "per_seq_s", "per_kv_token_s", "per_prefill_token_s")
+
+
 @attrs.frozen(kw_only=True)
 class LinearCostModel(CostModel):
     """Linear step time (seconds); coefficients in seconds per unit."""
@@ -133,6 +136,9 @@ class LinearCostModel(CostModel):
             raise ConfigError(f"{path}: cannot read a cost model ({e})") from None
         if not isinstance(d, dict) or d.pop("kind", None) != "linear":
             raise ConfigError(f"{path}: not a linear cost model (expected \"kind\": \"linear\")")
+        missing = [k for k in STEP_COEFFICIENTS if k not in d]
+        if missing:
+            raise ConfigError(f"{path}: cost model lacks {', '.join(missing)}")
         try:
             return cls(**d)
         except TypeError as e:

@@ -21,6 +21,8 @@ def plot_capacity(trajectories: Mapping[str, Sequence[tuple[float, int]]], path:
     ``shaded`` spans of x (e.g. diffuse-attention regimes) are drawn in the background.
     """
     fig, ax = plt.subplots(figsize=(7, 4))
+    if len(trajectories) > 10:   # the default cycle repeats after 10 colours
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for i, (lo, hi) in enumerate(shaded):
         ax.axvspan(lo, hi, color="0.9", label=shaded_label if i == 0 and shaded_label else None)
     for label, points in trajectories.items():

@@ -206,6 +206,9 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
     ``on_progress(num_finished)`` is called whenever requests finish.
     """
     policy = resolve_policy(policy)
+    if not cost.decode_time(1, 1, 1) > 0:
+        raise ConfigError(f"cost model {cost.name!r} prices a decode step at 0 s: simulated time "
+                          "would not advance and throughput is undefined")
     if sim.decisions == "trace":
         source: TraceSource | ScriptSource = TraceSource(
             policy, config, sim.num_kv_pages, trace_of or synthetic_trace_of(demand, sim.seed))

@@ -23,7 +23,9 @@ from growpage.core.capacity import CapacityController
 from growpage.core.config import GrowPageConfig
 from growpage.core.kvview import KVView
 from growpage.core.pages import PagePool
+from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace
+from growpage.errors import ConfigError
 from growpage.policies.base import CapacityPolicy
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.scripted import (
@@ -154,3 +156,22 @@ def synthetic_trace_of(spec: SyntheticSpec = SCRIPT_SPEC, seed: int = 0
         s = attrs.evolve(spec, prompt_len=request.prompt_tokens, gen_len=request.output_tokens)
         return synthetic_trace(s, seed + i, request_id=request.request_id)
     return trace_of
+
+
+def traces_for(requests: Sequence[WorkloadRequest], directory: str
+               ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
+    """Trace mode over a trace set: each request takes its ``trace`` (or the set's entries in
+    turn) and the lengths of that trace."""
+    traces = TraceSet(directory)
+    if not len(traces):
+        raise ConfigError(f"{directory}: the trace set is empty")
+    by_id = {e.request_id: e for e in traces.index}
+    chosen, out = {}, []
+    for i, r in enumerate(requests):
+        entry = by_id.get(r.trace) if r.trace else traces.index[i % len(traces)]
+        if entry is None:
+            raise ConfigError(f"request {r.request_id}: trace {r.trace!r} is not in {directory}")
+        chosen[r.request_id] = entry
+        out.append(attrs.evolve(r, prompt_tokens=entry.prompt_len,
+                                output_tokens=max(entry.num_tokens - entry.prompt_len, 1)))
+    return out, lambda request: traces.read(chosen[request.request_id])

@@ -28,7 +28,7 @@ from growpage.sim.costmodel import load_cost_model, with_boundary_costs
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.reports import aggregate_replays
 from growpage.sim.serving import SimConfig, simulate
-from growpage.sim.sources import SCRIPT_SPEC
+from growpage.sim.sources import SCRIPT_SPEC, traces_for
 from growpage.sim.synthetic import synthetic_trace
 from growpage.sim.workload_csv import WorkloadRequest
 
@@ -80,16 +80,20 @@ class SweepSettings:
     seed: int = 0
     boundary_s: float | None = None   # capacity-control prices over the cost model's (None: its)
     compaction_s: float | None = None
+    traces: str | None = None         # trace set for decisions="trace" (None: synthetic traces)
 
 
 def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
     """Serve and replay one point; a flat dict of metrics."""
     torch.set_num_threads(1)
     kwargs = dict(point.params)
-    serving = simulate(settings.requests, resolve_policy(point.policy, **kwargs),
+    requests, trace_of = list(settings.requests), None
+    if settings.traces and settings.sim.decisions == "trace":
+        requests, trace_of = traces_for(requests, settings.traces)
+    serving = simulate(requests, resolve_policy(point.policy, **kwargs),
                        settings.config, settings.sim,
                        with_boundary_costs(load_cost_model(settings.cost), settings.boundary_s,
-                                           settings.compaction_s))
+                                           settings.compaction_s), trace_of)
     spec = attrs.evolve(SCRIPT_SPEC, gen_len=settings.fidelity_gen_len)
     replays = [replay_trace(synthetic_trace(spec, settings.seed + 1000 + i),
                             resolve_policy(point.policy, **kwargs), settings.config,

@@ -56,6 +56,16 @@ def _positive_int(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     _check(ok, attribute, value, "an int >= 1")
 
 
+def _one_of(choices: tuple[str, ...]):
+    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        _check(value in choices, attribute, value, f"one of {', '.join(choices)}")
+    return check
+
+
+def _bool(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    _check(isinstance(value, bool), attribute, value, "a bool")
+
+
 def _positive_float(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
     _check(ok, attribute, value, "a finite number > 0")
@@ -72,13 +82,13 @@ class SyntheticSpec:
     prompt_len: int = attrs.field(default=64, validator=_positive_int)     # tokens
     gen_len: int = attrs.field(default=448, validator=_positive_int)       # tokens
     rope_theta: float = attrs.field(default=10000.0, validator=_positive_float)
-    schedule: str = attrs.field(default="random", validator=attrs.validators.in_(SCHEDULES))
+    schedule: str = attrs.field(default="random", validator=_one_of(SCHEDULES))
     mean_regime_len: float = attrs.field(default=512.0, validator=_positive_float)  # tokens
     p_concentrated: float = attrs.field(default=0.5)   # "random": P(regime is concentrated)
     concentration: float = attrs.field(default=16.0, validator=_positive_float)  # nats
     diffuse_std: float = attrs.field(default=1.0, validator=_positive_float)     # nats
     num_anchors: int = attrs.field(default=4, validator=_positive_int)   # per regime and head
-    with_values: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    with_values: bool = attrs.field(default=True, validator=_bool)
     model: str = "synthetic"
 
     @p_concentrated.validator

@@ -73,14 +73,17 @@ def _read_text(path: Path) -> str:
 
 def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
     """Parse CSV text (see the module docstring)."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows: list[tuple[int, list[str]]] = []   # (line number in the file, cells); blank lines out
     try:
-        rows = list(csv.reader(io.StringIO(text, newline="")))
+        for row in reader:
+            if any(cell.strip() for cell in row):
+                rows.append((reader.line_num, row))
     except csv.Error as e:
         raise WorkloadError(f"{source}: not valid CSV ({e})") from None
-    rows = [r for r in rows if any(cell.strip() for cell in r)]
     if not rows:
         raise WorkloadError(f"{source}: empty workload (no header)")
-    header = [h.strip() for h in rows[0]]
+    header = [h.strip() for h in rows[0][1]]
     missing = [c for c in REQUIRED if c not in header]
     unknown = [c for c in header if c not in REQUIRED + OPTIONAL]
     if missing or unknown or len(set(header)) != len(header):
@@ -90,13 +93,13 @@ def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRe
         raise WorkloadError(f"{source}: no requests after the header")
     col = {name: i for i, name in enumerate(header)}
     out = []
-    for line, row in enumerate(rows[1:], start=2):
+    for i, (line, row) in enumerate(rows[1:]):
         where = f"{source}, line {line}"
         if len(row) != len(header):
             raise WorkloadError(f"{where}: {len(row)} fields, header has {len(header)}")
         trace = row[col["trace"]].strip() if "trace" in col else ""
         out.append(WorkloadRequest(
-            request_id=f"req-{line - 2}", arrival_s=_arrival(row[col["arrival_s"]], where),
+            request_id=f"req-{i}", arrival_s=_arrival(row[col["arrival_s"]], where),
             prompt_tokens=_int_field(row[col["prompt_tokens"]], "prompt_tokens", where),
             output_tokens=_int_field(row[col["output_tokens"]], "output_tokens", where),
             trace=trace or None, kind="csv"))

@@ -84,3 +84,99 @@ def test_sweep_runs_points_and_writes_a_pareto_plot(capsys, tmp_path):
     assert out["points"][0]["mass_mean"] == 1.0 > out["points"][1]["mass_mean"]
     assert (tmp_path / "pareto.png").stat().st_size > 0
     assert attrs.has(SweepPoint)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sim", "replay", "--synthetic", "0"], "--synthetic must be >= 1"),
+    (["sim", "replay", "--synthetic", "-2"], "--synthetic must be >= 1"),
+    (["sim", "sweep", "--workload", "tiny", "--points", "fullkv", "--jobs", "0"],
+     "--jobs must be >= 1"),
+    (["sim", "sweep", "--workload", "tiny", "--points", "fullkv", "--fidelity-traces", "-1"],
+     "--fidelity-traces must be >= 0"),
+])
+def test_bad_counts_are_reported(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_replay_of_an_empty_trace_set_is_an_error_and_writes_nothing(capsys, tmp_path):
+    from growpage.core.trace_set import TraceSet
+
+    TraceSet(tmp_path / "set", create=True)
+    assert main(["sim", "replay", "--traces", str(tmp_path / "set"), *SMALL,
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "the trace set is empty" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["sim", "replay", "--synthetic", "1", "--gen-len", "64"],
+    ["sim", "serve", "--workload", "tiny"],
+    ["sim", "sweep", "--workload", "tiny", "--points", "fullkv", "--jobs", "1",
+     "--fidelity-traces", "0"],
+])
+def test_an_unusable_out_dir_fails_before_the_work(capsys, tmp_path, monkeypatch, command):
+    import growpage.sim.commands as commands
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the work started before --out was checked")
+
+    for name in ("replay_trace", "tqdm"):
+        monkeypatch.setattr(commands, name, no_work)
+    monkeypatch.setattr("growpage.sim.sweep.run_sweep", no_work)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(command + [*SMALL, "--out", str(blocker / "out")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_calibrate_reports_an_unusable_out_path(capsys, tmp_path):
+    rows = tmp_path / "m.csv"
+    rows.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+                    "4,400,0,0.03\n8,800,100,0.05\n1,50,500,0.04\n")
+    assert main(["calibrate", "--measurements", str(rows), "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["calibrate", "--measurements", str(rows), "--out", str(rows / "x.json")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["calibrate", "--measurements", str(rows),
+                 "--out", str(tmp_path / "new" / "cm.json")]) == 0
+    assert json.loads((tmp_path / "new" / "cm.json").read_text())["kind"] == "linear"
+
+
+def test_sweep_in_trace_mode_serves_the_trace_set(capsys, tmp_path):
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[90, 60], seed=2)
+    csv = tmp_path / "w.csv"
+    csv.write_text("arrival_s,prompt_tokens,output_tokens,trace\n0,5,5,synthetic-1\n0,5,5,\n")
+    out = run_json(capsys, ["sim", "sweep", "--workload", str(csv), *SMALL, "--kv-pages", "20",
+                            "--points", "fullkv", "--jobs", "1", "--fidelity-traces", "0",
+                            "--decisions", "trace", "--traces", str(tmp_path / "set")])
+    # As in serve: synthetic-1 (60 tokens), then the set's entry 1 (60), not the CSV's 5 + 5.
+    assert out["points"][0]["output_tokens"] == 120
+    assert main(["sim", "sweep", "--workload", str(csv), *SMALL, "--points", "fullkv",
+                 "--decisions", "trace", "--traces", str(tmp_path / "nothing")]) == 2
+    assert "not a trace set" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "sweep"])
+def test_traces_without_trace_mode_is_an_error(capsys, tmp_path, command):
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[90], seed=2)
+    assert main(["sim", command, "--workload", "tiny", *SMALL,
+                 "--traces", str(tmp_path / "set")]) == 2
+    assert "--decisions trace" in capsys.readouterr().err
+
+
+def test_sweep_without_fidelity_plots_the_budget(capsys, tmp_path, monkeypatch):
+    import growpage.sim.plots as plots
+
+    calls = []
+    monkeypatch.setattr(plots, "plot_pareto", lambda rows, path, x, y, *a: calls.append(
+        [(r[x], r[y]) for r in rows]))
+    run_json(capsys, ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "120",
+                      "--points", "fullkv", "fixed@budget_tokens=64", "--jobs", "1",
+                      "--fidelity-traces", "0", "--out", str(tmp_path)])
+    assert len(calls) == 1 and len(calls[0]) == 2
+    assert all(x > 0 and y is not None and y > 0 for x, y in calls[0])   # no empty plot

@@ -112,3 +112,23 @@ def test_unknown_cost_model_and_bad_specs():
         RooflineCostModel(hardware=A100_80GB, model=QWEN3_8B, mfu=0.0)
     with pytest.raises(ConfigError, match="per_kv_token_s"):
         LinearCostModel(per_kv_token_s=-1.0)
+
+
+def test_a_cost_model_file_must_hold_every_step_coefficient(tmp_path):
+    path = tmp_path / "cm.json"
+    path.write_text(json.dumps({"kind": "linear", "base_s": 0.01}))
+    with pytest.raises(ConfigError, match="lacks per_seq_s, per_kv_token_s, per_prefill_token_s"):
+        LinearCostModel.load(path)
+
+
+def test_serving_refuses_a_cost_model_whose_decode_steps_are_free(capsys, tmp_path):
+    from growpage.core.config import GrowPageConfig
+    from growpage.sim.serving import SimConfig, simulate
+    from growpage.sim.workloads import resolve_workload
+
+    free = LinearCostModel(per_prefill_token_s=1e-4)
+    with pytest.raises(ConfigError, match="decode step at 0 s"):
+        simulate(resolve_workload("tiny"), "fullkv", GrowPageConfig(), SimConfig(), free)
+    path = free.save(tmp_path / "free.json")
+    assert main(["sim", "serve", "--workload", "tiny", "--cost", str(path)]) == 2
+    assert "decode step at 0 s" in capsys.readouterr().err

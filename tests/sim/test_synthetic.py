@@ -135,5 +135,10 @@ def test_write_synthetic_trace_set(tmp_path):
     ("schedule", "sometimes"), ("gen_len", 2.5), ("num_anchors", True),
 ])
 def test_spec_validation(field, value):
-    with pytest.raises((ConfigError, ValueError), match=field if field != "schedule" else "'schedule'"):
+    with pytest.raises(ConfigError, match=f"SyntheticSpec.{field}"):
         attrs.evolve(SMALL, **{field: value})
+
+
+def test_spec_with_values_must_be_a_bool():
+    with pytest.raises(ConfigError, match="SyntheticSpec.with_values must be a bool"):
+        attrs.evolve(SMALL, with_values=1)

@@ -117,3 +117,12 @@ def test_mutated_csv_rows_only_ever_raise_workload_error(header, rows):
         return
     assert all(r.prompt_tokens >= 1 and r.output_tokens >= 1 and r.arrival_s >= 0
                for r in requests)
+
+
+def test_errors_name_the_file_line_despite_blank_lines(tmp_path):
+    path = tmp_path / "gaps.csv"
+    path.write_text("\narrival_s,prompt_tokens,output_tokens\n\n0,10,10\n\n\n0,x,10\n")
+    with pytest.raises(WorkloadError, match=r"gaps.csv, line 7: prompt_tokens"):
+        load_workload_csv(path)
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n\n0,10,10\n\n0.5,20,20\n")
+    assert [r.request_id for r in load_workload_csv(path)] == ["req-0", "req-1"]
