@@ -168,6 +168,30 @@ class BoundaryContext:
         return self.view.positions()
 
 
+# Cached signals a policy can reach (``attention()`` returns a view of the first) by name.
+_CACHED_TENSORS = {"_estimation_attention": "attention()", "_selection_attention": "scores()",
+                   "_queries": "the rotated query summaries", "_logits": "the summary logits"}
+
+
+def changed_signals(ctx: BoundaryContext, fresh: BoundaryContext) -> list[str]:
+    """The signals ``ctx`` has cached that differ from ``fresh``'s, a new context of the same
+    boundary: a policy modified in place a tensor the context returned (``attention()``,
+    ``working_set_ratio()``), so the context now answers differently. Used by the conformance
+    kit's ``no-mutation`` rule; computes on ``fresh`` only what ``ctx`` computed."""
+    changed = [label for name, label in _CACHED_TENSORS.items()
+               if name in vars(ctx) and not _same(vars(ctx)[name], getattr(fresh, name))]
+    changed += [f"working_set_ratio(p={p})" for p, ratios in ctx._ratios.items()
+                if not _same(ratios, fresh._ratio_pair(p))]
+    changed += [f"delta(p={p})" for p, delta in ctx._deltas.items()
+                if not _same(torch.tensor(delta), torch.tensor(fresh.delta(p)))]
+    return changed
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0.0, atol=0.0,
+                                                     equal_nan=True).all())
+
+
 def _view_index(view: str) -> int:
     try:
         return VIEWS.index(view)
