@@ -21,6 +21,7 @@ from growpage.core.config import GrowPageConfig
 from growpage.core.kvview import KVView
 from growpage.core.rope import rope_at
 from growpage.core.selection import importance
+from growpage.errors import ConfigError
 
 VIEWS = ("short", "long")
 
@@ -120,23 +121,34 @@ class BoundaryContext:
     def attention(self, view: str) -> torch.Tensor:
         """Normalized attention of the ``"short"`` or ``"long"`` summary over the estimation
         candidates, ``[L, Hkv, N - b]`` (mean over each KV head's query group)."""
-        return self._estimation_attention[_view_index(view)]
+        return self._estimation_attention[_view_index(view, "attention")]
 
     def working_set_ratio(self, view: str, p: float | None = None) -> torch.Tensor:
-        """Top-p working-set ratio r (Eq. 7) per layer and KV head, ``[L, Hkv]`` in (0, 1]."""
-        index = _view_index(view)
-        return self._ratio_pair(p)[index]
+        """Top-p working-set ratio r (Eq. 7) per layer and KV head, ``[L, Hkv]`` in (0, 1].
 
-    def _ratio_pair(self, p: float | None) -> torch.Tensor:
+        ``p``: coverage in (0, 1]; None means ``config.top_p``."""
+        index = _view_index(view, "working_set_ratio")
+        return self._ratio_pair(self._coverage(p, "working_set_ratio"))[index]
+
+    def _coverage(self, p: float | None, method: str) -> float:
+        if p is None:
+            return self.config.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            raise ConfigError(f"BoundaryContext.{method}(p): the coverage must be a number in "
+                              f"(0, 1] or None (config.top_p), got {p!r}")
+        return float(p)
+
+    def _ratio_pair(self, p: float) -> torch.Tensor:
         """``[2, L, Hkv]`` working-set ratios of both views at ``p``: one sort for both."""
-        p = self.config.top_p if p is None else p
         if p not in self._ratios:
             self._ratios[p] = demand.working_set_ratio(self._estimation_attention, p)
         return self._ratios[p]
 
     def delta(self, p: float | None = None) -> float:
-        """Demand trend Delta_t = r^S - r^L averaged over layers and KV heads (Eq. 8)."""
-        key = self.config.top_p if p is None else p
+        """Demand trend Delta_t = r^S - r^L averaged over layers and KV heads (Eq. 8).
+
+        ``p``: coverage in (0, 1]; None means ``config.top_p``."""
+        key = self._coverage(p, "delta")
         if key not in self._deltas:
             ratios = self._ratio_pair(key)
             self._deltas[key] = demand.demand_trend(ratios[0], ratios[1])
@@ -192,8 +204,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                      equal_nan=True).all())
 
 
-def _view_index(view: str) -> int:
+def _view_index(view: str, method: str) -> int:
     try:
         return VIEWS.index(view)
     except ValueError:
-        raise ValueError(f"attention view must be 'short' or 'long', got {view!r}") from None
+        raise ConfigError(f"BoundaryContext.{method}(view): the attention view must be 'short' "
+                          f"or 'long', got {view!r}") from None
