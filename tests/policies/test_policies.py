@@ -249,3 +249,17 @@ def test_policy_guide_example_runs(tmp_path):
     path = tmp_path / "my_policy.py"
     path.write_text(code)
     check_policy(resolve_policy(f"{path}:CappedGrowPage", max_pages=3), max_examples=15)
+
+
+def test_policy_guide_context_table_names_what_the_context_has():
+    """Every name in the guide's "What the context offers" table is there on a context."""
+    import re
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[2] / "docs" / "policy-guide.md").read_text()
+    table = guide.split("## What the context offers", 1)[1].split("\n\n", 2)[1]
+    first_cells = [row.split(" | ")[0] for row in table.splitlines()[2:]]
+    names = {name for cell in first_cells for name in re.findall(r"`([a-z_]+)", cell)}
+    assert {"request_id", "delta", "scores", "positions"} <= names
+    ctx = BoundaryCase(**CASE).context()
+    assert sorted(name for name in names if not hasattr(ctx, name)) == []
