@@ -124,8 +124,16 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: obje
     """Run the conformance rules (``RULES``) on ``max_examples`` random small boundaries.
 
     Raises ``PolicyConformanceError`` naming the rule, with the shrunk (smallest) failing
-    example. ``strategy_kwargs`` go to ``growpage.testing.boundary_cases``.
+    example. ``strategy_kwargs`` go to ``growpage.testing.boundary_cases``. ``TypeError``
+    when ``policy`` is not a policy object (a class, a name: see ``resolve_policy``).
     """
+    if isinstance(policy, type):
+        raise TypeError(f"check_policy takes a policy object, got the class {policy.__name__}: "
+                        f"call check_policy({policy.__name__}())")
+    missing = [m for m in ("decide", "select") if not callable(getattr(policy, m, None))]
+    if missing:
+        raise TypeError(f"check_policy takes a policy object, got {policy!r} (no "
+                        f"{' or '.join(missing)}() method)")
     failure: list[PolicyConformanceError] = []
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,

@@ -102,3 +102,14 @@ def test_complex_selection_is_an_exact_selection_error():
     with pytest.raises(PolicyConformanceError) as info:
         check_policy(ComplexSelection(), max_examples=5)
     assert info.value.rule == "exact-selection" and "complex64" in info.value.detail
+
+
+@pytest.mark.parametrize("policy, says", [
+    (GrowPagePolicy, "the class GrowPagePolicy.*GrowPagePolicy\\(\\)"),
+    ("growpage", "no decide"),
+], ids=["class", "name"])
+def test_check_policy_wants_a_policy_object(policy, says):
+    """Not a broken rule but a wrong argument: said at once, not as a no-crash failure of
+    every example."""
+    with pytest.raises(TypeError, match=says):
+        check_policy(policy, max_examples=2)
