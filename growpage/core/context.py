@@ -21,6 +21,7 @@ from growpage.core.config import GrowPageConfig
 from growpage.core.kvview import KVView
 from growpage.core.rope import rope_at
 from growpage.core.selection import importance
+from growpage.errors import ConfigError
 
 VIEWS = ("short", "long")
 
@@ -123,12 +124,22 @@ class BoundaryContext:
     def attention(self, view: str) -> torch.Tensor:
         """Normalized attention of the ``"short"`` or ``"long"`` summary over the estimation
         candidates, ``[L, Hkv, N - b]`` (mean over each KV head's query group)."""
-        return self._estimation_attention[_view_index(view)]
+        return self._estimation_attention[_view_index(view, "attention")]
 
     def working_set_ratio(self, view: str, p: float | None = None) -> torch.Tensor:
-        """Top-p working-set ratio r (Eq. 7) per layer and KV head, ``[L, Hkv]`` in (0, 1]."""
-        index = _view_index(view)
-        return self._ratio_pair(p)[index]
+        """Top-p working-set ratio r (Eq. 7) per layer and KV head, ``[L, Hkv]`` in (0, 1].
+
+        ``p``: coverage in (0, 1]; None means ``config.top_p``."""
+        index = _view_index(view, "working_set_ratio")
+        return self._ratio_pair(self._coverage(p, "working_set_ratio"))[index]
+
+    def _coverage(self, p: float | None, method: str) -> float:
+        if p is None:
+            return self.config.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            raise ConfigError(f"BoundaryContext.{method}(p): the coverage must be a number in "
+                              f"(0, 1] or None (config.top_p), got {p!r}")
+        return float(p)
 
     def _size_pair(self, p: float) -> torch.Tensor:
         """``[2, L, Hkv]`` top-p working-set sizes of both views at ``p`` (one sort for both;
@@ -139,16 +150,17 @@ class BoundaryContext:
             self._counts[p] = demand.working_set_counts([self._estimation_attention], p)[0]
         return self._counts[p]
 
-    def _ratio_pair(self, p: float | None) -> torch.Tensor:
+    def _ratio_pair(self, p: float) -> torch.Tensor:
         """``[2, L, Hkv]`` working-set ratios of both views at ``p``."""
-        p = self.config.top_p if p is None else p
         if p not in self._ratios:
             self._ratios[p] = self._size_pair(p).float() / self.num_estimation_candidates
         return self._ratios[p]
 
     def delta(self, p: float | None = None) -> float:
-        """Demand trend Delta_t = r^S - r^L averaged over layers and KV heads (Eq. 8)."""
-        key = self.config.top_p if p is None else p
+        """Demand trend Delta_t = r^S - r^L averaged over layers and KV heads (Eq. 8).
+
+        ``p``: coverage in (0, 1]; None means ``config.top_p``."""
+        key = self._coverage(p, "delta")
         if key not in self._deltas and self.batch is not None:
             self.batch.fill(key, self, deltas=True)
         if key not in self._deltas:
@@ -264,8 +276,35 @@ def _still_at_boundary(ctx: BoundaryContext) -> bool:
     return view.has_query_state and view.num_tokens == ctx.num_tokens
 
 
-def _view_index(view: str) -> int:
+# Cached signals a policy can reach (``attention()`` returns a view of the first) by name.
+_CACHED_TENSORS = {"_estimation_attention": "attention()", "_selection_attention": "scores()",
+                   "_queries": "the rotated query summaries", "_logits": "the summary logits"}
+
+
+def changed_signals(ctx: BoundaryContext, fresh: BoundaryContext) -> list[str]:
+    """The signals ``ctx`` has cached that differ from ``fresh``'s, a new context of the same
+    boundary: a policy modified in place a tensor the context returned (``attention()``,
+    ``working_set_ratio()``), so the context now answers differently. Used by the conformance
+    kit's ``no-mutation`` rule; computes on ``fresh`` only what ``ctx`` computed."""
+    changed = [label for name, label in _CACHED_TENSORS.items()
+               if name in vars(ctx) and not _same(vars(ctx)[name], getattr(fresh, name))]
+    changed += [f"top-p sizes (p={p})" for p, sizes in ctx._counts.items()
+                if not _same(sizes, fresh._size_pair(p))]
+    changed += [f"working_set_ratio(p={p})" for p, ratios in ctx._ratios.items()
+                if not _same(ratios, fresh._ratio_pair(p))]
+    changed += [f"delta(p={p})" for p, delta in ctx._deltas.items()
+                if not _same(torch.tensor(delta), torch.tensor(fresh.delta(p)))]
+    return changed
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0.0, atol=0.0,
+                                                     equal_nan=True).all())
+
+
+def _view_index(view: str, method: str) -> int:
     try:
         return VIEWS.index(view)
     except ValueError:
-        raise ValueError(f"attention view must be 'short' or 'long', got {view!r}") from None
+        raise ConfigError(f"BoundaryContext.{method}(view): the attention view must be 'short' "
+                          f"or 'long', got {view!r}") from None

@@ -17,14 +17,16 @@ from growpage.policies.registry import register_policy
 
 def _in_range(lo: float, hi: float):
     def check(inst: object, attribute: attrs.Attribute, value: float | None) -> None:
-        if value is not None and not lo <= value <= hi:
-            raise ConfigError(f"{type(inst).__name__}.{attribute.name} must lie in "
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a number in "
                               f"[{lo}, {hi}], got {value!r}")
     return check
 
 
 def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a positive "
                           f"integer, got {value!r}")
 

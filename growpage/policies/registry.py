@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from growpage.errors import ConfigError, PolicyError
@@ -17,13 +19,20 @@ _REGISTRY: dict[str, type[CapacityPolicy]] = {}
 
 
 def register_policy(cls: type[CapacityPolicy]) -> type[CapacityPolicy]:
-    """Class decorator: make a policy resolvable by its ``name``."""
+    """Class decorator: make a policy resolvable by its ``name``.
+
+    A class of the same module and qualified name replaces the registered one (the module was
+    run again: reloaded, or a policy file fixed after a failed load)."""
     name = cls.name
-    if name in _REGISTRY and _REGISTRY[name] is not cls:
+    if name in _REGISTRY and _qualified(_REGISTRY[name]) != _qualified(cls):
         raise PolicyError(f"policy name {name!r} is already registered by "
                           f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}")
     _REGISTRY[name] = cls
     return cls
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def registered_policies() -> dict[str, type[CapacityPolicy]]:
@@ -34,24 +43,47 @@ def registered_policies() -> dict[str, type[CapacityPolicy]]:
 
 def _load_class(spec: str) -> type:
     target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise PolicyError(f"policy {spec!r}: expected a registered name, "
+                          "'package.module:ClassName' or 'path/file.py:ClassName'")
     if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise PolicyError(f"policy file {path} does not exist")
-        mod_name = f"growpage_user_policy_{path.stem}"
-        module_spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[mod_name] = module
-        module_spec.loader.exec_module(module)
+        module = _load_file(Path(target))
     else:
         try:
             module = importlib.import_module(target)
-        except ImportError as exc:
-            raise PolicyError(f"cannot import policy module {target!r}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - whatever the module raised while importing
+            raise PolicyError(f"cannot import policy module {target!r}: "
+                              f"{type(exc).__name__}: {exc}") from exc
     try:
         return getattr(module, attr)
     except AttributeError:
         raise PolicyError(f"{target!r} has no attribute {attr!r}") from None
+
+
+def _load_file(path: Path) -> ModuleType:
+    """The module of a policy file, run once per process (as ``import`` runs a module).
+
+    NOTE: callers resolve the same spec many times (one policy object per replayed trace);
+    running the file again would re-register its policies as new classes. The module name
+    comes from the resolved path, so two files with the same name do not collide."""
+    if not path.is_file():
+        raise PolicyError(f"policy file {path} does not exist")
+    path = path.resolve()
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    mod_name = f"growpage_user_policy_{path.stem}_{digest}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[mod_name] = module  # the file may import itself (attrs, dataclasses look it up)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as exc:
+        del sys.modules[mod_name]  # no half-run module: a fixed file loads next time
+        if not isinstance(exc, Exception):
+            raise
+        raise PolicyError(f"cannot load policy file {path}: {type(exc).__name__}: {exc}") from exc
+    return module
 
 
 def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: Any

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import random
+from collections.abc import Iterator
 
+import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Flaky
 
 from growpage.core.capacity import selection_problem
+from growpage.core.context import changed_signals
 from growpage.core.decision import Decision
 from growpage.errors import GrowPageError
 from growpage.testing.strategies import BoundaryCase, boundary_cases
@@ -61,20 +67,48 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
     selections = []
     for keep in keeps:
         indices = policy.select(ctx, keep)
-        problem = selection_problem(indices, ctx, keep)
+        if isinstance(indices, torch.Tensor) and indices.dtype.is_complex:
+            problem: str | None = f"returned dtype {indices.dtype}, expected an integer tensor"
+        else:
+            problem = selection_problem(indices, ctx, keep)
         if problem:
             raise PolicyConformanceError("exact-selection", f"keep={keep}: {problem}", case)
         selections.append(indices.clone())
     if not _same(before, _snapshot(ctx)):
         raise PolicyConformanceError("no-mutation", "the context or its view changed", case)
+    changed = changed_signals(ctx, case.context())
+    if changed:
+        raise PolicyConformanceError("no-mutation", "a tensor the context returned was "
+                                     f"modified in place: {', '.join(changed)} changed", case)
     return decision, selections
+
+
+@contextlib.contextmanager
+def _global_rngs_seeded(seed: int) -> Iterator[None]:
+    """Seed Python's, numpy's and torch's process-wide RNGs; restore them afterwards.
+
+    NOTE: hypothesis reseeds them identically for every example, so without this a policy
+    drawing from them makes the same draws on both runs of ``check_case`` and looks
+    deterministic."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 def check_case(policy: object, case: BoundaryCase) -> None:
     """Check every rule on one boundary; raise ``PolicyConformanceError`` on the first broken."""
-    try:
-        decision, selections = _run(policy, case)
-        again, selections2 = _run(policy, case)
+    try:  # the two runs see different global RNG states: the context alone must decide
+        with _global_rngs_seeded(case.seed):
+            decision, selections = _run(policy, case)
+        with _global_rngs_seeded(case.seed + 1):
+            again, selections2 = _run(policy, case)
     except PolicyConformanceError:
         raise
     except Exception as exc:  # noqa: BLE001 - any crash is a broken rule
@@ -90,8 +124,16 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: obje
     """Run the conformance rules (``RULES``) on ``max_examples`` random small boundaries.
 
     Raises ``PolicyConformanceError`` naming the rule, with the shrunk (smallest) failing
-    example. ``strategy_kwargs`` go to ``growpage.testing.boundary_cases``.
+    example. ``strategy_kwargs`` go to ``growpage.testing.boundary_cases``. ``TypeError``
+    when ``policy`` is not a policy object (a class, a name: see ``resolve_policy``).
     """
+    if isinstance(policy, type):
+        raise TypeError(f"check_policy takes a policy object, got the class {policy.__name__}: "
+                        f"call check_policy({policy.__name__}())")
+    missing = [m for m in ("decide", "select") if not callable(getattr(policy, m, None))]
+    if missing:
+        raise TypeError(f"check_policy takes a policy object, got {policy!r} (no "
+                        f"{' or '.join(missing)}() method)")
     failure: list[PolicyConformanceError] = []
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
@@ -108,3 +150,10 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: obje
         run()
     except PolicyConformanceError:
         raise failure[-1] from None
+    except Flaky as exc:  # failed once, then passed on the same boundary: hidden state
+        first = failure[-1] if failure else None
+        what = f"[{first.rule}] {first.detail}" if first else str(exc).splitlines()[0]
+        raise PolicyConformanceError(
+            "deterministic", f"a boundary failed ({what}) and passed when run again: the policy "
+            "depends on state outside the context (a call counter, a global RNG...)",
+            first.case if first else None) from None

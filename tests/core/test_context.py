@@ -79,3 +79,25 @@ def test_delta_sign_follows_concentration_and_flips_on_swap():
 def test_bad_view_name():
     with pytest.raises(ValueError, match="short"):
         CASE.context().attention("medium")
+
+
+@pytest.mark.parametrize("call", [
+    lambda ctx: ctx.attention("medium"),
+    lambda ctx: ctx.working_set_ratio("medium"),
+    lambda ctx: ctx.working_set_ratio("short", p=2.0),
+    lambda ctx: ctx.working_set_ratio("short", p="0.9"),
+    lambda ctx: ctx.delta(0.0),
+    lambda ctx: ctx.delta(float("nan")),
+    lambda ctx: ctx.delta(True),
+], ids=["view", "ratio-view", "p>1", "p-str", "p=0", "p-nan", "p-bool"])
+def test_bad_signal_arguments_are_config_errors_naming_the_argument(call):
+    """A policy's bad argument is the library's own error (the CLI prints it as one line)
+    naming the method and argument, and leaves the context's caches clean."""
+    from growpage.errors import ConfigError
+
+    ctx = CASE.context()
+    with pytest.raises(ConfigError, match=r"BoundaryContext\.(attention|working_set_ratio|delta)"
+                       r".*(view|p)"):
+        call(ctx)
+    assert not ctx._ratios and not ctx._deltas
+    assert ctx.delta() == CASE.context().delta()

@@ -66,6 +66,21 @@ def test_invalid_hyperparameters_name_the_field():
         resolve_policy("fixed", budget_tokens=0)
 
 
+
+@pytest.mark.parametrize("name, params, field", [
+    ("growpage", {"tau": "abc"}, "GrowPagePolicy.tau"),      # --param tau=abc
+    ("random", {"grow_prob": "high"}, "RandomPolicy.grow_prob"),
+    ("growpage", {"p": True}, "GrowPagePolicy.p"),           # --param p=true
+    ("fixed", {"budget_tokens": True}, "FixedBudgetPolicy.budget_tokens"),
+    ("shrink", {"min_capacity_tokens": 1024.5}, "ShrinkPolicy.min_capacity_tokens"),
+])
+def test_wrongly_typed_hyperparameters_name_the_field(name, params, field):
+    """A string or bool from ``--param`` is refused with the field's name, not a comparison
+    error between float and str, nor taken as 1."""
+    with pytest.raises(PolicyError, match=rf"{field} must .*got {params[field.split('.')[1]]!r}"):
+        resolve_policy(name, **params)
+
+
 CASE = dict(num_layers=2, num_kv_heads=2, group_size=2, head_dim=8, page_size=8,
             recent_window=2, num_pages=4, num_free_pages=3, gap=4, seed=5, sharpness=1.0,
             track_accumulated=True)
@@ -234,3 +249,17 @@ def test_policy_guide_example_runs(tmp_path):
     path = tmp_path / "my_policy.py"
     path.write_text(code)
     check_policy(resolve_policy(f"{path}:CappedGrowPage", max_pages=3), max_examples=15)
+
+
+def test_policy_guide_context_table_names_what_the_context_has():
+    """Every name in the guide's "What the context offers" table is there on a context."""
+    import re
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[2] / "docs" / "policy-guide.md").read_text()
+    table = guide.split("## What the context offers", 1)[1].split("\n\n", 2)[1]
+    first_cells = [row.split(" | ")[0] for row in table.splitlines()[2:]]
+    names = {name for cell in first_cells for name in re.findall(r"`([a-z_]+)", cell)}
+    assert {"request_id", "delta", "scores", "positions"} <= names
+    ctx = BoundaryCase(**CASE).context()
+    assert sorted(name for name in names if not hasattr(ctx, name)) == []

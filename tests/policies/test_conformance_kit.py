@@ -1,0 +1,115 @@
+"""The conformance kit catches broken policies that the basic cases in test_policies.py miss,
+and always reports a broken rule as ``PolicyConformanceError``."""
+
+import random
+
+import attrs
+import numpy as np
+import pytest
+import torch
+
+from growpage import CapacityPolicy, Decision
+from growpage.policies import GrowPagePolicy
+from growpage.testing import PolicyConformanceError, check_policy
+
+
+@attrs.define
+class GlobalRandomDecide(CapacityPolicy):
+    """Draws from the process-wide RNG: not reproducible from the context."""
+
+    name = "global-random"
+    source: str = "random"
+
+    def decide(self, ctx):
+        draw = {"random": random.random, "numpy": np.random.random,
+                "torch": lambda: float(torch.rand(()))}[self.source]()
+        return Decision.GROW if draw < 0.5 else Decision.COMPRESS
+
+
+@pytest.mark.parametrize("source", ["random", "numpy", "torch"])
+def test_decisions_from_the_global_rng_are_not_deterministic(source):
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(GlobalRandomDecide(source), max_examples=20)
+    assert info.value.rule == "deterministic"
+
+
+def test_check_policy_leaves_the_global_rngs_as_it_found_them():
+    random.seed(7)
+    torch.manual_seed(7)
+    expected = (random.random(), float(torch.rand(())))
+    random.seed(7)
+    torch.manual_seed(7)
+    check_policy(GrowPagePolicy(), max_examples=3)
+    assert (random.random(), float(torch.rand(()))) == expected
+
+
+@attrs.define
+class FailsOnSeventhCall(GrowPagePolicy):
+    """Breaks on one call only: hypothesis cannot replay the failure."""
+
+    name = "seventh-call"
+    calls: list = attrs.field(factory=list)
+
+    def decide(self, ctx):
+        self.calls.append(1)
+        if len(self.calls) == 7:
+            raise RuntimeError("seventh call")
+        return super().decide(ctx)
+
+
+def test_a_failure_that_does_not_replay_is_a_conformance_error():
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(FailsOnSeventhCall(), max_examples=20)
+    assert info.value.rule == "deterministic"
+    assert "seventh call" in info.value.detail and info.value.case is not None
+
+
+@attrs.define
+class ZeroesAttention(GrowPagePolicy):
+    name = "zeroes-attention"
+
+    def decide(self, ctx):
+        ctx.attention("short").clamp_(min=0.5)  # in place: the context's own cached signal
+        return Decision.COMPRESS
+
+
+@attrs.define
+class OverwritesRatio(GrowPagePolicy):
+    name = "overwrites-ratio"
+
+    def decide(self, ctx):
+        ctx.working_set_ratio("short").fill_(1.0)
+        return Decision.GROW if ctx.delta() > 0 else Decision.COMPRESS
+
+
+@pytest.mark.parametrize("policy", [ZeroesAttention(), OverwritesRatio()], ids=str)
+def test_modifying_a_cached_signal_is_a_mutation(policy):
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(policy, max_examples=10)
+    assert info.value.rule == "no-mutation"
+    assert "attention" in info.value.detail or "working_set_ratio" in info.value.detail
+
+
+@attrs.define
+class ComplexSelection(GrowPagePolicy):
+    name = "complex-selection"
+
+    def select(self, ctx, keep):
+        return super().select(ctx, keep).to(torch.complex64)
+
+
+def test_complex_selection_is_an_exact_selection_error():
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(ComplexSelection(), max_examples=5)
+    assert info.value.rule == "exact-selection" and "complex64" in info.value.detail
+
+
+@pytest.mark.parametrize("policy, says", [
+    (GrowPagePolicy, "the class GrowPagePolicy.*GrowPagePolicy\\(\\)"),
+    ("growpage", "no decide"),
+], ids=["class", "name"])
+def test_check_policy_wants_a_policy_object(policy, says):
+    """Not a broken rule but a wrong argument: said at once, not as a no-crash failure of
+    every example."""
+    with pytest.raises(TypeError, match=says):
+        check_policy(policy, max_examples=2)

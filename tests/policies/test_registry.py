@@ -1,0 +1,95 @@
+"""Resolving policies from files and modules: repeatable, isolated, and clear when it fails."""
+
+import sys
+import textwrap
+
+import pytest
+
+from growpage.errors import PolicyError
+from growpage.policies import registered_policies, registry, resolve_policy
+
+
+@pytest.fixture(autouse=True)
+def _restore_registry():
+    saved = dict(registry._REGISTRY)
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
+
+REGISTERING = textwrap.dedent('''
+    import attrs
+    from growpage import CapacityPolicy, Decision
+    from growpage.policies import register_policy
+
+    @register_policy
+    @attrs.define
+    class Mine(CapacityPolicy):
+        name = "{name}"
+        share: float = 0.5
+
+        def decide(self, ctx):
+            return Decision.{decision}
+''')
+
+
+def write(path, name="file-registered", decision="COMPRESS"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(REGISTERING.format(name=name, decision=decision))
+    return f"{path}:Mine"
+
+
+def test_a_file_policy_resolves_again(tmp_path):
+    """``growpage sim replay`` resolves the policy once per trace: the second time must not
+    run the file again (its ``@register_policy`` then clashed with its own first class)."""
+    spec = write(tmp_path / "mine.py")
+    first, second = resolve_policy(spec), resolve_policy(spec, share=0.25)
+    assert type(first) is type(second) and second.share == 0.25
+    assert registered_policies()["file-registered"] is type(first)
+
+
+def test_files_with_the_same_name_stay_apart(tmp_path):
+    a = resolve_policy(write(tmp_path / "a" / "policy.py", "same-stem-a", "GROW"))
+    b = resolve_policy(write(tmp_path / "b" / "policy.py", "same-stem-b", "SHRINK"))
+    assert (a.name, b.name) == ("same-stem-a", "same-stem-b")
+    assert a.decide(None).value == "grow" and b.decide(None).value == "shrink"
+    assert type(a).__module__ != type(b).__module__
+
+
+@pytest.mark.parametrize("source, says", [
+    ("def (:\n", "SyntaxError"),
+    ("import no_such_module_for_growpage_tests\n", "ModuleNotFoundError"),
+    ("raise RuntimeError('setup failed')\n", "RuntimeError: setup failed"),
+])
+def test_a_file_that_fails_to_load_is_a_policy_error(tmp_path, source, says):
+    path = tmp_path / "broken_policy.py"
+    path.write_text(source)
+    before = set(sys.modules)
+    with pytest.raises(PolicyError, match=f"cannot load policy file .*broken_policy.py.*{says}"):
+        resolve_policy(f"{path}:Mine")
+    assert set(sys.modules) == before  # no half-run module left behind
+
+
+def test_a_file_fixed_after_a_failed_load_resolves(tmp_path):
+    path = tmp_path / "half.py"
+    path.write_text(REGISTERING.format(name="half-loaded", decision="GROW") + "1 / 0\n")
+    with pytest.raises(PolicyError, match="ZeroDivisionError"):
+        resolve_policy(f"{path}:Mine")
+    # The failed run had registered its class; the fixed file replaces it.
+    assert resolve_policy(write(path, "half-loaded")).decide(None).value == "compress"
+
+
+@pytest.mark.parametrize("spec, says", [
+    (":Mine", "package.module:ClassName"),
+    ("growpage.policies:", "package.module:ClassName"),
+])
+def test_a_malformed_spec_is_a_policy_error(spec, says):
+    with pytest.raises(PolicyError, match=says):
+        resolve_policy(spec)
+
+
+def test_a_module_that_fails_on_import_is_a_policy_error(tmp_path, monkeypatch):
+    (tmp_path / "failing_policy_module.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PolicyError, match="cannot import policy module 'failing_policy_module'"
+                                          ".*RuntimeError: no GPU here"):
+        resolve_policy("failing_policy_module:Mine")
