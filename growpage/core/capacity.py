@@ -207,7 +207,7 @@ def _check_selection(indices: object, ctx: BoundaryContext, keep: int
     if not isinstance(indices, torch.Tensor):
         return (f"returned {type(indices).__name__}, expected a torch.Tensor of shape "
                 f"{expected}"), None
-    if indices.dtype.is_floating_point or indices.dtype == torch.bool:
+    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
         return f"returned dtype {indices.dtype}, expected an integer tensor", None
     if tuple(indices.shape) != expected:
         return f"wrong shape {tuple(indices.shape)}, expected {expected} (exact kept count)", None

@@ -90,9 +90,11 @@ def working_set_counts(attns: list[torch.Tensor], p: float) -> torch.Tensor:
                          f"got {[tuple(a.shape) for a in attns]}")
     if len(attns) == 1:
         padded = attns[0].float().unsqueeze(0)
-    else:  # [R, N_max, ...] through pad_sequence (one copy), candidates back to the last dim
+    elif len({a.shape[-1] for a in attns}) == 1:
+        padded = torch.stack([a.float() for a in attns])
+    else:  # [R, N_max, ...] through pad_sequence, then candidates contiguous in the last dim
         padded = torch.nn.utils.rnn.pad_sequence([a.float().movedim(-1, 0) for a in attns],
-                                                 batch_first=True).movedim(1, -1)
+                                                 batch_first=True).movedim(1, -1).contiguous()
     cum = padded.sort(dim=-1, descending=True).values.cumsum(dim=-1)
     # The last running sum is each row's total (the padding adds exact zeros), so the count
     # never passes the row's own length; the relative tolerance is coverage_demand's.

@@ -171,6 +171,9 @@ def _last(n, keep):
     (lambda n, k: [0, 0] + _last(n, k - 2), "duplicate slot indices"),
     (lambda n, k: list(range(k)), "protected recent window"),
     (lambda n, k: list(range(k - 1)) + [n - 1], "protected recent window"),
+    (lambda n, k: torch.tensor(_last(n, k), dtype=torch.complex64), "expected an integer"),
+    (lambda n, k: torch.tensor(_last(n, k), dtype=torch.float32), "expected an integer"),
+    (lambda n, k: torch.ones(k, dtype=torch.bool), "expected an integer"),
 ])
 def test_each_invalid_selection_is_named_and_changes_nothing(make, problem):
     ctrl, state, view, pool, _ = setup([])
