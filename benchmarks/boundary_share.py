@@ -96,6 +96,8 @@ def run(args: argparse.Namespace) -> dict:
             "decided": phases.decided,
             "ms_per_decided": 1000 * st.boundary_time_s / max(phases.decided, 1),
             "events": dict(st.events), "phases": phases.as_dict(),
+            "shared_steps": llm.engine.kv.shared_steps,
+            "shared_boundaries": llm.engine.kv.shared_boundaries,
             "phases_markdown": phases.markdown()}
     return report
 

@@ -138,6 +138,8 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     llm.generate(prompts[:4], SamplingParams(max_tokens=warm_tokens, ignore_eos=True),
                  use_tqdm=False)
     before = compiled_variants()
+    kv = llm.engine.kv
+    shared = (kv.shared_steps, kv.shared_boundaries)
     with profile_boundaries(llm) as phases:  # ~1 us per timed call: the run's own numbers
         llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                      use_tqdm=False)
@@ -155,6 +157,9 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
             "warmup_s": llm.engine.warmup_report.seconds,
             "cuda_graphs_captured": 0 if graphs is None else graphs.num_captured,
             "boundary_phases": phases.as_dict(),
+            # steps whose decided boundaries shared one BoundaryBatch (one Delta_t sync each)
+            "shared_steps": kv.shared_steps - shared[0],
+            "shared_boundaries": kv.shared_boundaries - shared[1],
             "compiles_during_run": {k: after[k] - before.get(k, 0) for k in after
                                     if after[k] != before.get(k, 0)}}
 
@@ -288,8 +293,9 @@ def to_markdown(r: dict) -> str:
         lines += ["", f"Engine ({engine['requests']} requests x {engine['max_tokens']} tokens, "
                   f"{engine['kv_pages']} pages x {engine['page_size']}, {engine['backend']}):", "",
                   "| policy | tok/s | total s | C | avg budget | boundary s | boundary % | "
-                  "ms per decided boundary | warm-up s | compiles in run |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "ms per decided boundary | shared steps (boundaries) | warm-up s | "
+                  "compiles in run |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name in ("fullkv", "growpage", "fullkv+graphs", "growpage+graphs"):
             e = engine.get(name)
             if e is None:
@@ -301,7 +307,9 @@ def to_markdown(r: dict) -> str:
             lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['total_s']:.2f} | "
                          f"{e['avg_resident']:.1f} | {e['avg_kv_budget']:.0f} | "
                          f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} | "
-                         f"{e['ms_per_decided_boundary']:.2f} | {e.get('warmup_s', 0.0):.2f} | "
+                         f"{e['ms_per_decided_boundary']:.2f} | "
+                         f"{e.get('shared_steps', 0)} ({e.get('shared_boundaries', 0)}) | "
+                         f"{e.get('warmup_s', 0.0):.2f} | "
                          f"{compiles} |")
         lines += ["", f"growpage / fullkv throughput: {engine['growpage_vs_fullkv_tps']:.2f}x; "
                   "target: boundary work <= 1% of the run."]

@@ -60,6 +60,8 @@ class KVCacheManager:
         self.prefix_hit_tokens = 0
         self.boundary_seconds = 0.0  # wall time spent in capacity control (running total)
         self._batch: BoundaryBatch | None = None  # this decode step's (prepare_boundaries)
+        self.shared_steps = 0       # decode steps whose decided boundaries shared a batch
+        self.shared_boundaries = 0  # the boundaries prepared in those batches (running totals)
 
     # ---- sizes ----------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -147,6 +149,9 @@ class KVCacheManager:
         start = time.perf_counter()
         batch = self.controller.prepare((seq.state, self.view(seq)) for seq in at)
         self._batch = batch if len(batch) > 1 else None
+        if self._batch is not None:
+            self.shared_steps += 1
+            self.shared_boundaries += len(batch)
         self.boundary_seconds += time.perf_counter() - start
 
     def end_boundaries(self) -> None:

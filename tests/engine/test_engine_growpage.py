@@ -185,10 +185,13 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
     prompts = [prompt(11, 40 + i) for i in range(4)]
     params = SamplingParams(max_tokens=30 if kernels else 60, ignore_eos=True)
 
+    engines = []
+
     def run():
         policy = RecordingGrowPage()
         llm = tiny_llm(model, policy, kv_pages=40, boundary_kernels=kernels)
         outs = llm.generate(prompts, params, use_tqdm=False)
+        engines.append(llm.engine)
         return ([(o.token_ids, o.trajectory, o.events) for o in outs], llm.last_stats.events,
                 policy.seen)
 
@@ -202,6 +205,8 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
     monkeypatch.setattr(KVCacheManager, "prepare_boundaries", counted)
     shared, shared_events, shared_deltas = run()
     assert max(sizes) >= 3 and shared_events["compress"] > 0, (sizes, shared_events)
+    kv = engines[0].kv
+    assert (kv.shared_steps, kv.shared_boundaries) == (sum(map(bool, sizes)), sum(sizes))
     monkeypatch.setattr(KVCacheManager, "prepare_boundaries",
                         lambda self, seqs: setattr(self, "_batch", None))
     alone, alone_events, alone_deltas = run()
