@@ -16,6 +16,8 @@ import torch
 from growpage.kernels import (
     compact_kv,
     demand_attention,
+    demand_attention_batch,
+    demand_splits,
     estimate_demand,
     paged_decode_attention,
     update_query_state,
@@ -178,7 +180,12 @@ def boundary_work(sh: Shapes, dtype: torch.dtype, device: torch.device) -> dict:
     num_candidates = context - page  # estimation excludes the most recent page
     queries = torch.randn(2, sh.num_layers, sh.num_heads, sh.head_dim, device=device)
     k_all = kv_cache[0]
-    attn_ms = bench_ms(lambda: demand_attention(queries, k_all, tables[0], num_candidates), device)
+    # As the engine calls it: the pages and (Nc, splits) in one table, already on the device.
+    splits = demand_splits(num_candidates, sh.num_layers, sh.num_kv_heads, device)
+    meta = torch.tensor([[num_candidates, splits]], dtype=torch.int32, device=device)
+    packed = torch.cat([tables, meta], dim=1)
+    attn_ms = bench_ms(lambda: demand_attention_batch(queries[None], k_all, packed, num_pages,
+                                                      num_candidates, splits), device)
     attn = demand_attention(queries, k_all, tables[0], num_candidates)
     topp_ms = bench_ms(lambda: working_set_sizes(attn, 0.99), device)
     total_ms = bench_ms(lambda: estimate_demand(queries, k_all, tables[0], num_candidates), device)

@@ -25,6 +25,8 @@ from .decode_attention import paged_decode_attention  # noqa: E402
 from .demand import (  # noqa: E402
     DemandSignals,
     demand_attention,
+    demand_attention_batch,
+    demand_splits,
     estimate_demand,
     working_set_sizes,
 )
@@ -39,6 +41,8 @@ __all__ = [
     "boundary_queries",
     "compact_kv",
     "demand_attention",
+    "demand_attention_batch",
+    "demand_splits",
     "estimate_demand",
     "is_direct_safe",
     "paged_decode_attention",

@@ -43,28 +43,30 @@ from .split_k import LOG2E
 MAX_SPLITS = 16
 
 
-# Per-boundary quantities (candidate count, split count, scratch strides that follow them,
-# table address) and the cache's layer stride (it follows the pool size) stay out of the
-# compile key: see ``growpage.kernels.variants``.
-_PER_CALL = ["num_candidates", "num_splits", "stride_kl", "stride_lv", "stride_ll", "stride_lh",
-             "stride_mv", "stride_ml", "stride_mh", "stride_ov", "stride_ol", "stride_oh"]
+# Per-boundary quantities (request count, layer count, table width and meta column, scratch
+# strides that follow the candidate counts, table address) and the cache's layer stride (it
+# follows the pool size) stay out of the compile key: see ``growpage.kernels.variants``.
+_PER_CALL = ["num_layers", "meta_col", "stride_tr", "stride_kl", "stride_qr", "stride_lr",
+             "stride_lv", "stride_ll", "stride_lh", "stride_mr", "stride_mv", "stride_ml",
+             "stride_mh", "stride_or", "stride_ov", "stride_ol", "stride_oh", "max_candidates"]
 
 
-@triton.jit(do_not_specialize=_PER_CALL[:9], do_not_specialize_on_alignment=["block_table_ptr"])
+@triton.jit(do_not_specialize=_PER_CALL[:13], do_not_specialize_on_alignment=["table_ptr"])
 def _demand_logits_kernel(
-    q_ptr,  # [V, L, Hq, D] calibrated, rotated query summaries
+    q_ptr,  # [R, V, L, Hq, D] calibrated, rotated query summaries
     k_cache_ptr,  # [L, num_pages, PAGE_SIZE, Hkv, D] keys of all layers
-    block_table_ptr,  # [max_pages] int the request's pages
-    logits_ptr,  # [V, L, Hq, Nc] fp32 scratch: log2-scaled logits
-    max_ptr,  # [V, L, Hq, num_splits] fp32 running max per split
-    sum_ptr,  # [V, L, Hq, num_splits] fp32 sum of exp2(logit - max) per split
-    num_candidates,
-    num_splits,
+    table_ptr,  # [R, >= meta_col + 2] int32: the request's pages, then at meta_col Nc, splits
+    logits_ptr,  # [R, V, L, Hq, Nc_max] fp32 scratch: log2-scaled logits
+    max_ptr,  # [R, V, L, Hq, MAX_SPLITS] fp32 running max per split
+    sum_ptr,  # [R, V, L, Hq, MAX_SPLITS] fp32 sum of exp2(logit - max) per split
+    num_layers,
+    meta_col,
     qk_scale,  # sm_scale * log2(e)
-    stride_qv, stride_ql, stride_qh,
+    stride_tr,
     stride_kl, stride_kp, stride_kt, stride_kh,
-    stride_lv, stride_ll, stride_lh,
-    stride_mv, stride_ml, stride_mh,
+    stride_qr, stride_qv, stride_ql, stride_qh,
+    stride_lr, stride_lv, stride_ll, stride_lh,
+    stride_mr, stride_mv, stride_ml, stride_mh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -74,21 +76,28 @@ def _demand_logits_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    layer = tl.program_id(0)
+    request = tl.program_id(0) // num_layers
+    layer = tl.program_id(0) % num_layers
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    table = table_ptr + request.to(tl.int64) * stride_tr
+    num_candidates = tl.load(table + meta_col)
+    num_splits = tl.load(table + meta_col + 1)
     rows = tl.arange(0, BLOCK_R)  # row = view * GROUP + g
     mask_r = rows < NUM_VIEWS * GROUP
     view = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + view[:, None] * stride_qv + layer * stride_ql + head[:, None] * stride_qh
-                + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(q_ptr + request * stride_qr + view[:, None] * stride_qv + layer * stride_ql
+                + head[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0)
     q = q.to(tl.float32)
     k_base = k_cache_ptr + layer.to(tl.int64) * stride_kl + kv_head * stride_kh
-    l_rows = logits_ptr + view * stride_lv + layer * stride_ll + head * stride_lh  # [BLOCK_R]
+    l_rows = (logits_ptr + request.to(tl.int64) * stride_lr + view * stride_lv
+              + layer * stride_ll + head * stride_lh)  # [BLOCK_R]
 
+    # A split past this request's count gets an empty range (its statistics are never read).
     chunk = tl.cdiv(tl.cdiv(num_candidates, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, num_candidates)
@@ -97,7 +106,7 @@ def _demand_logits_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=-1)
+        page = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=-1)
         mask_n = mask_n & (page >= 0)
         k_off = page.to(tl.int64) * stride_kp + (offs_n % PAGE_SIZE) * stride_kt
         k = tl.load(k_base + k_off[:, None] + offs_d[None, :],
@@ -110,38 +119,46 @@ def _demand_logits_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
         m_i = m_new
-    stat = view * stride_mv + layer * stride_ml + head * stride_mh + split
+    stat = request * stride_mr + view * stride_mv + layer * stride_ml + head * stride_mh + split
     tl.store(max_ptr + stat, m_i, mask=mask_r)
     tl.store(sum_ptr + stat, l_i, mask=mask_r)
 
 
-@triton.jit(do_not_specialize=_PER_CALL)
+@triton.jit(do_not_specialize=_PER_CALL, do_not_specialize_on_alignment=["table_ptr"])
 def _demand_normalize_kernel(
-    logits_ptr,  # [V, L, Hq, Nc] fp32 log2-scaled logits
-    max_ptr,  # [V, L, Hq, num_splits] fp32
-    sum_ptr,  # [V, L, Hq, num_splits] fp32
-    out_ptr,  # [V, L, Hkv, Nc] fp32 attention distributions
-    num_candidates,
-    num_splits,
-    stride_lv, stride_ll, stride_lh,
-    stride_mv, stride_ml, stride_mh,
-    stride_ov, stride_ol, stride_oh,
+    table_ptr,  # [R, >= meta_col + 2] int32 (only Nc and the split count are read)
+    logits_ptr,  # [R, V, L, Hq, Nc_max] fp32 log2-scaled logits
+    max_ptr,  # [R, V, L, Hq, MAX_SPLITS] fp32
+    sum_ptr,  # [R, V, L, Hq, MAX_SPLITS] fp32
+    out_ptr,  # [R, V, L, Hkv, Nc_max] fp32 attention distributions, zero past each Nc
+    num_layers,
+    meta_col,
+    stride_tr,
+    stride_lr, stride_lv, stride_ll, stride_lh,
+    stride_mr, stride_mv, stride_ml, stride_mh,
+    stride_or, stride_ov, stride_ol, stride_oh,
+    max_candidates,
     GROUP: tl.constexpr,
     NUM_VIEWS: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # >= num_splits
+    BLOCK_S: tl.constexpr,  # >= every split count
     BLOCK_N: tl.constexpr,
 ):
-    layer = tl.program_id(0)
+    request = tl.program_id(0) // num_layers
+    layer = tl.program_id(0) % num_layers
     kv_head = tl.program_id(1)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    table = table_ptr + request.to(tl.int64) * stride_tr
+    num_candidates = tl.load(table + meta_col)
+    num_splits = tl.load(table + meta_col + 1)
     mask_n = offs_n < num_candidates
     rows = tl.arange(0, BLOCK_R)
     mask_r = rows < NUM_VIEWS * GROUP
     view = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     offs_s = tl.arange(0, BLOCK_S)
-    stat = (view * stride_mv + layer * stride_ml + head * stride_mh)[:, None] + offs_s[None, :]
+    stat = (request * stride_mr + view * stride_mv + layer * stride_ml
+            + head * stride_mh)[:, None] + offs_s[None, :]
     stat_mask = mask_r[:, None] & (offs_s < num_splits)[None, :]
     m_s = tl.load(max_ptr + stat, mask=stat_mask, other=float("-inf"))
     l_s = tl.load(sum_ptr + stat, mask=stat_mask, other=0.0)
@@ -149,13 +166,25 @@ def _demand_normalize_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(l_s * tl.exp2(m_s - m[:, None]), 1)
     lse = m + tl.log2(tl.where(total > 0.0, total, 1.0))
-    logits = tl.load(logits_ptr + (view * stride_lv + layer * stride_ll + head * stride_lh)[:, None]
-                     + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :], other=float("-inf"))
-    p = tl.exp2(logits - lse[:, None]) / GROUP
+    logits = tl.load(logits_ptr + (request.to(tl.int64) * stride_lr + view * stride_lv
+                                   + layer * stride_ll + head * stride_lh)[:, None]
+                     + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :],
+                     other=float("-inf"))
+    p = tl.exp2(logits - lse[:, None]) / GROUP  # 0 past this request's candidates
+    out = out_ptr + request.to(tl.int64) * stride_or + layer * stride_ol + kv_head * stride_oh
     for v in tl.static_range(NUM_VIEWS):
         mean = tl.sum(tl.where((view == v)[:, None], p, 0.0), 0)
-        tl.store(out_ptr + v * stride_ov + layer * stride_ol + kv_head * stride_oh + offs_n, mean,
-                 mask=mask_n)
+        tl.store(out + v * stride_ov + offs_n, mean, mask=offs_n < max_candidates)
+
+
+def demand_splits(num_candidates: int, num_layers: int, num_kv_heads: int,
+                  device: torch.device, block_n: int | None = None) -> int:
+    """Candidate splits of one request's demand attention: enough programs to fill the device
+    twice over, at least 4 blocks of candidates per split, at most ``MAX_SPLITS``. A request
+    gets the same count alone or in a batch, so its distributions are the same bits."""
+    block_n = block_n or (16 if is_interpreter() else 64)
+    want = cdiv(2 * num_sms(device), num_layers * num_kv_heads)
+    return max(1, min(want, cdiv(num_candidates, 4 * block_n), MAX_SPLITS))
 
 
 def demand_attention(
@@ -178,42 +207,85 @@ def demand_attention(
         num_candidates: Nc >= 1.
 
     Returns:
-        ``[V, L, Hkv, Nc]`` fp32; each row sums to 1.
+        ``[V, L, Hkv, Nc]`` fp32; each row sums to 1. One request of ``demand_attention_batch``
+        (its table and counts go to the device in one small copy).
     """
-    num_views, num_layers, num_heads, head_dim = queries.shape
+    check_index(block_table, 1, "block_table")
+    _, num_layers, _, _ = queries.shape
+    page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
+    assert 0 < num_candidates <= block_table.shape[0] * page_size, "num_candidates out of range"
+    if num_splits is None:
+        num_splits = demand_splits(num_candidates, num_layers, num_kv_heads, queries.device,
+                                   block_n)
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}]"
+    meta = torch.tensor([num_candidates, num_splits], dtype=torch.int32)
+    table = torch.cat([block_table.to(torch.int32), meta.to(block_table.device)])[None]
+    return demand_attention_batch(queries[None], k_cache, table, block_table.shape[0],
+                                  num_candidates, num_splits, sm_scale, block_n=block_n)[0]
+
+
+def demand_attention_batch(
+    queries: torch.Tensor,
+    k_cache: torch.Tensor,
+    tables: torch.Tensor,
+    meta_col: int,
+    max_candidates: int,
+    max_splits: int,
+    sm_scale: float | None = None,
+    *,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """``demand_attention`` of R requests in two launches.
+
+    Args:
+        queries: ``[R, V, L, Hq, d]`` calibrated, rotated summaries of each request.
+        k_cache: ``[L, num_pages, page_size, Hkv, d]``.
+        tables: ``[R, W]`` int32, one row per request: its pages (``-1`` padded) in columns
+            ``0..meta_col-1``, its candidate count Nc_r at ``meta_col`` and its split count
+            (``demand_splits``, at most ``MAX_SPLITS``) at ``meta_col + 1``. Columns past
+            those are not read (a row may carry more counts for another call).
+        max_candidates: ``max(Nc_r)``, the output width (host value: no device read).
+        max_splits: ``max`` of the split counts in ``tables``, in ``[1, MAX_SPLITS]``.
+
+    Returns:
+        ``[R, V, L, Hkv, max_candidates]`` fp32: row r holds request r's distributions over its
+        Nc_r candidates, then zeros.
+    """
+    num_req, num_views, num_layers, num_heads, head_dim = queries.shape
     _, _, page_size, num_kv_heads, d_cache = k_cache.shape
     assert k_cache.shape[0] == num_layers and d_cache == head_dim, "queries vs k_cache layout"
     assert num_heads % num_kv_heads == 0 and queries.stride(-1) == 1 and k_cache.stride(-1) == 1
-    check_index(block_table, 1, "block_table")
-    assert 0 < num_candidates <= block_table.shape[0] * page_size, "num_candidates out of range"
-    check_device(queries, k_cache, block_table)
+    check_index(tables, 2, "tables")
+    assert tables.dtype == torch.int32, f"tables: int32 expected, got {tables.dtype}"
+    assert tables.shape[0] == num_req and tables.shape[1] >= meta_col + 2, \
+        f"tables: expected [{num_req}, >= {meta_col + 2}], got {tuple(tables.shape)}"
+    assert 0 < max_candidates <= meta_col * page_size, "max_candidates out of range"
+    assert 1 <= max_splits <= MAX_SPLITS, f"max_splits must lie in [1, {MAX_SPLITS}]"
+    check_device(queries, k_cache, tables)
     group = num_heads // num_kv_heads
     device = queries.device
     block_n = block_n or (16 if is_interpreter() else 64)
-    if num_splits is None:
-        want = cdiv(2 * num_sms(device), num_layers * num_kv_heads)
-        num_splits = max(1, min(want, cdiv(num_candidates, 4 * block_n), MAX_SPLITS))
-    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}]"
-    logits = torch.empty(num_views, num_layers, num_heads, num_candidates, device=device)
-    row_max = torch.empty(num_views, num_layers, num_heads, num_splits, device=device)
+    logits = torch.empty(num_req, num_views, num_layers, num_heads, max_candidates, device=device)
+    row_max = torch.empty(num_req, num_views, num_layers, num_heads, MAX_SPLITS, device=device)
     row_sum = torch.empty_like(row_max)
-    out = torch.empty(num_views, num_layers, num_kv_heads, num_candidates, device=device)
+    out = torch.empty(num_req, num_views, num_layers, num_kv_heads, max_candidates, device=device)
     scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
     # fp32 operands: fp16/bf16 keys are exact in tf32, and tf32x3 keeps the fp32 query's precision.
     precision = "ieee" if k_cache.dtype == torch.float32 or is_interpreter() else "tf32x3"
     block_r = max(MIN_DOT_DIM, next_pow2(num_views * group))
-    _demand_logits_kernel[(num_layers, num_kv_heads, num_splits)](
-        queries, k_cache, block_table, logits, row_max, row_sum, num_candidates, num_splits,
-        scale,
-        *queries.stride()[:3], *k_cache.stride()[:4], *logits.stride()[:3], *row_max.stride()[:3],
+    _demand_logits_kernel[(num_req * num_layers, num_kv_heads, max_splits)](
+        queries, k_cache, tables, logits, row_max, row_sum, num_layers, meta_col, scale,
+        tables.stride(0), *k_cache.stride()[:4], *queries.stride()[:4], *logits.stride()[:4],
+        *row_max.stride()[:4],
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_VIEWS=num_views,
         BLOCK_R=block_r, BLOCK_N=block_n,
         BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)), DOT_PRECISION=precision,
     )
     norm_block = 64 if is_interpreter() else 256
-    _demand_normalize_kernel[(num_layers, num_kv_heads, cdiv(num_candidates, norm_block))](
-        logits, row_max, row_sum, out, num_candidates, num_splits,
-        *logits.stride()[:3], *row_max.stride()[:3], *out.stride()[:3],
+    _demand_normalize_kernel[(num_req * num_layers, num_kv_heads,
+                              cdiv(max_candidates, norm_block))](
+        tables, logits, row_max, row_sum, out, num_layers, meta_col, tables.stride(0),
+        *logits.stride()[:4], *row_max.stride()[:4], *out.stride()[:4], max_candidates,
         GROUP=group, NUM_VIEWS=num_views, BLOCK_R=block_r, BLOCK_S=MAX_SPLITS,
         BLOCK_N=norm_block,
     )

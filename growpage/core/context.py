@@ -241,7 +241,7 @@ class BoundaryBatch:
         for group in groups:
             missing = [c for c in group if p not in c._counts]
             if missing:
-                counts = demand.working_set_counts([c._estimation_attention for c in missing], p)
+                counts = demand.working_set_counts(_attention_of(missing), p)
                 for c, k in zip(missing, counts, strict=True):
                     c._counts[p] = k
             if len(missing) < len(group):
@@ -269,6 +269,23 @@ class BoundaryBatch:
                 groups.append([c])
             widest = max(widest, n) if pad and len(groups[-1]) > 1 else n
         return groups
+
+
+def _attention_of(contexts: list[BoundaryContext]) -> list[torch.Tensor] | torch.Tensor:
+    """The estimation attention of ``contexts``: through their views' batched fast path when it
+    answers (one call for all, zero-padded ``[R, 2, L, Hkv, N_max]``), else each its own."""
+    todo = [c for c in contexts if "_estimation_attention" not in vars(c)]
+    if len(todo) == len(contexts) > 1:
+        view_class = type(contexts[0].view)
+        if all(type(c.view) is view_class for c in contexts):
+            counts = [c.num_estimation_candidates for c in contexts]
+            padded = view_class.batch_summary_attention([c.view for c in contexts],
+                                                        [c._queries for c in contexts], counts)
+            if padded is not None:
+                for i, (c, n) in enumerate(zip(contexts, counts, strict=True)):
+                    c.__dict__["_estimation_attention"] = padded[i, ..., :n]
+                return padded
+    return [c._estimation_attention for c in contexts]
 
 
 def _still_at_boundary(ctx: BoundaryContext) -> bool:

@@ -72,9 +72,10 @@ def working_set_ratio(attn: torch.Tensor, p: float) -> torch.Tensor:
     return coverage_demand(attn, p).float() / attn.shape[-1]
 
 
-def working_set_counts(attns: list[torch.Tensor], p: float) -> torch.Tensor:
+def working_set_counts(attns: list[torch.Tensor] | torch.Tensor, p: float) -> torch.Tensor:
     """``coverage_demand`` of several distributions at once: int64 ``[R, ...]`` for ``R``
-    tensors ``[..., N_r]`` that share their leading shape but not their candidate count.
+    tensors ``[..., N_r]`` that share their leading shape but not their candidate count (or
+    one tensor ``[R, ..., N_max]`` of them already zero-padded).
 
     The rows are zero-padded to the longest and sorted together (one sort and one cumsum for
     all). Padding zeros sort last and add nothing to the running sums, so each row's count is
@@ -82,6 +83,8 @@ def working_set_counts(attns: list[torch.Tensor], p: float) -> torch.Tensor:
     """
     if not 0.0 < p <= 1.0:
         raise ValueError(f"coverage p must lie in (0, 1], got {p}")
+    if isinstance(attns, torch.Tensor):
+        return _counts_of_padded(attns.float(), p)
     if not attns:
         raise ValueError("working_set_counts needs at least one distribution")
     lead = attns[0].shape[:-1]
@@ -95,6 +98,10 @@ def working_set_counts(attns: list[torch.Tensor], p: float) -> torch.Tensor:
     else:  # [R, N_max, ...] through pad_sequence, then candidates contiguous in the last dim
         padded = torch.nn.utils.rnn.pad_sequence([a.float().movedim(-1, 0) for a in attns],
                                                  batch_first=True).movedim(1, -1).contiguous()
+    return _counts_of_padded(padded, p)
+
+
+def _counts_of_padded(padded: torch.Tensor, p: float) -> torch.Tensor:
     cum = padded.sort(dim=-1, descending=True).values.cumsum(dim=-1)
     # The last running sum is each row's total (the padding adds exact zeros), so the count
     # never passes the row's own length; the relative tolerance is coverage_demand's.

@@ -96,6 +96,15 @@ class KVView(abc.ABC):
         """
         return None
 
+    @staticmethod
+    def batch_summary_attention(views: list[KVView], queries: list[torch.Tensor],
+                                num_candidates: list[int]) -> torch.Tensor | None:
+        """Optional fast path: ``summary_attention`` of several requests' views (of one class)
+        at once, ``[R, V, L, Hkv, max(num_candidates)]`` fp32, request r's distributions over
+        its ``num_candidates[r]`` candidates then zeros. Used by ``BoundaryBatch``; None (the
+        default) computes each request on its own."""
+        return None
+
     @abc.abstractmethod
     def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
         """Keep only slots ``keep [L, Hkv, K]`` (ascending), moved to slots 0..K-1.

@@ -177,7 +177,8 @@ class KVCacheManager:
         return EngineKVView(seq, self.cache, self.query_pool, self.model_config.rope,
                             self.model_config.num_q_heads,
                             use_kernels=self.config.boundary_kernels if use_kernels is None
-                            else use_kernels, accumulated=self.accumulated)
+                            else use_kernels, accumulated=self.accumulated,
+                            recent_window=self.config.growpage.recent_window)
 
     def append_slot(self, seq: Sequence) -> int:
         """Take the next slot of ``seq`` for its next token (room must have been made)."""

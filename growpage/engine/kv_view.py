@@ -42,10 +42,12 @@ class EngineKVView(KVView):
 
     def __init__(self, seq: Sequence, kv_cache: torch.Tensor, query_pool: QueryStatePool,
                  rope: RopeConfig, num_q_heads: int, use_kernels: bool | None = None,
-                 accumulated: torch.Tensor | None = None) -> None:
+                 accumulated: torch.Tensor | None = None, recent_window: int = 0) -> None:
         """``use_kernels``: demand estimation and compaction with the Triton kernels of
         ``growpage.kernels`` (default: on CUDA; on CPU only under ``TRITON_INTERPRET=1``).
-        ``accumulated``: the engine's H2O sums, when its policy reads them."""
+        ``accumulated``: the engine's H2O sums, when its policy reads them.
+        ``recent_window``: the protected window, so that the kernels' table of a boundary holds
+        the counts of both candidate sets (estimation and selection) in one copy."""
         _, num_layers, _, page_size, num_kv_heads, head_dim = kv_cache.shape
         self.use_kernels = boundary_kernels_on(use_kernels, kv_cache)
         self.seq, self.kv_cache, self.query_pool = seq, kv_cache, query_pool
@@ -54,6 +56,7 @@ class EngineKVView(KVView):
         self.num_q_heads, self.rope = num_q_heads, rope
         self.softmax_scale = head_dim ** -0.5
         self.page_size = page_size
+        self.recent_window = recent_window
 
     @property
     def device(self) -> torch.device:
@@ -99,10 +102,25 @@ class EngineKVView(KVView):
     def _table(self, pages: list[int] | list[list[int]]) -> torch.Tensor:
         return to_device(pages, torch.int32, self.device)  # queued: no host sync on CUDA
 
+    def _meta(self, num_candidates: int) -> list[int]:
+        """``[Nc, splits]`` of ``demand_attention_batch`` for ``num_candidates``."""
+        from growpage.kernels import demand_splits
+
+        return [num_candidates, demand_splits(num_candidates, self.num_layers,
+                                              self.num_kv_heads, self.device)]
+
+    def _candidate_sets(self) -> tuple[int, int]:
+        """Estimation and selection candidate counts at this boundary."""
+        n = self.num_tokens
+        return n - self.page_size, n - self.recent_window
+
     @functools.cached_property
-    def _block_table(self) -> torch.Tensor:
-        """The request's pages on the device, copied once per boundary."""
-        return self._table(self.seq.state.block_table)
+    def _demand_table(self) -> torch.Tensor:
+        """``[1, P + 4]`` int32 on the device, copied once per boundary: the request's pages,
+        then Nc and the split count of the estimation and of the selection candidates."""
+        est, sel = self._candidate_sets()
+        return self._table([list(self.seq.state.block_table) + self._meta(max(est, 1))
+                            + self._meta(max(sel, 1))])
 
     def boundary_queries(self, position: int) -> torch.Tensor | None:
         """With kernels: calibration and rotation of both summaries in one launch."""
@@ -118,14 +136,41 @@ class EngineKVView(KVView):
 
     def summary_attention(self, queries: torch.Tensor, num_candidates: int
                           ) -> torch.Tensor | None:
-        """With kernels: ``demand_attention`` reads the keys through the block table (no
+        """With kernels: ``demand_attention_batch`` reads the keys through the block table (no
         gathered copy of the request's keys, two launches for all layers and heads)."""
         if not self.use_kernels or num_candidates < 1:
             return None
-        from growpage.kernels import demand_attention
+        from growpage.kernels import demand_attention_batch
 
-        return demand_attention(queries.float().contiguous(), self.kv_cache[0],
-                                self._block_table, num_candidates, self.softmax_scale)
+        width = self.seq.state.num_pages
+        est, sel = self._candidate_sets()
+        if num_candidates in (est, sel):
+            table, col = self._demand_table, width + (0 if num_candidates == est else 2)
+        else:
+            table, col = self._table([list(self.seq.state.block_table)
+                                      + self._meta(num_candidates)]), width
+        splits = self._meta(num_candidates)[1]
+        return demand_attention_batch(queries.float().contiguous()[None], self.kv_cache[0],
+                                      table, col, num_candidates, splits,
+                                      self.softmax_scale)[0]
+
+    @staticmethod
+    def batch_summary_attention(views: list[KVView], queries: list[torch.Tensor],
+                                num_candidates: list[int]) -> torch.Tensor | None:
+        """With kernels: the requests' tables in one copy, their attention in two launches."""
+        if not views or not all(isinstance(v, EngineKVView) and v.use_kernels for v in views):
+            return None
+        from growpage.kernels import demand_attention_batch
+
+        first = views[0]
+        width = max(v.seq.state.num_pages for v in views)
+        metas = [v._meta(n) for v, n in zip(views, num_candidates, strict=True)]
+        rows = [list(v.seq.state.block_table) + [-1] * (width - v.seq.state.num_pages) + meta
+                for v, meta in zip(views, metas, strict=True)]
+        stacked = torch.stack([q.float() for q in queries])
+        return demand_attention_batch(stacked, first.kv_cache[0], first._table(rows), width,
+                                      max(num_candidates), max(m[1] for m in metas),
+                                      first.softmax_scale)
 
     def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
         """Move slots ``keep [L, Hkv, K]`` (ascending) of ``src_pages`` to slots 0..K-1 of
@@ -165,7 +210,7 @@ class EngineKVView(KVView):
         self.seq.kept_positions = torch.gather(self.positions(), 2, keep)
         self.seq.tail_start = self.seq.state.position
         self.__dict__.pop("_keys", None)
-        self.__dict__.pop("_block_table", None)
+        self.__dict__.pop("_demand_table", None)
 
 
 def boundary_kernels_on(use_kernels: bool | None, kv_cache: torch.Tensor) -> bool:

@@ -44,6 +44,16 @@ def test_counts_match_coverage_demand_row_by_row():
             assert torch.equal(k, demand.coverage_demand(a, p))
 
 
+def test_counts_of_a_padded_tensor_are_those_of_its_rows():
+    gen = torch.Generator().manual_seed(3)
+    attns = [torch.softmax(torch.randn(2, 3, n, generator=gen) * 2, dim=-1) for n in (4, 11, 7)]
+    padded = torch.zeros(3, 2, 3, 11)
+    for i, a in enumerate(attns):
+        padded[i, ..., : a.shape[-1]] = a
+    assert torch.equal(demand.working_set_counts(padded, 0.9),
+                       demand.working_set_counts(attns, 0.9))
+
+
 def test_counts_reject_bad_input():
     with pytest.raises(ValueError, match="coverage p"):
         demand.working_set_counts([torch.ones(3) / 3], 0.0)

@@ -202,9 +202,22 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
         prepare(self, seqs)
         sizes.append(0 if self._batch is None else len(self._batch))
 
+    from growpage.engine.kv_view import EngineKVView
+
+    batched = []
+    batch_attention = EngineKVView.batch_summary_attention
+
+    def counted_attention(views, queries, counts):
+        out = batch_attention(views, queries, counts)
+        batched.append(0 if out is None else out.shape[0])
+        return out
+
     monkeypatch.setattr(KVCacheManager, "prepare_boundaries", counted)
+    monkeypatch.setattr(EngineKVView, "batch_summary_attention", staticmethod(counted_attention))
     shared, shared_events, shared_deltas = run()
     assert max(sizes) >= 3 and shared_events["compress"] > 0, (sizes, shared_events)
+    # With kernels, a step's requests of equal candidate count get their attention together.
+    assert (max(batched) >= 3) if kernels else (set(batched) == {0}), batched
     kv = engines[0].kv
     assert (kv.shared_steps, kv.shared_boundaries) == (sum(map(bool, sizes)), sum(sizes))
     monkeypatch.setattr(KVCacheManager, "prepare_boundaries",

@@ -78,3 +78,34 @@ def test_estimate_demand_bundles_eqs_7_to_9() -> None:
     torch.testing.assert_close(signals.ratio, ratio)
     torch.testing.assert_close(signals.delta, ratio[0] - ratio[1])
     assert torch.equal(signals.scores, torch.maximum(signals.attention[0], signals.attention[1]))
+
+
+@pytest.mark.parametrize(("dtype", "group"), [(torch.float32, 3), (torch.bfloat16, 8),
+                                              (torch.float16, 1)])
+def test_batch_gives_each_request_its_own_distributions(dtype: torch.dtype, group: int) -> None:
+    """Ragged candidate counts and split counts, -1 padded tables, extra columns: each row is
+    that request's reference distribution, zeros after it, and the same bits as alone."""
+    from growpage.kernels import demand_attention_batch, demand_splits
+
+    page = 4
+    counts, splits = [9, 1, 23], [2, 1, 3]
+    g = gen(7)
+    k_cache = randn(LAYERS, 20, page, KV_HEADS, HEAD_DIM, dtype=dtype, g=g)
+    queries = randn(3, 2, LAYERS, KV_HEADS * group, HEAD_DIM, g=g)
+    pages = make_block_tables(counts, page, 20, 7, g)
+    # meta columns (Nc, splits) at 7, then a second pair a caller may keep for another call
+    meta = torch.tensor([[n, s, 99, 99] for n, s in zip(counts, splits)], dtype=torch.int32)
+    tables = torch.cat([pages, meta.to(DEVICE)], dim=1)
+    out = demand_attention_batch(queries, k_cache, tables, 7, max(counts), max(splits))
+    assert out.shape == (3, 2, LAYERS, KV_HEADS, max(counts))
+    for r, (n, s) in enumerate(zip(counts, splits)):
+        expected = reference.demand_attention(queries[r], k_cache, pages[r], n)
+        torch.testing.assert_close(out[r, ..., :n], expected, atol=ATOL[dtype], rtol=1e-4)
+        assert not out[r, ..., n:].any()
+        alone = demand_attention(queries[r], k_cache, pages[r], n, num_splits=s)
+        assert torch.equal(out[r, ..., :n], alone)
+    assert demand_splits(1, LAYERS, KV_HEADS, torch.device(DEVICE)) == 1
+    with pytest.raises(AssertionError, match="max_splits"):
+        demand_attention_batch(queries, k_cache, tables, 7, max(counts), 0)
+    with pytest.raises(AssertionError, match="tables"):
+        demand_attention_batch(queries, k_cache, tables[:, :8], 7, max(counts), 3)

@@ -13,6 +13,7 @@ from growpage.kernels import (
     boundary_queries,
     compact_kv,
     demand_attention,
+    demand_attention_batch,
     paged_decode_attention,
     store_kv,
     update_query_state,
@@ -119,6 +120,13 @@ def test_demand_compiles_one_variant_per_kernel() -> None:
             queries = randn(2, LAYERS, HQ, D, g=g)
             out = demand_attention(queries, k_cache, table, num_candidates, num_splits=splits)
             assert out.shape == (2, LAYERS, HKV, num_candidates)
+        for i, num_req in enumerate((2, 3)):  # batches of requests: the same two kernels
+            counts = [3 + 5 * r + i for r in range(num_req)]
+            rows = [torch.randperm(16, generator=g)[:4].tolist() + [n, 1 + r % 2]
+                    for r, n in enumerate(counts)]
+            tables = _sliced(sum(rows, []), i + 1).view(num_req, 6)
+            demand_attention_batch(randn(num_req, 2, LAYERS, HQ, D, g=g), k_cache, tables, 4,
+                                   max(counts), 2)
     assert log.counts() == {"demand_logits": 1, "demand_normalize": 1}, \
         {name: [describe(k) for k in keys] for name, keys in log.keys.items()}
 
