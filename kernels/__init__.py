@@ -19,7 +19,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from .accumulate import accumulate_attention  # noqa: E402
-from .boundary_queries import boundary_queries  # noqa: E402
+from .boundary_queries import boundary_queries, boundary_queries_batch  # noqa: E402
 from .compaction import compact_kv, is_direct_safe  # noqa: E402
 from .decode_attention import paged_decode_attention  # noqa: E402
 from .demand import (  # noqa: E402
@@ -39,6 +39,7 @@ __all__ = [
     "DemandSignals",
     "accumulate_attention",
     "boundary_queries",
+    "boundary_queries_batch",
     "compact_kv",
     "demand_attention",
     "demand_attention_batch",

@@ -16,10 +16,12 @@ Output ``[2, L, Hq, d]`` fp32 (view 0 short, 1 long) is the ``queries`` input of
 ``demand.demand_attention``. The torch path is ``rope_at(cfg, rms_calibrate(s, cur), position)``
 per view (``growpage.core.context``); this kernel replaces its ~30 small ops with one launch.
 
-One program per (layer, block of query heads) handles both views: it loads the current rows once,
-then per view the rows and their rotate-half partners (permuted offsets ``(d + D/2) % D`` and a
-sign), and computes cos/sin in fp32 in the kernel. Any even head dim works (masked to the next
-power of two).
+One program per (layer, block of query heads, request) handles both views: it loads the current
+rows once, then per view the rows and their rotate-half partners (permuted offsets
+``(d + D/2) % D`` and a sign), and computes cos/sin in fp32 in the kernel. Any even head dim
+works (masked to the next power of two). Each request's slot and position come from a small
+int32 table on the device, so one launch serves every request at a boundary in a step
+(``boundary_queries_batch``).
 """
 
 from __future__ import annotations
@@ -37,20 +39,22 @@ NUM_VIEWS = 2
 _TILE_ELEMS = 4096
 
 
-# The slot is chosen by offsetting the pool's address, and the layer strides follow the pool's
-# slot count: neither may pick the compiled variant.
-@triton.jit(do_not_specialize=["stride_sl", "stride_cl"],
-            do_not_specialize_on_alignment=["summ_ptr", "cur_ptr"])
+# Per-call quantities (the meta column and row stride, the layer strides, which follow the
+# pool's slot count) must not pick the compiled variant.
+@triton.jit(do_not_specialize=["meta_col", "stride_mr", "stride_sl", "stride_cl", "stride_or"],
+            do_not_specialize_on_alignment=["meta_ptr"])
 def _boundary_queries_kernel(
-    summ_ptr,  # [L, 2, Hq, D] fp32: the request's slot of the query-state pool (pre-RoPE)
-    cur_ptr,  # [L, Hq, D] fp32: the request's current (last) query
+    summ_ptr,  # [L, M, 2, Hq, D] fp32 query-state pool (pre-RoPE summaries)
+    cur_ptr,  # [L, M, Hq, D] fp32 current (last) query of each slot
     inv_freq_ptr,  # [D/2] fp32 RoPE inverse frequencies
-    out_ptr,  # [2, L, Hq, D] fp32 calibrated, rotated summaries
-    position,  # fp32 absolute position (as float(position) in ``rope_at``)
+    out_ptr,  # [R, 2, L, Hq, D] fp32 calibrated, rotated summaries
+    meta_ptr,  # [R, >= meta_col + 2] int32: each request's slot and position at meta_col
+    meta_col,
+    stride_mr,
     eps,
-    stride_sl, stride_sv, stride_sh,
-    stride_cl, stride_ch,
-    stride_ov, stride_ol, stride_oh,
+    stride_sl, stride_sm, stride_sv, stride_sh,
+    stride_cl, stride_cm, stride_ch,
+    stride_or, stride_ov, stride_ol, stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -58,6 +62,10 @@ def _boundary_queries_kernel(
 ):
     layer = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    request = tl.program_id(2).to(tl.int64)
+    meta = meta_ptr + request * stride_mr + meta_col
+    slot = tl.load(meta).to(tl.int64)
+    position = tl.load(meta + 1).to(tl.float32)  # as float(position) in ``rope_at``
     offs_d = tl.arange(0, BLOCK_D)
     half: tl.constexpr = HEAD_DIM // 2
     mask_h = offs_h < NUM_HEADS
@@ -73,25 +81,26 @@ def _boundary_queries_kernel(
     cos = tl.cos(angles)[None, :]
     sin = (tl.sin(angles) * sign)[None, :]
 
-    cur = tl.load(cur_ptr + layer * stride_cl + offs_h[:, None] * stride_ch + offs_d[None, :],
-                  mask=mask, other=0.0)
+    cur = tl.load(cur_ptr + layer * stride_cl + slot * stride_cm + offs_h[:, None] * stride_ch
+                  + offs_d[None, :], mask=mask, other=0.0)
     rms_q = tl.sqrt(tl.sum(cur * cur, 1) / HEAD_DIM)  # [BLOCK_H]
 
     rows = offs_h[:, None] * stride_sh
+    out_base = out_ptr + request * stride_or + layer * stride_ol
     for v in tl.static_range(2):
-        base = summ_ptr + layer * stride_sl + v * stride_sv + rows
+        base = summ_ptr + layer * stride_sl + slot * stride_sm + v * stride_sv + rows
         x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
         x_partner = tl.load(base + partner[None, :], mask=mask, other=0.0)
         rms_s = tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM)
         scale = (rms_q / tl.maximum(rms_s, eps))[:, None]
         calibrated = x * scale
         out = calibrated * cos + (x_partner * scale) * sin
-        tl.store(out_ptr + v * stride_ov + layer * stride_ol + offs_h[:, None] * stride_oh
-                 + offs_d[None, :], out, mask=mask)
+        tl.store(out_base + v * stride_ov + offs_h[:, None] * stride_oh + offs_d[None, :], out,
+                 mask=mask)
 
 
-def _check_args(summaries: torch.Tensor, current: torch.Tensor, slot: int, position: int,
-                inv_freq: torch.Tensor) -> tuple[int, int]:
+def _check_args(summaries: torch.Tensor, current: torch.Tensor, inv_freq: torch.Tensor
+                ) -> None:
     for name, t, ndim in (("summaries", summaries, 5), ("current", current, 4),
                           ("inv_freq", inv_freq, 1)):
         if t.dim() != ndim:
@@ -111,13 +120,7 @@ def _check_args(summaries: torch.Tensor, current: torch.Tensor, slot: int, posit
     if inv_freq.shape[0] != head_dim // 2:
         raise ValueError(f"inv_freq: expected length d/2 = {head_dim // 2}, "
                          f"got {inv_freq.shape[0]}")
-    slot, position = operator.index(slot), operator.index(position)
-    if not 0 <= slot < num_slots:
-        raise ValueError(f"slot {slot} out of range [0, {num_slots})")
-    if position < 0:
-        raise ValueError(f"position must be >= 0, got {position}")
     check_device(summaries, current, inv_freq)
-    return slot, position
 
 
 def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, position: int,
@@ -136,22 +139,52 @@ def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, 
     Returns:
         ``[2, L, Hq, d]`` fp32, equal to ``rope_at(cfg, rms_calibrate(s, cur), position)`` for
         ``s`` = short and long summary. Raises ``ValueError`` on bad shapes, dtypes, slot,
-        position or head dim (AssertionError from ``check_device`` on a device mismatch).
+        position or head dim (AssertionError from ``check_device`` on a device mismatch). One
+        request of ``boundary_queries_batch`` (slot and position go to the device in one small
+        copy).
     """
-    slot, position = _check_args(summaries, current, slot, position, inv_freq)
+    _check_args(summaries, current, inv_freq)
+    slot, position = operator.index(slot), operator.index(position)
+    num_slots = summaries.shape[1]
+    if not 0 <= slot < num_slots:
+        raise ValueError(f"slot {slot} out of range [0, {num_slots})")
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    if position >= 2**31:
+        raise ValueError(f"position must be < 2**31 (an int32 on the device), got {position}")
+    meta = torch.tensor([[slot, position]], dtype=torch.int32).to(summaries.device)
+    return boundary_queries_batch(summaries, current, meta, 0, inv_freq, eps)[0]
+
+
+def boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta: torch.Tensor,
+                           meta_col: int, inv_freq: torch.Tensor, eps: float = 1e-12
+                           ) -> torch.Tensor:
+    """``boundary_queries`` of R requests in one launch.
+
+    Args:
+        meta: ``[R, W]`` int32 on the device: request r's slot at ``meta_col`` and its position
+            at ``meta_col + 1`` (the caller checks them: slots in ``[0, M)``, positions
+            ``>= 0``; they are not read on the host). Other columns are not read.
+
+    Returns:
+        ``[R, 2, L, Hq, d]`` fp32.
+    """
+    _check_args(summaries, current, inv_freq)
+    assert meta.dim() == 2 and meta.dtype == torch.int32 and meta.stride(-1) == 1, \
+        f"meta: expected a row-contiguous [R, W] int32 tensor, got {meta.dtype} {tuple(meta.shape)}"
+    assert meta.shape[1] >= meta_col + 2, f"meta: {meta.shape[1]} columns, need {meta_col + 2}"
+    check_device(summaries, meta)
     num_layers, _, _, num_heads, head_dim = summaries.shape
-    out = torch.empty(NUM_VIEWS, num_layers, num_heads, head_dim, dtype=torch.float32,
+    num_req = meta.shape[0]
+    out = torch.empty(num_req, NUM_VIEWS, num_layers, num_heads, head_dim, dtype=torch.float32,
                       device=summaries.device)
     if out.numel() == 0:
         return out
-    # The slot is selected on the host (pointer offset of a view, no copy): the kernel never
-    # addresses other slots, and slot * stride cannot overflow int32 inside it.
-    summ, cur = summaries[:, slot], current[:, slot]  # [L, 2, Hq, d], [L, Hq, d]
     block_d = next_pow2(head_dim)
     block_h = min(next_pow2(num_heads), max(1, _TILE_ELEMS // block_d))
-    _boundary_queries_kernel[(num_layers, cdiv(num_heads, block_h))](
-        summ, cur, inv_freq, out, float(position), float(eps),
-        *summ.stride()[:3], *cur.stride()[:2], *out.stride()[:3],
+    _boundary_queries_kernel[(num_layers, cdiv(num_heads, block_h), num_req)](
+        summaries, current, inv_freq, out, meta, meta_col, meta.stride(0), float(eps),
+        *summaries.stride()[:4], *current.stride()[:3], *out.stride()[:4],
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
     )
     return out

@@ -273,18 +273,21 @@ class BoundaryBatch:
 
 def _attention_of(contexts: list[BoundaryContext]) -> list[torch.Tensor] | torch.Tensor:
     """The estimation attention of ``contexts``: through their views' batched fast path when it
-    answers (one call for all, zero-padded ``[R, 2, L, Hkv, N_max]``), else each its own."""
-    todo = [c for c in contexts if "_estimation_attention" not in vars(c)]
-    if len(todo) == len(contexts) > 1:
-        view_class = type(contexts[0].view)
-        if all(type(c.view) is view_class for c in contexts):
-            counts = [c.num_estimation_candidates for c in contexts]
-            padded = view_class.batch_summary_attention([c.view for c in contexts],
-                                                        [c._queries for c in contexts], counts)
-            if padded is not None:
-                for i, (c, n) in enumerate(zip(contexts, counts, strict=True)):
-                    c.__dict__["_estimation_attention"] = padded[i, ..., :n]
-                return padded
+    answers (queries and attention of all in one call, the attention zero-padded
+    ``[R, 2, L, Hkv, N_max]``), else each its own."""
+    fresh = all("_queries" not in vars(c) and "_estimation_attention" not in vars(c)
+                for c in contexts)
+    view_class = type(contexts[0].view)
+    if fresh and len(contexts) > 1 and all(type(c.view) is view_class for c in contexts):
+        counts = [c.num_estimation_candidates for c in contexts]
+        signals = view_class.batch_boundary_signals([c.view for c in contexts],
+                                                    [c.position for c in contexts], counts)
+        if signals is not None:
+            queries, padded = signals
+            for i, (c, n) in enumerate(zip(contexts, counts, strict=True)):
+                c.__dict__["_queries"] = queries[i]
+                c.__dict__["_estimation_attention"] = padded[i, ..., :n]
+            return padded
     return [c._estimation_attention for c in contexts]
 
 

@@ -97,12 +97,14 @@ class KVView(abc.ABC):
         return None
 
     @staticmethod
-    def batch_summary_attention(views: list[KVView], queries: list[torch.Tensor],
-                                num_candidates: list[int]) -> torch.Tensor | None:
-        """Optional fast path: ``summary_attention`` of several requests' views (of one class)
-        at once, ``[R, V, L, Hkv, max(num_candidates)]`` fp32, request r's distributions over
-        its ``num_candidates[r]`` candidates then zeros. Used by ``BoundaryBatch``; None (the
-        default) computes each request on its own."""
+    def batch_boundary_signals(views: list[KVView], positions: list[int],
+                               num_candidates: list[int]
+                               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Optional fast path: ``boundary_queries`` and ``summary_attention`` of several
+        requests' views (of one class) at once: ``[R, 2, L, Hq, d]`` queries rotated to
+        ``positions[r]`` and ``[R, 2, L, Hkv, max(num_candidates)]`` fp32 attention, request r's
+        distributions over its ``num_candidates[r]`` candidates then zeros. Used by
+        ``BoundaryBatch``; None (the default) computes each request on its own."""
         return None
 
     @abc.abstractmethod

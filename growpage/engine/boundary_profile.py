@@ -145,11 +145,16 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
         phases.decided += 1
         return decide(*args, **kwargs)
 
+    # A step's shared batch gets its members' queries and attention in one call
+    # (batch_boundary_signals): charged to ``attention``.
     patches: list[tuple[object, str, Any]] = [
-        (EngineKVView, "boundary_queries", "queries"), (EngineKVView, "summary_attention",
-                                                        "attention"),
-        (EngineKVView, "compact", "compact"), (demand_module, "working_set_counts", "demand"),
-        (demand_module, "demand_trends", "demand"), (capacity_module, "_check_selection", "check"),
+        (EngineKVView, "boundary_queries", "queries"),
+        (EngineKVView, "summary_attention", "attention"),
+        (EngineKVView, "batch_boundary_signals", "attention"),
+        (EngineKVView, "compact", "compact"),
+        (demand_module, "working_set_counts", "demand"),
+        (demand_module, "demand_trends", "demand"),
+        (capacity_module, "_check_selection", "check"),
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     # Instance-level wrappers already there (a benchmark's counters) are put back afterwards.
@@ -160,7 +165,9 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
     timed_policy.decide = counted_decide
     try:
         for owner, name, phase in patches:
-            setattr(owner, name, phases.timed(phase, getattr(owner, name)))
+            timed = phases.timed(phase, getattr(owner, name))
+            static = isinstance(owner.__dict__[name], staticmethod)
+            setattr(owner, name, staticmethod(timed) if static else timed)
         controller.policy = timed_policy
         kv.make_room = counted_make_room  # type: ignore[method-assign]
         kv.prepare_boundaries = counted_prepare  # type: ignore[method-assign]

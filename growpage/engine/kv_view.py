@@ -114,25 +114,38 @@ class EngineKVView(KVView):
         n = self.num_tokens
         return n - self.page_size, n - self.recent_window
 
+    def _slot_meta(self, position: int) -> list[int]:
+        """``[slot, position]`` of ``boundary_queries_batch``."""
+        if self.seq.query_slot is None:
+            raise RuntimeError(f"{self.seq.request_id!r} has no query-state slot")
+        return [self.seq.query_slot, position]
+
     @functools.cached_property
     def _demand_table(self) -> torch.Tensor:
-        """``[1, P + 4]`` int32 on the device, copied once per boundary: the request's pages,
-        then Nc and the split count of the estimation and of the selection candidates."""
+        """``[1, P + 6]`` int32 on the device, copied once per boundary: the request's pages,
+        then Nc and the split count of the estimation and of the selection candidates, then its
+        query-state slot and position."""
         est, sel = self._candidate_sets()
         return self._table([list(self.seq.state.block_table) + self._meta(max(est, 1))
-                            + self._meta(max(sel, 1))])
+                            + self._meta(max(sel, 1)) + self._slot_meta(self.seq.state.position)])
+
+    def _inv_freq(self) -> torch.Tensor:
+        from growpage.core.rope import inv_frequencies_on
+
+        return inv_frequencies_on(self.rope, self.device)
 
     def boundary_queries(self, position: int) -> torch.Tensor | None:
         """With kernels: calibration and rotation of both summaries in one launch."""
         if not self.use_kernels:
             return None
-        if self.seq.query_slot is None:
-            raise RuntimeError(f"{self.seq.request_id!r} has no query-state slot")
-        from growpage.core.rope import inv_frequencies_on
-        from growpage.kernels import boundary_queries
+        from growpage.kernels import boundary_queries_batch
 
-        return boundary_queries(self.query_pool.summaries, self.query_pool.current,
-                                self.seq.query_slot, position, inv_frequencies_on(self.rope, self.device))
+        if position == self.seq.state.position:
+            table, col = self._demand_table, self.seq.state.num_pages + 4
+        else:
+            table, col = self._table([self._slot_meta(position)]), 0
+        return boundary_queries_batch(self.query_pool.summaries, self.query_pool.current, table,
+                                      col, self._inv_freq())[0]
 
     def summary_attention(self, queries: torch.Tensor, num_candidates: int
                           ) -> torch.Tensor | None:
@@ -155,22 +168,28 @@ class EngineKVView(KVView):
                                       self.softmax_scale)[0]
 
     @staticmethod
-    def batch_summary_attention(views: list[KVView], queries: list[torch.Tensor],
-                                num_candidates: list[int]) -> torch.Tensor | None:
-        """With kernels: the requests' tables in one copy, their attention in two launches."""
+    def batch_boundary_signals(views: list[KVView], positions: list[int],
+                               num_candidates: list[int]
+                               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With kernels: every request's table in one copy, their calibrated, rotated
+        summaries in one launch and their attention in two."""
         if not views or not all(isinstance(v, EngineKVView) and v.use_kernels for v in views):
             return None
-        from growpage.kernels import demand_attention_batch
+        from growpage.kernels import boundary_queries_batch, demand_attention_batch
 
         first = views[0]
         width = max(v.seq.state.num_pages for v in views)
         metas = [v._meta(n) for v, n in zip(views, num_candidates, strict=True)]
         rows = [list(v.seq.state.block_table) + [-1] * (width - v.seq.state.num_pages) + meta
-                for v, meta in zip(views, metas, strict=True)]
-        stacked = torch.stack([q.float() for q in queries])
-        return demand_attention_batch(stacked, first.kv_cache[0], first._table(rows), width,
-                                      max(num_candidates), max(m[1] for m in metas),
-                                      first.softmax_scale)
+                + v._slot_meta(position)
+                for v, meta, position in zip(views, metas, positions, strict=True)]
+        tables = first._table(rows)
+        queries = boundary_queries_batch(first.query_pool.summaries, first.query_pool.current,
+                                         tables, width + 2, first._inv_freq())
+        attention = demand_attention_batch(queries, first.kv_cache[0], tables, width,
+                                           max(num_candidates), max(m[1] for m in metas),
+                                           first.softmax_scale)
+        return queries, attention
 
     def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
         """Move slots ``keep [L, Hkv, K]`` (ascending) of ``src_pages`` to slots 0..K-1 of

@@ -30,7 +30,7 @@ def squeezed(model, **kwargs):
 
 def originals() -> list[object]:
     return [EngineKVView.__dict__[n] for n in ("boundary_queries", "summary_attention",
-                                               "compact")] + [
+                                               "batch_boundary_signals", "compact")] + [
         demand.working_set_counts, demand.demand_trends, capacity_module._check_selection]
 
 

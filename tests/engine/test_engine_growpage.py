@@ -205,18 +205,19 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
     from growpage.engine.kv_view import EngineKVView
 
     batched = []
-    batch_attention = EngineKVView.batch_summary_attention
+    batch_signals = EngineKVView.batch_boundary_signals
 
-    def counted_attention(views, queries, counts):
-        out = batch_attention(views, queries, counts)
-        batched.append(0 if out is None else out.shape[0])
+    def counted_signals(views, positions, counts):
+        out = batch_signals(views, positions, counts)
+        batched.append(0 if out is None else out[1].shape[0])
         return out
 
     monkeypatch.setattr(KVCacheManager, "prepare_boundaries", counted)
-    monkeypatch.setattr(EngineKVView, "batch_summary_attention", staticmethod(counted_attention))
+    monkeypatch.setattr(EngineKVView, "batch_boundary_signals", staticmethod(counted_signals))
     shared, shared_events, shared_deltas = run()
     assert max(sizes) >= 3 and shared_events["compress"] > 0, (sizes, shared_events)
-    # With kernels, a step's requests of equal candidate count get their attention together.
+    # With kernels, a step's requests of equal candidate count get their queries and
+    # attention together.
     assert (max(batched) >= 3) if kernels else (set(batched) == {0}), batched
     kv = engines[0].kv
     assert (kv.shared_steps, kv.shared_boundaries) == (sum(map(bool, sizes)), sum(sizes))
