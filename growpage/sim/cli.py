@@ -10,6 +10,17 @@ import argparse
 DEFAULT_POINTS = ["growpage", "fullkv", "fixed@budget_tokens=1024,2048,4096,8192"]
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
     if policy:
         p.add_argument("--policy", default="growpage",
@@ -19,7 +30,7 @@ def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--page-size", type=int, default=256, help="tokens per KV page (default 256)")
     p.add_argument("--recent-window", type=int, default=16, help="protected recent tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=_positive_int, default=1,
                    help="torch CPU threads (default 1: best on a shared machine)")
     p.add_argument("--out", metavar="DIR", help="write JSON/CSV results and PNG plots here")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -46,7 +46,7 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 
 
 def _setup(args: argparse.Namespace) -> GrowPageConfig:
-    torch.set_num_threads(max(1, args.threads))
+    torch.set_num_threads(args.threads)
     return GrowPageConfig(page_size=args.page_size, recent_window=args.recent_window)
 
 

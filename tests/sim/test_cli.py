@@ -180,3 +180,11 @@ def test_sweep_without_fidelity_plots_the_budget(capsys, tmp_path, monkeypatch):
                       "--fidelity-traces", "0", "--out", str(tmp_path)])
     assert len(calls) == 1 and len(calls[0]) == 2
     assert all(x > 0 and y is not None and y > 0 for x, y in calls[0])   # no empty plot
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_threads_must_be_a_positive_integer(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sim", "replay", "--synthetic", "1", "--threads", value])
+    assert exit_info.value.code == 2
+    assert "--threads: expected an integer >= 1" in capsys.readouterr().err
