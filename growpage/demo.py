@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import attrs
 import torch
@@ -91,19 +90,20 @@ def serving_table(args: argparse.Namespace, config: GrowPageConfig) -> list[dict
 def run(args: argparse.Namespace) -> int:
     from growpage.errors import ConfigError
     from growpage.sim.plots import plot_capacity, plot_pareto
-    from growpage.sim.reports import REPLAY_COLUMNS, SERVING_COLUMNS, format_table, write_json
+    from growpage.sim.reports import (
+        REPLAY_COLUMNS,
+        SERVING_COLUMNS,
+        format_table,
+        make_output_dir,
+        write_json,
+    )
 
     if args.traces < 1:
         raise ConfigError(f"--traces must be >= 1, got {args.traces}")
     if args.page_size <= RECENT_WINDOW:
         raise ConfigError(f"--page-size must be > {RECENT_WINDOW} (the demo protects the "
                           f"{RECENT_WINDOW} most recent tokens), got {args.page_size}")
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot create the output directory "
-                          f"({e.strerror or e})") from None
+    out = make_output_dir(args.out)
     torch.set_num_threads(1)
     start = time.perf_counter()
     config = GrowPageConfig(page_size=args.page_size, recent_window=RECENT_WINDOW)

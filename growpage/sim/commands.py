@@ -53,15 +53,7 @@ def _setup(args: argparse.Namespace) -> GrowPageConfig:
 def _out_dir(args: argparse.Namespace) -> Path | None:
     """``--out DIR``, created before the work starts, so that a bad directory fails at once
     rather than after a long run."""
-    if not args.out:
-        return None
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot create the output directory "
-                          f"({e.strerror or e})") from None
-    return out
+    return reports.make_output_dir(args.out) if args.out else None
 
 
 def _at_least(flag: str, value: int, low: int) -> int:

@@ -101,3 +101,17 @@ def write_csv(path: str | os.PathLike, rows: Sequence[dict]) -> Path:
         for row in rows:
             writer.writerow({k: _jsonable(v) for k, v in row.items()})
     return path
+
+
+def make_output_dir(path: str | Path, flag: str = "--out") -> Path:
+    """``path`` created (with its parents) before any work, so that an unusable directory is a
+    ``ConfigError`` at once rather than a traceback after a long run."""
+    from growpage.errors import ConfigError
+
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {out}: cannot create the output directory "
+                          f"({e.strerror or e})") from None
+    return out

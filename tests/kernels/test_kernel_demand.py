@@ -94,11 +94,12 @@ def test_batch_gives_each_request_its_own_distributions(dtype: torch.dtype, grou
     queries = randn(3, 2, LAYERS, KV_HEADS * group, HEAD_DIM, g=g)
     pages = make_block_tables(counts, page, 20, 7, g)
     # meta columns (Nc, splits) at 7, then a second pair a caller may keep for another call
-    meta = torch.tensor([[n, s, 99, 99] for n, s in zip(counts, splits)], dtype=torch.int32)
+    meta = torch.tensor([[n, s, 99, 99] for n, s in zip(counts, splits, strict=True)],
+                        dtype=torch.int32)
     tables = torch.cat([pages, meta.to(DEVICE)], dim=1)
     out = demand_attention_batch(queries, k_cache, tables, 7, max(counts), max(splits))
     assert out.shape == (3, 2, LAYERS, KV_HEADS, max(counts))
-    for r, (n, s) in enumerate(zip(counts, splits)):
+    for r, (n, s) in enumerate(zip(counts, splits, strict=True)):
         expected = reference.demand_attention(queries[r], k_cache, pages[r], n)
         torch.testing.assert_close(out[r, ..., :n], expected, atol=ATOL[dtype], rtol=1e-4)
         assert not out[r, ..., n:].any()
