@@ -103,7 +103,8 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
                  | None = None, *, chat: bool = False, use_tqdm: bool = True
                  ) -> list[RequestOutput]:
-        """Generate for each prompt (text, or token ids); outputs in prompt order."""
+        """Generate for each prompt (text, or token ids as a list or a tensor: ``[N]`` is one
+        prompt, ``[B, N]`` B of them); outputs in prompt order."""
         prompt_list = _as_list(prompts)
         params_list = _per_prompt(params or SamplingParams(), len(prompt_list))
         encoded = [self._encode(p, chat) for p in prompt_list]
@@ -141,7 +142,12 @@ class LLM:
                 raise EngineError("empty prompt")
             ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
             return ids, prompt
-        ids = list(prompt)
+        if not isinstance(prompt, Seq) and not isinstance(prompt, torch.Tensor):
+            raise EngineError(f"a prompt is a string or a list of token ids, got "
+                              f"{type(prompt).__name__}")
+        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        if not isinstance(ids, list):
+            raise EngineError("a token-id prompt must be a list of ints")
         if not ids:
             raise EngineError("empty prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -230,6 +236,11 @@ def _attention_backend(config: EngineConfig):
 def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, torch.Tensor):  # [N] one prompt of token ids, [B, N] B of them
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Seq):
+        raise EngineError(f"prompts must be a string, a list of token ids or a list of those, "
+                          f"got {type(prompts).__name__}")
     items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # one token-id prompt
@@ -239,8 +250,14 @@ def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
 def _per_prompt(params: SamplingParams | Seq[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, Seq) or isinstance(params, str):
+        raise EngineError(f"params must be a SamplingParams or a list of them (one per prompt), "
+                          f"got {type(params).__name__}")
     params = list(params)
-    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+    wrong = [type(p).__name__ for p in params if not isinstance(p, SamplingParams)]
+    if wrong:
+        raise EngineError(f"params must be SamplingParams, got {', '.join(sorted(set(wrong)))}")
+    if len(params) != n:
         raise EngineError(f"give one SamplingParams or one per prompt ({n}), got {len(params)}")
     return params
 

@@ -50,6 +50,10 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
         ([[5, 300]], GREEDY, r"token ids must lie in \[0, 128\)"),
         (["text"], GREEDY, "need a tokenizer"),
         ([prompt(5, 1)] * 2, [GREEDY], "one per prompt"),
+        ([None], GREEDY, "a prompt is a string or a list of token ids, got NoneType"),
+        (None, GREEDY, "prompts must be a string, a list of token ids or a list of those"),
+        ([prompt(5, 1)], {"max_tokens": 3}, "params must be a SamplingParams or a list"),
+        ([prompt(5, 1)], [{"max_tokens": 3}], "params must be SamplingParams, got dict"),
     ]
     for prompts, params, message in cases:
         with pytest.raises(EngineError, match=message):
@@ -68,6 +72,10 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
     with pytest.raises(EngineError, match="fullkv"):
         tiny_llm(model, policy="growpage", record_traces=str(tmp_path / "t"))
     assert llm.generate([prompt(5, 1)], GREEDY, use_tqdm=False)[0].token_ids == good
+    # token ids as a tensor: [N] is one prompt, [B, N] is B of them
+    assert llm.generate(torch.tensor(prompt(5, 1)), GREEDY, use_tqdm=False)[0].token_ids == good
+    both = llm.generate(torch.tensor([prompt(5, 1)] * 2), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in both] == [good, good]
 
 
 @attrs.define
