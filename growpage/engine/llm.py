@@ -19,6 +19,13 @@ import torch
 
 from growpage.core.config import GrowPageConfig
 from growpage.engine.config import EngineConfig
+from growpage.engine.inputs import (
+    Prompt,
+    as_prompt_list,
+    encode_continuation,
+    encode_prompt,
+    per_prompt_params,
+)
 from growpage.engine.llm_engine import LLMEngine
 from growpage.engine.model import CausalLM
 from growpage.engine.outputs import EngineStats, RequestOutput, ScoreOutput
@@ -28,7 +35,6 @@ from growpage.errors import EngineError
 from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import resolve_policy
 
-Prompt = str | list[int]
 _GROWPAGE_FIELDS = {f.name for f in attrs.fields(GrowPageConfig)}
 
 
@@ -105,9 +111,9 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids as a list or a tensor: ``[N]`` is one
         prompt, ``[B, N]`` B of them); outputs in prompt order."""
-        prompt_list = _as_list(prompts)
-        params_list = _per_prompt(params or SamplingParams(), len(prompt_list))
-        encoded = [self._encode(p, chat) for p in prompt_list]
+        prompt_list = as_prompt_list(prompts)
+        params_list = per_prompt_params(params or SamplingParams(), len(prompt_list))
+        encoded = [encode_prompt(p, self.tokenizer, chat) for p in prompt_list]
         seqs = self._run([(ids, prm, None, text) for (ids, text), prm
                           in zip(encoded, params_list, strict=True)], use_tqdm)
         return [self._request_output(s) for s in seqs]
@@ -116,13 +122,13 @@ class LLM:
               chat: bool = False, use_tqdm: bool = False) -> list[ScoreOutput]:
         """Teacher-forced NLL of each continuation after its prompt under the policy (paper
         section 5.3): capacity decisions happen as in decoding, the next token is forced."""
-        prompt_list, cont_list = _as_list(prompts), _as_list(continuations)
+        prompt_list, cont_list = as_prompt_list(prompts), as_prompt_list(continuations)
         if len(prompt_list) != len(cont_list):
             raise EngineError(f"{len(prompt_list)} prompts but {len(cont_list)} continuations")
         work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]] = []
         for p, c in zip(prompt_list, cont_list, strict=True):
-            ids, text = self._encode(p, chat)
-            forced = self._encode_continuation(c)
+            ids, text = encode_prompt(p, self.tokenizer, chat)
+            forced = encode_continuation(c, self.tokenizer)
             params = SamplingParams(max_tokens=len(forced), ignore_eos=True)
             work.append((ids, params, forced, text))
         seqs = self._run(work, use_tqdm)
@@ -134,35 +140,6 @@ class LLM:
                             num_preemptions=s.num_preemptions) for s in seqs]
 
     # ---- helpers --------------------------------------------------------------------------
-    def _encode(self, prompt: Prompt, chat: bool) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise EngineError("text prompts need a tokenizer; pass token ids instead")
-            if not prompt:
-                raise EngineError("empty prompt")
-            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
-            return ids, prompt
-        if not isinstance(prompt, Seq) and not isinstance(prompt, torch.Tensor):
-            raise EngineError(f"a prompt is a string or a list of token ids, got "
-                              f"{type(prompt).__name__}")
-        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-        if not isinstance(ids, list):
-            raise EngineError("a token-id prompt must be a list of ints")
-        if not ids:
-            raise EngineError("empty prompt")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise EngineError("a token-id prompt must be a list of ints")
-        return ids, None
-
-    def _encode_continuation(self, cont: Prompt) -> list[int]:
-        if isinstance(cont, str) and self.tokenizer is not None:
-            ids = self.tokenizer.encode(cont, add_special_tokens=False)
-        else:
-            ids, _ = self._encode(cont, chat=False)
-        if not ids:
-            raise EngineError("empty continuation")
-        return ids
-
     def _run(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
              use_tqdm: bool) -> list[Sequence]:
         engine = self.engine
@@ -231,35 +208,6 @@ def _attention_backend(config: EngineConfig):
     from growpage.engine.backends import make_attention_backend
 
     return make_attention_backend(config.attention_backend, config.device)
-
-
-def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, torch.Tensor):  # [N] one prompt of token ids, [B, N] B of them
-        prompts = prompts.tolist()
-    if not isinstance(prompts, Seq):
-        raise EngineError(f"prompts must be a string, a list of token ids or a list of those, "
-                          f"got {type(prompts).__name__}")
-    items: list[Any] = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
-        return [items]  # one token-id prompt
-    return items
-
-
-def _per_prompt(params: SamplingParams | Seq[SamplingParams], n: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    if not isinstance(params, Seq) or isinstance(params, str):
-        raise EngineError(f"params must be a SamplingParams or a list of them (one per prompt), "
-                          f"got {type(params).__name__}")
-    params = list(params)
-    wrong = [type(p).__name__ for p in params if not isinstance(p, SamplingParams)]
-    if wrong:
-        raise EngineError(f"params must be SamplingParams, got {', '.join(sorted(set(wrong)))}")
-    if len(params) != n:
-        raise EngineError(f"give one SamplingParams or one per prompt ({n}), got {len(params)}")
-    return params
 
 
 def _progress(total: int, enabled: bool):

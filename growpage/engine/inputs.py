@@ -1,0 +1,83 @@
+"""What ``LLM.generate`` and ``LLM.score`` accept, checked and turned into token ids.
+
+A prompt is text or token ids (a list of ints, or a tensor: ``[N]`` one prompt, ``[B, N]`` B of
+them); params are one ``SamplingParams`` or one per prompt. Anything else is an ``EngineError``
+that says what was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from growpage.engine.sampling_params import SamplingParams
+from growpage.errors import EngineError
+
+Prompt = str | list[int]
+
+
+def as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """One prompt or several, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):  # [N] one prompt of token ids, [B, N] B of them
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Seq):
+        raise EngineError(f"prompts must be a string, a list of token ids or a list of those, "
+                          f"got {type(prompts).__name__}")
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one token-id prompt
+    return items
+
+
+def per_prompt_params(params: SamplingParams | Seq[SamplingParams], n: int
+                      ) -> list[SamplingParams]:
+    """``params`` for each of ``n`` prompts."""
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if not isinstance(params, Seq) or isinstance(params, str):
+        raise EngineError(f"params must be a SamplingParams or a list of them (one per prompt), "
+                          f"got {type(params).__name__}")
+    params = list(params)
+    wrong = [type(p).__name__ for p in params if not isinstance(p, SamplingParams)]
+    if wrong:
+        raise EngineError(f"params must be SamplingParams, got {', '.join(sorted(set(wrong)))}")
+    if len(params) != n:
+        raise EngineError(f"give one SamplingParams or one per prompt ({n}), got {len(params)}")
+    return params
+
+
+def encode_prompt(prompt: Prompt, tokenizer: Any, chat: bool) -> tuple[list[int], str | None]:
+    """``(token ids, text or None)`` of one prompt (``chat``: through the chat template)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise EngineError("text prompts need a tokenizer; pass token ids instead")
+        if not prompt:
+            raise EngineError("empty prompt")
+        ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
+        return ids, prompt
+    if not isinstance(prompt, (Seq, torch.Tensor)):
+        raise EngineError(f"a prompt is a string or a list of token ids, got "
+                          f"{type(prompt).__name__}")
+    ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+    if not isinstance(ids, list):
+        raise EngineError("a token-id prompt must be a list of ints")
+    if not ids:
+        raise EngineError("empty prompt")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise EngineError("a token-id prompt must be a list of ints")
+    return ids, None
+
+
+def encode_continuation(cont: Prompt, tokenizer: Any) -> list[int]:
+    """Token ids of a continuation to score (text without special tokens, or token ids)."""
+    if isinstance(cont, str) and tokenizer is not None:
+        ids = tokenizer.encode(cont, add_special_tokens=False)
+    else:
+        ids, _ = encode_prompt(cont, tokenizer, chat=False)
+    if not ids:
+        raise EngineError("empty continuation")
+    return ids
