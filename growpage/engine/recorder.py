@@ -74,6 +74,16 @@ class TraceRecorder:
         self._rows.pop(seq.seq_id, None)
         self._counts.pop(seq.seq_id, None)
 
+    def _free_id(self, request_id: str) -> str:
+        """``request_id``, or ``request_id-N`` with the smallest N >= 1 not yet in the set (a
+        second engine recording into an existing set starts its ids at 0 again)."""
+        taken = {e.request_id for e in self.trace_set.index}
+        candidate, n = request_id, 0
+        while candidate in taken:
+            n += 1
+            candidate = f"{request_id}-{n}"
+        return candidate
+
     def finish(self, seq: Sequence, extra_meta: dict | None = None) -> Path | None:
         """Write ``seq``'s trace; returns its file (None when nothing was recorded)."""
         rows = self._rows.pop(seq.seq_id, None)
@@ -82,11 +92,7 @@ class TraceRecorder:
             return None
         tokens = seq.token_ids[:count]
         c = self.model_config
-        taken = {e.request_id for e in self.trace_set.index}
-        request_id = seq.request_id
-        while request_id in taken:  # recording into an existing set: keep ids unique
-            request_id = f"{seq.request_id}-{len(taken)}"
-            taken.add(request_id)
+        request_id = self._free_id(seq.request_id)
         header = TraceHeader(
             request_id=request_id, model=c.name or c.arch, num_layers=c.num_layers,
             layer_ids=self.layers, num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,

@@ -45,3 +45,18 @@ def test_recorded_traces_equal_a_dense_forward(model, tmp_path, kv_pages):
                                     ("v", trace.values[0], ref.values[1])):
             torch.testing.assert_close(got, expected.half().float(), atol=2e-3, rtol=2e-3,
                                        msg=name)
+
+
+def test_a_second_engine_records_into_the_same_set_under_fresh_ids(model, tmp_path):
+    """Each LLM numbers its requests from 0: the second one's traces get suffixed ids (this
+    looped forever when the set already held the id)."""
+    first = tiny_llm(model, record_traces=tmp_path / "set", record_layers=[0])
+    first.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    second = tiny_llm(model, record_traces=tmp_path / "set", record_layers=[0])
+    outs = second.generate(PROMPTS, GREEDY, use_tqdm=False)
+    traces = TraceSet(tmp_path / "set")
+    ids = [e.request_id for e in traces.index]
+    assert ids == ["0", "1", "0-1", "1-1", "2"]
+    for out, trace_id in zip(outs, ["0-1", "1-1", "2"], strict=True):
+        header = traces.read(trace_id).header
+        assert list(header.token_ids) == out.prompt_token_ids + out.token_ids[:-1]
