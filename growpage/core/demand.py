@@ -25,13 +25,7 @@ def coverage_demand(attn: torch.Tensor, p: float) -> torch.Tensor:
     """
     if not 0.0 < p <= 1.0:
         raise ValueError(f"coverage p must lie in (0, 1], got {p}")
-    n = attn.shape[-1]
-    sorted_attn = attn.float().sort(dim=-1, descending=True).values
-    cum = sorted_attn.cumsum(dim=-1)
-    # Relative tolerance guards against fp32 round-off just below p (e.g. p = 1).
-    target = p * cum[..., -1:] * (1.0 - 1e-6)
-    count = (cum < target).sum(dim=-1) + 1
-    return count.clamp(max=n)
+    return _sorted_coverage(attn.float(), p).clamp(max=attn.shape[-1])
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +78,7 @@ def working_set_counts(attns: list[torch.Tensor] | torch.Tensor, p: float) -> to
     if not 0.0 < p <= 1.0:
         raise ValueError(f"coverage p must lie in (0, 1], got {p}")
     if isinstance(attns, torch.Tensor):
-        return _counts_of_padded(attns.float(), p)
+        return _sorted_coverage(attns.float(), p)
     if not attns:
         raise ValueError("working_set_counts needs at least one distribution")
     lead = attns[0].shape[:-1]
@@ -98,13 +92,16 @@ def working_set_counts(attns: list[torch.Tensor] | torch.Tensor, p: float) -> to
     else:  # [R, N_max, ...] through pad_sequence, then candidates contiguous in the last dim
         padded = torch.nn.utils.rnn.pad_sequence([a.float().movedim(-1, 0) for a in attns],
                                                  batch_first=True).movedim(1, -1).contiguous()
-    return _counts_of_padded(padded, p)
+    return _sorted_coverage(padded, p)
 
 
-def _counts_of_padded(padded: torch.Tensor, p: float) -> torch.Tensor:
-    cum = padded.sort(dim=-1, descending=True).values.cumsum(dim=-1)
-    # The last running sum is each row's total (the padding adds exact zeros), so the count
-    # never passes the row's own length; the relative tolerance is coverage_demand's.
+def _sorted_coverage(attn: torch.Tensor, p: float) -> torch.Tensor:
+    """Fewest largest entries of each row of ``attn`` (fp32, possibly zero-padded) whose sum
+    reaches ``p`` of the row's total."""
+    cum = attn.sort(dim=-1, descending=True).values.cumsum(dim=-1)
+    # The last running sum is the row's total (padding adds exact zeros), so the count never
+    # passes the row's own length; the relative tolerance guards against fp32 round-off just
+    # below p (e.g. p = 1).
     target = p * cum[..., -1:] * (1.0 - 1e-6)
     return (cum < target).sum(dim=-1) + 1
 

@@ -114,20 +114,24 @@ class EngineKVView(KVView):
         n = self.num_tokens
         return n - self.page_size, n - self.recent_window
 
-    def _slot_meta(self, position: int) -> list[int]:
-        """``[slot, position]`` of ``boundary_queries_batch``."""
+    def _row(self, width: int, counts: tuple[int, ...], position: int) -> list[int]:
+        """One row of the kernels' boundary table: the pages (``-1`` padded to ``width``), then
+        ``[Nc, splits]`` per count (``demand_attention_batch``'s meta at ``width + 2 i``), then
+        ``[slot, position]`` (``boundary_queries_batch``'s at ``width + 2 len(counts)``)."""
         if self.seq.query_slot is None:
             raise RuntimeError(f"{self.seq.request_id!r} has no query-state slot")
-        return [self.seq.query_slot, position]
+        table = self.seq.state.block_table
+        row = list(table) + [-1] * (width - len(table))
+        for n in counts:
+            row += self._meta(max(n, 1))
+        return row + [self.seq.query_slot, position]
 
     @functools.cached_property
     def _demand_table(self) -> torch.Tensor:
-        """``[1, P + 6]`` int32 on the device, copied once per boundary: the request's pages,
-        then Nc and the split count of the estimation and of the selection candidates, then its
-        query-state slot and position."""
-        est, sel = self._candidate_sets()
-        return self._table([list(self.seq.state.block_table) + self._meta(max(est, 1))
-                            + self._meta(max(sel, 1)) + self._slot_meta(self.seq.state.position)])
+        """``[1, P + 6]`` int32 on the device, copied once per boundary: the estimation and the
+        selection candidates' counts, and the request's slot and position."""
+        return self._table([self._row(self.seq.state.num_pages, self._candidate_sets(),
+                                      self.seq.state.position)])
 
     def _inv_freq(self) -> torch.Tensor:
         from growpage.core.rope import inv_frequencies_on
@@ -140,10 +144,11 @@ class EngineKVView(KVView):
             return None
         from growpage.kernels import boundary_queries_batch
 
+        width = self.seq.state.num_pages
         if position == self.seq.state.position:
-            table, col = self._demand_table, self.seq.state.num_pages + 4
+            table, col = self._demand_table, width + 4
         else:
-            table, col = self._table([self._slot_meta(position)]), 0
+            table, col = self._table([self._row(width, (), position)]), width
         return boundary_queries_batch(self.query_pool.summaries, self.query_pool.current, table,
                                       col, self._inv_freq())[0]
 
@@ -160,11 +165,10 @@ class EngineKVView(KVView):
         if num_candidates in (est, sel):
             table, col = self._demand_table, width + (0 if num_candidates == est else 2)
         else:
-            table, col = self._table([list(self.seq.state.block_table)
-                                      + self._meta(num_candidates)]), width
-        splits = self._meta(num_candidates)[1]
+            table, col = self._table([self._row(width, (num_candidates,),
+                                                self.seq.state.position)]), width
         return demand_attention_batch(queries.float().contiguous()[None], self.kv_cache[0],
-                                      table, col, num_candidates, splits,
+                                      table, col, num_candidates, self._meta(num_candidates)[1],
                                       self.softmax_scale)[0]
 
     @staticmethod
@@ -179,15 +183,13 @@ class EngineKVView(KVView):
 
         first = views[0]
         width = max(v.seq.state.num_pages for v in views)
-        metas = [v._meta(n) for v, n in zip(views, num_candidates, strict=True)]
-        rows = [list(v.seq.state.block_table) + [-1] * (width - v.seq.state.num_pages) + meta
-                + v._slot_meta(position)
-                for v, meta, position in zip(views, metas, positions, strict=True)]
+        rows = [v._row(width, (n,), position)
+                for v, n, position in zip(views, num_candidates, positions, strict=True)]
         tables = first._table(rows)
         queries = boundary_queries_batch(first.query_pool.summaries, first.query_pool.current,
                                          tables, width + 2, first._inv_freq())
         attention = demand_attention_batch(queries, first.kv_cache[0], tables, width,
-                                           max(num_candidates), max(m[1] for m in metas),
+                                           max(num_candidates), max(row[width + 1] for row in rows),
                                            first.softmax_scale)
         return queries, attention
 
