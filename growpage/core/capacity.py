@@ -4,6 +4,11 @@ The controller owns no policy logic: it detects the boundary, forces growth belo
 ``min_capacity``, asks the policy, and executes GROW / COMPRESS & HOLD / SHRINK on the request's
 pages (through ``PagePool``) and KV content (through a ``KVView``). Every exit path leaves the
 request and the pool either fully updated or untouched.
+
+A compression can be deferred (``on_boundary(..., defer=True)``, the engine's asynchronous
+compaction, paper appendix E.3): its pages are settled at once (copy-on-write pages allocated,
+pages it will release still held) and the returned ``BoundaryOutcome.pending`` runs the
+selection and the compaction later, or is cancelled.
 """
 
 from __future__ import annotations
@@ -38,10 +43,62 @@ class BoundaryOutcome:
     pages_after: int = 0
     tokens_after: int = 0
     delta: float | None = None  # Delta_t when the policy computed it
+    #: A deferred compression (``on_boundary(defer=True)``): run it (or cancel it) before the
+    #: request's next token; until then the request is unchanged. None when nothing is pending.
+    pending: PendingCompaction | None = None
 
     @property
     def needs_preemption(self) -> bool:
         return self.action is Action.PREEMPT
+
+
+@attrs.define(eq=False)
+class PendingCompaction:
+    """A COMPRESS or SHRINK whose pages are settled but whose selection and compaction have not
+    run: ``tokens_after`` slots of ``state`` will be kept, in the pages ``target``.
+
+    The copy-on-write pages it needs are already allocated (held here, in no block table), and
+    the pages it will release are still in the request's block table, so nothing else can be
+    given them before the compaction has read them. ``run`` selects, compacts and updates the
+    request (all or nothing, like a compression that was not deferred); ``cancel`` returns the
+    copy-on-write pages and leaves the request at its boundary, as it was.
+    """
+
+    controller: CapacityController
+    state: RequestState
+    view: KVView
+    ctx: BoundaryContext
+    decision: Decision
+    action: Action
+    fallback: bool
+    delta: float | None
+    tokens_after: int
+    target: list[int]          # the block table after the action
+    released: list[int]        # pages to free once compacted
+    fresh: list[int]           # copy-on-write pages allocated for ``target``
+    source: list[int]          # the block table now
+    done: bool = False
+
+    def run(self) -> BoundaryOutcome:
+        """Select and compact; the request then holds ``tokens_after`` tokens in ``target``."""
+        self._check_open()
+        if self.state.block_table != self.source or self.state.num_tokens != self.ctx.num_tokens:
+            self.cancel()
+            raise ValueError(f"request {self.state.request_id!r} changed while its compaction "
+                             "was pending (run or cancel it before the request moves on)")
+        self.done = True
+        return self.controller._execute(self)
+
+    def cancel(self) -> None:
+        """Drop the compression: its copy-on-write pages go back to the pool."""
+        self._check_open()
+        self.done = True
+        self.controller.pool.free(self.fresh)
+
+    def _check_open(self) -> None:
+        if self.done:
+            raise ValueError(f"the pending compaction of request {self.state.request_id!r} "
+                             "already ran or was cancelled")
 
 
 class CapacityController:
@@ -78,11 +135,13 @@ class CapacityController:
                                state.num_pages, self.pool.num_free_pages, self.config, view)
 
     def on_boundary(self, state: RequestState, view: KVView,
-                    batch: BoundaryBatch | None = None) -> BoundaryOutcome:
+                    batch: BoundaryBatch | None = None, defer: bool = False) -> BoundaryOutcome:
         """Make room for one more token of ``state``; see ``BoundaryOutcome``.
 
         ``batch``: from ``prepare`` in this step; when it holds a context for ``state`` that
         context (and its view, of the same request) is used, so its signals are shared.
+        ``defer``: a compression is settled but not run: the outcome's ``pending`` runs it
+        (``PendingCompaction``); grow, preempt and forced growth happen at once either way.
         """
         ctx = batch.take(state.request_id) if batch is not None else None
         if ctx is not None:
@@ -116,12 +175,14 @@ class CapacityController:
             if not getattr(self.policy, "fallback_to_compress", True):
                 return self._preempt(state, decision, delta)
             self._count(state, "fallback")
-            return self._compress(state, view, ctx, decision, Action.COMPRESS, True, delta)
+            return self._compress(state, view, ctx, decision, Action.COMPRESS, True, delta,
+                                  defer)
         if decision is Decision.SHRINK and state.num_pages - 1 < self.config.min_capacity:
             self._count(state, "shrink_refused")
-            return self._compress(state, view, ctx, decision, Action.COMPRESS, False, delta)
+            return self._compress(state, view, ctx, decision, Action.COMPRESS, False, delta,
+                                  defer)
         action = Action.SHRINK if decision is Decision.SHRINK else Action.COMPRESS
-        return self._compress(state, view, ctx, decision, action, False, delta)
+        return self._compress(state, view, ctx, decision, action, False, delta, defer)
 
     # ---- actions --------------------------------------------------------------------------
     def _forced_grow(self, state: RequestState) -> BoundaryOutcome:
@@ -138,14 +199,14 @@ class CapacityController:
         return self._done(state, decision, Action.GROW, False, before, delta)
 
     def _compress(self, state: RequestState, view: KVView, ctx: BoundaryContext,
-                  decision: Decision, action: Action, fallback: bool, delta: float | None
-                  ) -> BoundaryOutcome:
+                  decision: Decision, action: Action, fallback: bool, delta: float | None,
+                  defer: bool = False) -> BoundaryOutcome:
+        """Settle the pages of a compression (copy-on-write pages for shared ones: preempt
+        when there are none), then run it, or with ``defer`` hand it back pending."""
         b, before = self.config.page_size, state.num_pages
         drop = 2 if action is Action.SHRINK else 1
-        keep = (before - drop) * b
-        indices = self._checked_selection(ctx, keep)
-        src = list(state.block_table)
-        dst, released = _target_pages(src, self.pool, shrink=action is Action.SHRINK)
+        dst, released = _target_pages(list(state.block_table), self.pool,
+                                      shrink=action is Action.SHRINK)
         shared_slots = [i for i, page in enumerate(dst) if self.pool.is_shared(page)]
         if not self.pool.can_allocate(len(shared_slots)):
             return self._preempt(state, decision, delta)
@@ -153,20 +214,33 @@ class CapacityController:
         for i, page in zip(shared_slots, fresh, strict=True):
             released.append(dst[i])
             dst[i] = page
+        pending = PendingCompaction(self, state, view, ctx, decision, action, fallback, delta,
+                                    (before - drop) * b, dst, released, fresh,
+                                    list(state.block_table))
+        if not defer:
+            pending.done = True
+            return self._execute(pending)
+        return BoundaryOutcome(decision, action, fallback, before, len(dst),
+                               pending.tokens_after, delta, pending)
+
+    def _execute(self, p: PendingCompaction) -> BoundaryOutcome:
+        """Selection and compaction of a settled compression; all or nothing."""
+        state, before = p.state, p.state.num_pages
         try:
-            view.compact(indices, src, dst)
+            indices = self._checked_selection(p.ctx, p.tokens_after)
+            p.view.compact(indices, p.source, p.target)
         except BaseException:
-            self.pool.free(fresh)
+            self.pool.free(p.fresh)
             raise
-        for page in dst:
+        for page in p.target:
             self.pool.invalidate(page)  # compaction rewrites content: no longer a prefix page
-        self.pool.free(released)
-        state.block_table[:] = dst
-        state.num_tokens = keep
-        self._count(state, action.value)
-        if shared_slots:
-            self._count(state, "cow_pages", len(shared_slots))
-        return self._done(state, decision, action, fallback, before, delta)
+        self.pool.free(p.released)
+        state.block_table[:] = p.target
+        state.num_tokens = p.tokens_after
+        self._count(state, p.action.value)
+        if p.fresh:
+            self._count(state, "cow_pages", len(p.fresh))
+        return self._done(state, p.decision, p.action, p.fallback, before, p.delta)
 
     def _preempt(self, state: RequestState, decision: Decision | None, delta: float | None
                  ) -> BoundaryOutcome:

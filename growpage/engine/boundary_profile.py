@@ -141,6 +141,14 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
             return prepare(seqs)  # nothing to share: no batch is built
         return timed_prepare(seqs)
 
+    run_deferred = kv.run_deferred
+    timed_run_deferred = phases.timed("control", run_deferred)
+
+    def counted_run_deferred() -> Any:
+        # Compressions deferred to beside the forward (async compaction): their selection,
+        # check and compaction are charged to those phases, the rest to ``control``.
+        return timed_run_deferred() if kv.num_deferred else run_deferred()
+
     def counted_decide(*args: Any, **kwargs: Any) -> Any:
         phases.decided += 1
         return decide(*args, **kwargs)
@@ -158,7 +166,8 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     # Instance-level wrappers already there (a benchmark's counters) are put back afterwards.
-    own = {name: kv.__dict__.get(name) for name in ("make_room", "prepare_boundaries")}
+    own = {name: kv.__dict__.get(name)
+           for name in ("make_room", "prepare_boundaries", "run_deferred")}
     policy = controller.policy
     timed_policy = _TimedPolicy(policy, phases)
     decide = timed_policy.decide
@@ -171,6 +180,7 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
         controller.policy = timed_policy
         kv.make_room = counted_make_room  # type: ignore[method-assign]
         kv.prepare_boundaries = counted_prepare  # type: ignore[method-assign]
+        kv.run_deferred = counted_run_deferred  # type: ignore[method-assign]
         yield phases
     finally:
         for name, wrapper in own.items():

@@ -86,6 +86,10 @@ class EngineConfig:
         cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket
             (``growpage.engine.cuda_graphs``); needs CUDA and the Triton backend, and no
             trace recording. Off by default.
+        async_compaction: a request whose boundary is decided as a compression sits that
+            decode step out and compresses beside it, on a side CUDA stream, then rejoins
+            (paper appendix E.3; ``growpage.engine.scheduler``). Off by default. The tokens are
+            the ones the synchronous path gives; on the CPU there is nothing to overlap.
         record_traces: directory of a trace set to record every finished request into.
         record_layers: model layers to record (None: all).
         record_values: record the values too (``has_values``).
@@ -104,6 +108,7 @@ class EngineConfig:
     boundary_kernels: bool | None = None
     warmup: bool | None = None
     cuda_graphs: bool = False
+    async_compaction: bool = attrs.field(default=False)
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
     record_values: bool = True
@@ -114,6 +119,12 @@ class EngineConfig:
         if value not in BACKENDS:
             raise ConfigError(f"EngineConfig.attention_backend must be one of "
                               f"{', '.join(BACKENDS)}, got {value!r}")
+
+    @async_compaction.validator
+    def _async(self, attribute: attrs.Attribute, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"EngineConfig.async_compaction must be True or False, "
+                              f"got {value!r}")
 
     @device.validator
     def _device(self, attribute: attrs.Attribute, value: str) -> None:

@@ -8,16 +8,22 @@ acquires the longest cached run of leading pages instead of recomputing it.
 
 For a policy that reads H2O accumulated attention (``needs_accumulated_attention``) it also
 holds the per-slot sums (``growpage.engine.accumulation``) and turns prefix caching off.
+
+With ``EngineConfig.async_compaction`` (paper appendix E.3) a compression decided while
+scheduling is only settled there (``make_room(seq, defer=True)``); ``run_deferred`` runs the
+step's compressions after the decode step's forward has been launched, on a side CUDA stream,
+so the selection and compaction of the requests that compress overlap the others' decoding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
 import torch
 
-from growpage.core.capacity import BoundaryOutcome, CapacityController
+from growpage.core.capacity import BoundaryOutcome, CapacityController, PendingCompaction
 from growpage.core.context import BoundaryBatch
 from growpage.core.pages import PagePool, chain_hash
 from growpage.engine.accumulation import allocate_sums, sum_bytes
@@ -62,6 +68,13 @@ class KVCacheManager:
         self._batch: BoundaryBatch | None = None  # this decode step's (prepare_boundaries)
         self.shared_steps = 0       # decode steps whose decided boundaries shared a batch
         self.shared_boundaries = 0  # the boundaries prepared in those batches (running totals)
+        # Asynchronous compaction: this step's deferred compressions, in decision order.
+        self._deferred: dict[int, tuple[Sequence, PendingCompaction]] = {}
+        self.deferred_compactions = 0   # compressions run by run_deferred (running total)
+        self.deferred_seconds = 0.0     # their part of boundary_seconds (running total)
+        self.deferred_stall_seconds = 0.0  # of that, what the step waited for (running total)
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self._ready: torch.cuda.Event | None = None  # the step's boundary work, before forward
 
     # ---- sizes ----------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -113,7 +126,9 @@ class KVCacheManager:
         self.register_full_pages(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Return ``seq``'s pages (tail first, so cached heads stay longest) and its slot."""
+        """Return ``seq``'s pages (tail first, so cached heads stay longest) and its slot; a
+        compression of it still pending is cancelled."""
+        self.cancel_deferred(seq)
         self.pool.free(list(reversed(seq.state.block_table)))
         if seq.query_slot is not None:
             self.query_pool.release(seq.query_slot)
@@ -156,21 +171,112 @@ class KVCacheManager:
 
     def end_boundaries(self) -> None:
         self._batch = None
+        if self._deferred and self.cache.is_cuda:
+            # What the deferred compressions read was computed before this point; the forward
+            # queued next on this stream is what they must not wait for.
+            self._ready = torch.cuda.Event()
+            self._ready.record()
 
-    def make_room(self, seq: Sequence) -> BoundaryOutcome | None:
+    def make_room(self, seq: Sequence, defer: bool | None = None) -> BoundaryOutcome | None:
         """Run capacity control when ``seq`` is at a boundary (None when it has a free slot).
 
-        A ``PREEMPT`` outcome changed nothing; the caller frees pages and asks again.
+        A ``PREEMPT`` outcome changed nothing; the caller frees pages and asks again. With
+        ``defer`` (None: ``EngineConfig.async_compaction``) a compression is settled, not run:
+        the outcome's ``pending`` is set and ``seq`` is unchanged (``is_deferred``) until
+        ``run_deferred`` (or ``cancel_deferred``) in this step.
         """
         if not self.controller.needs_decision(seq.state):
             return None
+        if seq.seq_id in self._deferred:
+            raise ValueError(f"request {seq.request_id!r} already has a compression pending")
         start = time.perf_counter()
         try:
-            return self.controller.on_boundary(seq.state, self.view(seq), self._batch)
+            if defer is None:
+                defer = self.config.async_compaction
+            outcome = self.controller.on_boundary(seq.state, self.view(seq), self._batch,
+                                                  defer=defer)
+            if outcome.pending is not None:
+                self._deferred[seq.seq_id] = (seq, outcome.pending)
+            return outcome
         finally:
             if self.cache.is_cuda:
                 torch.cuda.synchronize(self.cache.device)  # count the kernels it launched
             self.boundary_seconds += time.perf_counter() - start
+
+    # ---- asynchronous compaction ----------------------------------------------------------
+    def is_deferred(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has a compression pending (it sits this decode step out)."""
+        return seq.seq_id in self._deferred
+
+    @property
+    def num_deferred(self) -> int:
+        return len(self._deferred)
+
+    def cancel_deferred(self, seq: Sequence | None = None) -> None:
+        """Drop the pending compression of ``seq`` (None: all): its copy-on-write pages return
+        to the pool, the request stays at its boundary and is decided again next step."""
+        if seq is None:
+            items, self._deferred = list(self._deferred.values()), {}
+        else:
+            item = self._deferred.pop(seq.seq_id, None)
+            items = [] if item is None else [item]
+        for _, pending in items:
+            pending.cancel()
+
+    def run_deferred(self) -> list[Sequence]:
+        """Run this step's pending compressions, in decision order; returns their sequences.
+
+        On CUDA they run on a side stream that waits only for the boundary work of scheduling
+        (not for the forward launched since), so the device overlaps them with the decode step
+        and the host does their Python while the forward runs. The time is boundary time
+        (``deferred_seconds`` says how much); ``deferred_stall_seconds`` is the part of it
+        after the forward had finished, which the step waited for (all of it on the CPU).
+        A compression that fails cancels the ones after it and raises.
+        """
+        if not self._deferred:
+            return []
+        items, self._deferred = list(self._deferred.values()), {}
+        start = time.perf_counter()
+        streams = self._side_streams()
+        forward_done = None
+        if streams is not None:
+            forward_done = torch.cuda.Event(enable_timing=True)
+            forward_done.record()  # after everything queued on the main stream: the forward
+        done = 0
+        try:
+            side = contextlib.nullcontext() if streams is None else torch.cuda.stream(streams[0])
+            with side:
+                if streams is not None and self._ready is not None:
+                    streams[0].wait_event(self._ready)
+                for _, pending in items:
+                    done += 1
+                    pending.run()
+        except BaseException:
+            for _, pending in items[done:]:
+                pending.cancel()
+            raise
+        finally:
+            self._ready = None
+            stall = None
+            if streams is not None:
+                streams[0].synchronize()
+                torch.cuda.current_stream().wait_stream(streams[0])
+                stall = _stall_seconds(forward_done, streams[1])
+            elapsed = time.perf_counter() - start
+            self.boundary_seconds += elapsed
+            self.deferred_seconds += elapsed
+            self.deferred_stall_seconds += elapsed if stall is None else min(stall, elapsed)
+        self.deferred_compactions += len(items)
+        return [seq for seq, _ in items]
+
+    def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
+        """(compaction stream, an idle stream to read the device clock on); None on the CPU."""
+        if not self.cache.is_cuda:
+            return None
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(self.cache.device),
+                             torch.cuda.Stream(self.cache.device))
+        return self._streams
 
     def view(self, seq: Sequence, use_kernels: bool | None = None) -> EngineKVView:
         """``seq``'s KV view over the cache (``use_kernels`` None: the config's choice)."""
@@ -193,3 +299,14 @@ class KVCacheManager:
         width = max(seq.state.num_pages for seq in seqs)
         rows = [seq.state.block_table + [-1] * (width - seq.state.num_pages) for seq in seqs]
         return torch.tensor(rows, dtype=torch.long)
+
+
+def _stall_seconds(forward_done: torch.cuda.Event, idle: torch.cuda.Stream) -> float:
+    """Seconds from the forward's end on the device to now (0 when it is still running): how
+    long the deferred work kept the step from going on. ``now`` is an event on an idle stream,
+    which the device stamps at once."""
+    now = torch.cuda.Event(enable_timing=True)
+    now.record(idle)
+    forward_done.synchronize()  # the sampler waits for it next anyway
+    now.synchronize()
+    return max(forward_done.elapsed_time(now), 0.0) / 1000.0

@@ -52,9 +52,10 @@ class LLM:
             ``page_size // 4``.
         kv_pages / kv_cache_memory / max_num_seqs / max_num_batched_tokens /
         enable_prefix_caching / dtype / device / attention_backend / boundary_kernels / warmup /
-        cuda_graphs / record_traces / record_layers / record_values / seed: see ``EngineConfig``. Recording needs
-        ``policy="fullkv"`` and turns prefix caching off; so does a policy that reads H2O
-        accumulated attention (``needs_accumulated_attention``, e.g. ``"h2o"``).
+        cuda_graphs / async_compaction / record_traces / record_layers / record_values / seed:
+        see ``EngineConfig``. Recording needs ``policy="fullkv"`` and turns prefix caching off;
+        so does a policy that reads H2O accumulated attention (``needs_accumulated_attention``,
+        e.g. ``"h2o"``).
     """
 
     def __init__(self, model: str | Path | CausalLM | None = None,
@@ -65,7 +66,7 @@ class LLM:
                  enable_prefix_caching: bool = True, dtype: str | torch.dtype = "float32",
                  device: str = "cpu", attention_backend: str = "auto",
                  boundary_kernels: bool | None = None, warmup: bool | None = None,
-                 cuda_graphs: bool = False,
+                 cuda_graphs: bool = False, async_compaction: bool = False,
                  record_traces: str | Path | None = None,
                  record_layers: Seq[int] | None = None, record_values: bool = True,
                  seed: int = 0,
@@ -88,7 +89,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching and record_traces is None and not sums,
             dtype=dtype, device=device, attention_backend=attention_backend, boundary_kernels=boundary_kernels,
-            warmup=warmup, cuda_graphs=cuda_graphs,
+            warmup=warmup, cuda_graphs=cuda_graphs, async_compaction=async_compaction,
             record_traces=None if record_traces is None else str(record_traces),
             record_layers=None if record_layers is None else list(record_layers),
             record_values=record_values, seed=seed)

@@ -97,10 +97,15 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that finished in it."""
         start = time.perf_counter()
-        out = self.scheduler.schedule()
-        capacities = [] if out.is_prefill else [s.state.capacity(self.kv.page_size)
-                                                for s in out.seqs]
-        seqs, logits = self.runner.run(out)
+        try:
+            out = self.scheduler.schedule()
+            capacities = [] if out.is_prefill else [s.state.capacity(self.kv.page_size)
+                                                    for s in out.seqs]
+            seqs, logits = self.runner.run(out)
+        except BaseException:
+            self.kv.cancel_deferred()  # their requests are unchanged (still at the boundary)
+            raise
+        self.kv.run_deferred()  # compressions that sat this step out, beside its forward
         finished = self.update(out, seqs, logits)
         self.stats.on_step(time.perf_counter() - start,
                            len(self.scheduler.running) + len(finished), capacities,

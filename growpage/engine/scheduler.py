@@ -10,6 +10,12 @@ Preemption is by recompute: the victim frees its pages and query slot and return
 of the waiting queue; when admitted again it prefills prompt + generated tokens (its full KV,
 compressions forgotten) and its query summaries restart at its next decode step (paper E.1).
 Cached prefix pages often survive, so the recompute is partly free.
+
+With ``EngineConfig.async_compaction`` (paper appendix E.3) a sequence whose boundary is
+decided as a compression sits the decode step out: its compression is settled while
+scheduling and runs beside the step's forward (``KVCacheManager.run_deferred``); it rejoins
+the next step. Growth still decodes at once. When no other sequence would decode, the
+compressions run at once and the step decodes them.
 """
 
 from __future__ import annotations
@@ -148,6 +154,11 @@ class Scheduler:
                     scheduled.append(seq)
         finally:
             self.kv.end_boundaries()
+        if not scheduled and self.kv.num_deferred:
+            # Nothing else decodes this step: compress now and decode the compressed ones.
+            for seq in self.kv.run_deferred():
+                self.kv.append_slot(seq)
+                scheduled.append(seq)
         if not scheduled:
             return None
         return SchedulerOutput(False, tuple(scheduled), (1,) * len(scheduled),
@@ -156,10 +167,13 @@ class Scheduler:
     def _make_room(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
         """Capacity control for ``seq``'s next token; preempts until it has a free slot.
 
-        False when ``seq`` itself was preempted or must wait (no victim can be recomputed).
+        False when ``seq`` does not decode this step: it was preempted, must wait (no victim can
+        be recomputed) or compresses beside the step (``async_compaction``: ``kv.is_deferred``).
         """
         while True:
             outcome = self.kv.make_room(seq)
+            if outcome is not None and outcome.pending is not None:
+                return False
             if outcome is None or not outcome.needs_preemption:
                 return True
             victim = self._pick_victim()

@@ -280,3 +280,80 @@ def test_fullkv_is_preempted_instead_of_compressed_when_no_page_is_free():
     assert out.needs_preemption and out.decision is Decision.GROW
     assert state.num_tokens == view.num_tokens == 3 * B  # nothing was evicted
     assert ctrl.events.fallback == 0 and ctrl.events.preempt_needed == 1
+
+
+# ---- deferred compressions (the engine's asynchronous compaction) -------------------------
+@pytest.mark.parametrize("decision", [Decision.COMPRESS, Decision.SHRINK])
+def test_a_deferred_compression_settles_pages_then_runs_as_the_synchronous_one(decision):
+    sync_ctrl, sync_state, sync_view, sync_pool, _ = setup([decision], pages=4, pool_pages=7)
+    ctrl, state, view, pool, _ = setup([decision], pages=4, pool_pages=7)
+    for p in (sync_pool, pool):
+        p.fork([sync_state.block_table[1]])  # a shared page: copied on write
+    want = sync_ctrl.on_boundary(sync_state, sync_view)
+    before = (list(state.block_table), state.num_tokens, view.positions().clone())
+    out = ctrl.on_boundary(state, view, defer=True)
+    pending = out.pending
+    assert pending is not None and out.action is want.action
+    assert (out.pages_after, out.tokens_after) == (want.pages_after, want.tokens_after)
+    # Settled: a compression takes its copy-on-write page now; a shrink drops the shared page
+    # instead, which stays held until the compaction has read it. The request and its KV are
+    # untouched.
+    cow = decision is Decision.COMPRESS
+    assert len(pending.fresh) == cow and pool.num_free_pages == 7 - 4 - cow
+    assert pending.released == [before[0][1]]
+    assert (state.block_table, state.num_tokens) == before[:2]
+    assert torch.equal(view.positions(), before[2]) and not state.trajectory
+    assert state.events.compress + state.events.shrink == 0
+    done = pending.run()
+    assert (done.action, done.pages_after, done.tokens_after) == (
+        want.action, want.pages_after, want.tokens_after)
+    assert (state.num_tokens, state.num_pages) == (sync_state.num_tokens, sync_state.num_pages)
+    assert torch.equal(view.positions(), sync_view.positions())
+    assert torch.equal(view.keys(), sync_view.keys())
+    assert pool.num_free_pages == sync_pool.num_free_pages
+    assert state.events.as_dict() == sync_state.events.as_dict()
+    assert state.trajectory == sync_state.trajectory
+    with pytest.raises(ValueError, match="already ran"):
+        pending.run()
+
+
+def test_cancelling_a_deferred_compression_returns_its_pages_and_changes_nothing():
+    ctrl, state, view, pool, _ = setup([Decision.COMPRESS], pages=3, pool_pages=6)
+    pool.fork([state.block_table[0]])
+    free, before = pool.num_free_pages, (list(state.block_table), view.positions().clone())
+    pending = ctrl.on_boundary(state, view, defer=True).pending
+    assert pool.num_free_pages == free - 1
+    pending.cancel()
+    assert pool.num_free_pages == free and state.block_table == before[0]
+    assert torch.equal(view.positions(), before[1]) and state.num_tokens == 3 * B
+    with pytest.raises(ValueError, match="already ran or was cancelled"):
+        pending.cancel()
+
+
+def test_a_deferred_compression_refuses_a_request_that_moved_on():
+    ctrl, state, view, pool, _ = setup([Decision.COMPRESS], pages=3, pool_pages=6)
+    pool.fork([state.block_table[0]])
+    free = pool.num_free_pages
+    pending = ctrl.on_boundary(state, view, defer=True).pending
+    state.block_table.extend(pool.allocate(1))  # something grew it meanwhile
+    with pytest.raises(ValueError, match="changed while its compaction was pending"):
+        pending.run()
+    assert pool.num_free_pages == free - 1  # the copy-on-write page went back, not the new one
+
+
+def test_a_bad_selection_in_a_deferred_compression_changes_nothing():
+    ctrl, state, view, pool, policy = setup([Decision.COMPRESS], pages=3, pool_pages=6)
+    policy.select = lambda ctx, keep: torch.zeros(2, 2, keep, dtype=torch.long)  # duplicates
+    pool.fork([state.block_table[0]])
+    free, before = pool.num_free_pages, (list(state.block_table), view.positions().clone())
+    pending = ctrl.on_boundary(state, view, defer=True).pending
+    with pytest.raises(PolicyError, match="duplicate"):
+        pending.run()
+    assert pool.num_free_pages == free and state.block_table == before[0]
+    assert torch.equal(view.positions(), before[1]) and state.num_tokens == 3 * B
+
+
+def test_grow_is_never_deferred():
+    ctrl, state, view, pool, _ = setup([Decision.GROW])
+    out = ctrl.on_boundary(state, view, defer=True)
+    assert out.pending is None and out.action is Action.GROW and state.num_pages == 4

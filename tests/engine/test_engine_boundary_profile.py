@@ -34,11 +34,12 @@ def originals() -> list[object]:
         demand.working_set_counts, demand.demand_trends, capacity_module._check_selection]
 
 
-def test_phases_account_for_every_boundary_and_change_nothing(model) -> None:
-    plain = squeezed(model)
+@pytest.mark.parametrize("deferred", [False, True], ids=["sync", "async-compaction"])
+def test_phases_account_for_every_boundary_and_change_nothing(model, deferred) -> None:
+    plain = squeezed(model, async_compaction=deferred)
     expected = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
     before = originals()
-    llm = squeezed(model)
+    llm = squeezed(model, async_compaction=deferred)
     policy = llm.engine.kv.controller.policy
     with profile_boundaries(llm) as phases:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -62,7 +63,8 @@ def test_phases_account_for_every_boundary_and_change_nothing(model) -> None:
     # Everything restored.
     assert originals() == before
     assert llm.engine.kv.controller.policy is policy
-    assert "make_room" not in llm.engine.kv.__dict__
+    assert not {"make_room", "prepare_boundaries", "run_deferred"} & set(llm.engine.kv.__dict__)
+    assert (llm.engine.kv.deferred_compactions > 0) == deferred
 
 
 def test_kernel_path_charges_queries_and_attention(model) -> None:

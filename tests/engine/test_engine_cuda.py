@@ -85,3 +85,28 @@ def test_queued_host_to_device_copies_arrive_intact():
         assert t.cpu().tolist() == rows[: i + 1]
     mask = to_device([True, False], torch.bool, device)
     assert mask.cpu().tolist() == [True, False]
+
+
+@pytest.mark.parametrize("backend,graphs", [("torch", False), ("triton", False),
+                                            ("triton", True)])
+def test_async_compaction_on_cuda(cpu_model, backend, graphs):
+    """Compressions on a side stream beside the forward: the decisions are the synchronous
+    run's (until float noise from other batch shapes may part them), the stall is part of the
+    deferred time, nothing is left behind."""
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    sync = on_cuda(cpu_model, "growpage", backend, cuda_graphs=graphs)
+    want = sync.generate(PROMPTS, params, use_tqdm=False)
+    llm = on_cuda(cpu_model, "growpage", backend, cuda_graphs=graphs, async_compaction=True)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    kv = llm.engine.kv
+    assert kv.deferred_compactions == llm.last_stats.events["compress"] > 0
+    assert 0 <= kv.deferred_stall_seconds <= kv.deferred_seconds < kv.boundary_seconds
+    for a, b in zip(got, want, strict=True):
+        assert len(a.token_ids) == 80
+        first = next((i for i, (_, _, act) in enumerate(b.trajectory) if act == "compress"),
+                     len(b.trajectory))
+        assert a.trajectory[:first + 1] == b.trajectory[:first + 1]
+        n = b.trajectory[first][0] - len(b.prompt_token_ids) + 1 if first < len(
+            b.trajectory) else len(b.token_ids)
+        assert a.token_ids[:n] == b.token_ids[:n]
+    assert_all_returned(llm)

@@ -36,7 +36,13 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         "boundaries"]
     assert report["targets"]["boundary_pct_of_run"] == engine["growpage"]["boundary_pct"]
     # Nothing compiles on CPU (interpreter): every timed row reports zero compiles.
-    assert report["targets"]["compiles_in_engine_runs"] == {"fullkv": 0, "growpage": 0}
+    assert report["targets"]["compiles_in_engine_runs"] == {"fullkv": 0, "growpage": 0,
+                                                            "growpage+async": 0}
+    # Asynchronous compaction's row: on the CPU a step waits for all of its deferred work.
+    deferred = engine["growpage+async"]
+    assert "error" not in deferred and deferred["deferred_s"] == deferred["deferred_stall_s"]
+    assert deferred["boundary_critical_pct"] == deferred["boundary_pct"]
+    assert report["targets"]["boundary_critical_pct_async"] == deferred["boundary_critical_pct"]
     assert report["targets"]["no_compiles_met"]
     markdown = out.with_suffix(".md").read_text()
     assert "| batch | context |" in markdown and "Boundary event" in markdown

@@ -1,0 +1,228 @@
+"""Asynchronous compaction (paper appendix E.3, ``EngineConfig.async_compaction``): a request
+whose boundary is decided as a compression sits that decode step out, compresses beside it and
+rejoins; the tokens are those of the synchronous path, and no failure leaves pages behind."""
+
+from __future__ import annotations
+
+import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
+import pytest
+import torch
+from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model
+
+from growpage.engine.sampling_params import SamplingParams
+from growpage.errors import ConfigError, PolicyError
+from growpage.policies import GrowPagePolicy
+
+PROMPTS = [prompt(9, 21), prompt(17, 22), prompt(6, 23), prompt(13, 24)]
+LONG = SamplingParams(max_tokens=80, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def table_pages(llm) -> set[int]:
+    return {p for seq in llm.engine.scheduler.running for p in seq.state.block_table}
+
+
+def watch_steps(llm) -> list[tuple[set[str], set[str]]]:
+    """Per decode step: (the requests it decodes, the requests whose compression it defers)."""
+    engine, steps = llm.engine, []
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        out = schedule()
+        if not out.is_prefill:
+            deferred = {seq.request_id for seq in engine.scheduler.running
+                        if engine.kv.is_deferred(seq)}
+            steps.append(({seq.request_id for seq in out.seqs}, deferred))
+        return out
+
+    engine.scheduler.schedule = watched
+    return steps
+
+
+def test_async_compaction_gives_the_synchronous_tokens_and_trajectories(model):
+    sync = tiny_llm(model, "growpage")
+    want = sync.generate(PROMPTS, LONG, use_tqdm=False)
+    llm = tiny_llm(model, "growpage", async_compaction=True)
+    got = llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.trajectory for o in got] == [o.trajectory for o in want]
+    kv, stats = llm.engine.kv, llm.last_stats
+    assert stats.events["compress"] == sync.last_stats.events["compress"] > 0
+    assert kv.deferred_compactions == stats.events["compress"]
+    # Each deferred compression costs its request one step the others decode in.
+    assert stats.num_steps > sync.last_stats.num_steps
+    # Deferred work is boundary time; on the CPU the step waits for all of it.
+    assert 0 < kv.deferred_seconds < kv.boundary_seconds
+    assert kv.deferred_stall_seconds == pytest.approx(kv.deferred_seconds)
+    assert_all_returned(llm)
+
+
+def test_a_compressing_request_sits_one_step_out_and_rejoins_the_next(model):
+    llm = tiny_llm(model, "growpage", async_compaction=True)
+    steps = watch_steps(llm)
+    llm.generate(PROMPTS, LONG, use_tqdm=False)
+    sat_out = [(i, deferred) for i, (_, deferred) in enumerate(steps) if deferred]
+    assert sat_out, "no compression was deferred"
+    for i, deferred in sat_out:
+        decoded = steps[i][0]
+        assert decoded and not decoded & deferred   # the others decode without them
+        assert deferred <= steps[i + 1][0]          # and they are back one step later
+    assert sum(len(d) for _, d in sat_out) == llm.engine.kv.deferred_compactions
+
+
+def test_a_lone_request_compresses_at_once(model):
+    """With nobody else to decode, a deferred compression runs at once: no step is lost."""
+    one = [prompt(10, 5)]
+    sync = tiny_llm(model, "growpage", kv_pages=8)
+    want = sync.generate(one, LONG, use_tqdm=False)[0]
+    llm = tiny_llm(model, "growpage", kv_pages=8, async_compaction=True)
+    got = llm.generate(one, LONG, use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids and got.trajectory == want.trajectory
+    assert llm.engine.kv.deferred_compactions == got.events["compress"] > 0
+    assert llm.last_stats.num_steps == sync.last_stats.num_steps
+    assert_all_returned(llm)
+
+
+SHARED = prompt(24, 30)
+SHARING = [SHARED + prompt(3, 31), SHARED + prompt(5, 32), SHARED + prompt(2, 33)]
+FIXED = {"budget_tokens": 32}
+
+
+def cached_prefix_llm(model, **kwargs):
+    """A fixed-budget LLM with ``SHARED`` (6 pages) in its prefix cache."""
+    llm = tiny_llm(model, "fixed", policy_kwargs=FIXED, **kwargs)
+    llm.generate([SHARED], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(llm.engine.kv.pool.match_prefix(SHARED)) == 6
+    return llm
+
+
+def test_shared_prefix_pages_are_copied_on_write_when_the_compression_is_deferred(model):
+    """Requests sharing cached pages: the deferred compressions take their copy-on-write pages
+    while scheduling, the shared pages stay intact and the tokens are the synchronous ones."""
+    sync = cached_prefix_llm(model)
+    want = sync.generate(SHARING, LONG, use_tqdm=False)
+    llm = cached_prefix_llm(model, async_compaction=True)
+    kv = llm.engine.kv
+    cached = kv.pool.match_prefix(SHARED)
+    before = kv.cache[:, :, cached].clone()
+    got = llm.generate(SHARING, LONG, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.last_stats.events["cow_pages"] == sync.last_stats.events["cow_pages"] > 0
+    assert kv.deferred_compactions == llm.last_stats.events["compress"]
+    for i, page in enumerate(cached):
+        if kv.pool.is_cached(page):
+            assert torch.equal(kv.cache[:, :, page], before[:, :, i])
+    assert_all_returned(llm)
+
+
+def test_preempting_a_request_whose_compression_is_pending_cancels_it(model):
+    llm = cached_prefix_llm(model, async_compaction=True)
+    engine = llm.engine
+    for i, ids in enumerate(SHARING):  # shared pages: pending compressions hold COW pages
+        engine.add_request(str(i), ids, LONG)
+    for _ in range(200):
+        out = engine.scheduler.schedule()
+        pending = [s for s in engine.scheduler.running if engine.kv.is_deferred(s)]
+        if pending and any(p.fresh for _, p in engine.kv._deferred.values()):
+            break
+        engine.update(out, *engine.runner.run(out))
+        engine.kv.run_deferred()
+    else:
+        pytest.fail("no compression with copy-on-write pages was deferred")
+    victim = pending[0]
+    before = (victim.state.num_tokens, list(victim.state.block_table))
+    assert (victim.state.num_tokens, victim.state.block_table) == before
+    engine.scheduler.preempt(victim)
+    assert not engine.kv.is_deferred(victim) and victim.state.block_table == []
+    # The victim's copy-on-write pages went back: the pool holds exactly the tables' pages.
+    assert engine.kv.pool.num_used_pages == len(table_pages(llm))
+    engine.runner.run(out)
+    engine.kv.run_deferred()
+    engine.kv.pool.check_invariants()
+    engine.abort_all()
+    assert_all_returned(llm)
+
+
+def test_a_failed_step_cancels_its_pending_compressions(model):
+    llm = tiny_llm(model, "growpage", async_compaction=True)
+    engine, run = llm.engine, llm.engine.runner.run
+    state = {}
+
+    def failing(out):
+        if engine.kv.num_deferred:
+            state["pending"] = [(s, s.state.num_tokens, list(s.state.block_table))
+                                for s in engine.scheduler.running if engine.kv.is_deferred(s)]
+            raise RuntimeError("device lost")
+        return run(out)
+
+    engine.runner.run = failing
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert state["pending"] and engine.kv.num_deferred == 0
+    assert_all_returned(llm)
+
+
+def test_a_failed_step_leaves_pending_requests_unchanged_for_the_next(model):
+    """A step that fails after scheduling (here: the forward) cancels its pending compressions:
+    their requests stay at their boundaries, and their copy-on-write pages are free again."""
+    llm = cached_prefix_llm(model, async_compaction=True)
+    engine, run = llm.engine, llm.engine.runner.run
+    for i, ids in enumerate(SHARING):
+        engine.add_request(str(i), ids, LONG)
+    seen = {}
+
+    def failing(out):
+        if engine.kv.num_deferred and not seen:
+            seen.update({s.request_id: (s.state.num_tokens, list(s.state.block_table))
+                         for s in engine.scheduler.running if engine.kv.is_deferred(s)})
+            raise RuntimeError("device lost")
+        return run(out)
+
+    engine.runner.run = failing
+    for _ in range(200):
+        try:
+            engine.step()
+        except RuntimeError:
+            break
+    else:
+        pytest.fail("no compression was deferred")
+    assert engine.kv.num_deferred == 0
+    for seq in engine.scheduler.running:
+        if seq.request_id in seen:
+            assert (seq.state.num_tokens, seq.state.block_table) == seen[seq.request_id]
+            assert engine.kv.controller.needs_decision(seq.state)
+    assert engine.kv.pool.num_used_pages == len(table_pages(llm))
+    engine.abort_all()
+    assert_all_returned(llm)
+
+
+class BadSelection(GrowPagePolicy):
+    """Always compresses and selects out-of-range slots."""
+
+    def decide(self, ctx):
+        from growpage.core.decision import Decision
+
+        return Decision.COMPRESS
+
+    def select(self, ctx, keep):
+        num_layers, num_kv = ctx.shape
+        return torch.full((num_layers, num_kv, keep), ctx.num_tokens + 5, dtype=torch.long)
+
+
+def test_a_bad_selection_in_a_deferred_compression_aborts_cleanly(model):
+    llm = tiny_llm(model, BadSelection(), async_compaction=True, min_capacity=2)
+    with pytest.raises(PolicyError, match="out of range"):
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert llm.engine.kv.num_deferred == 0
+    assert_all_returned(llm)
+
+
+def test_async_compaction_must_be_a_bool():
+    from growpage.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="async_compaction"):
+        EngineConfig(async_compaction="yes")
