@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import growpage.kernels  # noqa: E402, F401
 from growpage.kernels.variants import stubbed_launches  # noqa: E402
 
+from growpage.core import selection  # noqa: E402
 from growpage.core.decision import Action  # noqa: E402
 from growpage.core.rope import RopeConfig  # noqa: E402
 from growpage.engine.boundary_profile import profile_boundaries  # noqa: E402
@@ -161,6 +162,18 @@ def outcome_kind(outcome) -> str:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    # The kernel path stands for a GPU: the selection's global top-k as a GPU runs it (one
+    # stable argsort, not the CPU's keyed partial top-k; the same slots either way).
+    keyed = selection.keyed_top_k
+    if args.path == "triton":
+        selection.keyed_top_k = False
+    try:
+        return _measure(args)
+    finally:
+        selection.keyed_top_k = keyed
+
+
+def _measure(args: argparse.Namespace) -> dict:
     if args.host_only:  # one run, launches stubbed: host milliseconds only, no counts
         phases: dict | None = {} if args.phases else None
         with stubbed_launches():

@@ -10,9 +10,14 @@ cost next to nothing either:
     python benchmarks/boundary_share.py                  # fullkv and growpage, ~1.5 min
     python benchmarks/boundary_share.py --requests 16 --max-tokens 256 --policies growpage
     python benchmarks/boundary_share.py --policies growpage --alone --prompt-len 45-75
+    python benchmarks/boundary_share.py --policies growpage --async-compaction --prompt-len 45-75
 
 It prints, per policy, the run's seconds, the boundary seconds and share, ms per decided
-boundary, and the boundary phases (``growpage.engine.boundary_profile``).
+boundary, and the boundary phases (``growpage.engine.boundary_profile``). With
+``--async-compaction`` each policy also runs with compressions deferred to beside the forward
+(``LLM(async_compaction=True)``): its ``decision %`` is the boundary share left when the deferred
+work is hidden entirely, the best a GPU's overlap can do (here, on the CPU, the step waits for
+all of it).
 
 NOTE: an estimate, not a measurement. With launches stubbed the kernels' outputs are left
 unwritten, so the decisions differ from a real run's; and torch ops still compute on the CPU, so
@@ -76,23 +81,31 @@ def run(args: argparse.Namespace) -> dict:
                     "page_size": args.page_size, "kv_pages": kv_pages, "layers": args.layers,
                     "rows": {}}
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    runs = [(policy, True) for policy in args.policies]
+    runs = [(policy, True, False) for policy in args.policies]
     if args.alone:
-        runs += [(policy, False) for policy in args.policies if policy != "fullkv"]
-    for policy, shared in runs:
+        runs += [(policy, False, False) for policy in args.policies if policy != "fullkv"]
+    if args.async_compaction:
+        runs += [(policy, True, True) for policy in args.policies if policy != "fullkv"]
+    for policy, shared, deferred in runs:
         with stubbed_launches():
             llm = LLM(model, policy=policy, page_size=args.page_size, kv_pages=kv_pages,
                       max_num_seqs=args.requests, device="cpu", attention_backend="triton",
-                      boundary_kernels=True, min_capacity=4, enable_prefix_caching=False)
+                      boundary_kernels=True, min_capacity=4, enable_prefix_caching=False,
+                      async_compaction=deferred)
             if not shared:  # every boundary on its own: no BoundaryBatch per step
                 kv = llm.engine.kv
                 kv.prepare_boundaries = lambda seqs, kv=kv: kv.end_boundaries()
             with profile_boundaries(llm) as phases:
                 llm.generate(prompts, params, use_tqdm=False)
         st = llm.last_stats
-        report["rows"][policy if shared else f"{policy} (alone)"] = {
+        kv = llm.engine.kv
+        name = policy + ("" if shared else " (alone)") + ("+async" if deferred else "")
+        report["rows"][name] = {
             "total_s": st.total_time_s, "boundary_s": st.boundary_time_s,
             "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
+            "deferred_s": kv.deferred_seconds, "deferred_compactions": kv.deferred_compactions,
+            "decision_pct": 100 * (st.boundary_time_s - kv.deferred_seconds) / st.total_time_s,
+            "steps": st.num_steps,
             "decided": phases.decided,
             "ms_per_decided": 1000 * st.boundary_time_s / max(phases.decided, 1),
             "events": dict(st.events), "phases": phases.as_dict(),
@@ -116,6 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alone", action="store_true",
                    help="also run each policy with every boundary on its own (no shared "
                         "BoundaryBatch per step), in the same process, for a ratio")
+    p.add_argument("--async-compaction", action="store_true",
+                   help="also run each policy with compressions deferred to beside the forward "
+                        "(LLM(async_compaction=True)); 'decision %%' is the share left when the "
+                        "deferred work is hidden")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -126,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     print(f"{args.requests} requests x {args.max_tokens} tokens, {report['kv_pages']} pages x "
           f"{args.page_size}, {args.layers} layers, launches stubbed (host time only):\n")
-    print("| policy | run s | boundary s | boundary % | decided | ms per decided |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| policy | run s | steps | boundary s | boundary % | decision % | decided | "
+          "ms per decided |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for policy, r in report["rows"].items():
-        print(f"| {policy} | {r['total_s']:.2f} | {r['boundary_s']:.3f} | "
-              f"{r['boundary_pct']:.2f} | {r['decided']} | {r['ms_per_decided']:.3f} |")
+        print(f"| {policy} | {r['total_s']:.2f} | {r['steps']} | {r['boundary_s']:.3f} | "
+              f"{r['boundary_pct']:.2f} | {r['decision_pct']:.2f} | {r['decided']} | "
+              f"{r['ms_per_decided']:.3f} |")
     for policy, r in report["rows"].items():
         if r["decided"]:
             print(f"\n{policy}: {r['phases_markdown']}")

@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import torch
 
+#: How ``block_local_topk`` finds its global top-k: ``top_slots`` (an int64 key per slot and
+#: a partial top-k, 3-6x faster than a sort on the CPU at a boundary's shapes, but a dozen
+#: operations) or one stable argsort (a launch or two on a GPU, where each operation costs host
+#: time). Both give the same slots. None: ``top_slots`` on the CPU only.
+keyed_top_k: bool | None = None
+
 
 def importance(attn_short: torch.Tensor, attn_long: torch.Tensor) -> torch.Tensor:
     """s = max(a^S, a^L) (Eq. 9), elementwise over ``[L, Hkv, N]``."""
@@ -65,11 +71,40 @@ def block_local_topk(scores: torch.Tensor, k: int, block: int, k_loc: int) -> to
         # Local picks pushed to +inf. A short last block may pick padding slots (>= m); they
         # are cut off here.
         s = padded.scatter(-1, local.flatten(-2), float("inf"))[..., :m]
-    # Local picks first (at most k of them), then the best of the rest, ties to
-    # earlier slots (stable sort); the first k of that order, ascending. No ``nonzero`` (a host
-    # sync on GPUs) anywhere.
+    # Local picks first (at most k of them), then the best of the rest, ties to earlier slots:
+    # the first k of a stable descending sort, ascending. No ``nonzero`` (a host sync on GPUs).
+    if keyed_top_k if keyed_top_k is not None else s.device.type == "cpu":
+        return top_slots(s, k)
     order = s.argsort(dim=-1, descending=True, stable=True)
     return order[..., :k].sort(dim=-1).values
+
+
+def top_slots(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` best slots of ``scores [..., M]`` (float32), ascending: highest score first,
+    ties to earlier slots, NaN above everything (what the first ``k`` of a stable descending
+    argsort hold), without sorting M.
+
+    Each score and its slot make one int64 key, so the order is strict and a partial top-k
+    finds it. A compression drops about one page of M candidates, so the smaller side is
+    searched: with ``k`` near M, the ``M - k`` dropped slots, and the kept ones are the rest in
+    slot order (``masked_select``: a host sync on a GPU, none on the CPU).
+    """
+    m = scores.shape[-1]
+    drop = m - k
+    if k == 0 or drop == 0:
+        return torch.arange(k, device=scores.device).expand(*scores.shape[:-1], k).contiguous()
+    # Order-preserving int32 image of the floats (-0.0 as +0.0, every NaN as +NaN).
+    s = torch.where(scores.isnan(), float("nan"), scores + 0.0)
+    bits = s.view(torch.int32)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    slots = torch.arange(m, device=scores.device)
+    key = (bits << 32) | (m - 1 - slots)  # equal scores: the earlier slot ranks higher
+    if k <= drop:
+        return key.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    dropped = key.topk(drop, dim=-1, largest=False, sorted=False).indices
+    kept = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    kept.scatter_(-1, dropped, False)
+    return slots.expand(scores.shape).masked_select(kept).view(*scores.shape[:-1], k)
 
 
 def growpage_select(scores: torch.Tensor, num_tokens: int, recent: int, keep: int, block: int,

@@ -1,9 +1,11 @@
 """Selection (Eq. 9-10): exact counts, protected window, block-local quota, global top-k."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from growpage.core import selection
 from growpage.core.selection import block_local_topk, growpage_select, importance
 
 
@@ -65,3 +67,65 @@ def test_heads_select_independently():
 def test_importance_is_elementwise_max():
     a, b = torch.rand(2, 3, 5), torch.rand(2, 3, 5)
     assert torch.equal(importance(a, b), torch.where(a > b, a, b))
+
+
+def stable_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The reference order: a stable descending argsort's first k, ascending (NaN first)."""
+    return scores.argsort(dim=-1, descending=True, stable=True)[..., :k].sort(dim=-1).values
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 40), st.data())
+def test_top_slots_is_the_stable_argsort_order_with_ties_infinities_nan_and_signed_zero(
+        seed, m, data):
+    from growpage.core.selection import top_slots
+
+    k = data.draw(st.integers(0, m))
+    g = torch.Generator().manual_seed(seed)
+    # Few distinct values, so ties are everywhere; then inf, -inf, NaN and -0.0 sprinkled in.
+    scores = torch.randint(-3, 4, (2, 3, m), generator=g).float() * 0.5
+    r = torch.rand(2, 3, m, generator=g)
+    scores[r < 0.1] = float("inf")
+    scores[(r >= 0.1) & (r < 0.15)] = float("nan")
+    scores[(r >= 0.15) & (r < 0.2)] = -0.0
+    scores[(r >= 0.2) & (r < 0.25)] = float("-inf")
+    assert torch.equal(top_slots(scores, k), stable_top(scores, k))
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed top-k (CPU)", "argsort (GPU)"])
+def test_block_local_topk_keeps_the_stable_order_of_its_global_step(keyed, monkeypatch):
+    """Scores tied across blocks: the global part takes the earliest of the tied slots."""
+    monkeypatch.setattr(selection, "keyed_top_k", keyed)
+    scores = torch.tensor([[[0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.9, 0.1]]])
+    assert block_local_topk(scores, k=4, block=5, k_loc=0).tolist() == [[[0, 1, 2, 8]]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 60), st.sampled_from([4, 8, 16]), st.data())
+def test_both_ways_of_the_global_step_choose_the_same_slots(seed, m, block, data):
+    k = data.draw(st.integers(0, m))
+    k_loc = data.draw(st.integers(0, block))
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 5, (2, 2, m), generator=g).float() / 4  # many ties
+    chosen = []
+    for keyed in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(selection, "keyed_top_k", keyed)
+            chosen.append(block_local_topk(scores, k, block, k_loc))
+    assert torch.equal(chosen[0], chosen[1])
+
+
+def test_selection_speed_benchmark_times_both_ways_on_the_same_slots(capsys):
+    from benchmark_scripts import load_benchmark
+
+    bench = load_benchmark("selection_speed")
+    row = bench.time_selection(layers=2, heads=2, tokens=64, page=16, recent=4, local_quota=2,
+                               repeats=2)
+    assert row["keyed_ms"] > 0 and row["argsort_ms"] > 0
+    assert row["speedup"] == pytest.approx(row["argsort_ms"] / row["keyed_ms"])
+    assert selection.keyed_top_k is None  # put back
+    assert bench.main(["--tokens", "64", "--page-size", "16", "--recent-window", "4",
+                       "--repeats", "1"]) == 0
+    assert "| smollm2-135m | 30 x 3 | 64 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tokens", "20"])  # less than two pages of 64
