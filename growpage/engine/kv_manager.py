@@ -257,15 +257,15 @@ class KVCacheManager:
             raise
         finally:
             self._ready = None
-            stall = None
             if streams is not None:
                 streams[0].synchronize()
                 torch.cuda.current_stream().wait_stream(streams[0])
-                stall = _stall_seconds(forward_done, streams[1])
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - start  # before waiting for the forward below
+            stall = elapsed if streams is None else min(
+                _stall_seconds(forward_done, streams[1]), elapsed)
             self.boundary_seconds += elapsed
             self.deferred_seconds += elapsed
-            self.deferred_stall_seconds += elapsed if stall is None else min(stall, elapsed)
+            self.deferred_stall_seconds += stall
         self.deferred_compactions += len(items)
         return [seq for seq, _ in items]
 
