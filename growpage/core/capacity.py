@@ -218,8 +218,7 @@ class CapacityController:
                                     (before - drop) * b, dst, released, fresh,
                                     list(state.block_table))
         if not defer:
-            pending.done = True
-            return self._execute(pending)
+            return pending.run()
         return BoundaryOutcome(decision, action, fallback, before, len(dst),
                                pending.tokens_after, delta, pending)
 
