@@ -144,7 +144,7 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     before = compiled_variants()
     kv = llm.engine.kv
     shared = (kv.shared_steps, kv.shared_boundaries)
-    deferred = (kv.deferred_compactions, kv.deferred_seconds, kv.deferred_stall_seconds)
+    deferred = kv.deferred_compactions
     with profile_boundaries(llm) as phases:  # ~1 us per timed call: the run's own numbers
         llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                      use_tqdm=False)
@@ -152,8 +152,6 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     st = llm.last_stats
     decided = sum(st.events.get(f"decided_{d}", 0) for d in ("grow", "compress", "shrink"))
     graphs = llm.engine.runner.graphs
-    deferred_s = kv.deferred_seconds - deferred[1]
-    stall_s = kv.deferred_stall_seconds - deferred[2]
     return {"tokens_per_s": st.tps, "total_s": st.total_time_s,
             "decided_boundaries": decided,
             "ms_per_decided_boundary": 1000 * st.boundary_time_s / max(decided, 1),
@@ -169,11 +167,11 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
             "shared_boundaries": kv.shared_boundaries - shared[1],
             # asynchronous compaction: compressions run beside the forward, their seconds, and
             # of those the part after the forward had finished (what the steps waited for)
-            "deferred_compactions": kv.deferred_compactions - deferred[0],
-            "deferred_s": deferred_s,
-            "deferred_stall_s": stall_s,
-            "boundary_critical_pct": 100 * (st.boundary_time_s - deferred_s + stall_s)
-            / st.total_time_s,
+            "deferred_compactions": kv.deferred_compactions - deferred,
+            "deferred_s": st.deferred_time_s,
+            "deferred_stall_s": st.deferred_waited_s,
+            "boundary_critical_pct": 100 * (st.boundary_time_s - st.deferred_time_s
+                                            + st.deferred_waited_s) / st.total_time_s,
             "compiles_during_run": {k: after[k] - before.get(k, 0) for k in after
                                     if after[k] != before.get(k, 0)}}
 

@@ -144,8 +144,7 @@ class LLM:
     def _run(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
              use_tqdm: bool) -> list[Sequence]:
         engine = self.engine
-        engine.stats.reset(engine.scheduler.num_preemptions, engine.kv.prefix_hit_tokens,
-                           engine.kv.boundary_seconds)
+        engine.stats.reset()
         seqs: list[Sequence] = []
         try:
             for ids, params, forced, text in work:
@@ -164,8 +163,7 @@ class LLM:
             raise
         self.last_stats = engine.stats.summary(
             getattr(engine.policy, "name", type(engine.policy).__name__), self.config.page_size,
-            engine.kv.num_pages, engine.scheduler.num_preemptions, engine.kv.prefix_hit_tokens,
-            engine.kv.boundary_seconds)
+            engine.kv.num_pages)
         return seqs
 
     def _request_output(self, s: Sequence) -> RequestOutput:

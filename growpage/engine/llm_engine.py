@@ -42,7 +42,7 @@ class LLMEngine:
                                                 "page_size": config.page_size})
         self.runner = ModelRunner(model, self.kv, self.recorder)
         self.sampler = Sampler(config.seed)
-        self.stats = StatsCollector(self.kv.controller.events)
+        self.stats = StatsCollector(self.kv.controller.events, self._totals)
         self._next_id = 0
         self.warmup_report = WarmupReport()
         if config.warmup or (config.warmup is None and self.kv.cache.is_cuda):
@@ -61,6 +61,14 @@ class LLMEngine:
             raise EngineError("cuda_graphs cannot record traces (the recorder reads each step's "
                               "keys and values); turn one of them off")
         self.runner.graphs = DecodeGraphs(self.runner, self.config.max_num_seqs)
+
+    def _totals(self) -> dict[str, float]:
+        """Running totals whose growth over a call ``EngineStats`` reports."""
+        kv = self.kv
+        return {"num_preemptions": self.scheduler.num_preemptions,
+                "prefix_hit_tokens": kv.prefix_hit_tokens, "boundary_seconds": kv.boundary_seconds,
+                "deferred_seconds": kv.deferred_seconds,
+                "deferred_stall_seconds": kv.deferred_stall_seconds}
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -78,6 +78,10 @@ class EngineStats:
         avg_kv_budget: mean KV capacity (tokens) a decoding request held, over decode steps.
         events: the controller's event counts (grow, compress, shrink, fallback, ...).
         boundary_time_s: wall time spent in capacity control (decisions, scoring, compaction).
+        deferred_time_s: of that, the compressions run beside a decode step's forward
+            (``async_compaction``; 0 without it).
+        deferred_waited_s: of that, what the steps waited for: the part after the forward had
+            finished (on the CPU, all of it).
     """
 
     policy: str
@@ -98,9 +102,14 @@ class EngineStats:
     prefix_hit_tokens: int
     events: dict[str, int]
     boundary_time_s: float = 0.0
+    deferred_time_s: float = 0.0
+    deferred_waited_s: float = 0.0
 
     def rows(self) -> list[tuple[str, str]]:
         e = self.events
+        deferred = [("deferred compressions", f"{self.deferred_time_s:.2f} s of it, "
+                                              f"{self.deferred_waited_s:.2f} s waited for")
+                    ] if self.deferred_time_s > 0 else []
         return [
             ("policy", self.policy), ("requests", str(self.num_requests)),
             ("prompt / output tokens", f"{self.num_prompt_tokens} / {self.num_output_tokens}"),
@@ -115,6 +124,7 @@ class EngineStats:
                                          f"{e.get('shrink', 0)}"),
             ("boundary time", f"{self.boundary_time_s:.2f} s "
                               f"({100 * self.boundary_time_s / max(self.total_time_s, 1e-9):.1f}%)"),
+            *deferred,
             ("fallbacks", str(e.get("fallback", 0))), ("preemptions", str(self.num_preemptions)),
             ("prefix-cache hit tokens", str(self.prefix_hit_tokens)),
         ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from growpage.core.events import EventCounters
 from growpage.engine.outputs import EngineStats
@@ -10,26 +11,30 @@ from growpage.engine.sequence import Sequence
 
 
 class StatsCollector:
-    """Accumulates what one ``generate`` / ``score`` call did."""
+    """Accumulates what one ``generate`` / ``score`` call did.
 
-    def __init__(self, events: EventCounters) -> None:
+    ``totals()`` returns the engine's running totals (preemptions, prefix-hit tokens, boundary
+    seconds, deferred-compression seconds...); a call's numbers are their growth since
+    ``reset``.
+    """
+
+    def __init__(self, events: EventCounters,
+                 totals: Callable[[], dict[str, float]] = dict) -> None:
         self._events = events
+        self._totals = totals
         self.reset()
 
-    def reset(self, num_preemptions: int = 0, prefix_hits: int = 0,
-              boundary_seconds: float = 0.0) -> None:
-        """Start a new measurement; the counters given are the engine's running totals."""
+    def reset(self) -> None:
+        """Start a new measurement."""
         self.start = time.perf_counter()
         self.events_at_start = self._events.as_dict()
+        self.totals_at_start = self._totals()
         self.num_steps = 0
         self.resident_time = 0.0      # sum of (running requests * step seconds)
         self.step_time = 0.0
         self.budget_tokens = 0        # sum over decode steps and requests of capacity (tokens)
         self.budget_samples = 0
         self.max_pages_used = 0
-        self.num_preemptions_at_start = num_preemptions
-        self.prefix_hits_at_start = prefix_hits
-        self.boundary_seconds_at_start = boundary_seconds
         self.finished: list[Sequence] = []
 
     def on_step(self, seconds: float, num_running: int, decode_capacities: list[int],
@@ -44,8 +49,7 @@ class StatsCollector:
     def on_finish(self, seq: Sequence) -> None:
         self.finished.append(seq)
 
-    def summary(self, policy: str, page_size: int, num_pages: int, num_preemptions: int,
-                prefix_hits: int, boundary_seconds: float = 0.0) -> EngineStats:
+    def summary(self, policy: str, page_size: int, num_pages: int) -> EngineStats:
         total = time.perf_counter() - self.start
         seqs = self.finished
         num_out = sum(s.num_output_tokens for s in seqs)
@@ -56,6 +60,7 @@ class StatsCollector:
                  if s.first_token_time is not None]
         now = self._events.as_dict()
         events = {k: v - self.events_at_start.get(k, 0) for k, v in now.items()}
+        grown = {k: v - self.totals_at_start.get(k, 0) for k, v in self._totals().items()}
         return EngineStats(
             policy=policy, page_size=page_size, num_pages=num_pages, num_requests=len(seqs),
             num_prompt_tokens=sum(len(s.prompt_token_ids) for s in seqs),
@@ -67,6 +72,8 @@ class StatsCollector:
             avg_kv_budget=(self.budget_tokens / self.budget_samples
                            if self.budget_samples else 0.0),
             max_pages_used=self.max_pages_used,
-            num_preemptions=num_preemptions - self.num_preemptions_at_start,
-            prefix_hit_tokens=prefix_hits - self.prefix_hits_at_start, events=events,
-            boundary_time_s=boundary_seconds - self.boundary_seconds_at_start)
+            num_preemptions=int(grown.get("num_preemptions", 0)),
+            prefix_hit_tokens=int(grown.get("prefix_hit_tokens", 0)), events=events,
+            boundary_time_s=grown.get("boundary_seconds", 0.0),
+            deferred_time_s=grown.get("deferred_seconds", 0.0),
+            deferred_waited_s=grown.get("deferred_stall_seconds", 0.0))

@@ -58,6 +58,14 @@ def test_async_compaction_gives_the_synchronous_tokens_and_trajectories(model):
     # Deferred work is boundary time; on the CPU the step waits for all of it.
     assert 0 < kv.deferred_seconds < kv.boundary_seconds
     assert kv.deferred_stall_seconds == pytest.approx(kv.deferred_seconds)
+    # The call's statistics say so too (and only for this call).
+    assert stats.deferred_time_s == pytest.approx(kv.deferred_seconds)
+    assert stats.deferred_waited_s == pytest.approx(kv.deferred_stall_seconds)
+    assert "deferred compressions" in stats.table()
+    assert sync.last_stats.deferred_time_s == 0 and "deferred" not in sync.last_stats.table()
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert llm.last_stats.deferred_time_s == 0  # no boundary in that call
+    assert llm.last_stats.boundary_time_s < stats.boundary_time_s
     assert_all_returned(llm)
 
 
