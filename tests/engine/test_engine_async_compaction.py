@@ -69,6 +69,40 @@ def test_async_compaction_gives_the_synchronous_tokens_and_trajectories(model):
     assert_all_returned(llm)
 
 
+@pytest.mark.parametrize("policy,kwargs", [
+    ("fixed", {"policy_kwargs": {"budget_tokens": 24}}),
+    ("shrink", {}),
+    ("h2o", {"policy_kwargs": {"budget_tokens": 24}}),  # H2O sums move with the deferred KV
+], ids=["fixed", "shrink", "h2o"])
+def test_every_compressing_policy_gets_its_synchronous_tokens(model, policy, kwargs):
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    sync = tiny_llm(model, policy, **kwargs)
+    want = sync.generate(PROMPTS, params, use_tqdm=False)
+    llm = tiny_llm(model, policy, async_compaction=True, **kwargs)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.trajectory for o in got] == [o.trajectory for o in want]
+    events = llm.last_stats.events
+    assert llm.engine.kv.deferred_compactions == events["compress"] + events["shrink"] > 0
+    assert events == sync.last_stats.events
+    assert_all_returned(llm)
+
+
+def test_scoring_with_async_compaction_keeps_the_decisions_and_nlls(model):
+    """Teacher forcing: the same boundaries and decisions; the NLLs differ only by the float
+    noise of other batch shapes (a request that compresses decodes a step later)."""
+    conts = [o.token_ids for o in tiny_llm(model, "growpage").generate(PROMPTS, LONG,
+                                                                       use_tqdm=False)]
+    want = tiny_llm(model, "growpage").score(PROMPTS, conts)
+    llm = tiny_llm(model, "growpage", async_compaction=True)
+    got = llm.score(PROMPTS, conts)
+    assert llm.engine.kv.deferred_compactions > 0
+    for a, b in zip(got, want, strict=True):
+        assert a.trajectory == b.trajectory
+        assert a.token_nlls == pytest.approx(b.token_nlls, abs=1e-4)
+    assert_all_returned(llm)
+
+
 def test_a_compressing_request_sits_one_step_out_and_rejoins_the_next(model):
     llm = tiny_llm(model, "growpage", async_compaction=True)
     steps = watch_steps(llm)
