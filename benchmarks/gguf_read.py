@@ -1,10 +1,13 @@
-"""Reading the default model's GGUF metadata and tensor table: ``GGUFFile`` vs ``gguf.GGUFReader``.
+"""Reading the default model's GGUF file: ``GGUFFile`` vs ``gguf.GGUFReader``, then the weights'
+dequantization: ``growpage.engine.dequant`` vs ``gguf.quants.dequantize``.
 
     python benchmarks/gguf_read.py [--repeat 3] [--path model.gguf]
 
-Both read everything ``LLM()`` needs from the file before dequantization: the metadata values
-(the 49k tokens and merges of SmolLM2's tokenizer among them) and the tensor table. Runs are
-interleaved and the best of ``--repeat`` is kept for each (the machine may be busy).
+The first pair reads everything ``LLM()`` needs from the file before dequantization: the
+metadata values (the 49k tokens and merges of SmolLM2's tokenizer among them) and the tensor
+table. The second turns every tensor into fp32 (SmolLM2: 210 Q4_1 matrices, one Q8_0, the rest
+fp32) and checks that both give the same bits. Runs are interleaved and the best of
+``--repeat`` is kept for each (the machine may be busy).
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,23 +39,54 @@ def package(path: Path) -> int:
     return len(values) + sum(t.data.size > 0 for t in r.tensors)
 
 
+def dequantize_ours(f: GGUFFile) -> list:
+    from growpage.engine.dequant import dequantize
+
+    return [dequantize(f.raw(t), t.type) for t in f.tensors]
+
+
+def dequantize_package(f: GGUFFile) -> list:
+    import gguf
+
+    return [torch.from_numpy(np.array(gguf.quants.dequantize(
+        f.raw(t), gguf.GGMLQuantizationType(t.type)), dtype=np.float32, copy=True))
+        for t in f.tensors]
+
+
+def best_of(repeat: int, pairs: tuple, *args) -> tuple[dict[str, float], dict[str, object]]:
+    """Best seconds of each ``(name, fn)`` over ``repeat`` interleaved rounds, and each one's
+    last result."""
+    best = {name: float("inf") for name, _ in pairs}
+    results = {}
+    for _ in range(repeat):
+        for name, fn in pairs:
+            start = time.perf_counter()
+            results[name] = fn(*args)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best, results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--path", type=Path, default=None)
     args = p.parse_args(argv)
     path = args.path or default_model_path()
-    best = {"GGUFFile": float("inf"), "gguf.GGUFReader": float("inf")}
-    for _ in range(args.repeat):
-        for name, fn in (("GGUFFile", ours), ("gguf.GGUFReader", package)):
-            start = time.perf_counter()
-            fn(path)
-            best[name] = min(best[name], time.perf_counter() - start)
-    print(f"{path.name}: best of {args.repeat}, interleaved")
+    best, _ = best_of(args.repeat, (("GGUFFile", ours), ("gguf.GGUFReader", package)), path)
+    print(f"{path.name}: best of {args.repeat}, interleaved\n\nmetadata and tensor table:")
     for name, seconds in best.items():
-        print(f"  {name:16s} {seconds:7.3f} s")
+        print(f"  {name:26s} {seconds:7.3f} s")
     print(f"  speed-up {best['gguf.GGUFReader'] / best['GGUFFile']:.1f}x")
-    return 0
+    best, out = best_of(args.repeat, (("growpage.engine.dequant", dequantize_ours),
+                                      ("gguf.quants.dequantize", dequantize_package)),
+                        GGUFFile(path))
+    same = all(torch.equal(a, b) for a, b in zip(*out.values(), strict=True))
+    print("\ndequantization of every tensor to fp32:")
+    for name, seconds in best.items():
+        print(f"  {name:26s} {seconds:7.3f} s")
+    print(f"  speed-up {best['gguf.quants.dequantize'] / best['growpage.engine.dequant']:.1f}x, "
+          f"{'the same bits' if same else 'DIFFERENT VALUES'}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    import gguf
+    from growpage.engine.dequant import dequantize
 
     reader = open_gguf(path)
     cfg = _gguf_config(reader, path, {t.name: list(t.shape) for t in reader.tensors})
@@ -188,8 +188,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         name = _gguf_hf_name(tensor.name)
         if name is None:
             continue
-        data = gguf.quants.dequantize(reader.raw(tensor), gguf.GGMLQuantizationType(tensor.type))
-        w = torch.from_numpy(data.reshape(tuple(reversed(tensor.shape))).copy()).float()
+        w = dequantize(reader.raw(tensor), tensor.type).reshape(tuple(reversed(tensor.shape)))
         if cfg.arch == "llama" and ".q_proj." in name:
             w = unpermute_qk(w, cfg.num_q_heads)
         elif cfg.arch == "llama" and ".k_proj." in name:
