@@ -3,7 +3,8 @@
 The ``gguf`` package dequantizes with numpy, a group of rows at a time; for SmolLM2's Q4_1
 weights that is about 2 s of every ``LLM()``. The formats the default model uses are simple
 enough to unpack at once, with the same fp32 arithmetic, so the weights come out bitwise equal
-(``tests/engine/test_engine_dequant.py``). Any other type goes to ``gguf.quants.dequantize``.
+(``tests/engine/test_engine_dequant.py``). F32 and F16 are copied; any other type goes to
+``gguf.quants.dequantize`` (the package is imported only then).
 
 Blocks of 32 weights (ggml's ``QK4_0 = QK4_1 = QK8_0 = 32``)::
 
@@ -20,13 +21,15 @@ import numpy as np
 import torch
 
 BLOCK = 32
-Q4_0, Q4_1, Q8_0 = 2, 3, 8          # gguf.GGMLQuantizationType values
+F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8   # gguf.GGMLQuantizationType values
 _BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}
 
 
 def dequantize(raw: np.ndarray, qtype: int) -> torch.Tensor:
     """A GGUF tensor's data as ``GGUFFile.raw`` gives it (``[..., bytes per row]`` uint8 for a
     quantized type, the items for a plain one) as a new fp32 tensor ``[..., row length]``."""
+    if qtype in (F32, F16):  # plain items already
+        return torch.from_numpy(np.array(raw, dtype=np.float32, copy=True))
     if qtype not in _BLOCK_BYTES:
         import gguf
 

@@ -2,8 +2,9 @@
 
 The ``gguf`` package's ``GGUFReader`` builds a numpy view for every part of every metadata
 field: SmolLM2's 49k tokens and 49k merges take it several seconds, on every ``LLM()``. This
-reads the same file with ``struct`` over one memory map (a fraction of a second) and keeps the
-``gguf`` package for what it does well, dequantization (``gguf.quants.dequantize``).
+reads the same file with ``struct`` over one memory map (a fraction of a second). The common
+block formats are dequantized by ``growpage.engine.dequant``; the ``gguf`` package is imported
+only for a tensor type this module does not know.
 
 Layout (GGUF v2/v3, little-endian)::
 
@@ -35,9 +36,27 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 10: "
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 10: "<u8",
           11: "<i8", 12: "<f8", 7: "<u1"}
 BOOL, STRING, ARRAY = 7, 8, 9
+# Tensor type -> (items per block, bytes per block), as ggml defines them (the gguf package's
+# GGML_QUANT_SIZES, which a test compares); other types are looked up there.
+QUANT_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
+               8: (32, 34), 9: (32, 40), 10: (256, 84), 11: (256, 110), 12: (256, 144),
+               13: (256, 176), 14: (256, 210), 15: (256, 292), 24: (1, 1), 25: (1, 2),
+               26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
 # Tensor types stored as plain numpy items; every other type is handed over as raw bytes.
 _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64,
           28: np.float64}
+
+
+def _quant_size(kind: int, name: str, path: Path) -> tuple[int, int]:
+    """``(items per block, bytes per block)`` of tensor type ``kind``."""
+    if kind in QUANT_SIZES:
+        return QUANT_SIZES[kind]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        return GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    except (KeyError, ValueError):
+        raise _bad(path, f"tensor {name!r} has unknown type {kind}") from None
 
 
 def _bad(path: Path, problem: str) -> EngineError:
@@ -96,8 +115,6 @@ class GGUFFile:
     ``raw(tensor)`` maps a tensor's data without copying it."""
 
     def __init__(self, path: str | Path) -> None:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
         self.path = Path(path)
         try:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
@@ -125,10 +142,7 @@ class GGUFFile:
         start = -(-cur.pos // align) * align
         self.tensors: list[GGUFTensor] = []
         for name, shape, kind, offset in infos:
-            try:
-                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-            except (KeyError, ValueError):
-                raise _bad(self.path, f"tensor {name!r} has unknown type {kind}") from None
+            block, size = _quant_size(kind, name, self.path)
             count = math.prod(shape)
             if shape and shape[0] % block:
                 raise _bad(self.path, f"tensor {name!r} rows of {shape[0]} are not whole "

@@ -58,13 +58,23 @@ def test_a_partial_block_is_refused():
         dequant.dequantize(np.zeros((2, 30), dtype=np.uint8), dequant.Q4_1)
 
 
-def test_other_types_go_to_the_gguf_package():
-    values = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float16)
-    got = dequant.dequantize(values, int(gguf.GGMLQuantizationType.F16))
+@pytest.mark.parametrize("dtype,qtype", [(np.float32, dequant.F32), (np.float16, dequant.F16)])
+def test_plain_types_are_copied_as_fp32(dtype, qtype):
+    values = np.random.default_rng(0).standard_normal((3, 8)).astype(dtype)
+    got = dequant.dequantize(values, qtype)
     assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(
         values.astype(np.float32)))
     got[0, 0] = 123.0  # a copy, writable
     assert values[0, 0] != 123.0
+
+
+def test_other_types_go_to_the_gguf_package():
+    q5 = gguf.GGMLQuantizationType.Q5_0
+    data = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(data, q5)
+    got = dequant.dequantize(raw, int(q5))
+    assert got.dtype == torch.float32 and tuple(got.shape) == (4, 64)
+    assert torch.equal(got, torch.from_numpy(gguf.quants.dequantize(raw, q5)))
 
 
 def test_the_default_models_quantized_weights():

@@ -129,3 +129,16 @@ def test_read_benchmark_compares_both_readers(tmp_path, capsys):
     assert bench.main(["--repeat", "1", "--path", str(path)]) == 0
     out = capsys.readouterr().out
     assert "GGUFFile" in out and "gguf.GGUFReader" in out and "speed-up" in out
+
+
+def test_block_sizes_are_ggmls_and_other_types_are_looked_up(tmp_path):
+    from growpage.engine.gguf_file import QUANT_SIZES, _quant_size
+
+    for kind, size in QUANT_SIZES.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)] == size, kind
+    rare = int(gguf.GGMLQuantizationType.IQ2_XXS)  # not in our table: the package knows it
+    assert rare not in QUANT_SIZES
+    assert _quant_size(rare, "t", tmp_path) == gguf.GGML_QUANT_SIZES[
+        gguf.GGMLQuantizationType.IQ2_XXS]
+    with pytest.raises(EngineError, match="tensor 't' has unknown type 99"):
+        _quant_size(99, "t", tmp_path)
