@@ -36,6 +36,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 10: "
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 10: "<u8",
           11: "<i8", 12: "<f8", 7: "<u1"}
 BOOL, STRING, ARRAY = 7, 8, 9
+_U64 = struct.Struct("<Q")
 # Tensor type -> (items per block, bytes per block), as ggml defines them (the gguf package's
 # GGML_QUANT_SIZES, which a test compares); other types are looked up there.
 QUANT_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
@@ -106,8 +107,34 @@ class _Cursor:
                 size = np.dtype(_NUMPY[item]).itemsize
                 items = np.frombuffer(self.take(count * size), dtype=_NUMPY[item]).tolist()
                 return [bool(x) for x in items] if item == BOOL else items
+            if item == STRING:
+                return self.strings(count)
             return [self.value(item) for _ in range(count)]
         raise _bad(self.path, f"unknown GGUF value type {kind} at byte {self.pos}")
+
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a tokenizer's vocabulary and merges: about 100k of them
+        in SmolLM2), in one tight loop; the same errors as ``string``."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length = _U64.unpack_from
+        out = []
+        try:
+            for _ in range(count):
+                if pos + 8 > end:
+                    break
+                n = length(buf, pos)[0]
+                pos += 8
+                if pos + n > end:
+                    pos -= 8
+                    break
+                out.append(str(buf[pos:pos + n], "utf-8"))
+                pos += n
+        except UnicodeDecodeError as exc:  # at the string's end, as ``string`` says it
+            raise _bad(self.path, f"invalid UTF-8 string at byte {pos + n}") from exc
+        self.pos = pos
+        while len(out) < count:  # truncated: the reader's own error, at the same byte
+            out.append(self.string())
+        return out
 
 
 class GGUFFile:

@@ -142,3 +142,18 @@ def test_block_sizes_are_ggmls_and_other_types_are_looked_up(tmp_path):
         gguf.GGMLQuantizationType.IQ2_XXS]
     with pytest.raises(EngineError, match="tensor 't' has unknown type 99"):
         _quant_size(99, "t", tmp_path)
+
+
+@pytest.mark.parametrize("text", ["ünï", "héllo ✓"], ids=["in a string array", "a string"])
+def test_invalid_utf8_is_named_with_the_strings_end(tmp_path, text):
+    path = tmp_path / "all.gguf"
+    write_all_kinds(path)
+    data = bytearray(path.read_bytes())
+    encoded = text.encode()
+    at = data.index(encoded)
+    assert data.count(encoded) == 1
+    data[at] = 0xFF  # no UTF-8 sequence starts with 0xff
+    broken = tmp_path / "utf8.gguf"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(EngineError, match=f"invalid UTF-8 string at byte {at + len(encoded)}$"):
+        GGUFFile(broken)
