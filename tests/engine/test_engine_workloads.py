@@ -58,3 +58,19 @@ def test_compressing_policies_keep_the_bookkeeping(policy, workload, kv_pages):
     _, llm = run(policy, prompts, max_tokens, kv_pages=kv_pages, max_num_seqs=3, **kwargs)
     events = llm.last_stats.events
     assert events["boundaries"] >= events["grow"] + events["compress"] + events["shrink"]
+
+
+@pytest.mark.parametrize("policy", ["growpage", "shrink"])
+@SETTINGS
+@given(workload=workloads(), kv_pages=st.integers(10, 24), max_num_seqs=st.integers(2, 4))
+def test_async_compaction_keeps_the_bookkeeping(policy, workload, kv_pages, max_num_seqs):
+    """Compressions deferred to beside the decode step, under pool pressure, prefix sharing and
+    preemption: every request finishes, every page and slot comes back, and every compression
+    that was decided ran exactly once (none left pending, none run twice)."""
+    prompts, max_tokens = workload
+    kwargs = {"policy_kwargs": {"min_capacity_tokens": 8}} if policy == "shrink" else {}
+    _, llm = run(policy, prompts, max_tokens, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
+                 async_compaction=True, **kwargs)
+    events, kv = llm.last_stats.events, llm.engine.kv
+    assert kv.num_deferred == 0
+    assert kv.deferred_compactions == events["compress"] + events["shrink"]
