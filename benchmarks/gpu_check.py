@@ -124,9 +124,20 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
             if not (graphs or deferred):
                 raise
             rows[name] = {"error": repr(exc)[:500]}
+        _print_row(name, rows[name])  # a run cut short by a timeout still shows its rows
     rows["growpage_vs_fullkv_tps"] = rows["growpage"]["tokens_per_s"] / rows["fullkv"][
         "tokens_per_s"]
     return rows
+
+
+def _print_row(name: str, row: dict) -> None:
+    if "error" in row:
+        print(f"[gpu_check] engine {name}: error {row['error'][:200]}", flush=True)
+        return
+    print(f"[gpu_check] engine {name}: {row['tokens_per_s']:.1f} tok/s, boundary "
+          f"{row['boundary_pct']:.2f}% ({row['ms_per_decided_boundary']:.2f} ms per decided), "
+          f"waited-for {row['boundary_critical_pct']:.2f}%, compiles in run "
+          f"{sum(row['compiles_during_run'].values())}", flush=True)
 
 
 def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> dict:
@@ -191,7 +202,9 @@ def host_work(smoke: bool, model: str | None) -> dict:
     return boundary_ops.measure(boundary_ops.parse_args(argv))
 
 
-def timed(report: dict, name: str, fn, *args) -> None:
+def timed(report: dict, name: str, fn, *args, partial: Path | None = None) -> None:
+    """``report[name] = fn(*args)`` (an error is kept as the section's result), timed; with
+    ``partial``, the report so far is written there, so a run cut short keeps its sections."""
     start = time.perf_counter()
     try:
         report[name] = fn(*args)
@@ -199,6 +212,9 @@ def timed(report: dict, name: str, fn, *args) -> None:
         report[name] = {"error": repr(exc)[:500]}
     report.setdefault("section_seconds", {})[name] = round(time.perf_counter() - start, 2)
     print(f"[gpu_check] {name}: {report['section_seconds'][name]} s", flush=True)
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(report, indent=2, default=str))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -216,27 +232,31 @@ def run(args: argparse.Namespace) -> dict:
     unknown = sections - set(SECTIONS.split(","))
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}")
+    out = Path(args.out)
+    partial = (out.with_suffix("") if out.suffix in (".json", ".md") else out).with_suffix(
+        ".partial.json")
     if args.skip_tests or args.smoke or "tests" not in sections:
         report["tests"] = {"skipped": "--smoke/--skip-tests/--sections"}
     else:
         timed(report, "tests", run_kernel_tests, args.test_timeout, args.test_workers,
-              Path(args.out).with_suffix(".tests.log"))
+              Path(args.out).with_suffix(".tests.log"), partial=partial)
     config: dict = {}
     if not args.no_sweep and "sweep" in sections:
-        timed(report, "sweep", gpu_bench.sweep_decode, shapes, dtype, device)
+        timed(report, "sweep", gpu_bench.sweep_decode, shapes, dtype, device, partial=partial)
         config = report["sweep"].get("best", {})
     report["decode_config"] = config
     if "decode" in sections:
-        timed(report, "decode", gpu_bench.decode_bandwidth, shapes, dtype, device, peak, config)
+        timed(report, "decode", gpu_bench.decode_bandwidth, shapes, dtype, device, peak, config,
+              partial=partial)
     if "ema" in sections:
-        timed(report, "ema", gpu_bench.ema_overhead, shapes, dtype, device, config)
+        timed(report, "ema", gpu_bench.ema_overhead, shapes, dtype, device, config, partial=partial)
     if "boundary" in sections:
-        timed(report, "boundary", gpu_bench.boundary_work, shapes, dtype, device)
+        timed(report, "boundary", gpu_bench.boundary_work, shapes, dtype, device, partial=partial)
     if "hostwork" in sections:
-        timed(report, "hostwork", host_work, args.smoke, args.model)
+        timed(report, "hostwork", host_work, args.smoke, args.model, partial=partial)
     if "engine" in sections:
         timed(report, "engine", engine_throughput, args.smoke, args.model,
-              args.attention_backend)
+              args.attention_backend, partial=partial)
     report["targets"] = check_targets(report)
     return report
 

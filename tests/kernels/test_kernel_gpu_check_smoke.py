@@ -17,6 +17,10 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.with_suffix(".json").read_text())
+    # Written after every section, so a run cut short by a timeout keeps what it measured.
+    partial = json.loads(out.with_suffix(".partial.json").read_text())
+    assert {"decode", "ema", "boundary", "hostwork", "engine"} <= set(partial)
+    assert "[gpu_check] engine growpage+async: " in proc.stdout  # each engine row as it ends
     assert report["smoke"] and report["tests"] == {"skipped": "--smoke/--skip-tests/--sections"}
     decode = report["decode"]
     assert len(decode) == 4 and all(row["ms"] > 0 and row["gbps"] > 0 for row in decode)
