@@ -14,11 +14,21 @@ from growpage.policies.registry import parse_policy_params
 def register(subparsers: argparse._SubParsersAction) -> None:
     g = subparsers.add_parser("generate", help="generate text with the paged engine and print "
                               "engine statistics")
-    g.add_argument("--prompt", required=True, help="the prompt text")
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", default=None,
+                        help="a prompt text (repeat it for several, served as one batch)")
+    source.add_argument("--prompts", type=Path, default=None,
+                        help="text file, one prompt per line (or JSONL with a 'prompt' field)")
     _common(g, default_policy="growpage", default_max_tokens=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps as CUDA graphs (CUDA, Triton backend)")
+    g.add_argument("--async-compaction", action="store_true",
+                   help="compress beside the decode step (paper E.3; gains only on CUDA)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar over requests (default: with more than one prompt)")
     g.set_defaults(func=run_generate)
 
     r = subparsers.add_parser("record", help="record full-KV traces (fullkv policy) of prompts "
@@ -90,16 +100,29 @@ def _layers(text: str) -> list[int]:
 def run_generate(args: argparse.Namespace) -> int:
     from growpage.engine.sampling_params import SamplingParams
 
+    prompts = args.prompt if args.prompts is None else read_prompts(args.prompts)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
-    llm = _build_llm(policy=args.policy, policy_kwargs=parse_policy_params(args.policy_arg, "--policy-arg"),
-                     **_engine_kwargs(args))
-    out = llm.generate([args.prompt], params, chat=args.chat, use_tqdm=False)[0]
-    print(out.text.strip())
-    print()
-    print(f"finish reason  {out.finish_reason} ({len(out.token_ids)} tokens)")
+    extra = {name: True for name in ("cuda_graphs", "async_compaction") if getattr(args, name)}
+    llm = _build_llm(policy=args.policy,
+                     policy_kwargs=parse_policy_params(args.policy_arg, "--policy-arg"),
+                     **_engine_kwargs(args), **extra)
+    progress = len(prompts) > 1 if args.progress is None else args.progress
+    outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=progress)
+    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+        if len(outs) > 1:
+            print(f"### {i + 1}/{len(outs)}: {_clip(prompt)}")
+        print(out.text.strip())
+        print()
+        print(f"finish reason  {out.finish_reason} ({len(out.token_ids)} tokens)")
+        print()
     print(llm.last_stats.table())
     return 0
+
+
+def _clip(text: str, width: int = 70) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[:width - 3] + "..."
 
 
 def read_prompts(path: Path) -> list[str]:

@@ -91,9 +91,13 @@ def test_growpage_on_real_attention_compresses_and_scores_close_to_fullkv(smol):
 
 
 def test_cli_generate_and_record(smol, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(engine_cli, "_build_llm",
-                        lambda model, **kw: sibling(smol, **{k: v for k, v in kw.items()
-                                                              if v is not None}))
+    built = []
+
+    def build(model, **kw):
+        built.append(sibling(smol, **{k: v for k, v in kw.items() if v is not None}))
+        return built[-1]
+
+    monkeypatch.setattr(engine_cli, "_build_llm", build)
     assert cli.main(["generate", "--prompt", "What is 2+2?", "--max-tokens", "40",
                      "--page-size", "16"]) == 0
     text = capsys.readouterr().out
@@ -109,3 +113,19 @@ def test_cli_generate_and_record(smol, tmp_path, monkeypatch, capsys):
     assert len(traces) == 2 and traces.read(0).header.layer_ids == (0, 29)
     assert cli.main(["generate", "--prompt", "hi", "--policy", "nope"]) == 2
     assert "unknown policy" in capsys.readouterr().err
+    # Several prompts, as one batch: each answer under its own header, then the statistics.
+    assert cli.main(["generate", "--prompt", "Name a color.", "--prompt", "Count to three.",
+                     "--max-tokens", "8", "--no-progress", "--async-compaction"]) == 0
+    text = capsys.readouterr().out
+    assert "### 1/2: Name a color." in text and "### 2/2: Count to three." in text
+    assert text.count("finish reason") == 2 and "throughput (TPS)" in text
+    assert built[-1].config.async_compaction and built[-1].last_stats.num_requests == 2
+    assert cli.main(["generate", "--prompts", str(prompts), "--max-tokens", "4",
+                     "--no-progress"]) == 0
+    assert "### 2/2: Count to three." in capsys.readouterr().out
+    assert not built[-1].config.async_compaction
+    if not torch.cuda.is_available():  # --device auto is the CPU: graphs are refused
+        assert cli.main(["generate", "--prompt", "hi", "--cuda-graphs"]) == 2
+        assert "cuda_graphs needs a CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one source of prompts
+        cli.main(["generate", "--prompt", "hi", "--prompts", str(prompts)])
