@@ -20,9 +20,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from growpage.engine.gguf_file import QUANT_SIZES
+
 BLOCK = 32
 F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8   # gguf.GGMLQuantizationType values
-_BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}
+_BLOCK_BYTES = {q: QUANT_SIZES[q][1] for q in (Q4_0, Q4_1, Q8_0)}  # 18, 20, 34
 
 
 def dequantize(raw: np.ndarray, qtype: int) -> torch.Tensor:
