@@ -78,6 +78,19 @@ def replay_trace(trace: Trace, policy: str | CapacityPolicy, config: GrowPageCon
     view = TraceView(trace, config, track_accumulated=getattr(policy, "needs_accumulated_attention", False))
     state = RequestState(trace.request_id, pool.allocate(math.ceil(prompt / b)),
                          num_tokens=prompt, position=prompt)
+    try:
+        result = _run(trace, policy, view, state, controller, options)
+    except BaseException:
+        pool.free(state.block_table)   # a failing policy or view leaves the pool as it was
+        raise
+    if options.release:
+        pool.free(state.block_table)
+    return result
+
+
+def _run(trace: Trace, policy: CapacityPolicy, view: TraceView, state: RequestState,
+         controller: CapacityController, options: ReplayOptions) -> ReplayResult:
+    b, total, prompt = controller.config.page_size, trace.num_tokens, trace.prompt_len
     view.write_until(prompt)
     probe = _Probe(view, controller, options)
     records: list[BoundaryRecord] = []
@@ -96,12 +109,9 @@ def replay_trace(trace: Trace, policy: str | CapacityPolicy, config: GrowPageCon
         budget_tokens += n * state.num_pages * b
     decoded = state.position - prompt
     avg_budget = budget_tokens / decoded if decoded else float(state.num_pages * b)
-    result = ReplayResult(trace.request_id, getattr(policy, "name", type(policy).__name__), b,
-                          prompt, total, records, state.events.as_dict(), avg_budget, max_pages,
-                          state.num_pages, probe.head_mass(), preempted)
-    if options.release:
-        pool.free(state.block_table)
-    return result
+    return ReplayResult(trace.request_id, getattr(policy, "name", type(policy).__name__), b,
+                        prompt, total, records, state.events.as_dict(), avg_budget, max_pages,
+                        state.num_pages, probe.head_mass(), preempted)
 
 
 class _Probe:

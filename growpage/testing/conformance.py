@@ -69,6 +69,9 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
         indices = policy.select(ctx, keep)
         if isinstance(indices, torch.Tensor) and indices.dtype.is_complex:
             problem: str | None = f"returned dtype {indices.dtype}, expected an integer tensor"
+        elif isinstance(indices, torch.Tensor) and _narrow(indices.dtype):
+            problem = (f"returned dtype {indices.dtype}, which cannot hold the slots of a real "
+                       f"context (at most {torch.iinfo(indices.dtype).max}); return torch.long")
         else:
             problem = selection_problem(indices, ctx, keep)
         if problem:
@@ -81,6 +84,13 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
         raise PolicyConformanceError("no-mutation", "a tensor the context returned was "
                                      f"modified in place: {', '.join(changed)} changed", case)
     return decision, selections
+
+
+def _narrow(dtype: torch.dtype) -> bool:
+    """An integer dtype under 32 bits: fine for the kit's small contexts, wrong past them."""
+    if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
+        return False
+    return torch.iinfo(dtype).bits < 32
 
 
 @contextlib.contextmanager
@@ -124,8 +134,10 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: obje
     """Run the conformance rules (``RULES``) on ``max_examples`` random small boundaries.
 
     Raises ``PolicyConformanceError`` naming the rule, with the shrunk (smallest) failing
-    example. ``strategy_kwargs`` go to ``growpage.testing.boundary_cases``. ``TypeError``
-    when ``policy`` is not a policy object (a class, a name: see ``resolve_policy``).
+    example. ``strategy_kwargs`` go to ``growpage.testing.boundary_cases``; a policy with
+    ``needs_accumulated_attention`` gets the accumulated sums in every example, as the
+    simulator and the engine give them to it. ``TypeError`` when ``policy`` is not a policy
+    object (a class, a name: see ``resolve_policy``).
     """
     if isinstance(policy, type):
         raise TypeError(f"check_policy takes a policy object, got the class {policy.__name__}: "
@@ -134,6 +146,8 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: obje
     if missing:
         raise TypeError(f"check_policy takes a policy object, got {policy!r} (no "
                         f"{' or '.join(missing)}() method)")
+    if getattr(policy, "needs_accumulated_attention", False):
+        strategy_kwargs.setdefault("accumulated", True)
     failure: list[PolicyConformanceError] = []
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,

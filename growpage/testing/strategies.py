@@ -65,8 +65,15 @@ class BoundaryCase:
 @st.composite
 def boundary_cases(draw: st.DrawFn, max_layers: int = 3, max_kv_heads: int = 3,
                    max_group: int = 4, page_sizes: tuple[int, ...] = (4, 8, 16),
-                   max_pages: int = 6, head_dims: tuple[int, ...] = (4, 8, 16)) -> BoundaryCase:
-    """Small random boundaries: shapes, page size, recent window, pool state and content."""
+                   max_pages: int = 6, head_dims: tuple[int, ...] = (4, 8, 16),
+                   accumulated: bool | None = None) -> BoundaryCase:
+    """Small random boundaries: shapes, page size, recent window, pool state and content.
+
+    ``accumulated``: whether the view tracks H2O's accumulated attention (True for a policy
+    with ``needs_accumulated_attention``, which always gets it); None draws it.
+    """
+    if accumulated is not None and not isinstance(accumulated, bool):
+        raise TypeError(f"accumulated must be True, False or None, got {accumulated!r}")
     page_size = draw(st.sampled_from(page_sizes))
     return BoundaryCase(
         num_layers=draw(st.integers(1, max_layers)),
@@ -80,7 +87,7 @@ def boundary_cases(draw: st.DrawFn, max_layers: int = 3, max_kv_heads: int = 3,
         gap=draw(st.integers(0, 64)),
         seed=draw(st.integers(0, 2**31 - 1)),
         sharpness=draw(st.sampled_from([0.1, 1.0, 4.0])),
-        track_accumulated=draw(st.booleans()),
+        track_accumulated=draw(st.booleans()) if accumulated is None else accumulated,
     )
 
 

@@ -113,3 +113,47 @@ def test_check_policy_wants_a_policy_object(policy, says):
     every example."""
     with pytest.raises(TypeError, match=says):
         check_policy(policy, max_examples=2)
+
+
+@attrs.define
+class NarrowSelection(GrowPagePolicy):
+    """Slots as small integers: right on the kit's contexts, wrong past 127 tokens."""
+
+    name = "narrow-selection"
+    dtype: torch.dtype = torch.int8
+
+    def select(self, ctx, keep):
+        return super().select(ctx, keep).to(self.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16])
+def test_a_selection_too_narrow_for_real_contexts_is_an_exact_selection_error(dtype):
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(NarrowSelection(dtype=dtype), max_examples=5)
+    assert info.value.rule == "exact-selection" and str(dtype).split(".")[1] in info.value.detail
+    check_policy(NarrowSelection(dtype=torch.int32), max_examples=5)
+
+
+@attrs.define
+class SumsH2O(CapacityPolicy):
+    """Keeps the heaviest accumulated slots: needs the sums, as H2O does."""
+
+    name = "sums"
+    needs_accumulated_attention = True
+
+    def decide(self, ctx):
+        return Decision.COMPRESS
+
+    def select(self, ctx, keep):
+        acc = ctx.accumulated_attention()[..., :ctx.num_selection_candidates]
+        recent = ctx.num_tokens - ctx.num_selection_candidates
+        top = acc.topk(keep - recent, dim=-1).indices.sort(dim=-1).values
+        tail = torch.arange(ctx.num_selection_candidates, ctx.num_tokens)
+        return torch.cat([top, tail.expand(*top.shape[:-1], recent)], dim=-1)
+
+
+def test_a_policy_that_needs_accumulated_attention_always_gets_it():
+    check_policy(SumsH2O(), max_examples=30)
+    with pytest.raises(PolicyConformanceError) as info:   # unless told otherwise
+        check_policy(SumsH2O(), max_examples=30, accumulated=False)
+    assert info.value.rule == "no-crash"

@@ -8,10 +8,10 @@ import attrs
 import pytest
 import torch
 
-from growpage import GrowPageConfig, PagePool
+from growpage import CapacityPolicy, Decision, GrowPageConfig, PagePool
 from growpage.core.demand import update_query_summaries
 from growpage.core.rope import rope_at
-from growpage.errors import ConfigError
+from growpage.errors import ConfigError, PolicyError
 from growpage.policies import FixedBudgetPolicy, resolve_policy
 from growpage.sim.ema import ema_snapshots
 from growpage.sim.fidelity import FutureAttention
@@ -192,3 +192,33 @@ def test_h2o_uses_accumulated_attention_in_replay(random_trace):
     assert [r.decision for r in h2o.records] == [r.decision for r in fixed.records]
     assert [r.pages_after for r in h2o.records] == [r.pages_after for r in fixed.records]
     assert [r.mass_mean for r in h2o.records] != [r.mass_mean for r in fixed.records]
+
+
+class _FailsAfter(CapacityPolicy):
+    """Grows ``grows`` times, then fails the way ``how`` says."""
+
+    name = "fails-after"
+
+    def __init__(self, grows: int, how: str) -> None:
+        self.grows, self.how = grows, how
+
+    def decide(self, ctx):
+        if self.grows:
+            self.grows -= 1
+            return Decision.GROW
+        if self.how == "raise":
+            raise ZeroDivisionError("policy bug")
+        return "grow" if self.how == "nonsense" else Decision.COMPRESS
+
+    def select(self, ctx, keep):
+        return torch.zeros(*ctx.shape, keep, dtype=torch.long)   # duplicates: invalid
+
+
+@pytest.mark.parametrize("how", ["raise", "nonsense", "bad-select"])
+def test_a_failing_policy_leaves_a_shared_pool_as_it_was(random_trace, how):
+    pool = PagePool(40, B)
+    pool.allocate(3)   # another request's pages
+    with pytest.raises((ZeroDivisionError, PolicyError)):
+        replay_trace(random_trace, _FailsAfter(2, how), CONFIG,
+                     ReplayOptions(fidelity_queries=0), pool=pool)
+    assert pool.num_free_pages == 37
