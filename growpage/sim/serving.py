@@ -23,7 +23,7 @@ import simpy
 from growpage.core.config import GrowPageConfig
 from growpage.core.pages import PagePool
 from growpage.core.traces import Trace
-from growpage.errors import ConfigError
+from growpage.errors import ConfigError, WorkloadError
 from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import resolve_policy
 from growpage.sim.costmodel import CostModel
@@ -192,6 +192,18 @@ def _segment(run: _Run, now: float) -> tuple[int, float]:
     return num_steps, seconds
 
 
+def _check_requests(requests: Sequence[WorkloadRequest]) -> None:
+    """``WorkloadRequest``s (each checked when built) with distinct ids."""
+    seen: set[str] = set()
+    for r in requests:
+        if not isinstance(r, WorkloadRequest):
+            raise WorkloadError(f"simulate() takes WorkloadRequests, got {r!r}")
+        if r.request_id in seen:
+            raise WorkloadError(f"two requests have the id {r.request_id!r}: ids must be "
+                                "distinct (they name the requests in the results)")
+        seen.add(r.request_id)
+
+
 def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
              config: GrowPageConfig, sim: SimConfig, cost: CostModel,
              trace_of: Callable[[WorkloadRequest], Trace] | None = None,
@@ -205,6 +217,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
     lengths are set per script or request; ``benchmarks/paper_scale.py`` tunes it).
     ``on_progress(num_finished)`` is called whenever requests finish.
     """
+    _check_requests(requests)
     policy = resolve_policy(policy)
     if not cost.decode_time(1, 1, 1) > 0:
         raise ConfigError(f"cost model {cost.name!r} prices a decode step at 0 s: simulated time "

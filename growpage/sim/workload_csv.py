@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import numbers
 import os
 from pathlib import Path
 
@@ -30,16 +31,49 @@ MAX_TOKENS = 1 << 20    # longest prompt or output accepted, tokens
 MAX_FILE_BYTES = 1 << 28
 
 
+def _check_id(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise WorkloadError(f"WorkloadRequest.{attribute.name} must be a non-empty string, "
+                            f"got {value!r}")
+
+
+def _check_arrival(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0):
+        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: arrival_s must be a finite "
+                            f"number >= 0, got {value!r}")
+
+
+def _check_tokens(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or not 1 <= value <= MAX_TOKENS):
+        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: {attribute.name} must be an "
+                            f"integer in [1, {MAX_TOKENS}], got {value!r}")
+
+
+def _check_optional_str(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: {attribute.name} must be a "
+                            f"string or None, got {value!r}")
+
+
+def _check_kind(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, str):
+        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: kind must be a string, "
+                            f"got {value!r}")
+
+
 @attrs.frozen
 class WorkloadRequest:
-    """One request of a workload (lengths in tokens, arrival in seconds)."""
+    """One request of a workload (lengths in tokens, arrival in seconds); checked as the CSV
+    format's rows are (``WorkloadError`` naming the request and the field)."""
 
-    request_id: str
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    trace: str | None = None
-    kind: str = ""
+    request_id: str = attrs.field(validator=_check_id)
+    arrival_s: float = attrs.field(validator=_check_arrival)
+    prompt_tokens: int = attrs.field(validator=_check_tokens)
+    output_tokens: int = attrs.field(validator=_check_tokens)
+    trace: str | None = attrs.field(default=None, validator=_check_optional_str)
+    kind: str = attrs.field(default="", validator=_check_kind)
 
 
 def _int_field(text: str, name: str, where: str) -> int:

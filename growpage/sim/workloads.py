@@ -58,14 +58,40 @@ class LengthDist:
         return np.clip(np.rint(x), self.low, self.high).astype(np.int64)
 
 
+def _check_class(inst: RequestClass, attribute: attrs.Attribute, value: object) -> None:
+    ok = {"name": lambda v: isinstance(v, str) and bool(v),
+          "count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+          "prompt": lambda v: isinstance(v, LengthDist),
+          "output": lambda v: isinstance(v, LengthDist)}[attribute.name]
+    what = {"name": "a non-empty string", "count": "an int >= 0",
+            "prompt": "a LengthDist", "output": "a LengthDist"}[attribute.name]
+    if not ok(value):
+        raise WorkloadError(f"RequestClass.{attribute.name} must be {what}, got {value!r}")
+
+
 @attrs.frozen
 class RequestClass:
     """``count`` requests of one kind (a dataset, e.g. "aime24")."""
 
-    name: str
-    count: int
-    prompt: LengthDist
-    output: LengthDist
+    name: str = attrs.field(validator=_check_class)
+    count: int = attrs.field(validator=_check_class)
+    prompt: LengthDist = attrs.field(validator=_check_class)
+    output: LengthDist = attrs.field(validator=_check_class)
+
+
+def _check_classes(inst: WorkloadSpec, attribute: attrs.Attribute, value: tuple) -> None:
+    if not value or not all(isinstance(c, RequestClass) for c in value):
+        raise WorkloadError(f"WorkloadSpec {inst.name!r}: classes must be one or more "
+                            f"RequestClasses, got {value!r}")
+    if not sum(c.count for c in value):
+        raise WorkloadError(f"WorkloadSpec {inst.name!r}: its classes hold no requests")
+
+
+def _check_rate(inst: WorkloadSpec, attribute: attrs.Attribute, value: object) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
+        raise WorkloadError(f"WorkloadSpec {inst.name!r}: rate_per_s must be a finite number "
+                            f"> 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -78,9 +104,15 @@ class WorkloadSpec:
     """
 
     name: str
-    classes: tuple[RequestClass, ...] = attrs.field(converter=tuple)
-    arrival: str = attrs.field(default="offline", validator=attrs.validators.in_(ARRIVALS))
-    rate_per_s: float = 1.0
+    classes: tuple[RequestClass, ...] = attrs.field(converter=tuple, validator=_check_classes)
+    arrival: str = attrs.field(default="offline")
+    rate_per_s: float = attrs.field(default=1.0, validator=_check_rate)
+
+    @arrival.validator
+    def _check_arrival(self, attribute: attrs.Attribute, value: object) -> None:
+        if value not in ARRIVALS:
+            raise WorkloadError(f"WorkloadSpec {self.name!r}: arrival must be one of "
+                                f"{ARRIVALS}, got {value!r}")
 
     @property
     def num_requests(self) -> int:

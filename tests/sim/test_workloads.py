@@ -8,8 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from growpage.errors import WorkloadError
-from growpage.sim.workload_csv import load_workload_csv, parse_workload_csv
-from growpage.sim.workloads import WORKLOADS, LengthDist, resolve_workload
+from growpage.sim.workload_csv import WorkloadRequest, load_workload_csv, parse_workload_csv
+from growpage.sim.workloads import (WORKLOADS, LengthDist, RequestClass, WorkloadSpec,
+                                     resolve_workload)
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -126,3 +127,57 @@ def test_errors_name_the_file_line_despite_blank_lines(tmp_path):
         load_workload_csv(path)
     path.write_text("arrival_s,prompt_tokens,output_tokens\n\n0,10,10\n\n0.5,20,20\n")
     assert [r.request_id for r in load_workload_csv(path)] == ["req-0", "req-1"]
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(arrival_s=float("nan")), "arrival_s"),
+    (dict(arrival_s=float("inf")), "arrival_s"),
+    (dict(arrival_s=-1.0), "arrival_s"),
+    (dict(prompt_tokens=0), "prompt_tokens"),
+    (dict(prompt_tokens=64.5), "prompt_tokens"),
+    (dict(output_tokens=0), "output_tokens"),
+    (dict(output_tokens=True), "output_tokens"),
+    (dict(request_id=""), "request_id"),
+    (dict(trace=3), "trace"),
+], ids=lambda v: str(v) if isinstance(v, str) else None)
+def test_a_workload_request_built_in_python_is_checked_as_a_csv_row_is(fields, says):
+    good = dict(request_id="r", arrival_s=0.0, prompt_tokens=64, output_tokens=32)
+    WorkloadRequest(**good)
+    with pytest.raises(WorkloadError, match=says):
+        WorkloadRequest(**{**good, **fields})
+
+
+def test_simulate_wants_distinct_request_ids():
+    from growpage import GrowPageConfig
+    from growpage.sim.costmodel import load_cost_model
+    from growpage.sim.serving import SimConfig, simulate
+
+    twins = [WorkloadRequest("r", 0.0, 64, 700), WorkloadRequest("r", 0.0, 64, 700)]
+    for mode in ("script", "trace"):
+        with pytest.raises(WorkloadError, match="two requests have the id 'r'"):
+            simulate(twins, "growpage", GrowPageConfig(page_size=64),
+                     SimConfig(num_kv_pages=64, decisions=mode), load_cost_model("a100-qwen3-8b"))
+
+
+@pytest.mark.parametrize("spec, says", [
+    (dict(arrival="poisson", rate_per_s=0), "rate_per_s"),
+    (dict(rate_per_s=-1.0), "rate_per_s"),
+    (dict(rate_per_s=float("nan")), "rate_per_s"),
+    (dict(classes=[]), "classes"),
+    (dict(classes=["gsm8k"]), "classes"),
+    (dict(arrival="bursty"), "arrival"),
+], ids=lambda v: str(v) if isinstance(v, str) else None)
+def test_a_workload_spec_is_checked(spec, says):
+    one = RequestClass("a", 2, LengthDist(10), LengthDist(10))
+    with pytest.raises(WorkloadError, match=says):
+        WorkloadSpec(**{"name": "w", "classes": [one], **spec})
+
+
+@pytest.mark.parametrize("args, says", [
+    (("a", -3), "count"), (("", 2), "name"), (("a", 2.5), "count"),
+])
+def test_a_request_class_is_checked(args, says):
+    with pytest.raises(WorkloadError, match=says):
+        RequestClass(*args, LengthDist(10), LengthDist(10))
+    with pytest.raises(WorkloadError, match="prompt"):
+        RequestClass("a", 2, 10, LengthDist(10))
