@@ -92,13 +92,19 @@ class TraceSet:
     def read(self, entry: TraceEntry | int | str, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32) -> Trace:
         """Read one trace by entry, position or request id; checks it against the index."""
-        if isinstance(entry, int):
+        if isinstance(entry, int) and not isinstance(entry, bool):
+            if not 0 <= entry < len(self._entries):
+                raise TraceError(f"{self._index_path}: no trace at position {entry} (the set "
+                                 f"holds {len(self._entries)})")
             entry = self._entries[entry]
         elif isinstance(entry, str):
             found = [e for e in self._entries if e.request_id == entry]
             if not found:
                 raise TraceError(f"{self._index_path}: no request {entry!r}")
             entry = found[0]
+        elif not isinstance(entry, TraceEntry):
+            raise TypeError(f"TraceSet.read takes a TraceEntry, a position or a request id, "
+                            f"got {entry!r}")
         path = self.directory / entry.file
         trace = read_trace(path, device=device, dtype=dtype)
         got = (trace.request_id, trace.prompt_len, trace.num_tokens)

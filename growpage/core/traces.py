@@ -188,6 +188,8 @@ def check_trace_tensors(trace: Trace, where: str) -> None:
         if tuple(x.shape) != shape:
             raise TraceError(f"{where}: {name} have shape {tuple(x.shape)}, header expects "
                              f"{shape} [recorded layers, tokens, heads, head_dim]")
+        if not bool(torch.isfinite(x).all()):
+            raise TraceError(f"{where}: {name} have non-finite values (NaN or inf)")
 
 
 def _tensor_names(h: TraceHeader) -> list[tuple[str, str, int]]:
@@ -281,6 +283,8 @@ def read_trace(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> Trace:
     """Read and fully validate one trace file; tensors land on ``device`` as ``dtype``."""
     path = Path(path)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TraceError(f"{path}: traces are read as a floating-point dtype, got {dtype!r}")
     with _open(path) as f:
         header, stored = _parse_header(f.metadata(), path)
         names = _tensor_names(header)
@@ -309,7 +313,10 @@ def read_trace(path: str | os.PathLike, device: str | torch.device = "cpu",
                 out[attr] = torch.empty((header.num_recorded_layers, *shape), dtype=dtype,
                                         device=device)
             out[attr][i].copy_(x)
-    return Trace(header=header, **out)
+    try:
+        return Trace(header=header, **out)
+    except TraceError as e:
+        raise TraceError(f"{path}: {e}") from None
 
 
 def _load_tensor(f: Any, name: str, path: Path) -> torch.Tensor:

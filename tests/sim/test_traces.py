@@ -156,6 +156,23 @@ def test_trace_validates_shapes(make_trace):
         Trace(header=t.header, queries=t.queries, keys=t.keys)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("name", ["queries", "keys", "values"])
+def test_a_trace_built_in_memory_rejects_non_finite_values(make_trace, name, bad):
+    """As the reader and the writer do: a NaN key would make every score NaN downstream."""
+    t = make_trace()
+    tensors = {"queries": t.queries.clone(), "keys": t.keys.clone(), "values": t.values.clone()}
+    tensors[name][0, 1, 0, 0] = bad
+    with pytest.raises(TraceError, match=f"{name} have non-finite"):
+        Trace(header=t.header, **tensors)
+
+
+def test_reading_as_a_non_float_dtype_names_the_file(tmp_path, make_trace):
+    path = write_trace(tmp_path / "t.safetensors", make_trace())
+    with pytest.raises(TraceError, match=f"^{path}: .*floating-point dtype"):
+        read_trace(path, dtype=torch.int32)
+
+
 # --- reader: each problem gets its own clear error -----------------------------------------------
 
 def _set(key, value):
@@ -338,6 +355,12 @@ def test_trace_set_round_trip_and_lazy_iteration(tmp_path, make_trace, monkeypat
     assert len(calls) == 1 and first.header == written[0].header
     assert [t.request_id for t in it] == ["r/1", "r/2"]
     assert torch.equal(reopened.read("r/2").keys, written[2].keys.half().float())
+    assert reopened.read(2).request_id == "r/2"
+    for position in (3, -1):   # no wrap-around: -1 is a mistake, not "the last one"
+        with pytest.raises(TraceError, match=f"no trace at position {position} .*holds 3"):
+            reopened.read(position)
+    with pytest.raises(TypeError, match="a TraceEntry, a position or a request id"):
+        reopened.read(1.0)
     with pytest.raises(TraceError, match="already in the set"):
         reopened.write(written[0])
 
