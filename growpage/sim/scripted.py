@@ -74,7 +74,9 @@ class CountingView(KVView):
         return self.count
 
     def _no_content(self) -> torch.Tensor:
-        raise SimulationError("a script-mode request has no KV content")
+        raise SimulationError("a script-mode request has no KV content (keys, positions, "
+                              "queries): a policy that reads ctx.view in decide() needs trace "
+                              "mode (SimConfig(decisions='trace'), --decisions trace)")
 
     def keys(self) -> torch.Tensor:
         return self._no_content()

@@ -69,3 +69,18 @@ def test_a_signal_the_script_did_not_record_is_a_simulation_error():
     with pytest.raises(SimulationError, match="did not"):
         simulate([WorkloadRequest("a", 0.0, 40, 400), WorkloadRequest("b", 0.0, 40, 400)],
                  Moody(), CONFIG, SimConfig(num_kv_pages=8, admission_reserve=0.0), COST)
+
+
+def test_a_policy_reading_kv_content_in_script_mode_is_pointed_to_trace_mode():
+    class KeyReader(CapacityPolicy):
+        name = "key-reader"
+
+        def decide(self, ctx):
+            return Decision.GROW if float(ctx.view.keys().norm()) > 1 else Decision.COMPRESS
+
+    requests = [WorkloadRequest("a", 0.0, 40, 200)]
+    with pytest.raises(SimulationError, match=r"needs trace mode .*--decisions trace"):
+        simulate(requests, KeyReader(), CONFIG, SimConfig(num_kv_pages=40), COST)
+    done = simulate(requests, KeyReader(), CONFIG, SimConfig(num_kv_pages=40, decisions="trace"),
+                    COST)
+    assert done.metrics.num_requests == 1 and done.metrics.output_tokens == 200
