@@ -201,8 +201,7 @@ def _request_row(r: Any) -> dict:
 
 # ---- sweep and calibrate ---------------------------------------------------------------------
 def run_sweep(args: argparse.Namespace) -> int:
-    from growpage.sim.plots import plot_pareto
-    from growpage.sim.sweep import SweepSettings, parse_points, run_sweep
+    from growpage.sim.sweep import SweepError, SweepSettings, parse_points, run_sweep
 
     config = _setup(args)
     _at_least("--jobs", args.jobs, 1)
@@ -218,19 +217,39 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.traces:
         traces_for(requests, args.traces)   # a bad set or trace name fails before the work
     rows = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
-    _emit(args, reports.format_table(rows, SWEEP_COLUMNS), {"points": rows})
+    done, failed = [r for r in rows if "error" not in r], [r for r in rows if "error" in r]
+    if done or args.json:
+        _emit(args, reports.format_table(done, SWEEP_COLUMNS), {"points": done, "failed": failed})
     if out is not None:
-        reports.write_json(out / "sweep.json", {"workload": args.workload, "points": rows})
-        reports.write_csv(out / "sweep.csv", rows)
-        if any(r.get("mass_mean") is not None for r in rows):
-            plot_pareto(rows, out / "pareto.png", "tps", "mass_mean", "throughput (tokens/s)",
-                        "retained attention mass", f"fidelity vs throughput ({args.workload})")
-        else:   # --fidelity-traces 0: no fidelity to plot, the KV budget instead
-            plot_pareto(rows, out / "pareto.png", "tps", "avg_kv_budget",
-                        "throughput (tokens/s)", "average KV budget (tokens)",
-                        f"KV budget vs throughput ({args.workload})")
-        _note(args, f"results in {out}/ (sweep.json, sweep.csv, pareto.png)")
+        reports.write_json(out / "sweep.json", {"workload": args.workload, "points": done,
+                                                "failed": failed})
+        reports.write_csv(out / "sweep.csv", done)
+        if done:
+            _plot_sweep(done, out / "pareto.png", args.workload)
+        _note(args, f"results in {out}/ (sweep.json, sweep.csv{', pareto.png' if done else ''})")
+    if failed:
+        raise SweepError(_failures(failed, len(rows), out))
     return 0
+
+
+def _plot_sweep(rows: list[dict], path: Path, workload: str) -> None:
+    from growpage.sim.plots import plot_pareto
+
+    if any(r.get("mass_mean") is not None for r in rows):
+        plot_pareto(rows, path, "tps", "mass_mean", "throughput (tokens/s)",
+                    "retained attention mass", f"fidelity vs throughput ({workload})")
+    else:   # --fidelity-traces 0: no fidelity to plot, the KV budget instead
+        plot_pareto(rows, path, "tps", "avg_kv_budget", "throughput (tokens/s)",
+                    "average KV budget (tokens)", f"KV budget vs throughput ({workload})")
+
+
+def _failures(failed: list[dict], total: int, out: Path | None) -> str:
+    kept = total - len(failed)
+    head = f"{len(failed)} of {total} sweep points failed"
+    if kept:
+        head += f" ({kept} finished: their results are printed" + (
+            f" and written to {out}/)" if out is not None else ")")
+    return "\n".join([head + ":"] + [f"  {r['label']}: {r['error']}" for r in failed])
 
 
 def _model_path(text: str) -> Path:

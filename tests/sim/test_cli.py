@@ -188,3 +188,41 @@ def test_threads_must_be_a_positive_integer(value, capsys):
         main(["sim", "replay", "--synthetic", "1", "--threads", value])
     assert exit_info.value.code == 2
     assert "--threads: expected an integer >= 1" in capsys.readouterr().err
+
+
+CRASH_POLICY = """
+import attrs
+from growpage.policies.base import CapacityPolicy
+
+
+@attrs.define
+class Crash(CapacityPolicy):
+    name = "crash"
+
+    def decide(self, ctx):
+        raise RuntimeError("kaboom")
+"""
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_failing_sweep_point_is_named_and_the_others_are_kept(capsys, tmp_path, jobs):
+    (tmp_path / "pols.py").write_text(CRASH_POLICY)
+    crash = f"{tmp_path / 'pols.py'}:Crash"
+    argv = ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "120", "--points", crash,
+            "fullkv", "--jobs", jobs, "--fidelity-traces", "0", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "fullkv" in captured.out and "Traceback" not in captured.err
+    bar, _, error = captured.err.rpartition("growpage: error: ")
+    assert bar.endswith("\n") and "2/2" in bar and "1 failed" in bar   # closed before the error
+    assert error.startswith("1 of 2 sweep points failed (1 finished")
+    assert f"  {crash}: RuntimeError: kaboom (" in error and "pols.py:11, in decide)" in error
+    saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [p["label"] for p in saved["points"]] == ["fullkv"]
+    assert saved["points"][0]["tps"] > 0
+    assert [p["label"] for p in saved["failed"]] == [crash]
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 0
+    assert main(argv[:-2] + ["--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert [p["label"] for p in out["points"]] == ["fullkv"]
+    assert "RuntimeError: kaboom" in out["failed"][0]["error"]
