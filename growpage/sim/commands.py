@@ -168,7 +168,8 @@ def run_serve(args: argparse.Namespace) -> int:
     trace_of = None
     if args.decisions == "trace" and args.traces:
         requests, trace_of = traces_for(requests, args.traces)
-    policy = resolve_policy(args.policy, **parse_params(args.param))
+    kwargs = parse_params(args.param)
+    policy = resolve_policy(args.policy, **kwargs)
     out = _out_dir(args)
     with tqdm(total=len(requests), desc="serve", unit="req", disable=args.json) as bar:
         result = simulate(requests, policy, config, sim, cost, trace_of,
@@ -177,8 +178,8 @@ def run_serve(args: argparse.Namespace) -> int:
     table = reports.format_table([m], reports.SERVING_COLUMNS) + (
         f"\n{m['num_requests']} requests, {m['output_tokens']} output tokens, "
         f"{sim.num_kv_pages} KV pages (peak {m['peak_pages']}), cost model {args.cost}")
-    payload = {"metrics": m, "sim": attrs.asdict(sim), "config": attrs.asdict(config),
-               "cost": args.cost, "workload": args.workload}
+    payload = {"metrics": m, "policy": args.policy, "params": kwargs, "sim": attrs.asdict(sim),
+               "config": attrs.asdict(config), "cost": args.cost, "workload": args.workload}
     _emit(args, table, payload)
     if out is not None:
         reports.write_json(out / "metrics.json", payload)

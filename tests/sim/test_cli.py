@@ -45,6 +45,7 @@ def test_serve_named_workload_and_csv_in_trace_mode(capsys, tmp_path):
                             "--out", str(tmp_path)])
     m = out["metrics"]
     assert m["num_requests"] == 12 and m["tps"] > 0 and m["peak_pages"] <= 80
+    assert out["policy"] == "growpage" and out["params"] == {}
     assert (tmp_path / "requests.csv").read_text().count("\n") == 13
     spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
                          prompt_len=20, gen_len=1)
@@ -226,3 +227,12 @@ def test_a_failing_sweep_point_is_named_and_the_others_are_kept(capsys, tmp_path
     out = json.loads(capsys.readouterr().out)
     assert [p["label"] for p in out["points"]] == ["fullkv"]
     assert "RuntimeError: kaboom" in out["failed"][0]["error"]
+
+
+def test_serve_records_the_policy_params(capsys, tmp_path):
+    out = run_json(capsys, ["sim", "serve", "--workload", "tiny", *SMALL, "--kv-pages", "80",
+                            "--policy", "fixed", "--param", "budget_tokens=128",
+                            "--out", str(tmp_path)])
+    assert out["policy"] == "fixed" and out["params"] == {"budget_tokens": 128}
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["policy"] == "fixed" and saved["params"] == {"budget_tokens": 128}
