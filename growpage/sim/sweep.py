@@ -65,13 +65,17 @@ def parse_points(specs: Sequence[str]) -> list[SweepPoint]:
     points = []
     for spec in specs:
         name, _, rest = spec.partition("@")
-        grid: list[list[tuple[str, Any]]] = []
+        grid: dict[str, list[tuple[str, Any]]] = {}
         for item in filter(None, rest.split(";")):
             key, eq, values = item.partition("=")
-            if not eq or not key.strip() or not values:
+            key = key.strip()
+            if not eq or not key or not values:
                 raise ConfigError(f"bad sweep spec {spec!r}: expected NAME@key=v1,v2;key2=v3")
-            grid.append([(key.strip(), _value(v.strip())) for v in values.split(",")])
-        points += [SweepPoint(name, tuple(combo)) for combo in itertools.product(*grid)]
+            if key in grid:
+                raise ConfigError(f"bad sweep spec {spec!r}: key {key!r} given twice (list its "
+                                  f"values once: {key}=v1,v2)")
+            grid[key] = [(key, _value(v.strip())) for v in values.split(",")]
+        points += [SweepPoint(name, tuple(combo)) for combo in itertools.product(*grid.values())]
     return points
 
 

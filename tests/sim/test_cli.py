@@ -8,6 +8,7 @@ import attrs
 import pytest
 
 from growpage.cli import main
+from growpage.errors import ConfigError
 from growpage.sim.sweep import SweepPoint, parse_points
 from growpage.sim.synthetic import SyntheticSpec, write_synthetic_trace_set
 
@@ -74,6 +75,8 @@ def test_parse_sweep_points():
     assert SweepPoint("fixed", (("budget_tokens", 1),)).label == "fixed budget_tokens=1"
     with pytest.raises(Exception, match="bad sweep spec"):
         parse_points(["fixed@budget_tokens"])
+    with pytest.raises(ConfigError, match="key 'budget_tokens' given twice"):
+        parse_points(["fixed@budget_tokens=1024;budget_tokens=2048"])
 
 
 def test_sweep_runs_points_and_writes_a_pareto_plot(capsys, tmp_path):
