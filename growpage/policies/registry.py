@@ -115,21 +115,27 @@ def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: 
         raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}") from exc
 
 
-def parse_policy_params(items: list[str], flag: str = "--param") -> dict[str, Any]:
-    """``["key=value", ...]`` from a command line -> policy kwargs.
+def parse_policy_value(text: str) -> Any:
+    """A hyperparameter value from a command line: JSON (``1024``, ``null``, ``"x"``), else a
+    Python literal (``None``, ``True``, ``1e-3``), else the text itself; spaces around it are
+    ignored."""
+    text = text.strip()
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, RecursionError):
+        return text
 
-    Values are read as JSON, then as Python literals (``True``, ``1e-3``), else kept as strings.
-    """
+
+def parse_policy_params(items: list[str], flag: str = "--param") -> dict[str, Any]:
+    """``["key=value", ...]`` from a command line -> policy kwargs (``parse_policy_value``)."""
     out: dict[str, Any] = {}
     for item in items:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            try:
-                out[key] = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                out[key] = value
+        out[key] = parse_policy_value(value)
     return out

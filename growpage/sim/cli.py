@@ -26,7 +26,8 @@ def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
         p.add_argument("--policy", default="growpage",
                        help="registered name, 'module:Class' or 'file.py:Class' (default growpage)")
         p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                       help="policy hyperparameter (repeatable; VALUE parsed as JSON)")
+                       help="policy hyperparameter (repeatable; VALUE read as JSON, else as a "
+                            "Python literal such as None, else kept as a string)")
     p.add_argument("--page-size", type=int, default=256, help="tokens per KV page (default 256)")
     p.add_argument("--recent-window", type=int, default=16, help="protected recent tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -93,7 +94,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", help="policies x parameters: serving and fidelity, in parallel")
     _serving(p)
     p.add_argument("--points", nargs="+", default=DEFAULT_POINTS, metavar="SPEC",
-                   help="NAME or NAME@key=v1,v2;key2=v3 (default: %(default)s)")
+                   help="NAME or NAME@key=v1,v2;key2=v3, values read as --param reads them "
+                        "(default: %(default)s)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
     p.add_argument("--fidelity-traces", type=int, default=4,
                    help="synthetic traces replayed per point for fidelity (0: none)")

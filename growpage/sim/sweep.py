@@ -1,7 +1,7 @@
 """Policies x hyperparameters, served (and replayed for fidelity) in parallel processes.
 
 A point spec is ``NAME`` or ``NAME@key=v1,v2;key2=v3``: one point per combination of the listed
-values (values are parsed as JSON, else kept as strings), e.g.
+values (each value read as ``--param`` reads it: ``policies.registry.parse_policy_value``), e.g.
 ``fixed@budget_tokens=1024,2048,4096,8192`` or ``growpage@tau=-0.01,0,0.01``.
 
 Each point is served on the workload (throughput side of the Pareto front) and replayed on a few
@@ -15,7 +15,6 @@ it was raised) instead of metrics, and the other points run on.
 from __future__ import annotations
 
 import itertools
-import json
 import traceback
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -27,7 +26,7 @@ from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig
 from growpage.errors import ConfigError, GrowPageError
-from growpage.policies.registry import resolve_policy
+from growpage.policies.registry import parse_policy_value, resolve_policy
 from growpage.sim.costmodel import load_cost_model, with_boundary_costs
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.reports import aggregate_replays
@@ -53,13 +52,6 @@ class SweepPoint:
         return self.policy + "".join(f" {k}={v}" for k, v in self.params)
 
 
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def parse_points(specs: Sequence[str]) -> list[SweepPoint]:
     """Expand point specs (see the module docstring) into points."""
     points = []
@@ -74,7 +66,7 @@ def parse_points(specs: Sequence[str]) -> list[SweepPoint]:
             if key in grid:
                 raise ConfigError(f"bad sweep spec {spec!r}: key {key!r} given twice (list its "
                                   f"values once: {key}=v1,v2)")
-            grid[key] = [(key, _value(v.strip())) for v in values.split(",")]
+            grid[key] = [(key, parse_policy_value(v)) for v in values.split(",")]
         points += [SweepPoint(name, tuple(combo)) for combo in itertools.product(*grid.values())]
     return points
 

@@ -79,6 +79,17 @@ def test_parse_sweep_points():
         parse_points(["fixed@budget_tokens=1024;budget_tokens=2048"])
 
 
+@pytest.mark.parametrize("text, value", [
+    ("None", None), ("null", None), ("True", True), ("true", True), ("1e-3", 1e-3),
+    ("-0.01", -0.01), ('"x"', "x"), ("abc", "abc"), (" 2 ", 2)])
+def test_param_and_sweep_values_are_read_alike(text, value):
+    from growpage.sim.commands import parse_params
+
+    assert parse_params([f"tau={text}"]) == {"tau": value}
+    assert parse_points([f"growpage@tau={text},0.5"]) == [
+        SweepPoint("growpage", (("tau", value),)), SweepPoint("growpage", (("tau", 0.5),))]
+
+
 def test_sweep_runs_points_and_writes_a_pareto_plot(capsys, tmp_path):
     out = run_json(capsys, ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "120",
                             "--points", "fullkv", "fixed@budget_tokens=64,128", "--jobs", "1",
