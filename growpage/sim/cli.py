@@ -32,7 +32,8 @@ def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--recent-window", type=int, default=16, help="protected recent tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_positive_int, default=1,
-                   help="torch CPU threads (default 1: best on a shared machine)")
+                   help="torch CPU threads (default 1: best on a shared machine; sweep: per "
+                        "worker process)")
     p.add_argument("--out", metavar="DIR", help="write JSON/CSV results and PNG plots here")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -214,7 +214,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
                              fidelity_traces=args.fidelity_traces, seed=args.seed,
                              boundary_s=boundary_s, compaction_s=compaction_s,
-                             traces=args.traces)
+                             traces=args.traces, threads=args.threads)
     if args.traces:
         traces_for(requests, args.traces)   # a bad set or trace name fails before the work
     rows = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)

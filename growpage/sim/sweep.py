@@ -85,6 +85,7 @@ class SweepSettings:
     boundary_s: float | None = None   # capacity-control prices over the cost model's (None: its)
     compaction_s: float | None = None
     traces: str | None = None         # trace set for decisions="trace" (None: synthetic traces)
+    threads: int = 1                  # torch CPU threads of each point's process
 
 
 def _identity(point: SweepPoint) -> dict:
@@ -94,7 +95,7 @@ def _identity(point: SweepPoint) -> dict:
 
 def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
     """Serve and replay one point; a flat dict of metrics."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(settings.threads)
     kwargs = dict(point.params)
     requests, trace_of = list(settings.requests), None
     if settings.traces and settings.sim.decisions == "trace":

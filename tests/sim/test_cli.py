@@ -250,3 +250,14 @@ def test_serve_records_the_policy_params(capsys, tmp_path):
     assert out["policy"] == "fixed" and out["params"] == {"budget_tokens": 128}
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["policy"] == "fixed" and saved["params"] == {"budget_tokens": 128}
+
+
+def test_sweep_points_run_with_the_threads_asked_for(capsys, monkeypatch):
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    run_json(capsys, ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "120",
+                      "--points", "fullkv", "--jobs", "1", "--fidelity-traces", "0",
+                      "--threads", "3"])
+    assert calls and set(calls) == {3}
