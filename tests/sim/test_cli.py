@@ -261,3 +261,16 @@ def test_sweep_points_run_with_the_threads_asked_for(capsys, monkeypatch):
                       "--points", "fullkv", "--jobs", "1", "--fidelity-traces", "0",
                       "--threads", "3"])
     assert calls and set(calls) == {3}
+
+
+@pytest.mark.parametrize("command", [
+    ["sim", "replay", "--traces"],
+    ["sim", "serve", "--workload", "tiny", "--decisions", "trace", "--traces"]])
+def test_a_missing_trace_set_directory_is_named_as_such(capsys, tmp_path, command):
+    (tmp_path / "file").write_text("x")
+    assert main(command + [str(tmp_path / "nosuchdir")]) == 2
+    assert f"{tmp_path / 'nosuchdir'}: no such directory" in capsys.readouterr().err
+    assert main(command + [str(tmp_path / "file")]) == 2
+    assert f"{tmp_path / 'file'}: not a directory" in capsys.readouterr().err
+    assert main(command + [str(tmp_path)]) == 2
+    assert "index.json: no trace-set index" in capsys.readouterr().err
