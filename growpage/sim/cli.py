@@ -78,14 +78,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--traces", metavar="DIR", help="a trace set directory")
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic traces instead")
-    p.add_argument("--gen-len", type=int, default=4096, help="synthetic: generated tokens")
-    p.add_argument("--schedule", default="random", help="synthetic: regime schedule")
+    p.add_argument("--gen-len", type=int, help="synthetic: generated tokens (default 4096)")
+    p.add_argument("--schedule", help="synthetic: regime schedule (default random)")
     p.add_argument("--fidelity-queries", type=int, default=8,
                    help="future queries sampled per boundary (0: decisions only)")
     p.add_argument("--signals", action="store_true",
                    help="also measure Delta_t quality (Spearman, growth advantage; slower)")
     _common(p)
-    p.set_defaults(func=_lazy("run_replay"))
+    p.set_defaults(func=_lazy("run_replay"), seed=None)   # None: not given (--synthetic only)
 
     p = sub.add_parser("serve", help="simulate serving a workload under a policy")
     _serving(p)

@@ -33,6 +33,7 @@ from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
 
+REPLAY_GEN_LEN, REPLAY_SCHEDULE = 4096, "random"   # replay --synthetic's defaults (tokens)
 SWEEP_COLUMNS: list[reports.Column] = [
     ("label", "point", ""), ("tps", "TPS", ".0f"), ("avg_resident", "C", ".1f"),
     ("avg_kv_budget", "avg budget", ".0f"), ("mass_mean", "mass mean", ".4f"),
@@ -73,14 +74,20 @@ def _note(args: argparse.Namespace, text: str) -> None:
 
 # ---- replay ----------------------------------------------------------------------------------
 def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace]]:
+    synthetic_only = {"--gen-len": args.gen_len, "--schedule": args.schedule, "--seed": args.seed}
     if args.traces:
+        given = [flag for flag, value in synthetic_only.items() if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: for --synthetic traces only, not with --traces")
         traces = TraceSet(args.traces)
         if not len(traces):
             raise ConfigError(f"{args.traces}: the trace set is empty")
         return len(traces), traces.read
     _at_least("--synthetic", args.synthetic, 1)
-    spec = SyntheticSpec(gen_len=args.gen_len, schedule=args.schedule)
-    return args.synthetic, lambda i: synthetic_trace(spec, args.seed + i, f"synthetic-{i}")
+    spec = SyntheticSpec(gen_len=REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
+                         schedule=REPLAY_SCHEDULE if args.schedule is None else args.schedule)
+    seed = 0 if args.seed is None else args.seed
+    return args.synthetic, lambda i: synthetic_trace(spec, seed + i, f"synthetic-{i}")
 
 
 def run_replay(args: argparse.Namespace) -> int:

@@ -274,3 +274,15 @@ def test_a_missing_trace_set_directory_is_named_as_such(capsys, tmp_path, comman
     assert f"{tmp_path / 'file'}: not a directory" in capsys.readouterr().err
     assert main(command + [str(tmp_path)]) == 2
     assert "index.json: no trace-set index" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--gen-len", "100"], ["--schedule", "bogus"], ["--seed", "3"],
+                                   ["--gen-len", "100", "--schedule", "switch"]])
+def test_replay_of_a_trace_set_rejects_synthetic_only_flags(capsys, tmp_path, flags):
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[100], seed=1)
+    assert main(["sim", "replay", "--traces", str(tmp_path / "set"), *SMALL, *flags]) == 2
+    err = capsys.readouterr().err
+    assert "for --synthetic traces only, not with --traces" in err
+    assert all(flag in err for flag in flags if flag.startswith("--"))
