@@ -72,6 +72,11 @@ def _note(args: argparse.Namespace, text: str) -> None:
     print(text, file=sys.stderr if args.json else sys.stdout)
 
 
+def _warn(text: str, kind: str = "warning") -> None:
+    """Something the user should know about their input, on stderr."""
+    print(f"growpage: {kind}: {text}", file=sys.stderr)
+
+
 # ---- replay ----------------------------------------------------------------------------------
 def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace]]:
     synthetic_only = {"--gen-len": args.gen_len, "--schedule": args.schedule, "--seed": args.seed}
@@ -154,7 +159,23 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
     if args.traces and args.decisions != "trace":
         raise ConfigError("--traces is used only with --decisions trace (script mode draws "
                           "synthetic traces)")
-    return sim, cost, resolve_workload(args.workload, args.seed)
+    requests = resolve_workload(args.workload, args.seed)
+    if not args.traces and any(r.trace for r in requests):
+        _warn(f"{args.workload}: the trace column is ignored; it names traces of the set given "
+              "with --decisions trace --traces DIR")
+    return sim, cost, requests
+
+
+def _trace_requests(args: argparse.Namespace, requests: list[WorkloadRequest]
+                    ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
+    """``traces_for`` over ``--traces``, saying once how many requests changed lengths."""
+    traced, trace_of = traces_for(requests, args.traces)
+    changed = sum((a.prompt_tokens, a.output_tokens) != (b.prompt_tokens, b.output_tokens)
+                  for a, b in zip(requests, traced, strict=True))
+    if changed:
+        _warn(f"{changed} of {len(requests)} requests take their prompt and output lengths from "
+              f"their traces in {args.traces}, not from the workload", kind="note")
+    return traced, trace_of
 
 
 def _boundary_prices(args: argparse.Namespace) -> tuple[float | None, float | None]:
@@ -174,7 +195,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sim, cost, requests = _serving_setup(args, config)
     trace_of = None
     if args.decisions == "trace" and args.traces:
-        requests, trace_of = traces_for(requests, args.traces)
+        requests, trace_of = _trace_requests(args, requests)
     kwargs = parse_params(args.param)
     policy = resolve_policy(args.policy, **kwargs)
     out = _out_dir(args)
@@ -223,7 +244,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                              boundary_s=boundary_s, compaction_s=compaction_s,
                              traces=args.traces, threads=args.threads)
     if args.traces:
-        traces_for(requests, args.traces)   # a bad set or trace name fails before the work
+        _trace_requests(args, requests)   # a bad set or trace name fails before the work
     rows = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
     done, failed = [r for r in rows if "error" not in r], [r for r in rows if "error" in r]
     if done or args.json:

@@ -286,3 +286,28 @@ def test_replay_of_a_trace_set_rejects_synthetic_only_flags(capsys, tmp_path, fl
     err = capsys.readouterr().err
     assert "for --synthetic traces only, not with --traces" in err
     assert all(flag in err for flag in flags if flag.startswith("--"))
+
+
+@pytest.mark.parametrize("command", [["serve"], ["sweep", "--points", "fullkv", "--jobs", "1",
+                                                 "--fidelity-traces", "0"]])
+def test_the_workload_trace_column_is_noted_on_stderr(capsys, tmp_path, command):
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[90, 60], seed=2)
+    csv = tmp_path / "w.csv"
+    csv.write_text("arrival_s,prompt_tokens,output_tokens,trace\n0,5,5,synthetic-1\n"
+                   "0,20,60,\n0,5,5,\n")
+    argv = ["sim", *command, "--workload", str(csv), *SMALL, "--kv-pages", "40", "--json"]
+    for mode in ([], ["--decisions", "trace"]):   # script mode, trace mode without a set
+        assert main(argv + mode) == 0
+        err = capsys.readouterr().err
+        assert err.count("the trace column is ignored") == 1 and "lengths" not in err
+    assert main(argv + ["--decisions", "trace", "--traces", str(tmp_path / "set")]) == 0
+    err = capsys.readouterr().err
+    # synthetic-1 (20 + 60), then the set's entries in turn: synthetic-1 again (20 + 60, as
+    # the CSV says) and synthetic-0 (20 + 90).
+    assert err.count("growpage: note: 2 of 3 requests take their prompt and output lengths from "
+                     f"their traces in {tmp_path / 'set'}") == 1
+    assert "ignored" not in err
+    assert main(["sim", *command, "--workload", "tiny", *SMALL, "--json"]) == 0
+    assert capsys.readouterr().err == ""
