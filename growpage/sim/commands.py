@@ -295,11 +295,13 @@ def _model_path(text: str) -> Path:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from growpage.sim.calibrate import fit_linear, load_measurements, measure_engine
+    from growpage.sim.calibrate import fit_linear, fit_warnings, load_measurements, measure_engine
 
     out = _model_path(args.out)
     rows = load_measurements(args.measurements) if args.measurements else measure_engine()
     model = fit_linear(rows)
+    for text in fit_warnings(rows):
+        _warn(text)
     if not args.measurements and args.boundaries:  # capacity control on the same engine
         from growpage.engine.profile import measure_boundary_costs
 

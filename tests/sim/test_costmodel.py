@@ -9,7 +9,12 @@ import pytest
 
 from growpage.cli import main
 from growpage.errors import ConfigError
-from growpage.sim.calibrate import fit_linear, load_measurements, measure_engine
+from growpage.sim.calibrate import (
+    fit_linear,
+    fit_warnings,
+    load_measurements,
+    measure_engine,
+)
 from growpage.sim.costmodel import LinearCostModel, RooflineCostModel, load_cost_model
 from growpage.sim.hardware import A100_80GB, PRESETS, QWEN3_8B
 
@@ -75,6 +80,27 @@ def test_calibrate_cli_fits_a_csv_and_the_model_loads(tmp_path, capsys):
     assert "rms error" in capsys.readouterr().out
     model = load_cost_model(str(out))
     assert model.per_kv_token_s == pytest.approx(1e-6, rel=1e-6)
+
+
+def test_calibrate_warns_of_what_the_measurements_cannot_fit(tmp_path, capsys):
+    path = tmp_path / "m.csv"
+    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+                    "4,900,0,0.03\n8,800,0,0.05\n")
+    assert main(["calibrate", "--measurements", str(path), "--out", str(tmp_path / "m.json")]) == 0
+    assert load_cost_model(str(tmp_path / "m.json")).per_prefill_token_s == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("growpage: warning: prefill_tokens is 0 in every measurement, so "
+                            "per_prefill_token_s is fitted as 0 (free in the simulator); measure "
+                            "steps with other prefill_tokens\n")
+    rows = np.array([[1, 100, 5, 0.01], [1, 200, 0, 0.02], [1, 300, 9, 0.03], [1, 50, 1, 0.04]])
+    assert fit_warnings(rows) == ["num_seqs is 1 in every measurement, so per_seq_s cannot be "
+                                  "told apart from base_s (only their sum is fitted); measure "
+                                  "steps with other num_seqs"]
+    rows[:, 0] = [1, 2, 3, 4]
+    rows[:, 1] = 1e5 * rows[:, 0]   # kv_tokens follows num_seqs
+    assert "depend linearly on each other" in fit_warnings(rows)[0]
+    rows[:, 1] = [100, 900, 300, 50]
+    assert fit_warnings(rows) == []
 
 
 @pytest.mark.parametrize("content, match", [
