@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -145,6 +146,20 @@ def test_a_cost_model_file_must_hold_every_step_coefficient(tmp_path):
     path.write_text(json.dumps({"kind": "linear", "base_s": 0.01}))
     with pytest.raises(ConfigError, match="lacks per_seq_s, per_kv_token_s, per_prefill_token_s"):
         LinearCostModel.load(path)
+
+
+@pytest.mark.parametrize("field, value", [("base_s", -1.0), ("per_kv_token_s", "fast"),
+                                          ("compaction_s", None)])
+def test_a_bad_cost_model_file_is_named_in_the_error(tmp_path, capsys, field, value):
+    path = tmp_path / "neg.json"
+    fields = {"kind": "linear", "base_s": 0.01, "per_seq_s": 0.0, "per_kv_token_s": 1e-8,
+              "per_prefill_token_s": 0.0}
+    path.write_text(json.dumps({**fields, field: value}))
+    message = f"{path}: LinearCostModel.{field} must be a finite number >= 0"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_cost_model(str(path))
+    assert main(["sim", "serve", "--workload", "tiny", "--cost", str(path)]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_serving_refuses_a_cost_model_whose_decode_steps_are_free(capsys, tmp_path):
