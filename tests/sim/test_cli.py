@@ -311,3 +311,14 @@ def test_the_workload_trace_column_is_noted_on_stderr(capsys, tmp_path, command)
     assert "ignored" not in err
     assert main(["sim", *command, "--workload", "tiny", *SMALL, "--json"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_serving_tables_print_seconds_with_three_significant_digits():
+    from growpage.sim.reports import SERVING_COLUMNS, format_table
+
+    rows = [{"total_time_s": t, "boundary_time_s": b}
+            for t, b in [(0.04123, 0.0), (43.18, 0.0061), (10800.4, 2.5)]]
+    columns = [c for c in SERVING_COLUMNS if c[0] in ("total_time_s", "boundary_time_s")]
+    lines = format_table(rows, columns).splitlines()
+    assert [line.split() for line in lines[2:]] == [
+        ["0.0412", "0"], ["43.2", "0.00610"], ["10800", "2.50"]]
