@@ -53,11 +53,24 @@ def _load_class(spec: str) -> type:
             module = importlib.import_module(target)
         except Exception as exc:  # noqa: BLE001 - whatever the module raised while importing
             raise PolicyError(f"cannot import policy module {target!r}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+                              f"{type(exc).__name__}: {exc}{_file_hint(exc, target, attr)}"
+                              ) from exc
     try:
         return getattr(module, attr)
     except AttributeError:
         raise PolicyError(f"{target!r} has no attribute {attr!r}") from None
+
+
+def _file_hint(exc: Exception, target: str, attr: str) -> str:
+    """For a module that is not found: how to name it as a file instead (a console script does
+    not have the current directory on ``sys.path``)."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    if not missing or not (target == missing or target.startswith(missing + ".")):
+        return ""
+    path = Path(*target.split(".")).with_suffix(".py")
+    if path.is_file():
+        return f"; to load the file {path}, give '{path}:{attr}'"
+    return f"; a policy in a file is given as 'path/file.py:{attr}'"
 
 
 def _load_file(path: Path) -> ModuleType:

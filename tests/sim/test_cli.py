@@ -322,3 +322,19 @@ def test_serving_tables_print_seconds_with_three_significant_digits():
     lines = format_table(rows, columns).splitlines()
     assert [line.split() for line in lines[2:]] == [
         ["0.0412", "0"], ["43.2", "0.00610"], ["10800", "2.50"]]
+
+
+def test_a_policy_module_in_the_current_directory_is_suggested_as_a_file(
+        capsys, tmp_path, monkeypatch):
+    import os
+    import sys
+
+    (tmp_path / "cwd_pols.py").write_text(CRASH_POLICY)
+    monkeypatch.chdir(tmp_path)   # as the console script runs: the cwd is not on sys.path
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    argv = ["sim", "replay", "--synthetic", "1", "--gen-len", "64", *SMALL]
+    assert main(argv + ["--policy", "cwd_pols:Crash"]) == 2
+    assert ("No module named 'cwd_pols'; to load the file cwd_pols.py, give 'cwd_pols.py:Crash'"
+            in capsys.readouterr().err)
+    assert main(argv + ["--policy", "no_such_pols:Crash"]) == 2
+    assert "a policy in a file is given as 'path/file.py:Crash'" in capsys.readouterr().err
