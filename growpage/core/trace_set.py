@@ -76,6 +76,10 @@ class TraceSet:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._entries = []
             self._save_index()
+        elif not self.directory.exists():
+            raise TraceError(f"{directory}: no such directory (not a trace set)")
+        elif not self.directory.is_dir():
+            raise TraceError(f"{directory}: not a directory (not a trace set)")
         else:
             raise TraceError(f"{self._index_path}: no trace-set index (not a trace set)")
 

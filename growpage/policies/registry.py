@@ -53,11 +53,24 @@ def _load_class(spec: str) -> type:
             module = importlib.import_module(target)
         except Exception as exc:  # noqa: BLE001 - whatever the module raised while importing
             raise PolicyError(f"cannot import policy module {target!r}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+                              f"{type(exc).__name__}: {exc}{_file_hint(exc, target, attr)}"
+                              ) from exc
     try:
         return getattr(module, attr)
     except AttributeError:
         raise PolicyError(f"{target!r} has no attribute {attr!r}") from None
+
+
+def _file_hint(exc: Exception, target: str, attr: str) -> str:
+    """For a module that is not found: how to name it as a file instead (a console script does
+    not have the current directory on ``sys.path``)."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    if not missing or not (target == missing or target.startswith(missing + ".")):
+        return ""
+    path = Path(*target.split(".")).with_suffix(".py")
+    if path.is_file():
+        return f"; to load the file {path}, give '{path}:{attr}'"
+    return f"; a policy in a file is given as 'path/file.py:{attr}'"
 
 
 def _load_file(path: Path) -> ModuleType:
@@ -115,21 +128,27 @@ def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: 
         raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}") from exc
 
 
-def parse_policy_params(items: list[str], flag: str = "--param") -> dict[str, Any]:
-    """``["key=value", ...]`` from a command line -> policy kwargs.
+def parse_policy_value(text: str) -> Any:
+    """A hyperparameter value from a command line: JSON (``1024``, ``null``, ``"x"``), else a
+    Python literal (``None``, ``True``, ``1e-3``), else the text itself; spaces around it are
+    ignored."""
+    text = text.strip()
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, RecursionError):
+        return text
 
-    Values are read as JSON, then as Python literals (``True``, ``1e-3``), else kept as strings.
-    """
+
+def parse_policy_params(items: list[str], flag: str = "--param") -> dict[str, Any]:
+    """``["key=value", ...]`` from a command line -> policy kwargs (``parse_policy_value``)."""
     out: dict[str, Any] = {}
     for item in items:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            try:
-                out[key] = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                out[key] = value
+        out[key] = parse_policy_value(value)
     return out

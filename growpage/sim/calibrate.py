@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from growpage.errors import ConfigError, EngineError
-from growpage.sim.costmodel import LinearCostModel
+from growpage.sim.costmodel import STEP_COEFFICIENTS, LinearCostModel
 
 COLUMNS = ("num_seqs", "kv_tokens", "prefill_tokens", "step_s")
 ENGINE_PROFILER = "growpage.engine.profile"
@@ -83,6 +83,27 @@ def fit_linear(rows: np.ndarray) -> LinearCostModel:
     base, per_seq, per_kv, per_prefill = (float(c) for c in coef)
     return LinearCostModel(base_s=base, per_seq_s=per_seq, per_kv_token_s=per_kv,
                            per_prefill_token_s=per_prefill)
+
+
+def fit_warnings(rows: np.ndarray) -> list[str]:
+    """What ``rows`` cannot determine: a column with one value throughout (its coefficient is
+    then fitted as 0, or cannot be told apart from ``base_s``), or columns that depend linearly
+    on each other."""
+    warnings = []
+    for i, (column, coef) in enumerate(zip(COLUMNS[:3], STEP_COEFFICIENTS[1:], strict=True)):
+        value = float(rows[0, i])
+        if (rows[:, i] == value).all():
+            what = ("is fitted as 0 (free in the simulator)" if value == 0 else
+                    "cannot be told apart from base_s (only their sum is fitted)")
+            warnings.append(f"{column} is {value:g} in every measurement, so {coef} {what}; "
+                            f"measure steps with other {column}")
+    if not warnings:
+        x = np.column_stack([np.ones(len(rows)), rows[:, :3]])
+        if np.linalg.matrix_rank(x / np.abs(x).max(axis=0)) < x.shape[1]:
+            warnings.append(f"{', '.join(COLUMNS[:3])} depend linearly on each other in these "
+                            "measurements, so their coefficients are not fitted separately; "
+                            "vary them independently")
+    return warnings
 
 
 def measure_engine(**options: Any) -> np.ndarray:

@@ -26,12 +26,14 @@ def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
         p.add_argument("--policy", default="growpage",
                        help="registered name, 'module:Class' or 'file.py:Class' (default growpage)")
         p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                       help="policy hyperparameter (repeatable; VALUE parsed as JSON)")
+                       help="policy hyperparameter (repeatable; VALUE read as JSON, else as a "
+                            "Python literal such as None, else kept as a string)")
     p.add_argument("--page-size", type=int, default=256, help="tokens per KV page (default 256)")
     p.add_argument("--recent-window", type=int, default=16, help="protected recent tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_positive_int, default=1,
-                   help="torch CPU threads (default 1: best on a shared machine)")
+                   help="torch CPU threads (default 1: best on a shared machine; sweep: per "
+                        "worker process)")
     p.add_argument("--out", metavar="DIR", help="write JSON/CSV results and PNG plots here")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -76,14 +78,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--traces", metavar="DIR", help="a trace set directory")
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic traces instead")
-    p.add_argument("--gen-len", type=int, default=4096, help="synthetic: generated tokens")
-    p.add_argument("--schedule", default="random", help="synthetic: regime schedule")
+    p.add_argument("--gen-len", type=int, help="synthetic: generated tokens (default 4096)")
+    p.add_argument("--schedule", help="synthetic: regime schedule (default random)")
     p.add_argument("--fidelity-queries", type=int, default=8,
                    help="future queries sampled per boundary (0: decisions only)")
     p.add_argument("--signals", action="store_true",
                    help="also measure Delta_t quality (Spearman, growth advantage; slower)")
     _common(p)
-    p.set_defaults(func=_lazy("run_replay"))
+    p.set_defaults(func=_lazy("run_replay"), seed=None)   # None: not given (--synthetic only)
 
     p = sub.add_parser("serve", help="simulate serving a workload under a policy")
     _serving(p)
@@ -93,7 +95,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", help="policies x parameters: serving and fidelity, in parallel")
     _serving(p)
     p.add_argument("--points", nargs="+", default=DEFAULT_POINTS, metavar="SPEC",
-                   help="NAME or NAME@key=v1,v2;key2=v3 (default: %(default)s)")
+                   help="NAME or NAME@key=v1,v2;key2=v3, values read as --param reads them "
+                        "(default: %(default)s)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
     p.add_argument("--fidelity-traces", type=int, default=4,
                    help="synthetic traces replayed per point for fidelity (0: none)")

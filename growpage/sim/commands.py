@@ -33,6 +33,7 @@ from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
 
+REPLAY_GEN_LEN, REPLAY_SCHEDULE = 4096, "random"   # replay --synthetic's defaults (tokens)
 SWEEP_COLUMNS: list[reports.Column] = [
     ("label", "point", ""), ("tps", "TPS", ".0f"), ("avg_resident", "C", ".1f"),
     ("avg_kv_budget", "avg budget", ".0f"), ("mass_mean", "mass mean", ".4f"),
@@ -71,16 +72,27 @@ def _note(args: argparse.Namespace, text: str) -> None:
     print(text, file=sys.stderr if args.json else sys.stdout)
 
 
+def _warn(text: str, kind: str = "warning") -> None:
+    """Something the user should know about their input, on stderr."""
+    print(f"growpage: {kind}: {text}", file=sys.stderr)
+
+
 # ---- replay ----------------------------------------------------------------------------------
 def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace]]:
+    synthetic_only = {"--gen-len": args.gen_len, "--schedule": args.schedule, "--seed": args.seed}
     if args.traces:
+        given = [flag for flag, value in synthetic_only.items() if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: for --synthetic traces only, not with --traces")
         traces = TraceSet(args.traces)
         if not len(traces):
             raise ConfigError(f"{args.traces}: the trace set is empty")
         return len(traces), traces.read
     _at_least("--synthetic", args.synthetic, 1)
-    spec = SyntheticSpec(gen_len=args.gen_len, schedule=args.schedule)
-    return args.synthetic, lambda i: synthetic_trace(spec, args.seed + i, f"synthetic-{i}")
+    spec = SyntheticSpec(gen_len=REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
+                         schedule=REPLAY_SCHEDULE if args.schedule is None else args.schedule)
+    seed = 0 if args.seed is None else args.seed
+    return args.synthetic, lambda i: synthetic_trace(spec, seed + i, f"synthetic-{i}")
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -147,7 +159,23 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
     if args.traces and args.decisions != "trace":
         raise ConfigError("--traces is used only with --decisions trace (script mode draws "
                           "synthetic traces)")
-    return sim, cost, resolve_workload(args.workload, args.seed)
+    requests = resolve_workload(args.workload, args.seed)
+    if not args.traces and any(r.trace for r in requests):
+        _warn(f"{args.workload}: the trace column is ignored; it names traces of the set given "
+              "with --decisions trace --traces DIR")
+    return sim, cost, requests
+
+
+def _trace_requests(args: argparse.Namespace, requests: list[WorkloadRequest]
+                    ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
+    """``traces_for`` over ``--traces``, saying once how many requests changed lengths."""
+    traced, trace_of = traces_for(requests, args.traces)
+    changed = sum((a.prompt_tokens, a.output_tokens) != (b.prompt_tokens, b.output_tokens)
+                  for a, b in zip(requests, traced, strict=True))
+    if changed:
+        _warn(f"{changed} of {len(requests)} requests take their prompt and output lengths from "
+              f"their traces in {args.traces}, not from the workload", kind="note")
+    return traced, trace_of
 
 
 def _boundary_prices(args: argparse.Namespace) -> tuple[float | None, float | None]:
@@ -167,8 +195,9 @@ def run_serve(args: argparse.Namespace) -> int:
     sim, cost, requests = _serving_setup(args, config)
     trace_of = None
     if args.decisions == "trace" and args.traces:
-        requests, trace_of = traces_for(requests, args.traces)
-    policy = resolve_policy(args.policy, **parse_params(args.param))
+        requests, trace_of = _trace_requests(args, requests)
+    kwargs = parse_params(args.param)
+    policy = resolve_policy(args.policy, **kwargs)
     out = _out_dir(args)
     with tqdm(total=len(requests), desc="serve", unit="req", disable=args.json) as bar:
         result = simulate(requests, policy, config, sim, cost, trace_of,
@@ -177,8 +206,8 @@ def run_serve(args: argparse.Namespace) -> int:
     table = reports.format_table([m], reports.SERVING_COLUMNS) + (
         f"\n{m['num_requests']} requests, {m['output_tokens']} output tokens, "
         f"{sim.num_kv_pages} KV pages (peak {m['peak_pages']}), cost model {args.cost}")
-    payload = {"metrics": m, "sim": attrs.asdict(sim), "config": attrs.asdict(config),
-               "cost": args.cost, "workload": args.workload}
+    payload = {"metrics": m, "policy": args.policy, "params": kwargs, "sim": attrs.asdict(sim),
+               "config": attrs.asdict(config), "cost": args.cost, "workload": args.workload}
     _emit(args, table, payload)
     if out is not None:
         reports.write_json(out / "metrics.json", payload)
@@ -201,8 +230,7 @@ def _request_row(r: Any) -> dict:
 
 # ---- sweep and calibrate ---------------------------------------------------------------------
 def run_sweep(args: argparse.Namespace) -> int:
-    from growpage.sim.plots import plot_pareto
-    from growpage.sim.sweep import SweepSettings, parse_points, run_sweep
+    from growpage.sim.sweep import SweepError, SweepSettings, parse_points, run_sweep
 
     config = _setup(args)
     _at_least("--jobs", args.jobs, 1)
@@ -214,23 +242,43 @@ def run_sweep(args: argparse.Namespace) -> int:
     settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
                              fidelity_traces=args.fidelity_traces, seed=args.seed,
                              boundary_s=boundary_s, compaction_s=compaction_s,
-                             traces=args.traces)
+                             traces=args.traces, threads=args.threads)
     if args.traces:
-        traces_for(requests, args.traces)   # a bad set or trace name fails before the work
+        _trace_requests(args, requests)   # a bad set or trace name fails before the work
     rows = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
-    _emit(args, reports.format_table(rows, SWEEP_COLUMNS), {"points": rows})
+    done, failed = [r for r in rows if "error" not in r], [r for r in rows if "error" in r]
+    if done or args.json:
+        _emit(args, reports.format_table(done, SWEEP_COLUMNS), {"points": done, "failed": failed})
     if out is not None:
-        reports.write_json(out / "sweep.json", {"workload": args.workload, "points": rows})
-        reports.write_csv(out / "sweep.csv", rows)
-        if any(r.get("mass_mean") is not None for r in rows):
-            plot_pareto(rows, out / "pareto.png", "tps", "mass_mean", "throughput (tokens/s)",
-                        "retained attention mass", f"fidelity vs throughput ({args.workload})")
-        else:   # --fidelity-traces 0: no fidelity to plot, the KV budget instead
-            plot_pareto(rows, out / "pareto.png", "tps", "avg_kv_budget",
-                        "throughput (tokens/s)", "average KV budget (tokens)",
-                        f"KV budget vs throughput ({args.workload})")
-        _note(args, f"results in {out}/ (sweep.json, sweep.csv, pareto.png)")
+        reports.write_json(out / "sweep.json", {"workload": args.workload, "points": done,
+                                                "failed": failed})
+        reports.write_csv(out / "sweep.csv", done)
+        if done:
+            _plot_sweep(done, out / "pareto.png", args.workload)
+        _note(args, f"results in {out}/ (sweep.json, sweep.csv{', pareto.png' if done else ''})")
+    if failed:
+        raise SweepError(_failures(failed, len(rows), out))
     return 0
+
+
+def _plot_sweep(rows: list[dict], path: Path, workload: str) -> None:
+    from growpage.sim.plots import plot_pareto
+
+    if any(r.get("mass_mean") is not None for r in rows):
+        plot_pareto(rows, path, "tps", "mass_mean", "throughput (tokens/s)",
+                    "retained attention mass", f"fidelity vs throughput ({workload})")
+    else:   # --fidelity-traces 0: no fidelity to plot, the KV budget instead
+        plot_pareto(rows, path, "tps", "avg_kv_budget", "throughput (tokens/s)",
+                    "average KV budget (tokens)", f"KV budget vs throughput ({workload})")
+
+
+def _failures(failed: list[dict], total: int, out: Path | None) -> str:
+    kept = total - len(failed)
+    head = f"{len(failed)} of {total} sweep points failed"
+    if kept:
+        head += f" ({kept} finished: their results are printed" + (
+            f" and written to {out}/)" if out is not None else ")")
+    return "\n".join([head + ":"] + [f"  {r['label']}: {r['error']}" for r in failed])
 
 
 def _model_path(text: str) -> Path:
@@ -247,11 +295,13 @@ def _model_path(text: str) -> Path:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from growpage.sim.calibrate import fit_linear, load_measurements, measure_engine
+    from growpage.sim.calibrate import fit_linear, fit_warnings, load_measurements, measure_engine
 
     out = _model_path(args.out)
     rows = load_measurements(args.measurements) if args.measurements else measure_engine()
     model = fit_linear(rows)
+    for text in fit_warnings(rows):
+        _warn(text)
     if not args.measurements and args.boundaries:  # capacity control on the same engine
         from growpage.engine.profile import measure_boundary_costs
 

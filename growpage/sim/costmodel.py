@@ -143,6 +143,8 @@ class LinearCostModel(CostModel):
             return cls(**d)
         except TypeError as e:
             raise ConfigError(f"{path}: bad cost model fields ({e})") from None
+        except ConfigError as e:   # a validator's message names the field, not the file
+            raise ConfigError(f"{path}: {e}") from None
 
 
 @attrs.frozen(kw_only=True)

@@ -12,7 +12,8 @@ from typing import Any
 
 from growpage.sim.records import ReplayResult
 
-Column = tuple[str, str, str]   # (key, header, format spec)
+Column = tuple[str, str, str]   # (key, header, format spec, or SIGNIFICANT)
+SIGNIFICANT = "sig"             # 3 significant digits, no exponent: 10800, 43.2, 0.0412
 
 REPLAY_COLUMNS: list[Column] = [
     ("policy", "policy", ""), ("avg_budget", "avg budget", ".0f"),
@@ -22,16 +23,24 @@ REPLAY_COLUMNS: list[Column] = [
 
 SERVING_COLUMNS: list[Column] = [
     ("policy", "policy", ""), ("tps", "TPS", ".0f"), ("tpot_ms", "TPOT ms", ".1f"),
-    ("total_time_s", "time s", ".0f"), ("avg_resident", "C", ".1f"),
+    ("total_time_s", "time s", SIGNIFICANT), ("avg_resident", "C", ".1f"),
     ("avg_kv_budget", "avg budget", ".0f"), ("grow_ratio", "grow %", ".1%"),
     ("grows", "grow", "d"), ("compresses", "compress", "d"), ("shrinks", "shrink", "d"),
     ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d"),
-    ("boundary_time_s", "boundary s", ".2f")]
+    ("boundary_time_s", "boundary s", SIGNIFICANT)]
+
+
+def _significant(value: float, digits: int = 3) -> str:
+    if value == 0 or not math.isfinite(value):
+        return format(value, "g")
+    return f"{value:.{max(0, digits - 1 - math.floor(math.log10(abs(value))))}f}"
 
 
 def _cell(value: Any, fmt: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if fmt == SIGNIFICANT and isinstance(value, (int, float)):
+        return _significant(value)
     if fmt:
         try:
             return format(value, fmt)

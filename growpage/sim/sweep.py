@@ -1,20 +1,23 @@
 """Policies x hyperparameters, served (and replayed for fidelity) in parallel processes.
 
 A point spec is ``NAME`` or ``NAME@key=v1,v2;key2=v3``: one point per combination of the listed
-values (values are parsed as JSON, else kept as strings), e.g.
+values (each value read as ``--param`` reads it: ``policies.registry.parse_policy_value``), e.g.
 ``fixed@budget_tokens=1024,2048,4096,8192`` or ``growpage@tau=-0.01,0,0.01``.
 
 Each point is served on the workload (throughput side of the Pareto front) and replayed on a few
 synthetic traces with a private pool (fidelity side: mean retained attention mass and output
 error of the next page's queries, as in ``sim.replay``).
+
+A point that raises does not stop the sweep: its row carries ``error`` (the exception and where
+it was raised) instead of metrics, and the other points run on.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
+import traceback
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 import attrs
@@ -22,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig
-from growpage.errors import ConfigError
-from growpage.policies.registry import resolve_policy
+from growpage.errors import ConfigError, GrowPageError
+from growpage.policies.registry import parse_policy_value, resolve_policy
 from growpage.sim.costmodel import load_cost_model, with_boundary_costs
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.reports import aggregate_replays
@@ -31,6 +34,10 @@ from growpage.sim.serving import SimConfig, simulate
 from growpage.sim.sources import SCRIPT_SPEC, traces_for
 from growpage.sim.synthetic import synthetic_trace
 from growpage.sim.workload_csv import WorkloadRequest
+
+
+class SweepError(GrowPageError):
+    """Points of a sweep failed; the others ran and their results were kept."""
 
 
 @attrs.frozen
@@ -45,25 +52,22 @@ class SweepPoint:
         return self.policy + "".join(f" {k}={v}" for k, v in self.params)
 
 
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def parse_points(specs: Sequence[str]) -> list[SweepPoint]:
     """Expand point specs (see the module docstring) into points."""
     points = []
     for spec in specs:
         name, _, rest = spec.partition("@")
-        grid: list[list[tuple[str, Any]]] = []
+        grid: dict[str, list[tuple[str, Any]]] = {}
         for item in filter(None, rest.split(";")):
             key, eq, values = item.partition("=")
-            if not eq or not key.strip() or not values:
+            key = key.strip()
+            if not eq or not key or not values:
                 raise ConfigError(f"bad sweep spec {spec!r}: expected NAME@key=v1,v2;key2=v3")
-            grid.append([(key.strip(), _value(v.strip())) for v in values.split(",")])
-        points += [SweepPoint(name, tuple(combo)) for combo in itertools.product(*grid)]
+            if key in grid:
+                raise ConfigError(f"bad sweep spec {spec!r}: key {key!r} given twice (list its "
+                                  f"values once: {key}=v1,v2)")
+            grid[key] = [(key, parse_policy_value(v)) for v in values.split(",")]
+        points += [SweepPoint(name, tuple(combo)) for combo in itertools.product(*grid.values())]
     return points
 
 
@@ -81,11 +85,17 @@ class SweepSettings:
     boundary_s: float | None = None   # capacity-control prices over the cost model's (None: its)
     compaction_s: float | None = None
     traces: str | None = None         # trace set for decisions="trace" (None: synthetic traces)
+    threads: int = 1                  # torch CPU threads of each point's process
+
+
+def _identity(point: SweepPoint) -> dict:
+    return {"label": point.label, "group": point.policy, **dict(point.params),
+            "policy": point.policy}
 
 
 def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
     """Serve and replay one point; a flat dict of metrics."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(settings.threads)
     kwargs = dict(point.params)
     requests, trace_of = list(settings.requests), None
     if settings.traces and settings.sim.decisions == "trace":
@@ -100,30 +110,62 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
                             ReplayOptions(fidelity_queries=4))
                for i in range(settings.fidelity_traces)]
     fidelity = aggregate_replays(replays)
-    return {"label": point.label, "group": point.policy, **dict(point.params),
-            **serving.metrics.as_dict(), "policy": point.policy,
+    return {**_identity(point), **serving.metrics.as_dict(), "policy": point.policy,
             "mass_mean": fidelity.get("mass_mean"), "mass_min": fidelity.get("mass_min"),
             "output_error": fidelity.get("output_error"),
             "replay_avg_budget": fidelity.get("avg_budget")}
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message (file:line, in function)``, with the frame that raised first.
+
+    NOTE: simpy re-raises a process's exception as a copy caused by the original, so the frame
+    is taken from the end of the ``__cause__`` chain."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    frames = traceback.extract_tb(root.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def try_point(point: SweepPoint, settings: SweepSettings) -> dict:
+    """``run_point``, or, when it raises, the point's label, params and ``error``.
+
+    NOTE: the error is described in the process that ran the point: a worker's traceback does
+    not survive the trip back, and the exception itself may not pickle."""
+    try:
+        return run_point(point, settings)
+    except Exception as exc:  # noqa: BLE001 - whatever the policy raised; the sweep goes on
+        return {**_identity(point), "error": _describe(exc)}
+
+
 def run_sweep(points: Sequence[SweepPoint], settings: SweepSettings, jobs: int = 2,
               progress: bool = True) -> list[dict]:
-    """Run every point (in ``jobs`` processes); rows in the order of ``points``."""
+    """Run every point (in ``jobs`` processes); rows in the order of ``points``.
+
+    A point that fails gives a row with ``error`` (``try_point``); the others run on."""
     for p in points:   # fail fast on a bad policy name or hyperparameter
         resolve_policy(p.policy, **dict(p.params))
-    bar = tqdm(total=len(points), desc="sweep", unit="point", disable=not progress)
-    if jobs <= 1:
-        rows = []
-        for p in points:
-            rows.append(run_point(p, settings))
+    rows: dict[int, dict] = {}
+    with tqdm(total=len(points), desc="sweep", unit="point", disable=not progress) as bar:
+        def finish(i: int, row: dict) -> None:
+            rows[i] = row
             bar.update()
-        bar.close()
-        return rows
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(run_point, p, settings) for p in points]
-        for future in futures:
-            future.add_done_callback(lambda _: bar.update())
-        rows = [f.result() for f in futures]
-    bar.close()
-    return rows
+            failed = sum("error" in r for r in rows.values())
+            if failed:
+                bar.set_postfix_str(f"{failed} failed")
+
+        if jobs <= 1:
+            for i, p in enumerate(points):
+                finish(i, try_point(p, settings))
+            return [rows[i] for i in range(len(points))]
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(try_point, p, settings): i for i, p in enumerate(points)}
+            for future in as_completed(futures):
+                i = futures[future]
+                try:
+                    finish(i, future.result())
+                except Exception as exc:  # noqa: BLE001 - the worker died (killed, out of memory)
+                    finish(i, {**_identity(points[i]), "error": _describe(exc)})
+    return [rows[i] for i in range(len(points))]

@@ -8,6 +8,7 @@ import attrs
 import pytest
 
 from growpage.cli import main
+from growpage.errors import ConfigError
 from growpage.sim.sweep import SweepPoint, parse_points
 from growpage.sim.synthetic import SyntheticSpec, write_synthetic_trace_set
 
@@ -45,6 +46,7 @@ def test_serve_named_workload_and_csv_in_trace_mode(capsys, tmp_path):
                             "--out", str(tmp_path)])
     m = out["metrics"]
     assert m["num_requests"] == 12 and m["tps"] > 0 and m["peak_pages"] <= 80
+    assert out["policy"] == "growpage" and out["params"] == {}
     assert (tmp_path / "requests.csv").read_text().count("\n") == 13
     spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
                          prompt_len=20, gen_len=1)
@@ -73,6 +75,19 @@ def test_parse_sweep_points():
     assert SweepPoint("fixed", (("budget_tokens", 1),)).label == "fixed budget_tokens=1"
     with pytest.raises(Exception, match="bad sweep spec"):
         parse_points(["fixed@budget_tokens"])
+    with pytest.raises(ConfigError, match="key 'budget_tokens' given twice"):
+        parse_points(["fixed@budget_tokens=1024;budget_tokens=2048"])
+
+
+@pytest.mark.parametrize("text, value", [
+    ("None", None), ("null", None), ("True", True), ("true", True), ("1e-3", 1e-3),
+    ("-0.01", -0.01), ('"x"', "x"), ("abc", "abc"), (" 2 ", 2)])
+def test_param_and_sweep_values_are_read_alike(text, value):
+    from growpage.sim.commands import parse_params
+
+    assert parse_params([f"tau={text}"]) == {"tau": value}
+    assert parse_points([f"growpage@tau={text},0.5"]) == [
+        SweepPoint("growpage", (("tau", value),)), SweepPoint("growpage", (("tau", 0.5),))]
 
 
 def test_sweep_runs_points_and_writes_a_pareto_plot(capsys, tmp_path):
@@ -188,3 +203,138 @@ def test_threads_must_be_a_positive_integer(value, capsys):
         main(["sim", "replay", "--synthetic", "1", "--threads", value])
     assert exit_info.value.code == 2
     assert "--threads: expected an integer >= 1" in capsys.readouterr().err
+
+
+CRASH_POLICY = """
+import attrs
+from growpage.policies.base import CapacityPolicy
+
+
+@attrs.define
+class Crash(CapacityPolicy):
+    name = "crash"
+
+    def decide(self, ctx):
+        raise RuntimeError("kaboom")
+"""
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_failing_sweep_point_is_named_and_the_others_are_kept(capsys, tmp_path, jobs):
+    (tmp_path / "pols.py").write_text(CRASH_POLICY)
+    crash = f"{tmp_path / 'pols.py'}:Crash"
+    argv = ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "120", "--points", crash,
+            "fullkv", "--jobs", jobs, "--fidelity-traces", "0", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "fullkv" in captured.out and "Traceback" not in captured.err
+    bar, _, error = captured.err.rpartition("growpage: error: ")
+    assert bar.endswith("\n") and "2/2" in bar and "1 failed" in bar   # closed before the error
+    assert error.startswith("1 of 2 sweep points failed (1 finished")
+    assert f"  {crash}: RuntimeError: kaboom (" in error and "pols.py:11, in decide)" in error
+    saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [p["label"] for p in saved["points"]] == ["fullkv"]
+    assert saved["points"][0]["tps"] > 0
+    assert [p["label"] for p in saved["failed"]] == [crash]
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 0
+    assert main(argv[:-2] + ["--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert [p["label"] for p in out["points"]] == ["fullkv"]
+    assert "RuntimeError: kaboom" in out["failed"][0]["error"]
+
+
+def test_serve_records_the_policy_params(capsys, tmp_path):
+    out = run_json(capsys, ["sim", "serve", "--workload", "tiny", *SMALL, "--kv-pages", "80",
+                            "--policy", "fixed", "--param", "budget_tokens=128",
+                            "--out", str(tmp_path)])
+    assert out["policy"] == "fixed" and out["params"] == {"budget_tokens": 128}
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["policy"] == "fixed" and saved["params"] == {"budget_tokens": 128}
+
+
+def test_sweep_points_run_with_the_threads_asked_for(capsys, monkeypatch):
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    run_json(capsys, ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "120",
+                      "--points", "fullkv", "--jobs", "1", "--fidelity-traces", "0",
+                      "--threads", "3"])
+    assert calls and set(calls) == {3}
+
+
+@pytest.mark.parametrize("command", [
+    ["sim", "replay", "--traces"],
+    ["sim", "serve", "--workload", "tiny", "--decisions", "trace", "--traces"]])
+def test_a_missing_trace_set_directory_is_named_as_such(capsys, tmp_path, command):
+    (tmp_path / "file").write_text("x")
+    assert main(command + [str(tmp_path / "nosuchdir")]) == 2
+    assert f"{tmp_path / 'nosuchdir'}: no such directory" in capsys.readouterr().err
+    assert main(command + [str(tmp_path / "file")]) == 2
+    assert f"{tmp_path / 'file'}: not a directory" in capsys.readouterr().err
+    assert main(command + [str(tmp_path)]) == 2
+    assert "index.json: no trace-set index" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--gen-len", "100"], ["--schedule", "bogus"], ["--seed", "3"],
+                                   ["--gen-len", "100", "--schedule", "switch"]])
+def test_replay_of_a_trace_set_rejects_synthetic_only_flags(capsys, tmp_path, flags):
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[100], seed=1)
+    assert main(["sim", "replay", "--traces", str(tmp_path / "set"), *SMALL, *flags]) == 2
+    err = capsys.readouterr().err
+    assert "for --synthetic traces only, not with --traces" in err
+    assert all(flag in err for flag in flags if flag.startswith("--"))
+
+
+@pytest.mark.parametrize("command", [["serve"], ["sweep", "--points", "fullkv", "--jobs", "1",
+                                                 "--fidelity-traces", "0"]])
+def test_the_workload_trace_column_is_noted_on_stderr(capsys, tmp_path, command):
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[90, 60], seed=2)
+    csv = tmp_path / "w.csv"
+    csv.write_text("arrival_s,prompt_tokens,output_tokens,trace\n0,5,5,synthetic-1\n"
+                   "0,20,60,\n0,5,5,\n")
+    argv = ["sim", *command, "--workload", str(csv), *SMALL, "--kv-pages", "40", "--json"]
+    for mode in ([], ["--decisions", "trace"]):   # script mode, trace mode without a set
+        assert main(argv + mode) == 0
+        err = capsys.readouterr().err
+        assert err.count("the trace column is ignored") == 1 and "lengths" not in err
+    assert main(argv + ["--decisions", "trace", "--traces", str(tmp_path / "set")]) == 0
+    err = capsys.readouterr().err
+    # synthetic-1 (20 + 60), then the set's entries in turn: synthetic-1 again (20 + 60, as
+    # the CSV says) and synthetic-0 (20 + 90).
+    assert err.count("growpage: note: 2 of 3 requests take their prompt and output lengths from "
+                     f"their traces in {tmp_path / 'set'}") == 1
+    assert "ignored" not in err
+    assert main(["sim", *command, "--workload", "tiny", *SMALL, "--json"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_serving_tables_print_seconds_with_three_significant_digits():
+    from growpage.sim.reports import SERVING_COLUMNS, format_table
+
+    rows = [{"total_time_s": t, "boundary_time_s": b}
+            for t, b in [(0.04123, 0.0), (43.18, 0.0061), (10800.4, 2.5)]]
+    columns = [c for c in SERVING_COLUMNS if c[0] in ("total_time_s", "boundary_time_s")]
+    lines = format_table(rows, columns).splitlines()
+    assert [line.split() for line in lines[2:]] == [
+        ["0.0412", "0"], ["43.2", "0.00610"], ["10800", "2.50"]]
+
+
+def test_a_policy_module_in_the_current_directory_is_suggested_as_a_file(
+        capsys, tmp_path, monkeypatch):
+    import os
+    import sys
+
+    (tmp_path / "cwd_pols.py").write_text(CRASH_POLICY)
+    monkeypatch.chdir(tmp_path)   # as the console script runs: the cwd is not on sys.path
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    argv = ["sim", "replay", "--synthetic", "1", "--gen-len", "64", *SMALL]
+    assert main(argv + ["--policy", "cwd_pols:Crash"]) == 2
+    assert ("No module named 'cwd_pols'; to load the file cwd_pols.py, give 'cwd_pols.py:Crash'"
+            in capsys.readouterr().err)
+    assert main(argv + ["--policy", "no_such_pols:Crash"]) == 2
+    assert "a policy in a file is given as 'path/file.py:Crash'" in capsys.readouterr().err

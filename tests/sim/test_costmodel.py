@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from growpage.cli import main
 from growpage.errors import ConfigError
-from growpage.sim.calibrate import fit_linear, load_measurements, measure_engine
+from growpage.sim.calibrate import (
+    fit_linear,
+    fit_warnings,
+    load_measurements,
+    measure_engine,
+)
 from growpage.sim.costmodel import LinearCostModel, RooflineCostModel, load_cost_model
 from growpage.sim.hardware import A100_80GB, PRESETS, QWEN3_8B
 
@@ -77,6 +83,27 @@ def test_calibrate_cli_fits_a_csv_and_the_model_loads(tmp_path, capsys):
     assert model.per_kv_token_s == pytest.approx(1e-6, rel=1e-6)
 
 
+def test_calibrate_warns_of_what_the_measurements_cannot_fit(tmp_path, capsys):
+    path = tmp_path / "m.csv"
+    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+                    "4,900,0,0.03\n8,800,0,0.05\n")
+    assert main(["calibrate", "--measurements", str(path), "--out", str(tmp_path / "m.json")]) == 0
+    assert load_cost_model(str(tmp_path / "m.json")).per_prefill_token_s == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("growpage: warning: prefill_tokens is 0 in every measurement, so "
+                            "per_prefill_token_s is fitted as 0 (free in the simulator); measure "
+                            "steps with other prefill_tokens\n")
+    rows = np.array([[1, 100, 5, 0.01], [1, 200, 0, 0.02], [1, 300, 9, 0.03], [1, 50, 1, 0.04]])
+    assert fit_warnings(rows) == ["num_seqs is 1 in every measurement, so per_seq_s cannot be "
+                                  "told apart from base_s (only their sum is fitted); measure "
+                                  "steps with other num_seqs"]
+    rows[:, 0] = [1, 2, 3, 4]
+    rows[:, 1] = 1e5 * rows[:, 0]   # kv_tokens follows num_seqs
+    assert "depend linearly on each other" in fit_warnings(rows)[0]
+    rows[:, 1] = [100, 900, 300, 50]
+    assert fit_warnings(rows) == []
+
+
 @pytest.mark.parametrize("content, match", [
     ("num_seqs,kv_tokens\n1,2\n", "exactly the fields"),
     ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,x\n", "numbers"),
@@ -119,6 +146,20 @@ def test_a_cost_model_file_must_hold_every_step_coefficient(tmp_path):
     path.write_text(json.dumps({"kind": "linear", "base_s": 0.01}))
     with pytest.raises(ConfigError, match="lacks per_seq_s, per_kv_token_s, per_prefill_token_s"):
         LinearCostModel.load(path)
+
+
+@pytest.mark.parametrize("field, value", [("base_s", -1.0), ("per_kv_token_s", "fast"),
+                                          ("compaction_s", None)])
+def test_a_bad_cost_model_file_is_named_in_the_error(tmp_path, capsys, field, value):
+    path = tmp_path / "neg.json"
+    fields = {"kind": "linear", "base_s": 0.01, "per_seq_s": 0.0, "per_kv_token_s": 1e-8,
+              "per_prefill_token_s": 0.0}
+    path.write_text(json.dumps({**fields, field: value}))
+    message = f"{path}: LinearCostModel.{field} must be a finite number >= 0"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_cost_model(str(path))
+    assert main(["sim", "serve", "--workload", "tiny", "--cost", str(path)]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_serving_refuses_a_cost_model_whose_decode_steps_are_free(capsys, tmp_path):
