@@ -58,6 +58,11 @@ def check_device(value: str) -> torch.device:
     return device
 
 
+def pages_text(num: int) -> str:
+    """``"1 page"``, ``"3 pages"``."""
+    return f"{num} page" if num == 1 else f"{num} pages"
+
+
 def _layers(value: list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
     return None if value is None else tuple(sorted(set(value)))
 
@@ -130,6 +135,14 @@ class EngineConfig:
     def _device(self, attribute: attrs.Attribute, value: str) -> None:
         check_device(value)
 
+    def __attrs_post_init__(self) -> None:
+        # NOTE: every request grows to min_capacity pages before its policy may compress.
+        least = self.growpage.min_capacity
+        if self.kv_pages is not None and self.kv_pages < least:
+            raise ConfigError(f"EngineConfig.kv_pages: {pages_text(self.kv_pages)} cannot hold "
+                              f"one request, which grows to min_capacity = {least} pages before "
+                              f"its policy may compress; give at least {least}")
+
     @property
     def page_size(self) -> int:
         return self.growpage.page_size
@@ -140,7 +153,9 @@ class EngineConfig:
             return self.kv_pages
         budget = self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         pages = budget // bytes_per_page
-        if pages < 2:
-            raise ConfigError(f"EngineConfig.kv_cache_memory: {budget} bytes hold {pages} "
-                              f"page(s) of {bytes_per_page} bytes; need at least 2")
+        least = self.growpage.min_capacity
+        if pages < least:
+            raise ConfigError(f"EngineConfig.kv_cache_memory: {budget} bytes hold "
+                              f"{pages_text(pages)} of {bytes_per_page} bytes; need at least "
+                              f"min_capacity = {least}")
         return int(pages)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from growpage.core.config import GrowPageConfig
 from growpage.engine.config import EngineConfig, check_device
 from growpage.errors import ConfigError
 
@@ -24,6 +25,25 @@ from growpage.errors import ConfigError
 def test_bad_setting_names_it(field, value, words):
     with pytest.raises(ConfigError, match=words):
         EngineConfig(**{field: value})
+
+
+def test_a_pool_below_min_capacity_is_refused_up_front(monkeypatch):
+    from growpage.engine import llm as llm_module
+
+    with pytest.raises(ConfigError, match="kv_pages: 1 page cannot hold one request, which "
+                                          "grows to min_capacity = 2 pages"):
+        EngineConfig(kv_pages=1)
+    three = GrowPageConfig(min_capacity=3)
+    with pytest.raises(ConfigError, match="2 pages cannot hold .* min_capacity = 3"):
+        EngineConfig(kv_pages=2, growpage=three)
+    assert EngineConfig(kv_pages=3, growpage=three).num_pages_for(100) == 3
+    budget = EngineConfig(kv_cache_memory=250, growpage=three)
+    with pytest.raises(ConfigError, match="250 bytes hold 2 pages of 100 bytes; need at least "
+                                          "min_capacity = 3"):
+        budget.num_pages_for(100)
+    monkeypatch.setattr(llm_module, "_load", lambda *a: pytest.fail("model loaded"))
+    with pytest.raises(ConfigError, match="min_capacity"):
+        llm_module.LLM(page_size=16, kv_pages=1)
 
 
 def test_cuda_without_a_gpu_is_a_config_error(monkeypatch):

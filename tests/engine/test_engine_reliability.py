@@ -39,6 +39,16 @@ def test_overcommitted_workload_finishes_and_returns_every_page(model, policy):
     assert_all_returned(llm)
 
 
+@pytest.mark.parametrize("policy", ["growpage", "fixed"])
+def test_a_pool_of_min_capacity_pages_serves_a_long_request(model, policy):
+    kwargs = {"budget_tokens": 4} if policy == "fixed" else {}
+    llm = tiny_llm(model, policy, policy_kwargs=kwargs, kv_pages=2)  # min_capacity pages
+    out = llm.generate([prompt(3, 1)], GREEDY, use_tqdm=False)[0]  # grows to 2, compresses
+    assert len(out.token_ids) == 40 and out.finish_reason == "length"
+    assert out.events["forced_grow"] == 1 and out.events["compress"] > 0
+    assert_all_returned(llm)
+
+
 def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
     llm = tiny_llm(model, kv_pages=16)
     good = llm.generate([prompt(5, 1)], GREEDY, use_tqdm=False)[0].token_ids
