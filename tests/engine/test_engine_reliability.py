@@ -6,10 +6,12 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from engine_helpers import random_state_dict, tiny_config
 from llm_helpers import GREEDY, assert_all_returned, prompt, tiny_llm, tiny_models
 
 from growpage.core.decision import Decision
 from growpage.engine.llm import LLM
+from growpage.engine.loader import build_model
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError, PolicyError
 from growpage.policies import CapacityPolicy, GrowPagePolicy
@@ -86,6 +88,24 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
     assert llm.generate(torch.tensor(prompt(5, 1)), GREEDY, use_tqdm=False)[0].token_ids == good
     both = llm.generate(torch.tensor([prompt(5, 1)] * 2), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in both] == [good, good]
+
+
+def test_the_model_context_bounds_prompts_scores_and_generation():
+    cfg = attrs.evolve(tiny_config("llama"), max_position=24)
+    llm = tiny_llm(build_model(cfg, random_state_dict(cfg, seed=1234)), kv_pages=6)
+    for n in (24, 30):
+        with pytest.raises(EngineError, match=f"the prompt has {n} tokens; the model's context "
+                                              "of 24 tokens leaves no room to generate"):
+            llm.generate([prompt(n, 1)], GREEDY, use_tqdm=False)
+    with pytest.raises(EngineError, match=r"prompt \(20\) \+ continuation \(5\) = 25 tokens "
+                                          "exceed the model's context of 24 tokens"):
+        llm.score([prompt(20, 1)], [prompt(5, 2)])
+    assert_all_returned(llm)
+    # fullkv in 6 pages of 4: prompt + 40 tokens would not fit, but generation stops at 24
+    out = llm.generate([prompt(20, 1)], GREEDY, use_tqdm=False)[0]
+    assert (len(out.token_ids), out.finish_reason) == (4, "length")
+    assert len(llm.score([prompt(20, 1)], [prompt(4, 2)])[0].token_nlls) == 4
+    assert_all_returned(llm)
 
 
 @attrs.define
