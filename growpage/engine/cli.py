@@ -127,10 +127,19 @@ def _clip(text: str, width: int = 70) -> str:
 
 def read_prompts(path: Path) -> list[str]:
     """Prompts of a text file (one per line) or a JSONL file (``{"prompt": ...}`` per line)."""
+    if path.is_dir():
+        raise EngineError(f"prompt file {path} is a directory")
     if not path.is_file():
         raise EngineError(f"prompt file {path} not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise EngineError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})") from None
+    except OSError as exc:
+        raise EngineError(f"prompt file {path}: cannot read it ({exc.strerror})") from None
     prompts = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         if not line.strip():
             continue
         if path.suffix == ".jsonl":
@@ -150,6 +159,7 @@ def run_record(args: argparse.Namespace) -> int:
 
     prompts = read_prompts(args.prompts)
     layers = None if args.layers is None else _layers(args.layers)
+    _make_trace_dir(args.out)
     llm = _build_llm(policy="fullkv", record_traces=args.out, record_layers=layers,
                      record_values=args.values, **_engine_kwargs(args))
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens), chat=args.chat,
@@ -158,3 +168,13 @@ def run_record(args: argparse.Namespace) -> int:
     print(f"recorded {len(outs)} traces ({tokens} generated tokens) into {args.out}")
     print(llm.last_stats.table())
     return 0
+
+
+def _make_trace_dir(out: Path) -> None:
+    """``--out``, created before the model loads, so a bad path fails at once."""
+    if out.exists() and not out.is_dir():
+        raise EngineError(f"--out {out} is a file, not a trace-set directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EngineError(f"--out {out}: cannot create the directory ({exc.strerror})") from None

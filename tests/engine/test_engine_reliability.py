@@ -108,6 +108,19 @@ def test_the_model_context_bounds_prompts_scores_and_generation():
     assert_all_returned(llm)
 
 
+def test_a_kv_cache_the_host_cannot_hold_is_an_engine_error(model, monkeypatch):
+    from growpage.engine import attention
+
+    monkeypatch.setattr(attention, "available_host_memory", lambda: 10**6)
+    with pytest.raises(EngineError, match=r"the KV cache would take 2097152 bytes \(0.00 GiB\) "
+                                          r"for 1024 pages, but the host has 1000000 bytes"):
+        tiny_llm(model, kv_pages=1024)  # pages of 2048 bytes
+    monkeypatch.setattr(attention, "available_host_memory", lambda: None)  # torch refuses
+    with pytest.raises(EngineError, match=r"cannot allocate the KV cache: 2251799813685248 "
+                                          r"bytes .* on cpu \(.*\); lower kv_pages"):
+        tiny_llm(model, kv_pages=2**40)
+
+
 @attrs.define
 class FailsOnce(CapacityPolicy):
     """Returns a malformed selection at its first compression, then behaves."""

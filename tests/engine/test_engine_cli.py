@@ -1,0 +1,49 @@
+"""``growpage generate`` / ``growpage record``: a user's mistake is ``growpage: error: ...``
+and exit status 2, never a traceback. No model is loaded: ``_build_llm`` is replaced."""
+
+from __future__ import annotations
+
+import pytest
+
+from growpage import cli
+from growpage.engine import cli as engine_cli
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if a command gets as far as building the engine."""
+    monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: pytest.fail("engine built"))
+
+
+def error_of(argv: list[str], capsys) -> str:
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("growpage: error: "), captured.err
+    return captured.err
+
+
+def test_bad_prompt_files_are_errors(tmp_path, capsys, no_model):
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(bytes(range(256)))
+    err = error_of(["generate", "--prompts", str(binary)], capsys)
+    assert f"prompt file {binary} is not UTF-8 text (invalid start byte at byte 128)" in err
+    err = error_of(["record", "--prompts", str(tmp_path), "--out", str(tmp_path / "o")], capsys)
+    assert f"prompt file {tmp_path} is a directory" in err
+
+
+def test_record_out_must_be_a_directory_it_can_create(tmp_path, capsys, no_model):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    err = error_of(["record", "--prompts", str(prompts), "--out", str(prompts)], capsys)
+    assert f"--out {prompts} is a file, not a trace-set directory" in err
+    err = error_of(["record", "--prompts", str(prompts), "--out", "/proc/nope"], capsys)
+    assert "--out /proc/nope: cannot create the directory (No such file or directory)" in err
+
+
+def test_os_errors_are_reported_not_dumped(monkeypatch, capsys):
+    def missing(**kwargs):
+        raise FileNotFoundError(2, "No such file or directory", "x.gguf")
+
+    monkeypatch.setattr(engine_cli, "_build_llm", missing)
+    err = error_of(["generate", "--prompt", "hi"], capsys)
+    assert "No such file or directory: 'x.gguf'" in err
