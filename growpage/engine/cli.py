@@ -139,19 +139,25 @@ def read_prompts(path: Path) -> list[str]:
     except OSError as exc:
         raise EngineError(f"prompt file {path}: cannot read it ({exc.strerror})") from None
     prompts = []
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        if path.suffix == ".jsonl":
-            try:
-                prompts.append(str(json.loads(line)["prompt"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise EngineError(f"{path}: bad JSONL line {line[:60]!r} ({exc})") from exc
-        else:
-            prompts.append(line)
+        prompts.append(_jsonl_prompt(line, f"{path}:{number}") if path.suffix == ".jsonl"
+                       else line)
     if not prompts:
         raise EngineError(f"{path} holds no prompts")
     return prompts
+
+
+def _jsonl_prompt(line: str, where: str) -> str:
+    try:
+        prompt = json.loads(line)["prompt"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"{where}: bad JSONL line {line[:60]!r} ({exc})") from None
+    if not isinstance(prompt, str):
+        raise EngineError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__} "
+                          f"({line[:60]!r})")
+    return prompt
 
 
 def run_record(args: argparse.Namespace) -> int:

@@ -31,6 +31,22 @@ def test_bad_prompt_files_are_errors(tmp_path, capsys, no_model):
     assert f"prompt file {tmp_path} is a directory" in err
 
 
+@pytest.mark.parametrize("line,words", [
+    ('{"prompt": null}', "'prompt' must be a string, got NoneType"),
+    ('{"prompt": ["a", "b"]}', "'prompt' must be a string, got list"),
+    ('{"prompt": 5}', "'prompt' must be a string, got int"),
+    ('{"text": "hi"}', "bad JSONL line"),
+    ("[1, 2", "bad JSONL line"),
+])
+def test_jsonl_prompts_must_be_strings(tmp_path, capsys, no_model, line, words):
+    path = tmp_path / "p.jsonl"
+    path.write_text(f'{{"prompt": "fine"}}\n\n{line}\n')
+    err = error_of(["generate", "--prompts", str(path)], capsys)
+    assert f"{path}:3: " in err and words in err
+    path.write_text('{"prompt": "fine"}\n\n{"prompt": "[1]", "n": 2}\n')
+    assert engine_cli.read_prompts(path) == ["fine", "[1]"]
+
+
 def test_record_out_must_be_a_directory_it_can_create(tmp_path, capsys, no_model):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
