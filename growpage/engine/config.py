@@ -6,6 +6,7 @@ import attrs
 import torch
 
 from growpage.core.config import GrowPageConfig
+from growpage.engine.sampling_params import SEED_RANGE
 from growpage.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -117,7 +118,7 @@ class EngineConfig:
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
     record_values: bool = True
-    seed: int = 0
+    seed: int = attrs.field(default=0)
 
     @attention_backend.validator
     def _backend(self, attribute: attrs.Attribute, value: str) -> None:
@@ -129,6 +130,13 @@ class EngineConfig:
     def _async(self, attribute: attrs.Attribute, value: bool) -> None:
         if not isinstance(value, bool):
             raise ConfigError(f"EngineConfig.async_compaction must be True or False, "
+                              f"got {value!r}")
+
+    @seed.validator
+    def _seed(self, attribute: attrs.Attribute, value: int) -> None:
+        low, high = SEED_RANGE
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+            raise ConfigError(f"EngineConfig.seed must be an integer in [-2**63, 2**64), "
                               f"got {value!r}")
 
     @device.validator

@@ -75,9 +75,10 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}")
         base = config or GrowPageConfig()
-        if ("page_size" in growpage_fields and "recent_window" not in growpage_fields
-                and base.recent_window >= growpage_fields["page_size"]):
-            growpage_fields["recent_window"] = growpage_fields["page_size"] // 4  # small pages
+        page_size = growpage_fields.get("page_size")
+        if (isinstance(page_size, int) and "recent_window" not in growpage_fields
+                and base.recent_window >= page_size):
+            growpage_fields["recent_window"] = page_size // 4  # small pages
         gp = base.replace(**growpage_fields)
         policy_obj = resolve_policy(policy, **(policy_kwargs or {}))
         if record_traces is not None and getattr(policy_obj, "name", "") != "fullkv":
