@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--async-compaction", action="store_true",
                    help="compress beside the decode step (paper E.3; gains only on CUDA)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar over requests (default: with more than one prompt)")
+                   help="progress bar over requests, or over the tokens of a single prompt "
+                   "(default: with more than one prompt)")
     g.set_defaults(func=run_generate)
 
     r = subparsers.add_parser("record", help="record full-KV traces (fullkv policy) of prompts "
@@ -41,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--no-values", dest="values", action="store_false",
                    help="do not record values")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="progress bar over requests")
+                   help="progress bar over requests, or over the tokens of a single prompt")
     _common(r, default_policy=None, default_max_tokens=512)
     r.set_defaults(func=run_record)
 
@@ -107,8 +108,7 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = _build_llm(policy=args.policy,
                      policy_kwargs=parse_policy_params(args.policy_arg, "--policy-arg"),
                      **_engine_kwargs(args), **extra)
-    progress = len(prompts) > 1 if args.progress is None else args.progress
-    outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=progress)
+    outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=args.progress)
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         if len(outs) > 1:
             print(f"### {i + 1}/{len(outs)}: {_clip(prompt)}")

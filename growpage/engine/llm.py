@@ -109,10 +109,14 @@ class LLM:
 
     # ---- public API -----------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
-                 | None = None, *, chat: bool = False, use_tqdm: bool = True
+                 | None = None, *, chat: bool = False, use_tqdm: bool | None = None
                  ) -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids as a list or a tensor: ``[N]`` is one
-        prompt, ``[B, N]`` B of them); outputs in prompt order."""
+        prompt, ``[B, N]`` B of them); outputs in prompt order.
+
+        ``use_tqdm``: True shows a progress bar (over requests, or over the tokens of a lone
+        request), False none, None (default) one over requests when there are several.
+        """
         prompt_list = as_prompt_list(prompts)
         params_list = per_prompt_params(params or SamplingParams(), len(prompt_list))
         encoded = [encode_prompt(p, self.tokenizer, chat) for p in prompt_list]
@@ -143,7 +147,7 @@ class LLM:
 
     # ---- helpers --------------------------------------------------------------------------
     def _run(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
-             use_tqdm: bool) -> list[Sequence]:
+             use_tqdm: bool | None) -> list[Sequence]:
         engine = self.engine
         engine.stats.reset()
         seqs: list[Sequence] = []
@@ -152,11 +156,12 @@ class LLM:
                 rid = str(self._num_requests)
                 seqs.append(engine.add_request(rid, ids, params, forced, text))
                 self._num_requests += 1
-            bar = _progress(len(seqs), use_tqdm)
+            bar = _progress(seqs, use_tqdm)
             while engine.has_unfinished():
                 done = engine.step()
-                if bar is not None and done:
-                    bar.update(len(done))
+                if bar is not None:
+                    bar.update(len(done) if len(seqs) > 1 else
+                               seqs[0].num_output_tokens - bar.n)
             if bar is not None:
                 bar.close()
         except BaseException:
@@ -210,9 +215,12 @@ def _attention_backend(config: EngineConfig):
     return make_attention_backend(config.attention_backend, config.device)
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled or total <= 1:
+def _progress(seqs: list[Sequence], enabled: bool | None):
+    """A tqdm bar over ``seqs``, or over the tokens of a lone one (``enabled=True``)."""
+    if enabled is False or not seqs or (enabled is None and len(seqs) == 1):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+    if len(seqs) > 1:
+        return tqdm(total=len(seqs), desc="requests", unit="req", dynamic_ncols=True)
+    return tqdm(total=seqs[0].params.max_tokens, desc="tokens", unit="tok", dynamic_ncols=True)

@@ -7,6 +7,7 @@ import pytest
 
 from growpage import cli
 from growpage.engine import cli as engine_cli
+from growpage.errors import EngineError
 
 
 @pytest.fixture
@@ -63,3 +64,23 @@ def test_os_errors_are_reported_not_dumped(monkeypatch, capsys):
     monkeypatch.setattr(engine_cli, "_build_llm", missing)
     err = error_of(["generate", "--prompt", "hi"], capsys)
     assert "No such file or directory: 'x.gguf'" in err
+
+
+class _Recorded:
+    """Stands in for ``LLM``: keeps what ``generate`` was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def generate(self, prompts, params, **kwargs):
+        self.calls.append(kwargs)
+        raise EngineError("stop here")
+
+
+@pytest.mark.parametrize("flags,use_tqdm", [([], None), (["--progress"], True),
+                                            (["--no-progress"], False)])
+def test_progress_flag_reaches_generate(monkeypatch, capsys, flags, use_tqdm):
+    fake = _Recorded()
+    monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: fake)
+    error_of(["generate", "--prompt", "hi", *flags], capsys)
+    assert fake.calls[-1]["use_tqdm"] is use_tqdm

@@ -121,6 +121,21 @@ def test_a_kv_cache_the_host_cannot_hold_is_an_engine_error(model, monkeypatch):
         tiny_llm(model, kv_pages=2**40)
 
 
+def test_progress_bar_over_requests_or_the_tokens_of_a_lone_one(model, capsys):
+    llm = tiny_llm(model)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    llm.generate([prompt(5, 1)], params)
+    assert capsys.readouterr().err == ""  # default: no bar for one prompt
+    llm.generate([prompt(5, 1)], params, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "tokens: 100%" in err and "5/5" in err
+    llm.generate([prompt(5, 1), prompt(6, 2)], params)
+    err = capsys.readouterr().err
+    assert "requests: 100%" in err and "2/2" in err
+    llm.generate([prompt(5, 1), prompt(6, 2)], params, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+
+
 @attrs.define
 class FailsOnce(CapacityPolicy):
     """Returns a malformed selection at its first compression, then behaves."""
