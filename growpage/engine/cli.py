@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(g, default_policy="growpage", default_max_tokens=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the requests' sampling (default: none; a run is reproducible "
+                   "anyway, the engine's generator starting from seed 0)")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps as CUDA graphs (CUDA, Triton backend)")
     g.add_argument("--async-compaction", action="store_true",
@@ -77,17 +79,10 @@ def _build_llm(**kwargs: Any):
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from growpage.engine.config import resolve_device
+
     return {"model": args.model, "kv_pages": args.kv_pages, "page_size": args.page_size,
             "device": resolve_device(args.device), "attention_backend": args.attention_backend}
-
-
-def resolve_device(name: str) -> str:
-    """``--device``: ``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``."""
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _layers(text: str) -> list[int]:

@@ -36,6 +36,13 @@ def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
                           f"got {value!r}")
 
 
+def resolve_device(name: str) -> str:
+    """``"auto"`` is ``"cuda"`` when torch sees a GPU, else ``"cpu"``; other names unchanged."""
+    if name != "auto":
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def check_device(value: str) -> torch.device:
     """``value`` as a ``torch.device`` the engine can run on (cpu, or a CUDA device that torch
     sees); ``ConfigError`` naming the problem otherwise."""

@@ -18,7 +18,7 @@ import attrs
 import torch
 
 from growpage.core.config import GrowPageConfig
-from growpage.engine.config import EngineConfig
+from growpage.engine.config import EngineConfig, resolve_device
 from growpage.engine.inputs import (
     Prompt,
     as_prompt_list,
@@ -50,12 +50,17 @@ class LLM:
             given as a keyword (``recent_window=8``...) override it. With a ``page_size`` not
             above the default recent window (16) and no ``recent_window``, the window is
             ``page_size // 4``.
+        device: ``"cpu"`` (default), ``"cuda"``, ``"cuda:N"``, or ``"auto"`` (CUDA when torch
+            sees a GPU).
         kv_pages / kv_cache_memory / max_num_seqs / max_num_batched_tokens /
-        enable_prefix_caching / dtype / device / attention_backend / boundary_kernels / warmup /
+        enable_prefix_caching / dtype / attention_backend / boundary_kernels / warmup /
         cuda_graphs / async_compaction / record_traces / record_layers / record_values / seed:
         see ``EngineConfig``. Recording needs ``policy="fullkv"`` and turns prefix caching off;
         so does a policy that reads H2O accumulated attention (``needs_accumulated_attention``,
         e.g. ``"h2o"``).
+
+    ``last_stats`` holds the ``EngineStats`` of the last ``generate`` / ``score`` call; it is
+    None from the start of a call until the call returns, so a failed call leaves None.
     """
 
     def __init__(self, model: str | Path | CausalLM | None = None,
@@ -89,7 +94,8 @@ class LLM:
             growpage=gp, kv_pages=kv_pages, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching and record_traces is None and not sums,
-            dtype=dtype, device=device, attention_backend=attention_backend, boundary_kernels=boundary_kernels,
+            dtype=dtype, device=resolve_device(device), attention_backend=attention_backend,
+            boundary_kernels=boundary_kernels,
             warmup=warmup, cuda_graphs=cuda_graphs, async_compaction=async_compaction,
             record_traces=None if record_traces is None else str(record_traces),
             record_layers=None if record_layers is None else list(record_layers),
@@ -117,6 +123,7 @@ class LLM:
         ``use_tqdm``: True shows a progress bar (over requests, or over the tokens of a lone
         request), False none, None (default) one over requests when there are several.
         """
+        self.last_stats = None  # a call that fails leaves none, not the previous call's
         prompt_list = as_prompt_list(prompts)
         params_list = per_prompt_params(params or SamplingParams(), len(prompt_list))
         encoded = [encode_prompt(p, self.tokenizer, chat) for p in prompt_list]
@@ -128,6 +135,7 @@ class LLM:
               chat: bool = False, use_tqdm: bool = False) -> list[ScoreOutput]:
         """Teacher-forced NLL of each continuation after its prompt under the policy (paper
         section 5.3): capacity decisions happen as in decoding, the next token is forced."""
+        self.last_stats = None
         prompt_list, cont_list = as_prompt_list(prompts), as_prompt_list(continuations)
         if len(prompt_list) != len(cont_list):
             raise EngineError(f"{len(prompt_list)} prompts but {len(cont_list)} continuations")

@@ -76,6 +76,32 @@ def test_llm_rejects_the_device_before_loading(monkeypatch):
         llm_module.LLM(device="cuda")
 
 
+def test_llm_device_auto_is_cuda_when_torch_sees_a_gpu(monkeypatch):
+    from growpage.engine import llm as llm_module
+
+    def stop(model, tokenizer, config):
+        raise ConfigError(f"device {config.device}")
+
+    monkeypatch.setattr(llm_module, "_load", stop)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="device cpu"):
+        llm_module.LLM(device="auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="device cuda"):
+        llm_module.LLM(device="auto")
+
+
+def test_cli_seed_has_help(capsys):
+    from growpage import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--seed SEED seed of the requests' sampling (default: none; a run is reproducible" \
+        in text
+
+
 def test_cli_device_and_backend_reach_the_engine(monkeypatch, capsys):
     from growpage import cli
     from growpage.engine import cli as engine_cli

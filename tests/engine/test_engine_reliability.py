@@ -84,6 +84,11 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
     with pytest.raises(EngineError, match="fullkv"):
         tiny_llm(model, policy="growpage", record_traces=str(tmp_path / "t"))
     assert llm.generate([prompt(5, 1)], GREEDY, use_tqdm=False)[0].token_ids == good
+    assert llm.last_stats.num_requests == 1
+    for bad in (lambda: llm.generate([[]], GREEDY), lambda: llm.score([None], [[5]])):
+        with pytest.raises(EngineError):
+            bad()
+        assert llm.last_stats is None  # not the good call's
     # token ids as a tensor: [N] is one prompt, [B, N] is B of them
     assert llm.generate(torch.tensor(prompt(5, 1)), GREEDY, use_tqdm=False)[0].token_ids == good
     both = llm.generate(torch.tensor([prompt(5, 1)] * 2), GREEDY, use_tqdm=False)
