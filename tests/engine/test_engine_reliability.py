@@ -4,6 +4,7 @@ clear and leave the engine usable."""
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import pytest
 import torch
 from engine_helpers import random_state_dict, tiny_config
@@ -93,6 +94,16 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
     assert llm.generate(torch.tensor(prompt(5, 1)), GREEDY, use_tqdm=False)[0].token_ids == good
     both = llm.generate(torch.tensor([prompt(5, 1)] * 2), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in both] == [good, good]
+    # ... or numpy: an integer array, or a list of numpy integers
+    assert llm.generate(np.array(prompt(5, 1)), GREEDY, use_tqdm=False)[0].token_ids == good
+    numpy_ids = [np.int64(t) for t in prompt(5, 1)]
+    assert llm.generate(numpy_ids, GREEDY, use_tqdm=False)[0].token_ids == good
+    both = llm.generate(np.array([prompt(5, 1)] * 2, dtype=np.int32), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in both] == [good, good]
+    scored = llm.score(np.array(prompt(5, 1)), [np.array(good[:3])])[0]
+    assert scored.continuation_token_ids == good[:3] and len(scored.token_nlls) == 3
+    with pytest.raises(EngineError, match="a list of token ids, got float"):
+        llm.generate(np.array([1.5, 2.0]), GREEDY, use_tqdm=False)
 
 
 def test_the_model_context_bounds_prompts_scores_and_generation():
