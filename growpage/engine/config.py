@@ -157,6 +157,18 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.kv_pages: {pages_text(self.kv_pages)} cannot hold "
                               f"one request, which grows to min_capacity = {least} pages before "
                               f"its policy may compress; give at least {least}")
+        if self.cuda_graphs:
+            self._check_cuda_graphs()
+
+    def _check_cuda_graphs(self) -> None:
+        """What ``LLMEngine`` would refuse after loading the model, refused before it."""
+        if torch.device(self.device).type != "cuda" or self.attention_backend == "torch":
+            raise ConfigError(f"EngineConfig.cuda_graphs needs a CUDA device and "
+                              f"attention_backend='triton' (device {self.device!r}, backend "
+                              f"{self.attention_backend!r})")
+        if self.record_traces is not None:
+            raise ConfigError("EngineConfig.cuda_graphs cannot record traces (the recorder "
+                              "reads each step's keys and values); turn one of them off")
 
     @property
     def page_size(self) -> int:

@@ -46,6 +46,22 @@ def test_a_pool_below_min_capacity_is_refused_up_front(monkeypatch):
         llm_module.LLM(page_size=16, kv_pages=1)
 
 
+def test_cuda_graphs_are_refused_before_the_model_loads(monkeypatch):
+    from growpage.engine import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "_load", lambda *a: pytest.fail("model loaded"))
+    with pytest.raises(ConfigError, match="cuda_graphs needs a CUDA device and attention_backend="
+                                          "'triton' \\(device 'cpu', backend 'auto'\\)"):
+        llm_module.LLM(cuda_graphs=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="backend 'torch'"):
+        EngineConfig(cuda_graphs=True, device="cuda", attention_backend="torch")
+    with pytest.raises(ConfigError, match="cuda_graphs cannot record traces"):
+        EngineConfig(cuda_graphs=True, device="cuda", record_traces="traces")
+    assert EngineConfig(cuda_graphs=True, device="cuda").cuda_graphs
+
+
 def test_cuda_without_a_gpu_is_a_config_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="'cuda' asked for, but torch sees no CUDA device"):
