@@ -25,6 +25,7 @@ from growpage.engine.inputs import (
     encode_continuation,
     encode_prompt,
     per_prompt_params,
+    where,
 )
 from growpage.engine.llm_engine import LLMEngine
 from growpage.engine.model import CausalLM
@@ -126,7 +127,9 @@ class LLM:
         self.last_stats = None  # a call that fails leaves none, not the previous call's
         prompt_list = as_prompt_list(prompts)
         params_list = per_prompt_params(params or SamplingParams(), len(prompt_list))
-        encoded = [encode_prompt(p, self.tokenizer, chat) for p in prompt_list]
+        n = len(prompt_list)
+        encoded = [encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
+                   for i, p in enumerate(prompt_list)]
         seqs = self._run([(ids, prm, None, text) for (ids, text), prm
                           in zip(encoded, params_list, strict=True)], use_tqdm)
         return [self._request_output(s) for s in seqs]
@@ -140,9 +143,10 @@ class LLM:
         if len(prompt_list) != len(cont_list):
             raise EngineError(f"{len(prompt_list)} prompts but {len(cont_list)} continuations")
         work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]] = []
-        for p, c in zip(prompt_list, cont_list, strict=True):
-            ids, text = encode_prompt(p, self.tokenizer, chat)
-            forced = encode_continuation(c, self.tokenizer)
+        n = len(prompt_list)
+        for i, (p, c) in enumerate(zip(prompt_list, cont_list, strict=True)):
+            ids, text = encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
+            forced = encode_continuation(c, self.tokenizer, where("continuations", i, n))
             params = SamplingParams(max_tokens=len(forced), ignore_eos=True)
             work.append((ids, params, forced, text))
         seqs = self._run(work, use_tqdm)

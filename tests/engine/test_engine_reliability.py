@@ -57,7 +57,8 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
     good = llm.generate([prompt(5, 1)], GREEDY, use_tqdm=False)[0].token_ids
     cases = [
         ([[]], GREEDY, "empty prompt"),
-        ([prompt(5, 1), []], GREEDY, "empty prompt"),
+        ([prompt(5, 1), []], GREEDY, r"empty prompt \(prompts\[1\]\)"),
+        ([prompt(5, 1), [5, "x"]], GREEDY, r"must be a list of ints \(prompts\[1\]\)"),
         ([prompt(70, 2)], GREEDY, "cannot fit"),            # 16 pages of 4 tokens
         ([prompt(30, 2)], GREEDY, "cannot fit"),            # fullkv: 30 + 40 tokens
         ([[5, 300]], GREEDY, r"token ids must lie in \[0, 128\)"),
@@ -84,6 +85,8 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
         LLM(str(tmp_path / "missing.gguf"))
     with pytest.raises(EngineError, match="fullkv"):
         tiny_llm(model, policy="growpage", record_traces=str(tmp_path / "t"))
+    with pytest.raises(EngineError, match=r"empty continuation \(continuations\[1\]\)"):
+        llm.score([prompt(5, 1)] * 2, [[5], []])
     assert llm.generate([prompt(5, 1)], GREEDY, use_tqdm=False)[0].token_ids == good
     assert llm.last_stats.num_requests == 1
     for bad in (lambda: llm.generate([[]], GREEDY), lambda: llm.score([None], [[5]])):
