@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from growpage.engine.config import plural
 from growpage.errors import EngineError
 from growpage.policies.registry import parse_policy_params
 
@@ -109,7 +110,7 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"### {i + 1}/{len(outs)}: {_clip(prompt)}")
         print(out.text.strip())
         print()
-        print(f"finish reason  {out.finish_reason} ({len(out.token_ids)} tokens)")
+        print(f"finish reason  {out.finish_reason} ({plural(len(out.token_ids), 'token')})")
         print()
     print(llm.last_stats.table())
     return 0
@@ -166,7 +167,8 @@ def run_record(args: argparse.Namespace) -> int:
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens), chat=args.chat,
                         use_tqdm=args.progress)
     tokens = sum(len(o.token_ids) for o in outs)
-    print(f"recorded {len(outs)} traces ({tokens} generated tokens) into {args.out}")
+    print(f"recorded {plural(len(outs), 'trace')} ({plural(tokens, 'generated token')}) into "
+          f"{args.out}")
     print(llm.last_stats.table())
     return 0
 

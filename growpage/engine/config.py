@@ -66,9 +66,9 @@ def check_device(value: str) -> torch.device:
     return device
 
 
-def pages_text(num: int) -> str:
+def plural(num: int, noun: str) -> str:
     """``"1 page"``, ``"3 pages"``."""
-    return f"{num} page" if num == 1 else f"{num} pages"
+    return f"{num} {noun}" if num == 1 else f"{num} {noun}s"
 
 
 def _layers(value: list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
@@ -154,9 +154,9 @@ class EngineConfig:
         # NOTE: every request grows to min_capacity pages before its policy may compress.
         least = self.growpage.min_capacity
         if self.kv_pages is not None and self.kv_pages < least:
-            raise ConfigError(f"EngineConfig.kv_pages: {pages_text(self.kv_pages)} cannot hold "
-                              f"one request, which grows to min_capacity = {least} pages before "
-                              f"its policy may compress; give at least {least}")
+            raise ConfigError(f"EngineConfig.kv_pages: {plural(self.kv_pages, 'page')} cannot "
+                              f"hold one request, which grows to min_capacity = {least} pages "
+                              f"before its policy may compress; give at least {least}")
         if self.cuda_graphs:
             self._check_cuda_graphs()
 
@@ -183,6 +183,6 @@ class EngineConfig:
         least = self.growpage.min_capacity
         if pages < least:
             raise ConfigError(f"EngineConfig.kv_cache_memory: {budget} bytes hold "
-                              f"{pages_text(pages)} of {bytes_per_page} bytes; need at least "
+                              f"{plural(pages, 'page')} of {bytes_per_page} bytes; need at least "
                               f"min_capacity = {least}")
         return int(pages)

@@ -24,7 +24,7 @@ from collections import deque
 
 import attrs
 
-from growpage.engine.config import EngineConfig, pages_text
+from growpage.engine.config import EngineConfig, plural
 from growpage.engine.kv_manager import KVCacheManager
 from growpage.engine.sequence import FinishReason, Sequence, SequenceStatus
 from growpage.errors import EngineError
@@ -76,7 +76,7 @@ class Scheduler:
         if not self.kv.can_ever_fit(need):
             raise EngineError(
                 f"request {seq.request_id!r}: {need} tokens (prompt {seq.num_total_tokens}) "
-                f"cannot fit in the KV cache ({pages_text(self.kv.num_pages)} of "
+                f"cannot fit in the KV cache ({plural(self.kv.num_pages, 'page')} of "
                 f"{self.kv.page_size} tokens); raise kv_pages, shorten the prompt or lower "
                 "max_tokens")
         self.waiting.append(seq)

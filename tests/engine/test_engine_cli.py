@@ -84,3 +84,14 @@ def test_progress_flag_reaches_generate(monkeypatch, capsys, flags, use_tqdm):
     monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: fake)
     error_of(["generate", "--prompt", "hi", *flags], capsys)
     assert fake.calls[-1]["use_tqdm"] is use_tqdm
+
+
+def test_counts_of_one_are_singular(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    out = SimpleNamespace(text="Hello", token_ids=[5], finish_reason="length")
+    fake = SimpleNamespace(generate=lambda *a, **kw: [out],
+                           last_stats=SimpleNamespace(table=lambda: "stats"))
+    monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: fake)
+    assert cli.main(["generate", "--prompt", "hi"]) == 0
+    assert "finish reason  length (1 token)\n" in capsys.readouterr().out
