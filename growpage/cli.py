@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a CLI prints errors, it does not dump tracebacks
         from growpage.errors import GrowPageError
 
-        if isinstance(exc, GrowPageError):
+        if isinstance(exc, (GrowPageError, OSError)):  # OSError: a file the user named
             print(f"growpage: error: {exc}", file=sys.stderr)
             return 2
         raise

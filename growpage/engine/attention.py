@@ -23,14 +23,53 @@ import torch.nn.functional as F
 
 from growpage.engine.accumulation import DecodeIndex, add_decode, add_prefill, table_slots
 from growpage.engine.context import StepContext
+from growpage.errors import EngineError
 
 
 def allocate_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu") -> torch.Tensor:
-    """Zero-filled cache ``[2, num_layers, num_pages, page_size, num_kv_heads, head_dim]``."""
+    """Zero-filled cache ``[2, num_layers, num_pages, page_size, num_kv_heads, head_dim]``;
+    ``EngineError`` saying how many bytes were asked when the device cannot hold it."""
     shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except RuntimeError as exc:  # torch.OutOfMemoryError included
+        num_bytes = num_pages * kv_cache_bytes(num_layers, page_size, num_kv_heads, head_dim,
+                                               dtype)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise EngineError(f"cannot allocate the KV cache: {_size(num_bytes)} for {num_pages} "
+                          f"pages on {device} ({reason}); lower kv_pages or kv_cache_memory"
+                          ) from None
+
+
+def check_kv_cache_fits(num_bytes: int, num_pages: int, device: torch.device | str) -> None:
+    """``EngineError`` when a cache of ``num_bytes`` is more than the host has available.
+
+    NOTE: on the CPU a cache larger than the free memory may still be granted (overcommit), and
+    zero-filling it then gets the process killed, so it is refused before it is allocated.
+    """
+    available = available_host_memory() if torch.device(device).type == "cpu" else None
+    if available is not None and num_bytes > available:
+        raise EngineError(f"the KV cache would take {_size(num_bytes)} for {num_pages} pages, "
+                          f"but the host has {_size(available)} available; lower kv_pages or "
+                          "kv_cache_memory")
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory available to new allocations (``MemAvailable``); None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes} bytes ({num_bytes / 2**30:.2f} GiB)"
 
 
 def kv_cache_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,

@@ -15,6 +15,8 @@ ignore it: the runner updates the pool after the forward pass (``QueryStatePool.
 
 from __future__ import annotations
 
+import warnings
+
 import attrs
 import torch
 
@@ -25,6 +27,9 @@ from growpage.engine.context import StepCapture
 from growpage.errors import EngineError
 
 BACKEND_NAMES = ("auto", "torch", "triton")
+INTERPRETER_WARNING = ("attention_backend='triton' on the CPU runs Triton's interpreter "
+                       "(TRITON_INTERPRET=1): correct but tens of times slower than 'torch'; "
+                       "meant for tests")
 BETA_SHORT = 0.9  # same defaults as growpage.kernels (not imported: that pulls in Triton)
 BETA_LONG = 0.999
 
@@ -130,4 +135,6 @@ def _triton_backend(device: torch.device) -> AttentionBackend:
     if device.type == "cpu" and not is_interpreter():
         raise EngineError("the triton attention backend on cpu needs TRITON_INTERPRET=1 (set "
                           "before growpage.kernels is first imported); use 'torch' on cpu")
+    if device.type == "cpu":  # shown once per process by the default warning filter
+        warnings.warn(INTERPRETER_WARNING, UserWarning, stacklevel=1)
     return TritonAttentionBackend()

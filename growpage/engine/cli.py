@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from growpage.engine.config import plural
 from growpage.errors import EngineError
 from growpage.policies.registry import parse_policy_params
 
@@ -22,13 +23,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(g, default_policy="growpage", default_max_tokens=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the requests' sampling (default: none; a run is reproducible "
+                   "anyway, the engine's generator starting from seed 0)")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps as CUDA graphs (CUDA, Triton backend)")
     g.add_argument("--async-compaction", action="store_true",
                    help="compress beside the decode step (paper E.3; gains only on CUDA)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar over requests (default: with more than one prompt)")
+                   help="progress bar over requests, or over the tokens of a single prompt "
+                   "(default: with more than one prompt)")
     g.set_defaults(func=run_generate)
 
     r = subparsers.add_parser("record", help="record full-KV traces (fullkv policy) of prompts "
@@ -41,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--no-values", dest="values", action="store_false",
                    help="do not record values")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="progress bar over requests")
+                   help="progress bar over requests, or over the tokens of a single prompt")
     _common(r, default_policy=None, default_max_tokens=512)
     r.set_defaults(func=run_record)
 
@@ -76,17 +80,10 @@ def _build_llm(**kwargs: Any):
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from growpage.engine.config import resolve_device
+
     return {"model": args.model, "kv_pages": args.kv_pages, "page_size": args.page_size,
             "device": resolve_device(args.device), "attention_backend": args.attention_backend}
-
-
-def resolve_device(name: str) -> str:
-    """``--device``: ``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``."""
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _layers(text: str) -> list[int]:
@@ -107,14 +104,13 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = _build_llm(policy=args.policy,
                      policy_kwargs=parse_policy_params(args.policy_arg, "--policy-arg"),
                      **_engine_kwargs(args), **extra)
-    progress = len(prompts) > 1 if args.progress is None else args.progress
-    outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=progress)
+    outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=args.progress)
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         if len(outs) > 1:
             print(f"### {i + 1}/{len(outs)}: {_clip(prompt)}")
         print(out.text.strip())
         print()
-        print(f"finish reason  {out.finish_reason} ({len(out.token_ids)} tokens)")
+        print(f"finish reason  {out.finish_reason} ({plural(len(out.token_ids), 'token')})")
         print()
     print(llm.last_stats.table())
     return 0
@@ -127,22 +123,37 @@ def _clip(text: str, width: int = 70) -> str:
 
 def read_prompts(path: Path) -> list[str]:
     """Prompts of a text file (one per line) or a JSONL file (``{"prompt": ...}`` per line)."""
+    if path.is_dir():
+        raise EngineError(f"prompt file {path} is a directory")
     if not path.is_file():
         raise EngineError(f"prompt file {path} not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise EngineError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})") from None
+    except OSError as exc:
+        raise EngineError(f"prompt file {path}: cannot read it ({exc.strerror})") from None
     prompts = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        if path.suffix == ".jsonl":
-            try:
-                prompts.append(str(json.loads(line)["prompt"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise EngineError(f"{path}: bad JSONL line {line[:60]!r} ({exc})") from exc
-        else:
-            prompts.append(line)
+        prompts.append(_jsonl_prompt(line, f"{path}:{number}") if path.suffix == ".jsonl"
+                       else line)
     if not prompts:
         raise EngineError(f"{path} holds no prompts")
     return prompts
+
+
+def _jsonl_prompt(line: str, where: str) -> str:
+    try:
+        prompt = json.loads(line)["prompt"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"{where}: bad JSONL line {line[:60]!r} ({exc})") from None
+    if not isinstance(prompt, str):
+        raise EngineError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__} "
+                          f"({line[:60]!r})")
+    return prompt
 
 
 def run_record(args: argparse.Namespace) -> int:
@@ -150,11 +161,23 @@ def run_record(args: argparse.Namespace) -> int:
 
     prompts = read_prompts(args.prompts)
     layers = None if args.layers is None else _layers(args.layers)
+    _make_trace_dir(args.out)
     llm = _build_llm(policy="fullkv", record_traces=args.out, record_layers=layers,
                      record_values=args.values, **_engine_kwargs(args))
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens), chat=args.chat,
                         use_tqdm=args.progress)
     tokens = sum(len(o.token_ids) for o in outs)
-    print(f"recorded {len(outs)} traces ({tokens} generated tokens) into {args.out}")
+    print(f"recorded {plural(len(outs), 'trace')} ({plural(tokens, 'generated token')}) into "
+          f"{args.out}")
     print(llm.last_stats.table())
     return 0
+
+
+def _make_trace_dir(out: Path) -> None:
+    """``--out``, created before the model loads, so a bad path fails at once."""
+    if out.exists() and not out.is_dir():
+        raise EngineError(f"--out {out} is a file, not a trace-set directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EngineError(f"--out {out}: cannot create the directory ({exc.strerror})") from None

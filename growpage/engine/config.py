@@ -6,6 +6,7 @@ import attrs
 import torch
 
 from growpage.core.config import GrowPageConfig
+from growpage.engine.sampling_params import SEED_RANGE
 from growpage.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -35,6 +36,13 @@ def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
                           f"got {value!r}")
 
 
+def resolve_device(name: str) -> str:
+    """``"auto"`` is ``"cuda"`` when torch sees a GPU, else ``"cpu"``; other names unchanged."""
+    if name != "auto":
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def check_device(value: str) -> torch.device:
     """``value`` as a ``torch.device`` the engine can run on (cpu, or a CUDA device that torch
     sees); ``ConfigError`` naming the problem otherwise."""
@@ -56,6 +64,11 @@ def check_device(value: str) -> torch.device:
             raise ConfigError(f"EngineConfig.device: {value!r} asked for, but torch sees "
                               f"{count} CUDA device(s)")
     return device
+
+
+def plural(num: int, noun: str) -> str:
+    """``"1 page"``, ``"3 pages"``."""
+    return f"{num} {noun}" if num == 1 else f"{num} {noun}s"
 
 
 def _layers(value: list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
@@ -112,7 +125,7 @@ class EngineConfig:
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
     record_values: bool = True
-    seed: int = 0
+    seed: int = attrs.field(default=0)
 
     @attention_backend.validator
     def _backend(self, attribute: attrs.Attribute, value: str) -> None:
@@ -126,9 +139,36 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.async_compaction must be True or False, "
                               f"got {value!r}")
 
+    @seed.validator
+    def _seed(self, attribute: attrs.Attribute, value: int) -> None:
+        low, high = SEED_RANGE
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+            raise ConfigError(f"EngineConfig.seed must be an integer in [-2**63, 2**64), "
+                              f"got {value!r}")
+
     @device.validator
     def _device(self, attribute: attrs.Attribute, value: str) -> None:
         check_device(value)
+
+    def __attrs_post_init__(self) -> None:
+        # NOTE: every request grows to min_capacity pages before its policy may compress.
+        least = self.growpage.min_capacity
+        if self.kv_pages is not None and self.kv_pages < least:
+            raise ConfigError(f"EngineConfig.kv_pages: {plural(self.kv_pages, 'page')} cannot "
+                              f"hold one request, which grows to min_capacity = {least} pages "
+                              f"before its policy may compress; give at least {least}")
+        if self.cuda_graphs:
+            self._check_cuda_graphs()
+
+    def _check_cuda_graphs(self) -> None:
+        """What ``LLMEngine`` would refuse after loading the model, refused before it."""
+        if torch.device(self.device).type != "cuda" or self.attention_backend == "torch":
+            raise ConfigError(f"EngineConfig.cuda_graphs needs a CUDA device and "
+                              f"attention_backend='triton' (device {self.device!r}, backend "
+                              f"{self.attention_backend!r})")
+        if self.record_traces is not None:
+            raise ConfigError("EngineConfig.cuda_graphs cannot record traces (the recorder "
+                              "reads each step's keys and values); turn one of them off")
 
     @property
     def page_size(self) -> int:
@@ -140,7 +180,9 @@ class EngineConfig:
             return self.kv_pages
         budget = self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         pages = budget // bytes_per_page
-        if pages < 2:
-            raise ConfigError(f"EngineConfig.kv_cache_memory: {budget} bytes hold {pages} "
-                              f"page(s) of {bytes_per_page} bytes; need at least 2")
+        least = self.growpage.min_capacity
+        if pages < least:
+            raise ConfigError(f"EngineConfig.kv_cache_memory: {budget} bytes hold "
+                              f"{plural(pages, 'page')} of {bytes_per_page} bytes; need at least "
+                              f"min_capacity = {least}")
         return int(pages)

@@ -1,34 +1,43 @@
 """What ``LLM.generate`` and ``LLM.score`` accept, checked and turned into token ids.
 
-A prompt is text or token ids (a list of ints, or a tensor: ``[N]`` one prompt, ``[B, N]`` B of
-them); params are one ``SamplingParams`` or one per prompt. Anything else is an ``EngineError``
+A prompt is text or token ids (a list of ints, numpy integers included, or a tensor or numpy
+array: ``[N]`` one prompt, ``[B, N]`` B of them); params are one ``SamplingParams`` or one per
+prompt. Anything else is an ``EngineError``
 that says what was given.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import numpy as np
 import torch
 
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError
 
 Prompt = str | list[int]
+ARRAYS = (torch.Tensor, np.ndarray)  # token ids: [N] one prompt, [B, N] B of them
+
+
+def _is_token(value: object) -> bool:
+    """An int, or a numpy integer (not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     """One prompt or several, as a list of prompts."""
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, torch.Tensor):  # [N] one prompt of token ids, [B, N] B of them
+    if isinstance(prompts, ARRAYS):
         prompts = prompts.tolist()
     if not isinstance(prompts, Seq):
         raise EngineError(f"prompts must be a string, a list of token ids or a list of those, "
                           f"got {type(prompts).__name__}")
     items: list[Any] = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
+    if items and all(_is_token(t) for t in items):
         return [items]  # one token-id prompt
     return items
 
@@ -50,34 +59,39 @@ def per_prompt_params(params: SamplingParams | Seq[SamplingParams], n: int
     return params
 
 
-def encode_prompt(prompt: Prompt, tokenizer: Any, chat: bool) -> tuple[list[int], str | None]:
-    """``(token ids, text or None)`` of one prompt (``chat``: through the chat template)."""
+def where(name: str, index: int, count: int) -> str:
+    """``" (prompts[2])"`` for error messages when there are several, else ``""``."""
+    return f" ({name}[{index}])" if count > 1 else ""
+
+
+def encode_prompt(prompt: Prompt, tokenizer: Any, chat: bool, at: str = "",
+                  what: str = "prompt") -> tuple[list[int], str | None]:
+    """``(token ids, text or None)`` of one prompt (``chat``: through the chat template);
+    ``at`` (from ``where``) ends each error message, ``what`` names the input in it."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise EngineError("text prompts need a tokenizer; pass token ids instead")
+            raise EngineError(f"text {what}s need a tokenizer; pass token ids instead")
         if not prompt:
-            raise EngineError("empty prompt")
+            raise EngineError(f"empty {what}{at}")
         ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
         return ids, prompt
-    if not isinstance(prompt, (Seq, torch.Tensor)):
-        raise EngineError(f"a prompt is a string or a list of token ids, got "
-                          f"{type(prompt).__name__}")
-    ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-    if not isinstance(ids, list):
-        raise EngineError("a token-id prompt must be a list of ints")
+    if not isinstance(prompt, (Seq, *ARRAYS)):
+        raise EngineError(f"a {what} is a string or a list of token ids, got "
+                          f"{type(prompt).__name__}{at}")
+    ids = prompt.tolist() if isinstance(prompt, ARRAYS) else list(prompt)
+    if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
+        raise EngineError(f"a token-id {what} must be a list of ints{at}")
     if not ids:
-        raise EngineError("empty prompt")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise EngineError("a token-id prompt must be a list of ints")
-    return ids, None
+        raise EngineError(f"empty {what}{at}")
+    return [int(t) for t in ids], None
 
 
-def encode_continuation(cont: Prompt, tokenizer: Any) -> list[int]:
+def encode_continuation(cont: Prompt, tokenizer: Any, at: str = "") -> list[int]:
     """Token ids of a continuation to score (text without special tokens, or token ids)."""
     if isinstance(cont, str) and tokenizer is not None:
         ids = tokenizer.encode(cont, add_special_tokens=False)
     else:
-        ids, _ = encode_prompt(cont, tokenizer, chat=False)
+        ids, _ = encode_prompt(cont, tokenizer, chat=False, at=at, what="continuation")
     if not ids:
-        raise EngineError("empty continuation")
+        raise EngineError(f"empty continuation{at}")
     return ids

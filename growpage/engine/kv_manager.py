@@ -27,7 +27,7 @@ from growpage.core.capacity import BoundaryOutcome, CapacityController, PendingC
 from growpage.core.context import BoundaryBatch
 from growpage.core.pages import PagePool, chain_hash
 from growpage.engine.accumulation import allocate_sums, sum_bytes
-from growpage.engine.attention import allocate_kv_cache, kv_cache_bytes
+from growpage.engine.attention import allocate_kv_cache, check_kv_cache_fits, kv_cache_bytes
 from growpage.engine.config import EngineConfig
 from growpage.engine.kv_view import EngineKVView
 from growpage.engine.model import ModelConfig
@@ -50,6 +50,7 @@ class KVCacheManager:
         if records_sums:
             page_bytes += sum_bytes(c.num_layers, gp.page_size, c.num_kv_heads)
         self.num_pages = config.num_pages_for(page_bytes)
+        check_kv_cache_fits(self.num_pages * page_bytes, self.num_pages, config.device)
         self.cache = allocate_kv_cache(c.num_layers, self.num_pages, gp.page_size,
                                        c.num_kv_heads, c.head_dim, config.dtype, config.device)
         # H2O sums [L, slots, Hkv] fp32, only for a policy that reads them; their slots must

@@ -18,13 +18,14 @@ import attrs
 import torch
 
 from growpage.core.config import GrowPageConfig
-from growpage.engine.config import EngineConfig
+from growpage.engine.config import EngineConfig, resolve_device
 from growpage.engine.inputs import (
     Prompt,
     as_prompt_list,
     encode_continuation,
     encode_prompt,
     per_prompt_params,
+    where,
 )
 from growpage.engine.llm_engine import LLMEngine
 from growpage.engine.model import CausalLM
@@ -50,12 +51,17 @@ class LLM:
             given as a keyword (``recent_window=8``...) override it. With a ``page_size`` not
             above the default recent window (16) and no ``recent_window``, the window is
             ``page_size // 4``.
+        device: ``"cpu"`` (default), ``"cuda"``, ``"cuda:N"``, or ``"auto"`` (CUDA when torch
+            sees a GPU).
         kv_pages / kv_cache_memory / max_num_seqs / max_num_batched_tokens /
-        enable_prefix_caching / dtype / device / attention_backend / boundary_kernels / warmup /
+        enable_prefix_caching / dtype / attention_backend / boundary_kernels / warmup /
         cuda_graphs / async_compaction / record_traces / record_layers / record_values / seed:
         see ``EngineConfig``. Recording needs ``policy="fullkv"`` and turns prefix caching off;
         so does a policy that reads H2O accumulated attention (``needs_accumulated_attention``,
         e.g. ``"h2o"``).
+
+    ``last_stats`` holds the ``EngineStats`` of the last ``generate`` / ``score`` call; it is
+    None from the start of a call until the call returns, so a failed call leaves None.
     """
 
     def __init__(self, model: str | Path | CausalLM | None = None,
@@ -75,9 +81,10 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}")
         base = config or GrowPageConfig()
-        if ("page_size" in growpage_fields and "recent_window" not in growpage_fields
-                and base.recent_window >= growpage_fields["page_size"]):
-            growpage_fields["recent_window"] = growpage_fields["page_size"] // 4  # small pages
+        page_size = growpage_fields.get("page_size")
+        if (isinstance(page_size, int) and "recent_window" not in growpage_fields
+                and base.recent_window >= page_size):
+            growpage_fields["recent_window"] = page_size // 4  # small pages
         gp = base.replace(**growpage_fields)
         policy_obj = resolve_policy(policy, **(policy_kwargs or {}))
         if record_traces is not None and getattr(policy_obj, "name", "") != "fullkv":
@@ -88,7 +95,8 @@ class LLM:
             growpage=gp, kv_pages=kv_pages, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching and record_traces is None and not sums,
-            dtype=dtype, device=device, attention_backend=attention_backend, boundary_kernels=boundary_kernels,
+            dtype=dtype, device=resolve_device(device), attention_backend=attention_backend,
+            boundary_kernels=boundary_kernels,
             warmup=warmup, cuda_graphs=cuda_graphs, async_compaction=async_compaction,
             record_traces=None if record_traces is None else str(record_traces),
             record_layers=None if record_layers is None else list(record_layers),
@@ -108,13 +116,20 @@ class LLM:
 
     # ---- public API -----------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
-                 | None = None, *, chat: bool = False, use_tqdm: bool = True
+                 | None = None, *, chat: bool = False, use_tqdm: bool | None = None
                  ) -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids as a list or a tensor: ``[N]`` is one
-        prompt, ``[B, N]`` B of them); outputs in prompt order."""
+        prompt, ``[B, N]`` B of them); outputs in prompt order.
+
+        ``use_tqdm``: True shows a progress bar (over requests, or over the tokens of a lone
+        request), False none, None (default) one over requests when there are several.
+        """
+        self.last_stats = None  # a call that fails leaves none, not the previous call's
         prompt_list = as_prompt_list(prompts)
         params_list = per_prompt_params(params or SamplingParams(), len(prompt_list))
-        encoded = [encode_prompt(p, self.tokenizer, chat) for p in prompt_list]
+        n = len(prompt_list)
+        encoded = [encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
+                   for i, p in enumerate(prompt_list)]
         seqs = self._run([(ids, prm, None, text) for (ids, text), prm
                           in zip(encoded, params_list, strict=True)], use_tqdm)
         return [self._request_output(s) for s in seqs]
@@ -123,13 +138,15 @@ class LLM:
               chat: bool = False, use_tqdm: bool = False) -> list[ScoreOutput]:
         """Teacher-forced NLL of each continuation after its prompt under the policy (paper
         section 5.3): capacity decisions happen as in decoding, the next token is forced."""
+        self.last_stats = None
         prompt_list, cont_list = as_prompt_list(prompts), as_prompt_list(continuations)
         if len(prompt_list) != len(cont_list):
             raise EngineError(f"{len(prompt_list)} prompts but {len(cont_list)} continuations")
         work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]] = []
-        for p, c in zip(prompt_list, cont_list, strict=True):
-            ids, text = encode_prompt(p, self.tokenizer, chat)
-            forced = encode_continuation(c, self.tokenizer)
+        n = len(prompt_list)
+        for i, (p, c) in enumerate(zip(prompt_list, cont_list, strict=True)):
+            ids, text = encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
+            forced = encode_continuation(c, self.tokenizer, where("continuations", i, n))
             params = SamplingParams(max_tokens=len(forced), ignore_eos=True)
             work.append((ids, params, forced, text))
         seqs = self._run(work, use_tqdm)
@@ -142,7 +159,7 @@ class LLM:
 
     # ---- helpers --------------------------------------------------------------------------
     def _run(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
-             use_tqdm: bool) -> list[Sequence]:
+             use_tqdm: bool | None) -> list[Sequence]:
         engine = self.engine
         engine.stats.reset()
         seqs: list[Sequence] = []
@@ -151,11 +168,12 @@ class LLM:
                 rid = str(self._num_requests)
                 seqs.append(engine.add_request(rid, ids, params, forced, text))
                 self._num_requests += 1
-            bar = _progress(len(seqs), use_tqdm)
+            bar = _progress(seqs, use_tqdm)
             while engine.has_unfinished():
                 done = engine.step()
-                if bar is not None and done:
-                    bar.update(len(done))
+                if bar is not None:
+                    bar.update(len(done) if len(seqs) > 1 else
+                               seqs[0].num_output_tokens - bar.n)
             if bar is not None:
                 bar.close()
         except BaseException:
@@ -209,9 +227,12 @@ def _attention_backend(config: EngineConfig):
     return make_attention_backend(config.attention_backend, config.device)
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled or total <= 1:
+def _progress(seqs: list[Sequence], enabled: bool | None):
+    """A tqdm bar over ``seqs``, or over the tokens of a lone one (``enabled=True``)."""
+    if enabled is False or not seqs or (enabled is None and len(seqs) == 1):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+    if len(seqs) > 1:
+        return tqdm(total=len(seqs), desc="requests", unit="req", dynamic_ncols=True)
+    return tqdm(total=seqs[0].params.max_tokens, desc="tokens", unit="tok", dynamic_ncols=True)

@@ -74,9 +74,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     forced_token_ids: list[int] | None = None, prompt: str | None = None
                     ) -> Sequence:
-        """Queue a request (``EngineError`` when it is empty or can never fit)."""
+        """Queue a request (``EngineError`` when it is empty or can never fit).
+
+        Prompt and output share the model's context (``max_position`` tokens): the prompt must
+        leave room for a token, a scored continuation must fit beside its prompt, and
+        generation stops with finish reason ``length`` when the context is full.
+        """
         if not prompt_token_ids:
             raise EngineError(f"request {request_id!r}: empty prompt")
+        self._check_context(request_id, len(prompt_token_ids), forced_token_ids)
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise EngineError(f"request {request_id!r}: token ids must lie in [0, {vocab})")
@@ -87,6 +93,17 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._next_id += 1
         return seq
+
+    def _check_context(self, request_id: str, num_prompt: int,
+                       forced_token_ids: list[int] | None) -> None:
+        context = self.model.config.max_position
+        if num_prompt >= context:
+            raise EngineError(f"request {request_id!r}: the prompt has {num_prompt} tokens; the "
+                              f"model's context of {context} tokens leaves no room to generate")
+        if forced_token_ids is not None and num_prompt + len(forced_token_ids) > context:
+            raise EngineError(f"request {request_id!r}: prompt ({num_prompt}) + continuation "
+                              f"({len(forced_token_ids)}) = {num_prompt + len(forced_token_ids)}"
+                              f" tokens exceed the model's context of {context} tokens")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -200,6 +201,23 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 # ---------------------------------------------------------------- Hugging Face directories
 
 
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``; ``EngineError`` naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EngineError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise EngineError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _required(hf: dict, key: str, path: Path, section: str = "") -> Any:
+    if key not in hf:
+        raise EngineError(f"{path / 'config.json'}: missing required key {section + key!r}")
+    return hf[key]
+
+
 def _hf_rope(hf: dict, head_dim: int, path: Path) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or params
@@ -208,11 +226,12 @@ def _hf_rope(hf: dict, head_dim: int, path: Path) -> RopeConfig:
     if kind == "default":
         return RopeConfig(head_dim=head_dim, theta=theta)
     if kind == "llama3":
+        get = functools.partial(_required, scaling, path=path, section="rope_scaling.")
         return RopeConfig(
-            head_dim=head_dim, theta=theta, scaling_factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position=int(scaling["original_max_position_embeddings"]))
+            head_dim=head_dim, theta=theta, scaling_factor=float(get("factor")),
+            low_freq_factor=float(get("low_freq_factor")),
+            high_freq_factor=float(get("high_freq_factor")),
+            original_max_position=int(get("original_max_position_embeddings")))
     raise EngineError(f"{path}: unsupported rope scaling {kind!r} (default and llama3 only)")
 
 
@@ -222,12 +241,13 @@ def hf_config_to_model_config(hf: dict, path: Path) -> ModelConfig:
     if arch not in SUPPORTED_ARCHS:
         raise EngineError(f"{path}: unsupported model_type {arch!r} "
                           f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    num_q_heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_q_heads
+    get = functools.partial(_required, hf, path=path)
+    num_q_heads = get("num_attention_heads")
+    head_dim = hf.get("head_dim") or get("hidden_size") // num_q_heads
     eos = hf.get("eos_token_id")
     return ModelConfig(
-        arch=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        arch=arch, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+        intermediate_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
         num_q_heads=num_q_heads, num_kv_heads=hf.get("num_key_value_heads") or num_q_heads,
         head_dim=head_dim, rope=_hf_rope(hf, head_dim, path), rms_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=hf.get("tie_word_embeddings", False), qk_norm=arch == "qwen3",
@@ -241,10 +261,10 @@ def hf_config_to_model_config(hf: dict, path: Path) -> ModelConfig:
 def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    hf = json.loads((path / "config.json").read_text())
+    hf = read_json(path / "config.json")
     gen_file = path / "generation_config.json"
     if gen_file.is_file():  # often lists more end tokens than config.json (Qwen3)
-        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        gen_eos = read_json(gen_file).get("eos_token_id")
         eos = [e for x in (hf.get("eos_token_id"), gen_eos) if x is not None
                for e in (x if isinstance(x, list) else [x])]
         hf["eos_token_id"] = list(dict.fromkeys(eos)) or None

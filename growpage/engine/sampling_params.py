@@ -15,12 +15,26 @@ def _check(cond: bool, field: str, msg: str) -> None:
         raise EngineError(f"SamplingParams.{field}: {msg}")
 
 
+SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes
+
+
+def _as_tuple(value: Any, field: str, what: str) -> tuple:
+    try:
+        return tuple(value)
+    except TypeError:
+        raise EngineError(f"SamplingParams.{field}: must be {what}, got {value!r}") from None
+
+
 def _stop_tuple(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
         return (value,)
-    return tuple(value)
+    return _as_tuple(value, "stop", "a string or a list of strings")
+
+
+def _id_tuple(value: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    return _as_tuple(value, "stop_token_ids", "a list of token ids")
 
 
 def _is_int(value: object) -> bool:
@@ -35,7 +49,7 @@ class SamplingParams:
         temperature: 0 means greedy (the default); > 0 samples from ``softmax(logits / T)``.
         top_p: nucleus sampling mass in (0, 1]; 1 keeps the whole distribution.
         max_tokens: most tokens to generate (>= 1).
-        seed: per-request RNG seed; None draws from the engine's generator.
+        seed: per-request RNG seed in [-2**63, 2**64); None draws from the engine's generator.
         stop: strings that end generation; the returned text stops before the match.
         stop_token_ids: token ids that end generation (besides the model's end tokens).
         ignore_eos: keep generating past the model's end-of-sequence tokens.
@@ -46,7 +60,7 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_tuple)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_id_tuple)
     ignore_eos: bool = False
 
     def __attrs_post_init__(self) -> None:
@@ -57,12 +71,15 @@ class SamplingParams:
                "top_p", f"must lie in (0, 1], got {p!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                f"must be a positive integer, got {self.max_tokens!r}")
-        _check(self.seed is None or _is_int(self.seed), "seed",
-               f"must be an integer or None, got {self.seed!r}")
+        low, high = SEED_RANGE
+        _check(self.seed is None or (_is_int(self.seed) and low <= self.seed < high), "seed",
+               f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                f"must be non-empty strings, got {self.stop!r}")
         _check(all(_is_int(i) and i >= 0 for i in self.stop_token_ids), "stop_token_ids",
                f"must be non-negative integers, got {self.stop_token_ids!r}")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos",
+               f"must be True or False, got {self.ignore_eos!r}")
 
     @property
     def is_greedy(self) -> bool:

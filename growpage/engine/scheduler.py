@@ -24,7 +24,7 @@ from collections import deque
 
 import attrs
 
-from growpage.engine.config import EngineConfig
+from growpage.engine.config import EngineConfig, plural
 from growpage.engine.kv_manager import KVCacheManager
 from growpage.engine.sequence import FinishReason, Sequence, SequenceStatus
 from growpage.errors import EngineError
@@ -68,15 +68,15 @@ class Scheduler:
 
         A policy that compresses when the pool is full needs room for the prompt and one more
         token; one that never compresses (``fallback_to_compress = False``: fullkv) needs room
-        for every token it may generate.
+        for every token it may generate, which the model's context bounds.
         """
         need = seq.num_total_tokens
         if not getattr(self.kv.controller.policy, "fallback_to_compress", True):
-            need += seq.params.max_tokens - 1
+            need = min(need + seq.params.max_tokens, self.kv.model_config.max_position) - 1
         if not self.kv.can_ever_fit(need):
             raise EngineError(
                 f"request {seq.request_id!r}: {need} tokens (prompt {seq.num_total_tokens}) "
-                f"cannot fit in the KV cache ({self.kv.num_pages} pages of "
+                f"cannot fit in the KV cache ({plural(self.kv.num_pages, 'page')} of "
                 f"{self.kv.page_size} tokens); raise kv_pages, shorten the prompt or lower "
                 "max_tokens")
         self.waiting.append(seq)

@@ -6,7 +6,6 @@ Built on the ``tokenizers`` package; the chat template (Jinja, from the GGUF met
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from growpage.errors import EngineError
@@ -129,11 +128,16 @@ def tokenizer_from_gguf(path: str | Path, reader=None) -> Tokenizer:
 def _tokenizer_from_hf_dir(path: Path) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
+    from growpage.engine.loader import read_json
+
     if not (path / "tokenizer.json").is_file():
         raise EngineError(f"{path}: no tokenizer.json")
-    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    try:
+        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+        raise EngineError(f"{path / 'tokenizer.json'}: cannot read it ({exc})") from None
     cfg_file = path / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    cfg = read_json(cfg_file) if cfg_file.is_file() else {}
     template = cfg.get("chat_template")
     if (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()

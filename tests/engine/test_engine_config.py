@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from growpage.core.config import GrowPageConfig
 from growpage.engine.config import EngineConfig, check_device
 from growpage.errors import ConfigError
 
@@ -24,6 +25,41 @@ from growpage.errors import ConfigError
 def test_bad_setting_names_it(field, value, words):
     with pytest.raises(ConfigError, match=words):
         EngineConfig(**{field: value})
+
+
+def test_a_pool_below_min_capacity_is_refused_up_front(monkeypatch):
+    from growpage.engine import llm as llm_module
+
+    with pytest.raises(ConfigError, match="kv_pages: 1 page cannot hold one request, which "
+                                          "grows to min_capacity = 2 pages"):
+        EngineConfig(kv_pages=1)
+    three = GrowPageConfig(min_capacity=3)
+    with pytest.raises(ConfigError, match="2 pages cannot hold .* min_capacity = 3"):
+        EngineConfig(kv_pages=2, growpage=three)
+    assert EngineConfig(kv_pages=3, growpage=three).num_pages_for(100) == 3
+    budget = EngineConfig(kv_cache_memory=250, growpage=three)
+    with pytest.raises(ConfigError, match="250 bytes hold 2 pages of 100 bytes; need at least "
+                                          "min_capacity = 3"):
+        budget.num_pages_for(100)
+    monkeypatch.setattr(llm_module, "_load", lambda *a: pytest.fail("model loaded"))
+    with pytest.raises(ConfigError, match="min_capacity"):
+        llm_module.LLM(page_size=16, kv_pages=1)
+
+
+def test_cuda_graphs_are_refused_before_the_model_loads(monkeypatch):
+    from growpage.engine import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "_load", lambda *a: pytest.fail("model loaded"))
+    with pytest.raises(ConfigError, match="cuda_graphs needs a CUDA device and attention_backend="
+                                          "'triton' \\(device 'cpu', backend 'auto'\\)"):
+        llm_module.LLM(cuda_graphs=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="backend 'torch'"):
+        EngineConfig(cuda_graphs=True, device="cuda", attention_backend="torch")
+    with pytest.raises(ConfigError, match="cuda_graphs cannot record traces"):
+        EngineConfig(cuda_graphs=True, device="cuda", record_traces="traces")
+    assert EngineConfig(cuda_graphs=True, device="cuda").cuda_graphs
 
 
 def test_cuda_without_a_gpu_is_a_config_error(monkeypatch):
@@ -54,6 +90,32 @@ def test_llm_rejects_the_device_before_loading(monkeypatch):
     monkeypatch.setattr(llm_module, "_load", no_load)
     with pytest.raises(ConfigError, match="no CUDA device"):
         llm_module.LLM(device="cuda")
+
+
+def test_llm_device_auto_is_cuda_when_torch_sees_a_gpu(monkeypatch):
+    from growpage.engine import llm as llm_module
+
+    def stop(model, tokenizer, config):
+        raise ConfigError(f"device {config.device}")
+
+    monkeypatch.setattr(llm_module, "_load", stop)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="device cpu"):
+        llm_module.LLM(device="auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="device cuda"):
+        llm_module.LLM(device="auto")
+
+
+def test_cli_seed_has_help(capsys):
+    from growpage import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--seed SEED seed of the requests' sampling (default: none; a run is reproducible" \
+        in text
 
 
 def test_cli_device_and_backend_reach_the_engine(monkeypatch, capsys):

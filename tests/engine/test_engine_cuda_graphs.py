@@ -17,7 +17,7 @@ from llm_helpers import assert_all_returned, tiny_model
 from growpage.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from growpage.engine.llm import LLM
 from growpage.engine.sampling_params import SamplingParams
-from growpage.errors import EngineError
+from growpage.errors import ConfigError
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -94,7 +94,7 @@ def test_static_decode_with_async_compaction_matches_the_ordinary_path():
 def test_cuda_graphs_refuse_a_cpu_engine():
     if ON_CUDA:
         pytest.skip("checks the CPU refusal")
-    with pytest.raises(EngineError, match="cuda_graphs needs a CUDA device"):
+    with pytest.raises(ConfigError, match="cuda_graphs needs a CUDA device"):  # before loading
         LLM(tiny_model(), page_size=8, recent_window=2, kv_pages=16, cuda_graphs=True)
 
 

@@ -15,6 +15,7 @@ from engine_helpers import hf_logits, hf_model, random_state_dict, tiny_config
 from growpage.engine import loader
 from growpage.engine.context import prefill_context, use_context
 from growpage.engine.loader import build_model, load_checkpoint, load_model, unpermute_qk
+from growpage.engine.tokenizer import load_tokenizer
 from growpage.errors import EngineError
 
 IDS = [5, 17, 99, 3, 64, 12, 12, 101, 7, 45, 88]
@@ -207,6 +208,33 @@ def test_bad_paths_raise_engine_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(EngineError, match="unsupported model_type 'gpt2'"):
         load_model(tmp_path)
+
+
+def test_bad_hf_config_names_the_file_and_key(tmp_path):
+    cfg = tiny_config("llama")
+    hf_model(cfg, random_state_dict(cfg, seed=1)).config.save_pretrained(tmp_path)
+    config = tmp_path / "config.json"
+    good = json.loads(config.read_text())
+    config.write_text(json.dumps({k: v for k, v in good.items() if k != "hidden_size"}))
+    with pytest.raises(EngineError, match=f"{config}: missing required key 'hidden_size'"):
+        load_model(tmp_path)
+    scaling = {"rope_type": "llama3", "factor": 8.0}
+    config.write_text(json.dumps({**good, "rope_scaling": scaling}))
+    with pytest.raises(EngineError, match="missing required key 'rope_scaling.low_freq_factor'"):
+        load_model(tmp_path)
+    config.write_text('{"model_type": "llama",')
+    with pytest.raises(EngineError, match=f"{config}: not valid JSON"):
+        load_model(tmp_path)
+    config.write_text(json.dumps(good))
+    (tmp_path / "generation_config.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(EngineError, match="generation_config.json: not valid JSON"):
+        load_model(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("[1, 2")
+    with pytest.raises(EngineError, match="tokenizer.json: cannot read it"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(EngineError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)
 
 
 def test_hf_directory_without_weights(tmp_path):

@@ -4,12 +4,15 @@ clear and leave the engine usable."""
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import pytest
 import torch
+from engine_helpers import random_state_dict, tiny_config
 from llm_helpers import GREEDY, assert_all_returned, prompt, tiny_llm, tiny_models
 
 from growpage.core.decision import Decision
 from growpage.engine.llm import LLM
+from growpage.engine.loader import build_model
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError, PolicyError
 from growpage.policies import CapacityPolicy, GrowPagePolicy
@@ -39,12 +42,23 @@ def test_overcommitted_workload_finishes_and_returns_every_page(model, policy):
     assert_all_returned(llm)
 
 
+@pytest.mark.parametrize("policy", ["growpage", "fixed"])
+def test_a_pool_of_min_capacity_pages_serves_a_long_request(model, policy):
+    kwargs = {"budget_tokens": 4} if policy == "fixed" else {}
+    llm = tiny_llm(model, policy, policy_kwargs=kwargs, kv_pages=2)  # min_capacity pages
+    out = llm.generate([prompt(3, 1)], GREEDY, use_tqdm=False)[0]  # grows to 2, compresses
+    assert len(out.token_ids) == 40 and out.finish_reason == "length"
+    assert out.events["forced_grow"] == 1 and out.events["compress"] > 0
+    assert_all_returned(llm)
+
+
 def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
     llm = tiny_llm(model, kv_pages=16)
     good = llm.generate([prompt(5, 1)], GREEDY, use_tqdm=False)[0].token_ids
     cases = [
         ([[]], GREEDY, "empty prompt"),
-        ([prompt(5, 1), []], GREEDY, "empty prompt"),
+        ([prompt(5, 1), []], GREEDY, r"empty prompt \(prompts\[1\]\)"),
+        ([prompt(5, 1), [5, "x"]], GREEDY, r"must be a list of ints \(prompts\[1\]\)"),
         ([prompt(70, 2)], GREEDY, "cannot fit"),            # 16 pages of 4 tokens
         ([prompt(30, 2)], GREEDY, "cannot fit"),            # fullkv: 30 + 40 tokens
         ([[5, 300]], GREEDY, r"token ids must lie in \[0, 128\)"),
@@ -71,11 +85,74 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
         LLM(str(tmp_path / "missing.gguf"))
     with pytest.raises(EngineError, match="fullkv"):
         tiny_llm(model, policy="growpage", record_traces=str(tmp_path / "t"))
+    with pytest.raises(EngineError, match=r"empty continuation \(continuations\[1\]\)"):
+        llm.score([prompt(5, 1)] * 2, [[5], []])
     assert llm.generate([prompt(5, 1)], GREEDY, use_tqdm=False)[0].token_ids == good
+    assert llm.last_stats.num_requests == 1
+    for bad in (lambda: llm.generate([[]], GREEDY), lambda: llm.score([None], [[5]])):
+        with pytest.raises(EngineError):
+            bad()
+        assert llm.last_stats is None  # not the good call's
     # token ids as a tensor: [N] is one prompt, [B, N] is B of them
     assert llm.generate(torch.tensor(prompt(5, 1)), GREEDY, use_tqdm=False)[0].token_ids == good
     both = llm.generate(torch.tensor([prompt(5, 1)] * 2), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in both] == [good, good]
+    # ... or numpy: an integer array, or a list of numpy integers
+    assert llm.generate(np.array(prompt(5, 1)), GREEDY, use_tqdm=False)[0].token_ids == good
+    numpy_ids = [np.int64(t) for t in prompt(5, 1)]
+    assert llm.generate(numpy_ids, GREEDY, use_tqdm=False)[0].token_ids == good
+    both = llm.generate(np.array([prompt(5, 1)] * 2, dtype=np.int32), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in both] == [good, good]
+    scored = llm.score(np.array(prompt(5, 1)), [np.array(good[:3])])[0]
+    assert scored.continuation_token_ids == good[:3] and len(scored.token_nlls) == 3
+    with pytest.raises(EngineError, match="a list of token ids, got float"):
+        llm.generate(np.array([1.5, 2.0]), GREEDY, use_tqdm=False)
+
+
+def test_the_model_context_bounds_prompts_scores_and_generation():
+    cfg = attrs.evolve(tiny_config("llama"), max_position=24)
+    llm = tiny_llm(build_model(cfg, random_state_dict(cfg, seed=1234)), kv_pages=6)
+    for n in (24, 30):
+        with pytest.raises(EngineError, match=f"the prompt has {n} tokens; the model's context "
+                                              "of 24 tokens leaves no room to generate"):
+            llm.generate([prompt(n, 1)], GREEDY, use_tqdm=False)
+    with pytest.raises(EngineError, match=r"prompt \(20\) \+ continuation \(5\) = 25 tokens "
+                                          "exceed the model's context of 24 tokens"):
+        llm.score([prompt(20, 1)], [prompt(5, 2)])
+    assert_all_returned(llm)
+    # fullkv in 6 pages of 4: prompt + 40 tokens would not fit, but generation stops at 24
+    out = llm.generate([prompt(20, 1)], GREEDY, use_tqdm=False)[0]
+    assert (len(out.token_ids), out.finish_reason) == (4, "length")
+    assert len(llm.score([prompt(20, 1)], [prompt(4, 2)])[0].token_nlls) == 4
+    assert_all_returned(llm)
+
+
+def test_a_kv_cache_the_host_cannot_hold_is_an_engine_error(model, monkeypatch):
+    from growpage.engine import attention
+
+    monkeypatch.setattr(attention, "available_host_memory", lambda: 10**6)
+    with pytest.raises(EngineError, match=r"the KV cache would take 2097152 bytes \(0.00 GiB\) "
+                                          r"for 1024 pages, but the host has 1000000 bytes"):
+        tiny_llm(model, kv_pages=1024)  # pages of 2048 bytes
+    monkeypatch.setattr(attention, "available_host_memory", lambda: None)  # torch refuses
+    with pytest.raises(EngineError, match=r"cannot allocate the KV cache: 2251799813685248 "
+                                          r"bytes .* on cpu \(.*\); lower kv_pages"):
+        tiny_llm(model, kv_pages=2**40)
+
+
+def test_progress_bar_over_requests_or_the_tokens_of_a_lone_one(model, capsys):
+    llm = tiny_llm(model)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    llm.generate([prompt(5, 1)], params)
+    assert capsys.readouterr().err == ""  # default: no bar for one prompt
+    llm.generate([prompt(5, 1)], params, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "tokens: 100%" in err and "5/5" in err
+    llm.generate([prompt(5, 1), prompt(6, 2)], params)
+    err = capsys.readouterr().err
+    assert "requests: 100%" in err and "2/2" in err
+    llm.generate([prompt(5, 1), prompt(6, 2)], params, use_tqdm=False)
+    assert capsys.readouterr().err == ""
 
 
 @attrs.define

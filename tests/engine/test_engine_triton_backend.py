@@ -8,6 +8,7 @@ GPU when there is one: the model, cache and step tensors then live on CUDA.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import attrs
 import pytest
@@ -242,3 +243,13 @@ def test_factory_names_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_utils, "_INTERPRETER", False)
     with pytest.raises(EngineError, match="TRITON_INTERPRET=1"):
         make_attention_backend("triton", "cpu")
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the interpreter runs only without CUDA")
+def test_triton_on_cpu_warns_that_it_is_the_interpreter() -> None:
+    with pytest.warns(UserWarning, match="runs Triton's interpreter .* tens of times slower"):
+        make_attention_backend("triton", "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_attention_backend("torch", "cpu")
+        make_attention_backend("auto", "cpu")
