@@ -43,11 +43,18 @@ def test_readme_policy_is_a_working_policy() -> None:
 
 
 def test_engine_guide_examples_run(capsys) -> None:
-    usage, profile = blocks("docs/engine.md")
+    usage, profile, stream = blocks("docs/engine.md")
     scope: dict = {}
     exec(compile(usage, "docs/engine.md usage", "exec"), scope)
     assert len(scope["outs"]) == 2 and "C" in capsys.readouterr().out
     from growpage import SamplingParams
+
+    # The streaming example on the usage example's LLM, its story cut short to keep this quick.
+    short = dict(scope, SamplingParams=lambda **kw: SamplingParams(**{**kw, "max_tokens": 24}))
+    exec(compile(stream, "docs/engine.md stream", "exec"), short)
+    printed = capsys.readouterr().out
+    assert printed.split("policy")[0].strip() and "throughput (TPS)" in printed
+    assert scope["llm"].last_stats.num_requests == 1
 
     # The profiling example, with the names it takes from the surrounding text.
     # Long enough (EOS ignored) to cross a few page boundaries of 64.

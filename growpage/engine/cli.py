@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from growpage.engine.config import plural
-from growpage.errors import EngineError
+from growpage.errors import ConfigError, EngineError
 from growpage.policies.registry import parse_policy_params
+
+if TYPE_CHECKING:
+    from growpage.engine.outputs import RequestOutput, StreamChunk
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,6 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar over requests, or over the tokens of a single prompt "
                    "(default: with more than one prompt)")
+    g.add_argument("--stream", action="store_true",
+                   help="print the answer as it is generated (a single prompt)")
     g.set_defaults(func=run_generate)
 
     r = subparsers.add_parser("record", help="record full-KV traces (fullkv policy) of prompts "
@@ -100,20 +106,47 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt if args.prompts is None else read_prompts(args.prompts)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
+    if args.stream and len(prompts) != 1:
+        raise ConfigError(f"--stream prints one answer as it comes: give a single prompt "
+                          f"(got {len(prompts)})")
     extra = {name: True for name in ("cuda_graphs", "async_compaction") if getattr(args, name)}
     llm = _build_llm(policy=args.policy,
                      policy_kwargs=parse_policy_params(args.policy_arg, "--policy-arg"),
                      **_engine_kwargs(args), **extra)
-    outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=args.progress)
-    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
-        if len(outs) > 1:
-            print(f"### {i + 1}/{len(outs)}: {_clip(prompt)}")
-        print(out.text.strip())
-        print()
-        print(f"finish reason  {out.finish_reason} ({plural(len(out.token_ids), 'token')})")
-        print()
+    if args.stream:
+        out = _print_stream(llm.stream(prompts, params, chat=args.chat,
+                                       use_tqdm=bool(args.progress)))
+        _print_finish(out)
+    else:
+        outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=args.progress)
+        for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+            if len(outs) > 1:
+                print(f"### {i + 1}/{len(outs)}: {_clip(prompt)}")
+            print(out.text.strip())
+            _print_finish(out)
     print(llm.last_stats.table())
     return 0
+
+
+def _print_finish(out: RequestOutput) -> None:
+    print()
+    print(f"finish reason  {out.finish_reason} ({plural(len(out.token_ids), 'token')})")
+    print()
+
+
+def _print_stream(chunks: Iterator[StreamChunk]) -> RequestOutput:
+    """Print a lone request's text as it comes (leading blanks dropped, as ``generate``'s
+    printout strips them); its output."""
+    started, output = False, None
+    for chunk in chunks:
+        text = chunk.text if started else chunk.text.lstrip()
+        if text:
+            started = True
+            print(text, end="", flush=True)
+        output = chunk.output or output
+    assert output is not None, "a stream ends with its request's output"
+    print()
+    return output
 
 
 def _clip(text: str, width: int = 70) -> str:

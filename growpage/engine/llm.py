@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from growpage.engine.inputs import (
 )
 from growpage.engine.llm_engine import LLMEngine
 from growpage.engine.model import CausalLM
-from growpage.engine.outputs import EngineStats, RequestOutput, ScoreOutput
+from growpage.engine.outputs import EngineStats, RequestOutput, ScoreOutput, StreamChunk
 from growpage.engine.sampling_params import SamplingParams
 from growpage.engine.sequence import Sequence
 from growpage.errors import EngineError
@@ -109,6 +110,7 @@ class LLM:
         self.engine = LLMEngine(self.model, self.config, policy_obj, tuple(sorted(eos)), detok)
         self.last_stats: EngineStats | None = None
         self._num_requests = 0
+        self._serving = False   # a call (or an open stream) is adding and stepping requests
 
     @property
     def policy(self) -> CapacityPolicy:
@@ -157,12 +159,83 @@ class LLM:
                             trajectory=list(s.state.trajectory), events=s.state.events.as_dict(),
                             num_preemptions=s.num_preemptions) for s in seqs]
 
+    def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams
+               | Seq[SamplingParams] | None = None, *, chat: bool = False,
+               use_tqdm: bool | None = False) -> Iterator[StreamChunk]:
+        """``generate``, yielding each request's new text after every engine step.
+
+        A ``StreamChunk`` comes for each request that produced visible text in a step, and a
+        last one, with ``output`` set, when it finishes; a request's chunks add up to the text
+        ``generate`` returns. Leaving the loop early aborts the requests still running (their
+        pages come back). ``last_stats`` is set when every request has finished. One stream
+        at a time: another call while a stream is open raises ``EngineError``.
+        """
+        self._check_idle()
+        self.last_stats = None
+        prompt_list = as_prompt_list(prompts)
+        params_list = per_prompt_params(params or SamplingParams(), len(prompt_list))
+        n = len(prompt_list)
+        encoded = [encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
+                   for i, p in enumerate(prompt_list)]
+        work = [(ids, prm, None, text) for (ids, text), prm in zip(encoded, params_list,
+                                                                     strict=True)]
+        return self._stream(work, use_tqdm)
+
+    def _stream(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
+                use_tqdm: bool | None) -> Iterator[StreamChunk]:
+        shown = [_Shown() for _ in work]
+        for seqs in self._serve(work, use_tqdm):
+            for i, seq in enumerate(seqs):
+                chunk = self._chunk(i, seq, shown[i])
+                if chunk is not None:
+                    yield chunk
+
+    def _chunk(self, index: int, seq: Sequence, shown: _Shown) -> StreamChunk | None:
+        """What ``seq`` produced since ``shown``; None when nothing new is visible."""
+        if shown.done:
+            return None
+        ids = seq.output_token_ids
+        new_ids = ids[shown.num_tokens:]
+        output = self._request_output(seq) if seq.is_finished else None
+        if output is not None:
+            text = output.text
+        elif self.tokenizer is None:
+            text = ""
+        else:
+            text = _settled(self.tokenizer.decode(ids), seq.params.stop)
+        new_text = text[len(shown.text):] if text.startswith(shown.text) else ""
+        if output is None and not new_text:
+            return None   # the tokens are shown with the text they complete
+        shown.num_tokens, shown.done = len(ids), output is not None
+        shown.text += new_text
+        return StreamChunk(index=index, request_id=seq.request_id, text=new_text,
+                           token_ids=list(new_ids), output=output)
+
     # ---- helpers --------------------------------------------------------------------------
+    def _check_idle(self) -> None:
+        if self._serving:
+            raise EngineError("this LLM has a stream open: read it to the end, or call its "
+                              "close(), before starting another call")
+
     def _run(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
              use_tqdm: bool | None) -> list[Sequence]:
+        steps = self._serve(work, use_tqdm)
+        seqs: list[Sequence] = []
+        for seqs in steps:  # noqa: B007 - the last step's sequences are the result
+            pass
+        return seqs
+
+    def _serve(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
+               use_tqdm: bool | None) -> Iterator[list[Sequence]]:
+        """Add the requests, then step until all have finished, yielding them after each step;
+        on any error, or a consumer that stops early, the unfinished ones are aborted.
+        ``last_stats`` is set before the last yield."""
+        self._check_idle()
         engine = self.engine
         engine.stats.reset()
         seqs: list[Sequence] = []
+        bar = None
+        self._serving = True
         try:
             for ids, params, forced, text in work:
                 rid = str(self._num_requests)
@@ -174,15 +247,18 @@ class LLM:
                 if bar is not None:
                     bar.update(len(done) if len(seqs) > 1 else
                                seqs[0].num_output_tokens - bar.n)
-            if bar is not None:
-                bar.close()
-        except BaseException:
+                if not engine.has_unfinished():
+                    self.last_stats = engine.stats.summary(
+                        getattr(engine.policy, "name", type(engine.policy).__name__),
+                        self.config.page_size, engine.kv.num_pages)
+                yield seqs
+        except BaseException:   # GeneratorExit included: the consumer stopped early
             engine.abort_all()
             raise
-        self.last_stats = engine.stats.summary(
-            getattr(engine.policy, "name", type(engine.policy).__name__), self.config.page_size,
-            engine.kv.num_pages)
-        return seqs
+        finally:
+            self._serving = False
+            if bar is not None:
+                bar.close()
 
     def _request_output(self, s: Sequence) -> RequestOutput:
         text = "" if self.tokenizer is None else self.tokenizer.decode(s.output_token_ids)
@@ -225,6 +301,30 @@ def _attention_backend(config: EngineConfig):
     from growpage.engine.backends import make_attention_backend
 
     return make_attention_backend(config.attention_backend, config.device)
+
+
+@attrs.define
+class _Shown:
+    """What a stream has shown of one request."""
+
+    num_tokens: int = 0
+    text: str = ""
+    done: bool = False
+
+
+def _settled(text: str, stops: tuple[str, ...]) -> str:
+    """``text`` without a tail that may still change: an incomplete UTF-8 character (decoded
+    as U+FFFD) or the start of a stop string (the text is cut there if it completes)."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), hold, -1):
+            if text.endswith(stop[:k], 0, end):
+                hold = k
+                break
+    return text[:end - hold]
 
 
 def _progress(seqs: list[Sequence], enabled: bool | None):

@@ -32,6 +32,29 @@ class RequestOutput:
 
 
 @attrs.frozen(kw_only=True)
+class StreamChunk:
+    """What one request produced since its previous chunk (``LLM.stream``).
+
+    Attributes:
+        index: the request's position among the call's prompts.
+        text: new text; the chunks of a request add up to its ``RequestOutput.text``.
+        token_ids: new token ids (text may lag them by a few tokens: an incomplete UTF-8
+            character, or a possible start of a stop string, waits for what follows).
+        output: the finished request, on its last chunk only (else None).
+    """
+
+    index: int
+    request_id: str
+    text: str
+    token_ids: list[int]
+    output: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+
+@attrs.frozen(kw_only=True)
 class ScoreOutput:
     """Teacher-forced negative log-likelihood of a continuation (paper section 5.3).
 

@@ -100,7 +100,7 @@ def test_cli_generate_and_record(smol, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(engine_cli, "_build_llm", build)
     assert cli.main(["generate", "--prompt", "What is 2+2?", "--max-tokens", "40",
                      "--page-size", "16"]) == 0
-    text = capsys.readouterr().out
+    text = text_of_first = capsys.readouterr().out
     assert "4" in text.splitlines()[0]
     for row in ("throughput (TPS)", "TPOT", "avg resident requests C", "avg KV budget",
                 "grow / compress / shrink", "fallbacks", "preemptions"):
@@ -129,3 +129,12 @@ def test_cli_generate_and_record(smol, tmp_path, monkeypatch, capsys):
         assert "cuda_graphs needs a CUDA device" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one source of prompts
         cli.main(["generate", "--prompt", "hi", "--prompts", str(prompts)])
+    # --stream prints the answer as it comes: the same text generate prints.
+    assert cli.main(["generate", "--prompt", "What is 2+2?", "--max-tokens", "40",
+                     "--page-size", "16", "--stream"]) == 0
+    streamed = capsys.readouterr().out
+    assert streamed.split("\nfinish reason")[0] == text_of_first.split("\nfinish reason")[0]
+    assert "throughput (TPS)" in streamed and built[-1].last_stats.num_requests == 1
+    assert cli.main(["generate", "--prompt", "a", "--prompt", "b", "--stream"]) == 2
+    assert "--stream prints one answer as it comes: give a single prompt (got 2)" in \
+        capsys.readouterr().err

@@ -9,8 +9,13 @@ from hypothesis import strategies as st
 
 from growpage.errors import WorkloadError
 from growpage.sim.workload_csv import WorkloadRequest, load_workload_csv, parse_workload_csv
-from growpage.sim.workloads import (WORKLOADS, LengthDist, RequestClass, WorkloadSpec,
-                                     resolve_workload)
+from growpage.sim.workloads import (
+    WORKLOADS,
+    LengthDist,
+    RequestClass,
+    WorkloadSpec,
+    resolve_workload,
+)
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
