@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Modules that contribute subcommands; a module that is not there yet is skipped.
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of the output went away (`growpage ... | head`): stop quietly, as Unix
+        # tools do; stdout goes to /dev/null so that its flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:  # noqa: BLE001 - a CLI prints errors, it does not dump tracebacks
         from growpage.errors import GrowPageError
 

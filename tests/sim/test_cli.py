@@ -338,3 +338,18 @@ def test_a_policy_module_in_the_current_directory_is_suggested_as_a_file(
             in capsys.readouterr().err)
     assert main(argv + ["--policy", "no_such_pols:Crash"]) == 2
     assert "a policy in a file is given as 'path/file.py:Crash'" in capsys.readouterr().err
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
+    """`growpage sim replay ... | head -1`: the broken pipe is no traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from growpage import cli; sys.exit(cli.main(['sim', 'replay', "
+            "'--synthetic', '2', '--gen-len', '256', '--page-size', '64']))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()   # the reader is gone before anything was written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "error" not in err
