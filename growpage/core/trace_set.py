@@ -18,9 +18,11 @@ import torch
 from growpage.core.traces import (
     FORMAT_VERSION,
     Trace,
+    TraceHeader,
     atomic_write,
     checked_int,
     read_trace,
+    read_trace_header,
     reject_json_constant,
     write_trace,
 )
@@ -111,11 +113,22 @@ class TraceSet:
                             f"got {entry!r}")
         path = self.directory / entry.file
         trace = read_trace(path, device=device, dtype=dtype)
-        got = (trace.request_id, trace.prompt_len, trace.num_tokens)
+        self._check_entry(entry, trace.header, path)
+        return trace
+
+    def check(self) -> None:
+        """Read every file's header (not its tensors) and check it against the index, so that
+        a missing, foreign or broken file is found before any trace is used; ``TraceError``
+        naming the first such file."""
+        for entry in self._entries:
+            path = self.directory / entry.file
+            self._check_entry(entry, read_trace_header(path), path)
+
+    def _check_entry(self, entry: TraceEntry, header: TraceHeader, path: Path) -> None:
+        got = (header.request_id, header.prompt_len, header.num_tokens)
         if got != (entry.request_id, entry.prompt_len, entry.num_tokens):
             raise TraceError(f"{path}: (request_id, prompt_len, num_tokens) = {got} disagrees "
                              f"with {self._index_path}")
-        return trace
 
     def write(self, trace: Trace, *, tags: tuple[str, ...] | list[str] = (),
               dtype: torch.dtype = torch.float16) -> TraceEntry:

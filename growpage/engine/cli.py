@@ -195,6 +195,7 @@ def run_record(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
     layers = None if args.layers is None else _layers(args.layers)
     _make_trace_dir(args.out)
+    before = _num_traces(args.out)
     llm = _build_llm(policy="fullkv", record_traces=args.out, record_layers=layers,
                      record_values=args.values, **_engine_kwargs(args))
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens), chat=args.chat,
@@ -202,8 +203,18 @@ def run_record(args: argparse.Namespace) -> int:
     tokens = sum(len(o.token_ids) for o in outs)
     print(f"recorded {plural(len(outs), 'trace')} ({plural(tokens, 'generated token')}) into "
           f"{args.out}")
+    if before:
+        print(f"  added to the {plural(before, 'trace')} already there: the set now holds "
+              f"{_num_traces(args.out)}; a request id already in it got a -N suffix")
     print(llm.last_stats.table())
     return 0
+
+
+def _num_traces(out: Path) -> int:
+    """Traces in the trace set at ``out`` (0 when there is none yet)."""
+    from growpage.core.trace_set import INDEX_NAME, TraceSet
+
+    return len(TraceSet(out)) if (out / INDEX_NAME).is_file() else 0
 
 
 def _make_trace_dir(out: Path) -> None:

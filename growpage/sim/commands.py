@@ -87,6 +87,7 @@ def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace
         traces = TraceSet(args.traces)
         if not len(traces):
             raise ConfigError(f"{args.traces}: the trace set is empty")
+        traces.check()   # a broken file is found now, not after the traces before it
         return len(traces), traces.read
     _at_least("--synthetic", args.synthetic, 1)
     spec = SyntheticSpec(gen_len=REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,

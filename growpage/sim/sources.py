@@ -165,6 +165,7 @@ def traces_for(requests: Sequence[WorkloadRequest], directory: str
     traces = TraceSet(directory)
     if not len(traces):
         raise ConfigError(f"{directory}: the trace set is empty")
+    traces.check()   # a broken file is found now, not when its request is admitted
     by_id = {e.request_id: e for e in traces.index}
     chosen, out = {}, []
     for i, r in enumerate(requests):

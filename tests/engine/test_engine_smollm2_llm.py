@@ -111,6 +111,12 @@ def test_cli_generate_and_record(smol, tmp_path, monkeypatch, capsys):
                      "--max-tokens", "8", "--layers", "0,29", "--no-progress"]) == 0
     traces = TraceSet(tmp_path / "set")
     assert len(traces) == 2 and traces.read(0).header.layer_ids == (0, 29)
+    assert "already there" not in capsys.readouterr().out
+    # Recording into the same set again adds to it, and says so.
+    assert cli.main(["record", "--prompts", str(prompts), "--out", str(tmp_path / "set"),
+                     "--max-tokens", "2", "--layers", "0", "--no-progress"]) == 0
+    assert "added to the 2 traces already there: the set now holds 4" in capsys.readouterr().out
+    assert len(TraceSet(tmp_path / "set")) == 4
     assert cli.main(["generate", "--prompt", "hi", "--policy", "nope"]) == 2
     assert "unknown policy" in capsys.readouterr().err
     # Several prompts, as one batch: each answer under its own header, then the statistics.

@@ -353,3 +353,17 @@ def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1, err
     assert "Traceback" not in err and "Exception ignored" not in err and "error" not in err
+
+
+def test_a_broken_trace_in_a_set_is_found_before_any_replay(tmp_path, capsys, monkeypatch):
+    from growpage.core.trace_set import TraceSet
+    from growpage.sim import commands
+    from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
+
+    ts = TraceSet(tmp_path / "set", create=True)
+    spec = SyntheticSpec(gen_len=128)
+    entries = [ts.write(synthetic_trace(spec, i, f"t{i}")) for i in range(2)]
+    (tmp_path / "set" / entries[1].file).write_text("broken")
+    monkeypatch.setattr(commands, "replay_trace", lambda *a, **k: pytest.fail("replayed"))
+    assert main(["sim", "replay", "--traces", str(tmp_path / "set")]) == 2
+    assert entries[1].file in capsys.readouterr().err

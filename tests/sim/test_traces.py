@@ -398,6 +398,24 @@ def test_index_disagreeing_with_file_is_rejected(tmp_path, make_trace):
     (tmp_path / "index.json").write_text(json.dumps(d))
     with pytest.raises(TraceError, match="disagrees"):
         read_trace_set(tmp_path).read(0)
+    with pytest.raises(TraceError, match="disagrees"):
+        read_trace_set(tmp_path).check()
+
+
+@pytest.mark.parametrize("damage", ["missing", "not-safetensors"])
+def test_check_finds_a_broken_file_without_reading_the_others(tmp_path, make_trace, damage,
+                                                               monkeypatch):
+    ts = TraceSet(tmp_path, create=True)
+    entries = [ts.write(make_trace(request_id=f"r{i}", seed=i)) for i in range(3)]
+    ts.check()
+    last = tmp_path / entries[-1].file
+    if damage == "missing":
+        last.unlink()
+    else:
+        last.write_text("not a trace")
+    monkeypatch.setattr(trace_set_mod, "read_trace", lambda *a, **k: pytest.fail("read"))
+    with pytest.raises(TraceError, match=str(last)):
+        read_trace_set(tmp_path).check()
 
 
 @FUZZ
