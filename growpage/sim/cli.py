@@ -49,6 +49,9 @@ def _serving(p: argparse.ArgumentParser) -> None:
                         "cost model's, 0 for the presets: asynchronous, as the paper)")
     p.add_argument("--compaction-ms", type=float, metavar="MS",
                    help="charge MS per KV compaction (default: the cost model's)")
+    p.add_argument("--async-compaction", action="store_true",
+                   help="as the engine's: a compacting request sits the next decode step out "
+                        "while its compaction (--compaction-ms) runs beside it")
     p.add_argument("--kv-pages", type=int, metavar="N",
                    help="pages in the KV pool (default: what the preset's GPU holds, else 1500)")
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -156,7 +156,8 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
     sim = SimConfig(num_kv_pages=pages, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     admission_reserve=args.admission_reserve, decisions=args.decisions,
-                    num_scripts=args.num_scripts, seed=args.seed)
+                    num_scripts=args.num_scripts, seed=args.seed,
+                    async_compaction=args.async_compaction)
     if args.traces and args.decisions != "trace":
         raise ConfigError("--traces is used only with --decisions trace (script mode draws "
                           "synthetic traces)")

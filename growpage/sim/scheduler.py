@@ -134,14 +134,30 @@ class Scheduler:
         self._schedule_event(r)
 
     # ---- decode -----------------------------------------------------------------------------
-    def resolve_boundaries(self, now: float) -> None:
-        """Run the controller for every running request at a capacity boundary now."""
+    def resolve_boundaries(self, now: float) -> list[SimRequest]:
+        """Run the controller for every running request at a capacity boundary now; returns
+        those still running whose KV was compacted (Compress & Hold, Shrink, a refused GROW)."""
+        compacted = []
         for r in self._pop_due():
             if r.is_running:
                 self._sync(r)
-                self._boundary(r, now)
+                if self._boundary(r, now) and r.is_running:
+                    compacted.append(r)
+        return [r for r in compacted if r.is_running]
 
-    def _boundary(self, r: SimRequest, now: float) -> None:
+    def sit_out(self, requests: list[SimRequest]) -> None:
+        """``requests`` skip the next decode step (asynchronous compaction: their compaction
+        runs beside it): they gain no token in it, and their next event comes a step later."""
+        for r in requests:
+            r.sync_step += 1            # the next step does not count for it
+            self._kv_offset -= 1
+            r.event_step += 1
+            self._tick += 1
+            r.event_tick = self._tick   # the entry pushed before is stale now
+            heapq.heappush(self._heap, (r.event_step, self._tick, r))
+
+    def _boundary(self, r: SimRequest, now: float) -> bool:
+        """One boundary of ``r``; whether its KV was compacted."""
         scale = self.source.scale
         while True:
             state: RequestState = r.state
@@ -157,7 +173,7 @@ class Scheduler:
                                   f"pool ({self.pool.num_pages} pages) is too small")
             self.preempt(victim, now)
             if victim is r:
-                return
+                return False
         if outcome.fallback:
             self.log(now, "fallback", r)
         self.log(now, outcome.action.value, r)
@@ -165,6 +181,7 @@ class Scheduler:
         if outcome.pages_after != outcome.pages_before:
             r.capacity.append((now, r.num_pages))
         self._schedule_event(r)
+        return outcome.action in (Action.COMPRESS, Action.SHRINK)
 
     def preempt(self, r: SimRequest, now: float) -> None:
         """Recompute preemption: free the pages, back to the front of the queue."""

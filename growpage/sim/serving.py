@@ -47,6 +47,11 @@ def _fraction(inst: object, attribute: attrs.Attribute, value: object) -> None:
         raise ConfigError(f"SimConfig.{attribute.name} must lie in [0, 1), got {value!r}")
 
 
+def _flag(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"SimConfig.{attribute.name} must be True or False, got {value!r}")
+
+
 def _mode(inst: object, attribute: attrs.Attribute, value: object) -> None:
     if value not in DECISION_MODES:
         raise ConfigError(f"SimConfig.decisions must be one of {DECISION_MODES}, got {value!r}")
@@ -69,6 +74,10 @@ class SimConfig:
         num_scripts: script mode: synthetic traces shared by the requests (grouped by length).
         seed: seeds the scripts' and per-request synthetic traces.
         record_events: keep the ``(time_s, event, request_id, pages)`` log.
+        async_compaction: as the engine's ``async_compaction``: a request whose KV was
+            compacted sits the next decode step out while its compaction runs beside it
+            (unless nothing else would decode); the step waits for the compaction's price
+            (``CostModel.compaction_s``) only where that is longer than the step.
     """
 
     num_kv_pages: int = attrs.field(default=1500, validator=_positive)
@@ -79,6 +88,7 @@ class SimConfig:
     num_scripts: int = attrs.field(default=8, validator=_positive)
     seed: int = 0
     record_events: bool = False
+    async_compaction: bool = attrs.field(default=False, validator=_flag)
 
 
 @attrs.define
@@ -109,6 +119,7 @@ class _Run:
     decode_steps: int = 0
     peak_pages: int = 0
     boundary_seconds: float = 0.0
+    async_compaction: bool = False
     on_progress: Callable[[int], None] | None = None   # called with the finished count
 
     def spend(self, env: simpy.Environment, seconds: float) -> simpy.Timeout:
@@ -149,13 +160,22 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             run.idle = env.event()
             yield run.idle
             continue
-        seconds = _resolve_boundaries(run, env.now)
-        if seconds > 0:  # capacity control as the cost model prices it (0: asynchronous)
-            run.boundary_seconds += seconds
-            yield run.spend(env, seconds)
-        if not sched.running:
-            continue
-        num_steps, seconds = _segment(run, env.now)
+        decisions_s, compactions_s, compacted = _resolve_boundaries(run, env.now)
+        if run.async_compaction and compacted and len(compacted) < len(sched.running):
+            # Their compactions run beside the next step, which they sit out (engine's
+            # async_compaction); the step waits only for compaction work longer than itself.
+            run.boundary_seconds += decisions_s + compactions_s
+            if decisions_s > 0:
+                yield run.spend(env, decisions_s)
+            num_steps, seconds = 1, max(_sit_out_step(run, compacted), compactions_s)
+        else:
+            seconds = decisions_s + compactions_s
+            if seconds > 0:  # capacity control as the cost model prices it (0: free)
+                run.boundary_seconds += seconds
+                yield run.spend(env, seconds)
+            if not sched.running:
+                continue
+            num_steps, seconds = _segment(run, env.now)
         yield run.spend(env, seconds)
         run.decode_steps += num_steps
         done = len(sched.finished)
@@ -164,13 +184,26 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             run.on_progress(len(sched.finished))
 
 
-def _resolve_boundaries(run: _Run, now: float) -> float:
-    """Resolve the boundaries due now; the seconds the cost model charges for them."""
+def _resolve_boundaries(run: _Run, now: float) -> tuple[float, float, list[SimRequest]]:
+    """Resolve the boundaries due now: the seconds the cost model charges for their decisions
+    and for their compactions, and the running requests whose KV was compacted."""
     events = run.scheduler.controller.events
-    decided, compacted = _decided(events), events.compress + events.shrink
-    run.scheduler.resolve_boundaries(now)
-    return run.cost.boundary_time(_decided(events) - decided,
-                                  events.compress + events.shrink - compacted)
+    decided, compactions = _decided(events), events.compress + events.shrink
+    compacted = run.scheduler.resolve_boundaries(now)
+    decided = _decided(events) - decided
+    compactions = events.compress + events.shrink - compactions
+    decisions_s = run.cost.boundary_time(decided, 0)
+    return decisions_s, run.cost.boundary_time(decided, compactions) - decisions_s, compacted
+
+
+def _sit_out_step(run: _Run, compacted: list[SimRequest]) -> float:
+    """Seconds of one decode step of the running requests but ``compacted``, which sit it
+    out (``Scheduler.sit_out``)."""
+    sched = run.scheduler
+    batch = len(sched.running) - len(compacted)
+    kv = sched.kv_tokens() - sum(r.num_tokens for r in compacted) + batch
+    sched.sit_out(compacted)
+    return run.cost.decode_time(batch, kv, 1)
 
 
 def _decided(events) -> int:
@@ -233,7 +266,8 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
                       reserve, sim.record_events)
     sim_requests = [SimRequest(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
     env = simpy.Environment()
-    run = _Run(sched, cost, len(sim_requests), on_progress=on_progress)
+    run = _Run(sched, cost, len(sim_requests), async_compaction=sim.async_compaction,
+               on_progress=on_progress)
     env.process(arrivals(env, run, sim_requests))
     env.process(engine(env, run))
     env.run()

@@ -367,3 +367,14 @@ def test_a_broken_trace_in_a_set_is_found_before_any_replay(tmp_path, capsys, mo
     monkeypatch.setattr(commands, "replay_trace", lambda *a, **k: pytest.fail("replayed"))
     assert main(["sim", "replay", "--traces", str(tmp_path / "set")]) == 2
     assert entries[1].file in capsys.readouterr().err
+
+
+def test_serve_with_async_compaction(capsys):
+    base = ["sim", "serve", "--workload", "tiny", *SMALL, "--kv-pages", "80", "--policy",
+            "fixed", "--param", "budget_tokens=128"]
+    sync = run_json(capsys, base)
+    asyn = run_json(capsys, [*base, "--async-compaction"])
+    assert not sync["sim"]["async_compaction"] and asyn["sim"]["async_compaction"]
+    assert asyn["metrics"]["output_tokens"] == sync["metrics"]["output_tokens"]
+    assert asyn["metrics"]["compresses"] == sync["metrics"]["compresses"] > 0
+    assert asyn["metrics"]["decode_steps"] > sync["metrics"]["decode_steps"]

@@ -64,8 +64,10 @@ workloads = st.lists(
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=workloads, pages=st.integers(3, 24), policy=st.sampled_from(sorted(POLICIES)),
-       reserve=st.sampled_from([0.0, 0.2]), seats=st.integers(1, 4))
-def test_pages_are_conserved_and_runs_are_deterministic(spec, pages, policy, reserve, seats):
+       reserve=st.sampled_from([0.0, 0.2]), seats=st.integers(1, 4),
+       asynchronous=st.booleans())
+def test_pages_are_conserved_and_runs_are_deterministic(spec, pages, policy, reserve, seats,
+                                                        asynchronous):
     config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
     requests = [WorkloadRequest(f"r{i}", a, p, o) for i, (p, o, a) in enumerate(spec)]
     assume(all(math.ceil(r.prompt_tokens / 4) <= pages for r in requests))
@@ -73,7 +75,7 @@ def test_pages_are_conserved_and_runs_are_deterministic(spec, pages, policy, res
         assume(all(max(2, math.ceil((r.prompt_tokens + r.output_tokens) / 4)) <= pages
                    for r in requests))
     sim = SimConfig(num_kv_pages=pages, max_num_seqs=seats, admission_reserve=reserve,
-                    record_events=True)
+                    record_events=True, async_compaction=asynchronous)
     first = simulate(requests, POLICIES[policy](), config, sim, COST)
     check_conservation(first, requests, pages)
     again = simulate(requests, POLICIES[policy](), config, sim, COST)
@@ -110,6 +112,65 @@ def test_trace_mode_matches_script_mode_when_memory_is_plentiful():
                                  SimConfig(num_kv_pages=100, decisions=mode, record_events=True),
                                  COST).events for mode in ("script", "trace")}
         assert events["script"] == events["trace"]
+
+
+TWO = [WorkloadRequest("a", 0.0, 20, 150), WorkloadRequest("b", 0.0, 41, 400)]
+
+
+def two_requests(mode: str = "script", asynchronous: bool = False, compaction_s: float = 0.0):
+    """``TWO`` under fixed (48-token budget, pages of 16): a compresses every 16 tokens while
+    b decodes beside it, b also after a has finished. Each step (prefill or decode) costs 1 s,
+    so a request's finish time counts steps."""
+    cost = LinearCostModel(base_s=1.0, compaction_s=compaction_s)
+    return simulate(TWO, resolve_policy("fixed", budget_tokens=48),
+                    GrowPageConfig(page_size=16, recent_window=4),
+                    SimConfig(num_kv_pages=200, decisions=mode, record_events=True,
+                              async_compaction=asynchronous), cost)
+
+
+def compressions_of(result, rid: str) -> list[float]:
+    return [t for t, kind, who, _ in result.events if kind == "compress" and who == rid]
+
+
+@pytest.mark.parametrize("mode", ["script", "trace"])
+def test_async_compaction_costs_a_compressing_request_one_step_while_others_decode(mode):
+    """With async compaction a request sits out one step per compression made while another
+    request was decoding, and no other request waits for it (the engine's async_compaction);
+    a compression with nothing else to decode runs at once."""
+    runs = {flag: two_requests(mode, flag) for flag in (False, True)}
+    sync, asyn = ({r.request_id: r for r in runs[f].requests} for f in (False, True))
+    assert all(r.generated == r.output_tokens for r in asyn.values())
+    a, b = compressions_of(runs[True], "a"), compressions_of(runs[True], "b")
+    a_done = asyn["a"].finish_s
+    assert len(a) >= 5 and all(t < a_done for t in a)
+    b_beside_a = sum(t < a_done for t in b)
+    assert 0 < b_beside_a < len(b)
+    assert asyn["a"].finish_s - sync["a"].finish_s == len(a)
+    assert asyn["b"].finish_s - sync["b"].finish_s == b_beside_a
+    m_sync, m_async = runs[False].metrics, runs[True].metrics
+    assert m_async.compresses == m_sync.compresses == len(a) + len(b)
+    # b decodes last: the run lasts as many more steps as b sat out (a's were beside b's).
+    assert m_async.decode_steps == m_sync.decode_steps + b_beside_a
+
+
+@pytest.mark.parametrize("price", [0.5, 3.0])
+def test_async_compaction_hides_compaction_behind_the_step(price):
+    """A synchronous run pays every compaction's price before its step; an asynchronous one
+    runs it beside the step a request sits out, which costs the longer of the two, and pays
+    it in full only with nothing else to decode."""
+    free_sync, free_async = two_requests(), two_requests(asynchronous=True)
+    paid_sync, paid_async = two_requests(compaction_s=price), two_requests("script", True, price)
+    a_done = {r.request_id: r for r in free_async.requests}["a"].finish_s
+    b = compressions_of(free_async, "b")
+    sat_out = len(compressions_of(free_async, "a")) + sum(t < a_done for t in b)
+    alone = sum(t >= a_done for t in b)
+    compactions = free_sync.metrics.compresses
+    assert paid_sync.metrics.total_time_s == pytest.approx(free_sync.metrics.total_time_s
+                                                           + price * compactions)
+    assert paid_async.metrics.total_time_s == pytest.approx(
+        free_async.metrics.total_time_s + sat_out * (max(price, 1.0) - 1.0) + price * alone)
+    assert paid_sync.metrics.boundary_time_s == pytest.approx(price * compactions)
+    assert paid_async.metrics.boundary_time_s == pytest.approx(price * compactions)
 
 
 def test_pool_too_small_for_a_prompt_is_a_config_error():
