@@ -268,3 +268,34 @@ def test_async_compaction_must_be_a_bool():
 
     with pytest.raises(ConfigError, match="async_compaction"):
         EngineConfig(async_compaction="yes")
+
+
+def test_the_simulator_predicts_the_steps_async_compaction_adds(model):
+    """The serving simulator's async_compaction (a compacting request sits the next step out)
+    adds exactly the decode steps the engine's adds, for a state-driven policy."""
+    from growpage import GrowPageConfig
+    from growpage.policies import resolve_policy
+    from growpage.sim.costmodel import LinearCostModel
+    from growpage.sim.serving import SimConfig, simulate
+    from growpage.sim.workload_csv import WorkloadRequest
+
+    lengths = [(5, 40), (11, 90), (7, 65)]
+    prompts = [prompt(p, 30 + i) for i, (p, _) in enumerate(lengths)]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths]
+    requests = [WorkloadRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
+    engine_steps, sim_steps = {}, {}
+    for flag in (False, True):
+        llm = tiny_llm(model, policy="fixed", policy_kwargs={"budget_tokens": 12},
+                       async_compaction=flag)
+        llm.generate(prompts, params, use_tqdm=False)
+        engine_steps[flag] = llm.last_stats.num_steps
+        served = simulate(requests, resolve_policy("fixed", budget_tokens=12),
+                          GrowPageConfig(page_size=4, recent_window=2),
+                          SimConfig(num_kv_pages=256, async_compaction=flag),
+                          LinearCostModel(base_s=1.0))
+        sim_steps[flag] = served.metrics.decode_steps
+    # The engine's prefill step samples the first token, the simulator's writes none: the
+    # engine's steps (prefill included) are the simulator's decode steps.
+    assert engine_steps[False] == sim_steps[False]
+    added = engine_steps[True] - engine_steps[False]
+    assert added > 5 and sim_steps[True] - sim_steps[False] == added
