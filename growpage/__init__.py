@@ -18,7 +18,9 @@ from growpage.errors import (
     GrowPageError,
     PolicyError,
     PoolExhaustedError,
+    SimulationError,
     TraceError,
+    WorkloadError,
 )
 from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import register_policy, resolve_policy
@@ -40,5 +42,6 @@ __all__ = [
     "Action", "BoundaryContext", "BoundaryOutcome", "CapacityController", "CapacityPolicy",
     "ConfigError", "Decision", "DenseKVView", "EngineError", "EventCounters", "GrowPageConfig",
     "GrowPageError", "KVView", "LLM", "SamplingParams", "PagePool", "PolicyError", "PoolExhaustedError", "QueryState",
-    "RequestState", "TraceError", "register_policy", "resolve_policy",
+    "RequestState", "SimulationError", "TraceError", "WorkloadError", "register_policy",
+    "resolve_policy",
 ]

@@ -10,7 +10,8 @@ class ConfigError(GrowPageError, ValueError):
 
 
 class PolicyError(GrowPageError):
-    """A policy returned something the controller cannot execute (nothing was changed)."""
+    """A policy failed: it returned something the controller cannot execute, or raised (the
+    original exception is the cause), or it cannot be found or built. Nothing was changed."""
 
 
 class PoolExhaustedError(GrowPageError):
@@ -23,6 +24,10 @@ class TraceError(GrowPageError, ValueError):
 
 class WorkloadError(GrowPageError, ValueError):
     """A malformed workload specification or file."""
+
+
+class SimulationError(GrowPageError):
+    """The simulator cannot model what was asked (e.g. a signal a script did not record)."""
 
 
 class EngineError(GrowPageError):

@@ -14,7 +14,7 @@ selection and the compaction later, or is cancelled.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -26,7 +26,7 @@ from growpage.core.events import EventCounters
 from growpage.core.kvview import KVView
 from growpage.core.pages import PagePool
 from growpage.core.request import RequestState
-from growpage.errors import PolicyError
+from growpage.errors import GrowPageError, PolicyError
 
 if TYPE_CHECKING:
     from growpage.policies.base import CapacityPolicy
@@ -163,7 +163,7 @@ class CapacityController:
         if ctx is None:
             ctx = self._context(state, view)
         ctx.num_free_pages = self.pool.num_free_pages  # now, not when the batch was prepared
-        decision = self.policy.decide(ctx)
+        decision = _call(self.policy, "decide", ctx)
         if not isinstance(decision, Decision):
             raise PolicyError(f"policy {_name(self.policy)} returned {decision!r} from decide(); "
                               "expected a growpage.Decision")
@@ -254,8 +254,13 @@ class CapacityController:
                                state.num_tokens, delta)
 
     # ---- helpers --------------------------------------------------------------------------
+    def checked_selection(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
+        """The policy's selection of ``keep`` slots, checked (``PolicyError`` naming the
+        problem) and ascending per layer and KV head."""
+        return self._checked_selection(ctx, keep)
+
     def _checked_selection(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
-        indices = self.policy.select(ctx, keep)
+        indices = _call(self.policy, "select", ctx, keep)
         problem, ordered = _check_selection(indices, ctx, keep)
         if problem:
             raise PolicyError(f"policy {_name(self.policy)} select(): {problem}")
@@ -326,3 +331,17 @@ def _target_pages(pages: list[int], pool: PagePool, shrink: bool) -> tuple[list[
 
 def _name(policy: object) -> str:
     return getattr(policy, "name", type(policy).__name__)
+
+
+def _call(policy: object, method: str, ctx: BoundaryContext, *args: object) -> Any:
+    """``policy.method(ctx, *args)``; an exception it raises (other than the library's own
+    errors, which name their problem) becomes a ``PolicyError`` naming the policy, the method
+    and the boundary, chained to the original (its traceback is kept)."""
+    try:
+        return getattr(policy, method)(ctx, *args)
+    except GrowPageError:
+        raise
+    except Exception as exc:
+        raise PolicyError(f"policy {_name(policy)} {method}() raised {type(exc).__name__}: "
+                          f"{exc} (request {ctx.request_id!r} at position {ctx.position})"
+                          ) from exc

@@ -32,11 +32,14 @@ class BoundaryContext:
     Attributes:
         request_id: the request's id.
         num_tokens: resident tokens N (all ``num_pages * page_size`` slots are used).
-        position: absolute position of the token that needs a slot (the current query's).
-        num_pages: pages held P.
+        position: absolute position t of the token that needs a slot; the current query (the
+            view's ``current_query``) is token t - 1's, the last one decoded.
+        num_pages: pages held P (``capacity`` is ``P * page_size``, in tokens).
         num_free_pages: free pages in the pool right now.
         config: the ``GrowPageConfig`` in force.
         view: the KV view (read it; never change it).
+        batch: the ``BoundaryBatch`` this context shares its top-p sizes and Delta_t with, or
+            None.
     """
 
     def __init__(self, request_id: object, num_tokens: int, position: int, num_pages: int,

@@ -63,8 +63,10 @@ def _common(p: argparse.ArgumentParser, default_policy: str | None,
     if default_policy is not None:
         p.add_argument("--policy", default=default_policy,
                        help="policy name, 'module:Class' or 'file.py:Class' (default growpage)")
-        p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
-                       help="policy hyperparameter, e.g. tau=0.01 (repeatable)")
+        p.add_argument("--param", "--policy-arg", dest="policy_arg", action="append",
+                       default=[], metavar="KEY=VALUE",
+                       help="policy hyperparameter, e.g. tau=0.01 (repeatable; read as the "
+                            "simulator's --param)")
     p.add_argument("--max-tokens", type=int, default=default_max_tokens)
     p.add_argument("--kv-pages", type=int, default=None,
                    help="KV cache pages (default: 512 MiB worth)")

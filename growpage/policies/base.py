@@ -48,5 +48,10 @@ class CapacityPolicy(abc.ABC):
         return growpage_select(ctx.scores(), ctx.num_tokens, ctx.recent_window, keep,
                                ctx.page_size, ctx.config.local_quota)
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__ and getattr(cls, "name", "custom") == "custom":
+            cls.name = cls.__name__   # errors and reports name an unnamed policy by its class
+
     def __str__(self) -> str:
         return self.name

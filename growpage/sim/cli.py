@@ -29,7 +29,9 @@ def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
                        help="policy hyperparameter (repeatable; VALUE read as JSON, else as a "
                             "Python literal such as None, else kept as a string)")
     p.add_argument("--page-size", type=int, default=256, help="tokens per KV page (default 256)")
-    p.add_argument("--recent-window", type=int, default=16, help="protected recent tokens")
+    p.add_argument("--recent-window", type=int, default=None,
+                   help="protected recent tokens (default 16, or page size / 4 for pages of 16 "
+                        "tokens or fewer, as the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_positive_int, default=1,
                    help="torch CPU threads (default 1: best on a shared machine; sweep: per "

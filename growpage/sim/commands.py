@@ -48,7 +48,10 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 
 def _setup(args: argparse.Namespace) -> GrowPageConfig:
     torch.set_num_threads(args.threads)
-    return GrowPageConfig(page_size=args.page_size, recent_window=args.recent_window)
+    window, default = args.recent_window, GrowPageConfig().recent_window
+    if window is None:  # as LLM(page_size=...) does: the default, kept below small pages
+        window = default if args.page_size > default else args.page_size // 4
+    return GrowPageConfig(page_size=args.page_size, recent_window=window)
 
 
 def _out_dir(args: argparse.Namespace) -> Path | None:

@@ -149,7 +149,7 @@ class _Probe:
         ctx = BoundaryContext(state.request_id, state.num_tokens, state.position, state.num_pages,
                               self.controller.pool.num_free_pages, self.config, self.view)
         keep = (state.num_pages - 1) * self.config.page_size
-        slots = self.controller.policy.select(ctx, keep).to(torch.long).sort(dim=-1).values
+        slots = self.controller.checked_selection(ctx, keep)
         return ctx.delta(), torch.gather(self.view.positions(), 2, slots)
 
     def _fidelity(self, t: int, state: RequestState, before: torch.Tensor | None,

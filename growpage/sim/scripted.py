@@ -33,7 +33,7 @@ from growpage.core.context import BoundaryContext
 from growpage.core.decision import Decision
 from growpage.core.kvview import KVView, QueryState
 from growpage.core.rope import RopeConfig
-from growpage.errors import GrowPageError
+from growpage.errors import SimulationError
 from growpage.policies.base import CapacityPolicy
 
 SIGNALS = ("attention", "working_set_ratio", "delta", "entropy_delta", "scores",
@@ -47,10 +47,6 @@ def signal_key(method: str, *args: Any) -> tuple[Any, ...]:
     while args and args[-1] is None:
         args = args[:-1]
     return (method, *args)
-
-
-class SimulationError(GrowPageError):
-    """The simulator cannot model what was asked (e.g. a signal its script did not record)."""
 
 
 def page_units(config: GrowPageConfig) -> GrowPageConfig:
@@ -119,6 +115,7 @@ class RecordingPolicy(CapacityPolicy):
         self.inner = inner
         self.name = inner.name
         self.fallback_to_compress = inner.fallback_to_compress
+        self.needs_accumulated_attention = inner.needs_accumulated_attention
         self.logs: dict[object, list[SignalLog]] = {}
 
     def decide(self, ctx: BoundaryContext) -> Decision:

@@ -14,6 +14,7 @@ from growpage import (
     PolicyError,
     RequestState,
 )
+from growpage.errors import ConfigError
 from growpage.policies import GrowPagePolicy, ShrinkPolicy
 from growpage.testing import BoundaryCase
 
@@ -148,6 +149,61 @@ def test_invalid_selection_is_a_policy_error_and_changes_nothing():
     with pytest.raises(PolicyError, match="wrong shape"):
         ctrl.on_boundary(state, view)
     assert state.num_tokens == 3 * B and torch.equal(view.positions(), positions)
+
+
+class Raises(Scripted):
+    """Raises ``error`` from ``where`` (decide or select)."""
+
+    def __init__(self, where, error):
+        super().__init__([Decision.COMPRESS])
+        self.where, self.error = where, error
+
+    def decide(self, ctx):
+        if self.where == "decide":
+            raise self.error
+        return super().decide(ctx)
+
+    def select(self, ctx, keep):
+        if self.where == "select":
+            raise self.error
+        return super().select(ctx, keep)
+
+
+@pytest.mark.parametrize("where", ["decide", "select"])
+def test_an_exception_from_the_policy_is_a_policy_error_naming_it(where):
+    """Wrapped, naming policy, method and boundary, with the original as its cause; the
+    request and the pool are as before."""
+    ctrl, state, view, pool, _ = setup([])
+    ctrl.policy = Raises(where, ZeroDivisionError("division by zero"))
+    with pytest.raises(PolicyError, match=rf"policy scripted {where}\(\) raised "
+                       r"ZeroDivisionError: division by zero \(request 'r0' at position 29\)"
+                       ) as info:
+        ctrl.on_boundary(state, view)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert (state.num_pages, state.num_tokens, pool.num_free_pages) == (3, 3 * B, 7)
+    # The library's own errors already name their problem: they pass through as they are.
+    ctrl.policy = Raises(where, ConfigError("coverage p must lie in (0, 1]"))
+    with pytest.raises(ConfigError, match="coverage p"):
+        ctrl.on_boundary(state, view)
+    ctrl.policy = Raises(where, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        ctrl.on_boundary(state, view)
+
+
+def test_a_policy_without_a_name_is_named_by_its_class():
+    class Unnamed(CapacityPolicy):
+        def decide(self, ctx):
+            return Decision.GROW
+
+    class Named(Unnamed):
+        name = "named"
+
+    class ChildOfNamed(Named):
+        pass
+
+    assert Unnamed().name == "Unnamed" and str(Unnamed()) == "Unnamed"
+    assert Named().name == ChildOfNamed().name == "named"
+    assert GrowPagePolicy().name == "growpage"
 
 
 @attrs.define

@@ -11,6 +11,7 @@ from growpage import Decision
 from growpage.core import demand
 from growpage.engine.boundary_profile import PHASES, BoundaryPhases, profile_boundaries
 from growpage.engine.kv_view import EngineKVView
+from growpage.errors import PolicyError
 from growpage.policies.base import CapacityPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,7 +93,8 @@ def test_patches_are_undone_when_the_run_fails(model) -> None:
     kv = llm.engine.kv
     sentinel = kv.make_room
     kv.make_room = sentinel  # an instance-level wrapper that was there first survives
-    with pytest.raises(RuntimeError, match="policy bug"):
+    with pytest.raises(PolicyError, match=r"policy broken decide\(\) raised RuntimeError: "
+                       "policy bug"):
         with profile_boundaries(llm) as phases:
             llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert phases.decided == 1 and phases.calls["decide"] == 1

@@ -95,3 +95,22 @@ def test_counts_of_one_are_singular(monkeypatch, capsys):
     monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: fake)
     assert cli.main(["generate", "--prompt", "hi"]) == 0
     assert "finish reason  length (1 token)\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--param", "--policy-arg"])
+def test_generate_takes_policy_params_as_the_simulator_does(monkeypatch, flag):
+    class Built(Exception):
+        pass
+
+    seen = {}
+
+    def build(**kw):
+        seen.update(kw)
+        raise Built
+
+    monkeypatch.setattr(engine_cli, "_build_llm", build)
+    with pytest.raises(Built):
+        cli.main(["generate", "--prompt", "hi", "--policy", "fixed", flag, "budget_tokens=128",
+                  flag, "tau=None"])
+    assert seen["policy"] == "fixed" and seen["policy_kwargs"] == {"budget_tokens": 128,
+                                                                    "tau": None}

@@ -231,7 +231,8 @@ def test_a_failing_sweep_point_is_named_and_the_others_are_kept(capsys, tmp_path
     bar, _, error = captured.err.rpartition("growpage: error: ")
     assert bar.endswith("\n") and "2/2" in bar and "1 failed" in bar   # closed before the error
     assert error.startswith("1 of 2 sweep points failed (1 finished")
-    assert f"  {crash}: RuntimeError: kaboom (" in error and "pols.py:11, in decide)" in error
+    assert f"  {crash}: PolicyError: policy crash decide() raised RuntimeError: kaboom " \
+        "(request '" in error and "pols.py:11, in decide)" in error
     saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert [p["label"] for p in saved["points"]] == ["fullkv"]
     assert saved["points"][0]["tps"] > 0
@@ -378,3 +379,15 @@ def test_serve_with_async_compaction(capsys):
     assert asyn["metrics"]["output_tokens"] == sync["metrics"]["output_tokens"]
     assert asyn["metrics"]["compresses"] == sync["metrics"]["compresses"] > 0
     assert asyn["metrics"]["decode_steps"] > sync["metrics"]["decode_steps"]
+
+
+def test_small_pages_get_the_engines_recent_window(capsys):
+    """--page-size 16 alone works, as growpage generate --page-size 16 does (window 4)."""
+    out = run_json(capsys, ["sim", "replay", "--synthetic", "1", "--gen-len", "128",
+                            "--page-size", "16"])
+    assert out["config"]["recent_window"] == 4
+    out = run_json(capsys, ["sim", "replay", "--synthetic", "1", "--gen-len", "128"])
+    assert out["config"]["recent_window"] == 16
+    out = run_json(capsys, ["sim", "replay", "--synthetic", "1", "--gen-len", "128",
+                            "--page-size", "16", "--recent-window", "2"])
+    assert out["config"]["recent_window"] == 2

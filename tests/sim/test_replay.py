@@ -222,3 +222,22 @@ def test_a_failing_policy_leaves_a_shared_pool_as_it_was(random_trace, how):
         replay_trace(random_trace, _FailsAfter(2, how), CONFIG,
                      ReplayOptions(fidelity_queries=0), pool=pool)
     assert pool.num_free_pages == 37
+
+
+def test_signals_check_the_counterfactual_selection_as_the_controller_does(random_trace):
+    """With signals the replay asks select() at every decided boundary (a growth's
+    counterfactual compression too): a bad selection is the same PolicyError."""
+    class GrowsButSelectsBadly(CapacityPolicy):
+        name = "grows-but-selects-badly"
+
+        def decide(self, ctx):
+            return Decision.GROW
+
+        def select(self, ctx, keep):
+            return torch.zeros(keep, dtype=torch.long)   # no layer/head dimensions
+
+    with pytest.raises(PolicyError, match="grows-but-selects-badly select\\(\\): wrong shape"):
+        replay_trace(random_trace, GrowsButSelectsBadly(), CONFIG,
+                     ReplayOptions(fidelity_queries=2, signals=True))
+    # Without signals the policy's select is never called: it only grows.
+    replay_trace(random_trace, GrowsButSelectsBadly(), CONFIG, ReplayOptions(fidelity_queries=2))

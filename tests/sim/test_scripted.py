@@ -84,3 +84,22 @@ def test_a_policy_reading_kv_content_in_script_mode_is_pointed_to_trace_mode():
     done = simulate(requests, KeyReader(), CONFIG, SimConfig(num_kv_pages=40, decisions="trace"),
                     COST)
     assert done.metrics.num_requests == 1 and done.metrics.output_tokens == 200
+
+
+def test_a_policy_reading_accumulated_attention_in_decide_runs_in_script_mode():
+    """The script's replay tracks the sums for such a policy, so their played-back value is
+    there (it was None: the recording wrapper hid the policy's flag)."""
+    class SumsDecide(CapacityPolicy):
+        name = "sums-decide"
+        needs_accumulated_attention = True
+
+        def decide(self, ctx):
+            acc = ctx.accumulated_attention()
+            return Decision.GROW if float(acc[..., -1].mean()) > 1.0 else Decision.COMPRESS
+
+    recorder = RecordingPolicy(SumsDecide())
+    assert recorder.needs_accumulated_attention
+    done = simulate([WorkloadRequest("a", 0.0, 40, 300), WorkloadRequest("b", 0.0, 40, 300)],
+                    SumsDecide(), CONFIG, SimConfig(num_kv_pages=60), COST)
+    assert done.metrics.output_tokens == 600
+    assert done.metrics.grows + done.metrics.compresses > 5
