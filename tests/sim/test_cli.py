@@ -15,6 +15,17 @@ from growpage.sim.synthetic import SyntheticSpec, write_synthetic_trace_set
 SMALL = ["--page-size", "32", "--recent-window", "4"]
 
 
+def set_and_workload(tmp_path, rows: str):
+    """A trace set ``tmp_path/set`` (synthetic-0, -1: 90 and 60 tokens generated after a
+    20-token prompt) and a CSV workload of ``rows`` (with a trace column) beside it."""
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[90, 60], seed=2)
+    csv = tmp_path / "w.csv"
+    csv.write_text("arrival_s,prompt_tokens,output_tokens,trace\n" + rows)
+    return csv
+
+
 def run_json(capsys, argv):
     assert main(argv + ["--json"]) == 0
     return json.loads(capsys.readouterr().out)
@@ -48,12 +59,7 @@ def test_serve_named_workload_and_csv_in_trace_mode(capsys, tmp_path):
     assert m["num_requests"] == 12 and m["tps"] > 0 and m["peak_pages"] <= 80
     assert out["policy"] == "growpage" and out["params"] == {}
     assert (tmp_path / "requests.csv").read_text().count("\n") == 13
-    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
-                         prompt_len=20, gen_len=1)
-    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[90, 60], seed=2)
-    csv = tmp_path / "w.csv"
-    csv.write_text("arrival_s,prompt_tokens,output_tokens,trace\n0,5,5,synthetic-1\n"
-                   "0.1,5,5,\n")
+    csv = set_and_workload(tmp_path, "0,5,5,synthetic-1\n0.1,5,5,\n")
     out = run_json(capsys, ["sim", "serve", "--workload", str(csv), *SMALL, "--kv-pages", "20",
                             "--decisions", "trace", "--traces", str(tmp_path / "set"),
                             "--cost", "a100-r1-llama-8b"])
@@ -292,12 +298,7 @@ def test_replay_of_a_trace_set_rejects_synthetic_only_flags(capsys, tmp_path, fl
 @pytest.mark.parametrize("command", [["serve"], ["sweep", "--points", "fullkv", "--jobs", "1",
                                                  "--fidelity-traces", "0"]])
 def test_the_workload_trace_column_is_noted_on_stderr(capsys, tmp_path, command):
-    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
-                         prompt_len=20, gen_len=1)
-    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[90, 60], seed=2)
-    csv = tmp_path / "w.csv"
-    csv.write_text("arrival_s,prompt_tokens,output_tokens,trace\n0,5,5,synthetic-1\n"
-                   "0,20,60,\n0,5,5,\n")
+    csv = set_and_workload(tmp_path, "0,5,5,synthetic-1\n0,20,60,\n0,5,5,\n")
     argv = ["sim", *command, "--workload", str(csv), *SMALL, "--kv-pages", "40", "--json"]
     for mode in ([], ["--decisions", "trace"]):   # script mode, trace mode without a set
         assert main(argv + mode) == 0
