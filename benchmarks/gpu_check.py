@@ -388,9 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import torch
 
+        from growpage.errors import ConfigError
+
         if not torch.cuda.is_available():
-            print("[gpu_check] no CUDA device: use --smoke for the CPU/interpreter run")
-            return 2
+            raise ConfigError("torch sees no CUDA device: use --smoke for the CPU/interpreter run")
     ensure_kernels_importable()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     start = time.perf_counter()
@@ -408,4 +409,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_main import run_main
+
+    sys.exit(run_main(main))
