@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import sys
@@ -302,40 +303,58 @@ def plots(r: dict, out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
+    return [plot_quality(r["rows"], out / "pareto.png"),
+            plot_trajectories(r["rows"], r["args"]["page_size"], out / "trajectories.png")]
+
+
+def plot_quality(rows: list[dict], path: Path) -> Path:
+    """NLL increase against throughput, one labelled point per run."""
     import matplotlib.pyplot as plt
 
-    rows = r["rows"]
+    from growpage.sim.plots import place_labels
+
     fig, ax = plt.subplots(figsize=(6, 4))
+    labels = []
     for x in rows:
-        ax.scatter(x["tps"], x.get("nll_increase_pct", 0.0), s=40)
-        ax.annotate(x["label"], (x["tps"], x.get("nll_increase_pct", 0.0)), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
+        nll = x.get("nll_increase_pct", 0.0)
+        dots = ax.scatter(x["tps"], nll, s=40)
+        labels.append((x["label"], x["tps"], nll, dots.get_facecolor()[0]))
     ax.set_xlabel("throughput (output tok/s)")
     ax.set_ylabel("NLL increase over fullkv (%)")
     ax.set_title("Quality vs throughput, same workload and pool")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    paths = [out / "pareto.png"]
-    fig.savefig(paths[0], dpi=120)
+    place_labels(ax, labels)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
+
+
+# (line style, marker, width) per trajectory: policies that keep the same pages draw the same
+# steps, so each line needs its own dashes and hollow marker to show through the others.
+TRAJECTORY_STYLES = [("-", "o", 3.0), ("--", "s", 2.2), ("-.", "^", 1.6), (":", "D", 1.2)]
+
+
+def plot_trajectories(rows: list[dict], page_size: int, path: Path) -> Path:
+    """Capacity of request 0 against generated tokens under fullkv, growpage and fixed."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    b = r["args"]["page_size"]
-    for x in rows:
-        if x["policy"] not in ("growpage", "fixed", "fullkv") or not x["trajectories"]:
-            continue
+    drawn = [x for x in rows if x["policy"] in ("growpage", "fixed", "fullkv") and x["trajectories"]]
+    for x, (style, marker, width) in zip(drawn, itertools.cycle(TRAJECTORY_STYLES)):
         traj, plen = x["trajectories"][0], x["prompt_lens"][0]
-        ax.step([p - plen for p, _, _ in traj], [n * b for _, n, _ in traj], where="post",
-                label=x["label"])
+        ax.step([p - plen for p, _, _ in traj], [n * page_size for _, n, _ in traj],
+                where="post", label=x["label"], linestyle=style, linewidth=width, marker=marker,
+                markersize=2 + 2 * width, markerfacecolor="none")
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("KV capacity (tokens)")
     ax.set_title("Capacity trajectory of request 0")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    paths.append(out / "trajectories.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return paths
+    return path
 
 
 def write(report: dict, out: Path) -> str:
