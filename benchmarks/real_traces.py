@@ -263,35 +263,49 @@ def write_report(out: Path, analysis, extra: dict, traces: list, command: str,
 
 
 def _plot_signals(out: Path, analysis, page_size: int) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from growpage.sim.plots import plot_signal_scatter
+    from growpage.sim.plots import plot_signal_scatter  # (chooses the Agg backend)
 
     sig = analysis.signals["growpage"]
     plot_signal_scatter(sig["pairs"], out / "scatter.png",
                         title=f"real SmolLM2 traces, growpage, b={page_size}: "
                               f"rho={sig['spearman']:.2f}")
+    plot_advantage(analysis.signals, out / "advantage.png")
+
+
+# Buckets with fewer boundaries than this are drawn pale: their mean says little.
+FEW_BOUNDARIES = 10
+
+
+def plot_advantage(signals: dict[str, dict], path: Path) -> Path:
+    """Mean growth advantage per Delta_t bucket, a bar per replay, each with its count n."""
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, name in ((axes[0], "mean_advantage", "1 - retained mass"),
                           (axes[1], "mean_advantage_error", "output error")):
-        for i, (label, s) in enumerate(analysis.signals.items()):
+        for i, (label, s) in enumerate(signals.items()):
             buckets = s["buckets"]
             xs = [j + 0.4 * i for j in range(len(buckets))]
             ys = [bk[key] if bk[key] is not None else 0.0 for bk in buckets]
-            ax.bar(xs, ys, width=0.4, label=label)
+            bars = ax.bar(xs, ys, width=0.4, label=label)
+            for bar, bk in zip(bars, buckets, strict=True):
+                bar.set_alpha(1.0 if bk["count"] >= FEW_BOUNDARIES else 0.35)
+            ax.bar_label(bars, labels=[str(bk["count"]) for bk in buckets], fontsize=6,
+                         padding=1)
         ax.set_xticks([j + 0.2 for j in range(len(buckets))])
         ax.set_xticklabels([f"[{bk['low']:g},{bk['high']:g})" for bk in buckets], rotation=45,
                            fontsize=7)
         ax.set_xlabel("Delta_t bucket")
         ax.set_ylabel(f"growth advantage ({name})")
+        ax.set_title(f"on each bar: boundaries n (pale: n < {FEW_BOUNDARIES})", fontsize=8)
+        ax.margins(y=0.08)
         ax.axhline(0, color="grey", lw=0.8)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "advantage.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
 
 def run_analysis(args: argparse.Namespace) -> int:
