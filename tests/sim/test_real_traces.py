@@ -100,6 +100,22 @@ def test_advantage_plot_shows_how_many_boundaries_each_bar_holds(tmp_path, monke
     close(fig)
 
 
+def test_no_rank_correlation_is_reported_over_a_few_boundaries():
+    sig = {"num_boundaries": 2, "spearman": 1.0, "spearman_ci95": [1.0, 1.0],
+           "sign_agreement": 1.0, "persistence_spearman": -1.0, "persistence_pairs": 1,
+           "spearman_delta_advantage": 1.0, "delta_mean": 0.1, "delta_std": 0.1,
+           "future_change_std": 0.1,
+           "split": {"before": {"num_boundaries": 2, "spearman": 1.0, "sign_agreement": 1.0},
+                     "after": {"num_boundaries": 0}},
+           "levels": {"num_boundaries": 2, "spearman_current_level": 1.0,
+                      "spearman_next_level": -1.0, "spearman_current_level_vs_change": 1.0}}
+    text = _script().signal_text("growpage", sig, 64)
+    assert "1.000" not in text and "interval" not in text and "ρ = n/a (< 10 pairs)" in text
+    sig.update(num_boundaries=267, persistence_pairs=251)
+    text = _script().signal_text("growpage", sig, 64)
+    assert "future demand change) = 1.000 (95% trace-bootstrap interval 1.000 to 1.000)" in text
+
+
 def test_subset_trace_cuts_layers_values_and_tokens(make_trace):
     trace = make_trace(num_tokens=20, prompt_len=5)
     cut = subset_trace(trace, layer_ids=[3], values=False, max_generated=6)
