@@ -1,8 +1,8 @@
 """Engine policy table: one workload, one KV page pool, every policy side by side (real model).
 
-    python benchmarks/policies_engine.py                          # CPU preset (~25 min here)
-    python benchmarks/policies_engine.py --preset full --device cuda
-    python benchmarks/policies_engine.py --preset smoke           # seconds: checks the pipeline
+    python benchmarks/policies_engine.py                          # CPU preset, ~12 min here
+    python benchmarks/policies_engine.py --preset full --device cuda   # ~4.5 min on one H200
+    python benchmarks/policies_engine.py --preset smoke           # ~90 s: checks the pipeline
 
 What it does, in one run and with one seed:
 
@@ -16,7 +16,9 @@ What it does, in one run and with one seed:
 3. ``fixed`` runs at growpage's measured average budget (rounded to a page) and at twice it;
    ``random`` grows with growpage's measured grow ratio.
 
-Writes ``<out>/table.md``, ``<out>/results.json`` and plots (quality vs TPS, trajectories).
+Writes ``<out>/table.md``, ``<out>/results.json`` and plots (quality vs TPS, trajectories);
+``<out>`` is the repository's ``results/policies_engine/<preset>-<device>`` unless ``--out`` says
+otherwise, so runs of different presets or devices keep their own results.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from growpage.eval.workload import (  # noqa: E402
 PRESETS = {
     # The evaluation issue's size: 48 requests of 512 generated tokens.
     "full": dict(num_requests=48, max_tokens=512, page_size=64, retrieval=16, stretch=384),
-    # Same 48 requests, shorter generations and smaller pages: fits ~25 minutes on 2 CPU cores.
+    # Same 48 requests, shorter generations and smaller pages: ~12 minutes on 2 CPU cores.
     "cpu": dict(num_requests=48, max_tokens=128, page_size=16, retrieval=16, stretch=128),
     "smoke": dict(num_requests=4, max_tokens=12, page_size=8, retrieval=2, stretch=8),
 }
@@ -72,8 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="subset of: fullkv growpage fixed random inverse shrink (default all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--out", default="results/policies_engine")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: results/policies_engine/<preset>-<device>)")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(ROOT / "results" / "policies_engine"
+                       / f"{args.preset}-{args.device.replace(':', '')}")
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -340,7 +346,8 @@ def plot_trajectories(rows: list[dict], page_size: int, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    drawn = [x for x in rows if x["policy"] in ("growpage", "fixed", "fullkv") and x["trajectories"]]
+    drawn = [x for x in rows
+             if x["policy"] in ("growpage", "fixed", "fullkv") and x["trajectories"]]
     for x, (style, marker, width) in zip(drawn, itertools.cycle(TRAJECTORY_STYLES)):
         traj, plen = x["trajectories"][0], x["prompt_lens"][0]
         ax.step([p - plen for p, _, _ in traj], [n * page_size for _, n, _ in traj],
