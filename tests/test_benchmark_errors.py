@@ -1,4 +1,5 @@
-"""A GPU-only benchmark run on a machine without CUDA ends in one line and exit status 2."""
+"""A GPU-only benchmark run on a machine without CUDA ends in one line and exit status 2; the
+files of ``benchmarks/`` that are no scripts say so when run."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ def test_gpu_run_without_cuda_says_so_in_one_line(script, args, tmp_path):
     [line] = proc.stderr.splitlines()
     assert line.startswith(f"{script}.py: error: ") and "sees no CUDA device" in line
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("name, says", [("gpu_bench", "run python benchmarks/gpu_check.py"),
+                                        ("kernels_micro", "run pytest benchmarks/kernels_micro.py")])
+def test_a_module_that_is_no_script_says_what_to_run(name, says, tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--help"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and proc.stdout == ""
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"{name}.py: ") and says in line
