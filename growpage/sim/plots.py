@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 from matplotlib.transforms import Bbox  # noqa: E402
+from matplotlib.typing import ColorType  # noqa: E402
 
 # NOTE: what a label crossing a line, or nearer to another point than to its own, costs in
 # place_labels, in pixels of overlap: less than covering another label's text, more than nothing.
@@ -53,7 +54,7 @@ def plot_pareto(points: Sequence[Mapping], path: str | os.PathLike, x: str, y: s
     """
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     groups: dict[str, list[Mapping]] = {}
-    labels: list[tuple[str, float, float, str]] = []
+    labels: list[tuple[str, float, float, ColorType]] = []
     for p in points:
         if p.get(x) is None or p.get(y) is None:
             continue
@@ -73,7 +74,7 @@ def plot_pareto(points: Sequence[Mapping], path: str | os.PathLike, x: str, y: s
     return _save(fig, path)
 
 
-def place_labels(ax: plt.Axes, labels: Sequence[tuple[str, float, float, str]]) -> None:
+def place_labels(ax: plt.Axes, labels: Sequence[tuple[str, float, float, ColorType]]) -> None:
     """Annotate each ``(text, x, y, colour)`` beside its point, inside the axes and clear of the
     other labels, the points, the legend and the lines: at the first free corner of the point
     (one no other point is nearer to), else at the nearest free height above or below it, with
@@ -81,14 +82,14 @@ def place_labels(ax: plt.Axes, labels: Sequence[tuple[str, float, float, str]]) 
     in pixels, so call it once the layout is final."""
     if not labels:
         return
-    renderer = ax.figure.canvas.get_renderer()
+    renderer = ax.figure.canvas.get_renderer()  # type: ignore[attr-defined]  # Agg's
     centres = [tuple(c) for c in ax.transData.transform([(x, y) for _, x, y, _ in labels])]
     taken = [Bbox.from_extents(cx - 4, cy - 4, cx + 4, cy + 4) for cx, cy in centres]
-    if ax.get_legend() is not None:
-        taken.append(ax.get_legend().get_window_extent(renderer))
-    scene = (ax.get_window_extent(renderer), taken, centres,
-             [line.get_transform().transform_path(line.get_path()) for line in ax.get_lines()
-              if len(line.get_xdata()) > 1])
+    legend = ax.get_legend()
+    if legend is not None:
+        taken.append(legend.get_window_extent(renderer))
+    paths = [line.get_transform().transform_path(line.get_path()) for line in ax.get_lines()]
+    scene = (ax.get_window_extent(renderer), taken, centres, [p for p in paths if len(p) > 1])
     for (text, x, y, colour), centre in sorted(zip(labels, centres, strict=True),
                                                 key=lambda t: t[1]):
         probe = ax.annotate(text, (x, y), textcoords="offset points", xytext=(0, 0), fontsize=7)
