@@ -107,12 +107,17 @@ def run(args: argparse.Namespace) -> dict:
             "decision_pct": 100 * (st.boundary_time_s - kv.deferred_seconds) / st.total_time_s,
             "steps": st.num_steps,
             "decided": phases.decided,
-            "ms_per_decided": 1000 * st.boundary_time_s / max(phases.decided, 1),
+            "ms_per_decided": (1000 * st.boundary_time_s / phases.decided if phases.decided
+                               else None),
             "events": dict(st.events), "phases": phases.as_dict(),
             "shared_steps": llm.engine.kv.shared_steps,
             "shared_boundaries": llm.engine.kv.shared_boundaries,
             "phases_markdown": phases.markdown()}
     return report
+
+
+def _ms(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms:.3f}"   # None: no boundary was decided
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for policy, r in report["rows"].items():
         print(f"| {policy} | {r['total_s']:.2f} | {r['steps']} | {r['boundary_s']:.3f} | "
               f"{r['boundary_pct']:.2f} | {r['decision_pct']:.2f} | {r['decided']} | "
-              f"{r['ms_per_decided']:.3f} |")
+              f"{_ms(r['ms_per_decided'])} |")
     for policy, r in report["rows"].items():
         if r["decided"]:
             print(f"\n{policy}: {r['phases_markdown']}")
@@ -159,4 +164,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_main import run_main
+
+    sys.exit(run_main(main))

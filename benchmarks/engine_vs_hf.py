@@ -158,4 +158,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from script_main import run_main
+
+    raise SystemExit(run_main(main))

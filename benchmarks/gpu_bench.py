@@ -195,3 +195,8 @@ def boundary_work(sh: Shapes, dtype: torch.dtype, device: torch.device) -> dict:
             "compaction_direct_gbps": 2 * kv_bytes * num_keep / context / direct / 1e6,
             "demand_attention_ms": attn_ms, "demand_top_p_ms": topp_ms,
             "demand_total_ms": total_ms}
+
+
+if __name__ == "__main__":
+    raise SystemExit("gpu_bench.py: the measurements of gpu_check.py, not a script of its own; "
+                     "run python benchmarks/gpu_check.py [--smoke] [--sections ...]")

@@ -135,9 +135,13 @@ def _print_row(name: str, row: dict) -> None:
         print(f"[gpu_check] engine {name}: error {row['error'][:200]}", flush=True)
         return
     print(f"[gpu_check] engine {name}: {row['tokens_per_s']:.1f} tok/s, boundary "
-          f"{row['boundary_pct']:.2f}% ({row['ms_per_decided_boundary']:.2f} ms per decided), "
+          f"{row['boundary_pct']:.2f}% ({_ms(row['ms_per_decided_boundary'])} ms per decided), "
           f"waited-for {row['boundary_critical_pct']:.2f}%, compiles in run "
           f"{sum(row['compiles_during_run'].values())}", flush=True)
+
+
+def _ms(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms:.2f}"   # None: no boundary was decided
 
 
 def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> dict:
@@ -165,7 +169,8 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     graphs = llm.engine.runner.graphs
     return {"tokens_per_s": st.tps, "total_s": st.total_time_s,
             "decided_boundaries": decided,
-            "ms_per_decided_boundary": 1000 * st.boundary_time_s / max(decided, 1),
+            "ms_per_decided_boundary": (1000 * st.boundary_time_s / decided if decided
+                                        else None),
             "avg_resident": st.avg_resident, "avg_kv_budget": st.avg_kv_budget,
             "boundary_s": st.boundary_time_s,
             "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
@@ -346,7 +351,7 @@ def to_markdown(r: dict) -> str:
             lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['total_s']:.2f} | "
                          f"{e['avg_resident']:.1f} | {e['avg_kv_budget']:.0f} | "
                          f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} | "
-                         f"{e['ms_per_decided_boundary']:.2f} | "
+                         f"{_ms(e['ms_per_decided_boundary'])} | "
                          f"{e.get('shared_steps', 0)} ({e.get('shared_boundaries', 0)}) | "
                          f"{e.get('deferred_s', 0.0):.3f} ({e.get('deferred_stall_s', 0.0):.3f})"
                          f" | {e.get('boundary_critical_pct', e['boundary_pct']):.2f} | "
@@ -388,9 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import torch
 
+        from growpage.errors import ConfigError
+
         if not torch.cuda.is_available():
-            print("[gpu_check] no CUDA device: use --smoke for the CPU/interpreter run")
-            return 2
+            raise ConfigError("torch sees no CUDA device: use --smoke for the CPU/interpreter run")
     ensure_kernels_importable()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     start = time.perf_counter()
@@ -408,4 +414,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_main import run_main
+
+    sys.exit(run_main(main))

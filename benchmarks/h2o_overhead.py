@@ -109,4 +109,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from script_main import run_main
+
+    sys.exit(run_main(main))

@@ -103,3 +103,8 @@ def test_compaction_in_place(benchmark, boundary_inputs) -> None:
 def test_demand_attention(benchmark, boundary_inputs) -> None:
     kv_cache, table, _, queries, num_candidates = boundary_inputs
     benchmark(synced(lambda: demand_attention(queries, kv_cache[0], table, num_candidates)))
+
+
+if __name__ == "__main__":
+    raise SystemExit("kernels_micro.py: pytest-benchmark tests, not a script; run "
+                     "pytest benchmarks/kernels_micro.py --benchmark-only")

@@ -336,4 +336,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from script_main import run_main
+
+    raise SystemExit(run_main(main))

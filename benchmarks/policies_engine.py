@@ -1,8 +1,8 @@
 """Engine policy table: one workload, one KV page pool, every policy side by side (real model).
 
-    python benchmarks/policies_engine.py                          # CPU preset (~25 min here)
-    python benchmarks/policies_engine.py --preset full --device cuda
-    python benchmarks/policies_engine.py --preset smoke           # seconds: checks the pipeline
+    python benchmarks/policies_engine.py                          # CPU preset, ~12 min here
+    python benchmarks/policies_engine.py --preset full --device cuda   # ~4.5 min on one H200
+    python benchmarks/policies_engine.py --preset smoke           # ~90 s: checks the pipeline
 
 What it does, in one run and with one seed:
 
@@ -16,13 +16,16 @@ What it does, in one run and with one seed:
 3. ``fixed`` runs at growpage's measured average budget (rounded to a page) and at twice it;
    ``random`` grows with growpage's measured grow ratio.
 
-Writes ``<out>/table.md``, ``<out>/results.json`` and plots (quality vs TPS, trajectories).
+Writes ``<out>/table.md``, ``<out>/results.json`` and plots (quality vs TPS, trajectories);
+``<out>`` is the repository's ``results/policies_engine/<preset>-<device>`` unless ``--out`` says
+otherwise, so runs of different presets or devices keep their own results.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import sys
@@ -46,7 +49,7 @@ from growpage.eval.workload import (  # noqa: E402
 PRESETS = {
     # The evaluation issue's size: 48 requests of 512 generated tokens.
     "full": dict(num_requests=48, max_tokens=512, page_size=64, retrieval=16, stretch=384),
-    # Same 48 requests, shorter generations and smaller pages: fits ~25 minutes on 2 CPU cores.
+    # Same 48 requests, shorter generations and smaller pages: ~12 minutes on 2 CPU cores.
     "cpu": dict(num_requests=48, max_tokens=128, page_size=16, retrieval=16, stretch=128),
     "smoke": dict(num_requests=4, max_tokens=12, page_size=8, retrieval=2, stretch=8),
 }
@@ -71,8 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="subset of: fullkv growpage fixed random inverse shrink (default all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--out", default="results/policies_engine")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: results/policies_engine/<preset>-<device>)")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(ROOT / "results" / "policies_engine"
+                       / f"{args.preset}-{args.device.replace(':', '')}")
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -302,40 +309,59 @@ def plots(r: dict, out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
+    return [plot_quality(r["rows"], out / "pareto.png"),
+            plot_trajectories(r["rows"], r["args"]["page_size"], out / "trajectories.png")]
+
+
+def plot_quality(rows: list[dict], path: Path) -> Path:
+    """NLL increase against throughput, one labelled point per run."""
     import matplotlib.pyplot as plt
 
-    rows = r["rows"]
+    from growpage.sim.plots import place_labels
+
     fig, ax = plt.subplots(figsize=(6, 4))
+    labels = []
     for x in rows:
-        ax.scatter(x["tps"], x.get("nll_increase_pct", 0.0), s=40)
-        ax.annotate(x["label"], (x["tps"], x.get("nll_increase_pct", 0.0)), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
+        nll = x.get("nll_increase_pct", 0.0)
+        dots = ax.scatter(x["tps"], nll, s=40)
+        labels.append((x["label"], x["tps"], nll, dots.get_facecolor()[0]))
     ax.set_xlabel("throughput (output tok/s)")
     ax.set_ylabel("NLL increase over fullkv (%)")
     ax.set_title("Quality vs throughput, same workload and pool")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    paths = [out / "pareto.png"]
-    fig.savefig(paths[0], dpi=120)
+    place_labels(ax, labels)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
+
+
+# (line style, marker, width) per trajectory: policies that keep the same pages draw the same
+# steps, so each line needs its own dashes and hollow marker to show through the others.
+TRAJECTORY_STYLES = [("-", "o", 3.0), ("--", "s", 2.2), ("-.", "^", 1.6), (":", "D", 1.2)]
+
+
+def plot_trajectories(rows: list[dict], page_size: int, path: Path) -> Path:
+    """Capacity of request 0 against generated tokens under fullkv, growpage and fixed."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    b = r["args"]["page_size"]
-    for x in rows:
-        if x["policy"] not in ("growpage", "fixed", "fullkv") or not x["trajectories"]:
-            continue
+    drawn = [x for x in rows
+             if x["policy"] in ("growpage", "fixed", "fullkv") and x["trajectories"]]
+    for x, (style, marker, width) in zip(drawn, itertools.cycle(TRAJECTORY_STYLES)):
         traj, plen = x["trajectories"][0], x["prompt_lens"][0]
-        ax.step([p - plen for p, _, _ in traj], [n * b for _, n, _ in traj], where="post",
-                label=x["label"])
+        ax.step([p - plen for p, _, _ in traj], [n * page_size for _, n, _ in traj],
+                where="post", label=x["label"], linestyle=style, linewidth=width, marker=marker,
+                markersize=2 + 2 * width, markerfacecolor="none")
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("KV capacity (tokens)")
     ax.set_title("Capacity trajectory of request 0")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    paths.append(out / "trajectories.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return paths
+    return path
 
 
 def write(report: dict, out: Path) -> str:
@@ -361,4 +387,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_main import run_main
+
+    sys.exit(run_main(main))

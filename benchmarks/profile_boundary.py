@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{st.total_time_s:.2f} s ({st.tps:.1f} tok/s); boundary time {st.boundary_time_s:.3f}"
           f" s = {100 * st.boundary_time_s / st.total_time_s:.2f}% of the run")
     print(f"boundaries {e.get('boundaries', 0)}, decided {decided}, compress "
-          f"{e.get('compress', 0)}: {1000 * st.boundary_time_s / max(decided, 1):.2f} ms per "
-          "decided boundary")
+          f"{e.get('compress', 0)}: " + (f"{1000 * st.boundary_time_s / decided:.2f}" if decided
+                                         else "n/a") + " ms per decided boundary")
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(args.top)
     print(out.getvalue())
@@ -74,4 +74,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_main import run_main
+
+    sys.exit(run_main(main))

@@ -157,28 +157,40 @@ BUCKET_COLUMNS = [("bucket", "Δt bucket", ""), ("count", "n", "d"),
 
 
 def signal_text(label: str, sig: dict, page_size: int) -> str:
+    n = sig["num_boundaries"]
     ci = sig.get("spearman_ci95")
-    ci_text = f" (95% trace-bootstrap interval {ci[0]:.3f} to {ci[1]:.3f})" if ci else ""
+    ci_text = (f" (95% trace-bootstrap interval {ci[0]:.3f} to {ci[1]:.3f})"
+               if ci and n >= MIN_RHO_PAIRS else "")
     return "\n".join([
-        f"**{label}, b = {page_size}**: {sig['num_boundaries']} boundaries. "
-        f"Spearman ρ(Δt, future demand change) = {sig['spearman']:.3f}{ci_text}; "
+        f"**{label}, b = {page_size}**: {n} boundaries. "
+        f"Spearman ρ(Δt, future demand change) = {_rho(sig['spearman'], n)}{ci_text}; "
         f"sign agreement = {sig['sign_agreement']:.1%}. "
         f"Yardstick: the demand change of the page just finished predicts the next one with "
-        f"ρ = {sig['persistence_spearman']:.3f} ({sig['persistence_pairs']} pairs). "
-        f"ρ(Δt, growth advantage) = {sig['spearman_delta_advantage']:.3f}. "
+        f"ρ = {_rho(sig['persistence_spearman'], sig['persistence_pairs'])} "
+        f"({sig['persistence_pairs']} pairs). "
+        f"ρ(Δt, growth advantage) = {_rho(sig['spearman_delta_advantage'], n)}. "
         f"Δt mean {sig['delta_mean']:.4f}, std {sig['delta_std']:.4f}; future change std "
         f"{sig['future_change_std']:.4f}."] + _split_text(sig.get("split"))
         + _level_text(sig.get("levels")) + [""])
 
 
+# A rank correlation over fewer pairs than this is not reported (over 2 it is always +-1).
+MIN_RHO_PAIRS = 10
+
+
+def _rho(rho: float, num_pairs: int) -> str:
+    return f"{rho:.3f}" if num_pairs >= MIN_RHO_PAIRS else f"n/a (< {MIN_RHO_PAIRS} pairs)"
+
+
 def _level_text(levels: dict | None) -> list[str]:
     if not levels:
         return []
-    return [f"Levels: ρ(Δt, demand of the page before) = {levels['spearman_current_level']:.3f}, "
-            f"ρ(Δt, demand of the page after) = {levels['spearman_next_level']:.3f}, "
+    n = levels["num_boundaries"]
+    return [f"Levels: ρ(Δt, demand of the page before) = "
+            f"{_rho(levels['spearman_current_level'], n)}, "
+            f"ρ(Δt, demand of the page after) = {_rho(levels['spearman_next_level'], n)}, "
             f"ρ(demand before, its change) = "
-            f"{levels['spearman_current_level_vs_change']:.3f} "
-            f"({levels['num_boundaries']} boundaries)."]
+            f"{_rho(levels['spearman_current_level_vs_change'], n)} ({n} boundaries)."]
 
 
 def _split_text(split: dict | None) -> list[str]:
@@ -190,7 +202,8 @@ def _split_text(split: dict | None) -> list[str]:
                       ("after", "past the first end of turn")):
         q = split[key]
         if q["num_boundaries"]:
-            parts.append(f"{name}: {q['num_boundaries']} boundaries, ρ = {q['spearman']:.3f}, "
+            parts.append(f"{name}: {q['num_boundaries']} boundaries, "
+                         f"ρ = {_rho(q['spearman'], q['num_boundaries'])}, "
                          f"sign {q['sign_agreement']:.1%}")
     return ["Split: " + "; ".join(parts) + "."] if parts else []
 
@@ -263,35 +276,49 @@ def write_report(out: Path, analysis, extra: dict, traces: list, command: str,
 
 
 def _plot_signals(out: Path, analysis, page_size: int) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from growpage.sim.plots import plot_signal_scatter
+    from growpage.sim.plots import plot_signal_scatter  # (chooses the Agg backend)
 
     sig = analysis.signals["growpage"]
     plot_signal_scatter(sig["pairs"], out / "scatter.png",
                         title=f"real SmolLM2 traces, growpage, b={page_size}: "
-                              f"rho={sig['spearman']:.2f}")
+                              f"rho={_rho(sig['spearman'], sig['num_boundaries'])}")
+    plot_advantage(analysis.signals, out / "advantage.png")
+
+
+# Buckets with fewer boundaries than this are drawn pale: their mean says little.
+FEW_BOUNDARIES = 10
+
+
+def plot_advantage(signals: dict[str, dict], path: Path) -> Path:
+    """Mean growth advantage per Delta_t bucket, a bar per replay, each with its count n."""
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, name in ((axes[0], "mean_advantage", "1 - retained mass"),
                           (axes[1], "mean_advantage_error", "output error")):
-        for i, (label, s) in enumerate(analysis.signals.items()):
+        for i, (label, s) in enumerate(signals.items()):
             buckets = s["buckets"]
             xs = [j + 0.4 * i for j in range(len(buckets))]
             ys = [bk[key] if bk[key] is not None else 0.0 for bk in buckets]
-            ax.bar(xs, ys, width=0.4, label=label)
+            bars = ax.bar(xs, ys, width=0.4, label=label)
+            for bar, bk in zip(bars, buckets, strict=True):
+                bar.set_alpha(1.0 if bk["count"] >= FEW_BOUNDARIES else 0.35)
+            ax.bar_label(bars, labels=[str(bk["count"]) for bk in buckets], fontsize=6,
+                         padding=1)
         ax.set_xticks([j + 0.2 for j in range(len(buckets))])
         ax.set_xticklabels([f"[{bk['low']:g},{bk['high']:g})" for bk in buckets], rotation=45,
                            fontsize=7)
         ax.set_xlabel("Delta_t bucket")
         ax.set_ylabel(f"growth advantage ({name})")
+        ax.set_title(f"on each bar: boundaries n (pale: n < {FEW_BOUNDARIES})", fontsize=8)
+        ax.margins(y=0.08)
         ax.axhline(0, color="grey", lw=0.8)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "advantage.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
 
 def run_analysis(args: argparse.Namespace) -> int:
@@ -368,4 +395,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_main import run_main
+
+    sys.exit(run_main(main))

@@ -102,4 +102,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_main import run_main
+
+    sys.exit(run_main(main))

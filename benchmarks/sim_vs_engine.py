@@ -209,14 +209,21 @@ METRICS = [("tps", "TPS (tok/s)", ".1f"), ("avg_resident", "C", ".2f"),
 GATED = ("tps", "avg_resident", "total_time_s")
 
 
-def relative_error(sim: float, measured: float) -> float:
-    return (sim - measured) / measured if measured else float("nan") if sim else 0.0
+def relative_error(sim: float, measured: float) -> float | None:
+    """``(sim - measured) / measured``; None where the engine measured 0 and the simulator not."""
+    return (sim - measured) / measured if measured else None if sim else 0.0
 
 
 def compare(label: str, engine: dict, sim: dict) -> dict:
     errors = {k: relative_error(sim[k], engine[k]) for k, _, _ in METRICS}
     return {"point": label, "engine": engine, "sim": sim, "rel_error": errors,
-            "within_target": all(abs(errors[k]) <= TARGET for k in GATED)}
+            "within_target": all(errors[k] is not None and abs(errors[k]) <= TARGET
+                                 for k in GATED)}
+
+
+def _error_cell(err: float | None, difference: float, fmt: str) -> str:
+    """The relative error, or (engine count 0) n/a and the simulator's absolute excess."""
+    return f"{err:+.1%}" if err is not None else f"n/a ({difference:+{fmt}})"
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -225,9 +232,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for row in rows:
         for key, name, fmt in METRICS:
             e, s, err = row["engine"][key], row["sim"][key], row["rel_error"][key]
-            mark = " **!**" if key in GATED and abs(err) > TARGET else ""
+            mark = " **!**" if key in GATED and (err is None or abs(err) > TARGET) else ""
             lines.append(f"| {row['point']} | {name} | {e:{fmt}} | {s:{fmt}} | "
-                         f"{err:+.1%}{mark} |")
+                         f"{_error_cell(err, s - e, fmt)}{mark} |")
     c = meta["cost_model"]
     return "\n".join([
         "# Simulator vs engine (CPU, SmolLM2-135M-Instruct)", "",
@@ -341,4 +348,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from script_main import run_main
+
+    raise SystemExit(run_main(main))

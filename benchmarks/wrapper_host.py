@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import growpage.kernels as K  # noqa: E402  (turns the interpreter on without CUDA)
 from growpage.kernels.variants import stubbed_launches  # noqa: E402
 
+from growpage.engine.config import check_device  # noqa: E402
+
 # SmolLM2-135M: 30 layers, 9 query / 3 KV heads of 64; pages of 64, contexts of ~600
 LAYERS, HQ, HKV, D, PAGE, BATCH, PAGES = 30, 9, 3, 64, 64, 64, 10
 
@@ -72,11 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    device = check_device(args.device)  # ConfigError (one line) where torch has no such device
     print("| wrapper (launch stubbed) | us per call |\n|---|---:|")
-    for name, us in measure(args.calls, torch.device(args.device)).items():
+    for name, us in measure(args.calls, device).items():
         print(f"| {name} | {us:.1f} |")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_main import run_main
+
+    sys.exit(run_main(main))

@@ -132,9 +132,12 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="compare policies in the simulator (about a minute)")
-    p.add_argument("--traces", type=int, default=3, help="synthetic traces to replay")
-    p.add_argument("--gen-len", type=int, default=3072, help="generated tokens per trace")
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results/demo", help="where plots and numbers go")
+    p.add_argument("--traces", type=int, default=3, help="synthetic traces to replay (default 3)")
+    p.add_argument("--gen-len", type=int, default=3072,
+                   help="generated tokens per trace (default 3072)")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic traces and the serving workload (default 0)")
+    p.add_argument("--out", default="results/demo",
+                   help="where plots and numbers go (default results/demo)")
     p.set_defaults(func=run)

@@ -6,6 +6,8 @@ behaviour: a regression here is a slower engine, whatever this machine's clock s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from benchmark_scripts import load_benchmark
@@ -119,3 +121,23 @@ def test_boundary_share_estimates_the_gpu_check_run_host_side():
     # 40% of what fullkv needs for all requests, but room for the longest one.
     assert bench.gpu_check_pool([100] * 10, 412, 64) == 36  # 10 x 9 pages -> 36
     assert bench.gpu_check_pool([100], 60, 8) == 22  # 161 tokens: 21 pages, 8 < 161 // 8 + 2
+
+
+def test_boundary_share_without_decided_boundaries_says_n_a(capsys, tmp_path):
+    bench = load_benchmark("boundary_share")
+    out = tmp_path / "share.json"
+    argv = ["--requests", "10", "--max-tokens", "2", "--page-size", "32", "--layers", "1",
+            "--policies", "growpage", "--prompt-len", "20", "--json", str(out),
+            "--threads", str(torch.get_num_threads())]   # a page never fills: nothing decided
+    assert bench.main(argv) == 0
+    row = json.loads(out.read_text())["rows"]["growpage"]
+    assert row["decided"] == 0 and row["ms_per_decided"] is None
+    assert "| 0 | n/a |" in capsys.readouterr().out
+
+
+def test_gpu_check_engine_row_without_decided_boundaries_says_n_a(capsys):
+    bench = load_benchmark("gpu_check")
+    row = {"tokens_per_s": 10.0, "boundary_pct": 0.5, "ms_per_decided_boundary": None,
+           "boundary_critical_pct": 0.5, "compiles_during_run": {}}
+    bench._print_row("growpage", row)
+    assert "(n/a ms per decided)" in capsys.readouterr().out

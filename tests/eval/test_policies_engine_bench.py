@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 from benchmark_scripts import load_benchmark
@@ -57,3 +58,31 @@ def test_bad_arguments_are_refused(capsys):
     assert "--pool-fraction" in capsys.readouterr().err
     args = bench.parse_args(["--preset", "full", "--max-tokens", "64"])
     assert args.num_requests == 48 and args.max_tokens == 64 and args.page_size == 64
+
+
+def test_each_preset_and_device_has_its_own_default_folder():
+    def folder(*argv: str) -> tuple[str, ...]:
+        return Path(bench.parse_args(list(argv)).out).parts[-3:]
+
+    assert folder("--preset", "full", "--device", "cuda") == ("results", "policies_engine",
+                                                              "full-cuda")
+    assert folder() == ("results", "policies_engine", "cpu-cpu")
+    assert folder("--device", "cuda:1") == ("results", "policies_engine", "cpu-cuda1")
+    assert bench.parse_args(["--out", "elsewhere"]).out == "elsewhere"
+
+
+def test_coincident_trajectories_are_drawn_apart(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at its lines
+    same = [(64, 2, "grow"), (128, 3, "grow"), (192, 3, "compress")]
+    rows = [row(policy, label, trajectories=[traj], prompt_lens=[60]) for policy, label, traj in
+            (("fullkv", None, same[:2] + [(192, 4, "grow")]), ("growpage", None, same),
+             ("fixed", "fixed-128", same), ("fixed", "fixed-256", same))]
+    bench.plot_trajectories(rows, 64, tmp_path / "t.png")
+    [fig] = figures
+    lines = fig.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["fullkv", "growpage", "fixed-128", "fixed-256"]
+    assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == 4
+    close(fig)

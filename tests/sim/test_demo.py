@@ -27,3 +27,13 @@ def test_an_unusable_demo_out_fails_before_the_work(capsys, tmp_path, monkeypatc
     (tmp_path / "file").write_text("x")
     assert main(["demo", "--out", str(tmp_path / "file" / "out")]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_demo_help_gives_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    options = " ".join(capsys.readouterr().out.split()).split("options:")[1]
+    helps = {part.split()[0]: part for part in options.split(" --")[1:]}  # the help wraps
+    for option, default in (("traces", 3), ("gen-len", 3072), ("page-size", 64), ("seed", 0),
+                            ("out", "results/demo")):
+        assert helps[option].endswith(f"(default {default})"), helps[option]

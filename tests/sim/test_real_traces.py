@@ -83,6 +83,39 @@ def test_analysis_on_two_real_traces(committed):
         assert all(-1 <= levels[k] <= 1 for k in levels if k.startswith("spearman"))
 
 
+def test_advantage_plot_shows_how_many_boundaries_each_bar_holds(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at its bars
+    buckets = [{"low": -math.inf, "high": 0.0, "count": 2, "mean_advantage": 0.02,
+                "mean_advantage_error": 0.05},
+               {"low": 0.0, "high": math.inf, "count": 150, "mean_advantage": 0.01,
+                "mean_advantage_error": None}]
+    _script().plot_advantage({"growpage": {"buckets": buckets}}, tmp_path / "a.png")
+    [fig] = figures
+    for ax in fig.axes:
+        assert [t.get_text() for t in ax.texts] == ["2", "150"]   # n on each bar
+        assert [bar.get_alpha() for bar in ax.patches] == [0.35, 1.0]  # n = 2 drawn pale
+    close(fig)
+
+
+def test_no_rank_correlation_is_reported_over_a_few_boundaries():
+    sig = {"num_boundaries": 2, "spearman": 1.0, "spearman_ci95": [1.0, 1.0],
+           "sign_agreement": 1.0, "persistence_spearman": -1.0, "persistence_pairs": 1,
+           "spearman_delta_advantage": 1.0, "delta_mean": 0.1, "delta_std": 0.1,
+           "future_change_std": 0.1,
+           "split": {"before": {"num_boundaries": 2, "spearman": 1.0, "sign_agreement": 1.0},
+                     "after": {"num_boundaries": 0}},
+           "levels": {"num_boundaries": 2, "spearman_current_level": 1.0,
+                      "spearman_next_level": -1.0, "spearman_current_level_vs_change": 1.0}}
+    text = _script().signal_text("growpage", sig, 64)
+    assert "1.000" not in text and "interval" not in text and "ρ = n/a (< 10 pairs)" in text
+    sig.update(num_boundaries=267, persistence_pairs=251)
+    text = _script().signal_text("growpage", sig, 64)
+    assert "future demand change) = 1.000 (95% trace-bootstrap interval 1.000 to 1.000)" in text
+
+
 def test_subset_trace_cuts_layers_values_and_tokens(make_trace):
     trace = make_trace(num_tokens=20, prompt_len=5)
     cut = subset_trace(trace, layer_ids=[3], values=False, max_generated=6)

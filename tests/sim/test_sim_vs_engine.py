@@ -122,3 +122,6 @@ def test_relative_error_and_report(bench):
                            "per_prefill_token_s": 1e-4}}
     text = bench.markdown([row], meta)
     assert "| p | TPS (tok/s) | 10.0 | 12.0 | +20.0% **!** |" in text
+    assert bench.relative_error(3, 0) is None          # the engine never compressed
+    row = bench.compare("p", {**engine, "compresses": 0}, {**engine, "compresses": 3})
+    assert "| p | compress | 0 | 3 | n/a (+3) |" in bench.markdown([row], meta)
