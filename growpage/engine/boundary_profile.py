@@ -79,10 +79,12 @@ class BoundaryPhases:
     def total_s(self) -> float:
         return sum(self.seconds.values())
 
-    def per_decided_ms(self) -> dict[str, float]:
-        """Milliseconds per decided boundary, by phase (forced grows are in ``control``)."""
-        n = max(self.decided, 1)
-        return {phase: round(1000 * s / n, 4) for phase, s in self.seconds.items()}
+    def per_decided_ms(self) -> dict[str, float | None]:
+        """Milliseconds per decided boundary, by phase (forced grows are in ``control``); None
+        for every phase when no boundary was decided."""
+        if not self.decided:
+            return dict.fromkeys(self.seconds)
+        return {phase: round(1000 * s / self.decided, 4) for phase, s in self.seconds.items()}
 
     def as_dict(self) -> dict:
         return {"boundaries": self.boundaries, "decided": self.decided, "sync": self.sync,
@@ -96,8 +98,8 @@ class BoundaryPhases:
         lines = [f"Boundary phases ({self.decided} decided of {self.boundaries} boundaries"
                  f"{', device synced per phase' if self.sync else ''}):", "",
                  "| phase | calls | ms per decided boundary | share |", "|---|---:|---:|---:|"]
-        lines += [f"| {p} | {self.calls[p]} | {per[p]:.3f} | {100 * self.seconds[p] / total:.1f}% |"
-                  for p in PHASES]
+        lines += [f"| {p} | {self.calls[p]} | {'n/a' if per[p] is None else f'{per[p]:.3f}'} | "
+                  f"{100 * self.seconds[p] / total:.1f}% |" for p in PHASES]
         return "\n".join(lines)
 
 

@@ -150,5 +150,8 @@ def parse_policy_params(items: list[str], flag: str = "--param") -> dict[str, An
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+        if key in out:
+            raise ConfigError(f"{flag} {key} given twice ({key}={out[key]!r} and {item!r}); "
+                              "give each hyperparameter once")
         out[key] = parse_policy_value(value)
     return out

@@ -116,3 +116,12 @@ def test_synced_profile_on_cuda(model) -> None:
     with profile_boundaries(llm, sync=True) as phases:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert phases.sync and phases.decided > 0
+
+
+def test_with_no_decided_boundary_the_per_decided_times_are_not_made_up() -> None:
+    phases = BoundaryPhases()
+    phases.boundaries, phases.seconds["control"] = 3, 0.0006   # forced grows only
+    assert phases.per_decided_ms() == dict.fromkeys(PHASES)
+    assert "| control | 0 | n/a | 100.0% |" in phases.markdown()
+    phases.decided = 2
+    assert phases.per_decided_ms()["control"] == 0.3

@@ -93,3 +93,12 @@ def test_a_module_that_fails_on_import_is_a_policy_error(tmp_path, monkeypatch):
     with pytest.raises(PolicyError, match="cannot import policy module 'failing_policy_module'"
                                           ".*RuntimeError: no GPU here"):
         resolve_policy("failing_policy_module:Mine")
+
+
+def test_a_hyperparameter_given_twice_on_the_command_line_is_refused():
+    from growpage.errors import ConfigError
+    from growpage.policies.registry import parse_policy_params
+
+    assert parse_policy_params(["tau=0.1", "beta=2"]) == {"tau": 0.1, "beta": 2}
+    with pytest.raises(ConfigError, match=r"--param tau given twice \(tau=0.1 and 'tau=0.2'\)"):
+        parse_policy_params(["tau=0.1", "tau=0.2"])
