@@ -76,3 +76,9 @@ class GrowPageConfig:
 
     def replace(self, **changes: object) -> GrowPageConfig:
         return attrs.evolve(self, **changes)
+
+
+def fitted_recent_window(window: int, page_size: int) -> int:
+    """``window``, or a quarter of the page where pages are not larger than it (the window
+    must stay below the page): the window for a caller given a page size but no window."""
+    return window if window < page_size else page_size // 4

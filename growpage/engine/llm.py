@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from growpage.core.config import GrowPageConfig
+from growpage.core.config import GrowPageConfig, fitted_recent_window
 from growpage.engine.config import EngineConfig, resolve_device
 from growpage.engine.inputs import (
     Prompt,
@@ -83,9 +83,9 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}")
         base = config or GrowPageConfig()
         page_size = growpage_fields.get("page_size")
-        if (isinstance(page_size, int) and "recent_window" not in growpage_fields
-                and base.recent_window >= page_size):
-            growpage_fields["recent_window"] = page_size // 4  # small pages
+        if isinstance(page_size, int) and "recent_window" not in growpage_fields:
+            growpage_fields["recent_window"] = fitted_recent_window(base.recent_window,
+                                                                    page_size)
         gp = base.replace(**growpage_fields)
         policy_obj = resolve_policy(policy, **(policy_kwargs or {}))
         if record_traces is not None and getattr(policy_obj, "name", "") != "fullkv":

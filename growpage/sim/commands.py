@@ -13,7 +13,7 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from growpage.core.config import GrowPageConfig
+from growpage.core.config import GrowPageConfig, fitted_recent_window
 from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace
 from growpage.errors import ConfigError
@@ -48,9 +48,9 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 
 def _setup(args: argparse.Namespace) -> GrowPageConfig:
     torch.set_num_threads(args.threads)
-    window, default = args.recent_window, GrowPageConfig().recent_window
+    window = args.recent_window
     if window is None:  # as LLM(page_size=...) does: the default, kept below small pages
-        window = default if args.page_size > default else args.page_size // 4
+        window = fitted_recent_window(GrowPageConfig().recent_window, args.page_size)
     return GrowPageConfig(page_size=args.page_size, recent_window=window)
 
 

@@ -141,9 +141,9 @@ class Scheduler:
         for r in self._pop_due():
             if r.is_running:
                 self._sync(r)
-                if self._boundary(r, now) and r.is_running:
+                if self._boundary(r, now):
                     compacted.append(r)
-        return [r for r in compacted if r.is_running]
+        return [r for r in compacted if r.is_running]   # a later boundary may preempt one
 
     def sit_out(self, requests: list[SimRequest]) -> None:
         """``requests`` skip the next decode step (asynchronous compaction: their compaction
