@@ -142,18 +142,27 @@ def _md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+def _interval(ci: list[float] | tuple[float, float] | None, fmt: str) -> str | None:
+    return None if ci is None else f"{ci[0]:{fmt}} to {ci[1]:{fmt}}"
+
+
 def _bucket_rows(signal: dict) -> list[dict]:
+    cis = signal.get("bucket_ci95") or [{} for _ in signal["buckets"]]
     return [{"bucket": f"[{b['low']:g}, {b['high']:g})", "count": b["count"],
-             "adv": b["mean_advantage"], "adv_err": b["mean_advantage_error"]}
-            for b in signal["buckets"]]
+             "adv": b["mean_advantage"],
+             "adv_ci": _interval(ci.get("mean_advantage"), ".4f"),
+             "adv_err": b["mean_advantage_error"],
+             "adv_err_ci": _interval(ci.get("mean_advantage_error"), ".4f")}
+            for b, ci in zip(signal["buckets"], cis, strict=True)]
 
 
 H2O_NOTE = ("`h2o` keeps the heavy hitters of the attention accumulated by every replayed "
             "query (`TraceView(track_accumulated=True)`), with the fixed budget's decisions.")
 
 BUCKET_COLUMNS = [("bucket", "Δt bucket", ""), ("count", "n", "d"),
-                  ("adv", "advantage (1 − mass)", ".4f"),
-                  ("adv_err", "advantage (output error)", ".4f")]
+                  ("adv", "advantage (1 − mass)", ".4f"), ("adv_ci", "95% interval", ""),
+                  ("adv_err", "advantage (output error)", ".4f"),
+                  ("adv_err_ci", "95% interval", "")]
 
 
 def signal_text(label: str, sig: dict, page_size: int) -> str:
@@ -289,8 +298,20 @@ def _plot_signals(out: Path, analysis, page_size: int) -> None:
 FEW_BOUNDARIES = 10
 
 
+def _error_bars(ys: list[float], cis: list[dict], key: str) -> list[list[float]] | None:
+    """Matplotlib's asymmetric ``yerr`` from per-bucket intervals (0 where a bucket has none);
+    None when no bucket has one."""
+    spans = [ci.get(key) for ci in cis]
+    if all(span is None for span in spans):
+        return None
+    low = [0.0 if span is None else max(y - span[0], 0.0) for y, span in zip(ys, spans)]
+    high = [0.0 if span is None else max(span[1] - y, 0.0) for y, span in zip(ys, spans)]
+    return [low, high]
+
+
 def plot_advantage(signals: dict[str, dict], path: Path) -> Path:
-    """Mean growth advantage per Delta_t bucket, a bar per replay, each with its count n."""
+    """Mean growth advantage per Delta_t bucket, a bar per replay, each with its count n and,
+    where the signal set has them (``bucket_ci95``), 95% trace-bootstrap intervals."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -300,7 +321,9 @@ def plot_advantage(signals: dict[str, dict], path: Path) -> Path:
             buckets = s["buckets"]
             xs = [j + 0.4 * i for j in range(len(buckets))]
             ys = [bk[key] if bk[key] is not None else 0.0 for bk in buckets]
-            bars = ax.bar(xs, ys, width=0.4, label=label)
+            yerr = _error_bars(ys, s.get("bucket_ci95") or [{} for _ in buckets], key)
+            bars = ax.bar(xs, ys, width=0.4, label=label, yerr=yerr,
+                          error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "black"})
             for bar, bk in zip(bars, buckets, strict=True):
                 bar.set_alpha(1.0 if bk["count"] >= FEW_BOUNDARIES else 0.35)
             ax.bar_label(bars, labels=[str(bk["count"]) for bk in buckets], fontsize=6,
@@ -310,7 +333,10 @@ def plot_advantage(signals: dict[str, dict], path: Path) -> Path:
                            fontsize=7)
         ax.set_xlabel("Delta_t bucket")
         ax.set_ylabel(f"growth advantage ({name})")
-        ax.set_title(f"on each bar: boundaries n (pale: n < {FEW_BOUNDARIES})", fontsize=8)
+        whiskers = any(s.get("bucket_ci95") for s in signals.values())
+        ax.set_title(f"on each bar: boundaries n (pale: n < {FEW_BOUNDARIES})"
+                     + ("; whiskers: 95% trace-bootstrap interval" if whiskers else ""),
+                     fontsize=8)
         ax.margins(y=0.08)
         ax.axhline(0, color="grey", lw=0.8)
         ax.legend(fontsize=8)
@@ -348,6 +374,13 @@ def run_analysis(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_out(traces: Path) -> Path:
+    """Where a report goes without ``--out``: the committed set's analysis and a full set's
+    live side by side under results/real_traces, so neither run overwrites the other."""
+    base = ROOT / "results" / "real_traces"
+    return base / "committed" if traces.resolve() == COMMITTED.resolve() else base
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--record", type=Path, default=None, metavar="DIR",
@@ -376,10 +409,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="replay only growpage and fullkv (no policy table)")
     p.add_argument("--fidelity-queries", type=int, default=8)
     p.add_argument("--bootstrap", type=int, default=1000)
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "real_traces")
+    p.add_argument("--out", type=Path, default=None,
+                   help="report directory (default results/real_traces/committed for the "
+                        "committed set, results/real_traces for any other)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)
     args.argv = argv
+    if args.out is None:
+        args.out = default_out(args.traces)
     torch.set_num_threads(args.threads)
     if args.record is not None:
         layers = tuple(int(x) for x in args.layers.split(",") if x)

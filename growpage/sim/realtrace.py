@@ -6,7 +6,8 @@ table and measures the Delta_t signal (paper section 5.3) on them:
 * signals (Fig. 6 / 7) at every policy-decided boundary of the ``growpage`` replay, and of the
   ``fullkv`` replay (there the KV is never compressed, so the counterfactual compares full KV
   with one compression: the cleanest version of the paper's reference-trace setup);
-* per signal set, a cluster bootstrap over traces for the Spearman rho, the rho of a naive
+* per signal set, a cluster bootstrap over traces for the Spearman rho and for each Delta_t
+  bucket's mean growth advantage (``bucket_ci95``), the rho of a naive
   *persistence* predictor (the demand change of the page just finished) as a yardstick, and,
   for traces whose header has ``meta["first_eos"]`` (recorded past the end of turn), the
   signal before and after that point;
@@ -168,6 +169,44 @@ def _bootstrap_rho(per_trace: Sequence[Sequence[BoundaryRecord]], num: int, seed
     return float(lo), float(hi)
 
 
+def _bootstrap_buckets(per_trace: Sequence[Sequence[BoundaryRecord]], num: int, seed: int
+                       ) -> list[dict[str, tuple[float, float] | None]]:
+    """Per Delta_t bucket, the 95% interval of the mean growth advantage (retained mass and
+    output error), resampling whole traces as ``_bootstrap_rho`` does.
+
+    A bucket gets ``None`` where fewer than two traces have a boundary in it: resampling one
+    trace says nothing about the spread between requests.
+    """
+    per_trace = [[r for r in recs if r.advantage is not None] for recs in per_trace]
+    num_buckets = len(signal_quality([]).buckets)
+    keys = ("mean_advantage", "mean_advantage_error")
+    empty: list[dict[str, tuple[float, float] | None]] = [
+        {k: None for k in keys} for _ in range(num_buckets)]
+    if num <= 0 or len(per_trace) < 2:
+        return empty
+    contributing = np.zeros(num_buckets, dtype=int)
+    for recs in per_trace:
+        counts = [b.count for b in signal_quality(recs).buckets]
+        contributing += np.array(counts) > 0
+    rng = np.random.default_rng(seed)
+    draws: list[dict[str, list[float]]] = [{k: [] for k in keys} for _ in range(num_buckets)]
+    for _ in range(num):
+        pooled = [r for i in rng.integers(0, len(per_trace), len(per_trace))
+                  for r in per_trace[i]]
+        for j, bucket in enumerate(signal_quality(pooled).buckets):
+            for k in keys:
+                value = getattr(bucket, k)
+                if value is not None:
+                    draws[j][k].append(value)
+    out = empty
+    for j in range(num_buckets):
+        for k in keys:
+            if contributing[j] >= 2 and draws[j][k]:
+                lo, hi = np.percentile(draws[j][k], [2.5, 97.5])
+                out[j][k] = (float(lo), float(hi))
+    return out
+
+
 def _subset_quality(per_trace: Sequence[Sequence[BoundaryRecord]]) -> dict[str, Any]:
     records = [r for recs in per_trace for r in recs]
     q = signal_quality(records)
@@ -213,6 +252,7 @@ def signal_summary(results: Sequence[ReplayResult], page_size: int, bootstrap: i
     return {
         **quality.as_dict(),
         "spearman_ci95": _bootstrap_rho(per_trace, bootstrap, seed),
+        "bucket_ci95": _bootstrap_buckets(per_trace, bootstrap, seed),
         "spearman_delta_advantage": spearman([x for x, _ in adv], [y for _, y in adv]),
         "persistence_spearman": spearman([a for a, _ in persistence], [b for _, b in persistence]),
         "persistence_pairs": len(persistence),

@@ -16,6 +16,7 @@ from growpage.core.trace_set import read_trace_set
 from growpage.core.traces import read_trace
 from growpage.errors import ConfigError
 from growpage.sim.realtrace import RealTraceSettings, analyze, grow_ratio, subset_trace
+from growpage.sim.signal import signal_quality
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "data" / "traces" / "smollm2"
@@ -75,6 +76,11 @@ def test_analysis_on_two_real_traces(committed):
         assert sig["num_boundaries"] == len(sig["pairs"]) > 0
         lo, hi = sig["spearman_ci95"]
         assert -1 <= lo <= hi <= 1
+        assert len(sig["bucket_ci95"]) == len(sig["buckets"])
+        for ci, bucket in zip(sig["bucket_ci95"], sig["buckets"], strict=True):
+            if ci["mean_advantage"] is not None:
+                assert bucket["count"] >= 2
+                assert ci["mean_advantage"][0] <= ci["mean_advantage"][1]
         split = sig["split"]                             # the traces carry meta["first_eos"]
         assert (split["before"]["num_boundaries"] + split["after"]["num_boundaries"]
                 == sig["num_boundaries"])
@@ -159,3 +165,67 @@ def test_recorder_writes_an_annotated_trace_from_a_tiny_model(tmp_path):
         assert first == next((i for i, t in enumerate(generated) if t == 2), None)
         assert torch.isfinite(trace.queries).all() and not math.isnan(h.softmax_scale)
     assert [t.header.meta["sampling"]["seed"] for t in traces] == [7, 8]
+
+
+def test_bucket_intervals_resample_whole_traces():
+    from growpage.sim.realtrace import _bootstrap_buckets
+    from growpage.sim.records import BoundaryRecord
+
+    def rec(delta: float, adv: float) -> BoundaryRecord:
+        return BoundaryRecord(position=64, action="grow", decision="grow", fallback=False,
+                              pages_before=1, pages_after=2, tokens_after=65, delta=delta,
+                              advantage=adv, advantage_error=2 * adv)
+
+    # Bucket [0.05, inf): trace a says 0.01, trace b says 0.03; bucket [-inf, -0.05): trace a only.
+    per_trace = [[rec(0.1, 0.01), rec(0.2, 0.01), rec(-0.1, 0.5)], [rec(0.3, 0.03)]]
+    cis = _bootstrap_buckets(per_trace, num=400, seed=0)
+    assert len(cis) == len(signal_quality([]).buckets)
+    lo, hi = cis[-1]["mean_advantage"]
+    assert lo == pytest.approx(0.01) and hi == pytest.approx(0.03)  # all-a and all-b resamples
+    lo, hi = cis[-1]["mean_advantage_error"]
+    assert lo == pytest.approx(0.02) and hi == pytest.approx(0.06)
+    assert cis[0] == {"mean_advantage": None, "mean_advantage_error": None}  # one trace only
+    assert all(ci["mean_advantage"] is None for ci in cis[1:-1])            # no boundaries
+    assert _bootstrap_buckets(per_trace, num=0, seed=0)[-1]["mean_advantage"] is None
+
+
+def test_advantage_plot_draws_the_bucket_intervals(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    buckets = [{"low": -math.inf, "high": 0.0, "count": 20, "mean_advantage": 0.02,
+                "mean_advantage_error": 0.05},
+               {"low": 0.0, "high": math.inf, "count": 150, "mean_advantage": 0.01,
+                "mean_advantage_error": 0.04}]
+    cis = [{"mean_advantage": (0.015, 0.03), "mean_advantage_error": None},
+           {"mean_advantage": (0.005, 0.012), "mean_advantage_error": (0.03, 0.05)}]
+    _script().plot_advantage({"growpage": {"buckets": buckets, "bucket_ci95": cis}},
+                             tmp_path / "a.png")
+    [fig] = figures
+    mass_ax, err_ax = fig.axes
+    [mass_bars] = [c for c in mass_ax.containers if getattr(c, "errorbar", None) is not None]
+    segments = mass_bars.errorbar.lines[2][0].get_segments()
+    assert [(s[0][1], s[1][1]) for s in segments] == [pytest.approx((0.015, 0.03)),
+                                                      pytest.approx((0.005, 0.012))]
+    [err_bars] = [c for c in err_ax.containers if getattr(c, "errorbar", None) is not None]
+    segments = err_bars.errorbar.lines[2][0].get_segments()
+    assert [(s[0][1], s[1][1]) for s in segments] == [pytest.approx((0.05, 0.05)),
+                                                      pytest.approx((0.03, 0.05))]
+    assert "95%" in mass_ax.get_title()
+    close(fig)
+
+
+def test_bucket_table_prints_each_interval():
+    sig = {"buckets": [{"low": 0.0, "high": 0.01, "count": 3, "mean_advantage": 0.01,
+                        "mean_advantage_error": 0.02}],
+           "bucket_ci95": [{"mean_advantage": [0.005, 0.02], "mean_advantage_error": None}]}
+    [row] = _script()._bucket_rows(sig)
+    assert row["adv_ci"] == "0.0050 to 0.0200" and row["adv_err_ci"] is None
+
+
+def test_the_committed_set_and_a_full_set_report_to_different_places(tmp_path):
+    script = _script()
+    committed = script.default_out(script.COMMITTED)
+    assert committed == script.ROOT / "results" / "real_traces" / "committed"
+    assert script.default_out(tmp_path / "full") == script.ROOT / "results" / "real_traces"
