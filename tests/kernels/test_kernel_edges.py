@@ -164,3 +164,174 @@ def test_decode_names_the_layout_problem() -> None:
         paged_decode_attention(q, k_cache, k_cache, tables, lens[:1])
     with pytest.raises(AssertionError, match="head dim: q has 8, the cache 16"):
         paged_decode_attention(q[..., :8], k_cache, k_cache, tables, lens)
+
+
+# --- compaction -----------------------------------------------------------------------------
+
+def compact_both(src: list[list[int]], keep: list[list[int]], dst: list[list[int]] | None,
+                 staged: bool | None = None, num_pages: int = 6) -> None:
+    """Kernel vs reference on a [2, L=1, num_pages, page 2, Hkv=1, d] cache."""
+    g = gen(6)
+    kv_cache = randn(2, 1, num_pages, 2, 1, D, g=g)
+    expected = kv_cache.clone()
+    keep_t = torch.tensor(keep, dtype=torch.int32, device=DEVICE)[:, None, None, :]
+    dst_t = None if dst is None else tables_of(dst)
+    reference.compact_kv(expected, tables_of(src), keep_t, dst_t)
+    compact_kv(kv_cache, tables_of(src), keep_t, dst_t, staged=staged)
+    assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize(("src", "dst"), [
+    pytest.param([[0, 1], [2, 3]], [[2, 4], [5, -1]], id="dst-of-0-is-src-of-1"),
+    pytest.param([[0, 1], [2, 3]], [[4, 5], [0, -1]], id="dst-of-1-is-src-of-0"),
+])
+def test_compaction_picks_staging_when_requests_share_pages(src, dst) -> None:
+    """Requests run concurrently: one's destination page may not be another's page."""
+    compact_both(src, [[0, 1, 2, 3], [1, 3, -1, -1]], dst)
+    assert not is_direct_safe_all(src, dst)
+
+
+def is_direct_safe_all(src: list[list[int]], dst: list[list[int]]) -> bool:
+    from growpage.kernels import is_direct_safe
+
+    return bool(is_direct_safe(tables_of(src), tables_of(dst)).all())
+
+
+def test_compaction_direct_across_disjoint_requests() -> None:
+    src, dst = [[0, 1], [2, 3]], [[4, -1], [5, 3]]  # request 1 keeps page 3 at its index
+    assert is_direct_safe_all(src, dst)
+    compact_both(src, [[1, 2, -1], [0, 2, 3]], dst)
+
+
+@pytest.mark.parametrize("staged", [None, False, True], ids=["auto", "direct", "staged"])
+@pytest.mark.parametrize(("keep", "dst"), [
+    pytest.param([0, 1, 2, 3, 4, 5], None, id="identity-in-place"),
+    pytest.param([0, 1, 2, 3], [[0, 1]], id="identity-prefix-to-same-pages"),
+    pytest.param([1, 2, 4, 5], [[0, 1]], id="in-place-through-a-copied-table"),
+])
+def test_compaction_direct_safe_overlaps(keep, dst, staged) -> None:
+    if dst is not None:
+        assert is_direct_safe_all([[0, 1, 2]], dst)
+    compact_both([[0, 1, 2]], [keep], dst, staged)
+
+
+@pytest.mark.parametrize("staged", [None, True], ids=["auto", "staged"])
+@pytest.mark.parametrize("dst", [
+    pytest.param([[1, 2]], id="dst-pages-earlier-in-src"),
+    pytest.param([[2, 0]], id="dst-pages-both-ways"),
+])
+def test_compaction_shifted_overlaps(dst, staged) -> None:
+    assert not is_direct_safe_all([[0, 1, 2]], dst)
+    compact_both([[0, 1, 2]], [[1, 3, 4, 5]], dst, staged)
+
+
+def test_compaction_never_reads_past_a_table_row() -> None:
+    """A kept position past request 0's source table (or an entry past its destination table)
+    must not read request 1's row of the table and move request 1's tokens."""
+    g = gen(7)
+    kv_cache = randn(2, 1, 6, 2, 1, D, g=g)
+    before = kv_cache.clone()
+    src, dst = tables_of([[0], [1]]), tables_of([[2], [3]])
+    keep = torch.tensor([[0, 2], [-1, -1]], dtype=torch.int32, device=DEVICE)[:, None, None]
+    compact_kv(kv_cache, src, keep, dst, staged=False)
+    expected = before.clone()
+    expected[:, 0, 2, 0] = before[:, 0, 0, 0]  # position 0 -> entry 0; position 2 skipped
+    assert torch.equal(kv_cache, expected)
+    kv_cache = before.clone()
+    keep = torch.tensor([[0, 1, 3], [-1, -1, -1]], dtype=torch.int32, device=DEVICE)
+    compact_kv(kv_cache, tables_of([[0, 4], [1, 5]]), keep[:, None, None], dst, staged=False)
+    expected = before.clone()
+    expected[:, 0, 2] = before[:, 0, 0]  # entries 0, 1 -> page 2; entry 2 has no page: skipped
+    assert torch.equal(kv_cache, expected)
+
+
+# --- demand ---------------------------------------------------------------------------------
+
+def test_working_set_extreme_top_p_and_ties() -> None:
+    rows = torch.tensor([[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0], [0.4, 0.2, 0.4, 0.0]],
+                        device=DEVICE)
+    assert working_set_sizes(rows, 1.0).tolist() == [4, 1, 3]  # zero weights never needed
+    assert working_set_sizes(rows, 1e-9).tolist() == [1, 1, 1]
+    assert working_set_sizes(rows, 0.8).tolist() == [4, 1, 2]  # a tie at the top: 0.4 + 0.4
+    softmax = torch.softmax(randn(3, 1000, g=gen(8)), dim=-1)  # sums to 1 - ulps in fp32
+    assert working_set_sizes(softmax, 1.0).tolist() == [1000] * 3
+
+
+@pytest.mark.parametrize("p", [0.0, -0.5, float("nan")])
+def test_working_set_rejects_a_mass_not_above_0(p: float) -> None:
+    """NaN used to give k = 1 for every row (``cumsum < nan`` is all False)."""
+    rows = torch.tensor([[0.5, 0.5, 0.0]], device=DEVICE)
+    with pytest.raises(ValueError, match="top-p mass p must be > 0"):
+        working_set_sizes(rows, p)
+    from growpage.kernels import estimate_demand
+
+    with pytest.raises(ValueError, match="top-p mass p must be > 0"):
+        estimate_demand(torch.zeros(2, 1, 2, D, device=DEVICE),
+                        torch.zeros(1, 2, 2, 1, D, device=DEVICE),
+                        tables_of([[0, 1]])[0], 3, p=p)
+
+
+def test_demand_one_candidate_and_page_boundaries() -> None:
+    g = gen(9)
+    queries = randn(2, 1, 2, D, g=g)
+    k_cache = randn(1, 4, 3, 1, D, g=g)
+    table = tables_of([[2, 0, 3]])[0]
+    for num_candidates in (1, 3, 4):  # one token, a full page, one past it
+        for splits in (1, 3):
+            out = demand_attention(queries, k_cache, table, num_candidates, num_splits=splits)
+            expected = reference.demand_attention(queries, k_cache, table, num_candidates)
+            torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-4)
+
+
+# --- the other wrappers' checks -------------------------------------------------------------
+
+def test_store_kv_rejects_non_float_and_mixed_caches() -> None:
+    k_cache = torch.zeros(2, 4, 1, D, device=DEVICE)
+    key = torch.ones(1, 1, D, device=DEVICE)
+    slots = lens_of([3])
+    with pytest.raises(AssertionError, match="key: fp32/fp16/bf16 expected, got torch.int64"):
+        store_kv(key.long(), key, k_cache, k_cache.clone(), slots)
+    with pytest.raises(AssertionError, match="k_cache torch.float32 vs v_cache torch.float16"):
+        store_kv(key, key, k_cache, k_cache.half(), slots)
+    assert torch.equal(k_cache, torch.zeros_like(k_cache))
+
+
+def test_store_kv_strided_key_and_int64_slots() -> None:
+    g = gen(10)
+    qkv = randn(5, 3, D, g=g)  # a fused projection: keys are a strided view of it
+    key, value = qkv[:, 1:2], qkv[:, 2:3]
+    k_cache, v_cache = torch.zeros(3, 3, 1, D, device=DEVICE), torch.zeros(3, 3, 1, D, device=DEVICE)
+    slots = torch.tensor([8, -1, 0, 4, 5], device=DEVICE)
+    store_kv(key, value, k_cache, v_cache, slots)
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    reference.store_kv(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_accumulate_and_demand_name_the_bad_argument() -> None:
+    q = torch.zeros(1, 3, D, device=DEVICE)
+    k_cache = torch.zeros(2, 4, 2, D, device=DEVICE)
+    acc = torch.zeros(8, 2, device=DEVICE)
+    tables, lens = tables_of([[0, 1]]), lens_of([5])
+    with pytest.raises(AssertionError, match="3 query heads do not split evenly over 2 KV heads"):
+        accumulate_attention(q, k_cache, tables, lens, acc)
+    with pytest.raises(AssertionError, match="q: fp32/fp16/bf16 expected"):
+        accumulate_attention(q[:, :2].int(), k_cache, tables, lens, acc)
+    with pytest.raises(AssertionError, match="block_n must be a power of two"):
+        accumulate_attention(q[:, :2], k_cache, tables, lens, acc, block_n=12)
+    with pytest.raises(AssertionError, match="3 query heads do not split evenly over 2 KV heads"):
+        demand_attention(torch.zeros(2, 1, 3, D, device=DEVICE), k_cache[None], tables[0], 5)
+    with pytest.raises(AssertionError, match="q_pre: fp32/fp16/bf16 expected"):
+        update_query_state(q.int(), torch.zeros(2, 2, 3, D, device=DEVICE), lens_of([0]),
+                           lens_of([1]))
+    assert torch.equal(acc, torch.zeros_like(acc))
+
+
+def test_boundary_queries_batch_rejects_a_negative_meta_column() -> None:
+    from growpage.kernels import boundary_queries_batch
+
+    summaries = torch.zeros(1, 2, 2, 1, D, device=DEVICE)
+    meta = torch.tensor([[0, 3]], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(AssertionError, match="meta_col must be >= 0, got -1"):
+        boundary_queries_batch(summaries, summaries[:, :, 0], meta, -1,
+                               torch.ones(D // 2, device=DEVICE))
