@@ -51,6 +51,26 @@ def check_device(*tensors: torch.Tensor) -> None:
         assert _INTERPRETER, "Triton kernels on CPU tensors need TRITON_INTERPRET=1"
 
 
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_float(t: torch.Tensor, name: str) -> None:
+    assert t.dtype in FLOAT_DTYPES, f"{name}: fp32/fp16/bf16 expected, got {t.dtype}"
+
+
+def check_block(block_n: int, name: str = "block_n", dot: bool = True) -> None:
+    """A tile width given by the caller: ``tl.arange`` needs a power of two, and a ``tl.dot``
+    operand (``dot``) at least ``MIN_DOT_DIM`` rows when compiled."""
+    least = MIN_DOT_DIM if dot and not _INTERPRETER else 1
+    assert block_n >= least and block_n & (block_n - 1) == 0, \
+        f"{name} must be a power of two >= {least}, got {block_n}"
+
+
+def check_heads(num_heads: int, num_kv_heads: int) -> None:
+    assert num_kv_heads > 0 and num_heads % num_kv_heads == 0, \
+        f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads (GQA)"
+
+
 def check_index(t: torch.Tensor, ndim: int, name: str) -> None:
     assert t.dim() == ndim, f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}"
     assert t.dtype in (torch.int32, torch.int64), f"{name}: int32/int64 expected, got {t.dtype}"

@@ -172,6 +172,7 @@ def boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta:
     _check_args(summaries, current, inv_freq)
     assert meta.dim() == 2 and meta.dtype == torch.int32 and meta.stride(-1) == 1, \
         f"meta: expected a row-contiguous [R, W] int32 tensor, got {meta.dtype} {tuple(meta.shape)}"
+    assert meta_col >= 0, f"meta_col must be >= 0, got {meta_col}"
     assert meta.shape[1] >= meta_col + 2, f"meta: {meta.shape[1]} columns, need {meta_col + 2}"
     check_device(summaries, meta)
     num_layers, _, _, num_heads, head_dim = summaries.shape

@@ -38,7 +38,7 @@ from ._utils import check_device, check_index, is_interpreter, next_pow2
 # chunk start), the cache strides that follow the pool size and the tables' addresses stay out
 # of the compile key: the engine compiles the three routes (direct, stage-out, stage-in) once.
 # See ``growpage.kernels.variants``.
-@triton.jit(do_not_specialize=["num_keep", "layer0", "stride_ckv", "stride_cl", "stride_sbt",
+@triton.jit(do_not_specialize=["num_keep", "layer0", "src_tokens", "dst_tokens", "stride_ckv", "stride_cl", "stride_sbt",
                                "stride_dbt", "stride_kr", "stride_kl", "stride_kh", "stride_sr",
                                "stride_sl", "stride_sh", "stride_skv", "stride_qr", "stride_ql",
                                "stride_qh"],
@@ -53,6 +53,8 @@ def _compact_kernel(
     acc_stage_ptr,  # [R, Lc, Hkv, K] fp32 staging of the sums (HAS_ACC, staged route)
     num_keep,
     layer0,  # first layer of this launch's layer chunk
+    src_tokens,  # source table width * PAGE_SIZE: later positions are skipped (no OOB table reads)
+    dst_tokens,  # destination table width * PAGE_SIZE: likewise
     stride_ckv, stride_cl, stride_cp, stride_ct, stride_ch,
     stride_sbt, stride_dbt,
     stride_kr, stride_kl, stride_kh,
@@ -82,7 +84,7 @@ def _compact_kernel(
     for j0 in range(0, num_keep, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         pos = tl.load(keep_base + offs_j, mask=offs_j < num_keep, other=-1)
-        mask = pos >= 0
+        mask = (pos >= 0) & (pos < src_tokens) & (offs_j < dst_tokens)
         if IN_PLACE:
             mask = mask & (pos != offs_j)
         if READ_STAGE:
@@ -119,13 +121,40 @@ def _compact_kernel(
 
 
 def is_direct_safe(block_tables: torch.Tensor, dst_block_tables: torch.Tensor) -> torch.Tensor:
-    """Per request (``[R]`` bool): every page in both tables sits at the same index in both."""
+    """Per request (``[R]`` bool): every page in both of its tables sits at the same index in
+    both, and none of its pages is a destination page of another request or one of its own
+    destination pages a page of another (the requests' programs run concurrently)."""
     src = block_tables[:, None, :].long()
     dst = dst_block_tables[:, :, None].long()
     same_page = (dst == src) & (dst >= 0)  # [R, dst_idx, src_idx]
     n_dst, n_src = same_page.shape[1:]
     diag = torch.eye(n_dst, n_src, dtype=torch.bool, device=same_page.device)
-    return ~(same_page & ~diag).flatten(1).any(dim=1)
+    return ~(same_page & ~diag).flatten(1).any(dim=1) & ~_shared_with_writers(block_tables,
+                                                                             dst_block_tables)
+
+
+def _shared_with_writers(block_tables: torch.Tensor, dst_block_tables: torch.Tensor
+                         ) -> torch.Tensor:
+    """Per request (``[R]`` bool): one of its pages is a destination page of another request,
+    or one of its destination pages is a page of another."""
+    num_reqs, device = block_tables.shape[0], block_tables.device
+    if num_reqs < 2:
+        return torch.zeros(num_reqs, dtype=torch.bool, device=device)
+    rows = torch.arange(num_reqs, device=device)
+    pages = torch.cat([block_tables.flatten(), dst_block_tables.flatten()]).long()
+    owner = torch.cat([rows.repeat_interleave(block_tables.shape[1]),
+                       rows.repeat_interleave(dst_block_tables.shape[1])])
+    written = torch.zeros_like(pages, dtype=torch.bool)
+    written[block_tables.numel():] = True
+    valid = pages >= 0
+    pages, owner, written = pages[valid], owner[valid], written[valid]
+    unique, index = torch.unique(pages, return_inverse=True)
+    lo = torch.full_like(unique, num_reqs).scatter_reduce(0, index, owner, "amin")
+    hi = torch.full_like(unique, -1).scatter_reduce(0, index, owner, "amax")
+    hit = torch.zeros_like(unique, dtype=torch.bool).scatter_reduce(0, index, written, "amax")
+    conflict = ((lo != hi) & hit)[index]  # per table entry
+    return torch.zeros(num_reqs, dtype=torch.bool, device=device).scatter_reduce(
+        0, owner, conflict, "amax")
 
 
 def compact_kv(
@@ -145,7 +174,10 @@ def compact_kv(
         kv_cache: ``[2, L, num_pages, page_size, Hkv, d]`` the whole KV cache (K then V).
         block_tables: ``[R, max_pages]`` int32 source pages of each request, -1 padded.
         keep: ``[R, L, Hkv, K]`` int32/int64 ascending logical positions to keep, -1 padded at
-            the end (a request keeping fewer tokens than K).
+            the end (a request keeping fewer tokens than K). NOTE: not checked (that would need
+            a sync); a position past the source table or an entry ``j`` past the destination
+            table is skipped (the kernel never reads past a table row), and a -1 in the middle
+            leaves a hole where the reference would close it up.
         dst_block_tables: ``[R, max_pages_dst]`` destination pages; None = in place.
         accumulated: optional ``[L, num_pages * page_size, Hkv]`` fp32 per-slot sums (H2O
             accumulated attention), moved exactly like the keys and values.
@@ -187,6 +219,7 @@ def compact_kv(
                write: bool) -> None:
         _compact_kernel[(num_reqs, num, num_kv_heads)](
             kv_cache, block_tables, dst_tables, keep, stage, acc, acc_stage, num_keep, layer0,
+            block_tables.shape[1] * page_size, dst_tables.shape[1] * page_size,
             *kv_cache.stride()[:2], *kv_cache.stride()[2:5],
             block_tables.stride(0), dst_tables.stride(0),
             *keep.stride()[:3],

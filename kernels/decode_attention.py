@@ -32,14 +32,17 @@ import triton.language as tl
 
 from ._utils import (
     MIN_DOT_DIM,
+    check_block,
     check_device,
+    check_float,
+    check_heads,
     check_index,
     dot_in_fp32,
     is_interpreter,
     next_pow2,
 )
 from .query_state import BETA_LONG, BETA_SHORT, _ema_update, check_query_state_args
-from .split_k import LOG2E, default_num_splits, merge_splits
+from .split_k import LOG2E, MAX_SPLITS, default_num_splits, merge_splits
 
 
 # Per-step quantities (split count, table width, strides of the split scratch) and the
@@ -188,21 +191,38 @@ def paged_decode_attention(
             (see ``update_query_state``): ``q_pre [B, Hq, d]`` pre-RoPE query,
             ``query_state [max_num_seqs, 2, Hq, d]`` fp32 layer view, ``slot_ids [B]``,
             ``is_first [B]``.
-        num_splits: split-K factor; default from static shapes (``default_num_splits``).
+        num_splits: split-K factor in ``[1, 32]``; None = from static shapes
+            (``default_num_splits``).
+        block_n: context tile (a power of two; >= 16 on GPU); None = 64 on GPU, 16 on CPU.
 
     Returns:
         ``[B, Hq, d]`` attention output.
     """
+    assert q.dim() == 3, f"q: expected [B, Hq, d], got shape {tuple(q.shape)}"
+    assert k_cache.dim() == 4, f"k_cache: expected [num_pages, page_size, Hkv, d], got shape " \
+        f"{tuple(k_cache.shape)}"
     num_seqs, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, d_cache = k_cache.shape
+    check_float(q, "q")
+    check_float(k_cache, "k_cache")
     assert q.stride(-1) == 1, "q: last dim contiguous"
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), "k/v differ"
-    assert k_cache.stride(-1) == 1 and k_cache.dtype == v_cache.dtype
-    assert d_cache == head_dim and num_heads % num_kv_heads == 0, "head layout mismatch"
+    assert k_cache.stride(-1) == 1, "k_cache/v_cache: last dim contiguous"
+    assert k_cache.dtype == v_cache.dtype, f"k_cache {k_cache.dtype} vs v_cache {v_cache.dtype}"
+    assert d_cache == head_dim, f"head dim: q has {head_dim}, the cache {d_cache}"
+    check_heads(num_heads, num_kv_heads)
     check_index(block_tables, 2, "block_tables")
     check_index(context_lens, 1, "context_lens")
-    assert block_tables.shape[0] == context_lens.shape[0] == num_seqs
+    assert block_tables.shape[0] == context_lens.shape[0] == num_seqs, \
+        f"block_tables {tuple(block_tables.shape)} and context_lens " \
+        f"{tuple(context_lens.shape)} need one row per query ({num_seqs})"
     check_device(q, k_cache, v_cache, block_tables, context_lens)
+    # NOTE: everything is checked before the launch: the fused EMA writes the query state.
+    if num_splits is not None:
+        assert 1 <= num_splits <= MAX_SPLITS, \
+            f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}"
+    if block_n is not None:
+        check_block(block_n)
     if q_pre is None or query_state is None or slot_ids is None or is_first is None:
         assert q_pre is query_state is slot_ids is is_first is None, "EMA args: all or none"
         has_ema = False
@@ -215,15 +235,19 @@ def paged_decode_attention(
             is_first = is_first.to(torch.int32)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    assert out.shape == q.shape and out.stride(-1) == 1
+    assert out.shape == q.shape and out.stride(-1) == 1, \
+        f"out: expected {tuple(q.shape)} with a contiguous last dim, got {tuple(out.shape)}"
+    check_float(out, "out")
+    check_device(q, out)
     if num_seqs == 0:
         return out
 
     group = num_heads // num_kv_heads
     block_n = block_n or (16 if is_interpreter() else 64)
     max_context = block_tables.shape[1] * page_size
-    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_context, q.device,
-                                              block_n)
+    splits = num_splits
+    if splits is None:
+        splits = default_num_splits(num_seqs, num_kv_heads, max_context, q.device, block_n)
     if splits > 1:
         part = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32,
                            device=q.device)

@@ -31,7 +31,10 @@ import triton.language as tl
 from ._utils import (
     MIN_DOT_DIM,
     cdiv,
+    check_block,
     check_device,
+    check_float,
+    check_heads,
     check_index,
     is_interpreter,
     next_pow2,
@@ -254,7 +257,13 @@ def demand_attention_batch(
     num_req, num_views, num_layers, num_heads, head_dim = queries.shape
     _, _, page_size, num_kv_heads, d_cache = k_cache.shape
     assert k_cache.shape[0] == num_layers and d_cache == head_dim, "queries vs k_cache layout"
-    assert num_heads % num_kv_heads == 0 and queries.stride(-1) == 1 and k_cache.stride(-1) == 1
+    check_heads(num_heads, num_kv_heads)
+    check_float(k_cache, "k_cache")
+    check_float(queries, "queries")
+    assert queries.stride(-1) == 1 and k_cache.stride(-1) == 1, \
+        "queries, k_cache: last dim contiguous"
+    if block_n is not None:
+        check_block(block_n)
     check_index(tables, 2, "tables")
     assert tables.dtype == torch.int32, f"tables: int32 expected, got {tables.dtype}"
     assert tables.shape[0] == num_req and tables.shape[1] >= meta_col + 2, \
@@ -295,8 +304,11 @@ def demand_attention_batch(
 def working_set_sizes(attention: torch.Tensor, p: float) -> torch.Tensor:
     """Top-p working-set size (Eq. 7) per row of ``attention [..., Nc]``: int64 ``[...]``.
 
-    The smallest k such that the k largest weights sum to at least p (clamped to Nc).
+    The smallest k such that the k largest weights sum to at least p (clamped to Nc: p > 1
+    gives Nc); ``ValueError`` for ``p <= 0`` or NaN. Ties do not change k.
     """
+    if not p > 0.0:
+        raise ValueError(f"top-p mass p must be > 0, got {p!r}")
     ordered = attention.sort(dim=-1, descending=True).values
     below = (ordered.cumsum(dim=-1) < p).sum(dim=-1)
     return (below + 1).clamp(max=attention.shape[-1])
@@ -315,7 +327,10 @@ class DemandSignals(NamedTuple):
 def estimate_demand(queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                     num_candidates: int, p: float = 0.99,
                     sm_scale: float | None = None) -> DemandSignals:
-    """``demand_attention`` plus the top-p sizes, Δt and scores, without a host sync."""
+    """``demand_attention`` plus the top-p sizes, Δt and scores, without a host sync.
+    ``p > 0`` (``ValueError`` otherwise, NaN included, before any launch)."""
+    if not p > 0.0:
+        raise ValueError(f"top-p mass p must be > 0, got {p!r}")
     attention = demand_attention(queries, k_cache, block_table, num_candidates, sm_scale)
     sizes = working_set_sizes(attention, p)
     ratio = (sizes.float() / num_candidates).flatten(1).mean(dim=1)

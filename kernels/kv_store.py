@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device, check_index, next_pow2
+from ._utils import check_device, check_float, check_index, next_pow2
 
 
 # The slot mapping's address (often a slice of a step's metadata) stays out of the compile key.
@@ -59,7 +59,12 @@ def store_kv(
         k_cache, v_cache: one layer's views of the KV cache, identical strides.
         slot_mapping: ``[N]`` int32/int64 physical slot per token; -1 skips the token.
     """
+    assert key.dim() == 3, f"key: expected [N, Hkv, d], got shape {tuple(key.shape)}"
     num_tokens, num_kv_heads, head_dim = key.shape
+    check_float(key, "key")
+    check_float(value, "value")
+    check_float(k_cache, "k_cache")
+    assert k_cache.dtype == v_cache.dtype, f"k_cache {k_cache.dtype} vs v_cache {v_cache.dtype}"
     assert value.shape == key.shape, f"value {tuple(value.shape)} vs key {tuple(key.shape)}"
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "key/value: last dim contiguous"
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), "k/v differ"

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device, check_index, next_pow2
+from ._utils import check_device, check_float, check_index, next_pow2
 
 BETA_SHORT = 0.9
 BETA_LONG = 0.999
@@ -86,11 +86,13 @@ def _update_query_state_kernel(
 def check_query_state_args(q_pre: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
                            is_first: torch.Tensor) -> None:
     assert q_pre.dim() == 3 and q_pre.stride(-1) == 1, "q_pre: [B, Hq, d], last dim contiguous"
+    check_float(q_pre, "q_pre")
     assert state.dim() == 4 and state.shape[1] == 2, "state: [max_num_seqs, 2, Hq, d]"
     assert state.dtype == torch.float32 and state.stride(-1) == 1, "state: fp32, last dim dense"
     assert state.shape[2:] == q_pre.shape[1:], f"state {tuple(state.shape)} vs {tuple(q_pre.shape)}"
     check_index(slot_ids, 1, "slot_ids")
-    assert is_first.dim() == 1 and is_first.dtype in (torch.int32, torch.int64, torch.bool)
+    assert is_first.dim() == 1 and is_first.dtype in (torch.int32, torch.int64, torch.bool), \
+        f"is_first: [B] int32/int64/bool expected, got {is_first.dtype} {tuple(is_first.shape)}"
     assert slot_ids.shape[0] == is_first.shape[0] == q_pre.shape[0], "one slot/flag per request"
     check_device(q_pre, state, slot_ids, is_first)
 
