@@ -205,3 +205,11 @@ def test_trace_format_tables_match_the_code() -> None:
         shown = documented[name].strip('`"')
         assert shown in (repr(default), str(default), str(default).lower(),
                          default if isinstance(default, str) else None), (name, shown)
+
+
+def test_readme_names_the_demos_policies() -> None:
+    from growpage.demo import POLICIES
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    sentence = text[text.index("The demo replays"):text.index("(fidelity vs KV budget)")]
+    assert names(sentence) == {name for _, name, _ in POLICIES}
