@@ -213,3 +213,32 @@ def test_readme_names_the_demos_policies() -> None:
     text = " ".join((ROOT / "README.md").read_text().split())
     sentence = text[text.index("The demo replays"):text.index("(fidelity vs KV budget)")]
     assert names(sentence) == {name for _, name, _ in POLICIES}
+
+
+def documented_defaults(table: str) -> dict[str, str]:
+    """``name -> default`` of the rows ``| `a` / `b` | x / y | ... |`` of a markdown table."""
+    defaults = {}
+    for cells in re.findall(r"^\| (`\w+`(?: / `\w+`)*) \| ([^|]+) \|", table, flags=re.M):
+        keys = re.findall(r"`(\w+)`", cells[0])
+        values = [v.strip().strip("`") for v in cells[1].split(" / ")]
+        defaults.update(zip(keys, values, strict=True))
+    return defaults
+
+
+def test_engine_guide_defaults_are_the_codes() -> None:
+    import inspect
+
+    import attrs
+
+    from growpage.engine.llm import LLM
+    from growpage.engine.sampling_params import SamplingParams
+
+    llm_table, sampling_table = section("docs/engine.md", "## Parameters").split("`generate(")
+    llm = {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()
+           if p.kind is p.KEYWORD_ONLY}
+    sampling = {f.name: f.default for f in attrs.fields(SamplingParams)}
+    for table, actual in ((llm_table, llm), (sampling_table, sampling)):
+        documented = documented_defaults(table)
+        for name, default in actual.items():
+            shown = documented[name].split(" (")[0]
+            assert shown in (repr(default), str(default), f'"{default}"'), (name, shown, default)
