@@ -31,3 +31,4 @@ def test_top_level_help_lists_every_command():
     text = build_parser().format_help()
     for command in ("demo", "policies", "generate", "record", "sim", "calibrate"):
         assert f"    {command}" in text
+    assert "'growpage COMMAND --help' lists a command's options" in " ".join(text.split())
