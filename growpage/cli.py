@@ -12,7 +12,8 @@ import os
 import sys
 
 # Modules that contribute subcommands; a module that is not there yet is skipped.
-SUBCOMMAND_MODULES = ("growpage.demo", "growpage.policies.cli", "growpage.engine.cli", "growpage.sim.cli")
+SUBCOMMAND_MODULES = ("growpage.demo", "growpage.policies.cli", "growpage.engine.cli",
+                      "growpage.sim.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="growpage",
         description="On-demand KV-cache budgeting: one capacity-policy API for a trace-replay "
         "simulator and a paged-attention engine.",
+        epilog="'growpage COMMAND --help' lists a command's options; docs/engine.md and "
+        "docs/simulator.md describe them.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:

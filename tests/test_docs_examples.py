@@ -102,3 +102,143 @@ def test_trace_format_examples_run(tmp_path) -> None:
     traces = scope["traces"]
     assert len(traces) == 1 and traces.index[0].tags == ("aime",)
     assert torch.equal(traces.read("req-0").keys, scope["trace"].keys)
+
+
+def section(doc: str, heading: str) -> str:
+    """The text of ``doc`` from the line ``heading`` to the next heading of any level."""
+    text = (ROOT / doc).read_text()
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n#", start + len(heading) + 2)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def names(text: str) -> set[str]:
+    return set(re.findall(r"`(\w+)`", text))
+
+
+def test_engine_guide_documents_every_llm_keyword_and_output_field() -> None:
+    import inspect
+
+    import attrs
+
+    from growpage.engine.llm import LLM
+    from growpage.engine.outputs import EngineStats, RequestOutput
+    from growpage.engine.sampling_params import SamplingParams
+
+    params = section("docs/engine.md", "## Parameters")
+    keywords = set(inspect.signature(LLM.__init__).parameters) - {"self", "growpage_fields"}
+    assert keywords <= names(params) | {"model", "policy", "policy_kwargs"}
+    assert {f.name for f in attrs.fields(SamplingParams)} <= names(params)
+    stats = section("docs/engine.md", "## Statistics (`EngineStats`)")
+    assert {f.name for f in attrs.fields(EngineStats)} <= names(stats)
+    text = (ROOT / "docs/engine.md").read_text()
+    usage = text[text.index("A `RequestOutput` holds"):]
+    assert {f.name for f in attrs.fields(RequestOutput)} <= names(usage.split("\n\n")[0])
+
+
+def test_file_tables_list_every_module() -> None:
+    engine = names(section("docs/engine.md", "## Files").replace(".py`", "`"))
+    modules = {p.stem for p in (ROOT / "growpage/engine").glob("*.py")} - {"__init__"}
+    assert modules <= engine, sorted(modules - engine)
+    core = set(re.findall(r"`core/(\w+)\.py`", (ROOT / "docs/architecture.md").read_text()))
+    modules = {p.stem for p in (ROOT / "growpage/core").glob("*.py")} - {"__init__"}
+    assert modules <= core, sorted(modules - core)
+
+
+def cli_options(command: str) -> set[str]:
+    from growpage.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    return {o for a in sub._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+
+
+def test_engine_guide_cli_synopsis_matches_the_parsers() -> None:
+    text = (ROOT / "docs/engine.md").read_text()
+    synopsis = text[text.index("growpage generate --prompt"):text.index("```", text.index(
+        "growpage generate --prompt"))]
+    generate, record = synopsis.split("growpage record")
+    for command, block in (("generate", generate), ("record", record)):
+        shown = set(re.findall(r"--[a-z][a-z-]*", block))
+        shown |= {f"--no-{o[2:]}" for o in shown if f"--no-{o[2:]}" in cli_options(command)}
+        assert shown == cli_options(command), (command, shown ^ cli_options(command))
+
+
+def test_readme_commands_parse() -> None:
+    import shlex
+
+    from growpage.cli import build_parser
+
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    commands = re.findall(r"^\.venv/bin/growpage (.+?)(?:\s+#.*)?$", text, flags=re.M)
+    assert len(commands) >= 2
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command))
+        assert args.func is not None
+        if getattr(args, "policy_arg", None):
+            from growpage.policies.registry import parse_policy_params, resolve_policy
+
+            resolve_policy(args.policy, **parse_policy_params(args.policy_arg, "--param"))
+
+
+def test_readme_names_every_builtin_policy() -> None:
+    from growpage.policies.registry import registered_policies
+
+    text = (ROOT / "README.md").read_text()
+    listed = re.search(r"`growpage policies` lists the built-ins:(.*?)\.\n\n", text, re.S)
+    assert listed is not None
+    assert names(listed.group(1)) == set(registered_policies())
+
+
+def test_trace_format_tables_match_the_code() -> None:
+    import attrs
+
+    from growpage.core.traces import TraceHeader
+
+    header = section("docs/trace-format.md", "## One trace = one safetensors file")
+    rows = set(re.findall(r"^\| `(\w+)`", header, flags=re.M))
+    assert rows == {f.name for f in attrs.fields(TraceHeader)} | {"format", "version", "dtype"}
+    table = section("docs/trace-format.md", "## Synthetic traces")
+    documented = dict(re.findall(r"^\| `(\w+)`\s*\| ([^|]+?)\s*\|", table, flags=re.M))
+    fields = {f.name: f.default for f in attrs.fields(SyntheticSpec)}
+    assert set(documented) == set(fields)
+    for name, default in fields.items():
+        shown = documented[name].strip('`"')
+        assert shown in (repr(default), str(default), str(default).lower(),
+                         default if isinstance(default, str) else None), (name, shown)
+
+
+def test_readme_names_the_demos_policies() -> None:
+    from growpage.demo import POLICIES
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    sentence = text[text.index("The demo replays"):text.index("(fidelity vs KV budget)")]
+    assert names(sentence) == {name for _, name, _ in POLICIES}
+
+
+def documented_defaults(table: str) -> dict[str, str]:
+    """``name -> default`` of the rows ``| `a` / `b` | x / y | ... |`` of a markdown table."""
+    defaults = {}
+    for cells in re.findall(r"^\| (`\w+`(?: / `\w+`)*) \| ([^|]+) \|", table, flags=re.M):
+        keys = re.findall(r"`(\w+)`", cells[0])
+        values = [v.strip().strip("`") for v in cells[1].split(" / ")]
+        defaults.update(zip(keys, values, strict=True))
+    return defaults
+
+
+def test_engine_guide_defaults_are_the_codes() -> None:
+    import inspect
+
+    import attrs
+
+    from growpage.engine.llm import LLM
+    from growpage.engine.sampling_params import SamplingParams
+
+    llm_table, sampling_table = section("docs/engine.md", "## Parameters").split("`generate(")
+    llm = {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()
+           if p.kind is p.KEYWORD_ONLY}
+    sampling = {f.name: f.default for f in attrs.fields(SamplingParams)}
+    for table, actual in ((llm_table, llm), (sampling_table, sampling)):
+        documented = documented_defaults(table)
+        for name, default in actual.items():
+            shown = documented[name].split(" (")[0]
+            assert shown in (repr(default), str(default), f'"{default}"'), (name, shown, default)

@@ -17,12 +17,14 @@ tokens in its slots, but the same count, so ``context_lens`` stays the one lengt
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from growpage.engine.accumulation import DecodeIndex, add_decode, add_prefill, table_slots
 from growpage.engine.context import StepContext
+from growpage.engine.host_memory import available_memory
 from growpage.errors import EngineError
 
 
@@ -43,29 +45,22 @@ def allocate_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_he
                           ) from None
 
 
-def check_kv_cache_fits(num_bytes: int, num_pages: int, device: torch.device | str) -> None:
-    """``EngineError`` when a cache of ``num_bytes`` is more than the host has available.
+def check_kv_cache_fits(num_bytes: int, num_pages: int, device: torch.device | str,
+                        root: str | Path = "/") -> None:
+    """``EngineError`` naming the limit hit when a cache of ``num_bytes`` is more than the
+    host's available memory or the room left under its cgroup (container) memory limit
+    (``growpage.engine.host_memory``; ``root`` lets a test give a fake /proc and /sys).
 
     NOTE: on the CPU a cache larger than the free memory may still be granted (overcommit), and
     zero-filling it then gets the process killed, so it is refused before it is allocated.
     """
-    available = available_host_memory() if torch.device(device).type == "cpu" else None
-    if available is not None and num_bytes > available:
+    if torch.device(device).type != "cpu":
+        return
+    available = available_memory(root)
+    if available is not None and num_bytes > available.num_bytes:
         raise EngineError(f"the KV cache would take {_size(num_bytes)} for {num_pages} pages, "
-                          f"but the host has {_size(available)} available; lower kv_pages or "
-                          "kv_cache_memory")
-
-
-def available_host_memory() -> int | None:
-    """Bytes of memory available to new allocations (``MemAvailable``); None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+                          f"but the host has {_size(available.num_bytes)} available "
+                          f"({available.source}); lower kv_pages or kv_cache_memory")
 
 
 def _size(num_bytes: int) -> str:

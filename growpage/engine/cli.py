@@ -26,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="text file, one prompt per line (or JSONL with a 'prompt' field)")
     _common(g, default_policy="growpage", default_max_tokens=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass in (0, 1] (default 1: the whole distribution)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the requests' sampling (default: none; a run is reproducible "
                    "anyway, the engine's generator starting from seed 0)")
@@ -51,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--no-values", dest="values", action="store_false",
                    help="do not record values")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="progress bar over requests, or over the tokens of a single prompt")
+                   help="progress bar over requests, or over the tokens of a single prompt "
+                   "(default on)")
     _common(r, default_policy=None, default_max_tokens=512)
     r.set_defaults(func=run_record)
 
@@ -67,7 +69,8 @@ def _common(p: argparse.ArgumentParser, default_policy: str | None,
                        default=[], metavar="KEY=VALUE",
                        help="policy hyperparameter, e.g. tau=0.01 (repeatable; read as the "
                             "simulator's --param)")
-    p.add_argument("--max-tokens", type=int, default=default_max_tokens)
+    p.add_argument("--max-tokens", type=int, default=default_max_tokens,
+                   help=f"most tokens to generate per prompt (default {default_max_tokens})")
     p.add_argument("--kv-pages", type=int, default=None,
                    help="KV cache pages (default: 512 MiB worth)")
     p.add_argument("--page-size", type=int, default=64,

@@ -11,6 +11,7 @@ from engine_helpers import random_state_dict, tiny_config
 from llm_helpers import GREEDY, assert_all_returned, prompt, tiny_llm, tiny_models
 
 from growpage.core.decision import Decision
+from growpage.engine.host_memory import MemoryFigure
 from growpage.engine.llm import LLM
 from growpage.engine.loader import build_model
 from growpage.engine.sampling_params import SamplingParams
@@ -130,11 +131,13 @@ def test_the_model_context_bounds_prompts_scores_and_generation():
 def test_a_kv_cache_the_host_cannot_hold_is_an_engine_error(model, monkeypatch):
     from growpage.engine import attention
 
-    monkeypatch.setattr(attention, "available_host_memory", lambda: 10**6)
+    monkeypatch.setattr(attention, "available_memory",
+                        lambda root: MemoryFigure(10**6, "cgroup v2 limit: ..."))
     with pytest.raises(EngineError, match=r"the KV cache would take 2097152 bytes \(0.00 GiB\) "
-                                          r"for 1024 pages, but the host has 1000000 bytes"):
+                                          r"for 1024 pages, but the host has 1000000 bytes "
+                                          r"\(0.00 GiB\) available \(cgroup v2 limit: "):
         tiny_llm(model, kv_pages=1024)  # pages of 2048 bytes
-    monkeypatch.setattr(attention, "available_host_memory", lambda: None)  # torch refuses
+    monkeypatch.setattr(attention, "available_memory", lambda root: None)  # torch refuses
     with pytest.raises(EngineError, match=r"cannot allocate the KV cache: 2251799813685248 "
                                           r"bytes .* on cpu \(.*\); lower kv_pages"):
         tiny_llm(model, kv_pages=2**40)
