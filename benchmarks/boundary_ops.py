@@ -164,13 +164,16 @@ def outcome_kind(outcome) -> str:
 def measure(args: argparse.Namespace) -> dict:
     # The kernel path stands for a GPU: the selection's global top-k as a GPU runs it (one
     # stable argsort, not the CPU's keyed partial top-k; the same slots either way).
-    keyed = selection.keyed_top_k
+    from growpage.core.context import BoundaryBatch
+
+    keyed, pad = selection.keyed_top_k, BoundaryBatch.pad
     if args.path == "triton":
         selection.keyed_top_k = False
+    BoundaryBatch.pad = getattr(args, "pad", None)
     try:
-        return _measure(args)
+        return {**_measure(args), "pad": BoundaryBatch.pad}
     finally:
-        selection.keyed_top_k = keyed
+        selection.keyed_top_k, BoundaryBatch.pad = keyed, pad
 
 
 def _measure(args: argparse.Namespace) -> dict:
@@ -298,6 +301,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time each boundary phase, the device synced per phase on CUDA "
                         "(growpage.engine.boundary_profile), in a run of its own (with "
                         "--host-only: in the same run)")
+    p.add_argument("--pad", action=argparse.BooleanOptionalAction, default=None,
+                   help="sort a step's members of different candidate counts together, "
+                        "zero-padded (BoundaryBatch.pad); default: as the device does (a GPU "
+                        "pads, a CPU does not)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 

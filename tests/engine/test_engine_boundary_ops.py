@@ -49,10 +49,11 @@ def shared(report):
     from growpage.core.context import BoundaryBatch
 
     bench = load_benchmark("boundary_ops")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(BoundaryBatch, "pad", True)
-        return bench.measure(bench.parse_args(["--requests", "4", "--max-tokens", "60",
-                                               "--kv-pages", "14", "--prompt-len", "30"]))
+    before = BoundaryBatch.pad
+    report = bench.measure(bench.parse_args(["--requests", "4", "--max-tokens", "60",
+                                             "--kv-pages", "14", "--prompt-len", "30", "--pad"]))
+    assert report["pad"] is True and BoundaryBatch.pad is before  # set for the run only
+    return report
 
 
 def test_boundaries_of_one_step_wait_for_delta_once(report, shared):
