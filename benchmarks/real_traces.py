@@ -304,8 +304,8 @@ def _error_bars(ys: list[float], cis: list[dict], key: str) -> list[list[float]]
     spans = [ci.get(key) for ci in cis]
     if all(span is None for span in spans):
         return None
-    low = [0.0 if span is None else max(y - span[0], 0.0) for y, span in zip(ys, spans)]
-    high = [0.0 if span is None else max(span[1] - y, 0.0) for y, span in zip(ys, spans)]
+    low = [0.0 if span is None else max(y - span[0], 0.0) for y, span in zip(ys, spans, strict=True)]
+    high = [0.0 if span is None else max(span[1] - y, 0.0) for y, span in zip(ys, spans, strict=True)]
     return [low, high]
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, gen, randn
-
 from growpage.kernels import (
     accumulate_attention,
     compact_kv,
@@ -17,6 +15,7 @@ from growpage.kernels import (
     update_query_state,
     working_set_sizes,
 )
+from kernel_helpers import DEVICE, gen, randn
 
 D = 16
 
