@@ -286,7 +286,12 @@ def _check_selection(indices: object, ctx: BoundaryContext, keep: int
         return (f"returned {type(indices).__name__}, expected a torch.Tensor of shape "
                 f"{expected}"), None
     if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
-        return f"returned dtype {indices.dtype}, expected an integer tensor", None
+        return (f"returned dtype {indices.dtype}, expected an integer tensor (torch.long)"), None
+    if torch.iinfo(indices.dtype).bits < 32:
+        # NOTE: refused even when the slots fit: small contexts (the kit's) would pass and a
+        # real one (thousands of slots) would not, or would wrap around.
+        return (f"returned dtype {indices.dtype}, too narrow for slot indices (at most "
+                f"{torch.iinfo(indices.dtype).max}); return torch.long or torch.int32"), None
     if tuple(indices.shape) != expected:
         return f"wrong shape {tuple(indices.shape)}, expected {expected} (exact kept count)", None
     slots = indices.to(torch.long)

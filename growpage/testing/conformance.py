@@ -67,13 +67,7 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
     selections = []
     for keep in keeps:
         indices = policy.select(ctx, keep)
-        if isinstance(indices, torch.Tensor) and indices.dtype.is_complex:
-            problem: str | None = f"returned dtype {indices.dtype}, expected an integer tensor"
-        elif isinstance(indices, torch.Tensor) and _narrow(indices.dtype):
-            problem = (f"returned dtype {indices.dtype}, which cannot hold the slots of a real "
-                       f"context (at most {torch.iinfo(indices.dtype).max}); return torch.long")
-        else:
-            problem = selection_problem(indices, ctx, keep)
+        problem = selection_problem(indices, ctx, keep)
         if problem:
             raise PolicyConformanceError("exact-selection", f"keep={keep}: {problem}", case)
         selections.append(indices.clone())
@@ -84,13 +78,6 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
         raise PolicyConformanceError("no-mutation", "a tensor the context returned was "
                                      f"modified in place: {', '.join(changed)} changed", case)
     return decision, selections
-
-
-def _narrow(dtype: torch.dtype) -> bool:
-    """An integer dtype under 32 bits: fine for the kit's small contexts, wrong past them."""
-    if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
-        return False
-    return torch.iinfo(dtype).bits < 32
 
 
 @contextlib.contextmanager

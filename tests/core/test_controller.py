@@ -413,3 +413,27 @@ def test_grow_is_never_deferred():
     ctrl, state, view, pool, _ = setup([Decision.GROW])
     out = ctrl.on_boundary(state, view, defer=True)
     assert out.pending is None and out.action is Action.GROW and state.num_pages == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16])
+def test_a_selection_too_narrow_for_real_contexts_is_refused_and_changes_nothing(dtype):
+    """Slots as small integers fit a small request but not a real one (thousands of slots):
+    refused whatever their values, as the conformance kit refuses them."""
+    ctrl, state, view, pool, _ = setup([])
+    ctrl.policy = Chosen([Decision.COMPRESS], make=lambda n, k: torch.tensor(_last(n, k),
+                                                                             dtype=dtype))
+    positions, table = view.positions().clone(), list(state.block_table)
+    with pytest.raises(PolicyError, match=rf"dtype {dtype}, too narrow .*torch.long"):
+        ctrl.on_boundary(state, view)
+    assert state.num_tokens == 3 * B and state.block_table == table
+    assert torch.equal(view.positions(), positions) and pool.num_free_pages == 7
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_32_and_64_bit_selections_are_accepted(dtype):
+    ctrl, state, view, _, _ = setup([])
+    ctrl.policy = Chosen([Decision.COMPRESS], make=lambda n, k: torch.tensor(_last(n, k),
+                                                                             dtype=dtype))
+    before = view.positions().clone()
+    assert ctrl.on_boundary(state, view).action is Action.COMPRESS
+    assert torch.equal(view.positions(), before[..., B:])

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from growpage import CapacityPolicy, Decision
+from growpage import CapacityController, CapacityPolicy, Decision, PagePool, RequestState
+from growpage.errors import PolicyError
 from growpage.policies import GrowPagePolicy
-from growpage.testing import PolicyConformanceError, check_policy
+from growpage.testing import BoundaryCase, PolicyConformanceError, check_policy
 
 
 @attrs.define
@@ -157,3 +158,28 @@ def test_a_policy_that_needs_accumulated_attention_always_gets_it():
     with pytest.raises(PolicyConformanceError) as info:   # unless told otherwise
         check_policy(SumsH2O(), max_examples=30, accumulated=False)
     assert info.value.rule == "no-crash"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32,
+                                   torch.int64])
+def test_the_kit_and_the_controller_judge_a_selection_dtype_alike(dtype):
+    """One rule: a dtype the kit refuses the controller refuses too, with the same words."""
+    policy = NarrowSelection(dtype=dtype)
+    try:
+        check_policy(policy, max_examples=3)
+        kit = None
+    except PolicyConformanceError as exc:
+        kit = exc.detail.split(": ", 1)[1]
+    case = BoundaryCase(num_layers=1, num_kv_heads=2, group_size=1, head_dim=4, page_size=4,
+                        recent_window=1, num_pages=3, num_free_pages=0, gap=4, seed=0,
+                        sharpness=1.0, track_accumulated=False)
+    pool = PagePool(3, 4)
+    ctrl = CapacityController(policy, pool, case.config)
+    state = RequestState("r", pool.allocate(3), num_tokens=12, position=case.num_tokens + 4)
+    try:
+        ctrl.on_boundary(state, case.view())
+        controller = None
+    except PolicyError as exc:
+        controller = str(exc).split("select(): ", 1)[1]
+    assert kit == controller
+    assert (kit is None) == (torch.iinfo(dtype).bits >= 32)
