@@ -190,19 +190,23 @@ def _ema(queries: torch.Tensor, beta: float) -> torch.Tensor:
 
 
 def _accumulated(queries: torch.Tensor, keys: torch.Tensor, evicted_at: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, chunk: int = 128) -> torch.Tensor:
     """``[L, Hkv, t]`` per position: each query's softmax over the positions it saw (its own
-    and earlier ones not yet evicted), mean over the query group, summed over queries."""
+    and earlier ones not yet evicted), mean over the query group, summed over queries.
+    ``queries [L, t, Hq, d]`` rotated, ``keys [L, Hkv, t, d]``; ``chunk`` queries at a time."""
     num_l, t, _, d = queries.shape
     num_kv = keys.shape[1]
     q = queries.reshape(num_l, t, num_kv, -1, d)
-    logits = torch.einsum("lqhgd,lhpd->lhgqp", q, keys) * scale
-    when = torch.arange(t)
-    seen = (when[None, None, :, None] < evicted_at[:, :, None, :]) & (
-        when[None, :] <= when[:, None])                            # [L, Hkv, q, p]
-    bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
-    weights = (logits + bias[:, :, None]).softmax(dim=-1)
-    return weights.sum(dim=(2, 3)) / weights.shape[2]
+    total = torch.zeros(num_l, num_kv, t)
+    for lo in range(0, t, chunk):
+        when = torch.arange(lo, min(lo + chunk, t))
+        logits = torch.einsum("lqhgd,lhpd->lhgqp", q[:, lo:lo + chunk], keys) * scale
+        seen = (when[None, None, :, None] < evicted_at[:, :, None, :]) & (
+            torch.arange(t)[None, :] <= when[:, None])             # [L, Hkv, q, p]
+        bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
+        weights = (logits + bias[:, :, None]).softmax(dim=-1)
+        total += weights.sum(dim=(2, 3)) / weights.shape[2]
+    return total
 
 
 @st.composite

@@ -60,7 +60,7 @@ def test_accumulated_sums_are_the_attention_of_the_queries_run(case):
     assert torch.allclose(acc[..., -1], attn.softmax(-1).mean(2)[..., -1], atol=1e-5)
 
 
-@pytest.mark.parametrize("gap, seed", [(0, 1), (8, 4), (12, 7), (5, 3)])
+@pytest.mark.parametrize("gap, seed", [(0, 1), (8, 4), (12, 7), (5, 3), (128, 2)])
 def test_a_case_is_what_the_simulator_replays_from_its_history(gap, seed):
     """Replaying the case's history (same queries, keys, boundaries, kept slots) through the
     simulator's ``TraceView`` gives the case's view: positions, keys, summaries, sums."""
