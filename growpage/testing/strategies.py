@@ -209,19 +209,49 @@ def _accumulated(queries: torch.Tensor, keys: torch.Tensor, evicted_at: torch.Te
     return total
 
 
-@st.composite
-def boundary_cases(draw: st.DrawFn, max_layers: int = 3, max_kv_heads: int = 3,
-                   max_group: int = 4, page_sizes: tuple[int, ...] = (4, 8, 16),
-                   max_pages: int = 6, head_dims: tuple[int, ...] = (4, 8, 16),
-                   accumulated: bool | None = None, max_compressions: int = 4) -> BoundaryCase:
+def boundary_cases(max_layers: int = 3, max_kv_heads: int = 3, max_group: int = 4,
+                   page_sizes: tuple[int, ...] = (4, 8, 16), max_pages: int = 6,
+                   head_dims: tuple[int, ...] = (4, 8, 16), accumulated: bool | None = None,
+                   max_compressions: int = 4) -> st.SearchStrategy[BoundaryCase]:
     """Small random boundaries: shapes, page size, recent window, pool state and a history of
     up to ``max_compressions`` earlier compressions (each dropped one page of tokens).
 
     ``accumulated``: whether the view tracks H2O's accumulated attention (True for a policy
-    with ``needs_accumulated_attention``, which always gets it); None draws it.
+    with ``needs_accumulated_attention``, which always gets it); None draws it. A knob out of
+    range is a ``ValueError`` (``TypeError`` for a wrong type) here, before anything is drawn.
     """
+    for knob, value, low in (("max_layers", max_layers, 1), ("max_kv_heads", max_kv_heads, 1),
+                             ("max_group", max_group, 1), ("max_compressions", max_compressions,
+                                                           0)):
+        _check_int(knob, value, low)
+    _check_int("max_pages", max_pages, 2, " (the policy decides boundaries from min_capacity, "
+               "2 pages, on)")
+    for knob, values, even in (("page_sizes", page_sizes, False), ("head_dims", head_dims, True)):
+        if not isinstance(values, (tuple, list)) or not values:
+            raise TypeError(f"boundary_cases: {knob} must be a non-empty tuple of integers, "
+                            f"got {values!r}")
+        for v in values:
+            _check_int(knob, v, 2 if even else 1, " (RoPE rotates pairs)" if even else "")
+            if even and v % 2:
+                raise ValueError(f"boundary_cases: {knob} must hold even integers (RoPE "
+                                 f"rotates pairs), got {v!r}")
     if accumulated is not None and not isinstance(accumulated, bool):
         raise TypeError(f"accumulated must be True, False or None, got {accumulated!r}")
+    return _boundary_cases(max_layers, max_kv_heads, max_group, tuple(page_sizes), max_pages,
+                           tuple(head_dims), accumulated, max_compressions)
+
+
+def _check_int(knob: str, value: object, low: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"boundary_cases: {knob} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"boundary_cases: {knob} must be at least {low}{why}, got {value!r}")
+
+
+@st.composite
+def _boundary_cases(draw: st.DrawFn, max_layers: int, max_kv_heads: int, max_group: int,
+                    page_sizes: tuple[int, ...], max_pages: int, head_dims: tuple[int, ...],
+                    accumulated: bool | None, max_compressions: int) -> BoundaryCase:
     page_size = draw(st.sampled_from(page_sizes))
     return BoundaryCase(
         num_layers=draw(st.integers(1, max_layers)),

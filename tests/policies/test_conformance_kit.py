@@ -183,3 +183,18 @@ def test_the_kit_and_the_controller_judge_a_selection_dtype_alike(dtype):
         controller = str(exc).split("select(): ", 1)[1]
     assert kit == controller
     assert (kit is None) == (torch.iinfo(dtype).bits >= 32)
+
+
+@pytest.mark.parametrize("knobs, error, says", [
+    ({"head_dims": (3,)}, ValueError, "head_dims must hold even integers"),
+    ({"max_pages": 1}, ValueError, "max_pages must be at least 2"),
+    ({"max_layers": 0}, ValueError, "max_layers must be at least 1"),
+    ({"page_sizes": ()}, TypeError, "page_sizes must be a non-empty tuple"),
+    ({"max_compressions": -1}, ValueError, "max_compressions must be at least 0"),
+    ({"max_kv_heads": 2.5}, TypeError, "max_kv_heads must be an integer"),
+    ({"page_size": 4}, TypeError, "unexpected keyword argument 'page_size'"),
+], ids=lambda x: str(x)[:20])
+def test_a_wrong_strategy_knob_is_named_not_blamed_on_the_policy(knobs, error, says):
+    with pytest.raises(error, match=f"boundary_cases.*{says}") as info:
+        check_policy(GrowPagePolicy(), max_examples=3, **knobs)
+    assert not isinstance(info.value, PolicyConformanceError)
