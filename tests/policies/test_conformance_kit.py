@@ -198,3 +198,29 @@ def test_a_wrong_strategy_knob_is_named_not_blamed_on_the_policy(knobs, error, s
     with pytest.raises(error, match=f"boundary_cases.*{says}") as info:
         check_policy(GrowPagePolicy(), max_examples=3, **knobs)
     assert not isinstance(info.value, PolicyConformanceError)
+
+
+@attrs.define
+class SinksByPosition(CapacityPolicy):
+    """Keeps the slots holding positions 0 and 1 (attention sinks) and the newest slots, but
+    assumes every KV head holds the same positions, as none does after a compression."""
+
+    name = "sinks-by-position"
+
+    def decide(self, ctx):
+        return Decision.COMPRESS
+
+    def select(self, ctx, keep):
+        sinks = (ctx.positions() < 2).nonzero()[:, -1].reshape(*ctx.shape, -1)
+        newest = torch.arange(ctx.num_tokens - keep + sinks.shape[-1], ctx.num_tokens)
+        return torch.cat([sinks, newest.expand(*ctx.shape, -1)], dim=-1)
+
+
+def test_a_policy_that_assumes_heads_share_positions_is_caught_on_a_small_example():
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(SinksByPosition(), max_examples=40)
+    case = info.value.case
+    assert info.value.rule == "no-crash" and "shape" in info.value.detail
+    # Shrunk: one layer, the smallest pages, one compression in the history.
+    assert (case.num_layers, case.page_size, case.num_pages, case.gap) == (1, 4, 2, 4)
+    assert case.num_kv_heads >= 2
