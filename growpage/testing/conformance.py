@@ -6,6 +6,7 @@ import contextlib
 import copy
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Flaky
 
 from growpage.core.capacity import selection_problem
-from growpage.core.context import changed_signals
+from growpage.core.context import BoundaryContext, changed_signals
 from growpage.core.decision import Decision
 from growpage.errors import GrowPageError
 from growpage.testing.strategies import BoundaryCase, boundary_cases
@@ -58,7 +59,8 @@ def _same(a: dict, b: dict) -> bool:
 def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tensor]]:
     ctx = case.context()
     before = _snapshot(ctx)
-    decision = policy.decide(ctx)
+    ctx.view.sums_read = False
+    decision = _call(policy, "decide", ctx, case)
     if not isinstance(decision, Decision):
         raise PolicyConformanceError("valid-decision", f"got {decision!r}", case)
     keeps = [(case.num_pages - 1) * case.page_size]
@@ -66,7 +68,7 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
         keeps.append((case.num_pages - 2) * case.page_size)
     selections = []
     for keep in keeps:
-        indices = policy.select(ctx, keep)
+        indices = _call(policy, "select", ctx, case, keep)
         problem = selection_problem(indices, ctx, keep)
         if problem:
             raise PolicyConformanceError("exact-selection", f"keep={keep}: {problem}", case)
@@ -78,6 +80,21 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
         raise PolicyConformanceError("no-mutation", "a tensor the context returned was "
                                      f"modified in place: {', '.join(changed)} changed", case)
     return decision, selections
+
+
+def _call(policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase,
+          *args: object) -> Any:
+    """``policy.method(ctx, *args)``; what it raises is a ``no-crash`` error naming the call."""
+    try:
+        return getattr(policy, method)(ctx, *args)
+    except Exception as exc:
+        call = f"{method}(ctx{', keep=' + str(args[0]) if args else ''})"
+        hint = ""
+        if getattr(ctx.view, "sums_read", False) and ctx.accumulated_attention() is None:
+            hint = (" -- accumulated_attention() was None in this example: a policy that reads "
+                    "it sets needs_accumulated_attention = True")
+        raise PolicyConformanceError("no-crash", f"{call} raised {type(exc).__name__}: "
+                                     f"{exc}{hint}", case) from exc
 
 
 @contextlib.contextmanager

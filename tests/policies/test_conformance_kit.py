@@ -2,6 +2,7 @@
 and always reports a broken rule as ``PolicyConformanceError``."""
 
 import random
+import re
 
 import attrs
 import numpy as np
@@ -224,3 +225,34 @@ def test_a_policy_that_assumes_heads_share_positions_is_caught_on_a_small_exampl
     # Shrunk: one layer, the smallest pages, one compression in the history.
     assert (case.num_layers, case.page_size, case.num_pages, case.gap) == (1, 4, 2, 4)
     assert case.num_kv_heads >= 2
+
+
+@attrs.define
+class ReadsSumsWithoutAsking(CapacityPolicy):
+    """Reads H2O sums but forgot ``needs_accumulated_attention``."""
+
+    name = "reads-sums"
+
+    def decide(self, ctx):
+        return Decision.GROW if float(ctx.accumulated_attention()[..., 0].mean()) > 1 else (
+            Decision.COMPRESS)
+
+
+@attrs.define
+class SelectRaises(GrowPagePolicy):
+    name = "select-raises"
+
+    def select(self, ctx, keep):
+        raise KeyError("no such slot")
+
+
+@pytest.mark.parametrize("policy, says", [
+    (ReadsSumsWithoutAsking(), r"decide\(ctx\) raised TypeError: .* accumulated_attention\(\) "
+                               r"was None in this example: .*needs_accumulated_attention = True"),
+    (SelectRaises(), r"select\(ctx, keep=\d+\) raised KeyError: 'no such slot'$"),
+], ids=str)
+def test_a_crash_names_the_call_and_the_likely_cause(policy, says):
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(policy, max_examples=20)
+    assert info.value.rule == "no-crash"
+    assert re.search(says, info.value.detail), info.value.detail
