@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryBatch, BoundaryContext
+from growpage.core.context import BoundaryBatch, BoundaryContext, missing_sums_hint
 from growpage.core.decision import Action, Decision
 from growpage.core.events import EventCounters
 from growpage.core.kvview import KVView
@@ -349,4 +349,4 @@ def _call(policy: object, method: str, ctx: BoundaryContext, *args: object) -> A
     except Exception as exc:
         raise PolicyError(f"policy {_name(policy)} {method}() raised {type(exc).__name__}: "
                           f"{exc} (request {ctx.request_id!r} at position {ctx.position})"
-                          ) from exc
+                          f"{missing_sums_hint(ctx)}") from exc

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Flaky
 
 from growpage.core.capacity import selection_problem
-from growpage.core.context import BoundaryContext, changed_signals
+from growpage.core.context import BoundaryContext, changed_signals, missing_sums_hint
 from growpage.core.decision import Decision
 from growpage.errors import GrowPageError
 from growpage.testing.strategies import BoundaryCase, boundary_cases
@@ -59,7 +59,6 @@ def _same(a: dict, b: dict) -> bool:
 def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tensor]]:
     ctx = case.context()
     before = _snapshot(ctx)
-    ctx.view.sums_read = False
     decision = _call(policy, "decide", ctx, case)
     if not isinstance(decision, Decision):
         raise PolicyConformanceError("valid-decision", f"got {decision!r}", case)
@@ -89,12 +88,8 @@ def _call(policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase,
         return getattr(policy, method)(ctx, *args)
     except Exception as exc:
         call = f"{method}(ctx{', keep=' + str(args[0]) if args else ''})"
-        hint = ""
-        if getattr(ctx.view, "sums_read", False) and ctx.accumulated_attention() is None:
-            hint = (" -- accumulated_attention() was None in this example: a policy that reads "
-                    "it sets needs_accumulated_attention = True")
         raise PolicyConformanceError("no-crash", f"{call} raised {type(exc).__name__}: "
-                                     f"{exc}{hint}", case) from exc
+                                     f"{exc}{missing_sums_hint(ctx)}", case) from exc
 
 
 @contextlib.contextmanager

@@ -99,7 +99,7 @@ class _CaseView(DenseKVView):
         super().__init__(case.num_layers, case.num_kv_heads * case.group_size,
                          case.num_kv_heads, case.head_dim, h.rope, capacity=case.position,
                          track_accumulated=case.track_accumulated)
-        self._case, self._sums_due, self.sums_read = case, False, False
+        self._case, self._sums_due = case, False
         # As a request fills its view: every token appended, then the compactions' drops.
         super().extend(h.keys, torch.arange(case.position))
         super().compact(h.resident, [], [])
@@ -128,7 +128,6 @@ class _CaseView(DenseKVView):
         super().compact(keep, src_pages, dst_pages)
 
     def accumulated_attention(self) -> torch.Tensor | None:
-        self.sums_read = True   # the kit's hint for a policy that reads sums it did not ask for
         self._settle()
         return super().accumulated_attention()
 

@@ -437,3 +437,25 @@ def test_32_and_64_bit_selections_are_accepted(dtype):
     before = view.positions().clone()
     assert ctrl.on_boundary(state, view).action is Action.COMPRESS
     assert torch.equal(view.positions(), before[..., B:])
+
+
+def test_a_policy_reading_sums_it_did_not_ask_for_is_told_the_flag():
+    ctrl, state, view, pool, _ = setup([])
+
+    class ReadsSums(CapacityPolicy):
+        def decide(self, ctx):
+            return Decision.GROW if ctx.accumulated_attention()[0, 0, 0] > 1 else (
+                Decision.COMPRESS)
+
+    ctrl.policy = ReadsSums()
+    with pytest.raises(PolicyError, match=r"decide\(\) raised TypeError: .* -- "
+                                          r"accumulated_attention\(\) was None here: a policy "
+                                          r"that reads it sets needs_accumulated_attention = "
+                                          r"True$"):
+        ctrl.on_boundary(state, view)
+    assert state.num_tokens == 3 * B and pool.num_free_pages == 7
+    ctrl.policy = Scripted([Decision.GROW])   # the hint only where sums were read
+    ctrl.policy.decide = lambda ctx: 1 / 0
+    with pytest.raises(PolicyError, match=r"ZeroDivisionError: division by zero \(request "
+                                          r"'r0' at position \d+\)$"):
+        ctrl.on_boundary(state, view)

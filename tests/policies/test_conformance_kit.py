@@ -248,7 +248,7 @@ class SelectRaises(GrowPagePolicy):
 
 @pytest.mark.parametrize("policy, says", [
     (ReadsSumsWithoutAsking(), r"decide\(ctx\) raised TypeError: .* accumulated_attention\(\) "
-                               r"was None in this example: .*needs_accumulated_attention = True"),
+                               r"was None here: a policy that reads it sets needs_accumulated_attention = True$"),
     (SelectRaises(), r"select\(ctx, keep=\d+\) raised KeyError: 'no such slot'$"),
 ], ids=str)
 def test_a_crash_names_the_call_and_the_likely_cause(policy, says):
