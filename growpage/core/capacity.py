@@ -305,11 +305,28 @@ def _check_selection(indices: object, ctx: BoundaryContext, keep: int
     ordered = slots.sort(dim=-1).values
     if not bool(_invalid(ordered, n, recent).any()):
         return None, ordered
-    if bool((ordered[..., 0] < 0).any()) or bool((ordered[..., -1] >= n).any()):
-        return f"slot index out of range [0, {n})", None
-    if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
-        return "duplicate slot indices within a layer/KV head", None
-    return f"protected recent window (last {recent} slots) not fully kept", None
+    outside = (ordered < 0) | (ordered >= n)
+    if bool(outside.any()):
+        layer, head, i = _first(outside)
+        return (f"slot index out of range [0, {n}): {int(ordered[layer, head, i])} in layer "
+                f"{layer}, KV head {head}"), None
+    repeated = ordered[..., 1:] == ordered[..., :-1]
+    if bool(repeated.any()):
+        layer, head, i = _first(repeated)
+        return (f"duplicate slot indices within a layer/KV head: slot "
+                f"{int(ordered[layer, head, i])} twice in layer {layer}, KV head {head}"), None
+    # Sorted, unique and in range, a row lacks the window iff its last `recent` slots are not
+    # the window (and recent > 0, else nothing is wrong and this is not reached).
+    window = torch.arange(n - recent, n, device=ordered.device)
+    layer, head, _ = _first(ordered[..., -recent:] != window)
+    missing = int(window[~torch.isin(window, ordered[layer, head])][0])
+    return (f"protected recent window (last {recent} slots) not fully kept: slot {missing} "
+            f"missing in layer {layer}, KV head {head}"), None
+
+
+def _first(flags: torch.Tensor) -> tuple[int, ...]:
+    """Index of the first true entry of ``flags`` (error path only: one host sync)."""
+    return tuple(int(i) for i in flags.nonzero()[0])
 
 
 def _invalid(slots: torch.Tensor, n: int, recent: int) -> torch.Tensor:

@@ -459,3 +459,35 @@ def test_a_policy_reading_sums_it_did_not_ask_for_is_told_the_flag():
     with pytest.raises(PolicyError, match=r"ZeroDivisionError: division by zero \(request "
                                           r"'r0' at position \d+\)$"):
         ctrl.on_boundary(state, view)
+
+
+@attrs.define
+class SpoilsOneHead(Scripted):
+    """Keeps the last slots, then spoils layer 1, KV head 1 with ``spoil(row, n)``."""
+
+    spoil: object = None
+
+    def select(self, ctx, keep):
+        slots = torch.arange(ctx.num_tokens - keep, ctx.num_tokens).expand(*ctx.shape, keep)
+        slots = slots.clone()
+        self.spoil(slots[1, 1], ctx.num_tokens)
+        return slots
+
+
+def _set(i, value):
+    return lambda row, n: row.__setitem__(i, value(n))
+
+
+@pytest.mark.parametrize("spoil, says", [
+    (_set(0, lambda n: -3), r"slot index out of range \[0, 24\): -3 in layer 1, KV head 1$"),
+    (_set(-1, lambda n: n + 2), r"out of range \[0, 24\): 26 in layer 1, KV head 1$"),
+    (_set(0, lambda n: n - 1), r"duplicate slot indices within a layer/KV head: slot 23 twice "
+                               r"in layer 1, KV head 1$"),
+    (_set(-2, lambda n: 2), r"protected recent window \(last 3 slots\) not fully kept: slot "
+                            r"22 missing in layer 1, KV head 1$"),
+])
+def test_an_invalid_selection_says_where(spoil, says):
+    ctrl, state, view, _, _ = setup([])
+    ctrl.policy = SpoilsOneHead([Decision.COMPRESS], spoil=spoil)
+    with pytest.raises(PolicyError, match=says):
+        ctrl.on_boundary(state, view)
