@@ -12,6 +12,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import attrs
+
 from growpage.errors import ConfigError, PolicyError
 from growpage.policies.base import CapacityPolicy
 
@@ -133,7 +135,18 @@ def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: 
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}") from exc
+        raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}"
+                          f"{_fields_hint(cls, kwargs)}") from exc
+
+
+def _fields_hint(cls: type, kwargs: dict[str, Any]) -> str:
+    """For an attrs policy given a hyperparameter it does not have: the ones it has."""
+    if not attrs.has(cls):
+        return ""
+    fields = [f.name for f in attrs.fields(cls) if f.init]
+    if all(key in fields for key in kwargs):
+        return ""
+    return f" (its hyperparameters: {', '.join(fields) or 'none'})"
 
 
 def parse_policy_value(text: str) -> Any:

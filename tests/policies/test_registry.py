@@ -136,3 +136,13 @@ def test_a_policy_without_a_usable_name_is_refused_and_the_registry_kept():
         register_policy(dict)
     assert registered_policies() == before
     assert resolve_policy("growpage").name == "growpage"
+
+
+def test_an_unknown_hyperparameter_lists_the_policy_s_own():
+    with pytest.raises(PolicyError, match=r"unexpected keyword argument 'budget'.* \(its "
+                                          r"hyperparameters: budget_tokens\)$"):
+        resolve_policy("fixed", budget=512)
+    with pytest.raises(PolicyError, match=r"hyperparameters: none\)$"):
+        resolve_policy("fullkv", tau=0.1)
+    with pytest.raises(PolicyError, match=r"budget_tokens must be a positive integer, got 0$"):
+        resolve_policy("fixed", budget_tokens=0)   # a known one out of range: no list
