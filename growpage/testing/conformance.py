@@ -40,7 +40,7 @@ class PolicyConformanceError(GrowPageError, AssertionError):
         super().__init__(msg)
 
 
-def _snapshot(ctx: object) -> dict:
+def _snapshot(ctx: Any) -> dict:   # the kit's contexts: a DenseKVView behind
     view = ctx.view
     state = {k: v for k, v in vars(ctx).items() if not k.startswith("_") and k != "view"}
     tensors = {"keys": view.keys(), "positions": view.positions(),
@@ -129,7 +129,7 @@ def check_case(policy: object, case: BoundaryCase) -> None:
                                      "selected different slots", case)
 
 
-def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: object) -> None:
+def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any) -> None:
     """Run the conformance rules (``RULES``) on ``max_examples`` random small boundaries.
 
     Raises ``PolicyConformanceError`` naming the rule, with the shrunk (smallest) failing

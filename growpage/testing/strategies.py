@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import random
+from typing import Any
 
 import attrs
 import torch
@@ -269,6 +270,6 @@ def _boundary_cases(draw: st.DrawFn, max_layers: int, max_kv_heads: int, max_gro
     )
 
 
-def boundary_contexts(**kwargs: object) -> st.SearchStrategy[BoundaryContext]:
+def boundary_contexts(**kwargs: Any) -> st.SearchStrategy[BoundaryContext]:
     """Valid ``BoundaryContext``s (see ``boundary_cases`` for the knobs)."""
     return boundary_cases(**kwargs).map(lambda case: case.context())
