@@ -62,11 +62,8 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
     decision = _call(policy, "decide", ctx, case)
     if not isinstance(decision, Decision):
         raise PolicyConformanceError("valid-decision", f"got {decision!r}", case)
-    keeps = [(case.num_pages - 1) * case.page_size]
-    if case.num_pages >= 3:
-        keeps.append((case.num_pages - 2) * case.page_size)
     selections = []
-    for keep in keeps:
+    for keep in _keeps(case):
         indices = _call(policy, "select", ctx, case, keep)
         problem = selection_problem(indices, ctx, keep)
         if problem:
@@ -122,11 +119,21 @@ def check_case(policy: object, case: BoundaryCase) -> None:
         raise
     except Exception as exc:  # noqa: BLE001 - any crash is a broken rule
         raise PolicyConformanceError("no-crash", f"{type(exc).__name__}: {exc}", case) from exc
-    if again is not decision or any(not torch.equal(torch.sort(a, -1).values,
-                                                    torch.sort(b, -1).values)
-                                    for a, b in zip(selections, selections2, strict=True)):
-        raise PolicyConformanceError("deterministic", f"decided {decision} then {again}, or "
-                                     "selected different slots", case)
+    if again is not decision:
+        raise PolicyConformanceError("deterministic", f"decided {decision} then {again} on the "
+                                     "same context", case)
+    for keep, a, b in zip(_keeps(case), selections, selections2, strict=True):
+        if not torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values):
+            raise PolicyConformanceError("deterministic", f"select(ctx, keep={keep}) chose "
+                                         "different slots on the same context", case)
+
+
+def _keeps(case: BoundaryCase) -> list[int]:
+    """The ``keep`` counts ``select`` is asked for: a compression's, and a shrink's."""
+    keeps = [(case.num_pages - 1) * case.page_size]
+    if case.num_pages >= 3:
+        keeps.append((case.num_pages - 2) * case.page_size)
+    return keeps
 
 
 def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any) -> None:

@@ -256,3 +256,27 @@ def test_a_crash_names_the_call_and_the_likely_cause(policy, says):
         check_policy(policy, max_examples=20)
     assert info.value.rule == "no-crash"
     assert re.search(says, info.value.detail), info.value.detail
+
+
+@attrs.define
+class ShufflesTheHistory(GrowPagePolicy):
+    """Keeps a random sample of the history (from the global RNG) and the recent window."""
+
+    name = "shuffles"
+
+    def select(self, ctx, keep):
+        chosen = torch.randperm(ctx.num_selection_candidates)[: keep - ctx.recent_window]
+        window = torch.arange(ctx.num_selection_candidates, ctx.num_tokens)
+        return torch.cat([chosen.sort().values, window]).expand(*ctx.shape, keep).clone()
+
+
+def test_a_nondeterministic_selection_is_told_apart_from_a_decision():
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(ShufflesTheHistory(), max_examples=20)
+    assert info.value.rule == "deterministic"
+    assert re.fullmatch(r"select\(ctx, keep=\d+\) chose different slots on the same context",
+                        info.value.detail), info.value.detail
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(GlobalRandomDecide("torch"), max_examples=20)
+    assert re.fullmatch(r"decided Decision\.\w+ then Decision\.\w+ on the same context",
+                        info.value.detail), info.value.detail
