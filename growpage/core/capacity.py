@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryBatch, BoundaryContext
+from growpage.core.context import BoundaryBatch, BoundaryContext, missing_sums_hint
 from growpage.core.decision import Action, Decision
 from growpage.core.events import EventCounters
 from growpage.core.kvview import KVView
@@ -286,7 +286,12 @@ def _check_selection(indices: object, ctx: BoundaryContext, keep: int
         return (f"returned {type(indices).__name__}, expected a torch.Tensor of shape "
                 f"{expected}"), None
     if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
-        return f"returned dtype {indices.dtype}, expected an integer tensor", None
+        return (f"returned dtype {indices.dtype}, expected an integer tensor (torch.long)"), None
+    if torch.iinfo(indices.dtype).bits < 32:
+        # NOTE: refused even when the slots fit: small contexts (the kit's) would pass and a
+        # real one (thousands of slots) would not, or would wrap around.
+        return (f"returned dtype {indices.dtype}, too narrow for slot indices (at most "
+                f"{torch.iinfo(indices.dtype).max}); return torch.long or torch.int32"), None
     if tuple(indices.shape) != expected:
         return f"wrong shape {tuple(indices.shape)}, expected {expected} (exact kept count)", None
     slots = indices.to(torch.long)
@@ -300,11 +305,28 @@ def _check_selection(indices: object, ctx: BoundaryContext, keep: int
     ordered = slots.sort(dim=-1).values
     if not bool(_invalid(ordered, n, recent).any()):
         return None, ordered
-    if bool((ordered[..., 0] < 0).any()) or bool((ordered[..., -1] >= n).any()):
-        return f"slot index out of range [0, {n})", None
-    if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
-        return "duplicate slot indices within a layer/KV head", None
-    return f"protected recent window (last {recent} slots) not fully kept", None
+    outside = (ordered < 0) | (ordered >= n)
+    if bool(outside.any()):
+        layer, head, i = _first(outside)
+        return (f"slot index out of range [0, {n}): {int(ordered[layer, head, i])} in layer "
+                f"{layer}, KV head {head}"), None
+    repeated = ordered[..., 1:] == ordered[..., :-1]
+    if bool(repeated.any()):
+        layer, head, i = _first(repeated)
+        return (f"duplicate slot indices within a layer/KV head: slot "
+                f"{int(ordered[layer, head, i])} twice in layer {layer}, KV head {head}"), None
+    # Sorted, unique and in range, a row lacks the window iff its last `recent` slots are not
+    # the window (and recent > 0, else nothing is wrong and this is not reached).
+    window = torch.arange(n - recent, n, device=ordered.device)
+    layer, head, _ = _first(ordered[..., -recent:] != window)
+    missing = int(window[~torch.isin(window, ordered[layer, head])][0])
+    return (f"protected recent window (last {recent} slots) not fully kept: slot {missing} "
+            f"missing in layer {layer}, KV head {head}"), None
+
+
+def _first(flags: torch.Tensor) -> tuple[int, ...]:
+    """Index of the first true entry of ``flags`` (error path only: one host sync)."""
+    return tuple(int(i) for i in flags.nonzero()[0])
 
 
 def _invalid(slots: torch.Tensor, n: int, recent: int) -> torch.Tensor:
@@ -344,4 +366,4 @@ def _call(policy: object, method: str, ctx: BoundaryContext, *args: object) -> A
     except Exception as exc:
         raise PolicyError(f"policy {_name(policy)} {method}() raised {type(exc).__name__}: "
                           f"{exc} (request {ctx.request_id!r} at position {ctx.position})"
-                          ) from exc
+                          f"{missing_sums_hint(ctx)}") from exc

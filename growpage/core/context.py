@@ -56,6 +56,7 @@ class BoundaryContext:
         self._counts: dict[float, torch.Tensor] = {}   # p -> [2, L, Hkv] top-p sizes (int64)
         self._ratios: dict[float, torch.Tensor] = {}   # p -> [2, L, Hkv]
         self._deltas: dict[float, float] = {}          # p -> Delta_t (one host sync each)
+        self._read_missing_sums = False  # accumulated_attention() answered None: for errors
 
     # ---- plain facts ----------------------------------------------------------------------
     @property
@@ -190,12 +191,23 @@ class BoundaryContext:
         return importance(attn[0], attn[1])
 
     def accumulated_attention(self) -> torch.Tensor | None:
-        """H2O-style accumulated attention ``[L, Hkv, N]`` if the view records it, else None."""
-        return self.view.accumulated_attention()
+        """H2O-style accumulated attention ``[L, Hkv, N]`` if the view records it, else None
+        (both worlds record it for a policy with ``needs_accumulated_attention``)."""
+        sums = self.view.accumulated_attention()
+        self._read_missing_sums |= sums is None
+        return sums
 
     def positions(self) -> torch.Tensor:
         """Absolute positions held by each slot, ``[L, Hkv, N]``."""
         return self.view.positions()
+
+
+def missing_sums_hint(ctx: BoundaryContext) -> str:
+    """For an error raised by a policy: a hint when it read sums the view does not record."""
+    if not getattr(ctx, "_read_missing_sums", False):  # a context of another class: none
+        return ""
+    return (" -- accumulated_attention() was None here: a policy that reads it sets "
+            "needs_accumulated_attention = True")
 
 
 class BoundaryBatch:

@@ -12,6 +12,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import attrs
+
 from growpage.errors import ConfigError, PolicyError
 from growpage.policies.base import CapacityPolicy
 
@@ -23,7 +25,15 @@ def register_policy(cls: type[CapacityPolicy]) -> type[CapacityPolicy]:
 
     A class of the same module and qualified name replaces the registered one (the module was
     run again: reloaded, or a policy file fixed after a failed load)."""
-    name = cls.name
+    if not (isinstance(cls, type) and issubclass(cls, CapacityPolicy)):
+        raise PolicyError(f"register_policy takes a CapacityPolicy subclass, got {cls!r}")
+    name = cls.__dict__.get("name", getattr(cls, "name", None))
+    if not isinstance(name, str) or not name or ":" in name:
+        hint = (" (an annotated `name: str = ...` in an attrs class is a field, not the class's "
+                "name: write `name = \"...\"` without the annotation)"
+                if not isinstance(name, str) else "")
+        raise PolicyError(f"policy class {cls.__name__} has no usable name to register: "
+                          f"name is {name!r}, expected a non-empty string without ':'{hint}")
     if name in _REGISTRY and _qualified(_REGISTRY[name]) != _qualified(cls):
         raise PolicyError(f"policy name {name!r} is already registered by "
                           f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}")
@@ -125,7 +135,18 @@ def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: 
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}") from exc
+        raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}"
+                          f"{_fields_hint(cls, kwargs)}") from exc
+
+
+def _fields_hint(cls: type, kwargs: dict[str, Any]) -> str:
+    """For an attrs policy given a hyperparameter it does not have: the ones it has."""
+    if not attrs.has(cls):
+        return ""
+    fields = [f.name for f in attrs.fields(cls) if f.init]
+    if all(key in fields for key in kwargs):
+        return ""
+    return f" (its hyperparameters: {', '.join(fields) or 'none'})"
 
 
 def parse_policy_value(text: str) -> Any:

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Flaky
 
 from growpage.core.capacity import selection_problem
-from growpage.core.context import changed_signals
+from growpage.core.context import BoundaryContext, changed_signals, missing_sums_hint
 from growpage.core.decision import Decision
 from growpage.errors import GrowPageError
 from growpage.testing.strategies import BoundaryCase, boundary_cases
@@ -39,7 +40,7 @@ class PolicyConformanceError(GrowPageError, AssertionError):
         super().__init__(msg)
 
 
-def _snapshot(ctx: object) -> dict:
+def _snapshot(ctx: Any) -> dict:   # the kit's contexts: a DenseKVView behind
     view = ctx.view
     state = {k: v for k, v in vars(ctx).items() if not k.startswith("_") and k != "view"}
     tensors = {"keys": view.keys(), "positions": view.positions(),
@@ -58,22 +59,13 @@ def _same(a: dict, b: dict) -> bool:
 def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tensor]]:
     ctx = case.context()
     before = _snapshot(ctx)
-    decision = policy.decide(ctx)
+    decision = _call(policy, "decide", ctx, case)
     if not isinstance(decision, Decision):
         raise PolicyConformanceError("valid-decision", f"got {decision!r}", case)
-    keeps = [(case.num_pages - 1) * case.page_size]
-    if case.num_pages >= 3:
-        keeps.append((case.num_pages - 2) * case.page_size)
     selections = []
-    for keep in keeps:
-        indices = policy.select(ctx, keep)
-        if isinstance(indices, torch.Tensor) and indices.dtype.is_complex:
-            problem: str | None = f"returned dtype {indices.dtype}, expected an integer tensor"
-        elif isinstance(indices, torch.Tensor) and _narrow(indices.dtype):
-            problem = (f"returned dtype {indices.dtype}, which cannot hold the slots of a real "
-                       f"context (at most {torch.iinfo(indices.dtype).max}); return torch.long")
-        else:
-            problem = selection_problem(indices, ctx, keep)
+    for keep in _keeps(case):
+        indices = _call(policy, "select", ctx, case, keep)
+        problem = selection_problem(indices, ctx, keep)
         if problem:
             raise PolicyConformanceError("exact-selection", f"keep={keep}: {problem}", case)
         selections.append(indices.clone())
@@ -86,11 +78,15 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
     return decision, selections
 
 
-def _narrow(dtype: torch.dtype) -> bool:
-    """An integer dtype under 32 bits: fine for the kit's small contexts, wrong past them."""
-    if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
-        return False
-    return torch.iinfo(dtype).bits < 32
+def _call(policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase,
+          *args: object) -> Any:
+    """``policy.method(ctx, *args)``; what it raises is a ``no-crash`` error naming the call."""
+    try:
+        return getattr(policy, method)(ctx, *args)
+    except Exception as exc:
+        call = f"{method}(ctx{', keep=' + str(args[0]) if args else ''})"
+        raise PolicyConformanceError("no-crash", f"{call} raised {type(exc).__name__}: "
+                                     f"{exc}{missing_sums_hint(ctx)}", case) from exc
 
 
 @contextlib.contextmanager
@@ -123,14 +119,24 @@ def check_case(policy: object, case: BoundaryCase) -> None:
         raise
     except Exception as exc:  # noqa: BLE001 - any crash is a broken rule
         raise PolicyConformanceError("no-crash", f"{type(exc).__name__}: {exc}", case) from exc
-    if again is not decision or any(not torch.equal(torch.sort(a, -1).values,
-                                                    torch.sort(b, -1).values)
-                                    for a, b in zip(selections, selections2, strict=True)):
-        raise PolicyConformanceError("deterministic", f"decided {decision} then {again}, or "
-                                     "selected different slots", case)
+    if again is not decision:
+        raise PolicyConformanceError("deterministic", f"decided {decision} then {again} on the "
+                                     "same context", case)
+    for keep, a, b in zip(_keeps(case), selections, selections2, strict=True):
+        if not torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values):
+            raise PolicyConformanceError("deterministic", f"select(ctx, keep={keep}) chose "
+                                         "different slots on the same context", case)
 
 
-def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: object) -> None:
+def _keeps(case: BoundaryCase) -> list[int]:
+    """The ``keep`` counts ``select`` is asked for: a compression's, and a shrink's."""
+    keeps = [(case.num_pages - 1) * case.page_size]
+    if case.num_pages >= 3:
+        keeps.append((case.num_pages - 2) * case.page_size)
+    return keeps
+
+
+def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any) -> None:
     """Run the conformance rules (``RULES``) on ``max_examples`` random small boundaries.
 
     Raises ``PolicyConformanceError`` naming the rule, with the shrunk (smallest) failing

@@ -413,3 +413,81 @@ def test_grow_is_never_deferred():
     ctrl, state, view, pool, _ = setup([Decision.GROW])
     out = ctrl.on_boundary(state, view, defer=True)
     assert out.pending is None and out.action is Action.GROW and state.num_pages == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16])
+def test_a_selection_too_narrow_for_real_contexts_is_refused_and_changes_nothing(dtype):
+    """Slots as small integers fit a small request but not a real one (thousands of slots):
+    refused whatever their values, as the conformance kit refuses them."""
+    ctrl, state, view, pool, _ = setup([])
+    ctrl.policy = Chosen([Decision.COMPRESS], make=lambda n, k: torch.tensor(_last(n, k),
+                                                                             dtype=dtype))
+    positions, table = view.positions().clone(), list(state.block_table)
+    with pytest.raises(PolicyError, match=rf"dtype {dtype}, too narrow .*torch.long"):
+        ctrl.on_boundary(state, view)
+    assert state.num_tokens == 3 * B and state.block_table == table
+    assert torch.equal(view.positions(), positions) and pool.num_free_pages == 7
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_32_and_64_bit_selections_are_accepted(dtype):
+    ctrl, state, view, _, _ = setup([])
+    ctrl.policy = Chosen([Decision.COMPRESS], make=lambda n, k: torch.tensor(_last(n, k),
+                                                                             dtype=dtype))
+    before = view.positions().clone()
+    assert ctrl.on_boundary(state, view).action is Action.COMPRESS
+    assert torch.equal(view.positions(), before[..., B:])
+
+
+def test_a_policy_reading_sums_it_did_not_ask_for_is_told_the_flag():
+    ctrl, state, view, pool, _ = setup([])
+
+    class ReadsSums(CapacityPolicy):
+        def decide(self, ctx):
+            return Decision.GROW if ctx.accumulated_attention()[0, 0, 0] > 1 else (
+                Decision.COMPRESS)
+
+    ctrl.policy = ReadsSums()
+    with pytest.raises(PolicyError, match=r"decide\(\) raised TypeError: .* -- "
+                                          r"accumulated_attention\(\) was None here: a policy "
+                                          r"that reads it sets needs_accumulated_attention = "
+                                          r"True$"):
+        ctrl.on_boundary(state, view)
+    assert state.num_tokens == 3 * B and pool.num_free_pages == 7
+    ctrl.policy = Scripted([Decision.GROW])   # the hint only where sums were read
+    ctrl.policy.decide = lambda ctx: 1 / 0
+    with pytest.raises(PolicyError, match=r"ZeroDivisionError: division by zero \(request "
+                                          r"'r0' at position \d+\)$"):
+        ctrl.on_boundary(state, view)
+
+
+@attrs.define
+class SpoilsOneHead(Scripted):
+    """Keeps the last slots, then spoils layer 1, KV head 1 with ``spoil(row, n)``."""
+
+    spoil: object = None
+
+    def select(self, ctx, keep):
+        slots = torch.arange(ctx.num_tokens - keep, ctx.num_tokens).expand(*ctx.shape, keep)
+        slots = slots.clone()
+        self.spoil(slots[1, 1], ctx.num_tokens)
+        return slots
+
+
+def _set(i, value):
+    return lambda row, n: row.__setitem__(i, value(n))
+
+
+@pytest.mark.parametrize("spoil, says", [
+    (_set(0, lambda n: -3), r"slot index out of range \[0, 24\): -3 in layer 1, KV head 1$"),
+    (_set(-1, lambda n: n + 2), r"out of range \[0, 24\): 26 in layer 1, KV head 1$"),
+    (_set(0, lambda n: n - 1), r"duplicate slot indices within a layer/KV head: slot 23 twice "
+                               r"in layer 1, KV head 1$"),
+    (_set(-2, lambda n: 2), r"protected recent window \(last 3 slots\) not fully kept: slot "
+                            r"22 missing in layer 1, KV head 1$"),
+])
+def test_an_invalid_selection_says_where(spoil, says):
+    ctrl, state, view, _, _ = setup([])
+    ctrl.policy = SpoilsOneHead([Decision.COMPRESS], spoil=spoil)
+    with pytest.raises(PolicyError, match=says):
+        ctrl.on_boundary(state, view)

@@ -2,15 +2,17 @@
 and always reports a broken rule as ``PolicyConformanceError``."""
 
 import random
+import re
 
 import attrs
 import numpy as np
 import pytest
 import torch
 
-from growpage import CapacityPolicy, Decision
+from growpage import CapacityController, CapacityPolicy, Decision, PagePool, RequestState
+from growpage.errors import PolicyError
 from growpage.policies import GrowPagePolicy
-from growpage.testing import PolicyConformanceError, check_policy
+from growpage.testing import BoundaryCase, PolicyConformanceError, check_policy
 
 
 @attrs.define
@@ -157,3 +159,124 @@ def test_a_policy_that_needs_accumulated_attention_always_gets_it():
     with pytest.raises(PolicyConformanceError) as info:   # unless told otherwise
         check_policy(SumsH2O(), max_examples=30, accumulated=False)
     assert info.value.rule == "no-crash"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32,
+                                   torch.int64])
+def test_the_kit_and_the_controller_judge_a_selection_dtype_alike(dtype):
+    """One rule: a dtype the kit refuses the controller refuses too, with the same words."""
+    policy = NarrowSelection(dtype=dtype)
+    try:
+        check_policy(policy, max_examples=3)
+        kit = None
+    except PolicyConformanceError as exc:
+        kit = exc.detail.split(": ", 1)[1]
+    case = BoundaryCase(num_layers=1, num_kv_heads=2, group_size=1, head_dim=4, page_size=4,
+                        recent_window=1, num_pages=3, num_free_pages=0, gap=4, seed=0,
+                        sharpness=1.0, track_accumulated=False)
+    pool = PagePool(3, 4)
+    ctrl = CapacityController(policy, pool, case.config)
+    state = RequestState("r", pool.allocate(3), num_tokens=12, position=case.num_tokens + 4)
+    try:
+        ctrl.on_boundary(state, case.view())
+        controller = None
+    except PolicyError as exc:
+        controller = str(exc).split("select(): ", 1)[1]
+    assert kit == controller
+    assert (kit is None) == (torch.iinfo(dtype).bits >= 32)
+
+
+@pytest.mark.parametrize("knobs, error, says", [
+    ({"head_dims": (3,)}, ValueError, "head_dims must hold even integers"),
+    ({"max_pages": 1}, ValueError, "max_pages must be at least 2"),
+    ({"max_layers": 0}, ValueError, "max_layers must be at least 1"),
+    ({"page_sizes": ()}, TypeError, "page_sizes must be a non-empty tuple"),
+    ({"max_compressions": -1}, ValueError, "max_compressions must be at least 0"),
+    ({"max_kv_heads": 2.5}, TypeError, "max_kv_heads must be an integer"),
+    ({"page_size": 4}, TypeError, "unexpected keyword argument 'page_size'"),
+], ids=lambda x: str(x)[:20])
+def test_a_wrong_strategy_knob_is_named_not_blamed_on_the_policy(knobs, error, says):
+    with pytest.raises(error, match=f"boundary_cases.*{says}") as info:
+        check_policy(GrowPagePolicy(), max_examples=3, **knobs)
+    assert not isinstance(info.value, PolicyConformanceError)
+
+
+@attrs.define
+class SinksByPosition(CapacityPolicy):
+    """Keeps the slots holding positions 0 and 1 (attention sinks) and the newest slots, but
+    assumes every KV head holds the same positions, as none does after a compression."""
+
+    name = "sinks-by-position"
+
+    def decide(self, ctx):
+        return Decision.COMPRESS
+
+    def select(self, ctx, keep):
+        sinks = (ctx.positions() < 2).nonzero()[:, -1].reshape(*ctx.shape, -1)
+        newest = torch.arange(ctx.num_tokens - keep + sinks.shape[-1], ctx.num_tokens)
+        return torch.cat([sinks, newest.expand(*ctx.shape, -1)], dim=-1)
+
+
+def test_a_policy_that_assumes_heads_share_positions_is_caught_on_a_small_example():
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(SinksByPosition(), max_examples=40)
+    case = info.value.case
+    assert info.value.rule == "no-crash" and "shape" in info.value.detail
+    # Shrunk: one layer, the smallest pages, one compression in the history.
+    assert (case.num_layers, case.page_size, case.num_pages, case.gap) == (1, 4, 2, 4)
+    assert case.num_kv_heads >= 2
+
+
+@attrs.define
+class ReadsSumsWithoutAsking(CapacityPolicy):
+    """Reads H2O sums but forgot ``needs_accumulated_attention``."""
+
+    name = "reads-sums"
+
+    def decide(self, ctx):
+        return Decision.GROW if float(ctx.accumulated_attention()[..., 0].mean()) > 1 else (
+            Decision.COMPRESS)
+
+
+@attrs.define
+class SelectRaises(GrowPagePolicy):
+    name = "select-raises"
+
+    def select(self, ctx, keep):
+        raise KeyError("no such slot")
+
+
+@pytest.mark.parametrize("policy, says", [
+    (ReadsSumsWithoutAsking(), r"decide\(ctx\) raised TypeError: .* accumulated_attention\(\) "
+                               r"was None here: a policy that reads it sets needs_accumulated_attention = True$"),
+    (SelectRaises(), r"select\(ctx, keep=\d+\) raised KeyError: 'no such slot'$"),
+], ids=str)
+def test_a_crash_names_the_call_and_the_likely_cause(policy, says):
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(policy, max_examples=20)
+    assert info.value.rule == "no-crash"
+    assert re.search(says, info.value.detail), info.value.detail
+
+
+@attrs.define
+class ShufflesTheHistory(GrowPagePolicy):
+    """Keeps a random sample of the history (from the global RNG) and the recent window."""
+
+    name = "shuffles"
+
+    def select(self, ctx, keep):
+        chosen = torch.randperm(ctx.num_selection_candidates)[: keep - ctx.recent_window]
+        window = torch.arange(ctx.num_selection_candidates, ctx.num_tokens)
+        return torch.cat([chosen.sort().values, window]).expand(*ctx.shape, keep).clone()
+
+
+def test_a_nondeterministic_selection_is_told_apart_from_a_decision():
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(ShufflesTheHistory(), max_examples=20)
+    assert info.value.rule == "deterministic"
+    assert re.fullmatch(r"select\(ctx, keep=\d+\) chose different slots on the same context",
+                        info.value.detail), info.value.detail
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(GlobalRandomDecide("torch"), max_examples=20)
+    assert re.fullmatch(r"decided Decision\.\w+ then Decision\.\w+ on the same context",
+                        info.value.detail), info.value.detail

@@ -263,3 +263,21 @@ def test_policy_guide_context_table_names_what_the_context_has():
     assert {"request_id", "delta", "scores", "positions"} <= names
     ctx = BoundaryCase(**CASE).context()
     assert sorted(name for name in names if not hasattr(ctx, name)) == []
+
+
+def test_policy_guide_check_and_property_examples_run_as_written(tmp_path, monkeypatch):
+    """The guide's policy saved as my_policy.py, then its "Check it" and property-test
+    examples, run in the directory they assume."""
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[2] / "docs" / "policy-guide.md").read_text()
+    policy_code, check, prop = [part.split("```", 1)[0]
+                                for part in guide.split("```python\n")[1:4]]
+    assert "check_policy(policy)" in check and "@given(boundary_contexts(" in prop
+    (tmp_path / "my_policy.py").write_text(policy_code)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(check + prop, "docs/policy-guide.md", "exec"), scope)
+    assert scope["policy"].max_pages == 8
+    with pytest.raises(PolicyError, match="max_pages"):   # the validator the guide shows
+        resolve_policy(f"{tmp_path}/my_policy.py:CappedGrowPage", max_pages="8")

@@ -102,3 +102,47 @@ def test_a_hyperparameter_given_twice_on_the_command_line_is_refused():
     assert parse_policy_params(["tau=0.1", "beta=2"]) == {"tau": 0.1, "beta": 2}
     with pytest.raises(ConfigError, match=r"--param tau given twice \(tau=0.1 and 'tau=0.2'\)"):
         parse_policy_params(["tau=0.1", "tau=0.2"])
+
+
+def test_a_policy_without_a_usable_name_is_refused_and_the_registry_kept():
+    """``name: str = "x"`` in an attrs class is a field: the class has no string name. Refused
+    at registration, naming the cause, and the registry still lists and resolves."""
+    import attrs
+
+    from growpage import CapacityPolicy, Decision
+    from growpage.policies import register_policy
+
+    @attrs.define
+    class AnnotatedName(CapacityPolicy):
+        name: str = "annotated"
+
+        def decide(self, ctx):
+            return Decision.GROW
+
+    @attrs.define
+    class WithColon(CapacityPolicy):
+        name = "pkg:mine"   # would read as an import spec
+
+        def decide(self, ctx):
+            return Decision.GROW
+
+    before = registered_policies()
+    with pytest.raises(PolicyError, match=r"AnnotatedName has no usable name.*without the "
+                                          "annotation"):
+        register_policy(AnnotatedName)
+    with pytest.raises(PolicyError, match=r"WithColon has no usable name to register: name is 'pkg:mine'"):
+        register_policy(WithColon)
+    with pytest.raises(PolicyError, match="takes a CapacityPolicy subclass"):
+        register_policy(dict)
+    assert registered_policies() == before
+    assert resolve_policy("growpage").name == "growpage"
+
+
+def test_an_unknown_hyperparameter_lists_the_policy_s_own():
+    with pytest.raises(PolicyError, match=r"unexpected keyword argument 'budget'.* \(its "
+                                          r"hyperparameters: budget_tokens\)$"):
+        resolve_policy("fixed", budget=512)
+    with pytest.raises(PolicyError, match=r"hyperparameters: none\)$"):
+        resolve_policy("fullkv", tau=0.1)
+    with pytest.raises(PolicyError, match=r"budget_tokens must be a positive integer, got 0$"):
+        resolve_policy("fixed", budget_tokens=0)   # a known one out of range: no list
