@@ -41,8 +41,11 @@ def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
 
 
 def _serving(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", required=True, metavar="NAME_OR_CSV",
-                   help="mixed, amc23, aime24, gsm8k, small, tiny, or a CSV file")
+    p.add_argument("--workload", required=True, metavar="NAME_OR_FILE",
+                   help="mixed, amc23, aime24, gsm8k, small, tiny, a CSV file or a .jsonl file")
+    p.add_argument("--arrival-rate", type=float, metavar="REQ_PER_S",
+                   help="named workloads: Poisson arrivals at this many requests per second "
+                        "(same requests, seeded by --seed; default: all at t = 0)")
     p.add_argument("--cost", default="a100-qwen3-8b",
                    help="roofline preset (a100-qwen3-8b, a100-r1-llama-8b) or a JSON file "
                         "from `growpage calibrate`")

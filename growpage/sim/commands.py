@@ -38,7 +38,9 @@ SWEEP_COLUMNS: list[reports.Column] = [
     ("label", "point", ""), ("tps", "TPS", ".0f"), ("avg_resident", "C", ".1f"),
     ("avg_kv_budget", "avg budget", ".0f"), ("mass_mean", "mass mean", ".4f"),
     ("output_error", "out err", ".4f"), ("grow_ratio", "grow %", ".1%"),
-    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d")]
+    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d"),
+    ("tpot_ms", "TPOT ms", ".1f"), ("ttft_p99_s", "TTFT p99 s", reports.SIGNIFICANT),
+    ("e2e_p99_s", "E2E p99 s", reports.SIGNIFICANT)]
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
@@ -164,7 +166,11 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
     if args.traces and args.decisions != "trace":
         raise ConfigError("--traces is used only with --decisions trace (script mode draws "
                           "synthetic traces)")
-    requests = resolve_workload(args.workload, args.seed)
+    rate = args.arrival_rate
+    if rate is not None and not (rate > 0 and rate != float("inf")):
+        raise ConfigError(f"--arrival-rate must be a finite number > 0 (requests per second), "
+                          f"got {rate}")
+    requests = resolve_workload(args.workload, args.seed, rate)
     if not args.traces and any(r.trace for r in requests):
         _warn(f"{args.workload}: the trace column is ignored; it names traces of the set given "
               "with --decisions trace --traces DIR")
@@ -210,9 +216,11 @@ def run_serve(args: argparse.Namespace) -> int:
     m = result.metrics.as_dict()
     table = reports.format_table([m], reports.SERVING_COLUMNS) + (
         f"\n{m['num_requests']} requests, {m['output_tokens']} output tokens, "
-        f"{sim.num_kv_pages} KV pages (peak {m['peak_pages']}), cost model {args.cost}")
+        f"{sim.num_kv_pages} KV pages (peak {m['peak_pages']}), cost model {args.cost}"
+        "\n\n" + reports.latency_table(m))
     payload = {"metrics": m, "policy": args.policy, "params": kwargs, "sim": attrs.asdict(sim),
-               "config": attrs.asdict(config), "cost": args.cost, "workload": args.workload}
+               "config": attrs.asdict(config), "cost": args.cost, "workload": args.workload,
+               "arrival_rate_per_s": args.arrival_rate}
     _emit(args, table, payload)
     if out is not None:
         reports.write_json(out / "metrics.json", payload)
@@ -230,7 +238,8 @@ def _request_row(r: Any) -> dict:
     return {"request_id": r.request_id, "arrival_s": r.spec.arrival_s,
             "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
             "avg_budget": r.avg_budget, "preemptions": r.preemptions,
-            "first_token_s": r.first_token_s, "finish_s": r.finish_s}
+            "first_token_s": r.first_token_s, "finish_s": r.finish_s, "ttft_s": r.ttft_s,
+            "tpot_ms": r.tpot_ms, "e2e_s": r.e2e_s}
 
 
 # ---- sweep and calibrate ---------------------------------------------------------------------
@@ -255,8 +264,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     if done or args.json:
         _emit(args, reports.format_table(done, SWEEP_COLUMNS), {"points": done, "failed": failed})
     if out is not None:
-        reports.write_json(out / "sweep.json", {"workload": args.workload, "points": done,
-                                                "failed": failed})
+        reports.write_json(out / "sweep.json", {"workload": args.workload,
+                                                "arrival_rate_per_s": args.arrival_rate,
+                                                "points": done, "failed": failed})
         reports.write_csv(out / "sweep.csv", done)
         if done:
             _plot_sweep(done, out / "pareto.png", args.workload)

@@ -1,4 +1,4 @@
-"""``WorkloadRequest`` and the CSV workload format.
+"""``WorkloadRequest`` and the workload file formats: CSV and JSON Lines.
 
 ::
 
@@ -10,12 +10,17 @@
 ``[1, MAX_TOKENS]``; ``trace`` (optional column, may be empty): the request id of a trace in the
 trace set given to the simulator. Rows are returned in arrival order (stable). Every problem
 raises ``WorkloadError`` naming the file, the line and the field.
+
+JSON Lines (``.jsonl``): one object per line with the same fields, e.g.
+``{"arrival_s": 0.5, "prompt_tokens": 96, "output_tokens": 800}``; ``trace`` may be omitted or
+null; token counts must be JSON integers; blank lines are skipped; any other key is an error.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import numbers
 import os
@@ -138,6 +143,65 @@ def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRe
             output_tokens=_int_field(row[col["output_tokens"]], "output_tokens", where),
             trace=trace or None, kind="csv"))
     return sorted(out, key=lambda r: r.arrival_s)
+
+
+def _json_tokens(value: object, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkloadError(f"{where}: {name} must be an integer, got {value!r}")
+    if not 1 <= value <= MAX_TOKENS:
+        raise WorkloadError(f"{where}: {name} must lie in [1, {MAX_TOKENS}], got {value}")
+    return value
+
+
+def _json_request(obj: object, i: int, where: str) -> WorkloadRequest:
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in REQUIRED if k not in obj]
+    unknown = [k for k in obj if k not in REQUIRED + OPTIONAL]
+    if missing or unknown:
+        raise WorkloadError(f"{where}: " + "; ".join(
+            ([f"missing {', '.join(missing)}"] if missing else [])
+            + ([f"unknown key {', '.join(map(repr, unknown))}"] if unknown else []))
+            + f" (keys: {', '.join(REQUIRED)} and optionally trace)")
+    arrival = obj["arrival_s"]
+    if (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
+            or not math.isfinite(arrival) or arrival < 0):
+        raise WorkloadError(f"{where}: arrival_s must be a finite number >= 0, got {arrival!r}")
+    trace = obj.get("trace")
+    if trace is not None and not isinstance(trace, str):
+        raise WorkloadError(f"{where}: trace must be a string or null, got {trace!r}")
+    trace = (trace or "").strip() or None
+    return WorkloadRequest(
+        request_id=f"req-{i}", arrival_s=float(arrival),
+        prompt_tokens=_json_tokens(obj["prompt_tokens"], "prompt_tokens", where),
+        output_tokens=_json_tokens(obj["output_tokens"], "output_tokens", where),
+        trace=trace, kind="jsonl")
+
+
+def parse_workload_jsonl(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
+    """Parse JSON Lines text (see the module docstring); requests in arrival order."""
+    out: list[WorkloadRequest] = []
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"{source}, line {line}"
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            raise WorkloadError(f"{where}: not valid JSON ({e})") from None
+        out.append(_json_request(obj, len(out), where))
+    if not out:
+        raise WorkloadError(f"{source}: empty workload (no requests)")
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def load_workload_jsonl(path: str | os.PathLike) -> list[WorkloadRequest]:
+    """Requests of a JSON Lines workload file, in arrival order; ``WorkloadError`` on any
+    problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise WorkloadError(f"{path}: no such workload file")
+    return parse_workload_jsonl(_read_text(path), str(path))
 
 
 def load_workload_csv(path: str | os.PathLike) -> list[WorkloadRequest]:
