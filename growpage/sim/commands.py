@@ -34,6 +34,7 @@ from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
 
 REPLAY_GEN_LEN, REPLAY_SCHEDULE = 4096, "random"   # replay --synthetic's defaults (tokens)
+LONG_REQUEST_TOKENS = 1 << 16   # beyond this, replaying a synthetic trace takes minutes
 SWEEP_COLUMNS: list[reports.Column] = [
     ("label", "point", ""), ("tps", "TPS", ".0f"), ("avg_resident", "C", ".1f"),
     ("avg_kv_budget", "avg budget", ".0f"), ("mass_mean", "mass mean", ".4f"),
@@ -174,6 +175,12 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
     if not args.traces and any(r.trace for r in requests):
         _warn(f"{args.workload}: the trace column is ignored; it names traces of the set given "
               "with --decisions trace --traces DIR")
+    longest = max(r.prompt_tokens + r.output_tokens for r in requests)
+    if longest > LONG_REQUEST_TOKENS and not args.traces:
+        _warn(f"{args.workload}: the longest request has {longest} tokens; a policy that reads "
+              "attention signals first replays a synthetic trace that long (script mode: once "
+              "per script; trace mode: once per request), which takes minutes to hours past "
+              f"{LONG_REQUEST_TOKENS} tokens (the time grows faster than the length)")
     return sim, cost, requests
 
 

@@ -218,3 +218,21 @@ def test_serve_runs_a_jsonl_workload(capsys, tmp_path):
     out = run_json(capsys, ["sim", "serve", "--workload", str(path), *SMALL, "--kv-pages", "50",
                             "--policy", "fixed"])
     assert out["metrics"]["num_requests"] == 2 and out["metrics"]["output_tokens"] == 150
+
+
+# ---- very long requests ----------------------------------------------------------------------
+def test_a_workload_with_very_long_requests_is_warned_about_before_the_run(capsys, tmp_path):
+    path = tmp_path / "long.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n0,100,70000\n0,100,500\n")
+    assert main(["sim", "serve", "--workload", str(path), "--kv-pages", "400", "--policy",
+                 "fixed", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["metrics"]["output_tokens"] == 70500
+    assert err.count("growpage: warning:") == 1
+    assert "the longest request has 70100 tokens" in err
+
+
+def test_a_workload_of_ordinary_lengths_gets_no_warning(capsys):
+    assert main(["sim", "serve", "--workload", "tiny", *SMALL, "--kv-pages", "400",
+                 "--policy", "fixed", "--json"]) == 0
+    assert "warning" not in capsys.readouterr().err
