@@ -236,3 +236,32 @@ def test_a_workload_of_ordinary_lengths_gets_no_warning(capsys):
     assert main(["sim", "serve", "--workload", "tiny", *SMALL, "--kv-pages", "400",
                  "--policy", "fixed", "--json"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+# ---- script mode: every request has a scripted signal for every decision ---------------------
+def test_a_request_with_a_short_prompt_does_not_outrun_its_script():
+    # One script for the three: median prompt 100, longest total 400, so a script of
+    # 400 - 100 tokens (+ margin) is shorter than r2's 340 output tokens; its last decisions
+    # had no scripted signal (SimulationError "reached decided boundary N, its script has N").
+    requests = [WorkloadRequest("r0", 0.0, 100, 300), WorkloadRequest("r1", 0.0, 100, 300),
+                WorkloadRequest("r2", 0.0, 60, 340)]
+    config = GrowPageConfig(page_size=4, recent_window=1)
+    result = simulate(requests, "growpage", config, SimConfig(num_kv_pages=400, num_scripts=1),
+                      load_cost_model("a100-qwen3-8b"))
+    assert [r.generated for r in result.requests] == [300, 300, 340]
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(1, 120), st.integers(1, 300)), min_size=1,
+                        max_size=6),
+       page_size=st.sampled_from([4, 5, 8, 16]), num_scripts=st.integers(1, 3),
+       min_capacity=st.integers(2, 5), policy=st.sampled_from(["growpage", "shrink"]))
+def test_signal_reading_policies_never_run_out_of_script(lengths, page_size, num_scripts,
+                                                         min_capacity, policy):
+    requests = [WorkloadRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
+    config = GrowPageConfig(page_size=page_size, recent_window=1, min_capacity=min_capacity)
+    result = simulate(requests, policy, config,
+                      SimConfig(num_kv_pages=2000, num_scripts=num_scripts),
+                      load_cost_model("a100-qwen3-8b"))
+    assert [r.generated for r in result.requests] == [r.output_tokens for r in
+                                                       sorted(requests, key=lambda r: r.arrival_s)]
