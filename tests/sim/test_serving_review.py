@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from growpage import GrowPageConfig
 from growpage.cli import main
-from growpage.errors import WorkloadError
+from growpage.errors import ConfigError, WorkloadError
 from growpage.sim.costmodel import LinearCostModel, load_cost_model
 from growpage.sim.metrics import PERCENTILES
 from growpage.sim.reports import latency_table
@@ -265,3 +265,23 @@ def test_signal_reading_policies_never_run_out_of_script(lengths, page_size, num
                       load_cost_model("a100-qwen3-8b"))
     assert [r.generated for r in result.requests] == [r.output_tokens for r in
                                                        sorted(requests, key=lambda r: r.arrival_s)]
+
+
+# ---- a pool too small for one request --------------------------------------------------------
+@pytest.mark.parametrize("decisions", ["script", "trace"])
+def test_a_pool_too_small_for_fullkv_names_the_pages_it_needs(decisions):
+    # 10 + 30 tokens in pages of 4: 10 pages, which fullkv (never compresses) must hold at once.
+    requests = [WorkloadRequest("r", 0.0, 10, 30)]
+    config = GrowPageConfig(page_size=4, recent_window=1)
+    with pytest.raises(ConfigError) as info:
+        simulate(requests, "fullkv", config,
+                 SimConfig(num_kv_pages=9, admission_reserve=0.0, decisions=decisions),
+                 GOLDEN_COST)
+    message = str(info.value)
+    assert message.startswith("request 'r' (10 prompt + 30 output tokens) cannot get a page "
+                              "even alone, holding 9 pages after 26 output tokens")
+    assert message.endswith("so it needs 10 pages (--kv-pages 10)") and "\n" not in message
+    result = simulate(requests, "fullkv", config,
+                      SimConfig(num_kv_pages=10, admission_reserve=0.0, decisions=decisions),
+                      GOLDEN_COST)
+    assert result.metrics.peak_pages == 10 and result.requests[0].generated == 30
