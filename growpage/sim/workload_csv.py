@@ -110,6 +110,20 @@ def _read_text(path: Path) -> str:
         raise WorkloadError(f"{path}: cannot read the workload file ({e})") from None
 
 
+def _check_header(header: list[str], source: str) -> None:
+    """``WorkloadError`` naming what is missing, unknown or repeated in a CSV header."""
+    missing = [c for c in REQUIRED if c not in header]
+    unknown = [c for c in header if c not in REQUIRED + OPTIONAL]
+    twice = sorted({c for c in header if header.count(c) > 1})
+    if not (missing or unknown or twice):
+        return
+    problems = [f"{what} {', '.join(map(repr, names))}" for what, names in
+                (("missing", missing), ("unknown column", unknown), ("repeated", twice)) if names]
+    hint = "; the first line must be the header" if len(missing) == len(REQUIRED) else ""
+    raise WorkloadError(f"{source}: bad header ({'; '.join(problems)}{hint}): it must hold "
+                        f"{', '.join(REQUIRED)} and optionally trace, each once")
+
+
 def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
     """Parse CSV text (see the module docstring)."""
     reader = csv.reader(io.StringIO(text, newline=""))
@@ -123,11 +137,7 @@ def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRe
     if not rows:
         raise WorkloadError(f"{source}: empty workload (no header)")
     header = [h.strip() for h in rows[0][1]]
-    missing = [c for c in REQUIRED if c not in header]
-    unknown = [c for c in header if c not in REQUIRED + OPTIONAL]
-    if missing or unknown or len(set(header)) != len(header):
-        raise WorkloadError(f"{source}: header must hold {', '.join(REQUIRED)} and optionally "
-                            f"trace, each once; got {header}")
+    _check_header(header, source)
     if len(rows) == 1:
         raise WorkloadError(f"{source}: no requests after the header")
     col = {name: i for i, name in enumerate(header)}

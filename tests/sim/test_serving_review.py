@@ -285,3 +285,18 @@ def test_a_pool_too_small_for_fullkv_names_the_pages_it_needs(decisions):
                       SimConfig(num_kv_pages=10, admission_reserve=0.0, decisions=decisions),
                       GOLDEN_COST)
     assert result.metrics.peak_pages == 10 and result.requests[0].generated == 30
+
+
+# ---- CSV header errors -----------------------------------------------------------------------
+@pytest.mark.parametrize("header, says", [
+    ("arrival_s,prompt_tokens", "(missing 'output_tokens')"),
+    ("arrival,prompt_tokens,output_tokens", "(missing 'arrival_s'; unknown column 'arrival')"),
+    ("arrival_s,prompt_tokens,output_tokens,prompt_tokens", "(repeated 'prompt_tokens')"),
+    ("0,96,800", "(missing 'arrival_s', 'prompt_tokens', 'output_tokens'; unknown column '0', "
+                 "'96', '800'; the first line must be the header)"),
+])
+def test_a_bad_csv_header_names_what_is_wrong(header, says):
+    with pytest.raises(WorkloadError) as info:
+        parse_workload_csv(header + "\n0,96,800\n", "w.csv")
+    assert str(info.value) == (f"w.csv: bad header {says}: it must hold arrival_s, "
+                               "prompt_tokens, output_tokens and optionally trace, each once")
