@@ -300,3 +300,18 @@ def test_a_bad_csv_header_names_what_is_wrong(header, says):
         parse_workload_csv(header + "\n0,96,800\n", "w.csv")
     assert str(info.value) == (f"w.csv: bad header {says}: it must hold arrival_s, "
                                "prompt_tokens, output_tokens and optionally trace, each once")
+
+
+# ---- a policy that never compresses is fullkv when memory is plentiful -----------------------
+@pytest.mark.parametrize("decisions", ["script", "trace"])
+def test_a_budget_never_reached_serves_exactly_as_fullkv(decisions):
+    from growpage.policies.registry import resolve_policy
+
+    spec = attrs.evolve(WORKLOADS["tiny"], arrival="poisson", rate_per_s=2.0)
+    requests, cost = spec.requests(1), load_cost_model("a100-qwen3-8b")
+    config = GrowPageConfig(page_size=64, recent_window=16)
+    sim = SimConfig(num_kv_pages=2000, decisions=decisions, record_events=True)
+    full = simulate(requests, "fullkv", config, sim, cost)
+    fixed = simulate(requests, resolve_policy("fixed", budget_tokens=1 << 20), config, sim, cost)
+    assert full.events == fixed.events and full.metrics.compresses == 0
+    assert attrs.evolve(full.metrics, policy="x") == attrs.evolve(fixed.metrics, policy="x")
