@@ -153,7 +153,7 @@ def _signal_table(q: Any) -> str:
 
 
 # ---- serve -----------------------------------------------------------------------------------
-def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
+def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float | None
                    ) -> tuple[SimConfig, CostModel, list[WorkloadRequest]]:
     cost = with_boundary_costs(load_cost_model(args.cost), *_boundary_prices(args))
     pages = args.kv_pages
@@ -167,7 +167,6 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
     if args.traces and args.decisions != "trace":
         raise ConfigError("--traces is used only with --decisions trace (script mode draws "
                           "synthetic traces)")
-    rate = args.arrival_rate
     if rate is not None and not (rate > 0 and rate != float("inf")):
         raise ConfigError(f"--arrival-rate must be a finite number > 0 (requests per second), "
                           f"got {rate}")
@@ -210,7 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from growpage.sim.serving import simulate
 
     config = _setup(args)
-    sim, cost, requests = _serving_setup(args, config)
+    sim, cost, requests = _serving_setup(args, config, args.arrival_rate)
     trace_of = None
     if args.decisions == "trace" and args.traces:
         requests, trace_of = _trace_requests(args, requests)
@@ -256,20 +255,28 @@ def run_sweep(args: argparse.Namespace) -> int:
     config = _setup(args)
     _at_least("--jobs", args.jobs, 1)
     _at_least("--fidelity-traces", args.fidelity_traces, 0)
-    sim, _, requests = _serving_setup(args, config)
+    rates = args.arrival_rate or [None]
+    if len(set(rates)) != len(rates):
+        raise ConfigError(f"--arrival-rate: a rate is given twice ({rates})")
+    setups = [_serving_setup(args, config, rate) for rate in rates]   # all checked first
     points = parse_points(args.points)
     out = _out_dir(args)
     boundary_s, compaction_s = _boundary_prices(args)
-    settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
-                             fidelity_traces=args.fidelity_traces, seed=args.seed,
-                             boundary_s=boundary_s, compaction_s=compaction_s,
-                             traces=args.traces, threads=args.threads)
     if args.traces:
-        _trace_requests(args, requests)   # a bad set or trace name fails before the work
-    rows = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
+        _trace_requests(args, setups[0][2])   # a bad set or trace name fails before the work
+    rows = []
+    for rate, (sim, _, requests) in zip(rates, setups, strict=True):
+        settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
+                                 fidelity_traces=args.fidelity_traces, seed=args.seed,
+                                 boundary_s=boundary_s, compaction_s=compaction_s,
+                                 traces=args.traces, threads=args.threads)
+        part = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
+        rows += part if rate is None else [_at_rate(row, rate) for row in part]
     done, failed = [r for r in rows if "error" not in r], [r for r in rows if "error" in r]
+    columns = SWEEP_COLUMNS if rates == [None] else (
+        SWEEP_COLUMNS[:1] + [("arrival_rate_per_s", "req/s", "g")] + SWEEP_COLUMNS[1:])
     if done or args.json:
-        _emit(args, reports.format_table(done, SWEEP_COLUMNS), {"points": done, "failed": failed})
+        _emit(args, reports.format_table(done, columns), {"points": done, "failed": failed})
     if out is not None:
         reports.write_json(out / "sweep.json", {"workload": args.workload,
                                                 "arrival_rate_per_s": args.arrival_rate,
@@ -281,6 +288,14 @@ def run_sweep(args: argparse.Namespace) -> int:
     if failed:
         raise SweepError(_failures(failed, len(rows), out))
     return 0
+
+
+def _at_rate(row: dict, rate: float) -> dict:
+    """A sweep row of one arrival rate: the rate in its label, group and
+    ``arrival_rate_per_s``."""
+    return {"label": f"{row['label']} @{rate:g}/s", "arrival_rate_per_s": rate,
+            **{k: v for k, v in row.items() if k != "label"},
+            "group": f"{row['group']} @{rate:g}/s"}
 
 
 def _plot_sweep(rows: list[dict], path: Path, workload: str) -> None:

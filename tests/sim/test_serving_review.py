@@ -114,8 +114,27 @@ def test_the_sweep_table_compares_tail_latencies(capsys, tmp_path):
                  "--arrival-rate", "2", "--out", str(tmp_path)]) == 0
     assert "E2E p99 s" in capsys.readouterr().out
     saved = json.loads((tmp_path / "sweep.json").read_text())
-    assert saved["arrival_rate_per_s"] == 2.0
+    assert saved["arrival_rate_per_s"] == [2.0]
     assert saved["points"][0]["e2e_p99_s"] > 0
+
+
+def test_a_sweep_over_arrival_rates_runs_every_point_at_each(capsys, tmp_path):
+    argv = ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "120", "--points",
+            "fullkv", "fixed@budget_tokens=64", "--jobs", "1", "--fidelity-traces", "0"]
+    out = run_json(capsys, argv + ["--arrival-rate", "0.5", "4", "--out", str(tmp_path)])
+    points = out["points"]
+    assert [(p["label"], p["arrival_rate_per_s"]) for p in points] == [
+        ("fullkv @0.5/s", 0.5), ("fixed budget_tokens=64 @0.5/s", 0.5),
+        ("fullkv @4/s", 4.0), ("fixed budget_tokens=64 @4/s", 4.0)]
+    # Each rate's rows are those of a sweep at that rate alone.
+    alone = run_json(capsys, argv + ["--arrival-rate", "4"])["points"]
+    assert [{**p, "label": "", "group": ""} for p in points[2:]] == [
+        {**p, "label": "", "group": ""} for p in alone]
+    with (tmp_path / "sweep.csv").open() as f:
+        assert [row["arrival_rate_per_s"] for row in csv.DictReader(f)] == [
+            "0.5", "0.5", "4.0", "4.0"]
+    assert main(argv + ["--arrival-rate", "1", "1"]) == 2
+    assert "a rate is given twice" in capsys.readouterr().err
 
 
 # ---- arrival rate ----------------------------------------------------------------------------
