@@ -40,9 +40,14 @@ def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _serving(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", required=True, metavar="NAME_OR_CSV",
-                   help="mixed, amc23, aime24, gsm8k, small, tiny, or a CSV file")
+def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    p.add_argument("--workload", required=True, metavar="NAME_OR_FILE",
+                   help="mixed, amc23, aime24, gsm8k, small, tiny, a CSV file or a .jsonl file")
+    p.add_argument("--arrival-rate", type=float, metavar="REQ_PER_S",
+                   nargs="+" if sweep else None,
+                   help="named workloads: Poisson arrivals at this many requests per second "
+                        "(same requests, seeded by --seed; default: all at t = 0)"
+                        + ("; several rates: every point at each" if sweep else ""))
     p.add_argument("--cost", default="a100-qwen3-8b",
                    help="roofline preset (a100-qwen3-8b, a100-r1-llama-8b) or a JSON file "
                         "from `growpage calibrate`")
@@ -98,7 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_lazy("run_serve"))
 
     p = sub.add_parser("sweep", help="policies x parameters: serving and fidelity, in parallel")
-    _serving(p)
+    _serving(p, sweep=True)
     p.add_argument("--points", nargs="+", default=DEFAULT_POINTS, metavar="SPEC",
                    help="NAME or NAME@key=v1,v2;key2=v3, values read as --param reads them "
                         "(default: %(default)s)")

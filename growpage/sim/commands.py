@@ -34,11 +34,14 @@ from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
 
 REPLAY_GEN_LEN, REPLAY_SCHEDULE = 4096, "random"   # replay --synthetic's defaults (tokens)
+LONG_REQUEST_TOKENS = 1 << 16   # beyond this, replaying a synthetic trace takes minutes
 SWEEP_COLUMNS: list[reports.Column] = [
     ("label", "point", ""), ("tps", "TPS", ".0f"), ("avg_resident", "C", ".1f"),
     ("avg_kv_budget", "avg budget", ".0f"), ("mass_mean", "mass mean", ".4f"),
     ("output_error", "out err", ".4f"), ("grow_ratio", "grow %", ".1%"),
-    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d")]
+    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d"),
+    ("tpot_ms", "TPOT ms", ".1f"), ("ttft_p99_s", "TTFT p99 s", reports.SIGNIFICANT),
+    ("e2e_p99_s", "E2E p99 s", reports.SIGNIFICANT)]
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
@@ -150,7 +153,7 @@ def _signal_table(q: Any) -> str:
 
 
 # ---- serve -----------------------------------------------------------------------------------
-def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
+def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float | None
                    ) -> tuple[SimConfig, CostModel, list[WorkloadRequest]]:
     cost = with_boundary_costs(load_cost_model(args.cost), *_boundary_prices(args))
     pages = args.kv_pages
@@ -164,10 +167,19 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig
     if args.traces and args.decisions != "trace":
         raise ConfigError("--traces is used only with --decisions trace (script mode draws "
                           "synthetic traces)")
-    requests = resolve_workload(args.workload, args.seed)
+    if rate is not None and not (rate > 0 and rate != float("inf")):
+        raise ConfigError(f"--arrival-rate must be a finite number > 0 (requests per second), "
+                          f"got {rate}")
+    requests = resolve_workload(args.workload, args.seed, rate)
     if not args.traces and any(r.trace for r in requests):
         _warn(f"{args.workload}: the trace column is ignored; it names traces of the set given "
               "with --decisions trace --traces DIR")
+    longest = max(r.prompt_tokens + r.output_tokens for r in requests)
+    if longest > LONG_REQUEST_TOKENS and not args.traces:
+        _warn(f"{args.workload}: the longest request has {longest} tokens; a policy that reads "
+              "attention signals first replays a synthetic trace that long (script mode: once "
+              "per script; trace mode: once per request), which takes minutes to hours past "
+              f"{LONG_REQUEST_TOKENS} tokens (the time grows faster than the length)")
     return sim, cost, requests
 
 
@@ -197,7 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from growpage.sim.serving import simulate
 
     config = _setup(args)
-    sim, cost, requests = _serving_setup(args, config)
+    sim, cost, requests = _serving_setup(args, config, args.arrival_rate)
     trace_of = None
     if args.decisions == "trace" and args.traces:
         requests, trace_of = _trace_requests(args, requests)
@@ -210,9 +222,11 @@ def run_serve(args: argparse.Namespace) -> int:
     m = result.metrics.as_dict()
     table = reports.format_table([m], reports.SERVING_COLUMNS) + (
         f"\n{m['num_requests']} requests, {m['output_tokens']} output tokens, "
-        f"{sim.num_kv_pages} KV pages (peak {m['peak_pages']}), cost model {args.cost}")
+        f"{sim.num_kv_pages} KV pages (peak {m['peak_pages']}), cost model {args.cost}"
+        "\n\n" + reports.latency_table(m))
     payload = {"metrics": m, "policy": args.policy, "params": kwargs, "sim": attrs.asdict(sim),
-               "config": attrs.asdict(config), "cost": args.cost, "workload": args.workload}
+               "config": attrs.asdict(config), "cost": args.cost, "workload": args.workload,
+               "arrival_rate_per_s": args.arrival_rate}
     _emit(args, table, payload)
     if out is not None:
         reports.write_json(out / "metrics.json", payload)
@@ -230,7 +244,8 @@ def _request_row(r: Any) -> dict:
     return {"request_id": r.request_id, "arrival_s": r.spec.arrival_s,
             "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
             "avg_budget": r.avg_budget, "preemptions": r.preemptions,
-            "first_token_s": r.first_token_s, "finish_s": r.finish_s}
+            "first_token_s": r.first_token_s, "finish_s": r.finish_s, "ttft_s": r.ttft_s,
+            "tpot_ms": r.tpot_ms, "e2e_s": r.e2e_s}
 
 
 # ---- sweep and calibrate ---------------------------------------------------------------------
@@ -240,23 +255,32 @@ def run_sweep(args: argparse.Namespace) -> int:
     config = _setup(args)
     _at_least("--jobs", args.jobs, 1)
     _at_least("--fidelity-traces", args.fidelity_traces, 0)
-    sim, _, requests = _serving_setup(args, config)
+    rates = args.arrival_rate or [None]
+    if len(set(rates)) != len(rates):
+        raise ConfigError(f"--arrival-rate: a rate is given twice ({rates})")
+    setups = [_serving_setup(args, config, rate) for rate in rates]   # all checked first
     points = parse_points(args.points)
     out = _out_dir(args)
     boundary_s, compaction_s = _boundary_prices(args)
-    settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
-                             fidelity_traces=args.fidelity_traces, seed=args.seed,
-                             boundary_s=boundary_s, compaction_s=compaction_s,
-                             traces=args.traces, threads=args.threads)
     if args.traces:
-        _trace_requests(args, requests)   # a bad set or trace name fails before the work
-    rows = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
+        _trace_requests(args, setups[0][2])   # a bad set or trace name fails before the work
+    rows = []
+    for rate, (sim, _, requests) in zip(rates, setups, strict=True):
+        settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
+                                 fidelity_traces=args.fidelity_traces, seed=args.seed,
+                                 boundary_s=boundary_s, compaction_s=compaction_s,
+                                 traces=args.traces, threads=args.threads)
+        part = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
+        rows += part if rate is None else [_at_rate(row, rate) for row in part]
     done, failed = [r for r in rows if "error" not in r], [r for r in rows if "error" in r]
+    columns = SWEEP_COLUMNS if rates == [None] else (
+        SWEEP_COLUMNS[:1] + [("arrival_rate_per_s", "req/s", "g")] + SWEEP_COLUMNS[1:])
     if done or args.json:
-        _emit(args, reports.format_table(done, SWEEP_COLUMNS), {"points": done, "failed": failed})
+        _emit(args, reports.format_table(done, columns), {"points": done, "failed": failed})
     if out is not None:
-        reports.write_json(out / "sweep.json", {"workload": args.workload, "points": done,
-                                                "failed": failed})
+        reports.write_json(out / "sweep.json", {"workload": args.workload,
+                                                "arrival_rate_per_s": args.arrival_rate,
+                                                "points": done, "failed": failed})
         reports.write_csv(out / "sweep.csv", done)
         if done:
             _plot_sweep(done, out / "pareto.png", args.workload)
@@ -264,6 +288,14 @@ def run_sweep(args: argparse.Namespace) -> int:
     if failed:
         raise SweepError(_failures(failed, len(rows), out))
     return 0
+
+
+def _at_rate(row: dict, rate: float) -> dict:
+    """A sweep row of one arrival rate: the rate in its label, group and
+    ``arrival_rate_per_s``."""
+    return {"label": f"{row['label']} @{rate:g}/s", "arrival_rate_per_s": rate,
+            **{k: v for k, v in row.items() if k != "label"},
+            "group": f"{row['group']} @{rate:g}/s"}
 
 
 def _plot_sweep(rows: list[dict], path: Path, workload: str) -> None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
+import numpy as np
 
 from growpage.core.events import EventCounters
 from growpage.sim.requests import SimRequest
+
+PERCENTILES = (50, 90, 99)   # latency percentiles reported (numpy's linear interpolation)
 
 
 @attrs.frozen(kw_only=True)
@@ -25,6 +30,10 @@ class ServingMetrics:
         peak_pages: most pages in use at once.
         boundary_time_s: simulated seconds of capacity control (``CostModel.boundary_time``),
             part of ``total_time_s``; 0 unless the cost model prices it.
+        e2e_s: mean seconds from arrival to the request's last output token.
+        ttft_p50_s ... e2e_p99_s: percentiles (``PERCENTILES``) over the requests of their
+            TTFT (s), TPOT (ms) and end-to-end latency (s), defined as the means are; numpy's
+            linear interpolation between the order statistics. 0 when there is no request.
     """
 
     policy: str
@@ -48,6 +57,16 @@ class ServingMetrics:
     peak_pages: int
     num_pages: int
     boundary_time_s: float = 0.0
+    e2e_s: float = 0.0
+    ttft_p50_s: float = 0.0
+    ttft_p90_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    tpot_p50_ms: float = 0.0
+    tpot_p90_ms: float = 0.0
+    tpot_p99_ms: float = 0.0
+    e2e_p50_s: float = 0.0
+    e2e_p90_s: float = 0.0
+    e2e_p99_s: float = 0.0
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -60,16 +79,33 @@ def compute_metrics(policy: str, requests: list[SimRequest], events: EventCounte
     """Metrics of a finished run; ``resident_seconds`` is the integral of the batch size."""
     out_tokens = sum(r.output_tokens for r in requests)
     n = max(len(requests), 1)
-    tpot = [(r.finish_s - r.first_token_s) / r.output_tokens for r in requests
-            if r.finish_s is not None and r.first_token_s is not None]
-    ttft = [r.first_token_s - r.spec.arrival_s for r in requests if r.first_token_s is not None]
+    latencies = {"ttft": _known(r.ttft_s for r in requests),
+                 "tpot": _known(r.tpot_ms for r in requests),
+                 "e2e": _known(r.e2e_s for r in requests)}
+    means = {name: sum(xs) / max(len(xs), 1) for name, xs in latencies.items()}
     return ServingMetrics(
         policy=policy, num_requests=len(requests), output_tokens=out_tokens,
         total_time_s=total_time_s, tps=out_tokens / total_time_s if total_time_s else 0.0,
-        tpot_ms=1e3 * sum(tpot) / max(len(tpot), 1), ttft_s=sum(ttft) / max(len(ttft), 1),
+        tpot_ms=means["tpot"], ttft_s=means["ttft"], e2e_s=means["e2e"],
         avg_resident=resident_seconds / total_time_s if total_time_s else 0.0,
         avg_kv_budget=sum(r.avg_budget for r in requests) / n, grow_ratio=events.grow_ratio,
         grows=events.grow, forced_grows=events.forced_grow, compresses=events.compress,
         shrinks=events.shrink, fallbacks=events.fallback, preemptions=num_preemptions,
         decode_steps=decode_steps, prefill_steps=prefill_steps, peak_pages=peak_pages,
-        num_pages=num_pages, boundary_time_s=boundary_time_s)
+        num_pages=num_pages, boundary_time_s=boundary_time_s, **_percentiles(latencies))
+
+
+def _known(values: Iterable[float | None]) -> list[float]:
+    return [v for v in values if v is not None]
+
+
+def _percentiles(latencies: dict[str, list[float]]) -> dict[str, float]:
+    """``{name}_p{q}_{unit}`` for every latency and percentile (0 without values)."""
+    out = {}
+    for name, xs in latencies.items():
+        unit = "ms" if name == "tpot" else "s"
+        qs = np.percentile(np.asarray(xs, dtype=np.float64), PERCENTILES) if xs else \
+            [0.0] * len(PERCENTILES)
+        out.update({f"{name}_p{q}_{unit}": float(v) for q, v in zip(PERCENTILES, qs,
+                                                                     strict=True)})
+    return out

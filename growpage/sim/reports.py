@@ -30,6 +30,20 @@ SERVING_COLUMNS: list[Column] = [
     ("boundary_time_s", "boundary s", SIGNIFICANT)]
 
 
+LATENCIES = (("TTFT (s)", "ttft", "s"), ("TPOT (ms)", "tpot", "ms"), ("E2E (s)", "e2e", "s"))
+
+
+def latency_table(metrics: dict, percentiles: Sequence[int] = (50, 90, 99)) -> str:
+    """TTFT, TPOT and end-to-end latency of one run (``ServingMetrics.as_dict()``): the mean
+    and the percentiles, one row per latency, 3 significant digits."""
+    columns: list[Column] = [("latency", "latency", ""), ("mean", "mean", SIGNIFICANT)]
+    columns += [(f"p{q}", f"p{q}", SIGNIFICANT) for q in percentiles]
+    rows = [{"latency": label, "mean": metrics[f"{key}_{unit}"],
+             **{f"p{q}": metrics[f"{key}_p{q}_{unit}"] for q in percentiles}}
+            for label, key, unit in LATENCIES]
+    return format_table(rows, columns)
+
+
 def _significant(value: float, digits: int = 3) -> str:
     if value == 0 or not math.isfinite(value):
         return format(value, "g")

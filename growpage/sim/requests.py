@@ -48,6 +48,24 @@ class SimRequest:
         """Mean capacity in tokens over its decoded tokens."""
         return self.budget_tokens / self.generated if self.generated else 0.0
 
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from arrival to the end of its first prefill (None before it)."""
+        return None if self.first_token_s is None else self.first_token_s - self.spec.arrival_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        """Seconds from arrival to its last output token (None before it finished)."""
+        return None if self.finish_s is None else self.finish_s - self.spec.arrival_s
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Milliseconds per output token from the end of its first prefill to its finish
+        (stalls and preemptions included; None before it finished)."""
+        if self.finish_s is None or self.first_token_s is None:
+            return None
+        return 1e3 * (self.finish_s - self.first_token_s) / self.output_tokens
+
     def __repr__(self) -> str:
         return (f"SimRequest({self.request_id!r}, tokens={self.num_tokens}, "
                 f"generated={self.generated}/{self.output_tokens}, pages={self.num_pages})")

@@ -169,8 +169,7 @@ class Scheduler:
                 break
             victim = self.running[-1]
             if victim is r and len(self.running) == 1:
-                raise ConfigError(f"request {r.request_id!r} cannot get a page even alone: the "
-                                  f"pool ({self.pool.num_pages} pages) is too small")
+                raise ConfigError(self._alone_error(r))
             self.preempt(victim, now)
             if victim is r:
                 return False
@@ -182,6 +181,20 @@ class Scheduler:
             r.capacity.append((now, r.num_pages))
         self._schedule_event(r)
         return outcome.action in (Action.COMPRESS, Action.SHRINK)
+
+    def _alone_error(self, r: SimRequest) -> str:
+        """Why ``r`` cannot go on even alone, and, for a policy that never compresses, the
+        pool it needs."""
+        total = r.prompt_tokens + r.output_tokens
+        text = (f"request {r.request_id!r} ({r.prompt_tokens} prompt + {r.output_tokens} output "
+                f"tokens) cannot get a page even alone, holding {r.num_pages} pages after "
+                f"{r.generated} output tokens: the pool ({self.pool.num_pages} pages of "
+                f"{self.page_size} tokens, watermark {self.pool.watermark}) is too small")
+        if not self.controller.policy.fallback_to_compress:
+            need = math.ceil(total / self.page_size) + self.pool.watermark
+            text += (f"; policy {self.controller.policy.name!r} never compresses, so it needs "
+                     f"{need} pages (--kv-pages {need})")
+        return text
 
     def preempt(self, r: SimRequest, now: float) -> None:
         """Recompute preemption: free the pages, back to the front of the queue."""

@@ -111,6 +111,7 @@ class ScriptBook:
             prompt = int(np.median([requests[i].prompt_tokens for i in g]))
             longest = int(totals[g].max())
             gen = max(longest - prompt, 1) + 2 * config.page_size   # margin: never run out
+            gen = max([gen] + [_script_len_for(requests[i], prompt, config) for i in g])
             for i in g:
                 self.script_of[requests[i].request_id] = len(self.scripts)
             self.scripts.append(_Script(prompt, gen))
@@ -144,6 +145,26 @@ class ScriptBook:
     @property
     def num_built(self) -> int:
         return sum(s.logs is not None for s in self.scripts)
+
+
+def _script_len_for(request: WorkloadRequest, prompt: int, config: GrowPageConfig) -> int:
+    """Generated tokens a script with a ``prompt``-token prompt needs to hold a decided
+    boundary for each of ``request``'s, with one page to spare.
+
+    NOTE: boundaries come every page once the prompt's last page is full; the first ones,
+    below ``min_capacity`` pages, are forced growths and decide nothing. A request with a
+    shorter prompt than the script's can thus have more output, and one with more prompt
+    pages fewer forced growths, than the script has boundaries for."""
+    b = config.page_size
+
+    def first_free_and_forced(prompt_tokens: int) -> tuple[int, int]:
+        pages = -(-prompt_tokens // b)
+        return pages * b - prompt_tokens, max(0, config.min_capacity - pages)
+
+    free, forced = first_free_and_forced(request.prompt_tokens)
+    script_free, script_forced = first_free_and_forced(prompt)
+    boundaries = max(0, -(-(request.output_tokens - free) // b))
+    return script_free + (boundaries + script_forced - forced + 1) * b
 
 
 def synthetic_trace_of(spec: SyntheticSpec = SCRIPT_SPEC, seed: int = 0

@@ -1,4 +1,4 @@
-"""``WorkloadRequest`` and the CSV workload format.
+"""``WorkloadRequest`` and the workload file formats: CSV and JSON Lines.
 
 ::
 
@@ -10,12 +10,17 @@
 ``[1, MAX_TOKENS]``; ``trace`` (optional column, may be empty): the request id of a trace in the
 trace set given to the simulator. Rows are returned in arrival order (stable). Every problem
 raises ``WorkloadError`` naming the file, the line and the field.
+
+JSON Lines (``.jsonl``): one object per line with the same fields, e.g.
+``{"arrival_s": 0.5, "prompt_tokens": 96, "output_tokens": 800}``; ``trace`` may be omitted or
+null; token counts must be JSON integers; blank lines are skipped; any other key is an error.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import numbers
 import os
@@ -105,6 +110,20 @@ def _read_text(path: Path) -> str:
         raise WorkloadError(f"{path}: cannot read the workload file ({e})") from None
 
 
+def _check_header(header: list[str], source: str) -> None:
+    """``WorkloadError`` naming what is missing, unknown or repeated in a CSV header."""
+    missing = [c for c in REQUIRED if c not in header]
+    unknown = [c for c in header if c not in REQUIRED + OPTIONAL]
+    twice = sorted({c for c in header if header.count(c) > 1})
+    if not (missing or unknown or twice):
+        return
+    problems = [f"{what} {', '.join(map(repr, names))}" for what, names in
+                (("missing", missing), ("unknown column", unknown), ("repeated", twice)) if names]
+    hint = "; the first line must be the header" if len(missing) == len(REQUIRED) else ""
+    raise WorkloadError(f"{source}: bad header ({'; '.join(problems)}{hint}): it must hold "
+                        f"{', '.join(REQUIRED)} and optionally trace, each once")
+
+
 def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
     """Parse CSV text (see the module docstring)."""
     reader = csv.reader(io.StringIO(text, newline=""))
@@ -118,11 +137,7 @@ def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRe
     if not rows:
         raise WorkloadError(f"{source}: empty workload (no header)")
     header = [h.strip() for h in rows[0][1]]
-    missing = [c for c in REQUIRED if c not in header]
-    unknown = [c for c in header if c not in REQUIRED + OPTIONAL]
-    if missing or unknown or len(set(header)) != len(header):
-        raise WorkloadError(f"{source}: header must hold {', '.join(REQUIRED)} and optionally "
-                            f"trace, each once; got {header}")
+    _check_header(header, source)
     if len(rows) == 1:
         raise WorkloadError(f"{source}: no requests after the header")
     col = {name: i for i, name in enumerate(header)}
@@ -138,6 +153,65 @@ def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRe
             output_tokens=_int_field(row[col["output_tokens"]], "output_tokens", where),
             trace=trace or None, kind="csv"))
     return sorted(out, key=lambda r: r.arrival_s)
+
+
+def _json_tokens(value: object, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkloadError(f"{where}: {name} must be an integer, got {value!r}")
+    if not 1 <= value <= MAX_TOKENS:
+        raise WorkloadError(f"{where}: {name} must lie in [1, {MAX_TOKENS}], got {value}")
+    return value
+
+
+def _json_request(obj: object, i: int, where: str) -> WorkloadRequest:
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in REQUIRED if k not in obj]
+    unknown = [k for k in obj if k not in REQUIRED + OPTIONAL]
+    if missing or unknown:
+        raise WorkloadError(f"{where}: " + "; ".join(
+            ([f"missing {', '.join(missing)}"] if missing else [])
+            + ([f"unknown key {', '.join(map(repr, unknown))}"] if unknown else []))
+            + f" (keys: {', '.join(REQUIRED)} and optionally trace)")
+    arrival = obj["arrival_s"]
+    if (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
+            or not math.isfinite(arrival) or arrival < 0):
+        raise WorkloadError(f"{where}: arrival_s must be a finite number >= 0, got {arrival!r}")
+    trace = obj.get("trace")
+    if trace is not None and not isinstance(trace, str):
+        raise WorkloadError(f"{where}: trace must be a string or null, got {trace!r}")
+    trace = (trace or "").strip() or None
+    return WorkloadRequest(
+        request_id=f"req-{i}", arrival_s=float(arrival),
+        prompt_tokens=_json_tokens(obj["prompt_tokens"], "prompt_tokens", where),
+        output_tokens=_json_tokens(obj["output_tokens"], "output_tokens", where),
+        trace=trace, kind="jsonl")
+
+
+def parse_workload_jsonl(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
+    """Parse JSON Lines text (see the module docstring); requests in arrival order."""
+    out: list[WorkloadRequest] = []
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"{source}, line {line}"
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            raise WorkloadError(f"{where}: not valid JSON ({e})") from None
+        out.append(_json_request(obj, len(out), where))
+    if not out:
+        raise WorkloadError(f"{source}: empty workload (no requests)")
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def load_workload_jsonl(path: str | os.PathLike) -> list[WorkloadRequest]:
+    """Requests of a JSON Lines workload file, in arrival order; ``WorkloadError`` on any
+    problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise WorkloadError(f"{path}: no such workload file")
+    return parse_workload_jsonl(_read_text(path), str(path))
 
 
 def load_workload_csv(path: str | os.PathLike) -> list[WorkloadRequest]:

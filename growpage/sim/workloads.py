@@ -7,22 +7,25 @@ implied by the paper's FullKV runs on Qwen3-8B (Table 1 TPS x Table 7 time / req
 GSM8K ~2.2k, AMC23 ~8.0k, AIME24 ~15.0k tokens, sigma 0.6 / 0.6 / 0.5, clipped to the
 benchmark's max output length. Prompts are short (chat-templated questions, ~100-200 tokens).
 
-CSV workloads (``load_workload_csv``) have a header with ``arrival_s, prompt_tokens,
-output_tokens`` and optionally ``trace`` (a request id in a trace set).
+Workload files: CSV (``load_workload_csv``) with a header holding ``arrival_s, prompt_tokens,
+output_tokens`` and optionally ``trace`` (a request id in a trace set), or JSON Lines
+(``load_workload_jsonl``, a ``.jsonl`` file) with the same fields.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import attrs
 import numpy as np
 
 from growpage.errors import WorkloadError
-from growpage.sim.workload_csv import WorkloadRequest, load_workload_csv
+from growpage.sim.workload_csv import WorkloadRequest, load_workload_csv, load_workload_jsonl
 
 __all__ = ["LengthDist", "RequestClass", "WorkloadRequest", "WorkloadSpec", "WORKLOADS",
-           "load_workload_csv", "resolve_workload"]
+           "load_workload_csv", "load_workload_jsonl", "resolve_workload"]
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 ARRIVALS = ("offline", "poisson")
 
@@ -165,11 +168,31 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 }
 
 
-def resolve_workload(name_or_csv: str, seed: int = 0) -> list[WorkloadRequest]:
-    """Requests of a named workload (``WORKLOADS``) or of a CSV file."""
-    if name_or_csv in WORKLOADS:
-        return WORKLOADS[name_or_csv].requests(seed)
-    if name_or_csv.endswith(".csv") or "/" in name_or_csv:
-        return load_workload_csv(name_or_csv)
-    raise WorkloadError(f"unknown workload {name_or_csv!r}: give one of {', '.join(WORKLOADS)} "
-                        "or a CSV file (arrival_s, prompt_tokens, output_tokens[, trace])")
+def resolve_workload(name_or_file: str, seed: int = 0, rate_per_s: float | None = None
+                     ) -> list[WorkloadRequest]:
+    """Requests of a named workload (``WORKLOADS``) or of a workload file (``.jsonl``: JSON
+    Lines, else CSV).
+
+    ``rate_per_s`` turns a named workload's arrivals into a Poisson process of that rate; the
+    requests' lengths do not depend on it (drawn first from the same seed), and the arrival
+    times scale as ``1 / rate_per_s``. A file gives its own arrival times, so a rate with a file
+    is an error.
+    """
+    if name_or_file in WORKLOADS:
+        spec = WORKLOADS[name_or_file]
+        if rate_per_s is not None:
+            spec = attrs.evolve(spec, arrival="poisson", rate_per_s=rate_per_s)
+        return spec.requests(seed)
+    path = Path(name_or_file)
+    is_file = (path.suffix.lower() in JSONL_SUFFIXES + (".csv",) or "/" in name_or_file
+               or path.is_file())
+    if is_file and rate_per_s is not None:
+        raise WorkloadError(f"{name_or_file}: an arrival rate applies to the named workloads "
+                            "only; a workload file gives its own arrival times")
+    if path.suffix.lower() in JSONL_SUFFIXES:
+        return load_workload_jsonl(name_or_file)
+    if is_file:
+        return load_workload_csv(name_or_file)
+    raise WorkloadError(f"unknown workload {name_or_file!r}: give one of {', '.join(WORKLOADS)}, "
+                        "a CSV file (arrival_s, prompt_tokens, output_tokens[, trace]) or a "
+                        ".jsonl file with those keys")
