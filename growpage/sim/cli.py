@@ -32,7 +32,9 @@ def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--recent-window", type=int, default=None,
                    help="protected recent tokens (default 16, or page size / 4 for pages of 16 "
                         "tokens or fewer, as the engine's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic traces (replay: trace i gets seed + i), the "
+                        "workload's lengths and arrivals, and the scripts (default 0)")
     p.add_argument("--threads", type=_positive_int, default=1,
                    help="torch CPU threads (default 1: best on a shared machine; sweep: per "
                         "worker process)")
@@ -50,7 +52,7 @@ def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                         + ("; several rates: every point at each" if sweep else ""))
     p.add_argument("--cost", default="a100-qwen3-8b",
                    help="roofline preset (a100-qwen3-8b, a100-r1-llama-8b) or a JSON file "
-                        "from `growpage calibrate`")
+                        "from `growpage calibrate` (default a100-qwen3-8b)")
     p.add_argument("--boundary-ms", type=float, metavar="MS",
                    help="charge MS per policy decision at a capacity boundary (default: the "
                         "cost model's, 0 for the presets: asynchronous, as the paper)")
@@ -61,14 +63,20 @@ def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                         "while its compaction (--compaction-ms) runs beside it")
     p.add_argument("--kv-pages", type=int, metavar="N",
                    help="pages in the KV pool (default: what the preset's GPU holds, else 1500)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most requests running at once (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                   help="most prompt tokens one prefill step computes; a longer prompt runs "
+                        "alone (default 16384)")
     p.add_argument("--admission-reserve", type=float, default=0.05,
                    help="share of the pool a new request must leave free (default 0.05)")
     p.add_argument("--decisions", choices=["script", "trace"], default="script",
-                   help="script: played-back signals (scales); trace: a KV view per request")
+                   help="script: played-back signals (scales); trace: a KV view per request "
+                        "(default script)")
     p.add_argument("--traces", metavar="DIR", help="trace set for --decisions trace")
-    p.add_argument("--num-scripts", type=int, default=8)
+    p.add_argument("--num-scripts", type=int, default=8,
+                   help="script mode: synthetic traces the requests share, one per length "
+                        "group (default 8)")
 
 
 def _lazy(name: str):
@@ -91,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-len", type=int, help="synthetic: generated tokens (default 4096)")
     p.add_argument("--schedule", help="synthetic: regime schedule (default random)")
     p.add_argument("--fidelity-queries", type=int, default=8,
-                   help="future queries sampled per boundary (0: decisions only)")
+                   help="future queries sampled per boundary (0: decisions only; default 8)")
     p.add_argument("--signals", action="store_true",
                    help="also measure Delta_t quality (Spearman, growth advantage; slower)")
     _common(p)
@@ -107,9 +115,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--points", nargs="+", default=DEFAULT_POINTS, metavar="SPEC",
                    help="NAME or NAME@key=v1,v2;key2=v3, values read as --param reads them "
                         "(default: %(default)s)")
-    p.add_argument("--jobs", type=int, default=2, help="worker processes")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--fidelity-traces", type=int, default=4,
-                   help="synthetic traces replayed per point for fidelity (0: none)")
+                   help="synthetic traces replayed per point for fidelity (0: none; default 4)")
     _common(p, policy=False)
     p.set_defaults(func=_lazy("run_sweep"))
 
@@ -117,7 +125,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--measurements", metavar="FILE",
                    help="CSV/JSON rows num_seqs,kv_tokens,prefill_tokens,step_s (default: "
                         "measure the local engine)")
-    p.add_argument("--out", default="costmodel.json", help="where to write the model")
+    p.add_argument("--out", default="costmodel.json",
+                   help="where to write the model (default: %(default)s)")
     p.add_argument("--no-boundaries", dest="boundaries", action="store_false",
                    help="do not measure the seconds per capacity decision and per compaction "
                         "(a short run of --boundary-policy on the engine; default: measure)")
