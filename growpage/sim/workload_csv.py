@@ -86,6 +86,11 @@ def _int_field(text: str, name: str, where: str) -> int:
         value = int(text.strip())
     except ValueError:
         raise WorkloadError(f"{where}: {name} must be an integer, got {text!r}") from None
+    return _token_count(value, name, where)
+
+
+def _token_count(value: int, name: str, where: str) -> int:
+    """``value`` when it is a token count the formats accept (CSV and JSON Lines alike)."""
     if not 1 <= value <= MAX_TOKENS:
         raise WorkloadError(f"{where}: {name} must lie in [1, {MAX_TOKENS}], got {value}")
     return value
@@ -158,9 +163,7 @@ def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRe
 def _json_tokens(value: object, name: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise WorkloadError(f"{where}: {name} must be an integer, got {value!r}")
-    if not 1 <= value <= MAX_TOKENS:
-        raise WorkloadError(f"{where}: {name} must lie in [1, {MAX_TOKENS}], got {value}")
-    return value
+    return _token_count(value, name, where)
 
 
 def _json_request(obj: object, i: int, where: str) -> WorkloadRequest:
