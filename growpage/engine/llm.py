@@ -191,23 +191,31 @@ class LLM:
                     yield chunk
 
     def _chunk(self, index: int, seq: Sequence, shown: _Shown) -> StreamChunk | None:
-        """What ``seq`` produced since ``shown``; None when nothing new is visible."""
+        """What ``seq`` produced since ``shown``; None when nothing new is visible. Text is
+        shown when it is settled (see ``IncrementalDetokenizer``) and cannot still turn out to
+        be the start of a stop string; the last chunk carries the rest of the final text."""
         if shown.done:
             return None
         ids = seq.output_token_ids
         new_ids = ids[shown.num_tokens:]
         output = self._request_output(seq) if seq.is_finished else None
-        if output is not None:
-            text = output.text
+        if output is not None:   # the final text is one full decode: the shown text leads it
+            det = seq.detokenizer
+            shown_text = "" if det is None else det.text[:shown.num_chars]
+            new_text = (output.text[shown.num_chars:] if output.text.startswith(shown_text)
+                        else "")
         elif self.tokenizer is None:
-            text = ""
+            new_text = ""
         else:
-            text = _settled(self.tokenizer.decode(ids), seq.params.stop)
-        new_text = text[len(shown.text):] if text.startswith(shown.text) else ""
+            det = self.engine.detokenizer(seq)
+            stops = seq.params.stop
+            hold = _stop_hold(det.tail(max(map(len, stops), default=1) - 1), stops)
+            new_text = det.tail(det.num_chars - shown.num_chars)[:max(
+                0, det.num_chars - hold - shown.num_chars)]
         if output is None and not new_text:
             return None   # the tokens are shown with the text they complete
         shown.num_tokens, shown.done = len(ids), output is not None
-        shown.text += new_text
+        shown.num_chars += len(new_text)
         return StreamChunk(index=index, request_id=seq.request_id, text=new_text,
                            token_ids=list(new_ids), output=output)
 
@@ -308,23 +316,20 @@ class _Shown:
     """What a stream has shown of one request."""
 
     num_tokens: int = 0
-    text: str = ""
+    num_chars: int = 0
     done: bool = False
 
 
-def _settled(text: str, stops: tuple[str, ...]) -> str:
-    """``text`` without a tail that may still change: an incomplete UTF-8 character (decoded
-    as U+FFFD) or the start of a stop string (the text is cut there if it completes)."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
+def _stop_hold(tail: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of ``tail`` to hold back from a stream: the longest end
+    that is the start of a stop string (the text is cut there if the stop string completes)."""
     hold = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, end), hold, -1):
-            if text.endswith(stop[:k], 0, end):
+        for k in range(min(len(stop) - 1, len(tail)), hold, -1):
+            if tail.endswith(stop[:k]):
                 hold = k
                 break
-    return text[:end - hold]
+    return hold
 
 
 def _progress(seqs: list[Sequence], enabled: bool | None):

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 from growpage.engine.config import EngineConfig
+from growpage.engine.detokenizer import IncrementalDetokenizer
 from growpage.engine.kv_manager import KVCacheManager
 from growpage.engine.model import CausalLM
 from growpage.engine.model_runner import ModelRunner
@@ -182,10 +183,24 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    def _cut_at_stop(self, seq: Sequence) -> bool:
+    def detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        """``seq``'s incremental detokenizer, brought up to date with its output tokens: each
+        call decodes only the tokens added since the last one (and a little context)."""
         assert self.detokenize is not None
-        text = self.detokenize(seq.output_token_ids)
-        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.detokenize)
+        seq.detokenizer.update(seq.output_token_ids)
+        return seq.detokenizer
+
+    def _cut_at_stop(self, seq: Sequence) -> bool:
+        """Whether the text now contains a stop string; sets ``stop_text_len`` to the first.
+        Searches only where a match can be new: from one stop's length before the text already
+        searched, through the unsettled tail (what a full decode shows)."""
+        det = self.detokenizer(seq)
+        start = max(0, seq.stop_searched_len - max(map(len, seq.params.stop)) + 1)
+        region = det.tail(det.num_chars - start) + det.pending
+        hits = [start + i for i in (region.find(s) for s in seq.params.stop) if i >= 0]
+        seq.stop_searched_len = det.num_chars
         if hits:
             seq.stop_text_len = min(hits)
         return bool(hits)

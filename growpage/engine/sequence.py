@@ -20,6 +20,7 @@ import enum
 import torch
 
 from growpage.core.request import RequestState
+from growpage.engine.detokenizer import IncrementalDetokenizer
 from growpage.engine.sampling_params import SamplingParams
 
 
@@ -53,6 +54,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_text_len: int | None = None  # text cut at a stop string
+        self.detokenizer: IncrementalDetokenizer | None = None   # output text, for stops/streams
+        self.stop_searched_len = 0      # settled output text already searched for stop strings
         self.state = RequestState(request_id)
         self.prefill_target = 0
         self.query_slot: int | None = None
