@@ -231,12 +231,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if out is not None:
         reports.write_json(out / "metrics.json", payload)
         reports.write_csv(out / "requests.csv", [_request_row(r) for r in result.requests])
-        from growpage.sim.plots import plot_capacity
+        from growpage.sim.plots import plot_capacity, plot_pool
 
         trajectories = dict(list(result.capacity_trajectories().items())[:12])
         plot_capacity(trajectories, out / "capacity.png", config.page_size, xlabel="time (s)",
                       title=f"per-request capacity under {policy.name}")
-        _note(args, f"results in {out}/ (metrics.json, requests.csv, capacity.png)")
+        plot_pool(result.pool_timeline(), out / "pool.png", sim.num_kv_pages, sim.max_num_seqs,
+                  title=f"KV pool under {policy.name}")
+        _note(args, f"results in {out}/ (metrics.json, requests.csv, capacity.png, pool.png)")
     return 0
 
 

@@ -104,6 +104,26 @@ class ServingResult:
         """Per request: ``(time_s, pages)`` at every change of its page count."""
         return {r.request_id: list(r.capacity) for r in self.requests}
 
+    def pool_timeline(self) -> list[tuple[float, int, int]]:
+        """``(time_s, pages in use, resident requests)`` from time 0 and at every time either
+        changes, the sum of the requests' capacity trajectories (the last point: all gone)."""
+        # A request's changes at one time apply in its own order: (time, request, index).
+        changes = sorted((t, i, k, pages) for i, r in enumerate(self.requests)
+                         for k, (t, pages) in enumerate(r.capacity))
+        held = [0] * len(self.requests)
+        used = resident = 0
+        timeline = [(0.0, 0, 0)]
+        for t, i, _, pages in changes:
+            used += pages - held[i]
+            resident += (pages > 0) - (held[i] > 0)
+            held[i] = pages
+            t = float(t)
+            if timeline[-1][0] == t:
+                timeline[-1] = (t, used, resident)
+            else:
+                timeline.append((t, used, resident))
+        return timeline
+
 
 @attrs.define
 class _Run:
