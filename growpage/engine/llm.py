@@ -281,7 +281,7 @@ class LLM:
             finish_reason=s.finish_reason.value if s.finish_reason else "abort",
             trajectory=list(s.state.trajectory), events=s.state.events.as_dict(),
             num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens,
-            ttft_s=ttft, tpot_s=tpot)
+            ttft_s=ttft, tpot_s=tpot, e2e_s=(s.finish_time or s.arrival_time) - s.arrival_time)
 
 
 def _load(model: str | Path | CausalLM | None, tokenizer: Any, config: EngineConfig

@@ -6,6 +6,8 @@ import math
 
 import attrs
 
+from growpage.latency import PERCENTILES
+
 
 @attrs.frozen(kw_only=True)
 class RequestOutput:
@@ -15,6 +17,7 @@ class RequestOutput:
         trajectory: ``(position, num_pages, action)`` after every capacity boundary.
         events: the request's boundary event counts (``EventCounters.as_dict()``).
         ttft_s / tpot_s: time to first token; mean time per output token after the first.
+        e2e_s: time from submission to the last token.
     """
 
     request_id: str
@@ -29,6 +32,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     ttft_s: float = 0.0
     tpot_s: float = 0.0
+    e2e_s: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -105,6 +109,11 @@ class EngineStats:
             (``async_compaction``; 0 without it).
         deferred_waited_s: of that, what the steps waited for: the part after the forward had
             finished (on the CPU, all of it).
+        e2e_s: mean over requests of the time from submission to finish.
+        ttft_p50_s ... e2e_p99_s: percentiles (``growpage.latency.PERCENTILES``) over the
+            requests of their TTFT, TPOT and end-to-end time in seconds, defined as the means
+            are (numpy's linear interpolation; 0 without requests), named as the simulator's
+            ``ServingMetrics`` names them (whose TPOT is in ms).
     """
 
     policy: str
@@ -127,6 +136,16 @@ class EngineStats:
     boundary_time_s: float = 0.0
     deferred_time_s: float = 0.0
     deferred_waited_s: float = 0.0
+    e2e_s: float = 0.0
+    ttft_p50_s: float = 0.0
+    ttft_p90_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    tpot_p50_s: float = 0.0
+    tpot_p90_s: float = 0.0
+    tpot_p99_s: float = 0.0
+    e2e_p50_s: float = 0.0
+    e2e_p90_s: float = 0.0
+    e2e_p99_s: float = 0.0
 
     def rows(self) -> list[tuple[str, str]]:
         e = self.events
@@ -139,6 +158,7 @@ class EngineStats:
             ("total time", f"{self.total_time_s:.2f} s"),
             ("throughput (TPS)", f"{self.tps:.1f} tok/s"),
             ("TPOT", f"{1000 * self.tpot_s:.1f} ms"), ("TTFT", f"{1000 * self.ttft_s:.1f} ms"),
+            *self._percentile_rows(),
             ("avg resident requests C", f"{self.avg_resident:.2f}"),
             ("avg KV budget", f"{self.avg_kv_budget:.0f} tokens"),
             ("KV pages used (max / total)", f"{self.max_pages_used} / {self.num_pages} "
@@ -151,6 +171,19 @@ class EngineStats:
             ("fallbacks", str(e.get("fallback", 0))), ("preemptions", str(self.num_preemptions)),
             ("prefix-cache hit tokens", str(self.prefix_hit_tokens)),
         ]
+
+    def _percentile_rows(self) -> list[tuple[str, str]]:
+        """Percentiles of TTFT and TPOT (ms), and end-to-end time (s): mean and percentiles."""
+        qs = "/".join(f"p{q}" for q in PERCENTILES)
+
+        def row(name: str, scale: float, fmt: str) -> str:
+            return " / ".join(format(scale * getattr(self, f"{name}_p{q}_s"), fmt)
+                              for q in PERCENTILES)
+
+        return [(f"TTFT {qs}", f"{row('ttft', 1000, '.1f')} ms"),
+                (f"TPOT {qs}", f"{row('tpot', 1000, '.1f')} ms"),
+                ("end to end (mean)", f"{self.e2e_s:.2f} s"),
+                (f"end to end {qs}", f"{row('e2e', 1, '.2f')} s")]
 
     def table(self) -> str:
         rows = self.rows()

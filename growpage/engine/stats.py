@@ -8,6 +8,7 @@ from collections.abc import Callable
 from growpage.core.events import EventCounters
 from growpage.engine.outputs import EngineStats
 from growpage.engine.sequence import Sequence
+from growpage.latency import percentile_fields
 
 
 class StatsCollector:
@@ -58,6 +59,7 @@ class StatsCollector:
                  and s.finish_time is not None]
         ttfts = [s.first_token_time - s.arrival_time for s in seqs
                  if s.first_token_time is not None]
+        e2es = [s.finish_time - s.arrival_time for s in seqs if s.finish_time is not None]
         now = self._events.as_dict()
         events = {k: v - self.events_at_start.get(k, 0) for k, v in now.items()}
         grown = {k: v - self.totals_at_start.get(k, 0) for k, v in self._totals().items()}
@@ -68,6 +70,9 @@ class StatsCollector:
             tps=num_out / total if total > 0 else 0.0,
             tpot_s=sum(tpots) / len(tpots) if tpots else 0.0,
             ttft_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
+            e2e_s=sum(e2es) / len(e2es) if e2es else 0.0,
+            **percentile_fields({"ttft": ttfts, "tpot": tpots, "e2e": e2es},
+                                {"ttft": "s", "tpot": "s", "e2e": "s"}),
             avg_resident=self.resident_time / self.step_time if self.step_time else 0.0,
             avg_kv_budget=(self.budget_tokens / self.budget_samples
                            if self.budget_samples else 0.0),

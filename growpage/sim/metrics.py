@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import attrs
-import numpy as np
 
 from growpage.core.events import EventCounters
+from growpage.latency import PERCENTILES, percentile_fields
 from growpage.sim.requests import SimRequest
 
-PERCENTILES = (50, 90, 99)   # latency percentiles reported (numpy's linear interpolation)
+__all__ = ["PERCENTILES", "ServingMetrics", "compute_metrics"]
 
 
 @attrs.frozen(kw_only=True)
@@ -92,20 +92,9 @@ def compute_metrics(policy: str, requests: list[SimRequest], events: EventCounte
         grows=events.grow, forced_grows=events.forced_grow, compresses=events.compress,
         shrinks=events.shrink, fallbacks=events.fallback, preemptions=num_preemptions,
         decode_steps=decode_steps, prefill_steps=prefill_steps, peak_pages=peak_pages,
-        num_pages=num_pages, boundary_time_s=boundary_time_s, **_percentiles(latencies))
+        num_pages=num_pages, boundary_time_s=boundary_time_s,
+        **percentile_fields(latencies, {"ttft": "s", "tpot": "ms", "e2e": "s"}))
 
 
 def _known(values: Iterable[float | None]) -> list[float]:
     return [v for v in values if v is not None]
-
-
-def _percentiles(latencies: dict[str, list[float]]) -> dict[str, float]:
-    """``{name}_p{q}_{unit}`` for every latency and percentile (0 without values)."""
-    out = {}
-    for name, xs in latencies.items():
-        unit = "ms" if name == "tpot" else "s"
-        qs = np.percentile(np.asarray(xs, dtype=np.float64), PERCENTILES) if xs else \
-            [0.0] * len(PERCENTILES)
-        out.update({f"{name}_p{q}_{unit}": float(v) for q, v in zip(PERCENTILES, qs,
-                                                                     strict=True)})
-    return out
