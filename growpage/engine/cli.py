@@ -40,6 +40,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "(default: with more than one prompt)")
     g.add_argument("--stream", action="store_true",
                    help="print the answer as it is generated (a single prompt)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string: the answer ends before it (repeatable; default none)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-tokens tokens whatever the model's end token says "
+                        "(default: stop at it)")
+    g.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="also write outputs.jsonl (one line per prompt: text, tokens, finish "
+                        "reason, latencies, capacity events) and stats.json (the engine "
+                        "statistics and the settings) into DIR (default: print only)")
     g.set_defaults(func=run_generate)
 
     r = subparsers.add_parser("record", help="record full-KV traces (fullkv policy) of prompts "
@@ -110,10 +119,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
     prompts = args.prompt if args.prompts is None else read_prompts(args.prompts)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed)
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+                            ignore_eos=args.ignore_eos)
     if args.stream and len(prompts) != 1:
         raise ConfigError(f"--stream prints one answer as it comes: give a single prompt "
                           f"(got {len(prompts)})")
+    if args.out is not None:
+        _make_out_dir(args.out, "an output directory")
     extra = {name: True for name in ("cuda_graphs", "async_compaction") if getattr(args, name)}
     llm = _build_llm(policy=args.policy,
                      policy_kwargs=parse_policy_params(args.policy_arg, "--policy-arg"),
@@ -122,6 +134,7 @@ def run_generate(args: argparse.Namespace) -> int:
         out = _print_stream(llm.stream(prompts, params, chat=args.chat,
                                        use_tqdm=bool(args.progress)))
         _print_finish(out)
+        outs = [out]
     else:
         outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=args.progress)
         for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
@@ -130,7 +143,27 @@ def run_generate(args: argparse.Namespace) -> int:
             print(out.text.strip())
             _print_finish(out)
     print(llm.last_stats.table())
+    if args.out is not None:
+        _write_generate_results(args, outs, llm.last_stats)
     return 0
+
+
+def _write_generate_results(args: argparse.Namespace, outs: list[RequestOutput],
+                            stats: Any) -> None:
+    """``outputs.jsonl`` (one line per prompt, in prompt order) and ``stats.json``."""
+    import attrs
+
+    with open(args.out / "outputs.jsonl", "w", encoding="utf-8") as f:
+        for i, out in enumerate(outs):
+            # ``prompt`` is the text given (not the chat-templated one); its ids are templated.
+            row = {"index": i, **attrs.asdict(out), "num_output_tokens": len(out.token_ids)}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                if k not in ("func", "prompt") and not callable(v)}
+    payload = {"stats": attrs.asdict(stats), "settings": settings}
+    (args.out / "stats.json").write_text(json.dumps(payload, indent=2, ensure_ascii=False)
+                                         + "\n", encoding="utf-8")
+    print(f"results in {args.out}/ (outputs.jsonl, stats.json)")
 
 
 def _print_finish(out: RequestOutput) -> None:
@@ -199,7 +232,7 @@ def run_record(args: argparse.Namespace) -> int:
 
     prompts = read_prompts(args.prompts)
     layers = None if args.layers is None else _layers(args.layers)
-    _make_trace_dir(args.out)
+    _make_out_dir(args.out, "a trace-set directory")
     before = _num_traces(args.out)
     llm = _build_llm(policy="fullkv", record_traces=args.out, record_layers=layers,
                      record_values=args.values, **_engine_kwargs(args))
@@ -222,10 +255,10 @@ def _num_traces(out: Path) -> int:
     return len(TraceSet(out)) if (out / INDEX_NAME).is_file() else 0
 
 
-def _make_trace_dir(out: Path) -> None:
+def _make_out_dir(out: Path, what: str) -> None:
     """``--out``, created before the model loads, so a bad path fails at once."""
     if out.exists() and not out.is_dir():
-        raise EngineError(f"--out {out} is a file, not a trace-set directory")
+        raise EngineError(f"--out {out} is a file, not {what}")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

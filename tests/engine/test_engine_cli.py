@@ -114,3 +114,65 @@ def test_generate_takes_policy_params_as_the_simulator_does(monkeypatch, flag):
                   flag, "tau=None"])
     assert seen["policy"] == "fixed" and seen["policy_kwargs"] == {"budget_tokens": 128,
                                                                     "tau": None}
+
+
+def _output(i: int, text: str):
+    from growpage.engine.outputs import RequestOutput
+
+    return RequestOutput(request_id=str(i), prompt=f"p{i}", prompt_token_ids=[1, 2],
+                         text=text, token_ids=[7, 8, 9], finish_reason="stop",
+                         trajectory=[(64, 2, "grow")], events={"grow": 1},
+                         ttft_s=0.5, tpot_s=0.25, e2e_s=1.0)
+
+
+class _Answers:
+    """An ``LLM`` stand-in that answers each prompt and keeps the sampling parameters."""
+
+    def __init__(self):
+        from growpage.core.events import EventCounters
+        from growpage.engine.stats import StatsCollector
+
+        self.params = None
+        self.last_stats = StatsCollector(EventCounters()).summary("growpage", 16, 8)
+
+    def generate(self, prompts, params, **kwargs):
+        self.params = params
+        return [_output(i, f"answer {i} ünïcode") for i in range(len(prompts))]
+
+
+def test_generate_passes_stop_strings_and_ignore_eos(monkeypatch, capsys):
+    fake = _Answers()
+    monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: fake)
+    assert cli.main(["generate", "--prompt", "hi", "--stop", "\n\n", "--stop", "END",
+                     "--ignore-eos"]) == 0
+    assert fake.params.stop == ("\n\n", "END") and fake.params.ignore_eos is True
+    assert cli.main(["generate", "--prompt", "hi"]) == 0
+    assert fake.params.stop == () and fake.params.ignore_eos is False
+
+
+def test_generate_out_writes_every_output_and_the_stats(monkeypatch, capsys, tmp_path):
+    import json
+
+    fake = _Answers()
+    monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: fake)
+    out = tmp_path / "run" / "one"
+    assert cli.main(["generate", "--prompt", "a", "--prompt", "b", "--policy", "fixed",
+                     "--param", "budget_tokens=128", "--out", str(out)]) == 0
+    assert f"results in {out}/ (outputs.jsonl, stats.json)" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1]
+    assert [r["text"] for r in rows] == ["answer 0 ünïcode", "answer 1 ünïcode"]
+    assert rows[1]["token_ids"] == [7, 8, 9] and rows[1]["num_output_tokens"] == 3
+    assert rows[0]["trajectory"] == [[64, 2, "grow"]] and rows[0]["e2e_s"] == 1.0
+    payload = json.loads((out / "stats.json").read_text())
+    assert payload["stats"]["policy"] == "growpage" and "ttft_p99_s" in payload["stats"]
+    assert payload["settings"]["policy"] == "fixed"
+    assert payload["settings"]["policy_arg"] == ["budget_tokens=128"]
+    assert payload["settings"]["out"] == str(out)
+
+
+def test_generate_out_must_be_a_directory_it_can_create(tmp_path, capsys, no_model):
+    file = tmp_path / "f"
+    file.write_text("")
+    err = error_of(["generate", "--prompt", "hi", "--out", str(file)], capsys)
+    assert f"--out {file} is a file, not an output directory" in err
