@@ -70,7 +70,9 @@ def replay_table(args: argparse.Namespace, config: GrowPageConfig
     return rows, trajectories, diffuse
 
 
-def serving_table(args: argparse.Namespace, config: GrowPageConfig) -> list[dict]:
+def serving_table(args: argparse.Namespace, config: GrowPageConfig
+                  ) -> tuple[list[dict], dict[str, list[tuple[float, int, int]]]]:
+    """The serving table's rows, and each policy's ``pool_timeline()``."""
     from growpage.sim.costmodel import load_cost_model
     from growpage.sim.serving import SimConfig, simulate
     from growpage.sim.workloads import resolve_workload
@@ -79,17 +81,18 @@ def serving_table(args: argparse.Namespace, config: GrowPageConfig) -> list[dict
     sim = SimConfig(num_kv_pages=SERVE_PAGES, max_num_seqs=SERVE_SEATS, seed=args.seed)
     cost = load_cost_model("a100-qwen3-8b")
     kwargs = {label: (name, kw) for label, name, kw in POLICIES}
-    rows = []
+    rows, timelines = [], {}
     for label in tqdm(SERVE_POLICIES, desc="serve", unit="policy"):
         name, kw = kwargs[label]
         result = simulate(requests, resolve_policy(name, **kw), config, sim, cost)
         rows.append({**result.metrics.as_dict(), "policy": label})
-    return rows
+        timelines[label] = result.pool_timeline()
+    return rows, timelines
 
 
 def run(args: argparse.Namespace) -> int:
     from growpage.errors import ConfigError
-    from growpage.sim.plots import plot_capacity, plot_pareto
+    from growpage.sim.plots import plot_capacity, plot_pareto, plot_pool
     from growpage.sim.reports import (
         REPLAY_COLUMNS,
         SERVING_COLUMNS,
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
           f"page size {config.page_size}; fidelity = real attention of 8 sampled queries of "
           "the next page (mass on retained tokens; 1 = nothing lost)")
     print(format_table(rows, REPLAY_COLUMNS))
-    serve_rows = serving_table(args, config)
+    serve_rows, timelines = serving_table(args, config)
     print(f"\nServing: 'small' workload (96 requests, all at t=0), {SERVE_PAGES} KV pages of "
           f"{config.page_size} tokens, {SERVE_SEATS} seats, A100/Qwen3-8B roofline step times, "
           "decisions scripted from synthetic traces")
@@ -123,9 +126,11 @@ def run(args: argparse.Namespace) -> int:
     capacity = plot_capacity(trajectories, out / "capacity.png", config.page_size,
                              title="capacity over one synthetic trace", shaded=diffuse,
                              shaded_label="diffuse attention")
+    pool = plot_pool(timelines, out / "pool.png", SERVE_PAGES, SERVE_SEATS,
+                     title="KV pool while serving the 'small' workload")
     write_json(out / "demo.json", {"replay": rows, "serving": serve_rows,
                                    "config": attrs.asdict(config)})
-    print(f"\nPareto plot: {pareto}\nCapacity trajectories: {capacity}\n"
+    print(f"\nPareto plot: {pareto}\nCapacity trajectories: {capacity}\nKV pool: {pool}\n"
           f"Numbers: {out / 'demo.json'}   ({time.perf_counter() - start:.0f} s)")
     return 0
 

@@ -236,8 +236,8 @@ def run_serve(args: argparse.Namespace) -> int:
         trajectories = dict(list(result.capacity_trajectories().items())[:12])
         plot_capacity(trajectories, out / "capacity.png", config.page_size, xlabel="time (s)",
                       title=f"per-request capacity under {policy.name}")
-        plot_pool(result.pool_timeline(), out / "pool.png", sim.num_kv_pages, sim.max_num_seqs,
-                  title=f"KV pool under {policy.name}")
+        plot_pool({policy.name: result.pool_timeline()}, out / "pool.png", sim.num_kv_pages,
+                  sim.max_num_seqs, title=f"KV pool under {policy.name}")
         _note(args, f"results in {out}/ (metrics.json, requests.csv, capacity.png, pool.png)")
     return 0
 

@@ -47,31 +47,33 @@ def plot_capacity(trajectories: Mapping[str, Sequence[tuple[float, int]]], path:
     return _save(fig, path)
 
 
-def plot_pool(timeline: Sequence[tuple[float, int, int]], path: str | os.PathLike,
-              num_pages: int, max_num_seqs: int, title: str = "KV pool") -> Path:
-    """Pages in use (against the pool's size) and resident requests over time: two step plots
-    sharing the time axis, from ``ServingResult.pool_timeline()``."""
+def plot_pool(timelines: Mapping[str, Sequence[tuple[float, int, int]]],
+              path: str | os.PathLike, num_pages: int, max_num_seqs: int,
+              title: str = "KV pool") -> Path:
+    """Pages in use (against the pool's size) and resident requests over time, one line per
+    run: two step plots sharing the time axis, from ``ServingResult.pool_timeline()``."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    times = [t for t, _, _ in timeline]
-    top.step(times, [u for _, u, _ in timeline], where="post", linewidth=1.2,
-             label="pages in use")
+    most = 0
+    for label, timeline in timelines.items():
+        times = [t for t, _, _ in timeline]
+        line, = top.step(times, [u for _, u, _ in timeline], where="post", linewidth=1.2,
+                         label=label)
+        residents = [n for _, _, n in timeline]
+        bottom.step(times, residents, where="post", linewidth=1.2, color=line.get_color(),
+                    label=label)
+        most = max(most, *residents)
     top.axhline(num_pages, color="0.4", linestyle="--", linewidth=1, label=f"pool ({num_pages})")
-    top.set_ylabel("KV pages")
-    top.set_ylim(bottom=0)
-    top.set_title(title)
-    top.legend(fontsize=8, loc="best")
-    residents = [n for _, _, n in timeline]
-    bottom.step(times, residents, where="post", linewidth=1.2, color="tab:orange",
-                label="resident requests")
-    if max_num_seqs <= 2 * max(residents, default=0):   # the cap, when it is in view
+    if max_num_seqs <= 2 * most:   # the cap, when it is in view
         bottom.axhline(max_num_seqs, color="0.4", linestyle="--", linewidth=1,
                        label=f"max_num_seqs ({max_num_seqs})")
-    bottom.set_ylabel("requests")
+    top.set_ylabel("KV pages in use")
+    top.set_title(title)
+    bottom.set_ylabel("resident requests")
     bottom.set_xlabel("time (s)")
-    bottom.set_ylim(bottom=0)
-    bottom.legend(fontsize=8, loc="best")
     for ax in (top, bottom):
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
     return _save(fig, path)
 
 

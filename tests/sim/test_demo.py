@@ -37,3 +37,16 @@ def test_demo_help_gives_every_default(capsys):
     for option, default in (("traces", 3), ("gen-len", 3072), ("page-size", 64), ("seed", 0),
                             ("out", "results/demo")):
         assert helps[option].endswith(f"(default {default})"), helps[option]
+
+
+def test_a_short_demo_writes_its_plots_and_numbers(capsys, tmp_path):
+    import json
+
+    out = tmp_path / "out"
+    assert main(["demo", "--traces", "1", "--gen-len", "512", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for name in ("pareto.png", "capacity.png", "pool.png", "demo.json"):
+        assert (out / name).stat().st_size > 0 and str(out / name) in printed
+    numbers = json.loads((out / "demo.json").read_text())
+    assert [r["policy"] for r in numbers["serving"]] == ["growpage", "fixed-1024",
+                                                        "fixed-2048", "fullkv"]

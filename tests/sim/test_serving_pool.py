@@ -67,23 +67,26 @@ def test_timeline_agrees_with_the_metrics_on_a_loaded_pool(policy):
         assert m.preemptions > 0   # the pool binds: pages go and come back mid-run
 
 
-def test_pool_plot_draws_the_timeline(tmp_path, monkeypatch):
+def test_pool_plot_draws_each_timeline(tmp_path, monkeypatch):
     drawn = []
     save = plots._save
 
     def keep(fig, path):
-        drawn.extend((ax.get_ylabel(), [tuple(line.get_ydata()) for line in ax.get_lines()])
-                     for ax in fig.axes)
+        drawn.extend((ax.get_ylabel(), [(line.get_label(), tuple(line.get_ydata()))
+                                        for line in ax.get_lines()]) for ax in fig.axes)
         return save(fig, path)
 
     monkeypatch.setattr(plots, "_save", keep)
-    timeline = [(0.0, 1, 1), (3.0, 2, 1), (5.0, 3, 2), (14.0, 0, 0)]
-    path = plots.plot_pool(timeline, tmp_path / "pool.png", num_pages=10, max_num_seqs=4)
+    timelines = {"growpage": [(0.0, 1, 1), (3.0, 2, 1), (5.0, 3, 2), (14.0, 0, 0)],
+                 "fullkv": [(0.0, 2, 1), (9.0, 0, 0)]}
+    path = plots.plot_pool(timelines, tmp_path / "pool.png", num_pages=10, max_num_seqs=4)
     assert path.stat().st_size > 0
     (pages_label, pages_lines), (req_label, req_lines) = drawn
-    assert pages_label == "KV pages" and req_label == "requests"
-    assert pages_lines[0] == (1, 2, 3, 0) and pages_lines[1] == (10, 10)   # the pool's size
-    assert req_lines[0] == (1, 1, 2, 0) and req_lines[1] == (4, 4)         # max_num_seqs
+    assert pages_label == "KV pages in use" and req_label == "resident requests"
+    assert pages_lines == [("growpage", (1, 2, 3, 0)), ("fullkv", (2, 0)),
+                           ("pool (10)", (10, 10))]
+    assert req_lines == [("growpage", (1, 1, 2, 0)), ("fullkv", (1, 0)),
+                         ("max_num_seqs (4)", (4, 4))]
 
 
 def test_sim_serve_writes_the_pool_plot(tmp_path, capsys):
