@@ -47,8 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: stop at it)")
     g.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="also write outputs.jsonl (one line per prompt: text, tokens, finish "
-                        "reason, latencies, capacity events) and stats.json (the engine "
-                        "statistics and the settings) into DIR (default: print only)")
+                        "reason, latencies, capacity events), stats.json (the engine "
+                        "statistics and the settings) and pool.png (KV pages in use and running "
+                        "requests over the run) into DIR (default: print only)")
     g.set_defaults(func=run_generate)
 
     r = subparsers.add_parser("record", help="record full-KV traces (fullkv policy) of prompts "
@@ -144,13 +145,14 @@ def run_generate(args: argparse.Namespace) -> int:
             _print_finish(out)
     print(llm.last_stats.table())
     if args.out is not None:
-        _write_generate_results(args, outs, llm.last_stats)
+        _write_generate_results(args, outs, llm.last_stats, llm.config.max_num_seqs)
     return 0
 
 
 def _write_generate_results(args: argparse.Namespace, outs: list[RequestOutput],
-                            stats: Any) -> None:
-    """``outputs.jsonl`` (one line per prompt, in prompt order) and ``stats.json``."""
+                            stats: Any, max_num_seqs: int) -> None:
+    """``outputs.jsonl`` (one line per prompt, in prompt order), ``stats.json`` and
+    ``pool.png`` (the KV pool over the run's steps)."""
     import attrs
 
     with open(args.out / "outputs.jsonl", "w", encoding="utf-8") as f:
@@ -163,7 +165,11 @@ def _write_generate_results(args: argparse.Namespace, outs: list[RequestOutput],
     payload = {"stats": attrs.asdict(stats), "settings": settings}
     (args.out / "stats.json").write_text(json.dumps(payload, indent=2, ensure_ascii=False)
                                          + "\n", encoding="utf-8")
-    print(f"results in {args.out}/ (outputs.jsonl, stats.json)")
+    from growpage.sim.plots import plot_pool
+
+    plot_pool({stats.policy: stats.pool_timeline}, args.out / "pool.png", stats.num_pages,
+              max_num_seqs, title=f"KV pool under {stats.policy}")
+    print(f"results in {args.out}/ (outputs.jsonl, stats.json, pool.png)")
 
 
 def _print_finish(out: RequestOutput) -> None:

@@ -135,7 +135,7 @@ class LLMEngine:
         finished = self.update(out, seqs, logits)
         self.stats.on_step(time.perf_counter() - start,
                            len(self.scheduler.running) + len(finished), capacities,
-                           self.kv.pool.num_used_pages)
+                           self.kv.pool.num_used_pages, len(self.scheduler.running))
         return finished
 
     def update(self, out: SchedulerOutput, seqs: list[Sequence], logits) -> list[Sequence]:

@@ -114,6 +114,9 @@ class EngineStats:
             requests of their TTFT, TPOT and end-to-end time in seconds, defined as the means
             are (numpy's linear interpolation; 0 without requests), named as the simulator's
             ``ServingMetrics`` names them (whose TPOT is in ms).
+        pool_timeline: ``(seconds since the call started, KV pages in use, running requests)``
+            at the end of every step, as the simulator's ``ServingResult.pool_timeline()``
+            (``growpage.sim.plots.plot_pool`` draws either).
     """
 
     policy: str
@@ -146,6 +149,7 @@ class EngineStats:
     e2e_p50_s: float = 0.0
     e2e_p90_s: float = 0.0
     e2e_p99_s: float = 0.0
+    pool_timeline: list[tuple[float, int, int]] = attrs.field(factory=list, repr=False)
 
     def rows(self) -> list[tuple[str, str]]:
         e = self.events

@@ -36,10 +36,16 @@ class StatsCollector:
         self.budget_tokens = 0        # sum over decode steps and requests of capacity (tokens)
         self.budget_samples = 0
         self.max_pages_used = 0
+        self.timeline: list[tuple[float, int, int]] = []
         self.finished: list[Sequence] = []
 
     def on_step(self, seconds: float, num_running: int, decode_capacities: list[int],
-                pages_used: int) -> None:
+                pages_used: int, resident_after: int | None = None) -> None:
+        """One step took ``seconds`` with ``num_running`` requests; ``pages_used`` and
+        ``resident_after`` (default ``num_running``) are the pool's and the batch's state when
+        it ended."""
+        self.timeline.append((time.perf_counter() - self.start, pages_used,
+                              num_running if resident_after is None else resident_after))
         self.num_steps += 1
         self.step_time += seconds
         self.resident_time += seconds * num_running
@@ -81,4 +87,5 @@ class StatsCollector:
             prefix_hit_tokens=int(grown.get("prefix_hit_tokens", 0)), events=events,
             boundary_time_s=grown.get("boundary_seconds", 0.0),
             deferred_time_s=grown.get("deferred_seconds", 0.0),
-            deferred_waited_s=grown.get("deferred_stall_seconds", 0.0))
+            deferred_waited_s=grown.get("deferred_stall_seconds", 0.0),
+            pool_timeline=list(self.timeline))

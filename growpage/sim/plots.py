@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 from matplotlib.transforms import Bbox  # noqa: E402
 from matplotlib.typing import ColorType  # noqa: E402
 
@@ -72,6 +73,7 @@ def plot_pool(timelines: Mapping[str, Sequence[tuple[float, int, int]]],
     bottom.set_xlabel("time (s)")
     for ax in (top, bottom):
         ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))   # pages and requests are counts
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
     return _save(fig, path)

@@ -129,11 +129,17 @@ class _Answers:
     """An ``LLM`` stand-in that answers each prompt and keeps the sampling parameters."""
 
     def __init__(self):
+        from types import SimpleNamespace
+
         from growpage.core.events import EventCounters
         from growpage.engine.stats import StatsCollector
 
         self.params = None
-        self.last_stats = StatsCollector(EventCounters()).summary("growpage", 16, 8)
+        self.config = SimpleNamespace(max_num_seqs=4)
+        collector = StatsCollector(EventCounters())
+        for pages, running in ((3, 2), (5, 2), (2, 1), (0, 0)):
+            collector.on_step(0.01, running, [], pages, running)
+        self.last_stats = collector.summary("growpage", 16, 8)
 
     def generate(self, prompts, params, **kwargs):
         self.params = params
@@ -158,7 +164,8 @@ def test_generate_out_writes_every_output_and_the_stats(monkeypatch, capsys, tmp
     out = tmp_path / "run" / "one"
     assert cli.main(["generate", "--prompt", "a", "--prompt", "b", "--policy", "fixed",
                      "--param", "budget_tokens=128", "--out", str(out)]) == 0
-    assert f"results in {out}/ (outputs.jsonl, stats.json)" in capsys.readouterr().out
+    assert f"results in {out}/ (outputs.jsonl, stats.json, pool.png)" in capsys.readouterr().out
+    assert (out / "pool.png").stat().st_size > 0
     rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1]
     assert [r["text"] for r in rows] == ["answer 0 ünïcode", "answer 1 ünïcode"]
@@ -166,6 +173,8 @@ def test_generate_out_writes_every_output_and_the_stats(monkeypatch, capsys, tmp
     assert rows[0]["trajectory"] == [[64, 2, "grow"]] and rows[0]["e2e_s"] == 1.0
     payload = json.loads((out / "stats.json").read_text())
     assert payload["stats"]["policy"] == "growpage" and "ttft_p99_s" in payload["stats"]
+    assert [row[1:] for row in payload["stats"]["pool_timeline"]] == [[3, 2], [5, 2], [2, 1],
+                                                                      [0, 0]]
     assert payload["settings"]["policy"] == "fixed"
     assert payload["settings"]["policy_arg"] == ["budget_tokens=128"]
     assert payload["settings"]["out"] == str(out)

@@ -1,5 +1,5 @@
 """Engine latency statistics: per-request TTFT, TPOT and end-to-end time, and their means and
-percentiles in ``EngineStats``, named as the simulator's metrics are."""
+percentiles in ``EngineStats``, named as the simulator's metrics are; the pool timeline."""
 
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ def test_percentiles_are_those_of_the_requests(model):
         got = [getattr(stats, f"{name}_p{q}_s") for q in PERCENTILES]
         assert got == pytest.approx(np.percentile(values, PERCENTILES).tolist())
         assert got == sorted(got)
+    timeline = stats.pool_timeline
+    assert len(timeline) == stats.num_steps
+    times = [t for t, _, _ in timeline]
+    assert times == sorted(times) and 0 < times[-1] <= stats.total_time_s
+    assert max(pages for _, pages, _ in timeline) == stats.max_pages_used
+    assert max(n for _, _, n in timeline) == 3 and timeline[-1][2] == 0   # 3 seats; all done
+    assert "pool_timeline" not in repr(stats)
     # Waiting for a seat shows in the tail: the last admitted wait for the first to finish.
     assert stats.ttft_p99_s > stats.ttft_p50_s
     table = stats.table()
