@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from growpage.kernels import _utils as kernel_utils
 from growpage.kernels import (
     accumulate_attention,
     boundary_queries_batch,
@@ -28,7 +29,6 @@ from growpage.kernels import (
     store_kv,
     update_query_state,
 )
-from growpage.kernels import _utils as kernel_utils
 from kernel_helpers import DEVICE, ON_CUDA, gen, randn
 
 D = 16
