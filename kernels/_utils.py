@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -116,9 +117,25 @@ def set_index_checks(enabled: bool) -> bool:
     return previous
 
 
+_SUSPENDED = 0  # depth of ``without_index_checks`` blocks
+
+
+@contextlib.contextmanager
+def without_index_checks() -> Iterator[None]:
+    """No index values are checked inside the block, not even under the interpreter: for tools
+    that count a GPU run's host work on the CPU (``benchmarks/boundary_ops.py``), and for tests
+    of a kernel's own guards against values the checks would refuse."""
+    global _SUSPENDED
+    _SUSPENDED += 1
+    try:
+        yield
+    finally:
+        _SUSPENDED -= 1
+
+
 def index_checks_on() -> bool:
     """Whether the wrappers check the values of their index tensors before a launch."""
-    return _INTERPRETER or _CHECK_ON_DEVICE
+    return (_INTERPRETER or _CHECK_ON_DEVICE) and not _SUSPENDED
 
 
 def first_true(mask: torch.Tensor) -> tuple[int, ...] | None:

@@ -400,3 +400,18 @@ def test_index_checks_env_var_read_at_import() -> None:
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
+
+
+def test_without_index_checks_suspends_them_for_a_block() -> None:
+    """For tools that count a GPU run's host work on the CPU: nothing is checked inside."""
+    from growpage.kernels import without_index_checks
+
+    with without_index_checks():
+        with without_index_checks():
+            assert kernel_utils.index_checks_on() is False
+        assert kernel_utils.index_checks_on() is False
+        g = gen(31)
+        k_cache = randn(3, 2, 1, D, g=g)
+        with pytest.raises(AssertionError, match="one slot per token"):  # shapes still checked
+            store_kv(k_cache[0, :1], k_cache[0, :1], k_cache, k_cache.clone(), ints([0, 1]))
+    assert kernel_utils.index_checks_on() is True
