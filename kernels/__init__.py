@@ -18,6 +18,7 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from ._utils import set_index_checks, without_index_checks  # noqa: E402
 from .accumulate import accumulate_attention  # noqa: E402
 from .boundary_queries import boundary_queries, boundary_queries_batch  # noqa: E402
 from .compaction import compact_kv, is_direct_safe  # noqa: E402
@@ -47,7 +48,9 @@ __all__ = [
     "estimate_demand",
     "is_direct_safe",
     "paged_decode_attention",
+    "set_index_checks",
     "store_kv",
     "update_query_state",
+    "without_index_checks",
     "working_set_sizes",
 ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -87,3 +89,130 @@ def num_sms(device: torch.device) -> int:
 @functools.cache
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# --- values of index tensors ------------------------------------------------------------------
+# NOTE: checking a value reads the tensor, which on a GPU is a device sync per check. Under the
+# interpreter (CPU tensors, where reading costs no sync) the values are always checked; compiled,
+# only when GROWPAGE_CHECK_INDICES is set when this module is imported, or after
+# ``set_index_checks(True)``. Read once, like the interpreter flag: the wrappers ask on every
+# launch. (Keyed on the interpreter rather than the device: benchmarks/aot_compile.py compiles
+# for a GPU with placeholder CPU tensors and checks nothing, as on a GPU.)
+CHECK_INDICES_ENV = "GROWPAGE_CHECK_INDICES"
+
+
+def env_flag(name: str) -> bool:
+    """An environment variable set to 1/true/on/yes (any case)."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+_CHECK_ON_DEVICE = env_flag(CHECK_INDICES_ENV)
+
+
+def set_index_checks(enabled: bool) -> bool:
+    """Check the values of index tensors on a GPU too (each check then syncs); returns the
+    previous setting. Under the interpreter they are checked whatever the setting."""
+    global _CHECK_ON_DEVICE
+    previous, _CHECK_ON_DEVICE = _CHECK_ON_DEVICE, bool(enabled)
+    return previous
+
+
+_SUSPENDED = 0  # depth of ``without_index_checks`` blocks
+
+
+@contextlib.contextmanager
+def without_index_checks() -> Iterator[None]:
+    """No index values are checked inside the block, not even under the interpreter: for tools
+    that count a GPU run's host work on the CPU (``benchmarks/boundary_ops.py``), and for tests
+    of a kernel's own guards against values the checks would refuse."""
+    global _SUSPENDED
+    _SUSPENDED += 1
+    try:
+        yield
+    finally:
+        _SUSPENDED -= 1
+
+
+def index_checks_on() -> bool:
+    """Whether the wrappers check the values of their index tensors before a launch."""
+    return (_INTERPRETER or _CHECK_ON_DEVICE) and not _SUSPENDED
+
+
+def first_true(mask: torch.Tensor) -> tuple[int, ...] | None:
+    """Index of the first True of ``mask`` in row-major order, None when there is none."""
+    if not bool(mask.any()):
+        return None
+    return tuple(mask.nonzero()[0].tolist())
+
+
+def values_in(t: torch.Tensor, low: int, high: int | None) -> bool:
+    """Every value of ``t`` in ``[low, high)`` (``high`` None: no upper bound); one reduction."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return int(lo) >= low and (high is None or int(hi) < high)
+
+
+def at(name: str, index: tuple[int, ...]) -> str:
+    return f"{name}[{', '.join(map(str, index))}]"
+
+
+def check_values(
+    t: torch.Tensor,
+    name: str,
+    low: int,
+    high: int | None,
+    expected: str,
+    *,
+    where: Callable[[], torch.Tensor] | None = None,
+    label: Callable[[tuple[int, ...]], str] | None = None,
+    note: Callable[[tuple[int, ...]], str] | None = None,
+    exc: type[Exception] = AssertionError,
+) -> None:
+    """Raise ``exc`` naming the first value of ``t`` outside ``[low, high)`` (``high`` None: no
+    upper bound), its index and ``expected`` (the valid values, in words).
+
+    ``where()``, a bool mask of ``t``'s shape, limits the check to the entries a kernel reads; it
+    is only built when some value of the whole tensor is out of range (one ``aminmax`` first).
+    ``label(index)`` names an entry (default ``name[index]``); ``note(index)`` says, after the
+    value, why the entry matters.
+    """
+    if values_in(t, low, high):
+        return
+    bad = t < low
+    if high is not None:
+        bad |= t >= high
+    if where is not None:
+        bad &= where()
+    index = first_true(bad)
+    if index is not None:
+        entry = label(index) if label is not None else at(name, index)
+        why = f" ({note(index)})" if note is not None else ""
+        raise exc(f"{entry} = {int(t[index])}{why}: expected {expected}")
+
+
+def page_range(num_pages: int) -> str:
+    return f"-1 (no page) or a page id in [0, {num_pages})"
+
+
+def check_context_lens(context_lens: torch.Tensor) -> None:
+    check_values(context_lens, "context_lens", 0, None, "a context length >= 0")
+
+
+def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int,
+                       num_pages: int) -> None:
+    """The table entries a paged kernel reads: row ``b``'s first ``cdiv(min(context_lens[b],
+    width * page_size), page_size)`` columns, each -1 (skipped) or a page id. Entries past a
+    row's context are never read and may hold anything. ``context_lens`` checked first."""
+    width = block_tables.shape[1]
+
+    def read() -> torch.Tensor:
+        pages = (context_lens.clamp(max=width * page_size) + page_size - 1) // page_size
+        columns = torch.arange(width, device=block_tables.device)
+        return columns[None, :] < pages[:, None]
+
+    def note(index: tuple[int, ...]) -> str:
+        return f"within context_lens[{index[0]}] = {int(context_lens[index[0]])}"
+
+    check_values(block_tables, "block_tables", -1, num_pages, page_range(num_pages), where=read,
+                 note=note)

@@ -27,11 +27,14 @@ import triton.language as tl
 from ._utils import (
     MIN_DOT_DIM,
     check_block,
+    check_block_tables,
+    check_context_lens,
     check_device,
     check_float,
     check_heads,
     check_index,
     dot_in_fp32,
+    index_checks_on,
     is_interpreter,
     next_pow2,
 )
@@ -184,6 +187,9 @@ def accumulate_attention(
         check_device(q, k_cache, block_tables, context_lens, acc, lse)
     else:
         check_device(q, k_cache, block_tables, context_lens, acc)
+    if index_checks_on():
+        check_context_lens(context_lens)
+        check_block_tables(block_tables, context_lens, page_size, num_pages)
     if num_seqs == 0:
         return
     group = num_heads // num_kv_heads

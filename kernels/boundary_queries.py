@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, check_device, next_pow2
+from ._utils import at, cdiv, check_device, check_values, index_checks_on, next_pow2
 
 NUM_VIEWS = 2
 # Elements of one [BLOCK_H, BLOCK_D] tile: bounds the heads per program for large head dims.
@@ -153,7 +153,7 @@ def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, 
     if position >= 2**31:
         raise ValueError(f"position must be < 2**31 (an int32 on the device), got {position}")
     meta = torch.tensor([[slot, position]], dtype=torch.int32).to(summaries.device)
-    return boundary_queries_batch(summaries, current, meta, 0, inv_freq, eps)[0]
+    return _boundary_queries_batch(summaries, current, meta, 0, inv_freq, eps, False)[0]
 
 
 def boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta: torch.Tensor,
@@ -162,19 +162,39 @@ def boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta:
     """``boundary_queries`` of R requests in one launch.
 
     Args:
-        meta: ``[R, W]`` int32 on the device: request r's slot at ``meta_col`` and its position
-            at ``meta_col + 1`` (the caller checks them: slots in ``[0, M)``, positions
-            ``>= 0``; they are not read on the host). Other columns are not read.
+        meta: ``[R, W]`` int32 on the device: request r's slot at ``meta_col``, in ``[0, M)``,
+            and its position at ``meta_col + 1``, ``>= 0``. Other columns are not read. The
+            values are checked (``ValueError``) on CPU, and on a GPU only when index checks
+            are on (``GROWPAGE_CHECK_INDICES=1``: the check syncs).
 
     Returns:
         ``[R, 2, L, Hq, d]`` fp32.
     """
+    return _boundary_queries_batch(summaries, current, meta, meta_col, inv_freq, eps, True)
+
+
+def check_meta(meta: torch.Tensor, meta_col: int, num_slots: int) -> None:
+    """Each request's query-state slot in ``[0, num_slots)`` and position ``>= 0``."""
+    check_values(meta[:, meta_col], "meta", 0, num_slots,
+                 f"a query-state slot in [0, {num_slots})",
+                 label=lambda i: at("meta", (i[0], meta_col)), exc=ValueError)
+    check_values(meta[:, meta_col + 1], "meta", 0, None, "a position >= 0",
+                 label=lambda i: at("meta", (i[0], meta_col + 1)), exc=ValueError)
+
+
+def _boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta: torch.Tensor,
+                            meta_col: int, inv_freq: torch.Tensor, eps: float, check: bool
+                            ) -> torch.Tensor:
+    """``check``: read ``meta``'s values (``boundary_queries`` checked its slot and position on
+    the host)."""
     _check_args(summaries, current, inv_freq)
     assert meta.dim() == 2 and meta.dtype == torch.int32 and meta.stride(-1) == 1, \
         f"meta: expected a row-contiguous [R, W] int32 tensor, got {meta.dtype} {tuple(meta.shape)}"
     assert meta_col >= 0, f"meta_col must be >= 0, got {meta_col}"
     assert meta.shape[1] >= meta_col + 2, f"meta: {meta.shape[1]} columns, need {meta_col + 2}"
     check_device(summaries, meta)
+    if check and index_checks_on():
+        check_meta(meta, meta_col, summaries.shape[1])
     num_layers, _, _, num_heads, head_dim = summaries.shape
     num_req = meta.shape[0]
     out = torch.empty(num_req, NUM_VIEWS, num_layers, num_heads, head_dim, dtype=torch.float32,

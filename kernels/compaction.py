@@ -31,7 +31,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device, check_index, is_interpreter, next_pow2
+from ._utils import (
+    at,
+    check_device,
+    check_index,
+    check_values,
+    first_true,
+    index_checks_on,
+    is_interpreter,
+    next_pow2,
+    page_range,
+    values_in,
+)
 
 
 # Per-boundary quantities (kept count, table widths, strides that follow the kept count, layer
@@ -157,6 +168,57 @@ def _shared_with_writers(block_tables: torch.Tensor, dst_block_tables: torch.Ten
         0, owner, conflict, "amax")
 
 
+def check_keep(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.Tensor,
+               dst_block_tables: torch.Tensor | None) -> None:
+    """The values ``compact_kv`` relies on: each row of ``keep`` strictly ascending positions of
+    the source table, then -1 padding; no kept entry past the destination table; and the page
+    ids the kernel reads (the source pages of kept positions, the destination pages of kept
+    entries) -1 or in the cache. Other table entries are not read and may hold anything."""
+    num_pages, page_size = kv_cache.shape[2], kv_cache.shape[3]
+    dst_name = "block_tables" if dst_block_tables is None else "dst_block_tables"
+    dst_tables = block_tables if dst_block_tables is None else dst_block_tables
+    src_width, dst_width = block_tables.shape[1], dst_tables.shape[1]
+    src_tokens, dst_tokens = src_width * page_size, dst_width * page_size
+    check_values(keep, "keep", -1, src_tokens,
+                 f"-1 (padding) or a position of the source table, in [0, {src_tokens}) "
+                 f"(width {src_width} x page size {page_size})")
+    num_reqs, num_layers, num_heads, num_keep = keep.shape
+    if num_keep > 1:
+        prev, this = keep[..., :-1], keep[..., 1:]
+        index = first_true((this >= 0) & ((prev < 0) | (this <= prev)))
+        if index is not None:
+            after = (*index[:3], index[3] + 1)
+            raise AssertionError(
+                f"{at('keep', after)} = {int(keep[after])} after {at('keep', index)} = "
+                f"{int(keep[index])}: expected each row of keep strictly ascending, then -1 "
+                f"padding at its end")
+    if num_keep > dst_tokens:
+        check_values(keep[..., dst_tokens:], "keep", -1, 0,
+                     f"-1: entry j goes to position j of {dst_name}, which holds {dst_tokens} "
+                     f"(width {dst_width} x page size {page_size})",
+                     label=lambda i: at("keep", (*i[:3], i[3] + dst_tokens)))
+    if values_in(block_tables, -1, num_pages) and values_in(dst_tables, -1, num_pages):
+        return
+    # Some table holds a bad page id: is it one the kernel reads?
+    keep = keep.long()
+    kept = keep >= 0
+    if not bool(kept.any()):
+        return
+    rows = torch.arange(num_reqs, device=keep.device)[:, None, None, None]
+    entries = torch.arange(num_keep, device=keep.device)
+    for table, name, column, what in (
+            (block_tables, "block_tables", torch.where(kept, keep // page_size, 0),
+             "the source page of"),
+            (dst_tables, dst_name, torch.where(kept, entries // page_size, 0),
+             "the destination page of")):
+        page = table[rows, column].long()
+        index = first_true(kept & ((page < -1) | (page >= num_pages)))
+        if index is not None:
+            raise AssertionError(
+                f"{at(name, (index[0], int(column[index])))} = {int(page[index])} ({what} "
+                f"{at('keep', index)} = {int(keep[index])}): expected {page_range(num_pages)}")
+
+
 def compact_kv(
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -173,11 +235,13 @@ def compact_kv(
     Args:
         kv_cache: ``[2, L, num_pages, page_size, Hkv, d]`` the whole KV cache (K then V).
         block_tables: ``[R, max_pages]`` int32 source pages of each request, -1 padded.
-        keep: ``[R, L, Hkv, K]`` int32/int64 ascending logical positions to keep, -1 padded at
-            the end (a request keeping fewer tokens than K). NOTE: not checked (that would need
-            a sync); a position past the source table or an entry ``j`` past the destination
-            table is skipped (the kernel never reads past a table row), and a -1 in the middle
-            leaves a hole where the reference would close it up.
+        keep: ``[R, L, Hkv, K]`` int32/int64 strictly ascending logical positions to keep,
+            -1 padded at the end (a request keeping fewer tokens than K), every kept entry
+            inside both tables (``check_keep``; checked under the interpreter, and on a GPU only
+            with ``GROWPAGE_CHECK_INDICES=1``, as the check syncs). Unchecked, a position past
+            the source table or an entry ``j`` past the destination table is skipped (the
+            kernel never reads past a table row), and a -1 in the middle leaves a hole where
+            the reference would close it up.
         dst_block_tables: ``[R, max_pages_dst]`` destination pages; None = in place.
         accumulated: optional ``[L, num_pages * page_size, Hkv]`` fp32 per-slot sums (H2O
             accumulated attention), moved exactly like the keys and values.
@@ -203,6 +267,8 @@ def compact_kv(
     check_index(dst_tables, 2, "dst_block_tables")
     assert dst_tables.shape[0] == num_reqs
     check_device(kv_cache, block_tables, dst_tables, keep)
+    if index_checks_on():
+        check_keep(kv_cache, block_tables, keep, dst_block_tables)
     if num_reqs == 0 or num_keep == 0:
         return
     if staged is None:

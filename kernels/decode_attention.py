@@ -33,15 +33,24 @@ import triton.language as tl
 from ._utils import (
     MIN_DOT_DIM,
     check_block,
+    check_block_tables,
+    check_context_lens,
     check_device,
     check_float,
     check_heads,
     check_index,
     dot_in_fp32,
+    index_checks_on,
     is_interpreter,
     next_pow2,
 )
-from .query_state import BETA_LONG, BETA_SHORT, _ema_update, check_query_state_args
+from .query_state import (
+    BETA_LONG,
+    BETA_SHORT,
+    _ema_update,
+    check_query_state_args,
+    check_slot_ids,
+)
 from .split_k import LOG2E, MAX_SPLITS, default_num_splits, merge_splits
 
 
@@ -239,6 +248,11 @@ def paged_decode_attention(
         f"out: expected {tuple(q.shape)} with a contiguous last dim, got {tuple(out.shape)}"
     check_float(out, "out")
     check_device(q, out)
+    if index_checks_on():
+        check_context_lens(context_lens)
+        check_block_tables(block_tables, context_lens, page_size, num_pages)
+        if has_ema:
+            check_slot_ids(slot_ids, query_state.shape[0])
     if num_seqs == 0:
         return out
 

@@ -30,15 +30,19 @@ import triton.language as tl
 
 from ._utils import (
     MIN_DOT_DIM,
+    at,
     cdiv,
     check_block,
     check_device,
     check_float,
     check_heads,
     check_index,
+    check_values,
+    index_checks_on,
     is_interpreter,
     next_pow2,
     num_sms,
+    page_range,
 )
 from .split_k import LOG2E
 
@@ -223,8 +227,8 @@ def demand_attention(
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}]"
     meta = torch.tensor([num_candidates, num_splits], dtype=torch.int32)
     table = torch.cat([block_table.to(torch.int32), meta.to(block_table.device)])[None]
-    return demand_attention_batch(queries[None], k_cache, table, block_table.shape[0],
-                                  num_candidates, num_splits, sm_scale, block_n=block_n)[0]
+    return _demand_attention_batch(queries[None], k_cache, table, block_table.shape[0],
+                                   num_candidates, num_splits, sm_scale, block_n, block_table)[0]
 
 
 def demand_attention_batch(
@@ -254,6 +258,43 @@ def demand_attention_batch(
         ``[R, V, L, Hkv, max_candidates]`` fp32: row r holds request r's distributions over its
         Nc_r candidates, then zeros.
     """
+    return _demand_attention_batch(queries, k_cache, tables, meta_col, max_candidates,
+                                   max_splits, sm_scale, block_n, None)
+
+
+def check_demand_tables(tables: torch.Tensor, meta_col: int, page_size: int, num_pages: int,
+                        max_candidates: int, max_splits: int) -> None:
+    """Each row's candidate count in ``[0, min(max_candidates, meta_col * page_size)]``, its
+    split count in ``[1, max_splits]``, and the pages of its candidates -1 or in the cache
+    (columns past a row's candidates are not read and may hold anything)."""
+    most = min(max_candidates, meta_col * page_size)
+    counts = tables[:, meta_col]
+    check_values(counts, "tables", 0, most + 1,
+                 f"a candidate count in [0, {most}] (max_candidates {max_candidates}; "
+                 f"meta_col {meta_col} x page size {page_size})",
+                 label=lambda i: at("tables", (i[0], meta_col)))
+    check_values(tables[:, meta_col + 1], "tables", 1, max_splits + 1,
+                 f"a split count in [1, {max_splits}] (max_splits)",
+                 label=lambda i: at("tables", (i[0], meta_col + 1)))
+
+    def read() -> torch.Tensor:
+        columns = torch.arange(meta_col, device=tables.device)
+        return columns[None, :] < ((counts + page_size - 1) // page_size)[:, None]
+
+    def note(index: tuple[int, ...]) -> str:
+        return f"a page of row {index[0]}'s {int(counts[index[0]])} candidates"
+
+    check_values(tables[:, :meta_col], "tables", -1, num_pages, page_range(num_pages),
+                 where=read, note=note)
+
+
+def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor,
+                            meta_col: int, max_candidates: int, max_splits: int,
+                            sm_scale: float | None, block_n: int | None,
+                            block_table: torch.Tensor | None) -> torch.Tensor:
+    """``block_table``: ``demand_attention``'s, whose pages fill the one row of ``tables`` and
+    whose candidate and split counts were checked on the host: its values are checked instead
+    of the table's (before the cast to int32, which could wrap a large page id)."""
     num_req, num_views, num_layers, num_heads, head_dim = queries.shape
     _, _, page_size, num_kv_heads, d_cache = k_cache.shape
     assert k_cache.shape[0] == num_layers and d_cache == head_dim, "queries vs k_cache layout"
@@ -271,6 +312,14 @@ def demand_attention_batch(
     assert 0 < max_candidates <= meta_col * page_size, "max_candidates out of range"
     assert 1 <= max_splits <= MAX_SPLITS, f"max_splits must lie in [1, {MAX_SPLITS}]"
     check_device(queries, k_cache, tables)
+    if index_checks_on():
+        num_pages = k_cache.shape[1]
+        if block_table is None:
+            check_demand_tables(tables, meta_col, page_size, num_pages, max_candidates,
+                                max_splits)
+        else:
+            check_values(block_table[:cdiv(max_candidates, page_size)], "block_table", -1,
+                         num_pages, page_range(num_pages))
     group = num_heads // num_kv_heads
     device = queries.device
     block_n = block_n or (16 if is_interpreter() else 64)

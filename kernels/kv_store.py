@@ -9,7 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device, check_float, check_index, next_pow2
+from ._utils import (
+    check_device,
+    check_float,
+    check_index,
+    check_values,
+    index_checks_on,
+    next_pow2,
+)
 
 
 # The slot mapping's address (often a slice of a step's metadata) stays out of the compile key.
@@ -73,6 +80,11 @@ def store_kv(
     check_index(slot_mapping, 1, "slot_mapping")
     assert slot_mapping.shape[0] == num_tokens, "one slot per token"
     check_device(key, value, k_cache, v_cache, slot_mapping)
+    if index_checks_on():
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        check_values(slot_mapping, "slot_mapping", -1, num_slots,
+                     f"-1 (token skipped) or a cache slot in [0, {num_slots}) "
+                     f"({k_cache.shape[0]} pages x page size {k_cache.shape[1]})")
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](

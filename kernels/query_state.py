@@ -15,7 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device, check_float, check_index, next_pow2
+from ._utils import (
+    check_device,
+    check_float,
+    check_index,
+    check_values,
+    index_checks_on,
+    next_pow2,
+)
 
 BETA_SHORT = 0.9
 BETA_LONG = 0.999
@@ -97,6 +104,12 @@ def check_query_state_args(q_pre: torch.Tensor, state: torch.Tensor, slot_ids: t
     check_device(q_pre, state, slot_ids, is_first)
 
 
+def check_slot_ids(slot_ids: torch.Tensor, num_slots: int) -> None:
+    """Each row's query-state slot: -1 (row skipped) or a slot of the pool."""
+    check_values(slot_ids, "slot_ids", -1, num_slots,
+                 f"-1 (row skipped) or a query-state slot in [0, {num_slots})")
+
+
 def update_query_state(
     q_pre: torch.Tensor,
     state: torch.Tensor,
@@ -114,6 +127,8 @@ def update_query_state(
         is_first: ``[B]`` int32/bool; set both summaries to ``q`` on a request's first decode step.
     """
     check_query_state_args(q_pre, state, slot_ids, is_first)
+    if index_checks_on():
+        check_slot_ids(slot_ids, state.shape[0])
     if is_first.dtype == torch.bool:
         is_first = is_first.to(torch.int32)
     num_seqs, num_heads, head_dim = q_pre.shape
