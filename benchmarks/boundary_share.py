@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # NOTE: first, before anything imports triton: growpage.kernels turns Triton's interpreter on
 # when there is no CUDA device.
 import growpage.kernels  # noqa: E402, F401
+from growpage.kernels import without_index_checks  # noqa: E402
 from growpage.kernels.variants import stubbed_launches  # noqa: E402
 
 from growpage.core.rope import RopeConfig  # noqa: E402
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.async_compaction:
         runs += [(policy, True, True) for policy in args.policies if policy != "fullkv"]
     for policy, shared, deferred in runs:
-        with stubbed_launches():
+        # No index-value checks: the interpreter always runs them, a GPU by default does not.
+        with stubbed_launches(), without_index_checks():
             llm = LLM(model, policy=policy, page_size=args.page_size, kv_pages=kv_pages,
                       max_num_seqs=args.requests, device="cpu", attention_backend="triton",
                       boundary_kernels=True, min_capacity=4, enable_prefix_caching=False,
