@@ -4,6 +4,8 @@ One policy API (``CapacityPolicy``) drives both the trace-replay simulator (``gr
 and the paged-attention engine (``growpage.engine``).
 """
 
+from typing import TYPE_CHECKING
+
 from growpage.core.capacity import BoundaryOutcome, CapacityController
 from growpage.core.config import GrowPageConfig
 from growpage.core.context import BoundaryContext
@@ -26,6 +28,10 @@ from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import register_policy, resolve_policy
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # imported on first use (``__getattr__``); type checkers see the classes
+    from growpage.engine.llm import LLM
+    from growpage.engine.sampling_params import SamplingParams
 
 # The engine is imported on first use, so policy authors and the simulator do not pay for it.
 _LAZY = {"LLM": "growpage.engine.llm", "SamplingParams": "growpage.engine.sampling_params"}

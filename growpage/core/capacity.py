@@ -264,6 +264,7 @@ class CapacityController:
         problem, ordered = _check_selection(indices, ctx, keep)
         if problem:
             raise PolicyError(f"policy {_name(self.policy)} select(): {problem}")
+        assert ordered is not None  # no problem: the checked selection comes back
         return ordered
 
     def _count(self, state: RequestState, field: str, n: int = 1) -> None:

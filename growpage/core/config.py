@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from growpage.errors import ConfigError
@@ -74,7 +76,7 @@ class GrowPageConfig:
         """k_loc with its default (page_size // 4) resolved."""
         return self.page_size // 4 if self.k_loc is None else self.k_loc
 
-    def replace(self, **changes: object) -> GrowPageConfig:
+    def replace(self, **changes: Any) -> GrowPageConfig:
         return attrs.evolve(self, **changes)
 
 

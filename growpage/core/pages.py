@@ -188,7 +188,8 @@ class PagePool:
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Cached pages for the longest run of full leading pages of ``token_ids`` (not acquired)."""
-        pages, prev = [], None
+        pages: list[int] = []
+        prev: int | None = None
         b = self.page_size
         for start in range(0, len(token_ids) - b + 1, b):
             chunk = token_ids[start:start + b]

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import torch
 
+from growpage._convert import str_tuple
 from growpage.core.traces import (
     FORMAT_VERSION,
     Trace,
@@ -40,7 +41,7 @@ class TraceEntry:
     request_id: str
     prompt_len: int
     num_tokens: int
-    tags: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    tags: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
 
     @classmethod
     def from_json(cls, d: Any) -> TraceEntry:

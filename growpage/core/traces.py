@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from growpage._convert import int_tuple
 from growpage.core.rope import RopeConfig
 from growpage.errors import TraceError
 
@@ -84,14 +85,14 @@ class TraceHeader:
     request_id: str
     model: str
     num_layers: int                                   # layers of the model
-    layer_ids: tuple[int, ...] = attrs.field(converter=tuple)  # recorded model layers
+    layer_ids: tuple[int, ...] = attrs.field(converter=int_tuple)  # recorded model layers
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     rope: RopeConfig
     softmax_scale: float
     prompt_len: int
-    token_ids: tuple[int, ...] = attrs.field(converter=tuple)  # prompt + generated, length T
+    token_ids: tuple[int, ...] = attrs.field(converter=int_tuple)  # prompt + generated, length T
     has_values: bool = True
     meta: dict = attrs.field(factory=dict, hash=False)        # free-form, JSON-serializable
 
@@ -223,7 +224,7 @@ def write_trace(path: str | os.PathLike, trace: Trace, dtype: torch.dtype = torc
     return path
 
 
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     """``write(tmp)`` a temporary file beside ``path``, then rename it over ``path``: readers
     see the old file or the new one, never half of one (the temporary is removed on failure)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

@@ -162,29 +162,32 @@ class TorchAttentionBackend(AttentionBackend):
                 layer_cache: torch.Tensor | None, ctx: StepContext, scale: float
                 ) -> torch.Tensor:
         assert ctx.cu_seqlens_q is not None and ctx.context_lens is not None
-        use_cache = ctx.block_tables is not None
-        if use_cache and layer_cache is None:
-            raise RuntimeError("prefill over cached pages needs a bound KV cache")
+        cached: tuple[torch.Tensor, torch.Tensor] | None = None  # (layer cache, block tables)
+        if ctx.block_tables is not None:
+            if layer_cache is None:
+                raise RuntimeError("prefill over cached pages needs a bound KV cache")
+            cached = layer_cache, ctx.block_tables
         bounds = ctx.cu_seqlens_q.tolist()
         ctx_lens = ctx.context_lens.tolist()
-        sums = None
+        accumulate: tuple[torch.Tensor, torch.Tensor] | None = None  # (H2O sums, slot mapping)
         if ctx.accumulation is not None:
             assert layer_cache is not None and ctx.slot_mapping is not None
-            sums = ctx.accumulation.layer(layer_cache)
+            accumulate = ctx.accumulation.layer(layer_cache), ctx.slot_mapping
         out = torch.empty_like(q)
         for b in range(len(bounds) - 1):
             start, end = bounds[b], bounds[b + 1]
             if end == start:
                 continue
-            if use_cache:
-                kb, vb = gather_pages(layer_cache, ctx.block_tables[b : b + 1])
+            if cached is not None:
+                kb, vb = gather_pages(cached[0], cached[1][b : b + 1])
                 kb, vb = kb[0, : ctx_lens[b]], vb[0, : ctx_lens[b]]
             else:
                 kb, vb = k[start:end], v[start:end]
             out[start:end] = _causal_attention(q[start:end], kb, vb, scale)
-            if sums is not None:
-                slots = (table_slots(ctx.block_tables[b], ctx_lens[b], layer_cache.shape[2])
-                         if use_cache else ctx.slot_mapping[start:end])
+            if accumulate is not None:
+                sums, slot_mapping = accumulate
+                slots = (table_slots(cached[1][b], ctx_lens[b], cached[0].shape[2])
+                         if cached is not None else slot_mapping[start:end])
                 add_prefill(sums, q[start:end], kb, slots, scale)
         return out
 

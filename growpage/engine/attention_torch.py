@@ -76,6 +76,7 @@ class PagedTorchBackend(TorchAttentionBackend):
     def decode(self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext,
                scale: float) -> torch.Tensor:
         """``q [B, Hq, d]`` over each sequence's first ``context_lens[b]`` slots -> ``[B, Hq, d]``."""
+        assert ctx.context_lens is not None
         _, _, page_size, num_kv_heads, head_dim = layer_cache.shape
         dtype = torch.float32 if q.device.type == "cpu" else q.dtype
         slots, mask = self._metadata(ctx, page_size, dtype, q.device)

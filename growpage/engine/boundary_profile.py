@@ -22,6 +22,7 @@ are patched at class level (one profile at a time, per process).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -68,8 +69,7 @@ class BoundaryPhases:
                 if self._stack:
                     self._stack[-1][1] += elapsed
 
-        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-        return wrapper
+        return functools.update_wrapper(wrapper, fn, assigned=(), updated=())  # sets __wrapped__
 
     def _synchronize(self) -> None:
         if self.sync:
@@ -180,9 +180,9 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
             static = isinstance(owner.__dict__[name], staticmethod)
             setattr(owner, name, staticmethod(timed) if static else timed)
         controller.policy = timed_policy
-        kv.make_room = counted_make_room  # type: ignore[method-assign]
-        kv.prepare_boundaries = counted_prepare  # type: ignore[method-assign]
-        kv.run_deferred = counted_run_deferred  # type: ignore[method-assign]
+        kv.make_room = counted_make_room
+        kv.prepare_boundaries = counted_prepare
+        kv.run_deferred = counted_run_deferred
         yield phases
     finally:
         for name, wrapper in own.items():

@@ -53,7 +53,7 @@ class _Entry:
     bucket: int
     width: int
     ctx: StepContext
-    graph: object | None = None        # torch.cuda.CUDAGraph when captured
+    graph: torch.cuda.CUDAGraph | None = None  # when captured
     hidden: torch.Tensor | None = None  # the graph's output [bucket, hidden]
 
 
@@ -113,6 +113,7 @@ class DecodeGraphs:
             entry = self._entries[bucket, width] = self._build(bucket, width)
         self._fill(seqs, bucket, width)
         if entry.graph is not None:
+            assert entry.hidden is not None  # captured with the graph
             entry.graph.replay()
             hidden = entry.hidden
         else:

@@ -147,7 +147,7 @@ class GGUFFile:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as exc:
             raise _bad(self.path, str(exc)) from exc
-        cur = _Cursor(memoryview(self._map), self.path)
+        cur = _Cursor(self._map.data, self.path)  # a memoryview of the mapping
         if bytes(cur.take(4)) != MAGIC:
             raise _bad(self.path, "not a GGUF file (bad magic)")
         self.version = cur.scalar("<I")

@@ -262,7 +262,7 @@ class KVCacheManager:
                 streams[0].synchronize()
                 torch.cuda.current_stream().wait_stream(streams[0])
             elapsed = time.perf_counter() - start  # before waiting for the forward below
-            stall = elapsed if streams is None else min(
+            stall = elapsed if streams is None or forward_done is None else min(
                 _stall_seconds(forward_done, streams[1]), elapsed)
             self.boundary_seconds += elapsed
             self.deferred_seconds += elapsed

@@ -177,14 +177,15 @@ class EngineKVView(KVView):
                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """With kernels: every request's table in one copy, their calibrated, rotated
         summaries in one launch and their attention in two."""
-        if not views or not all(isinstance(v, EngineKVView) and v.use_kernels for v in views):
+        kernel_views = [v for v in views if isinstance(v, EngineKVView) and v.use_kernels]
+        if not views or len(kernel_views) != len(views):
             return None
         from growpage.kernels import boundary_queries_batch, demand_attention_batch
 
-        first = views[0]
-        width = max(v.seq.state.num_pages for v in views)
+        first = kernel_views[0]
+        width = max(v.seq.state.num_pages for v in kernel_views)
         rows = [v._row(width, (n,), position)
-                for v, n, position in zip(views, num_candidates, positions, strict=True)]
+                for v, n, position in zip(kernel_views, num_candidates, positions, strict=True)]
         tables = first._table(rows)
         queries = boundary_queries_batch(first.query_pool.summaries, first.query_pool.current,
                                          tables, width + 2, first._inv_freq())

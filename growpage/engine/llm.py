@@ -177,6 +177,7 @@ class LLM:
         n = len(prompt_list)
         encoded = [encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
                    for i, p in enumerate(prompt_list)]
+        work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]]
         work = [(ids, prm, None, text) for (ids, text), prm in zip(encoded, params_list,
                                                                      strict=True)]
         return self._stream(work, use_tqdm)

@@ -13,6 +13,7 @@ import attrs
 import torch
 from torch import nn
 
+from growpage._convert import int_tuple
 from growpage.core.rope import RopeConfig, inv_frequencies_on
 from growpage.engine.attention import AttentionBackend, TorchAttentionBackend
 from growpage.engine.context import get_context
@@ -45,7 +46,7 @@ class ModelConfig:
     attention_bias: bool = False
     max_position: int = 8192
     bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
     name: str = ""
 
     def __attrs_post_init__(self) -> None:
@@ -201,6 +202,14 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
+    def attention_layers(self) -> list[Attention]:
+        """Each layer's attention module, in order (``nn.ModuleList`` does not type its items)."""
+        modules = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            modules.append(layer.self_attn)
+        return modules
+
 
 class CausalLM(nn.Module):
     """Decoder with an LM head (tied to the embeddings when the config says so)."""
@@ -232,11 +241,11 @@ class CausalLM(nn.Module):
     def set_backend(self, backend: AttentionBackend) -> None:
         """Install ``backend`` in the model and every attention layer."""
         self.backend = backend
-        for layer in self.model.layers:
-            layer.self_attn.backend = backend  # type: ignore[union-attr]
+        for attn in self.model.attention_layers():
+            attn.backend = backend
 
     def bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         """Give each layer its view of ``kv_cache [2, L, num_pages, page_size, Hkv, d]``."""
         self.kv_cache = kv_cache
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.kv_cache = None if kv_cache is None else kv_cache[:, i]
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.kv_cache = None if kv_cache is None else kv_cache[:, i]

@@ -9,6 +9,7 @@ them (``ctx.accumulation``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 import attrs
@@ -62,11 +63,18 @@ class DecodeRows:
         for seq in seqs:
             i = seq.state.num_tokens - 1
             slots.append(seq.state.block_table[i // b] * b + i % b)
-        query_slots = [seq.query_slot for seq in seqs]
-        assert None not in query_slots, "a running sequence without a query slot"
         return cls([s.last_token_id for s in seqs], [s.state.position - 1 for s in seqs], slots,
-                   [s.state.num_tokens for s in seqs], query_slots,
+                   [s.state.num_tokens for s in seqs], query_slots(seqs),
                    [s.num_decode_steps == 0 for s in seqs])
+
+
+def query_slots(seqs: list[Sequence]) -> list[int]:
+    """The query-state slot of each running sequence."""
+    slots = []
+    for seq in seqs:
+        assert seq.query_slot is not None, "a running sequence without a query slot"
+        slots.append(seq.query_slot)
+    return slots
 
 
 class ModelRunner:
@@ -107,6 +115,7 @@ class ModelRunner:
         if (not out.is_prefill and self.graphs is not None
                 and self.graphs.fits(list(out.seqs))):
             hidden, ctx = self.graphs.run(list(out.seqs))  # static buffers, bucket rows
+            assert ctx.capture is not None  # a graph's context records every layer
             capture = ctx.capture
         else:
             if out.is_prefill:
@@ -128,15 +137,13 @@ class ModelRunner:
             return [], hidden.new_zeros(0, 0)
         return seqs, self.model.compute_logits(hidden if rows is None else hidden[rows])
 
-    def _tensor(self, values: list[int] | torch.Tensor, dtype: torch.dtype = torch.long
+    def _tensor(self, values: Seq[int] | torch.Tensor, dtype: torch.dtype = torch.long
                 ) -> torch.Tensor:
         return to_device(values, dtype, self.device)  # queued: no host sync on CUDA
 
     def _slot_ids(self, seqs: list[Sequence]) -> torch.Tensor:
         """``[B]`` query-state slot of each running sequence."""
-        slots = [seq.query_slot for seq in seqs]
-        assert all(s is not None for s in slots), "a running sequence without a query slot"
-        return self._tensor(slots)
+        return self._tensor(query_slots(seqs))
 
     def _first_steps(self, seqs: list[Sequence]) -> torch.Tensor:
         """``[B]`` bool: the sequence's first decode step (its EMAs start from the query)."""

@@ -11,19 +11,23 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from growpage.engine.attention import allocate_kv_cache
 from growpage.engine.backends import make_attention_backend
-from growpage.engine.context import decode_context, prefill_context, use_context
+from growpage.engine.context import StepContext, decode_context, prefill_context, use_context
 from growpage.engine.model import CausalLM
+
+if TYPE_CHECKING:
+    from growpage.policies.base import CapacityPolicy
 
 PAGE_SIZE = 64  # tokens per page of the measurement cache
 
 
-def _timed(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, ctx: object,
+def _timed(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
            last: torch.Tensor, repeats: int) -> float:
     best = float("inf")
     with torch.inference_mode(), use_context(ctx):
@@ -83,7 +87,8 @@ def measure_step_times(model: str | Path | CausalLM | None = None,
 
 def measure_boundary_costs(model: str | Path | CausalLM | None = None, num_requests: int = 6,
                            max_tokens: int = 96, page_size: int = 16,
-                           policy: object = "growpage", progress: bool = True) -> dict:
+                           policy: str | CapacityPolicy = "growpage", progress: bool = True
+                           ) -> dict[str, float]:
     """Seconds per capacity decision and per compaction on the local engine, for the
     simulator's cost model (``CostModel.boundary_time``).
 

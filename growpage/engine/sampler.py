@@ -46,7 +46,9 @@ class Sampler:
         logits = logits.float()
         tokens = logits.argmax(dim=-1).tolist()
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
-        rows = logits[sampled].cpu() if sampled else None
+        if not sampled:
+            return tokens
+        rows = logits[sampled].cpu()
         for j, i in enumerate(sampled):
             p = params[i]
             probs = torch.softmax(rows[j] / p.temperature, dim=-1)

@@ -74,6 +74,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     Nothing of ``engine`` changes; the model is bound back to its KV cache and backend.
     """
     from growpage.engine.llm_engine import LLMEngine
+    from growpage.engine.triton_backend import TritonAttentionBackend
     from growpage.kernels.variants import record_variants
 
     decode, boundary = uses_kernels(engine)
@@ -86,7 +87,9 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
                           max_num_seqs=1, enable_prefix_caching=False, record_traces=None,
                           warmup=False, cuda_graphs=False)
     backend = engine.model.backend
-    saved_splits = getattr(backend, "num_splits", None)
+    # Decode kernels: the Triton backend (the one that fuses the query-state update).
+    split_k = backend if decode and isinstance(backend, TritonAttentionBackend) else None
+    saved_splits = None if split_k is None else split_k.num_splits
     try:
         policy = (_CompressWithSums() if engine.kv.accumulated is not None
                   else _CompressAtEveryBoundary())
@@ -98,8 +101,8 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
             prompt = [i % engine.model.config.vocab_size for i in range(3, 3 + length)]
             params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
             for splits in ((1, 2) if decode else (None,)):
-                if decode:
-                    backend.num_splits = splits
+                if split_k is not None:
+                    split_k.num_splits = splits
                 seq = scratch.add_request(f"warmup-{splits}", prompt, params)
                 while scratch.has_unfinished():
                     if boundary and seq.state.num_pages == 2 and seq.has_query_state:
@@ -107,8 +110,8 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
                         boundary = False
                     scratch.step()
     finally:
-        if decode:
-            backend.num_splits = saved_splits
+        if split_k is not None:
+            split_k.num_splits = saved_splits
         engine.runner.claim_model()
     if engine.kv.cache.is_cuda:
         torch.cuda.synchronize(engine.kv.cache.device)

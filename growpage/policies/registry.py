@@ -5,12 +5,13 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -18,9 +19,10 @@ from growpage.errors import ConfigError, PolicyError
 from growpage.policies.base import CapacityPolicy
 
 _REGISTRY: dict[str, type[CapacityPolicy]] = {}
+PolicyT = TypeVar("PolicyT", bound=CapacityPolicy)
 
 
-def register_policy(cls: type[CapacityPolicy]) -> type[CapacityPolicy]:
+def register_policy(cls: type[PolicyT]) -> type[PolicyT]:
     """Class decorator: make a policy resolvable by its ``name``.
 
     A class of the same module and qualified name replaces the registered one (the module was
@@ -96,11 +98,16 @@ def _load_file(path: Path) -> ModuleType:
     mod_name = f"growpage_user_policy_{path.stem}_{digest}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
-    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    # An explicit loader: the resolved path of a symlinked ``.py`` file may have another suffix,
+    # for which importlib would find no loader.
+    loader = importlib.machinery.SourceFileLoader(mod_name, str(path))
+    module_spec = importlib.util.spec_from_file_location(mod_name, path, loader=loader)
+    if module_spec is None:
+        raise PolicyError(f"cannot load policy file {path}")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[mod_name] = module  # the file may import itself (attrs, dataclasses look it up)
     try:
-        module_spec.loader.exec_module(module)
+        loader.exec_module(module)
     except BaseException as exc:
         del sys.modules[mod_name]  # no half-run module: a fixed file loads next time
         if not isinstance(exc, Exception):

@@ -23,12 +23,16 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import numpy as np
 
 from growpage.errors import ConfigError
 from growpage.sim.hardware import PRESETS, HardwareSpec, ModelSpec
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 ArrayLike = float | int | np.ndarray
 
@@ -96,8 +100,17 @@ class CostModel(abc.ABC):
         return (decided * getattr(self, "boundary_s", 0.0)
                 + compactions * getattr(self, "compaction_s", 0.0))
 
-    def describe(self) -> dict:
-        return {"kind": type(self).__name__, **attrs.asdict(self, recurse=True)}
+    def describe(self) -> dict[str, Any]:
+        """The model's kind (class name) and, for an attrs class, its fields."""
+        fields = attrs.asdict(self, recurse=True) if _is_attrs(self) else {}
+        return {"kind": type(self).__name__, **fields}
+
+
+def _is_attrs(cost: object) -> TypeIs[attrs.AttrsInstance]:
+    return attrs.has(type(cost))
+
+
+CostModelT = TypeVar("CostModelT", bound=CostModel)
 
 
 STEP_COEFFICIENTS = ("base_s", "per_seq_s", "per_kv_token_s", "per_prefill_token_s")
@@ -211,18 +224,21 @@ def _sum_of_max(lines: list[tuple[float, float]], kv0: float, step: float, n: in
     return total
 
 
-def with_boundary_costs(cost: CostModel, boundary_s: float | None = None,
-                        compaction_s: float | None = None) -> CostModel:
+def with_boundary_costs(cost: CostModelT, boundary_s: float | None = None,
+                        compaction_s: float | None = None) -> CostModelT:
     """``cost`` with its capacity-control prices replaced where given (None keeps them)."""
     changes = {k: v for k, v in (("boundary_s", boundary_s), ("compaction_s", compaction_s))
                if v is not None}
     if not changes:
         return cost
-    fields = attrs.fields_dict(type(cost)) if attrs.has(type(cost)) else {}
+    fields: dict[str, attrs.Attribute[Any]] = (attrs.fields_dict(type(cost)) if _is_attrs(cost)
+                                                else {})
     if not all(f in fields for f in changes):
         raise ConfigError(f"cost model {type(cost).__name__} has no boundary_s/compaction_s "
                           "fields to set")
-    return attrs.evolve(cost, **changes)
+    # An attrs instance (its fields were found above); mypy's attrs plugin cannot see that
+    # from a check at run time, and refuses any type it cannot prove is an attrs class.
+    return attrs.evolve(cost, **changes)  # type: ignore[misc]  # attrs class, checked above
 
 
 def load_cost_model(spec: str) -> CostModel:

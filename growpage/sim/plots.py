@@ -11,6 +11,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from matplotlib.transforms import Bbox  # noqa: E402
 from matplotlib.typing import ColorType  # noqa: E402
@@ -30,7 +32,7 @@ def plot_capacity(trajectories: Mapping[str, Sequence[tuple[float, int]]], path:
     """
     fig, ax = plt.subplots(figsize=(7, 4))
     if len(trajectories) > 10:   # the default cycle repeats after 10 colours
-        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
+        ax.set_prop_cycle(color=matplotlib.color_sequences["tab20"])
     for i, (lo, hi) in enumerate(shaded):
         ax.axvspan(lo, hi, color="0.9", label=shaded_label if i == 0 and shaded_label else None)
     for label, points in trajectories.items():
@@ -107,7 +109,7 @@ def plot_pareto(points: Sequence[Mapping], path: str | os.PathLike, x: str, y: s
     return _save(fig, path)
 
 
-def place_labels(ax: plt.Axes, labels: Sequence[tuple[str, float, float, ColorType]]) -> None:
+def place_labels(ax: Axes, labels: Sequence[tuple[str, float, float, ColorType]]) -> None:
     """Annotate each ``(text, x, y, colour)`` beside its point, inside the axes and clear of the
     other labels, the points, the legend and the lines: at the first free corner of the point
     (one no other point is nearer to), else at the nearest free height above or below it, with
@@ -115,7 +117,8 @@ def place_labels(ax: plt.Axes, labels: Sequence[tuple[str, float, float, ColorTy
     in pixels, so call it once the layout is final."""
     if not labels:
         return
-    renderer = ax.figure.canvas.get_renderer()  # type: ignore[attr-defined]  # Agg's
+    # get_renderer is the Agg canvas's (this module's backend), not FigureCanvasBase's.
+    renderer = ax.figure.canvas.get_renderer()  # type: ignore[attr-defined]  # Agg's method
     centres = [tuple(c) for c in ax.transData.transform([(x, y) for _, x, y, _ in labels])]
     taken = [Bbox.from_extents(cx - 4, cy - 4, cx + 4, cy + 4) for cx, cy in centres]
     legend = ax.get_legend()
@@ -204,7 +207,7 @@ def plot_signal_scatter(pairs: Sequence[tuple[float, float]], path: str | os.Pat
     return _save(fig, path)
 
 
-def _save(fig: plt.Figure, path: str | os.PathLike) -> Path:
+def _save(fig: Figure, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from growpage._convert import int_tuple
 from growpage.core.config import GrowPageConfig
 from growpage.core.traces import Trace
 from growpage.errors import ConfigError
@@ -64,7 +65,7 @@ class RealTraceSettings:
 
     page_size: int = 64
     fidelity_queries: int = 8
-    budgets: tuple[int, ...] = attrs.field(default=(256, 512, 768), converter=tuple,
+    budgets: tuple[int, ...] = attrs.field(default=(256, 512, 768), converter=int_tuple,
                                            validator=_positive_ints)
     baseline_budget: int | None = None
     shrink_min_tokens: int = 256
@@ -273,7 +274,9 @@ def level_correlations(traces: Sequence[Trace], results: Sequence[ReplayResult],
     Delta_t compares a recent and a long query summary, so it should track the current level
     against the long-run one; whether that predicts the *change* depends on how demand moves.
     """
-    deltas, current, future = [], [], []
+    deltas: list[float] = []
+    current: list[float] = []
+    future: list[float] = []
     for trace, res in zip(traces, results, strict=True):
         view = TraceView(trace, config)
         for r in res.records:
@@ -368,19 +371,18 @@ def subset_trace(trace: Trace, layer_ids: Sequence[int] | None = None, values: b
                           f"(recorded: {list(h.layer_ids)})")
     rows = [h.layer_ids.index(i) for i in sorted(layer_ids)]
     end = h.num_tokens if max_generated is None else min(h.num_tokens, h.prompt_len + max_generated)
-    keep_values = values and trace.values is not None
+    kept_values = trace.values if values else None
     meta = dict(h.meta)
     if end < h.num_tokens:
         meta["last_token_id"] = h.token_ids[end]
-    header = attrs.evolve(h, layer_ids=sorted(layer_ids),  # type: ignore[arg-type]
-                          token_ids=list(h.token_ids[:end]),  # type: ignore[arg-type]
-                          has_values=keep_values, meta=meta)
+    header = attrs.evolve(h, layer_ids=sorted(layer_ids), token_ids=list(h.token_ids[:end]),
+                          has_values=kept_values is not None, meta=meta)
 
     def pick(x: torch.Tensor) -> torch.Tensor:
         return x[rows, :end].clone()
 
     return Trace(header=header, queries=pick(trace.queries), keys=pick(trace.keys),
-                 values=pick(trace.values) if keep_values else None)
+                 values=None if kept_values is None else pick(kept_values))
 
 
 __all__ = ["PolicyPoint", "RealTraceAnalysis", "RealTraceSettings", "analyze", "grow_ratio",

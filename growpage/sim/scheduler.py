@@ -163,8 +163,10 @@ class Scheduler:
             state: RequestState = r.state
             state.num_tokens = r.num_tokens // scale
             state.position = r.prompt_tokens + r.generated
-            self.source.prepare(r.view, state.num_tokens, state.position)
-            outcome = self.controller.on_boundary(state, r.view)
+            view = r.view
+            assert view is not None  # given when the request was admitted
+            self.source.prepare(view, state.num_tokens, state.position)
+            outcome = self.controller.on_boundary(state, view)
             if outcome.action is not Action.PREEMPT:
                 break
             victim = self.running[-1]

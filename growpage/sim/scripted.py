@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -112,16 +112,19 @@ class RecordingPolicy(CapacityPolicy):
     """Wraps a policy; ``logs[request_id]`` gets one ``SignalLog`` per decided boundary."""
 
     def __init__(self, inner: CapacityPolicy) -> None:
+        # NOTE: a wrapper takes the class-level settings of the policy it wraps, per instance
+        # (they are ClassVars for policy authors, so that mypy refuses an attrs field of them).
         self.inner = inner
-        self.name = inner.name
-        self.fallback_to_compress = inner.fallback_to_compress
-        self.needs_accumulated_attention = inner.needs_accumulated_attention
+        self.name = inner.name  # type: ignore[misc]  # see NOTE
+        self.fallback_to_compress = inner.fallback_to_compress  # type: ignore[misc]  # see NOTE
+        self.needs_accumulated_attention = inner.needs_accumulated_attention  # type: ignore[misc]  # see NOTE
         self.logs: dict[object, list[SignalLog]] = {}
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         log: SignalLog = {}
         self.logs.setdefault(ctx.request_id, []).append(log)
-        return self.inner.decide(RecordingContext(ctx, log))   # type: ignore[arg-type]
+        # A proxy: forwards every attribute to ctx (and logs the signal calls).
+        return self.inner.decide(cast(BoundaryContext, RecordingContext(ctx, log)))
 
     def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
         return self.inner.select(ctx, keep)
@@ -170,8 +173,8 @@ class ScriptedPolicy(CapacityPolicy):
     def __init__(self, inner: CapacityPolicy, config: GrowPageConfig,
                  lookup: Callable[[object, int, tuple[Any, ...]], Any]) -> None:
         self.inner, self.config, self.lookup = inner, config, lookup
-        self.name = inner.name
-        self.fallback_to_compress = inner.fallback_to_compress
+        self.name = inner.name  # type: ignore[misc]  # as in RecordingPolicy
+        self.fallback_to_compress = inner.fallback_to_compress  # type: ignore[misc]  # as in RecordingPolicy
         self.ordinals: dict[object, int] = {}
         self._keep: dict[tuple[int, int], torch.Tensor] = {}
 

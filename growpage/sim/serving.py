@@ -140,7 +140,7 @@ class _Run:
     peak_pages: int = 0
     boundary_seconds: float = 0.0
     async_compaction: bool = False
-    on_progress: Callable[[int], None] | None = None   # called with the finished count
+    on_progress: Callable[[int], object] | None = None   # called with the finished count
 
     def spend(self, env: simpy.Environment, seconds: float) -> simpy.Timeout:
         self.resident_seconds += len(self.scheduler.running) * seconds
@@ -260,7 +260,7 @@ def _check_requests(requests: Sequence[WorkloadRequest]) -> None:
 def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
              config: GrowPageConfig, sim: SimConfig, cost: CostModel,
              trace_of: Callable[[WorkloadRequest], Trace] | None = None,
-             on_progress: Callable[[int], None] | None = None,
+             on_progress: Callable[[int], object] | None = None,
              demand: SyntheticSpec = SCRIPT_SPEC) -> ServingResult:
     """Serve ``requests`` under ``policy``; see the module docstring.
 

@@ -79,15 +79,16 @@ def _mean(xs: list[float]) -> float | None:
 def signal_quality(records: Iterable[BoundaryRecord],
                    edges: Sequence[float] = DELTA_EDGES) -> SignalQuality:
     """Signal quality of the records that carry Delta_t (pool them across traces freely)."""
-    records = [r for r in records if r.delta is not None]
-    paired = [(r.delta, r.future_change) for r in records if r.future_change is not None]
+    with_delta = [(r.delta, r) for r in records if r.delta is not None]
+    paired = [(d, r.future_change) for d, r in with_delta if r.future_change is not None]
     deltas = [d for d, _ in paired]
     changes = [c for _, c in paired]
     agree = float(np.mean(np.sign(deltas) == np.sign(changes))) if paired else math.nan
     buckets = []
     for low, high in zip(edges[:-1], edges[1:], strict=True):
-        inside = [r for r in records if low <= r.delta < high and r.advantage is not None]
+        inside = [(r.advantage, r.advantage_error) for d, r in with_delta
+                  if low <= d < high and r.advantage is not None]
         buckets.append(BucketStat(
-            low, high, len(inside), _mean([r.advantage for r in inside]),
-            _mean([r.advantage_error for r in inside if r.advantage_error is not None])))
+            low, high, len(inside), _mean([a for a, _ in inside]),
+            _mean([e for _, e in inside if e is not None])))
     return SignalQuality(len(paired), spearman(deltas, changes), agree, tuple(buckets))

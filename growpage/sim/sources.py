@@ -25,7 +25,7 @@ from growpage.core.kvview import KVView
 from growpage.core.pages import PagePool
 from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace
-from growpage.errors import ConfigError
+from growpage.errors import ConfigError, SimulationError
 from growpage.policies.base import CapacityPolicy
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.scripted import (
@@ -33,7 +33,6 @@ from growpage.sim.scripted import (
     RecordingPolicy,
     ScriptedPolicy,
     SignalLog,
-    SimulationError,
     page_units,
 )
 from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
@@ -65,7 +64,8 @@ class TraceSource:
         return view
 
     def prepare(self, view: KVView, num_units: int, position: int) -> None:
-        view.prepare_boundary(position)   # type: ignore[attr-defined]
+        assert isinstance(view, TraceView)  # view_for's
+        view.prepare_boundary(position)
 
 
 class ScriptSource:
@@ -84,7 +84,8 @@ class ScriptSource:
         return CountingView()
 
     def prepare(self, view: KVView, num_units: int, position: int) -> None:
-        view.count = num_units   # type: ignore[attr-defined]
+        assert isinstance(view, CountingView)  # view_for's
+        view.count = num_units
 
 
 @attrs.define

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
@@ -71,11 +71,15 @@ def parse_points(specs: Sequence[str]) -> list[SweepPoint]:
     return points
 
 
+def _requests(values: Iterable[WorkloadRequest]) -> tuple[WorkloadRequest, ...]:
+    return tuple(values)  # converter=tuple, typed (growpage._convert says why)
+
+
 @attrs.frozen(kw_only=True)
 class SweepSettings:
     """Everything a worker process needs besides the point (all picklable)."""
 
-    requests: tuple[WorkloadRequest, ...] = attrs.field(converter=tuple)
+    requests: tuple[WorkloadRequest, ...] = attrs.field(converter=_requests)
     config: GrowPageConfig
     sim: SimConfig
     cost: str                         # preset name or linear model JSON path

@@ -42,27 +42,27 @@ def _check_id(inst: object, attribute: attrs.Attribute, value: object) -> None:
                             f"got {value!r}")
 
 
-def _check_arrival(inst: object, attribute: attrs.Attribute, value: object) -> None:
+def _check_arrival(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
             or not math.isfinite(value) or value < 0):
         raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: arrival_s must be a finite "
                             f"number >= 0, got {value!r}")
 
 
-def _check_tokens(inst: object, attribute: attrs.Attribute, value: object) -> None:
+def _check_tokens(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
     if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            or not 1 <= value <= MAX_TOKENS):
+            or not 1 <= int(value) <= MAX_TOKENS):
         raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: {attribute.name} must be an "
                             f"integer in [1, {MAX_TOKENS}], got {value!r}")
 
 
-def _check_optional_str(inst: object, attribute: attrs.Attribute, value: object) -> None:
+def _check_optional_str(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
     if value is not None and not isinstance(value, str):
         raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: {attribute.name} must be a "
                             f"string or None, got {value!r}")
 
 
-def _check_kind(inst: object, attribute: attrs.Attribute, value: object) -> None:
+def _check_kind(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, str):
         raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: kind must be a string, "
                             f"got {value!r}")

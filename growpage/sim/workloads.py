@@ -15,6 +15,7 @@ output_tokens`` and optionally ``trace`` (a request id in a trace set), or JSON 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
@@ -82,6 +83,10 @@ class RequestClass:
     output: LengthDist = attrs.field(validator=_check_class)
 
 
+def _classes(values: Iterable[RequestClass]) -> tuple[RequestClass, ...]:
+    return tuple(values)  # converter=tuple, typed (growpage._convert says why)
+
+
 def _check_classes(inst: WorkloadSpec, attribute: attrs.Attribute, value: tuple) -> None:
     if not value or not all(isinstance(c, RequestClass) for c in value):
         raise WorkloadError(f"WorkloadSpec {inst.name!r}: classes must be one or more "
@@ -107,7 +112,7 @@ class WorkloadSpec:
     """
 
     name: str
-    classes: tuple[RequestClass, ...] = attrs.field(converter=tuple, validator=_check_classes)
+    classes: tuple[RequestClass, ...] = attrs.field(converter=_classes, validator=_check_classes)
     arrival: str = attrs.field(default="offline")
     rate_per_s: float = attrs.field(default=1.0, validator=_check_rate)
 

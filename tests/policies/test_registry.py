@@ -47,6 +47,17 @@ def test_a_file_policy_resolves_again(tmp_path):
     assert registered_policies()["file-registered"] is type(first)
 
 
+def test_a_symlinked_policy_file_resolves(tmp_path):
+    """The file is run from its resolved path, which need not end in .py (importlib then found
+    no loader, and resolving raised AttributeError)."""
+    target = tmp_path / "store" / "mine.policy"
+    write(target, "symlinked")
+    link = tmp_path / "mine.py"
+    link.symlink_to(target)
+    policy = resolve_policy(f"{link}:Mine")
+    assert policy.name == "symlinked" and registered_policies()["symlinked"] is type(policy)
+
+
 def test_files_with_the_same_name_stay_apart(tmp_path):
     a = resolve_policy(write(tmp_path / "a" / "policy.py", "same-stem-a", "GROW"))
     b = resolve_policy(write(tmp_path / "b" / "policy.py", "same-stem-b", "SHRINK"))

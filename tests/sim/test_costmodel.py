@@ -16,7 +16,7 @@ from growpage.sim.calibrate import (
     load_measurements,
     measure_engine,
 )
-from growpage.sim.costmodel import LinearCostModel, RooflineCostModel, load_cost_model
+from growpage.sim.costmodel import CostModel, LinearCostModel, RooflineCostModel, load_cost_model
 from growpage.sim.hardware import A100_80GB, PRESETS, QWEN3_8B
 
 
@@ -173,3 +173,17 @@ def test_serving_refuses_a_cost_model_whose_decode_steps_are_free(capsys, tmp_pa
     path = free.save(tmp_path / "free.json")
     assert main(["sim", "serve", "--workload", "tiny", "--cost", str(path)]) == 2
     assert "decode step at 0 s" in capsys.readouterr().err
+
+
+def test_describe_works_for_a_cost_model_that_is_not_an_attrs_class():
+    # describe() used to call attrs.asdict on any CostModel, so a plain subclass (only
+    # step_time, as docs/simulator.md's interface asks) raised NotAnAttrsClassError.
+    class Flat(CostModel):
+        def step_time(self, num_seqs, kv_tokens, prefill_tokens=0):
+            return 0.01
+
+    assert Flat().describe() == {"kind": "Flat"}
+    linear = LinearCostModel(base_s=0.01).describe()
+    assert linear["kind"] == "LinearCostModel" and linear["base_s"] == 0.01
+    roofline = load_cost_model("a100-qwen3-8b").describe()
+    assert roofline["kind"] == "RooflineCostModel" and roofline["hardware"]["name"]
