@@ -101,11 +101,17 @@ def swept(bench, replay_setup):
                              num_kv_pages=30, fidelity_traces=1, fidelity_gen_len=512)
     plan = bench.SweepPlan(taus=(-0.001, 0.0, 0.001), kloc_at_256=(32, 64, 128),
                            kloc_budget=128)
-    return bench.run_sweeps(plan, replay_setup, serve, progress=False), plan, serve
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:   # count the points actually run
+        for name in ("replay_row", "serve_row"):
+            inner = getattr(bench, name)
+            mp.setattr(bench, name, lambda *a, _f=inner, _n=name: calls.append(_n) or _f(*a))
+        result = bench.run_sweeps(plan, replay_setup, serve, progress=False)
+    return result, plan, serve, calls
 
 
 def test_sweeps_give_one_row_per_value_and_share_the_default_point(bench, replay_setup, swept):
-    result, plan, serve = swept
+    result, plan, serve, calls = swept
     assert result["intervals"] == bench.interval_labels([-0.001, 0.0, 0.001])
     assert [r["tau"] for r in result["tau"]["replay"]] == [-0.001, 0.0, 0.001]
     assert [r["tau"] for r in result["tau"]["serve"]] == [-0.001, 0.0, 0.001]
@@ -118,7 +124,8 @@ def test_sweeps_give_one_row_per_value_and_share_the_default_point(bench, replay
     assert {k: v for k, v in default.items() if k != "policy"} == {
         k: v for k, v in result["tau"]["replay"][1].items() if k != "policy"}
     assert result["kloc"]["serve"][1] == result["tau"]["serve"][1]
-    # 3 τ + 2 further growpage + 3 fixed replays; 3 τ + 2 further k_loc served
+    # 3 τ + 2 further growpage + 3 fixed replays; 3 τ + 2 further k_loc served: each once
+    assert calls.count("replay_row") == 8 and calls.count("serve_row") == 5
     assert bench.count_points(plan, replay_setup, serve) == 13
     for row in result["tau"]["serve"]:
         assert row["tps"] > 0 and 0 < row["avg_resident"] <= 6
