@@ -407,6 +407,14 @@ def _twin(ax, xs, left, right, left_label: str, right_label: str) -> None:
     ax.grid(alpha=0.3)
 
 
+def _tau_axis(ax, taus: Sequence[float]) -> range:
+    """One slot per τ (evenly spaced, labelled with the value): the grid need not be even."""
+    xs = range(len(taus))
+    ax.set_xticks(xs, [f"{t:g}" for t in taus], fontsize=8)
+    ax.set_xlabel("τ")
+    return xs
+
+
 def plot_tau(result: dict, path: Path) -> Path:
     """Real traces: quality and budget against τ; served: TPS and C against τ, and the
     fidelity-throughput trade-off labelled by τ (the paper's Fig. 9)."""
@@ -418,35 +426,51 @@ def plot_tau(result: dict, path: Path) -> Path:
     fig, axes = plt.subplots(2 if serve else 1, 2, figsize=(11, 8 if serve else 4),
                              squeeze=False)
     taus = [r["tau"] for r in rows]
-    _twin(axes[0][0], taus, [r["mass_mean"] for r in rows], [r["output_error"] for r in rows],
-          "attention mass kept (mean)", "output error")
-    _twin(axes[0][1], taus, [r["avg_budget"] for r in rows],
+    _twin(axes[0][0], _tau_axis(axes[0][0], taus), [r["mass_mean"] for r in rows],
+          [r["output_error"] for r in rows], "attention mass kept (mean)", "output error")
+    _twin(axes[0][1], _tau_axis(axes[0][1], taus), [r["avg_budget"] for r in rows],
           [100 * r["grow_ratio"] for r in rows], "average budget (tokens)", "grow %")
     for ax in axes[0]:
-        ax.set_xlabel("τ")
-        ax.set_title("real SmolLM2 traces (replay)", fontsize=9)
+        ax.set_title(f"{rows[0]['traces']} real SmolLM2 traces (replay)", fontsize=9)
     if serve:
-        taus = [r["tau"] for r in serve]
-        _twin(axes[1][0], taus, [r["tps"] for r in serve], [r["avg_resident"] for r in serve],
-              "TPS (simulated tokens/s)", "C (resident requests)")
-        axes[1][0].set_xlabel("τ")
-        axes[1][0].set_title("served (script mode)", fontsize=9)
-        ax = axes[1][1]
-        key, name = "fidelity_mass_mean", "attention mass kept (synthetic traces)"
-        if any(r[key] is None for r in serve):   # --fidelity-traces 0
-            key, name = "avg_kv_budget", "average KV budget (tokens)"
-        line = ax.plot([r["tps"] for r in serve], [r[key] for r in serve], "o-")[0]
-        ax.set_xlabel("TPS (simulated tokens/s)")
-        ax.set_ylabel(name)
-        ax.set_title("trade-off, labelled by τ (paper Fig. 9)", fontsize=9)
-        ax.grid(alpha=0.3)
+        ax = axes[1][0]
+        _twin(ax, _tau_axis(ax, [r["tau"] for r in serve]), [r["tps"] for r in serve],
+              [r["avg_resident"] for r in serve], "TPS (simulated tokens/s)",
+              "C (resident requests)")
+        ax.set_title("served (script mode)", fontsize=9)
+        _plot_tradeoff(axes[1][1], serve)
         fig.tight_layout()
-        place_labels(ax, [(f"{r['tau']:+.3f}", r["tps"], r[key], line.get_color())
-                          for r in serve])
+        key = "fidelity_mass_mean" if _has_fidelity(serve) else "avg_kv_budget"
+        place_labels(axes[1][1], [(f"{r['tau']:+.3f}", r["tps"], r[key], "tab:blue")
+                                  for r in serve])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _has_fidelity(rows: Sequence[dict]) -> bool:
+    return all(r["fidelity_mass_mean"] is not None for r in rows)   # not --fidelity-traces 0
+
+
+def _plot_tradeoff(ax, serve: Sequence[dict]) -> None:
+    """Synthetic-trace fidelity (else the budget) against TPS, one point per τ."""
+    key, name = "fidelity_mass_mean", "attention mass kept (synthetic traces)"
+    if not _has_fidelity(serve):
+        key, name = "avg_kv_budget", "average KV budget (tokens)"
+    ax.plot([r["tps"] for r in serve], [r[key] for r in serve], "o-", color="tab:blue")
+    ax.set_xlabel("TPS (simulated tokens/s)")
+    ax.set_ylabel(name)
+    ax.set_title("trade-off, labelled by τ (paper Fig. 9)", fontsize=9)
+    ax.grid(alpha=0.3)
+
+
+def _of_page(share: Fraction) -> str:
+    """``1/4`` -> ``b/4``, ``3/4`` -> ``3b/4``, ``1`` -> ``b``, ``0`` -> ``0``."""
+    if share == 0:
+        return "0"
+    top = "b" if share.numerator == 1 else f"{share.numerator}b"
+    return top if share.denominator == 1 else f"{top}/{share.denominator}"
 
 
 def plot_kloc(result: dict, path: Path) -> Path:
@@ -463,10 +487,10 @@ def plot_kloc(result: dict, path: Path) -> Path:
         for label, members in by_policy.items():
             ax.plot(range(len(members)), [m[key] for m in members], "o-", label=label)
         shares = [m["k_loc_share"] for m in next(iter(by_policy.values()))]
-        ax.set_xticks(range(len(shares)), [f"b·{s}" if s != "0" else "0" for s in shares])
+        ax.set_xticks(range(len(shares)), [_of_page(Fraction(s)) for s in shares])
         ax.set_xlabel(f"k_loc (b = {rows[0]['page_size']})")
         ax.set_ylabel(name)
-        ax.set_title("real SmolLM2 traces (replay, τ = 0)", fontsize=9)
+        ax.set_title(f"{rows[0]['traces']} real SmolLM2 traces (replay, τ = 0)", fontsize=9)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     if serve:
