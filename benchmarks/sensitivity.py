@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -369,6 +370,20 @@ def tables(result: dict) -> list[tuple[str, str]]:
     return parts
 
 
+NOTES = {
+    "decided boundaries by Δt interval": [
+        "A decided boundary grows iff Δt > τ, so between neighbouring τ values only the "
+        "boundaries whose Δt lies in the interval between them can decide differently (until "
+        "the first one does, the two replays are the same). `Δt = 0`: exact ties, also "
+        "counted in their interval.", ""],
+    "D.2 k_loc, real traces (τ = 0)": [
+        "`slots changed`: share of the kept historical slots that the block-local quota put in "
+        "place of the global top-k's own choice (k_loc = 0, same scores), mean over "
+        "compressions; `heads changed`: share of (layer, KV head) selections with any such "
+        "slot.", ""]}
+NOTES["decisions by Δt interval"] = NOTES["decided boundaries by Δt interval"]
+
+
 def write_report(out: Path, payload: dict) -> Path:
     """``report.md``, ``sensitivity.json`` and the plots under ``out``."""
     r = payload["settings"]
@@ -385,7 +400,7 @@ def write_report(out: Path, payload: dict) -> Path:
                   f"script-mode decisions; fidelity of {r['fidelity_traces']} synthetic traces "
                   f"of {r['fidelity_gen_len']} tokens.", ""]
     for title, table in tables(payload["result"]):
-        lines += [f"## {title}", "", table, ""]
+        lines += [f"## {title}", "", table, ""] + NOTES.get(title.split(":")[-1].strip(), [])
     lines += ["![τ sweep](tau.png)", "", "![k_loc sweep](kloc.png)", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
@@ -633,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     shown = sys.argv[1:] if argv is None else argv
     payload = {"command": " ".join(["python benchmarks/sensitivity.py", *shown]),
-               "wall_s": wall, "machine": f"torch {torch.__version__}, {args.threads} thread(s)",
+               "wall_s": wall, "machine": f"{os.cpu_count()} CPU cores (shared), torch "
+                                          f"{torch.__version__}, {args.threads} thread(s)",
                "settings": settings_of(args, replay, serve), "result": result}
     path = write_report(out, payload)
     if args.json:
