@@ -1,7 +1,7 @@
 """Hyperparameter sensitivity (paper appendix D): the demand threshold τ and the local quota k_loc.
 
     python benchmarks/sensitivity.py                  # committed traces + the mixed workload
-    python benchmarks/sensitivity.py --no-serve       # the real traces only, about a minute
+    python benchmarks/sensitivity.py --no-serve       # the real traces only (seconds)
     python benchmarks/sensitivity.py --traces DIR --out DIR   # another trace set
 
 D.1, τ (GrowPage grows when Δt > τ; the paper sweeps -0.003 to 0.003 in steps of 0.001):
