@@ -25,20 +25,25 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# Regenerates docs/results.md's CPU sections (not part of CI; ~45 min on 2 quiet cores).
+# Regenerates docs/results.md's CPU sections (not part of CI; ~50 min on 2 quiet cores).
 results: $(STAMP)
 	$(VENV)/bin/growpage demo
 	$(VENV)/bin/growpage sim replay --synthetic 16 --gen-len 8192 --policy growpage --signals --out results/signals
 	$(VENV)/bin/growpage sim sweep --workload mixed --cost a100-qwen3-8b --jobs 2 --out results/mixed --points growpage fullkv "random@grow_prob=0.3" inverse shrink "fixed@budget_tokens=1024,2048,4096,8192"
 	$(PY) benchmarks/real_traces.py --out results/real_traces/committed
+	$(PY) benchmarks/sensitivity.py
 	$(PY) benchmarks/paper_scale.py
 	$(PY) benchmarks/sim_vs_engine.py
 	$(PY) benchmarks/policies_engine.py --preset cpu
 
-# Re-records the 16 real SmolLM2 traces of results section 5 and analyses them (~20 min).
+# Re-records the 16 real SmolLM2 traces of results section 5 and analyses them, with the
+# sensitivity sweeps of section 9 on them (~25 min).
 results-traces: $(STAMP)
 	$(PY) benchmarks/real_traces.py --record results/real_traces/full --threads 1
 	$(PY) benchmarks/real_traces.py --traces results/real_traces/full --out results/real_traces
+	$(PY) benchmarks/sensitivity.py --traces results/real_traces/full --no-serve --out results/sensitivity/full
+	$(PY) benchmarks/sensitivity.py --traces results/real_traces/full --no-serve --out results/sensitivity/full-wide \
+	    --taus=-0.1,-0.05,-0.02,-0.01,0,0.01,0.02,0.05,0.1 --kloc 0,16,32,64,128,256
 
 bench-sim: $(STAMP)
 	$(PY) benchmarks/sim_speed.py
