@@ -188,7 +188,9 @@ def engine_row(stats: Any) -> dict:
             "num_requests": stats.num_requests, "grows": e.get("grow", 0),
             "compresses": e.get("compress", 0), "fallbacks": e.get("fallback", 0),
             "preemptions": stats.num_preemptions, "avg_kv_budget": stats.avg_kv_budget,
-            "boundary_time_s": stats.boundary_time_s, "num_steps": stats.num_steps}
+            "boundary_time_s": stats.boundary_time_s, "num_steps": stats.num_steps,
+            **{f"{name}_p{q}_{unit}": scale * getattr(stats, f"{name}_p{q}_s")
+               for name, unit, scale in LATENCIES for q in (50, 99)}}
 
 
 def sim_row(result: ServingResult) -> dict:
@@ -198,14 +200,21 @@ def sim_row(result: ServingResult) -> dict:
             "output_tokens": m.output_tokens, "num_requests": m.num_requests, "grows": m.grows,
             "compresses": m.compresses, "fallbacks": m.fallbacks, "preemptions": m.preemptions,
             "avg_kv_budget": sum(r.budget_tokens for r in result.requests) / max(decoded, 1),
-            "num_steps": m.decode_steps + m.prefill_steps, "boundary_time_s": m.boundary_time_s}
+            "num_steps": m.decode_steps + m.prefill_steps, "boundary_time_s": m.boundary_time_s,
+            **{f"{name}_p{q}_{unit}": getattr(m, f"{name}_p{q}_{unit}")
+               for name, unit, _ in LATENCIES for q in (50, 99)}}
 
 
+#: Latencies compared (not gated): (name, unit of the simulator's metric, engine seconds to it).
+LATENCIES = (("ttft", "s", 1.0), ("tpot", "ms", 1e3), ("e2e", "s", 1.0))
 METRICS = [("tps", "TPS (tok/s)", ".1f"), ("avg_resident", "C", ".2f"),
            ("total_time_s", "total time (s)", ".1f"), ("avg_kv_budget", "KV budget (tok)", ".0f"),
            ("num_steps", "steps", "d"), ("grows", "grow", "d"), ("compresses", "compress", "d"),
            ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d"),
-           ("boundary_time_s", "boundary s", ".2f")]
+           ("boundary_time_s", "boundary s", ".2f"),
+           ("ttft_p50_s", "TTFT p50 (s)", ".2f"), ("ttft_p99_s", "TTFT p99 (s)", ".2f"),
+           ("tpot_p50_ms", "TPOT p50 (ms)", ".1f"), ("tpot_p99_ms", "TPOT p99 (ms)", ".1f"),
+           ("e2e_p50_s", "E2E p50 (s)", ".1f"), ("e2e_p99_s", "E2E p99 (s)", ".1f")]
 GATED = ("tps", "avg_resident", "total_time_s")
 
 

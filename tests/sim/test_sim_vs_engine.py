@@ -96,6 +96,10 @@ def test_engine_and_simulator_count_the_same_work(bench, model, scenario, prompt
                                             rel=1e-6)
         # No request ever holds more than the pool.
         assert side["avg_kv_budget"] <= scenario.kv_pages * scenario.page_size
+        # Latencies, named alike on both sides: a first token before the last, within the run.
+        assert 0 < side["ttft_p50_s"] <= side["ttft_p99_s"] <= side["e2e_p99_s"]
+        assert side["e2e_p50_s"] <= side["e2e_p99_s"] <= side["total_time_s"] * (1 + 1e-9)
+        assert 0 < side["tpot_p50_ms"] <= side["tpot_p99_ms"]
     if spec == "fullkv":   # never compresses; the pool is too small to keep everyone resident
         assert engine["compresses"] == sim["compresses"] == 0
         assert engine["preemptions"] > 0 and sim["preemptions"] > 0
