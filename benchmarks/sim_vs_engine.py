@@ -101,14 +101,17 @@ def sampling_params(scenario: Scenario) -> Any:
 
 
 def calibration_shapes(scenario: Scenario, prompt_tokens: int
-                       ) -> tuple[list[int], list[int], list[int]]:
-    """Batch sizes, per-request contexts and prefill lengths spanning the workload's steps."""
+                       ) -> tuple[list[int], list[int], list[int | tuple[int, int]]]:
+    """Batch sizes, per-request contexts and prefills spanning the workload's steps: one prompt
+    (a recompute after preemption), and every prompt at once as the first step admits them (a
+    batch of ``n`` sequences, not one sequence of ``prompt_tokens``, whose attention would cost
+    the square of its length)."""
     n = scenario.num_requests
     per_prompt = max(1, prompt_tokens // n)
     longest = per_prompt + scenario.max_tokens
     batch_sizes = sorted({1, max(1, n // 4), max(1, n // 2), n})
     contexts = sorted({per_prompt, (per_prompt + longest) // 2, longest})
-    prefills = sorted({per_prompt, prompt_tokens})
+    prefills: list[int | tuple[int, int]] = [per_prompt, (n, max(n, prompt_tokens))]
     return batch_sizes, contexts, prefills
 
 

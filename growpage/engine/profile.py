@@ -50,19 +50,30 @@ def _decode_row(model: CausalLM, num_seqs: int, context: int, repeats: int) -> d
             "step_s": step_s}
 
 
-def _prefill_row(model: CausalLM, tokens: int, repeats: int) -> dict:
-    ctx = prefill_context([tokens], slot_mapping=torch.arange(tokens))
+def _prefill_row(model: CausalLM, shape: int | tuple[int, int], repeats: int) -> dict:
+    """A prefill of ``shape`` tokens (one sequence) or ``(num_seqs, tokens)``: ``tokens`` in
+    all, split as evenly as possible over ``num_seqs`` sequences, each with its own logits. The
+    row's ``num_seqs`` is 1 either way: the simulator prices a prefill step by its tokens."""
+    num_seqs, tokens = (1, shape) if isinstance(shape, int) else shape
+    if not 1 <= num_seqs <= tokens:
+        raise ValueError(f"prefill shape {shape!r}: need 1 <= num_seqs <= tokens")
+    lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+    ctx = prefill_context(lens, slot_mapping=torch.arange(tokens))
     ids = torch.zeros(tokens, dtype=torch.long)
-    step_s = _timed(model, ids, torch.arange(tokens), ctx, torch.tensor([tokens - 1]), repeats)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    last = torch.cumsum(torch.tensor(lens), 0) - 1
+    step_s = _timed(model, ids, positions, ctx, last, repeats)
     return {"num_seqs": 1, "kv_tokens": 0, "prefill_tokens": tokens, "step_s": step_s}
 
 
 def measure_step_times(model: str | Path | CausalLM | None = None,
                        batch_sizes: Sequence[int] = (1, 4, 16),
                        contexts: Sequence[int] = (128, 512, 1024),
-                       prefills: Sequence[int] = (64, 256), repeats: int = 2,
+                       prefills: Sequence[int | tuple[int, int]] = (64, 256), repeats: int = 2,
                        progress: bool = True) -> list[dict]:
-    """Time decode steps over ``batch_sizes x contexts`` and prefills of ``prefills`` tokens.
+    """Time decode steps over ``batch_sizes x contexts`` and prefills of ``prefills`` tokens
+    (an int: one sequence; ``(num_seqs, tokens)``: a batch of that many prompts, ``tokens`` in
+    all, as a workload's admission step prefills them).
 
     Returns rows ``{num_seqs, kv_tokens, prefill_tokens, step_s}`` (best of ``repeats``).
     """
@@ -71,16 +82,21 @@ def measure_step_times(model: str | Path | CausalLM | None = None,
 
         model = load_model(model, backend=make_attention_backend("auto", "cpu"))
     cfg = model.config
-    num_pages = max(max(batch_sizes) * -(-max(contexts) // PAGE_SIZE),
-                    -(-max(prefills) // PAGE_SIZE))
+    most = max((p if isinstance(p, int) else p[1] for p in prefills), default=0)
+    num_pages = max(max(batch_sizes) * -(-max(contexts) // PAGE_SIZE), -(-most // PAGE_SIZE))
     device = next(model.parameters()).device
     model.bind_kv_cache(allocate_kv_cache(cfg.num_layers, num_pages, PAGE_SIZE, cfg.num_kv_heads,
                                           cfg.head_dim, next(model.parameters()).dtype, device))
-    jobs = [(b, c) for b in batch_sizes for c in contexts] + [(None, n) for n in prefills]
+    decodes = [(b, c) for b in batch_sizes for c in contexts]
     rows = []
-    for num_seqs, n in tqdm(jobs, desc="calibrate", unit="shape", disable=not progress):
-        rows.append(_prefill_row(model, n, repeats) if num_seqs is None
-                    else _decode_row(model, num_seqs, n, repeats))
+    with tqdm(total=len(decodes) + len(prefills), desc="calibrate", unit="shape",
+              disable=not progress) as bar:
+        for num_seqs, context in decodes:
+            rows.append(_decode_row(model, num_seqs, context, repeats))
+            bar.update()
+        for shape in prefills:
+            rows.append(_prefill_row(model, shape, repeats))
+            bar.update()
     model.bind_kv_cache(None)
     return rows
 

@@ -38,3 +38,27 @@ def test_measure_boundary_costs_prices_decisions_and_compactions():
                                                       [1, 0, 8, 0.03], [2, 32, 0, 0.015]])),
                                  costs["boundary_s"], costs["compaction_s"])
     assert priced.boundary_time(2, 1) == 2 * costs["boundary_s"] + costs["compaction_s"]
+
+
+def test_a_batched_prefill_is_timed_as_that_many_prompts(monkeypatch):
+    import pytest
+
+    from growpage.engine import profile
+
+    cfg = tiny_config("llama")
+    model = build_model(cfg, random_state_dict(cfg, seed=0),
+                        backend=make_attention_backend("torch", "cpu"))
+    seen = []
+    build = profile.prefill_context
+
+    def recording(seq_lens, **kwargs):
+        seen.append(list(seq_lens))
+        return build(seq_lens, **kwargs)
+
+    monkeypatch.setattr(profile, "prefill_context", recording)
+    rows = measure_step_times(model, batch_sizes=(1,), contexts=(16,), prefills=(10, (3, 10)),
+                              repeats=0, progress=False)
+    assert seen == [[10], [4, 3, 3]]   # one sequence; three prompts of 10 tokens in all
+    assert [(r["num_seqs"], r["prefill_tokens"]) for r in rows[1:]] == [(1, 10), (1, 10)]
+    with pytest.raises(ValueError, match="num_seqs <= tokens"):
+        profile._prefill_row(model, (5, 3), 0)
