@@ -69,7 +69,8 @@ def _prefill_row(model: CausalLM, shape: int | tuple[int, int], repeats: int) ->
 def measure_step_times(model: str | Path | CausalLM | None = None,
                        batch_sizes: Sequence[int] = (1, 4, 16),
                        contexts: Sequence[int] = (128, 512, 1024),
-                       prefills: Sequence[int | tuple[int, int]] = (64, 256), repeats: int = 2,
+                       prefills: Sequence[int | tuple[int, int]] = (64, 256, (16, 1024)),
+                       repeats: int = 2,
                        progress: bool = True) -> list[dict]:
     """Time decode steps over ``batch_sizes x contexts`` and prefills of ``prefills`` tokens
     (an int: one sequence; ``(num_seqs, tokens)``: a batch of that many prompts, ``tokens`` in
