@@ -133,15 +133,6 @@ TABLE_COLUMNS = [("policy", "policy", ""), ("avg_budget", "avg budget", ".0f"),
                  ("fallback", "fallback", "d")]
 
 
-def _md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    from growpage.sim.reports import _cell
-
-    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
-             "|" + "|".join("---" if not f else "---:" for _, _, f in columns) + "|"]
-    lines += ["| " + " | ".join(_cell(r.get(k), f) for k, _, f in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def _interval(ci: list[float] | tuple[float, float] | None, fmt: str) -> str | None:
     return None if ci is None else f"{ci[0]:{fmt}} to {ci[1]:{fmt}}"
 
@@ -262,9 +253,9 @@ def write_report(out: Path, analysis, extra: dict, traces: list, command: str,
               "## Counterfactual growth advantage by Δt bucket (paper Fig. 7)", ""]
     for label, sig in analysis.signals.items():
         lines += [f"Boundaries of the `{label}` replay:", "",
-                  _md_table(_bucket_rows(sig), BUCKET_COLUMNS), ""]
+                  reports.markdown_table(_bucket_rows(sig), BUCKET_COLUMNS), ""]
     lines += ["![growth advantage](advantage.png)", "", "## Policy table (paper appendix H)", "",
-              _md_table(analysis.rows, TABLE_COLUMNS), "", H2O_NOTE, "",
+              reports.markdown_table(analysis.rows, TABLE_COLUMNS), "", H2O_NOTE, "",
               "![capacity](capacity.png)", "![capacity per policy](capacity-policies.png)", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))

@@ -56,7 +56,12 @@ from growpage.sim.costmodel import RooflineCostModel, load_cost_model  # noqa: E
 from growpage.sim.realtrace import PolicyPoint, RealTraceSettings, table_row  # noqa: E402
 from growpage.sim.records import ReplayResult  # noqa: E402
 from growpage.sim.replay import ReplayOptions, replay_trace  # noqa: E402
-from growpage.sim.reports import _cell, aggregate_replays, make_output_dir, write_json  # noqa: E402
+from growpage.sim.reports import (  # noqa: E402
+    aggregate_replays,
+    make_output_dir,
+    markdown_table,
+    write_json,
+)
 from growpage.sim.scripted import ScriptedContext  # noqa: E402
 from growpage.sim.serving import SimConfig, simulate  # noqa: E402
 from growpage.sim.sources import SCRIPT_SPEC  # noqa: E402
@@ -335,37 +340,30 @@ KLOC_SERVE: list[Column] = [
     ("fidelity_output_error", "out err (synth.)", ".4f")]
 
 
-def md_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
-    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
-             "|" + "|".join("---" if not f else "---:" for _, _, f in columns) + "|"]
-    lines += ["| " + " | ".join(_cell(r.get(k), f) for k, _, f in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def interval_table(rows: Sequence[dict], intervals: Sequence[str]) -> str:
     """Per τ run: decided boundaries by Δt interval, and how many had Δt exactly 0."""
     columns: list[Column] = [("tau", "run τ", "+.3f"), ("decided", "decided", "d")]
     columns += [(f"i{j}", f"Δt {name}", "d") for j, name in enumerate(intervals)]
     columns += [("delta_zero", "Δt = 0", "d")]
     flat = [{**r, **{f"i{j}": c for j, c in enumerate(r["delta_counts"])}} for r in rows]
-    return md_table(flat, columns)
+    return markdown_table(flat, columns)
 
 
 def tables(result: dict) -> list[tuple[str, str]]:
     """``(title, markdown table)`` of every measured part of ``result``."""
     intervals = result["intervals"]
-    parts = [("D.1 τ, real traces (per-request replay)", md_table(result["tau"]["replay"],
+    parts = [("D.1 τ, real traces (per-request replay)", markdown_table(result["tau"]["replay"],
                                                                     TAU_REPLAY)),
              ("D.1 τ, real traces: decided boundaries by Δt interval",
               interval_table(result["tau"]["replay"], intervals))]
     if "serve" in result["tau"]:
-        parts += [("D.1 τ, served", md_table(result["tau"]["serve"], TAU_SERVE)),
+        parts += [("D.1 τ, served", markdown_table(result["tau"]["serve"], TAU_SERVE)),
                   ("D.1 τ, served: decisions by Δt interval",
                    interval_table(result["tau"]["serve"], intervals))]
-    parts.append(("D.2 k_loc, real traces (τ = 0)", md_table(result["kloc"]["replay"],
+    parts.append(("D.2 k_loc, real traces (τ = 0)", markdown_table(result["kloc"]["replay"],
                                                              KLOC_REPLAY)))
     if "serve" in result["kloc"]:
-        parts.append(("D.2 k_loc, served (growpage, τ = 0)", md_table(result["kloc"]["serve"],
+        parts.append(("D.2 k_loc, served (growpage, τ = 0)", markdown_table(result["kloc"]["serve"],
                                                                       KLOC_SERVE)))
     return parts
 

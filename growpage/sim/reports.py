@@ -6,7 +6,7 @@ import csv
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,16 @@ def _cell(value: Any, fmt: str) -> str:
         except (TypeError, ValueError):
             return str(value)
     return str(value)
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]],
+                   columns: Sequence[tuple[str, str, str]]) -> str:
+    """A Markdown table of ``rows``: ``columns`` are ``(key, header, format)``; a column with a
+    format is right-aligned, a missing or NaN value is ``-``."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
+             "|" + "|".join("---" if not f else "---:" for _, _, f in columns) + "|"]
+    lines += ["| " + " | ".join(_cell(r.get(k), f) for k, _, f in columns) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
