@@ -40,12 +40,10 @@ class StatsCollector:
         self.finished: list[Sequence] = []
 
     def on_step(self, seconds: float, num_running: int, decode_capacities: list[int],
-                pages_used: int, resident_after: int | None = None) -> None:
+                pages_used: int, resident_after: int) -> None:
         """One step took ``seconds`` with ``num_running`` requests; ``pages_used`` and
-        ``resident_after`` (default ``num_running``) are the pool's and the batch's state when
-        it ended."""
-        self.timeline.append((time.perf_counter() - self.start, pages_used,
-                              num_running if resident_after is None else resident_after))
+        ``resident_after`` are the pool's and the batch's state when it ended."""
+        self.timeline.append((time.perf_counter() - self.start, pages_used, resident_after))
         self.num_steps += 1
         self.step_time += seconds
         self.resident_time += seconds * num_running
