@@ -20,7 +20,8 @@ class ServingMetrics:
     Attributes:
         total_time_s: simulated seconds from the first arrival until every request finished.
         tps: output tokens per second over ``total_time_s``.
-        tpot_ms: mean over requests of (finish - end of first prefill) / output tokens.
+        tpot_ms: mean over requests of (finish - end of first prefill) / (output tokens - 1),
+            as the engine's (requests of one output token have none).
         ttft_s: mean seconds from arrival to the end of the request's first prefill.
         avg_resident: time-average number of requests resident in KV memory (the paper's C).
         avg_kv_budget: mean over requests of their average capacity (tokens) while decoding.

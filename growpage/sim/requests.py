@@ -12,7 +12,9 @@ class SimRequest:
 
     Attributes:
         state: the controller's ``RequestState`` (block table; counts in controller units).
-        num_tokens: resident KV tokens; generated: output tokens written (both at sync_step).
+        num_tokens: resident KV tokens; generated: output tokens whose KV is written, one per
+            decode step (both at sync_step). The prefill produces the first output token, so a
+            request decodes ``decode_tokens`` = ``output_tokens - 1`` steps.
         event_step: decode step of its next event (boundary or finish).
         budget_tokens: sum over its decoded tokens of its capacity (pages * b) when written.
         capacity: ``(time_s, pages)`` whenever its page count changes (0 = not resident).
@@ -44,6 +46,11 @@ class SimRequest:
         return len(self.state.block_table)
 
     @property
+    def decode_tokens(self) -> int:
+        """Decode steps it needs: its prefill produces the first of its output tokens."""
+        return self.output_tokens - 1
+
+    @property
     def avg_budget(self) -> float:
         """Mean capacity in tokens over its decoded tokens."""
         return self.budget_tokens / self.generated if self.generated else 0.0
@@ -60,11 +67,12 @@ class SimRequest:
 
     @property
     def tpot_ms(self) -> float | None:
-        """Milliseconds per output token from the end of its first prefill to its finish
-        (stalls and preemptions included; None before it finished)."""
-        if self.finish_s is None or self.first_token_s is None:
+        """Milliseconds per output token after the first, from the end of its first prefill
+        to its finish (stalls and preemptions included; None before it finished, or for a
+        request of one output token), as the engine's ``tpot_s``."""
+        if self.finish_s is None or self.first_token_s is None or self.output_tokens < 2:
             return None
-        return 1e3 * (self.finish_s - self.first_token_s) / self.output_tokens
+        return 1e3 * (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
 
     def __repr__(self) -> str:
         return (f"SimRequest({self.request_id!r}, tokens={self.num_tokens}, "

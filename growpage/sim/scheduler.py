@@ -68,7 +68,7 @@ class Scheduler:
 
     def _schedule_event(self, r: SimRequest) -> None:
         free = r.num_pages * self.page_size - r.num_tokens
-        r.event_step = self.step + min(free, r.output_tokens - r.generated)
+        r.event_step = self.step + min(free, r.decode_tokens - r.generated)
         self._tick += 1
         r.event_tick = self._tick
         heapq.heappush(self._heap, (r.event_step, self._tick, r))
@@ -187,13 +187,13 @@ class Scheduler:
     def _alone_error(self, r: SimRequest) -> str:
         """Why ``r`` cannot go on even alone, and, for a policy that never compresses, the
         pool it needs."""
-        total = r.prompt_tokens + r.output_tokens
+        total = r.prompt_tokens + r.output_tokens   # its KV ends one token short of this
         text = (f"request {r.request_id!r} ({r.prompt_tokens} prompt + {r.output_tokens} output "
                 f"tokens) cannot get a page even alone, holding {r.num_pages} pages after "
-                f"{r.generated} output tokens: the pool ({self.pool.num_pages} pages of "
+                f"{r.generated + 1} output tokens: the pool ({self.pool.num_pages} pages of "
                 f"{self.page_size} tokens, watermark {self.pool.watermark}) is too small")
         if not self.controller.policy.fallback_to_compress:
-            need = math.ceil(total / self.page_size) + self.pool.watermark
+            need = math.ceil((total - 1) / self.page_size) + self.pool.watermark
             text += (f"; policy {self.controller.policy.name!r} never compresses, so it needs "
                      f"{need} pages (--kv-pages {need})")
         return text
@@ -216,17 +216,29 @@ class Scheduler:
         self.running.remove(r)
         self._kv_offset -= r.num_tokens - r.sync_step
 
+    def finish_prefilled(self, batch: list[SimRequest], now: float) -> None:
+        """The prefill of ``batch`` has run and produced each one's first output token (or,
+        for one back from preemption, its next); those that needed only that one finish."""
+        for r in batch:
+            if r.first_token_s is None:
+                r.first_token_s = now
+            if r.generated >= r.decode_tokens:
+                self._finish(r, now)
+
+    def _finish(self, r: SimRequest, now: float) -> None:
+        self.log(now, "finish", r)
+        self._release(r)
+        r.finish_s = now
+        r.capacity.append((now, 0))
+        self.finished.append(r)
+
     def advance(self, num_steps: int, now: float) -> None:
         """``num_steps`` decode steps have run; finish the requests that are done."""
         self.step += num_steps
         for r in self._pop_due():
             self._sync(r)
-            if r.generated >= r.output_tokens:
-                self.log(now, "finish", r)
-                self._release(r)
-                r.finish_s = now
-                r.capacity.append((now, 0))
-                self.finished.append(r)
+            if r.generated >= r.decode_tokens:
+                self._finish(r, now)
             else:   # at a boundary: resolved before the next decode step
                 self._tick += 1
                 r.event_tick = self._tick

@@ -7,9 +7,11 @@ due go through the ``CapacityController`` and the running batch decodes up to it
 (one ``env.timeout`` per segment of identical steps, priced by the cost model). Simulated time
 is in seconds.
 
-Step semantics: a prefill step computes the admitted requests' prompts (plus, for a request back
-from preemption, its generated tokens: recompute) and produces no output token; each decode step
-writes one KV slot and one output token per running request.
+Step semantics, as in the engine (and vLLM): a prefill step computes the admitted requests'
+prompts (plus, for a request back from preemption, its generated tokens: recompute) and produces
+each one's first output token; each decode step writes the KV slot of a running request's last
+token and produces its next one. A request of ``N`` output tokens thus decodes ``N - 1`` steps,
+and its KV ends at ``prompt + N - 1`` tokens (the last token is never fed back).
 """
 
 from __future__ import annotations
@@ -172,9 +174,10 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
         if batch:
             yield run.spend(env, cost.prefill_time(tokens))
             run.prefill_steps += 1
-            for r in batch:
-                if r.first_token_s is None:
-                    r.first_token_s = env.now
+            done = len(sched.finished)
+            sched.finish_prefilled(batch, env.now)
+            if run.on_progress is not None and len(sched.finished) != done:
+                run.on_progress(len(sched.finished))
             continue
         if not sched.running:
             run.idle = env.event()

@@ -183,7 +183,8 @@ def synthetic_trace_of(spec: SyntheticSpec = SCRIPT_SPEC, seed: int = 0
 def traces_for(requests: Sequence[WorkloadRequest], directory: str
                ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
     """Trace mode over a trace set: each request takes its ``trace`` (or the set's entries in
-    turn) and the lengths of that trace."""
+    turn) and the lengths of that trace. A trace holds the KV of every token but the last
+    output token (never fed back), so ``G`` generated positions make ``G + 1`` output tokens."""
     traces = TraceSet(directory)
     if not len(traces):
         raise ConfigError(f"{directory}: the trace set is empty")
@@ -196,5 +197,5 @@ def traces_for(requests: Sequence[WorkloadRequest], directory: str
             raise ConfigError(f"request {r.request_id}: trace {r.trace!r} is not in {directory}")
         chosen[r.request_id] = entry
         out.append(attrs.evolve(r, prompt_tokens=entry.prompt_len,
-                                output_tokens=max(entry.num_tokens - entry.prompt_len, 1)))
+                                output_tokens=entry.num_tokens - entry.prompt_len + 1))
     return out, lambda request: traces.read(chosen[request.request_id])

@@ -293,9 +293,10 @@ def test_the_simulator_predicts_the_steps_async_compaction_adds(model):
                           GrowPageConfig(page_size=4, recent_window=2),
                           SimConfig(num_kv_pages=256, async_compaction=flag),
                           LinearCostModel(base_s=1.0))
-        sim_steps[flag] = served.metrics.decode_steps
-    # The engine's prefill step samples the first token, the simulator's writes none: the
-    # engine's steps (prefill included) are the simulator's decode steps.
-    assert engine_steps[False] == sim_steps[False]
+        sim_steps[flag] = served.metrics.prefill_steps + served.metrics.decode_steps
+        assert served.metrics.compresses == llm.last_stats.events["compress"]
+    # Both prefill the three prompts in one step, which gives each its first token, and then
+    # decode o - 1 steps for o output tokens.
+    assert engine_steps[False] == sim_steps[False] == 1 + max(o for _, o in lengths) - 1
     added = engine_steps[True] - engine_steps[False]
     assert added > 5 and sim_steps[True] - sim_steps[False] == added

@@ -16,8 +16,9 @@ SMALL = ["--page-size", "32", "--recent-window", "4"]
 
 
 def set_and_workload(tmp_path, rows: str):
-    """A trace set ``tmp_path/set`` (synthetic-0, -1: 90 and 60 tokens generated after a
-    20-token prompt) and a CSV workload of ``rows`` (with a trace column) beside it."""
+    """A trace set ``tmp_path/set`` (synthetic-0, -1: the KV of 90 and 60 generated tokens after
+    a 20-token prompt, so requests of 91 and 61 output tokens: the last output token is never
+    fed back) and a CSV workload of ``rows`` (with a trace column) beside it."""
     spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
                          prompt_len=20, gen_len=1)
     write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[90, 60], seed=2)
@@ -63,8 +64,8 @@ def test_serve_named_workload_and_csv_in_trace_mode(capsys, tmp_path):
     out = run_json(capsys, ["sim", "serve", "--workload", str(csv), *SMALL, "--kv-pages", "20",
                             "--decisions", "trace", "--traces", str(tmp_path / "set"),
                             "--cost", "a100-r1-llama-8b"])
-    # Lengths come from the traces: synthetic-1 (60) and, in turn, the set's entry 1 (60).
-    assert out["metrics"]["output_tokens"] == 120
+    # Lengths come from the traces: synthetic-1 (61) and, in turn, the set's entry 1 (61).
+    assert out["metrics"]["output_tokens"] == 122
 
 
 def test_bad_workload_is_reported_not_raised(capsys, tmp_path):
@@ -173,8 +174,9 @@ def test_sweep_in_trace_mode_serves_the_trace_set(capsys, tmp_path):
     out = run_json(capsys, ["sim", "sweep", "--workload", str(csv), *SMALL, "--kv-pages", "20",
                             "--points", "fullkv", "--jobs", "1", "--fidelity-traces", "0",
                             "--decisions", "trace", "--traces", str(tmp_path / "set")])
-    # As in serve: synthetic-1 (60 tokens), then the set's entry 1 (60), not the CSV's 5 + 5.
-    assert out["points"][0]["output_tokens"] == 120
+    # As in serve: synthetic-1 (61 output tokens), then the set's entry 1 (61), not the
+    # CSV's 5 + 5.
+    assert out["points"][0]["output_tokens"] == 122
     assert main(["sim", "sweep", "--workload", str(csv), *SMALL, "--points", "fullkv",
                  "--decisions", "trace", "--traces", str(tmp_path / "nothing")]) == 2
     assert "not a trace set" in capsys.readouterr().err
@@ -298,7 +300,7 @@ def test_replay_of_a_trace_set_rejects_synthetic_only_flags(capsys, tmp_path, fl
 @pytest.mark.parametrize("command", [["serve"], ["sweep", "--points", "fullkv", "--jobs", "1",
                                                  "--fidelity-traces", "0"]])
 def test_the_workload_trace_column_is_noted_on_stderr(capsys, tmp_path, command):
-    csv = set_and_workload(tmp_path, "0,5,5,synthetic-1\n0,20,60,\n0,5,5,\n")
+    csv = set_and_workload(tmp_path, "0,5,5,synthetic-1\n0,20,61,\n0,5,5,\n")
     argv = ["sim", *command, "--workload", str(csv), *SMALL, "--kv-pages", "40", "--json"]
     for mode in ([], ["--decisions", "trace"]):   # script mode, trace mode without a set
         assert main(argv + mode) == 0
@@ -306,8 +308,8 @@ def test_the_workload_trace_column_is_noted_on_stderr(capsys, tmp_path, command)
         assert err.count("the trace column is ignored") == 1 and "lengths" not in err
     assert main(argv + ["--decisions", "trace", "--traces", str(tmp_path / "set")]) == 0
     err = capsys.readouterr().err
-    # synthetic-1 (20 + 60), then the set's entries in turn: synthetic-1 again (20 + 60, as
-    # the CSV says) and synthetic-0 (20 + 90).
+    # synthetic-1 (20 + 61), then the set's entries in turn: synthetic-1 again (20 + 61, as
+    # the CSV says) and synthetic-0 (20 + 91).
     assert err.count("growpage: note: 2 of 3 requests take their prompt and output lengths from "
                      f"their traces in {tmp_path / 'set'}") == 1
     assert "ignored" not in err

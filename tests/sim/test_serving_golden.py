@@ -1,5 +1,7 @@
 """Serving simulator: exact event traces of tiny scenarios (golden lists, derived by hand).
 
+A request of ``N`` output tokens decodes ``N - 1`` steps: its prefill produces the first token.
+
 Every scenario uses page size 4, min_capacity 2, and a linear cost model with round numbers:
 a decode step takes 1 s, a prefill step 1 s + 0.5 s per prompt token. Log entries are
 ``(time_s, event, request_id, pages held)``; ``finish`` / ``preempt`` show the pages released.
@@ -46,7 +48,7 @@ def test_grow_is_refused_when_the_pool_is_empty_and_falls_back_to_compress():
     # Scenario: two requests share 5 pages under an always-grow policy. Both prompts fill one page: forced
     # growth at t=5; at t=9 r0 takes the last page, r1's GROW is refused (fallback); at t=13
     # both fall back; at t=14 both finish.
-    result = run([req("r0", 4, 9), req("r1", 4, 9)], ALWAYS_GROW, pages=5)
+    result = run([req("r0", 4, 10), req("r1", 4, 10)], ALWAYS_GROW, pages=5)
     assert result.events == [
         (0, "arrive", "r0", 0), (0, "arrive", "r1", 0),
         (0, "admit", "r0", 1), (0, "admit", "r1", 1),
@@ -58,7 +60,7 @@ def test_grow_is_refused_when_the_pool_is_empty_and_falls_back_to_compress():
     ]
     m = result.metrics
     assert (m.grows, m.forced_grows, m.compresses, m.fallbacks, m.preemptions) == (3, 2, 3, 3, 0)
-    assert m.total_time_s == 14.0 and m.tps == 18 / 14.0
+    assert m.total_time_s == 14.0 and m.tps == 20 / 14.0
 
 
 def test_forced_growth_without_a_page_preempts_the_most_recent_request():
@@ -66,7 +68,7 @@ def test_forced_growth_without_a_page_preempts_the_most_recent_request():
     # preempted (it is the most recently admitted) while r0 decodes on. At t=9 r1 is
     # re-admitted (recompute prefill of its 4 tokens, 3 s), at t=12 r0's GROW falls back and r1
     # is preempted again; it runs once r0 has finished.
-    result = run([req("r0", 4, 6), req("r1", 4, 6)], ALWAYS_GROW, pages=3)
+    result = run([req("r0", 4, 7), req("r1", 4, 7)], ALWAYS_GROW, pages=3)
     assert result.events == [
         (0, "arrive", "r0", 0), (0, "arrive", "r1", 0),
         (0, "admit", "r0", 1), (0, "admit", "r1", 1),
@@ -86,7 +88,7 @@ def test_forced_growth_without_a_page_preempts_the_most_recent_request():
 def test_fullkv_preempts_instead_of_compressing():
     # Same scenario as the fallback one, under fullkv: at t=9 r1's GROW is refused, and since
     # fullkv never compresses, r1 (the most recently admitted) is preempted and recomputed.
-    result = run([req("r0", 4, 9), req("r1", 4, 9)], "fullkv", pages=5)
+    result = run([req("r0", 4, 10), req("r1", 4, 10)], "fullkv", pages=5)
     kinds = [e[1] for e in result.events]
     assert "compress" not in kinds and "fallback" not in kinds
     assert result.events[7] == (9.0, "preempt", "r1", 2)
@@ -95,7 +97,7 @@ def test_fullkv_preempts_instead_of_compressing():
 
 
 def test_shrink_releases_a_page_and_the_request_grows_again():
-    result = run([req("r0", 4, 16)], GrowThenShrink(), pages=10)
+    result = run([req("r0", 4, 17)], GrowThenShrink(), pages=10)
     assert result.events == [
         (0, "arrive", "r0", 0), (0, "admit", "r0", 1), (3.0, "grow", "r0", 2),
         (7.0, "grow", "r0", 3), (11.0, "shrink", "r0", 2), (15.0, "grow", "r0", 3),
@@ -109,7 +111,7 @@ def test_shrink_releases_a_page_and_the_request_grows_again():
 
 def test_a_later_arrival_cuts_the_decode_segment_and_is_admitted_next():
     # r1 arrives at 4.5 s while r0 decodes: the segment stops after the step that ends at 5 s.
-    result = run([req("r0", 4, 8), req("r1", 4, 4, arrival=4.5)], "fullkv", pages=10)
+    result = run([req("r0", 4, 9), req("r1", 4, 5, arrival=4.5)], "fullkv", pages=10)
     assert result.events == [
         (0, "arrive", "r0", 0), (0, "admit", "r0", 1), (3.0, "grow", "r0", 2),
         (4.5, "arrive", "r1", 0), (5.0, "admit", "r1", 1), (8.0, "grow", "r1", 2),
@@ -124,10 +126,29 @@ def test_a_later_arrival_cuts_the_decode_segment_and_is_admitted_next():
 def test_max_num_seqs_and_admission_reserve_hold_requests_back():
     # One seat: r1 waits for r0 to finish. With a reserve of 3 of 4 pages r1 (1 page) cannot
     # be admitted while r0 runs either (a request alone is admitted without the reserve).
-    seats = run([req("r0", 4, 2), req("r1", 4, 2)], "fullkv", pages=4, max_num_seqs=1)
+    seats = run([req("r0", 4, 3), req("r1", 4, 3)], "fullkv", pages=4, max_num_seqs=1)
     assert [e[:3] for e in seats.events if e[1] in ("admit", "finish")] == [
         (0, "admit", "r0"), (5.0, "finish", "r0"), (5.0, "admit", "r1"), (10.0, "finish", "r1")]
     cfg = SimConfig(num_kv_pages=4, admission_reserve=0.75, record_events=True)
-    reserve = simulate([req("r0", 4, 2), req("r1", 4, 2)], "fullkv", CONFIG, cfg, COST)
+    reserve = simulate([req("r0", 4, 3), req("r1", 4, 3)], "fullkv", CONFIG, cfg, COST)
     assert [e[:3] for e in reserve.events if e[1] in ("admit", "finish")] == [
         (0, "admit", "r0"), (5.0, "finish", "r0"), (5.0, "admit", "r1"), (10.0, "finish", "r1")]
+
+
+def test_a_request_of_one_output_token_finishes_at_its_prefill():
+    # r0 and r1 prefill together (8 tokens: 1 + 0.5 * 8 = 5 s), which gives each its first
+    # token: r0 (1 output token) finishes then, with no decode step and no TPOT; r1 (3 output
+    # tokens, its prompt filling its page) grows for its first decode step and finishes 2 steps
+    # later, at 7 s.
+    result = run([req("r0", 4, 1), req("r1", 4, 3)], "fullkv", pages=4)
+    assert result.events == [
+        (0, "arrive", "r0", 0), (0, "arrive", "r1", 0),
+        (0, "admit", "r0", 1), (0, "admit", "r1", 1),
+        (5.0, "finish", "r0", 1), (5.0, "grow", "r1", 2), (7.0, "finish", "r1", 2),
+    ]
+    r0, r1 = result.requests
+    assert (r0.ttft_s, r0.e2e_s, r0.tpot_ms, r0.generated) == (5.0, 5.0, None, 0)
+    assert (r1.ttft_s, r1.e2e_s, r1.tpot_ms, r1.generated) == (5.0, 7.0, 1000.0, 2)
+    m = result.metrics
+    assert (m.prefill_steps, m.decode_steps, m.output_tokens) == (1, 2, 4)
+    assert result.pool.num_free_pages == 4

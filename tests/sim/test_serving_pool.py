@@ -19,13 +19,13 @@ from growpage.sim.workloads import WORKLOADS
 
 def test_timeline_of_a_hand_derived_scenario():
     # Pages of 4 tokens, a prefill step of 4 tokens takes 3 s, a decode step 1 s (the golden
-    # scenario of test_serving_review). r0 (prompt 4, 8 tokens) is admitted at 0 with one page,
-    # takes its 2nd page at 3 s (its first decode token) and its 3rd at 10 s, and finishes at
-    # 14 s; r1 (prompt 4, 4 tokens, arrives 4.5 s) is admitted at 5 s, takes its 2nd page at
-    # 8 s and finishes at 12 s.
+    # scenario of test_serving_review). r0 (prompt 4, 9 output tokens: 8 decode steps) is
+    # admitted at 0 with one page, takes its 2nd page at 3 s (its first decode step) and its 3rd
+    # at 10 s, and finishes at 14 s; r1 (prompt 4, 5 output tokens, arrives 4.5 s) is admitted at
+    # 5 s, takes its 2nd page at 8 s and finishes at 12 s.
     config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
     cost = LinearCostModel(base_s=1.0, per_prefill_token_s=0.5)
-    requests = [WorkloadRequest("r0", 0.0, 4, 8), WorkloadRequest("r1", 4.5, 4, 4)]
+    requests = [WorkloadRequest("r0", 0.0, 4, 9), WorkloadRequest("r1", 4.5, 4, 5)]
     result = simulate(requests, "fullkv", config,
                       SimConfig(num_kv_pages=10, admission_reserve=0.0), cost)
     assert result.pool_timeline() == [(0.0, 1, 1), (3.0, 2, 1), (5.0, 3, 2), (8.0, 4, 2),

@@ -40,10 +40,11 @@ def run_json(capsys, argv):
 
 # ---- latency percentiles ---------------------------------------------------------------------
 def test_latencies_of_a_hand_derived_scenario():
-    # The golden scenario "a later arrival cuts the decode segment": r0 (prompt 4, 8 tokens)
-    # prefills 0-3 s and finishes at 14 s; r1 (prompt 4, 4 tokens, arrives at 4.5 s) prefills
-    # 5-8 s and finishes at 12 s. TTFT 3 / 3.5 s, E2E 14 / 7.5 s, TPOT 11/8 s and 4/4 s.
-    requests = [WorkloadRequest("r0", 0.0, 4, 8), WorkloadRequest("r1", 4.5, 4, 4)]
+    # The golden scenario "a later arrival cuts the decode segment": r0 (prompt 4, 9 output
+    # tokens) prefills 0-3 s and finishes at 14 s; r1 (prompt 4, 5 output tokens, arrives at
+    # 4.5 s) prefills 5-8 s and finishes at 12 s. TTFT 3 / 3.5 s, E2E 14 / 7.5 s, TPOT (after
+    # the first token) 11/8 s and 4/4 s.
+    requests = [WorkloadRequest("r0", 0.0, 4, 9), WorkloadRequest("r1", 4.5, 4, 5)]
     result = simulate(requests, "fullkv", GOLDEN_CONFIG,
                       SimConfig(num_kv_pages=10, admission_reserve=0.0), GOLDEN_COST)
     m = result.metrics
@@ -64,7 +65,8 @@ def test_latency_metrics_hold_their_invariants_on_a_loaded_pool(policy):
     cost = load_cost_model("a100-qwen3-8b")
     result = simulate(requests, policy, GrowPageConfig(), SimConfig(num_kv_pages=120), cost)
     m, done = result.metrics, result.requests
-    assert len(done) == len(requests) and all(r.generated == r.output_tokens for r in done)
+    assert len(done) == len(requests)
+    assert all(r.generated == r.decode_tokens == r.output_tokens - 1 for r in done)
     ttft = np.array([r.ttft_s for r in done])
     e2e = np.array([r.e2e_s for r in done])
     tpot = np.array([r.tpot_ms for r in done])
@@ -96,7 +98,7 @@ def test_serve_prints_the_latency_table_and_writes_per_request_latencies(capsys,
         assert float(row["e2e_s"]) == pytest.approx(finish - arrival)
         assert float(row["ttft_s"]) == pytest.approx(first - arrival)
         assert float(row["tpot_ms"]) == pytest.approx(
-            1e3 * (finish - first) / int(row["output_tokens"]))
+            1e3 * (finish - first) / (int(row["output_tokens"]) - 1))
 
 
 def test_latency_table_rows_hold_the_mean_and_the_percentiles():
@@ -260,10 +262,10 @@ def test_a_workload_of_ordinary_lengths_gets_no_warning(capsys):
 # ---- script mode: every request has a scripted signal for every decision ---------------------
 def test_a_request_with_a_short_prompt_does_not_outrun_its_script():
     # One script for the three: median prompt 100, longest total 400, so a script of
-    # 400 - 100 tokens (+ margin) is shorter than r2's 340 output tokens; its last decisions
+    # 400 - 100 tokens (+ margin) is shorter than r2's 340 decode steps; its last decisions
     # had no scripted signal (SimulationError "reached decided boundary N, its script has N").
-    requests = [WorkloadRequest("r0", 0.0, 100, 300), WorkloadRequest("r1", 0.0, 100, 300),
-                WorkloadRequest("r2", 0.0, 60, 340)]
+    requests = [WorkloadRequest("r0", 0.0, 100, 301), WorkloadRequest("r1", 0.0, 100, 301),
+                WorkloadRequest("r2", 0.0, 60, 341)]
     config = GrowPageConfig(page_size=4, recent_window=1)
     result = simulate(requests, "growpage", config, SimConfig(num_kv_pages=400, num_scripts=1),
                       load_cost_model("a100-qwen3-8b"))
@@ -282,23 +284,24 @@ def test_signal_reading_policies_never_run_out_of_script(lengths, page_size, num
     result = simulate(requests, policy, config,
                       SimConfig(num_kv_pages=2000, num_scripts=num_scripts),
                       load_cost_model("a100-qwen3-8b"))
-    assert [r.generated for r in result.requests] == [r.output_tokens for r in
+    assert [r.generated for r in result.requests] == [r.output_tokens - 1 for r in
                                                        sorted(requests, key=lambda r: r.arrival_s)]
 
 
 # ---- a pool too small for one request --------------------------------------------------------
 @pytest.mark.parametrize("decisions", ["script", "trace"])
 def test_a_pool_too_small_for_fullkv_names_the_pages_it_needs(decisions):
-    # 10 + 30 tokens in pages of 4: 10 pages, which fullkv (never compresses) must hold at once.
-    requests = [WorkloadRequest("r", 0.0, 10, 30)]
+    # 10 prompt + 31 output tokens: the KV ends at 40 tokens (the last output token is never
+    # fed back), 10 pages of 4, which fullkv (never compresses) must hold at once.
+    requests = [WorkloadRequest("r", 0.0, 10, 31)]
     config = GrowPageConfig(page_size=4, recent_window=1)
     with pytest.raises(ConfigError) as info:
         simulate(requests, "fullkv", config,
                  SimConfig(num_kv_pages=9, admission_reserve=0.0, decisions=decisions),
                  GOLDEN_COST)
     message = str(info.value)
-    assert message.startswith("request 'r' (10 prompt + 30 output tokens) cannot get a page "
-                              "even alone, holding 9 pages after 26 output tokens")
+    assert message.startswith("request 'r' (10 prompt + 31 output tokens) cannot get a page "
+                              "even alone, holding 9 pages after 27 output tokens")
     assert message.endswith("so it needs 10 pages (--kv-pages 10)") and "\n" not in message
     result = simulate(requests, "fullkv", config,
                       SimConfig(num_kv_pages=10, admission_reserve=0.0, decisions=decisions),
