@@ -53,7 +53,9 @@ def _decode_row(model: CausalLM, num_seqs: int, context: int, repeats: int) -> d
 def _prefill_row(model: CausalLM, shape: int | tuple[int, int], repeats: int) -> dict:
     """A prefill of ``shape`` tokens (one sequence) or ``(num_seqs, tokens)``: ``tokens`` in
     all, split as evenly as possible over ``num_seqs`` sequences, each with its own logits. The
-    row's ``num_seqs`` is 1 either way: the simulator prices a prefill step by its tokens."""
+    row's ``num_seqs`` is 0 either way, as the simulator prices a prefill-only step
+    (``CostModel.prefill_time``: by its tokens alone), so the fit's ``per_seq_s`` is a decode
+    sequence's cost and the prefill rows do not carry one the simulator never charges."""
     num_seqs, tokens = (1, shape) if isinstance(shape, int) else shape
     if not 1 <= num_seqs <= tokens:
         raise ValueError(f"prefill shape {shape!r}: need 1 <= num_seqs <= tokens")
@@ -63,7 +65,7 @@ def _prefill_row(model: CausalLM, shape: int | tuple[int, int], repeats: int) ->
     positions = torch.cat([torch.arange(n) for n in lens])
     last = torch.cumsum(torch.tensor(lens), 0) - 1
     step_s = _timed(model, ids, positions, ctx, last, repeats)
-    return {"num_seqs": 1, "kv_tokens": 0, "prefill_tokens": tokens, "step_s": step_s}
+    return {"num_seqs": 0, "kv_tokens": 0, "prefill_tokens": tokens, "step_s": step_s}
 
 
 def measure_step_times(model: str | Path | CausalLM | None = None,

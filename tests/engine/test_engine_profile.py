@@ -16,7 +16,7 @@ def test_measure_step_times_rows_and_fit():
     rows = measure_step_times(model, batch_sizes=(1, 4), contexts=(16, 96), prefills=(8, 40),
                               repeats=1, progress=False)
     assert [(r["num_seqs"], r["kv_tokens"], r["prefill_tokens"]) for r in rows] == [
-        (1, 16, 0), (1, 96, 0), (4, 64, 0), (4, 384, 0), (1, 0, 8), (1, 0, 40)]
+        (1, 16, 0), (1, 96, 0), (4, 64, 0), (4, 384, 0), (0, 0, 8), (0, 0, 40)]
     assert all(r["step_s"] > 0 for r in rows)
     table = np.array([[r["num_seqs"], r["kv_tokens"], r["prefill_tokens"], r["step_s"]]
                       for r in rows])
@@ -59,6 +59,23 @@ def test_a_batched_prefill_is_timed_as_that_many_prompts(monkeypatch):
     rows = measure_step_times(model, batch_sizes=(1,), contexts=(16,), prefills=(10, (3, 10)),
                               repeats=0, progress=False)
     assert seen == [[10], [4, 3, 3]]   # one sequence; three prompts of 10 tokens in all
-    assert [(r["num_seqs"], r["prefill_tokens"]) for r in rows[1:]] == [(1, 10), (1, 10)]
+    assert [(r["num_seqs"], r["prefill_tokens"]) for r in rows[1:]] == [(0, 10), (0, 10)]
     with pytest.raises(ValueError, match="num_seqs <= tokens"):
         profile._prefill_row(model, (5, 3), 0)
+
+
+def test_prefill_rows_are_priced_as_the_simulator_prices_a_prefill_step():
+    """A cost model that fits the rows exactly predicts the simulator's prefill steps: a
+    prefill row holds what ``CostModel.prefill_time`` charges for (its tokens, no sequence)."""
+    from growpage.sim.costmodel import LinearCostModel
+
+    cfg = tiny_config("llama")
+    model = build_model(cfg, random_state_dict(cfg, seed=0),
+                        backend=make_attention_backend("torch", "cpu"))
+    rows = measure_step_times(model, batch_sizes=(1,), contexts=(16,), prefills=(12, (3, 30)),
+                              repeats=0, progress=False)
+    cost = LinearCostModel(base_s=0.01, per_seq_s=0.002, per_kv_token_s=1e-5,
+                           per_prefill_token_s=1e-3)
+    for r in rows[1:]:
+        assert cost.prefill_time(r["prefill_tokens"]) == cost.step_time(
+            r["num_seqs"], r["kv_tokens"], r["prefill_tokens"])
