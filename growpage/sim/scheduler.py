@@ -217,8 +217,9 @@ class Scheduler:
         self._kv_offset -= r.num_tokens - r.sync_step
 
     def finish_prefilled(self, batch: list[SimRequest], now: float) -> None:
-        """The prefill of ``batch`` has run and produced each one's first output token (or,
-        for one back from preemption, its next); those that needed only that one finish."""
+        """The prefill of ``batch`` has run: a request's first prefill produced its first output
+        token, and those that needed only that one finish. (A request back from preemption
+        recomputes its KV and goes on where it stopped.)"""
         for r in batch:
             if r.first_token_s is None:
                 r.first_token_s = now
