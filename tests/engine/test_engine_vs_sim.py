@@ -1,0 +1,75 @@
+"""The engine and the serving simulator step alike: on the same workload, pool and state-driven
+policy (one that reads no attention signal, so both decide alike), every request takes the same
+boundary decisions in the same order, and the run takes as many steps on both sides."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from llm_helpers import prompt, tiny_llm, tiny_model
+
+from growpage.engine.sampling_params import SamplingParams
+from growpage.policies import resolve_policy
+from growpage.sim.costmodel import LinearCostModel
+from growpage.sim.serving import SimConfig, simulate
+from growpage.sim.workload_csv import WorkloadRequest
+
+KINDS = ("grow", "compress", "shrink", "fallback")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def engine_run(model, lengths, policy, params, kv_pages, max_num_seqs):
+    llm = tiny_llm(model, policy=policy, policy_kwargs=params, kv_pages=kv_pages,
+                   max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+    prompts = [prompt(p, 100 + i) for i, (p, _) in enumerate(lengths)]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True)
+                                  for _, o in lengths], use_tqdm=False)
+    per_request = [{k: o.events.get(k, 0) for k in KINDS} for o in outs]
+    trajectories = [[(action, pages) for _, pages, action in o.trajectory] for o in outs]
+    return llm, per_request, trajectories, [len(o.token_ids) for o in outs]
+
+
+def sim_run(llm, lengths, policy, params, kv_pages, max_num_seqs):
+    requests = [WorkloadRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
+    sim = SimConfig(num_kv_pages=kv_pages, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=llm.config.max_num_batched_tokens,
+                    admission_reserve=0.0, record_events=True)
+    result = simulate(requests, resolve_policy(policy, **params), llm.config.growpage, sim,
+                      LinearCostModel(base_s=1.0))
+    counts = {r.request_id: Counter() for r in requests}
+    trajectories = {r.request_id: [] for r in requests}
+    for _, kind, rid, pages in result.events:
+        if kind in KINDS:
+            counts[rid][kind] += 1
+        if kind in KINDS and kind != "fallback":
+            trajectories[rid].append((kind, pages))
+    return result, [{k: counts[r.request_id][k] for k in KINDS} for r in requests], \
+        [trajectories[r.request_id] for r in requests]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(1, 40)), min_size=1,
+                        max_size=4),
+       point=st.sampled_from([("fullkv", {}), ("fixed", {"budget_tokens": 12}),
+                              ("fixed", {"budget_tokens": 20})]),
+       max_num_seqs=st.integers(1, 4))
+def test_engine_and_simulator_take_the_same_steps_and_decisions(model, lengths, point,
+                                                                 max_num_seqs):
+    policy, params = point
+    llm, engine_events, engine_paths, outputs = engine_run(model, lengths, policy, params, 256,
+                                                          max_num_seqs)
+    assert outputs == [o for _, o in lengths]
+    result, sim_events, sim_paths = sim_run(llm, lengths, policy, params, 256, max_num_seqs)
+    assert sim_events == engine_events
+    assert sim_paths == engine_paths     # each boundary's action and the pages after it
+    m = result.metrics
+    assert m.prefill_steps + m.decode_steps == llm.last_stats.num_steps
+    assert m.output_tokens == llm.last_stats.num_output_tokens
