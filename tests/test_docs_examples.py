@@ -242,3 +242,36 @@ def test_engine_guide_defaults_are_the_codes() -> None:
         for name, default in actual.items():
             shown = documented[name].split(" (")[0]
             assert shown in (repr(default), str(default), f'"{default}"'), (name, shown, default)
+
+
+def test_simulator_guide_commands_parse_and_name_real_policies() -> None:
+    """Every ``growpage ...`` command of the simulator guide's shell blocks is one the parser
+    takes, with policies and sweep points that resolve (workload files are not read)."""
+    import shlex
+
+    from growpage.cli import build_parser
+    from growpage.policies.registry import parse_policy_params, resolve_policy
+    from growpage.sim.sweep import parse_points
+
+    text = (ROOT / "docs/simulator.md").read_text()
+    shell = "".join(part.split("```", 1)[0] for part in text.split("```bash\n")[1:])
+    commands = re.findall(r"^growpage (.+?)(?:\s+#.*)?$", shell.replace("\\\n", " "), re.M)
+    assert len(commands) >= 10
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command))
+        assert args.func is not None, command
+        if getattr(args, "policy", None):
+            resolve_policy(args.policy, **parse_policy_params(args.param))
+        for point in parse_points(getattr(args, "points", None) or []):
+            resolve_policy(point.policy, **dict(point.params))
+
+
+def test_simulator_guide_lists_every_serving_metric() -> None:
+    import attrs
+
+    from growpage.sim.metrics import ServingMetrics
+
+    table = section("docs/simulator.md", "### Metrics (`ServingMetrics`, paper Tables 7-9 and Fig. 5)")
+    documented = names(table) | {f"{k}_p{q}_{u}" for k, u in (("ttft", "s"), ("tpot", "ms"),
+                                                              ("e2e", "s")) for q in (50, 90, 99)}
+    assert {f.name for f in attrs.fields(ServingMetrics)} <= documented
