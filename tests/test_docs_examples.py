@@ -1,8 +1,8 @@
 """The Python examples of README.md and docs/ run as written (docs that match the code).
 
 Each example is executed from the markdown itself, so an edit that breaks one fails here. The
-policy guide's own example is run by ``tests/policies/test_policies.py``; the guide's
-controller sketch needs a live request and view, so it is not run.
+policy guide's policy, "Check it" and property-test examples are run by
+``tests/policies/test_policies.py``; its "Run it" example is run here.
 """
 
 from __future__ import annotations
@@ -275,3 +275,19 @@ def test_simulator_guide_lists_every_serving_metric() -> None:
     documented = names(table) | {f"{k}_p{q}_{u}" for k, u in (("ttft", "s"), ("tpot", "ms"),
                                                               ("e2e", "s")) for q in (50, 90, 99)}
     assert {f.name for f in attrs.fields(ServingMetrics)} <= documented
+
+
+def test_policy_guide_run_example_replays_the_guides_policy(tmp_path, capsys) -> None:
+    guide = blocks("docs/policy-guide.md")
+    policy_code, run = guide[0], guide[3]
+    assert "replay_trace(trace, policy" in run
+    (tmp_path / "my_policy.py").write_text(policy_code)
+    from growpage.policies.registry import resolve_policy
+
+    scope: dict = {"policy": resolve_policy(f"{tmp_path}/my_policy.py:CappedGrowPage",
+                                            max_pages=8)}
+    exec(compile(run, "docs/policy-guide.md run", "exec"), scope)
+    result = scope["result"]
+    assert result.policy == "capped-growpage" and result.max_pages <= 8
+    assert result.events["grow"] + result.events["compress"] == len(result.records)
+    assert str(result.events["compress"]) in capsys.readouterr().out
