@@ -1,8 +1,8 @@
 """The Python examples of README.md and docs/ run as written (docs that match the code).
 
 Each example is executed from the markdown itself, so an edit that breaks one fails here. The
-policy guide's own example is run by ``tests/policies/test_policies.py``; the guide's
-controller sketch needs a live request and view, so it is not run.
+policy guide's policy, "Check it" and property-test examples are run by
+``tests/policies/test_policies.py``; its "Run it" example is run here.
 """
 
 from __future__ import annotations
@@ -242,3 +242,52 @@ def test_engine_guide_defaults_are_the_codes() -> None:
         for name, default in actual.items():
             shown = documented[name].split(" (")[0]
             assert shown in (repr(default), str(default), f'"{default}"'), (name, shown, default)
+
+
+def test_simulator_guide_commands_parse_and_name_real_policies() -> None:
+    """Every ``growpage ...`` command of the simulator guide's shell blocks is one the parser
+    takes, with policies and sweep points that resolve (workload files are not read)."""
+    import shlex
+
+    from growpage.cli import build_parser
+    from growpage.policies.registry import parse_policy_params, resolve_policy
+    from growpage.sim.sweep import parse_points
+
+    text = (ROOT / "docs/simulator.md").read_text()
+    shell = "".join(part.split("```", 1)[0] for part in text.split("```bash\n")[1:])
+    commands = re.findall(r"^growpage (.+?)(?:\s+#.*)?$", shell.replace("\\\n", " "), re.M)
+    assert len(commands) >= 10
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command))
+        assert args.func is not None, command
+        if getattr(args, "policy", None):
+            resolve_policy(args.policy, **parse_policy_params(args.param))
+        for point in parse_points(getattr(args, "points", None) or []):
+            resolve_policy(point.policy, **dict(point.params))
+
+
+def test_simulator_guide_lists_every_serving_metric() -> None:
+    import attrs
+
+    from growpage.sim.metrics import ServingMetrics
+
+    table = section("docs/simulator.md", "### Metrics (`ServingMetrics`, paper Tables 7-9 and Fig. 5)")
+    documented = names(table) | {f"{k}_p{q}_{u}" for k, u in (("ttft", "s"), ("tpot", "ms"),
+                                                              ("e2e", "s")) for q in (50, 90, 99)}
+    assert {f.name for f in attrs.fields(ServingMetrics)} <= documented
+
+
+def test_policy_guide_run_example_replays_the_guides_policy(tmp_path, capsys) -> None:
+    guide = blocks("docs/policy-guide.md")
+    policy_code, run = guide[0], guide[3]
+    assert "replay_trace(trace, policy" in run
+    (tmp_path / "my_policy.py").write_text(policy_code)
+    from growpage.policies.registry import resolve_policy
+
+    scope: dict = {"policy": resolve_policy(f"{tmp_path}/my_policy.py:CappedGrowPage",
+                                            max_pages=8)}
+    exec(compile(run, "docs/policy-guide.md run", "exec"), scope)
+    result = scope["result"]
+    assert result.policy == "capped-growpage" and result.max_pages <= 8
+    assert result.events["grow"] + result.events["compress"] == len(result.records)
+    assert str(result.events["compress"]) in capsys.readouterr().out

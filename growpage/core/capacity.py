@@ -1,4 +1,5 @@
-"""``CapacityController``: executes capacity decisions at boundaries (DESIGN.md section 4).
+"""``CapacityController``: executes capacity decisions at boundaries
+(docs/architecture.md, "Capacity semantics").
 
 The controller owns no policy logic: it detects the boundary, forces growth below
 ``min_capacity``, asks the policy, and executes GROW / COMPRESS & HOLD / SHRINK on the request's

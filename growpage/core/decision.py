@@ -6,7 +6,7 @@ import enum
 
 
 class Decision(enum.Enum):
-    """A policy's answer at a capacity boundary (DESIGN.md section 4)."""
+    """A policy's answer at a capacity boundary (docs/architecture.md, "Capacity semantics")."""
 
     GROW = "grow"          # append one page from the pool
     COMPRESS = "compress"  # Compress & Hold: keep (P-1)*b tokens in the same P pages

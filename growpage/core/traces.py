@@ -1,4 +1,4 @@
-"""Trace files: one request recorded with full KV (DESIGN.md section 5, docs/trace-format.md).
+"""Trace files: one request recorded with full KV (docs/trace-format.md).
 
 The engine's recorder writes traces and the simulator replays them; both import this module
 and never each other. One trace is one safetensors file::

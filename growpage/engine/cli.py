@@ -129,7 +129,7 @@ def run_generate(args: argparse.Namespace) -> int:
         _make_out_dir(args.out, "an output directory")
     extra = {name: True for name in ("cuda_graphs", "async_compaction") if getattr(args, name)}
     llm = _build_llm(policy=args.policy,
-                     policy_kwargs=parse_policy_params(args.policy_arg, "--policy-arg"),
+                     policy_kwargs=parse_policy_params(args.policy_arg, "--param"),
                      **_engine_kwargs(args), **extra)
     if args.stream:
         out = _print_stream(llm.stream(prompts, params, chat=args.chat,

@@ -1,4 +1,4 @@
-"""``TraceRecorder``: writes each finished request as a trace (DESIGN.md section 5).
+"""``TraceRecorder``: writes each finished request as a trace (format: docs/trace-format.md).
 
 Row ``t`` of a trace is the token at position ``t`` whose query and key were computed: the
 prompt and every generated token fed back. The last generated token is never fed back, so it

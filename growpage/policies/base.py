@@ -34,7 +34,8 @@ class CapacityPolicy(abc.ABC):
         """Return ``Decision.GROW``, ``Decision.COMPRESS`` or ``Decision.SHRINK``.
 
         GROW may be refused by the controller when the pool has no page above its watermark;
-        COMPRESS then runs instead (a *fallback*).
+        COMPRESS then runs instead (a *fallback*), or, for a policy with
+        ``fallback_to_compress = False``, the caller preempts the request.
         """
 
     def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Trace replay and serving simulation (see DESIGN.md sections 1 and 5, docs/simulator.md).
+"""Trace replay and serving simulation (see docs/simulator.md).
 
 Main entry points::
 

@@ -116,6 +116,20 @@ def test_generate_takes_policy_params_as_the_simulator_does(monkeypatch, flag):
                                                                     "tau": None}
 
 
+@pytest.mark.parametrize("flag", ["--param", "--policy-arg"])
+@pytest.mark.parametrize("values,words", [(["foo"], "expects KEY=VALUE, got 'foo'"),
+                                          (["tau=0.1", "tau=0.2"], "tau given twice")])
+def test_a_bad_policy_param_is_named_by_the_documented_flag(capsys, no_model, flag, values,
+                                                            words):
+    """``--param`` is what the docs and ``--help`` name (``--policy-arg`` its older alias), as
+    the simulator's errors name it."""
+    argv = ["generate", "--prompt", "hi"]
+    for value in values:
+        argv += [flag, value]
+    err = error_of(argv, capsys)
+    assert f"growpage: error: --param {words}" in err
+
+
 def _output(i: int, text: str):
     from growpage.engine.outputs import RequestOutput
 
