@@ -620,7 +620,7 @@ def serve_setup(args: argparse.Namespace) -> ServeSetup:
 
 def settings_of(args: argparse.Namespace, replay: ReplaySetup, serve: ServeSetup | None) -> dict:
     config = replay.config()
-    out = {"traces": str(args.traces), "num_traces": len(replay.traces),
+    out = {"traces": _shown(args.traces), "num_traces": len(replay.traces),
            "trace_ids": [t.request_id for t in replay.traces], "page_size": replay.page_size,
            "recent_window": config.recent_window, "default_kloc": config.local_quota,
            "fidelity_queries": replay.fidelity_queries, "taus": args.taus,
@@ -631,6 +631,15 @@ def settings_of(args: argparse.Namespace, replay: ReplaySetup, serve: ServeSetup
                    fidelity_gen_len=serve.fidelity_gen_len, seed=serve.seed)
     return out
 
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the report shows it: relative to the repository when inside it, so a
+    committed report names no machine's directories."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
