@@ -130,7 +130,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-boundaries", dest="boundaries", action="store_false",
                    help="do not measure the seconds per capacity decision and per compaction "
                         "(a short run of --boundary-policy on the engine; default: measure)")
-    p.add_argument("--boundary-policy", default="growpage",
-                   help="the policy whose capacity control is priced (what a decision costs "
-                        "depends on it; default growpage)")
+    p.add_argument("--boundary-policy", default=None,
+                   help="the policy whose capacity control is priced on the local engine (what "
+                        "a decision costs depends on it; default growpage; not with "
+                        "--measurements)")
     p.set_defaults(func=_lazy("run_calibrate"))

@@ -337,6 +337,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from growpage.sim.calibrate import fit_linear, fit_warnings, load_measurements, measure_engine
 
     out = _model_path(args.out)
+    if args.measurements and args.boundary_policy is not None:
+        raise ConfigError("--boundary-policy prices capacity control on the local engine, which "
+                          "--measurements does not run; drop one of them (serve and sweep take "
+                          "--boundary-ms / --compaction-ms for prices measured elsewhere)")
     rows = load_measurements(args.measurements) if args.measurements else measure_engine()
     model = fit_linear(rows)
     for text in fit_warnings(rows):
@@ -344,7 +348,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if not args.measurements and args.boundaries:  # capacity control on the same engine
         from growpage.engine.profile import measure_boundary_costs
 
-        costs = measure_boundary_costs(policy=args.boundary_policy)
+        costs = measure_boundary_costs(policy=args.boundary_policy or "growpage")
         model = with_boundary_costs(model, costs["boundary_s"], costs["compaction_s"])
         print(f"capacity control: {costs['decided']} decisions, {costs['compactions']} "
               "compactions measured")

@@ -104,6 +104,37 @@ def test_calibrate_warns_of_what_the_measurements_cannot_fit(tmp_path, capsys):
     assert fit_warnings(rows) == []
 
 
+def test_calibrate_refuses_a_boundary_policy_it_would_not_run(tmp_path, capsys):
+    path = tmp_path / "m.csv"
+    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+                    "4,900,8,0.03\n8,800,0,0.05\n")
+    out = tmp_path / "m.json"
+    assert main(["calibrate", "--measurements", str(path), "--boundary-policy", "fixed",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--boundary-policy" in err and "--measurements" in err and not out.exists()
+
+
+@pytest.mark.parametrize("argv, priced", [([], "growpage"), (["--boundary-policy", "fixed"],
+                                                               "fixed")])
+def test_calibrate_prices_the_boundary_policy_on_the_engine(tmp_path, monkeypatch, capsys,
+                                                            argv, priced):
+    import growpage.engine.profile as profile
+
+    rows = [{"num_seqs": s, "kv_tokens": kv, "prefill_tokens": p, "step_s": t}
+            for s, kv, p, t in [(1, 100, 0, 0.01), (2, 200, 0, 0.02), (4, 900, 8, 0.03),
+                                (8, 800, 0, 0.05)]]
+    seen = []
+    monkeypatch.setattr(profile, "measure_step_times", lambda **kw: rows)
+    monkeypatch.setattr(profile, "measure_boundary_costs", lambda policy: seen.append(policy) or
+                        {"boundary_s": 0.002, "compaction_s": 0.003, "decided": 4,
+                         "compactions": 2})
+    out = tmp_path / "m.json"
+    assert main(["calibrate", *argv, "--out", str(out)]) == 0
+    assert seen == [priced]
+    assert load_cost_model(str(out)).boundary_time(1, 1) == pytest.approx(0.005)
+
+
 @pytest.mark.parametrize("content, match", [
     ("num_seqs,kv_tokens\n1,2\n", "exactly the fields"),
     ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,x\n", "numbers"),
