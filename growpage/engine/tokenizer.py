@@ -7,8 +7,14 @@ Built on the ``tokenizers`` package; the chat template (Jinja, from the GGUF met
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from growpage.errors import EngineError
+
+if TYPE_CHECKING:
+    import tokenizers
+
+    from growpage.engine.gguf_file import GGUFFile
 
 # GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -30,9 +36,9 @@ class Tokenizer:
     Attributes: ``bos_token_id``, ``eos_token_id`` (``None`` when unknown), ``vocab_size``.
     """
 
-    def __init__(self, backend, bos_token_id: int | None, eos_token_id: int | None,
-                 chat_template: str | None) -> None:
-        self._tok = backend  # tokenizers.Tokenizer
+    def __init__(self, backend: tokenizers.Tokenizer, bos_token_id: int | None,
+                 eos_token_id: int | None, chat_template: str | None) -> None:
+        self._tok = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
@@ -89,7 +95,7 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     return _tokenizer_from_hf_dir(p) if p.is_dir() else tokenizer_from_gguf(p)
 
 
-def tokenizer_from_gguf(path: str | Path, reader=None) -> Tokenizer:
+def tokenizer_from_gguf(path: str | Path, reader: GGUFFile | None = None) -> Tokenizer:
     """Byte-level BPE tokenizer from ``tokenizer.ggml.*`` metadata (``model == "gpt2"``)."""
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
