@@ -107,6 +107,8 @@ def tokenizer_from_gguf(path: str | Path, reader: GGUFFile | None = None) -> Tok
     if kind != "gpt2":
         raise EngineError(f"{path}: tokenizer model {kind!r} not supported (byte-level BPE only)")
     tokens = gguf_value(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise EngineError(f"{path}: GGUF metadata lacks tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
     types = gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
@@ -124,6 +126,9 @@ def tokenizer_from_gguf(path: str | Path, reader: GGUFFile | None = None) -> Tok
                     for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
     bos = gguf_value(reader, "tokenizer.ggml.bos_token_id")
     if bos is not None and gguf_value(reader, "tokenizer.ggml.add_bos_token", False):
+        if not 0 <= bos < len(tokens):
+            raise EngineError(f"{path}: BOS token id {bos} lies outside its vocabulary of "
+                              f"{len(tokens)} tokens")
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
             special_tokens=[(tokens[bos], bos)])
