@@ -92,6 +92,23 @@ def test_the_samples_get_every_flag_of_strict(monkeypatch: pytest.MonkeyPatch) -
         assert {n: getattr(options, n) for n in flags} == flags, module
 
 
+def test_every_function_of_the_package_must_be_annotated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``disallow_untyped_defs`` and ``disallow_incomplete_defs`` hold for every module of
+    growpage that mypy checks (``growpage/kernels``, the kernels/ directory, is checked apart)."""
+    from mypy.main import process_options
+
+    monkeypatch.setenv("MYPY_CONFIG_FILE_DIR", "")  # mypy sets it; restored after the test
+    _, project = process_options(["--config-file", str(PYPROJECT)], require_targets=False)
+    package = ROOT / "growpage"
+    modules = [".".join(("growpage", *path.relative_to(package).with_suffix("").parts))
+               .removesuffix(".__init__") for path in sorted(package.rglob("*.py"))
+               if path.relative_to(package).parts[0] != "kernels"]
+    assert "growpage" in modules and "growpage.engine.llm" in modules
+    for module in modules:
+        options = project.clone_for_module(module)
+        assert options.disallow_untyped_defs and options.disallow_incomplete_defs, module
+
+
 def test_growpage_imports_as_a_typed_package(checked: str, tmp_path: Path) -> None:
     """From outside the checkout, with growpage on the Python path: mypy reads growpage as an
     installed package, which it analyses only with a py.typed marker."""

@@ -13,7 +13,8 @@ from growpage.errors import ConfigError, EngineError
 from growpage.policies.registry import parse_policy_params
 
 if TYPE_CHECKING:
-    from growpage.engine.outputs import RequestOutput, StreamChunk
+    from growpage.engine.llm import LLM
+    from growpage.engine.outputs import EngineStats, RequestOutput, StreamChunk
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -93,7 +94,7 @@ def _common(p: argparse.ArgumentParser, default_policy: str | None,
                    help="auto (default): Triton on CUDA, torch on CPU")
 
 
-def _build_llm(**kwargs: Any):
+def _build_llm(**kwargs: Any) -> LLM:
     """Build the ``LLM`` (tests replace this to reuse a loaded model)."""
     from growpage.engine.llm import LLM
 
@@ -143,14 +144,16 @@ def run_generate(args: argparse.Namespace) -> int:
                 print(f"### {i + 1}/{len(outs)}: {_clip(prompt)}")
             print(out.text.strip())
             _print_finish(out)
-    print(llm.last_stats.table())
+    stats = llm.last_stats
+    assert stats is not None, "a finished generate call leaves its stats"
+    print(stats.table())
     if args.out is not None:
-        _write_generate_results(args, outs, llm.last_stats, llm.config.max_num_seqs)
+        _write_generate_results(args, outs, stats, llm.config.max_num_seqs)
     return 0
 
 
 def _write_generate_results(args: argparse.Namespace, outs: list[RequestOutput],
-                            stats: Any, max_num_seqs: int) -> None:
+                            stats: EngineStats, max_num_seqs: int) -> None:
     """``outputs.jsonl`` (one line per prompt, in prompt order), ``stats.json`` and
     ``pool.png`` (the KV pool over the run's steps)."""
     import attrs
@@ -250,7 +253,9 @@ def run_record(args: argparse.Namespace) -> int:
     if before:
         print(f"  added to the {plural(before, 'trace')} already there: the set now holds "
               f"{_num_traces(args.out)}; a request id already in it got a -N suffix")
-    print(llm.last_stats.table())
+    stats = llm.last_stats
+    assert stats is not None, "a finished generate call leaves its stats"
+    print(stats.table())
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,8 +26,8 @@ class FusedLinear(nn.Linear):
         parent.register_state_dict_post_hook(functools.partial(FusedLinear._split_state, self))
         parent.register_load_state_dict_pre_hook(functools.partial(FusedLinear._merge_state, self))
 
-    def _split_state(self, parent: nn.Module, state_dict: dict, prefix: str,
-                     local_metadata: dict) -> None:
+    def _split_state(self, parent: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str,
+                     local_metadata: dict[str, Any]) -> None:
         items = list(state_dict.items())
         state_dict.clear()
         for key, value in items:  # the parts take the fused entry's place: HF order
@@ -37,7 +38,8 @@ class FusedLinear(nn.Linear):
             for part, t in zip(self.parts, value.split(list(self.parts.values())), strict=True):
                 state_dict[f"{prefix}{part}.{suffix}"] = t
 
-    def _merge_state(self, parent: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    def _merge_state(self, parent: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str,
+                     *args: object) -> None:
         for suffix in ("weight", "bias"):
             keys = [f"{prefix}{part}.{suffix}" for part in self.parts]
             if all(k in state_dict for k in keys):  # else strict loading reports the gap

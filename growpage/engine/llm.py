@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 import torch
@@ -36,6 +36,11 @@ from growpage.engine.sequence import Sequence
 from growpage.errors import EngineError
 from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import resolve_policy
+
+if TYPE_CHECKING:
+    from tqdm import tqdm as ProgressBar
+
+    from growpage.engine.attention import AttentionBackend
 
 _GROWPAGE_FIELDS = {f.name for f in attrs.fields(GrowPageConfig)}
 
@@ -305,7 +310,7 @@ def _load(model: str | Path | CausalLM | None, tokenizer: Any, config: EngineCon
     return loaded, tokenizer if tokenizer is not None else load_tokenizer(model)
 
 
-def _attention_backend(config: EngineConfig):
+def _attention_backend(config: EngineConfig) -> AttentionBackend:
     """``"torch"`` (``PagedTorchBackend``), ``"triton"``, or ``"auto"`` (triton on CUDA)."""
     from growpage.engine.backends import make_attention_backend
 
@@ -333,7 +338,7 @@ def _stop_hold(tail: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
-def _progress(seqs: list[Sequence], enabled: bool | None):
+def _progress(seqs: list[Sequence], enabled: bool | None) -> ProgressBar[NoReturn] | None:
     """A tqdm bar over ``seqs``, or over the tokens of a lone one (``enabled=True``)."""
     if enabled is False or not seqs or (enabled is None and len(seqs) == 1):
         return None

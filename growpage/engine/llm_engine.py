@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from growpage.engine.config import EngineConfig
 from growpage.engine.detokenizer import IncrementalDetokenizer
@@ -19,6 +20,9 @@ from growpage.engine.stats import StatsCollector
 from growpage.engine.warmup import WarmupReport, warm_up
 from growpage.errors import EngineError
 from growpage.policies.base import CapacityPolicy
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LLMEngine:
@@ -138,7 +142,8 @@ class LLMEngine:
                            self.kv.pool.num_used_pages, len(self.scheduler.running))
         return finished
 
-    def update(self, out: SchedulerOutput, seqs: list[Sequence], logits) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, seqs: list[Sequence], logits: torch.Tensor
+               ) -> list[Sequence]:
         """Append each sequence's next token (sampled, or forced when scoring); finish those
         that are done."""
         for seq in out.seqs:

@@ -121,11 +121,13 @@ def _open_gguf(path: str, mtime_ns: int) -> GGUFFile:
     return GGUFFile(path)
 
 
-def gguf_value(reader: GGUFFile, key: str, default=None):
+def gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    """The metadata value ``key`` of ``reader`` (arrays as lists), or ``default``."""
     return reader.value(key, default)
 
 
-def _gguf_config(reader, path: Path, tensor_shapes: dict[str, list[int]]) -> ModelConfig:
+def _gguf_config(reader: GGUFFile, path: Path, tensor_shapes: dict[str, list[int]]
+                 ) -> ModelConfig:
     tensor_names = set(tensor_shapes)
     arch = gguf_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -135,7 +137,7 @@ def _gguf_config(reader, path: Path, tensor_shapes: dict[str, list[int]]) -> Mod
                                                          "none") not in ("none", None):
         raise EngineError(f"{path}: scaled RoPE in GGUF files is not supported")
 
-    def get(key: str, default=None):
+    def get(key: str, default: Any = None) -> Any:
         value = gguf_value(reader, f"{arch}.{key}", default)
         if value is None:
             raise EngineError(f"{path}: GGUF metadata lacks {arch}.{key}")

@@ -7,8 +7,14 @@ Built on the ``tokenizers`` package; the chat template (Jinja, from the GGUF met
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from growpage.errors import EngineError
+
+if TYPE_CHECKING:
+    import tokenizers
+
+    from growpage.engine.gguf_file import GGUFFile
 
 # GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -30,9 +36,9 @@ class Tokenizer:
     Attributes: ``bos_token_id``, ``eos_token_id`` (``None`` when unknown), ``vocab_size``.
     """
 
-    def __init__(self, backend, bos_token_id: int | None, eos_token_id: int | None,
-                 chat_template: str | None) -> None:
-        self._tok = backend  # tokenizers.Tokenizer
+    def __init__(self, backend: tokenizers.Tokenizer, bos_token_id: int | None,
+                 eos_token_id: int | None, chat_template: str | None) -> None:
+        self._tok = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
@@ -89,7 +95,7 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     return _tokenizer_from_hf_dir(p) if p.is_dir() else tokenizer_from_gguf(p)
 
 
-def tokenizer_from_gguf(path: str | Path, reader=None) -> Tokenizer:
+def tokenizer_from_gguf(path: str | Path, reader: GGUFFile | None = None) -> Tokenizer:
     """Byte-level BPE tokenizer from ``tokenizer.ggml.*`` metadata (``model == "gpt2"``)."""
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
@@ -101,6 +107,8 @@ def tokenizer_from_gguf(path: str | Path, reader=None) -> Tokenizer:
     if kind != "gpt2":
         raise EngineError(f"{path}: tokenizer model {kind!r} not supported (byte-level BPE only)")
     tokens = gguf_value(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise EngineError(f"{path}: GGUF metadata lacks tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
     types = gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
@@ -118,6 +126,9 @@ def tokenizer_from_gguf(path: str | Path, reader=None) -> Tokenizer:
                     for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
     bos = gguf_value(reader, "tokenizer.ggml.bos_token_id")
     if bos is not None and gguf_value(reader, "tokenizer.ggml.add_bos_token", False):
+        if not 0 <= bos < len(tokens):
+            raise EngineError(f"{path}: BOS token id {bos} lies outside its vocabulary of "
+                              f"{len(tokens)} tokens")
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
             special_tokens=[(tokens[bos], bos)])

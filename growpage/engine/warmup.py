@@ -29,6 +29,7 @@ from growpage.policies.base import CapacityPolicy
 
 if TYPE_CHECKING:
     from growpage.engine.llm_engine import LLMEngine
+    from growpage.engine.sequence import Sequence
 
 
 @attrs.frozen
@@ -118,7 +119,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     return WarmupReport(time.perf_counter() - start, log.counts(), log.launches)
 
 
-def _staged_compaction(scratch: LLMEngine, seq) -> None:
+def _staged_compaction(scratch: LLMEngine, seq: Sequence) -> None:
     """The staged compaction route (destination pages in another order), which a run takes
     only when a shrink releases a shared page from the middle of a block table."""
     view = scratch.kv.view(seq, use_kernels=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -15,7 +16,7 @@ from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import register_policy
 
 
-def _in_range(lo: float, hi: float):
+def _in_range(lo: float, hi: float) -> Callable[[object, attrs.Attribute, float | None], None]:
     def check(inst: object, attribute: attrs.Attribute, value: float | None) -> None:
         if value is None:
             return

@@ -6,6 +6,7 @@ The commands themselves are in ``sim.commands``; this module only declares their
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 DEFAULT_POINTS = ["growpage", "fullkv", "fixed@budget_tokens=1024,2048,4096,8192"]
 
@@ -79,12 +80,13 @@ def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                         "group (default 8)")
 
 
-def _lazy(name: str):
+def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
     """The command ``name`` of ``sim.commands``, imported only when it runs."""
     def run(args: argparse.Namespace) -> int:
         from growpage.sim import commands
 
-        return getattr(commands, name)(args)
+        command: Callable[[argparse.Namespace], int] = getattr(commands, name)
+        return command(args)
     return run
 
 

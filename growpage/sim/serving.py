@@ -23,6 +23,7 @@ import numpy as np
 import simpy
 
 from growpage.core.config import GrowPageConfig
+from growpage.core.events import EventCounters
 from growpage.core.pages import PagePool
 from growpage.core.traces import Trace
 from growpage.errors import ConfigError, WorkloadError
@@ -229,7 +230,7 @@ def _sit_out_step(run: _Run, compacted: list[SimRequest]) -> float:
     return run.cost.decode_time(batch, kv, 1)
 
 
-def _decided(events) -> int:
+def _decided(events: EventCounters) -> int:
     return events.decided_grow + events.decided_compress + events.decided_shrink
 
 

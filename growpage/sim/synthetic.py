@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -56,7 +56,7 @@ def _positive_int(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     _check(ok, attribute, value, "an int >= 1")
 
 
-def _one_of(choices: tuple[str, ...]):
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any, attrs.Attribute, Any], None]:
     def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         _check(value in choices, attribute, value, f"one of {', '.join(choices)}")
     return check

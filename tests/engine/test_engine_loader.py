@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import attrs
 import numpy as np
@@ -322,6 +323,33 @@ def test_gguf_tokenizer_rejects_unsupported_kinds(tmp_path):
     write_tokenizer_gguf(tmp_path / "pre.gguf", False, pre="mystery")
     with pytest.raises(EngineError, match="pre-tokenizer 'mystery'"):
         tokenizer_from_gguf(tmp_path / "pre.gguf")
+
+
+@pytest.mark.parametrize("tokens,bos,problem", [
+    (None, None, "lacks tokenizer.ggml.tokens"),
+    (["a", "b"], 7, "BOS token id 7 lies outside its vocabulary of 2 tokens"),
+])
+def test_gguf_tokenizer_with_broken_metadata_raises_engine_error(tmp_path, tokens, bos, problem):
+    """A byte-level BPE tokenizer without its vocabulary, or with a BOS id outside it: the
+    loader's error naming the file, not a TypeError or IndexError from deep inside."""
+    import gguf
+
+    from growpage.engine.tokenizer import tokenizer_from_gguf
+
+    path = tmp_path / "broken.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    if tokens is not None:
+        w.add_token_list(tokens)
+    if bos is not None:
+        w.add_bos_token_id(bos)
+        w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(EngineError, match=f"{re.escape(str(path))}: .*{problem}"):
+        tokenizer_from_gguf(path)
 
 
 def test_build_model_rejects_mismatched_state_dict():
