@@ -279,8 +279,8 @@ def test_simulator_guide_lists_every_serving_metric() -> None:
 
 def test_policy_guide_run_example_replays_the_guides_policy(tmp_path, capsys) -> None:
     guide = blocks("docs/policy-guide.md")
-    policy_code, run = guide[0], guide[3]
-    assert "replay_trace(trace, policy" in run
+    policy_code = guide[0]
+    [run] = [b for b in guide if "replay_trace(trace, policy" in b]
     (tmp_path / "my_policy.py").write_text(policy_code)
     from growpage.policies.registry import resolve_policy
 

@@ -6,7 +6,7 @@ import contextlib
 import copy
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ from growpage.core.decision import Decision
 from growpage.errors import GrowPageError
 from growpage.testing.strategies import BoundaryCase, boundary_cases
 
+if TYPE_CHECKING:
+    from growpage.testing.serving import ServingCase
+
 RULES = {
     "valid-decision": "decide() returns a growpage.Decision",
     "exact-selection": "select() returns an integer tensor [L, Hkv, keep] of unique slot "
@@ -26,13 +29,17 @@ RULES = {
     "deterministic": "the same context gives the same decision and selection",
     "no-mutation": "decide() and select() leave the context and its KV view unchanged",
     "no-crash": "decide() and select() work on any valid small context (CPU tensors)",
+    "serves": "served by the simulator on a small workload under a tight page pool "
+              "(check_serving), every request finishes with all its tokens, every page comes "
+              "back, and a fresh copy of the policy serves it with the same events",
 }
 
 
 class PolicyConformanceError(GrowPageError, AssertionError):
     """A policy broke a conformance rule; ``rule`` is its key in ``RULES``."""
 
-    def __init__(self, rule: str, detail: str, case: BoundaryCase | None = None) -> None:
+    def __init__(self, rule: str, detail: str, case: BoundaryCase | ServingCase | None = None
+                 ) -> None:
         self.rule, self.detail, self.case = rule, detail, case
         msg = f"[{rule}] {RULES[rule]}: {detail}"
         if case is not None:

@@ -271,13 +271,20 @@ def test_policy_guide_check_and_property_examples_run_as_written(tmp_path, monke
     from pathlib import Path
 
     guide = (Path(__file__).parents[2] / "docs" / "policy-guide.md").read_text()
-    policy_code, check, prop = [part.split("```", 1)[0]
-                                for part in guide.split("```python\n")[1:4]]
-    assert "check_policy(policy)" in check and "@given(boundary_contexts(" in prop
+    blocks = [part.split("```", 1)[0] for part in guide.split("```python\n")[1:]]
+
+    def block(marker: str) -> str:
+        found = [b for b in blocks if marker in b]
+        assert len(found) == 1, marker
+        return found[0]
+
+    policy_code = blocks[0]
+    check, serving = block("check_policy(policy)"), block("check_serving(policy)")
+    prop = block("@given(boundary_contexts(")
     (tmp_path / "my_policy.py").write_text(policy_code)
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(compile(check + prop, "docs/policy-guide.md", "exec"), scope)
+    exec(compile(check + serving + prop, "docs/policy-guide.md", "exec"), scope)
     assert scope["policy"].max_pages == 8
     with pytest.raises(PolicyError, match="max_pages"):   # the validator the guide shows
         resolve_policy(f"{tmp_path}/my_policy.py:CappedGrowPage", max_pages="8")
