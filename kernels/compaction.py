@@ -227,11 +227,14 @@ def check_destinations(kv_cache: torch.Tensor, keep: torch.Tensor, dst_tables: t
     (of one row or two) that both receive entries of one (layer, KV head) has two writers, in
     concurrent programs or tiles: either's key and value stays. Run after ``check_keep``
     (entries a kept prefix of each row, inside the table; their pages in the cache)."""
+    # Cheap first: the whole table, then the columns any (layer, KV head) writes. Distinct is
+    # the rule (each request its own pages); only a repeat needs the exact, per (layer, KV
+    # head) look.
+    if first_repeat(dst_tables) is None:
+        return
     num_pages, page_size = kv_cache.shape[2], kv_cache.shape[3]
     columns = torch.arange(dst_tables.shape[1], device=keep.device)
     written = ((keep >= 0).sum(dim=-1) + page_size - 1) // page_size  # [R, L, Hkv] columns
-    # Cheap first: pages of the columns any (layer, KV head) writes. Distinct is the rule (each
-    # request its own pages); only a repeat needs the exact, per (layer, KV head) look.
     if first_repeat(dst_tables, columns < written.flatten(1).amax(dim=1)[:, None]) is None:
         return
     num_layers, num_heads = keep.shape[1:3]

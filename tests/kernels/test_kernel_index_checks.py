@@ -460,9 +460,12 @@ def test_boundary_queries_batch_accepts_the_last_slot_and_position_0() -> None:
 
 # --- the repeat search -------------------------------------------------------------------------
 
-def test_first_repeat_finds_the_first_repeated_value_and_its_first_copy() -> None:
+@pytest.mark.parametrize("scan_on_host", [True, False], ids=["host-scan", "sort"])
+def test_first_repeat_finds_the_first_repeated_value_and_its_first_copy(
+        scan_on_host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Against a row-major scan, on random small tensors with -1 padding, with and without a
-    mask of the entries to search."""
+    mask of the entries to search; both routes (a host scan for small tensors, a sort)."""
+    monkeypatch.setattr(kernel_utils, "SCAN_ON_HOST", 1000 if scan_on_host else 0)
     g = gen(34)
     for case in range(300):
         shape = (int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 6, (1,),
