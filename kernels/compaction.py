@@ -316,7 +316,7 @@ def compact_kv(
     in_place = dst_block_tables is None or dst_block_tables is block_tables
 
     has_acc = accumulated is not None
-    acc = accumulated if has_acc else kv_cache  # unused without sums
+    acc = accumulated if accumulated is not None else kv_cache  # unused without sums
 
     def launch(stage: torch.Tensor, acc_stage: torch.Tensor, layer0: int, num: int, read: bool,
                write: bool) -> None:
