@@ -195,8 +195,9 @@ def check_values(
 # NOTE: programs of one launch run concurrently and unordered, so two of them writing through
 # one index (a slot, a page) leave either's data, or a mix: an unspecified result. Where a
 # repeat can only be a caller's bug, the wrappers refuse it, under the same switch as the value
-# checks (one sort of the index values; a sync on a GPU). Negative values (-1: padding, no
-# write) may repeat; the value checks, which run first, have refused any other negative value.
+# checks (a host scan of a small index tensor, else one sort; a sync on a GPU). Negative values
+# (-1: padding, no write) may repeat; the value checks, which run first, have refused any other
+# negative value.
 
 
 def unravel(flat: int, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
