@@ -40,6 +40,8 @@ def calls(device: torch.device) -> dict:
     slots = torch.arange(BATCH, device=device)
     first = torch.zeros(BATCH, dtype=torch.int32, device=device)
     k = torch.randn(BATCH, HKV, D, device=device)
+    # each row's newest token (position len - 1): the last column of its table
+    new_slots = tables[:, -1] * PAGE + (PAGES * PAGE - 6) % PAGE
     keep = torch.arange(PAGE * (PAGES - 1), device=device).expand(1, LAYERS, HKV, -1).contiguous()
     table = tables[:1].to(torch.int32)
     # the engine's boundary table: pages, then (Nc, splits) of the estimation candidates,
@@ -52,7 +54,8 @@ def calls(device: torch.device) -> dict:
         "paged_decode_attention (fused EMA), per layer": lambda: K.paged_decode_attention(
             q, cache[0, 0], cache[1, 0], tables, lens, 0.125, q_pre=q, query_state=pool[0],
             slot_ids=slots, is_first=first),
-        "store_kv, per layer": lambda: K.store_kv(k, k, cache[0, 0], cache[1, 0], lens),
+        "store_kv, per layer": lambda: K.store_kv(k, k, cache[0, 0], cache[1, 0],
+                                                          new_slots),
         "boundary_queries_batch (one request), per boundary": lambda: K.boundary_queries_batch(
             pool, current, packed, PAGES + 2, inv_freq),
         "demand_attention_batch (one request), per boundary": lambda: K.demand_attention_batch(

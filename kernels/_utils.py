@@ -191,6 +191,91 @@ def check_values(
         raise exc(f"{entry} = {int(t[index])}{why}: expected {expected}")
 
 
+# --- repeated write targets -------------------------------------------------------------------
+# NOTE: programs of one launch run concurrently and unordered, so two of them writing through
+# one index (a slot, a page) leave either's data, or a mix: an unspecified result. Where a
+# repeat can only be a caller's bug, the wrappers refuse it, under the same switch as the value
+# checks (a host scan of a small index tensor, else one sort; a sync on a GPU). Negative values
+# (-1: padding, no write) may repeat; the value checks, which run first, have refused any other
+# negative value.
+
+
+def unravel(flat: int, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """The row-major index of entry ``flat`` of a tensor of ``shape``."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
+
+
+# Entries up to which ``first_repeat`` scans a host copy in Python: a batch's slots (16 of them:
+# ~1.5 us on a CPU, where the sort path's few torch ops take ~35 us; about even at 1024).
+SCAN_ON_HOST = 256
+
+
+def first_repeat(t: torch.Tensor, where: torch.Tensor | None = None
+                 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The first entry of ``t`` (row-major) whose value >= 0 an earlier entry holds, as the
+    indices ``(earlier, later)`` of the two; None when the values >= 0 are distinct. ``where``,
+    a bool mask of ``t``'s shape, limits the search to its True entries."""
+    if t.numel() < 2:
+        return None
+    flat = t.reshape(-1)
+    if where is not None:
+        flat = torch.where(where.reshape(-1), flat, -1)
+    if flat.numel() <= SCAN_ON_HOST:
+        seen: dict[int, int] = {}
+        for i, value in enumerate(flat.tolist()):
+            if value >= 0 and seen.setdefault(value, i) != i:
+                return unravel(seen[value], t.shape), unravel(i, t.shape)
+        return None
+    # Sorted, a repeat is a zero step between neighbours >= 0; a step into a negative value
+    # (sorted first) counts 1 more.
+    values = torch.sort(flat).values
+    if int((values.diff() + (values[1:] < 0)).min()) > 0:
+        return None
+    # Stable: equal values keep their row-major order, so each pair of equal neighbours is an
+    # entry and its nearest earlier copy.
+    values, order = torch.sort(flat, stable=True)
+    repeat = (values[1:] == values[:-1]) & (values[1:] >= 0)
+    later = order[1:][repeat]
+    i = int(later.argmin())  # the first repeat; its nearest earlier copy is then the first
+    return unravel(int(order[:-1][repeat][i]), t.shape), unravel(int(later[i]), t.shape)
+
+
+def check_distinct(
+    t: torch.Tensor,
+    name: str,
+    expected: str,
+    *,
+    where: Callable[[], torch.Tensor] | None = None,
+    label: Callable[[tuple[int, ...]], str] | None = None,
+    note: Callable[[tuple[int, ...], tuple[int, ...]], str] | None = None,
+    exc: type[Exception] = AssertionError,
+) -> None:
+    """Raise ``exc`` naming the first value >= 0 that two entries of ``t`` hold (an index two
+    programs would write through), the two entries and ``expected`` (in words).
+
+    ``where()``, a bool mask of ``t``'s shape, limits the check to the entries a kernel writes
+    through; it is only built when some value repeats in the whole tensor. ``label(index)``
+    names an entry (default ``name[index]``); ``note(first, second)`` says, after the value,
+    why the two entries matter.
+    """
+    found = first_repeat(t)
+    if found is not None and where is not None:
+        found = first_repeat(t, where())
+    if found is None:
+        return
+    first, second = found
+
+    def entry(index: tuple[int, ...]) -> str:
+        return label(index) if label is not None else at(name, index)
+
+    why = f" ({note(first, second)})" if note is not None else ""
+    raise exc(f"{entry(first)} = {entry(second)} = {int(t[first])}{why}: expected {expected}")
+
+
 def page_range(num_pages: int) -> str:
     return f"-1 (no page) or a page id in [0, {num_pages})"
 
@@ -204,15 +289,18 @@ def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, p
     """The table entries a paged kernel reads: row ``b``'s first ``cdiv(min(context_lens[b],
     width * page_size), page_size)`` columns, each -1 (skipped) or a page id. Entries past a
     row's context are never read and may hold anything. ``context_lens`` checked first."""
-    width = block_tables.shape[1]
-
-    def read() -> torch.Tensor:
-        pages = (context_lens.clamp(max=width * page_size) + page_size - 1) // page_size
-        columns = torch.arange(width, device=block_tables.device)
-        return columns[None, :] < pages[:, None]
-
     def note(index: tuple[int, ...]) -> str:
         return f"within context_lens[{index[0]}] = {int(context_lens[index[0]])}"
 
-    check_values(block_tables, "block_tables", -1, num_pages, page_range(num_pages), where=read,
-                 note=note)
+    check_values(block_tables, "block_tables", -1, num_pages, page_range(num_pages),
+                 where=lambda: pages_read(block_tables, context_lens, page_size), note=note)
+
+
+def pages_read(block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int
+               ) -> torch.Tensor:
+    """Bool ``[B, width]``: the table entries a paged kernel reads (row ``b``'s first
+    ``cdiv(min(context_lens[b], width * page_size), page_size)`` columns)."""
+    width = block_tables.shape[1]
+    pages = (context_lens.clamp(max=width * page_size) + page_size - 1) // page_size
+    columns = torch.arange(width, device=block_tables.device)
+    return columns[None, :] < pages[:, None]

@@ -30,6 +30,7 @@ from ._utils import (
     check_block_tables,
     check_context_lens,
     check_device,
+    check_distinct,
     check_float,
     check_heads,
     check_index,
@@ -37,6 +38,7 @@ from ._utils import (
     index_checks_on,
     is_interpreter,
     next_pow2,
+    pages_read,
 )
 from .split_k import LOG2E
 
@@ -135,6 +137,22 @@ def _logits(q, k_cache_ptr, block_tables_ptr, b, n0, context_len, head_off, offs
     return s, offs_n, slot
 
 
+def check_pages_owned(block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int
+                      ) -> None:
+    """No page in two rows' contexts, nor twice in one: each row's programs read, add to and
+    write back the sums of its pages' slots (no atomics), so a page read by two rows, or in two
+    tiles of one, has two writers and loses one's addition."""
+    def note(first: tuple[int, ...], second: tuple[int, ...]) -> str:
+        rows = dict.fromkeys((first[0], second[0]))
+        return "within " + " and ".join(f"context_lens[{b}] = {int(context_lens[b])}"
+                                        for b in rows)
+
+    check_distinct(block_tables, "block_tables",
+                   "each page at most once over all rows' contexts (its slots' sums are "
+                   "added to; -1 may repeat)",
+                   where=lambda: pages_read(block_tables, context_lens, page_size), note=note)
+
+
 def accumulate_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -152,7 +170,8 @@ def accumulate_attention(
     Args:
         q: ``[B, Hq, d]`` post-RoPE queries of the step.
         k_cache: ``[num_pages, page_size, Hkv, d]`` one layer's keys (the step's own keys stored).
-        block_tables: ``[B, max_pages]`` int physical pages, -1 padded.
+        block_tables: ``[B, max_pages]`` int physical pages, -1 padded; a page at most once
+            over all rows' contexts (rows own their slots: no prefix sharing).
         context_lens: ``[B]`` int slots attended (the step's token last); 0 = padding row.
         acc: ``[num_pages * page_size, Hkv]`` fp32 per-slot sums of the layer (contiguous heads).
             Slot ``context_len - 1`` of each row is set, every other context slot added to.
@@ -190,6 +209,7 @@ def accumulate_attention(
     if index_checks_on():
         check_context_lens(context_lens)
         check_block_tables(block_tables, context_lens, page_size, num_pages)
+        check_pages_owned(block_tables, context_lens, page_size)
     if num_seqs == 0:
         return
     group = num_heads // num_kv_heads

@@ -193,6 +193,8 @@ def _boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta
     assert meta_col >= 0, f"meta_col must be >= 0, got {meta_col}"
     assert meta.shape[1] >= meta_col + 2, f"meta: {meta.shape[1]} columns, need {meta_col + 2}"
     check_device(summaries, meta)
+    # NOTE: no repeat check: a slot is only read, each request writes its own output row, so
+    # two requests may read one slot.
     if check and index_checks_on():
         check_meta(meta, meta_col, summaries.shape[1])
     num_layers, _, _, num_heads, head_dim = summaries.shape

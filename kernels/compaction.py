@@ -36,6 +36,7 @@ from ._utils import (
     check_device,
     check_index,
     check_values,
+    first_repeat,
     first_true,
     index_checks_on,
     is_interpreter,
@@ -219,6 +220,38 @@ def check_keep(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.T
                 f"{at('keep', index)} = {int(keep[index])}): expected {page_range(num_pages)}")
 
 
+def check_destinations(kv_cache: torch.Tensor, keep: torch.Tensor, dst_tables: torch.Tensor,
+                       name: str) -> None:
+    """No two kept entries written to one slot: entry ``j`` of row ``r`` (layer ``l``, KV head
+    ``h``) goes to position ``j`` of destination row ``r``, so a page at two destination columns
+    (of one row or two) that both receive entries of one (layer, KV head) has two writers, in
+    concurrent programs or tiles: either's key and value stays. Run after ``check_keep``
+    (entries a kept prefix of each row, inside the table; their pages in the cache)."""
+    # Cheap first: the whole table, then the columns any (layer, KV head) writes. Distinct is
+    # the rule (each request its own pages); only a repeat needs the exact, per (layer, KV
+    # head) look.
+    if first_repeat(dst_tables) is None:
+        return
+    num_pages, page_size = kv_cache.shape[2], kv_cache.shape[3]
+    columns = torch.arange(dst_tables.shape[1], device=keep.device)
+    written = ((keep >= 0).sum(dim=-1) + page_size - 1) // page_size  # [R, L, Hkv] columns
+    if first_repeat(dst_tables, columns < written.flatten(1).amax(dim=1)[:, None]) is None:
+        return
+    num_layers, num_heads = keep.shape[1:3]
+    plane = torch.arange(num_layers * num_heads, device=keep.device).view(num_layers, num_heads)
+    pages = dst_tables[:, None, None, :].long()  # [R, 1, 1, W]
+    key = torch.where(pages >= 0, plane[None, :, :, None] * num_pages + pages, -1)
+    found = first_repeat(key, columns < written[..., None])  # [R, L, Hkv, W]
+    if found is None:
+        return
+    (r1, layer, head, c1), (r2, _, _, c2) = found
+    raise AssertionError(
+        f"{at(name, (r1, c1))} = {at(name, (r2, c2))} = {int(dst_tables[r1, c1])} (the "
+        f"destination page of {at('keep', (r1, layer, head, c1 * page_size))} and "
+        f"{at('keep', (r2, layer, head, c2 * page_size))}): expected each destination page at "
+        f"most once where the kept entries of one layer and KV head go (-1 may repeat)")
+
+
 def compact_kv(
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -242,7 +275,9 @@ def compact_kv(
             the source table or an entry ``j`` past the destination table is skipped (the
             kernel never reads past a table row), and a -1 in the middle leaves a hole where
             the reference would close it up.
-        dst_block_tables: ``[R, max_pages_dst]`` destination pages; None = in place.
+        dst_block_tables: ``[R, max_pages_dst]`` destination pages; None = in place. A page
+            at most once among the columns that receive kept entries of one (layer, KV head),
+            over all requests (``check_destinations``, checked like ``keep``).
         accumulated: optional ``[L, num_pages * page_size, Hkv]`` fp32 per-slot sums (H2O
             accumulated attention), moved exactly like the keys and values.
         staged: force the staging route (True) or the direct route (False); None picks direct
@@ -269,6 +304,8 @@ def compact_kv(
     check_device(kv_cache, block_tables, dst_tables, keep)
     if index_checks_on():
         check_keep(kv_cache, block_tables, keep, dst_block_tables)
+        check_destinations(kv_cache, keep, dst_tables,
+                           "block_tables" if dst_block_tables is None else "dst_block_tables")
     if num_reqs == 0 or num_keep == 0:
         return
     if staged is None:
@@ -279,7 +316,7 @@ def compact_kv(
     in_place = dst_block_tables is None or dst_block_tables is block_tables
 
     has_acc = accumulated is not None
-    acc = accumulated if has_acc else kv_cache  # unused without sums
+    acc = accumulated if accumulated is not None else kv_cache  # unused without sums
 
     def launch(stage: torch.Tensor, acc_stage: torch.Tensor, layer0: int, num: int, read: bool,
                write: bool) -> None:

@@ -198,8 +198,8 @@ def paged_decode_attention(
         out: optional ``[B, Hq, d]`` output buffer (dtype of ``q`` by default).
         q_pre, query_state, slot_ids, is_first: pass all four to fuse the EMA update
             (see ``update_query_state``): ``q_pre [B, Hq, d]`` pre-RoPE query,
-            ``query_state [max_num_seqs, 2, Hq, d]`` fp32 layer view, ``slot_ids [B]``,
-            ``is_first [B]``.
+            ``query_state [max_num_seqs, 2, Hq, d]`` fp32 layer view, ``slot_ids [B]``
+            (distinct slots; -1 may repeat), ``is_first [B]``.
         num_splits: split-K factor in ``[1, 32]``; None = from static shapes
             (``default_num_splits``).
         block_n: context tile (a power of two; >= 16 on GPU); None = 64 on GPU, 16 on CPU.
@@ -250,9 +250,10 @@ def paged_decode_attention(
     check_device(q, out)
     if index_checks_on():
         check_context_lens(context_lens)
+        # Pages are only read (each row writes its own output row): rows may share a page.
         check_block_tables(block_tables, context_lens, page_size, num_pages)
         if has_ema:
-            check_slot_ids(slot_ids, query_state.shape[0])
+            check_slot_ids(slot_ids, query_state.shape[0])  # written: distinct slots
     if num_seqs == 0:
         return out
 

@@ -312,6 +312,8 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
     assert 0 < max_candidates <= meta_col * page_size, "max_candidates out of range"
     assert 1 <= max_splits <= MAX_SPLITS, f"max_splits must lie in [1, {MAX_SPLITS}]"
     check_device(queries, k_cache, tables)
+    # NOTE: no repeat checks: the tables are only read, and every write goes to the output and
+    # scratch rows of the program's own (request, layer, head), so rows may share pages.
     if index_checks_on():
         num_pages = k_cache.shape[1]
         if block_table is None:

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ._utils import (
     check_device,
+    check_distinct,
     check_float,
     check_index,
     check_values,
@@ -64,7 +65,8 @@ def store_kv(
     Args:
         key, value: ``[N, Hkv, d]`` (last dim contiguous); cast to the cache dtype on store.
         k_cache, v_cache: one layer's views of the KV cache, identical strides.
-        slot_mapping: ``[N]`` int32/int64 physical slot per token; -1 skips the token.
+        slot_mapping: ``[N]`` int32/int64 physical slot per token, each slot at most once;
+            -1 skips the token (and may repeat).
     """
     assert key.dim() == 3, f"key: expected [N, Hkv, d], got shape {tuple(key.shape)}"
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -85,6 +87,11 @@ def store_kv(
         check_values(slot_mapping, "slot_mapping", -1, num_slots,
                      f"-1 (token skipped) or a cache slot in [0, {num_slots}) "
                      f"({k_cache.shape[0]} pages x page size {k_cache.shape[1]})")
+        # One program per token writes its slot: two tokens of one slot race (either's key and
+        # value, or a mix of the two, stays).
+        check_distinct(slot_mapping, "slot_mapping",
+                       "each cache slot written by one token at most (only -1, token skipped, "
+                       "may repeat)")
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ._utils import (
     check_device,
+    check_distinct,
     check_float,
     check_index,
     check_values,
@@ -105,9 +106,14 @@ def check_query_state_args(q_pre: torch.Tensor, state: torch.Tensor, slot_ids: t
 
 
 def check_slot_ids(slot_ids: torch.Tensor, num_slots: int) -> None:
-    """Each row's query-state slot: -1 (row skipped) or a slot of the pool."""
+    """Each row's query-state slot: -1 (row skipped) or a slot of the pool, and no slot used
+    by two rows: each row's program reads, updates and writes its slot's summaries, so two rows
+    of one slot race (either's update, or a mix, stays, never both)."""
     check_values(slot_ids, "slot_ids", -1, num_slots,
                  f"-1 (row skipped) or a query-state slot in [0, {num_slots})")
+    check_distinct(slot_ids, "slot_ids",
+                   "each query-state slot updated by one row at most (only -1, row skipped, "
+                   "may repeat)")
 
 
 def update_query_state(
@@ -123,7 +129,8 @@ def update_query_state(
     Args:
         q_pre: ``[B, Hq, d]`` pre-RoPE (post q-norm) decode queries, any float dtype.
         state: ``[max_num_seqs, 2, Hq, d]`` fp32 layer view of the query-state pool.
-        slot_ids: ``[B]`` int32 slot per request; -1 skips the row (static-batch padding).
+        slot_ids: ``[B]`` int32 slot per request, each slot at most once; -1 skips the row
+            (static-batch padding, may repeat).
         is_first: ``[B]`` int32/bool; set both summaries to ``q`` on a request's first decode step.
     """
     check_query_state_args(q_pre, state, slot_ids, is_first)

@@ -96,7 +96,7 @@ def compact_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.T
     for layer, h, dst, values, sums in staged:
         flat = kv_cache[:, layer].reshape(2, -1, *kv_cache.shape[4:])
         flat[:, dst, h] = values
-        if accumulated is not None:
+        if accumulated is not None and sums is not None:  # sums is None exactly when it is
             accumulated[layer, dst, h] = sums
 
 

@@ -1,9 +1,10 @@
-"""Typing: growpage is mypy-clean, ships a working ``py.typed`` marker, and a policy author's
-annotated code passes mypy's strict checks while the usual mistakes do not.
+"""Typing: growpage and its kernels are mypy-clean, growpage ships a working ``py.typed`` marker,
+and a policy author's annotated code passes mypy's strict checks while the usual mistakes do not.
 
-One mypy run checks the package and the samples in ``typing_samples/`` together (the samples get
-every per-module flag of ``--strict`` from pyproject.toml), so torch and the other dependencies
-are analysed once: some 30 s of CPU on a clean checkout (no ``.mypy_cache``), a few seconds
+One mypy run checks the package, the kernels (``kernels/``, installed as ``growpage.kernels``
+but checked from their own directory as the package ``kernels``, see pyproject.toml) and the
+samples in ``typing_samples/`` together (the samples get every per-module flag of ``--strict``
+from pyproject.toml), so torch and the other dependencies are analysed once: some 30 s of CPU on a clean checkout (no ``.mypy_cache``), a few seconds
 with the cache of an earlier run. A second, short run reuses that cache to import growpage as
 an installed package, as its users do.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ["growpage", "kernels"]  # pyproject.toml's [tool.mypy] files
 SAMPLES = Path(__file__).resolve().parent / "typing_samples"
 AUTHOR = SAMPLES / "policy_author.py"
 MISTAKES = SAMPLES / "policy_mistakes.py"
@@ -54,8 +56,9 @@ def _errors(output: str, cwd: Path = ROOT) -> dict[Path, set[tuple[int, str]]]:
 
 @pytest.fixture(scope="module")
 def checked() -> str:
-    """mypy's output on the package and the samples, with the project's configuration."""
-    return _mypy(["growpage", str(AUTHOR.relative_to(ROOT)), str(MISTAKES.relative_to(ROOT))],
+    """mypy's output on the package, the kernels and the samples, with the project's
+    configuration."""
+    return _mypy([*PACKAGES, str(AUTHOR.relative_to(ROOT)), str(MISTAKES.relative_to(ROOT))],
                  ROOT)
 
 
@@ -63,6 +66,25 @@ def test_the_package_is_mypy_clean(checked: str) -> None:
     assert _checked(checked), f"mypy did not run:\n{checked}"
     errors = {path: found for path, found in _errors(checked).items() if path != MISTAKES}
     assert errors == {}, f"mypy:\n{checked}"
+
+
+def test_the_kernels_are_checked_from_their_own_directory(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """``python -m mypy`` checks what this module checks, and that includes every module of
+    kernels/, as the package ``kernels``: never through growpage/kernels, a symlink that some
+    checkouts have and a fresh clone does not."""
+    from mypy.find_sources import create_source_list
+    from mypy.main import process_options
+
+    monkeypatch.chdir(ROOT)  # the configuration's paths and excludes are relative to it
+    monkeypatch.setenv("MYPY_CONFIG_FILE_DIR", "")  # mypy sets it; restored after the test
+    _, options = process_options(["--config-file", str(PYPROJECT)], require_targets=False)
+    assert options.files == PACKAGES
+    modules = {source.module for source in create_source_list(PACKAGES, options)}
+    kernels = {"kernels" if path.stem == "__init__" else f"kernels.{path.stem}"
+               for path in (ROOT / "kernels").glob("*.py")}
+    assert len(kernels) >= 10 and kernels <= modules, sorted(kernels - modules)
+    assert not [m for m in modules if m.startswith("growpage.kernels")]
 
 
 def test_a_typed_policy_passes_the_strict_checks(checked: str) -> None:

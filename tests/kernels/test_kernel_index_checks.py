@@ -2,9 +2,12 @@
 
 Every index argument of every public wrapper: a value the kernel would read or write out of
 bounds (or, for ``keep``, one that breaks its contract) is refused with an error that names the
-argument, the index and the value, and nothing is written. Valid edge values (-1 padding, the
-last page, slot or position, empty contexts, garbage where the kernel never reads) still pass
-and still match the reference. On CUDA the module turns the checks on (``set_index_checks``).
+argument, the index and the value, and nothing is written. So is an index that two programs
+would write through (a repeated store slot, query-state slot, accumulated page or compaction
+destination page): the error names the argument, both entries and the value. Valid edge values
+(-1 padding, repeated too, the last page, slot or position, empty contexts, garbage where the
+kernel never reads, a page shared where nothing writes it twice) still pass and still match the
+reference. On CUDA the module turns the checks on (``set_index_checks``).
 """
 
 from __future__ import annotations
@@ -89,6 +92,9 @@ DECODE_BAD = [
     pytest.param("slot_ids", (1,), SLOTS, r"slot_ids\[1\] = 3: expected -1 \(row skipped\) or "
                  r"a query-state slot in \[0, 3\)", id="slot-past-pool"),
     pytest.param("slot_ids", (0,), -2, r"slot_ids\[0\] = -2", id="slot-below-minus-1"),
+    pytest.param("slot_ids", (0,), 2, r"slot_ids\[0\] = slot_ids\[1\] = 2: expected each "
+                 r"query-state slot updated by one row at most \(only -1, row skipped, may "
+                 r"repeat\)", id="repeated-slot"),
 ]
 
 
@@ -149,6 +155,9 @@ def test_decode_accepts_the_edges_it_handles() -> None:
                  r"slot in \[0, 6\) \(3 pages x page size 2\)", id="past-pool"),
     pytest.param([-2, 0, 1], r"slot_mapping\[0\] = -2", id="below-minus-1"),
     pytest.param([0, 1, 2**33], r"slot_mapping\[2\] = 8589934592", id="int64-past-int32"),
+    pytest.param([4, -1, 4], r"slot_mapping\[0\] = slot_mapping\[2\] = 4: expected each cache "
+                 r"slot written by one token at most \(only -1, token skipped, may repeat\)",
+                 id="repeated-slot"),
 ])
 def test_store_kv_refuses_a_bad_slot(slots: list[int], match: str) -> None:
     g = gen(22)
@@ -159,12 +168,13 @@ def test_store_kv_refuses_a_bad_slot(slots: list[int], match: str) -> None:
             v_cache)
 
 
-def test_store_kv_accepts_padding_and_the_last_slot() -> None:
+@pytest.mark.parametrize("slots", [[5, -1, 0], [-1, 3, -1]], ids=["last-slot", "padding-twice"])
+def test_store_kv_accepts_padding_and_the_last_slot(slots: list[int]) -> None:
     g = gen(23)
     key, value = randn(3, 1, D, g=g), randn(3, 1, D, g=g)
     k_cache, v_cache = randn(3, 2, 1, D, g=g), randn(3, 2, 1, D, g=g)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    slot_mapping = ints([5, -1, 0])
+    slot_mapping = ints(slots)
     store_kv(key, value, k_cache, v_cache, slot_mapping)
     reference.store_kv(key, value, k_ref, v_ref, slot_mapping)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
@@ -174,6 +184,8 @@ def test_store_kv_accepts_padding_and_the_last_slot() -> None:
     pytest.param([0, SLOTS], r"slot_ids\[1\] = 3: expected -1 \(row skipped\) or a query-state "
                  r"slot in \[0, 3\)", id="past-pool"),
     pytest.param([-2, 1], r"slot_ids\[0\] = -2", id="below-minus-1"),
+    pytest.param([1, 1], r"slot_ids\[0\] = slot_ids\[1\] = 1: expected each query-state slot "
+                 r"updated by one row at most", id="repeated-slot"),
 ])
 def test_update_query_state_refuses_a_bad_slot(slots: list[int], match: str) -> None:
     g = gen(24)
@@ -183,9 +195,9 @@ def test_update_query_state_refuses_a_bad_slot(slots: list[int], match: str) -> 
 
 def test_update_query_state_accepts_padding_and_the_last_slot() -> None:
     g = gen(25)
-    q_pre, state = randn(2, 2, D, g=g), randn(SLOTS, 2, 2, D, g=g)
+    q_pre, state = randn(3, 2, D, g=g), randn(SLOTS, 2, 2, D, g=g)
     expected = state.clone()
-    slot_ids, is_first = ints([SLOTS - 1, -1]), ints([0, 1])
+    slot_ids, is_first = ints([-1, SLOTS - 1, -1]), ints([0, 0, 1])
     update_query_state(q_pre, state, slot_ids, is_first)
     reference.update_query_state(q_pre, expected, slot_ids, is_first)
     torch.testing.assert_close(state, expected, atol=ATOL, rtol=RTOL)
@@ -200,6 +212,12 @@ def test_update_query_state_accepts_padding_and_the_last_slot() -> None:
     pytest.param("tables", (1, 0), -3, r"block_tables\[1, 0\] = -3", id="page-below-minus-1"),
     pytest.param("lens", (0,), -4, r"context_lens\[0\] = -4: expected a context length >= 0",
                  id="negative-length"),
+    pytest.param("tables", (1, 2), 3, r"block_tables\[0, 0\] = block_tables\[1, 2\] = 3 "
+                 r"\(within context_lens\[0\] = 5 and context_lens\[1\] = 9\): expected each "
+                 r"page at most once over all rows' contexts", id="page-in-two-rows"),
+    pytest.param("tables", (1, 1), 1, r"block_tables\[1, 0\] = block_tables\[1, 1\] = 1 "
+                 r"\(within context_lens\[1\] = 9\): expected each page at most once",
+                 id="page-twice-in-a-row"),
 ])
 def test_accumulate_refuses_a_bad_index(name: str, index: tuple, value: int, match: str) -> None:
     g = gen(26)
@@ -221,6 +239,19 @@ def test_accumulate_accepts_the_edges_it_handles() -> None:
     tables = ints([[4, 0], [2, 99], [-7, 1000]])
     accumulate_attention(q, k_cache, tables, ints([100, 3, 0]), acc)
     reference.accumulate_attention(q, k_cache, tables, ints([2 * PAGE, 3, 0]), expected)
+    torch.testing.assert_close(acc, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_accumulate_accepts_a_page_shared_past_a_context() -> None:
+    """Page 1 in row 1's context, past row 0's 5 tokens and in an empty row: only row 1 adds
+    into it. -1 repeats past the contexts."""
+    g = gen(32)
+    q, k_cache = randn(3, 2, D, g=g), randn(NUM_PAGES, PAGE, 1, D, g=g)
+    acc = randn(NUM_PAGES * PAGE, 1, g=g).abs()
+    expected = acc.clone()
+    tables, lens = ints([[3, 0, 1], [1, 4, -1], [-1, -1, 1]]), ints([5, 8, 0])
+    accumulate_attention(q, k_cache, tables, lens, acc)
+    reference.accumulate_attention(q, k_cache, tables, lens, expected)
     torch.testing.assert_close(acc, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -281,6 +312,55 @@ def test_compaction_accepts_the_edges_it_handles(in_place: bool, staged: bool) -
     keep[0, 1, 0] = ints([0, 2, 3, 5])
     tables = ints([[0, 1, 5, 99]])  # column 3 (positions 6, 7) is not kept
     dst_tables = None if in_place else ints([[4, 3, -9, 77]])  # at most 4 entries: columns 0, 1
+    expected, expected_sums = kv_cache.clone(), sums.clone()
+    reference.compact_kv(expected, tables, keep, dst_tables, accumulated=expected_sums)
+    compact_kv(kv_cache, tables, keep, dst_tables, accumulated=sums, staged=staged)
+    assert torch.equal(kv_cache, expected) and torch.equal(sums, expected_sums)
+
+
+def two_request_compaction():
+    """``[2, L=2, 9 pages, page 2, Hkv=1, d]``, sources on pages 0-5. Destination columns
+    written: request 0 columns 0-1 in layer 0, column 0 in layer 1; request 1 column 0 in layer
+    0, columns 0-1 in layer 1."""
+    g = gen(33)
+    kv_cache = randn(2, 2, 9, 2, 1, D, g=g)
+    sums = randn(2, 9 * 2, 1, g=g)
+    keep = ints([[[[0, 2, 3, -1]], [[1, -1, -1, -1]]],
+                 [[[1, 4, -1, -1]], [[0, 1, 2, 5]]]])  # [R=2, L=2, Hkv=1, K=4]
+    return kv_cache, sums, ints([[0, 1, 2], [3, 4, 5]]), keep
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+@pytest.mark.parametrize(("src", "dst", "match"), [
+    pytest.param(None, [[6, 7], [7, 8]], r"dst_block_tables\[0, 1\] = dst_block_tables\[1, 0\] "
+                 r"= 7 \(the destination page of keep\[0, 0, 0, 2\] and keep\[1, 0, 0, 0\]\): "
+                 r"expected each destination page at most once where the kept entries of one "
+                 r"layer and KV head go \(-1 may repeat\)", id="two-requests-layer-0"),
+    pytest.param(None, [[6, 7], [8, 6]], r"dst_block_tables\[0, 0\] = dst_block_tables\[1, 1\] "
+                 r"= 6 \(the destination page of keep\[0, 1, 0, 0\] and keep\[1, 1, 0, 2\]\)",
+                 id="two-requests-layer-1"),
+    pytest.param(None, [[6, 6], [8, -1]], r"dst_block_tables\[0, 0\] = dst_block_tables\[0, 1\] "
+                 r"= 6 \(the destination page of keep\[0, 0, 0, 0\] and keep\[0, 0, 0, 2\]\)",
+                 id="one-request"),
+    pytest.param([[0, 1, 2], [1, 4, 5]], None, r"block_tables\[0, 1\] = block_tables\[1, 0\] = 1 "
+                 r"\(the destination page of keep\[0, 0, 0, 2\] and keep\[1, 0, 0, 0\]\)",
+                 id="in-place"),
+])
+def test_compaction_refuses_a_destination_written_twice(src, dst, match, staged: bool) -> None:
+    kv_cache, sums, tables, keep = two_request_compaction()
+    if src is not None:
+        tables = ints(src)
+    dst_tables = None if dst is None else ints(dst)
+    refused(lambda: compact_kv(kv_cache, tables, keep, dst_tables, accumulated=sums,
+                               staged=staged), match, kv_cache, sums)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_compaction_accepts_a_destination_page_shared_across_layers(staged: bool) -> None:
+    """Page 7 is request 0's column 1 (written in layer 0 only) and request 1's (layer 1 only);
+    page 6 also sits in a column past request 1's entries, and -1 repeats there."""
+    kv_cache, sums, tables, keep = two_request_compaction()
+    dst_tables = ints([[6, 7, -1, 6], [8, 7, -1, -1]])
     expected, expected_sums = kv_cache.clone(), sums.clone()
     reference.compact_kv(expected, tables, keep, dst_tables, accumulated=expected_sums)
     compact_kv(kv_cache, tables, keep, dst_tables, accumulated=sums, staged=staged)
@@ -376,6 +456,34 @@ def test_boundary_queries_batch_accepts_the_last_slot_and_position_0() -> None:
     for r, (slot, position) in enumerate([(SLOTS - 1, 0), (0, 7)]):
         expected = reference.boundary_queries(summaries, current, slot, position, inv_freq)
         torch.testing.assert_close(out[r], expected, atol=ATOL, rtol=RTOL)
+
+
+# --- the repeat search -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scan_on_host", [True, False], ids=["host-scan", "sort"])
+def test_first_repeat_finds_the_first_repeated_value_and_its_first_copy(
+        scan_on_host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against a row-major scan, on random small tensors with -1 padding, with and without a
+    mask of the entries to search; both routes (a host scan for small tensors, a sort)."""
+    monkeypatch.setattr(kernel_utils, "SCAN_ON_HOST", 1000 if scan_on_host else 0)
+    g = gen(34)
+    for case in range(300):
+        shape = (int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 6, (1,),
+                                                                               generator=g)))
+        t = torch.randint(-1, 8 if case % 2 else 30, shape, generator=g)
+        mask = torch.rand(shape, generator=g) < 0.7 if case % 3 else None
+        seen: dict[int, tuple[int, ...]] = {}
+        expected = None
+        for flat, value in enumerate(t.flatten().tolist()):
+            index = kernel_utils.unravel(flat, shape)
+            if value < 0 or (mask is not None and not bool(mask[index])):
+                continue
+            if value in seen:
+                expected = (seen[value], index)
+                break
+            seen[value] = index
+        found = kernel_utils.first_repeat(t.to(DEVICE), None if mask is None else mask.to(DEVICE))
+        assert found == expected, (t, mask)
 
 
 # --- when the checks run ----------------------------------------------------------------------
