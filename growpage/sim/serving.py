@@ -177,8 +177,7 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             run.prefill_steps += 1
             done = len(sched.finished)
             sched.finish_prefilled(batch, env.now)
-            if run.on_progress is not None and len(sched.finished) != done:
-                run.on_progress(len(sched.finished))
+            _report_progress(run, done)
             continue
         if not sched.running:
             run.idle = env.event()
@@ -204,8 +203,14 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
         run.decode_steps += num_steps
         done = len(sched.finished)
         sched.advance(num_steps, env.now)
-        if run.on_progress is not None and len(sched.finished) != done:
-            run.on_progress(len(sched.finished))
+        _report_progress(run, done)
+
+
+def _report_progress(run: _Run, finished_before: int) -> None:
+    """``on_progress(num_finished)`` when requests finished since ``finished_before``."""
+    finished = len(run.scheduler.finished)
+    if run.on_progress is not None and finished != finished_before:
+        run.on_progress(finished)
 
 
 def _resolve_boundaries(run: _Run, now: float) -> tuple[float, float, list[SimRequest]]:

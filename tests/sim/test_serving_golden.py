@@ -152,3 +152,12 @@ def test_a_request_of_one_output_token_finishes_at_its_prefill():
     m = result.metrics
     assert (m.prefill_steps, m.decode_steps, m.output_tokens) == (1, 2, 4)
     assert result.pool.num_free_pages == 4
+
+
+def test_progress_counts_a_request_finished_by_its_prefill():
+    # r0 (1 output token) finishes with the prefill at 5 s, r1 at 7 s: two reports, in order.
+    seen: list[int] = []
+    cfg = SimConfig(num_kv_pages=4, admission_reserve=0.0)
+    simulate([req("r0", 4, 1), req("r1", 4, 3)], "fullkv", CONFIG, cfg, COST,
+             on_progress=seen.append)
+    assert seen == [1, 2]
