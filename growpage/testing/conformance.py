@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -152,9 +152,7 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
     simulator and the engine give them to it. ``TypeError`` when ``policy`` is not a policy
     object (a class, a name: see ``resolve_policy``).
     """
-    if isinstance(policy, type):
-        raise TypeError(f"check_policy takes a policy object, got the class {policy.__name__}: "
-                        f"call check_policy({policy.__name__}())")
+    refuse_a_class(policy, "check_policy")
     missing = [m for m in ("decide", "select") if not callable(getattr(policy, m, None))]
     if missing:
         raise TypeError(f"check_policy takes a policy object, got {policy!r} (no "
@@ -173,14 +171,29 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
             failure[:] = [exc]
             raise
 
+    raise_smallest_failure(run, failure, "a boundary")
+
+
+def refuse_a_class(policy: object, caller: str) -> None:
+    """``TypeError`` when ``policy`` is a class rather than a policy object."""
+    if isinstance(policy, type):
+        raise TypeError(f"{caller} takes a policy object, got the class {policy.__name__}: "
+                        f"call {caller}({policy.__name__}())")
+
+
+def raise_smallest_failure(run: Callable[[], None], failure: list[PolicyConformanceError],
+                           what: str) -> None:
+    """Run the hypothesis test ``run``, whose examples leave their ``PolicyConformanceError``
+    in ``failure``; raise the last one (the smallest example's). A failure that does not repeat
+    on the same example (``what``) is a ``deterministic`` error: hidden state."""
     try:
         run()
     except PolicyConformanceError:
         raise failure[-1] from None
-    except Flaky as exc:  # failed once, then passed on the same boundary: hidden state
+    except Flaky as exc:  # failed once, then passed on the same example: hidden state
         first = failure[-1] if failure else None
-        what = f"[{first.rule}] {first.detail}" if first else str(exc).splitlines()[0]
+        detail = f"[{first.rule}] {first.detail}" if first else str(exc).splitlines()[0]
         raise PolicyConformanceError(
-            "deterministic", f"a boundary failed ({what}) and passed when run again: the policy "
+            "deterministic", f"{what} failed ({detail}) and passed when run again: the policy "
             "depends on state outside the context (a call counter, a global RNG...)",
             first.case if first else None) from None

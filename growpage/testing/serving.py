@@ -28,7 +28,12 @@ from growpage.policies.base import CapacityPolicy
 from growpage.sim.costmodel import LinearCostModel
 from growpage.sim.serving import ServingResult, SimConfig, simulate
 from growpage.sim.workload_csv import WorkloadRequest
-from growpage.testing.conformance import PolicyConformanceError, _global_rngs_seeded
+from growpage.testing.conformance import (
+    PolicyConformanceError,
+    _global_rngs_seeded,
+    raise_smallest_failure,
+    refuse_a_class,
+)
 
 # Step times of round numbers: what is checked does not depend on them, only the order of events.
 COST = LinearCostModel(base_s=0.01, per_seq_s=0.001, per_prefill_token_s=0.0001)
@@ -162,9 +167,7 @@ def check_serving(policy: CapacityPolicy, max_examples: int = 15, **strategy_kwa
     Raises ``PolicyConformanceError`` (rule ``serves``) with the smallest failing workload
     hypothesis found; ``TypeError`` when ``policy`` is not a policy object.
     """
-    if isinstance(policy, type):
-        raise TypeError(f"check_serving takes a policy object, got the class {policy.__name__}: "
-                        f"call check_serving({policy.__name__}())")
+    refuse_a_class(policy, "check_serving")
     if not isinstance(policy, CapacityPolicy):
         raise TypeError(f"check_serving takes a CapacityPolicy instance (the simulator and the "
                         f"engine run only those), got {policy!r}")
@@ -180,7 +183,4 @@ def check_serving(policy: CapacityPolicy, max_examples: int = 15, **strategy_kwa
             failure[:] = [exc]
             raise
 
-    try:
-        run()
-    except PolicyConformanceError:
-        raise failure[-1] from None
+    raise_smallest_failure(run, failure, "a workload")
