@@ -11,6 +11,7 @@ from hypothesis import given, settings
 
 from growpage import CapacityPolicy, Decision, GrowPageConfig
 from growpage.policies import GrowPagePolicy, resolve_policy
+from growpage.policies.registry import registered_policies
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.testing import (
     PolicyConformanceError,
@@ -21,11 +22,13 @@ from growpage.testing import (
 )
 
 
-@pytest.mark.parametrize("name, params", [("growpage", {}), ("fullkv", {}),
-                                          ("fixed", {"budget_tokens": 16}), ("shrink", {}),
-                                          ("random", {"grow_prob": 0.5})])
-def test_the_built_in_policies_serve(name, params):
-    check_serving(resolve_policy(name, **params), max_examples=6)
+@pytest.mark.parametrize("name", sorted(registered_policies()))
+def test_every_registered_policy_serves(name):
+    check_serving(resolve_policy(name), max_examples=6)
+
+
+def test_a_small_fixed_budget_serves():
+    check_serving(resolve_policy("fixed", budget_tokens=16), max_examples=6)
 
 
 @attrs.define
