@@ -182,6 +182,11 @@ class DenseKVView(KVView):
         self.current_query = current
         self._has_queries = True
 
+    def clear_queries(self) -> None:
+        """No query summary until the next ``set_queries`` (the request has not decoded since its
+        admission)."""
+        self._has_queries = False
+
     @property
     def has_query_state(self) -> bool:
         return self._has_queries

@@ -72,8 +72,12 @@ class Scheduler:
         """
         need = seq.num_total_tokens
         if not getattr(self.kv.controller.policy, "fallback_to_compress", True):
+            # Its KV at the end: every token but the last, which is never fed back.
             need = min(need + seq.params.max_tokens, self.kv.model_config.max_position) - 1
-        if not self.kv.can_ever_fit(need):
+            fits = self.kv.pages_for(need) <= self.kv.num_pages
+        else:
+            fits = self.kv.can_ever_fit(need)   # the prompt and the first decode step's token
+        if not fits:
             raise EngineError(
                 f"request {seq.request_id!r}: {need} tokens (prompt {seq.num_total_tokens}) "
                 f"cannot fit in the KV cache ({plural(self.kv.num_pages, 'page')} of "

@@ -15,14 +15,16 @@ class SimRequest:
         num_tokens: resident KV tokens; generated: output tokens whose KV is written, one per
             decode step (both at sync_step). The prefill produces the first output token, so a
             request decodes ``decode_tokens`` = ``output_tokens - 1`` steps.
+        admit_step: decode step of its last admission (a boundary then has no query summary).
         event_step: decode step of its next event (boundary or finish).
         budget_tokens: sum over its decoded tokens of its capacity (pages * b) when written.
         capacity: ``(time_s, pages)`` whenever its page count changes (0 = not resident).
     """
 
     __slots__ = ("spec", "request_id", "prompt_tokens", "output_tokens", "state", "view",
-                 "num_tokens", "generated", "sync_step", "event_step", "event_tick",
-                 "admit_seq", "is_running", "resume_pages", "resume_tokens", "preemptions",
+                 "num_tokens", "generated", "sync_step", "admit_step", "event_step",
+                 "event_tick", "admit_seq", "is_running", "resume_pages", "resume_tokens",
+                 "preemptions",
                  "budget_tokens", "first_token_s", "finish_s", "capacity")
 
     def __init__(self, spec: WorkloadRequest) -> None:
@@ -32,7 +34,7 @@ class SimRequest:
         self.output_tokens = spec.output_tokens
         self.state = RequestState(spec.request_id)
         self.view: KVView | None = None
-        self.num_tokens = self.generated = self.sync_step = 0
+        self.num_tokens = self.generated = self.sync_step = self.admit_step = 0
         self.event_step = self.event_tick = self.admit_seq = 0
         self.is_running = False
         self.resume_pages = self.resume_tokens = self.preemptions = 0

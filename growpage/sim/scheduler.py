@@ -8,8 +8,10 @@ are brought up to date (``_sync``) only when it has an event.
 
 Preemption is by recompute, the victim being the most recently admitted running request (as in
 vLLM): its pages are freed and it goes back to the front of the queue; when re-admitted it pays a
-prefill of all its tokens (prompt + generated) and gets back the pages and resident tokens it
-had (its KV is rebuilt and compacted to the same state), so its decisions continue unchanged.
+prefill of all its tokens (prompt + generated, the last sampled one included) and gets back the
+resident tokens it had (its KV is rebuilt and compacted to the same state, so its decisions
+continue unchanged) plus the last token's, with the pages they take; as in the engine, that
+prefill also samples its next output token.
 """
 
 from __future__ import annotations
@@ -102,8 +104,12 @@ class Scheduler:
         tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
-            pages = r.resume_pages or math.ceil(r.prompt_tokens / self.page_size)
-            need = r.prompt_tokens + r.generated
+            if r.resume_pages:   # a recompute also writes its last token's KV (see _start)
+                pages = max(r.resume_pages, math.ceil((r.resume_tokens + 1) / self.page_size))
+                need = r.prompt_tokens + r.generated + 1
+            else:
+                pages = math.ceil(r.prompt_tokens / self.page_size)
+                need = r.prompt_tokens
             if batch and tokens + need > self.max_num_batched_tokens:
                 break
             reserve = self.admission_reserve if self.running or batch else 0
@@ -122,8 +128,15 @@ class Scheduler:
         if r.view is None:
             r.view = self.source.view_for(r.spec)
         r.state.block_table = self.pool.allocate(pages, respect_watermark=True)
-        r.num_tokens = r.resume_tokens or r.prompt_tokens
-        r.sync_step = self.step
+        if r.resume_pages:
+            # As the engine's recompute: the prefill computes every token the request has, the
+            # last one (sampled, never fed back yet) included, and samples the next: one token
+            # more than it held, and one more output token.
+            r.num_tokens = r.resume_tokens + 1
+            r.generated += 1
+        else:
+            r.num_tokens = r.prompt_tokens
+        r.sync_step = r.admit_step = self.step
         self._kv_offset += r.num_tokens - r.sync_step
         r.is_running = True
         r.admit_seq = self._tick = self._tick + 1
@@ -165,7 +178,10 @@ class Scheduler:
             state.position = r.prompt_tokens + r.generated
             view = r.view
             assert view is not None  # given when the request was admitted
-            self.source.prepare(view, state.num_tokens, state.position)
+            # No decode step since its admission: no query summary yet (a prompt that fills its
+            # last page, or the first step after a recompute), so the controller grows.
+            self.source.prepare(view, state.num_tokens, state.position,
+                                decoded=self.step > r.admit_step)
             outcome = self.controller.on_boundary(state, view)
             if outcome.action is not Action.PREEMPT:
                 break
@@ -217,9 +233,8 @@ class Scheduler:
         self._kv_offset -= r.num_tokens - r.sync_step
 
     def finish_prefilled(self, batch: list[SimRequest], now: float) -> None:
-        """The prefill of ``batch`` has run: a request's first prefill produced its first output
-        token, and those that needed only that one finish. (A request back from preemption
-        recomputes its KV and goes on where it stopped.)"""
+        """The prefill of ``batch`` has run and produced an output token for each: its first, or
+        after a recompute its next (see ``_start``); those that needed no more finish."""
         for r in batch:
             if r.first_token_s is None:
                 r.first_token_s = now

@@ -64,10 +64,15 @@ class CountingView(KVView):
 
     def __init__(self, num_tokens: int = 0) -> None:
         self.count = num_tokens
+        self.decoded = True   # set per boundary (ScriptSource.prepare)
 
     @property
     def num_tokens(self) -> int:
         return self.count
+
+    @property
+    def has_query_state(self) -> bool:
+        return self.decoded
 
     def _no_content(self) -> torch.Tensor:
         raise SimulationError("a script-mode request has no KV content (keys, positions, "

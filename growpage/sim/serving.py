@@ -9,7 +9,7 @@ is in seconds.
 
 Step semantics, as in the engine (and vLLM): a prefill step computes the admitted requests'
 prompts (plus, for a request back from preemption, its generated tokens: recompute) and produces
-each one's first output token; each decode step writes the KV slot of a running request's last
+each one's first output token (after a recompute, its next); each decode step writes the KV slot of a running request's last
 token and produces its next one. A request of ``N`` output tokens thus decodes ``N - 1`` steps,
 and its KV ends at ``prompt + N - 1`` tokens (the last token is never fed back).
 """

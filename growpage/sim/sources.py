@@ -63,9 +63,9 @@ class TraceSource:
         view.write_until(request.prompt_tokens)
         return view
 
-    def prepare(self, view: KVView, num_units: int, position: int) -> None:
+    def prepare(self, view: KVView, num_units: int, position: int, decoded: bool) -> None:
         assert isinstance(view, TraceView)  # view_for's
-        view.prepare_boundary(position)
+        view.prepare_boundary(position, decoded)
 
 
 class ScriptSource:
@@ -83,9 +83,10 @@ class ScriptSource:
     def view_for(self, request: WorkloadRequest) -> KVView:
         return CountingView()
 
-    def prepare(self, view: KVView, num_units: int, position: int) -> None:
+    def prepare(self, view: KVView, num_units: int, position: int, decoded: bool) -> None:
         assert isinstance(view, CountingView)  # view_for's
         view.count = num_units
+        view.decoded = decoded
 
 
 @attrs.define

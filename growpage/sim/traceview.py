@@ -85,12 +85,14 @@ class TraceView(DenseKVView):
                                        betas)
         return self._emas[index]
 
-    def prepare_boundary(self, position: int) -> None:
+    def prepare_boundary(self, position: int, decoded: bool = True) -> None:
         """Bring the view to decode ``position``: keys before it written, queries set.
 
         As in the engine, token ``position`` has no query yet: the summaries and the current
         query are those of token ``position - 1``; before any decode query (a prompt ending on
-        a page boundary) none are set and the controller grows without asking the policy.
+        a page boundary) none are set and the controller grows without asking the policy. So it
+        is, as in the engine, before the first decode step of a request back from preemption
+        (``decoded`` False): its recompute starts its query summaries again.
         """
         if position < self.trace.prompt_len:
             raise ValueError(f"position {position} is inside the prompt "
@@ -99,8 +101,10 @@ class TraceView(DenseKVView):
         if self._acc is not None:
             self.accumulate_until(position)
         last = position - 1
-        if last >= self.trace.prompt_len:
+        if decoded and last >= self.trace.prompt_len:
             self.set_queries(self.summaries_at(last), self.trace.queries[:, last].float())
+        else:
+            self.clear_queries()
 
     def accumulate_until(self, position: int, chunk: int = 256) -> None:
         """Add the attention of the queries of positions ``[accumulated_until, position)`` over

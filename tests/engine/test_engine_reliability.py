@@ -53,6 +53,19 @@ def test_a_pool_of_min_capacity_pages_serves_a_long_request(model, policy):
     assert_all_returned(llm)
 
 
+def test_fullkv_admits_a_request_whose_kv_fills_the_pool_exactly(model):
+    # 16 pages of 4 tokens: 25 prompt + 40 output tokens leave 64 tokens of KV (the last output
+    # token is never fed back), the whole pool; one more prompt token cannot fit.
+    llm = tiny_llm(model, kv_pages=16)
+    out = llm.generate([prompt(25, 3)], GREEDY, use_tqdm=False)[0]
+    assert len(out.token_ids) == 40 and out.num_preemptions == 0
+    assert llm.last_stats.max_pages_used == 16
+    assert_all_returned(llm)
+    with pytest.raises(EngineError, match=r"request '\d+': 65 tokens \(prompt 26\) cannot fit"):
+        llm.generate([prompt(26, 3)], GREEDY, use_tqdm=False)
+    assert_all_returned(llm)
+
+
 def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
     llm = tiny_llm(model, kv_pages=16)
     good = llm.generate([prompt(5, 1)], GREEDY, use_tqdm=False)[0].token_ids

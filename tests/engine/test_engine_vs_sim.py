@@ -1,9 +1,11 @@
 """The engine and the serving simulator step alike: on the same workload, pool and state-driven
 policy (one that reads no attention signal, so both decide alike), every request takes the same
-boundary decisions in the same order, and the run takes as many steps on both sides."""
+boundary decisions in the same order, and the run takes as many steps on both sides; under
+fullkv also on a pool tight enough to preempt (recompute), which both model alike."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -36,11 +38,11 @@ def engine_run(model, lengths, policy, params, kv_pages, max_num_seqs):
     return llm, per_request, trajectories, [len(o.token_ids) for o in outs]
 
 
-def sim_run(llm, lengths, policy, params, kv_pages, max_num_seqs):
+def sim_run(llm, lengths, policy, params, kv_pages, max_num_seqs, decisions="script"):
     requests = [WorkloadRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
     sim = SimConfig(num_kv_pages=kv_pages, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=llm.config.max_num_batched_tokens,
-                    admission_reserve=0.0, record_events=True)
+                    admission_reserve=0.0, record_events=True, decisions=decisions)
     result = simulate(requests, resolve_policy(policy, **params), llm.config.growpage, sim,
                       LinearCostModel(base_s=1.0))
     counts = {r.request_id: Counter() for r in requests}
@@ -54,22 +56,44 @@ def sim_run(llm, lengths, policy, params, kv_pages, max_num_seqs):
         [trajectories[r.request_id] for r in requests]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(1, 40)), min_size=1,
                         max_size=4),
        point=st.sampled_from([("fullkv", {}), ("fixed", {"budget_tokens": 12}),
                               ("fixed", {"budget_tokens": 20})]),
-       max_num_seqs=st.integers(1, 4))
+       max_num_seqs=st.integers(1, 4), decisions=st.sampled_from(["script", "trace"]))
 def test_engine_and_simulator_take_the_same_steps_and_decisions(model, lengths, point,
-                                                                 max_num_seqs):
+                                                                 max_num_seqs, decisions):
     policy, params = point
     llm, engine_events, engine_paths, outputs = engine_run(model, lengths, policy, params, 256,
                                                           max_num_seqs)
     assert outputs == [o for _, o in lengths]
-    result, sim_events, sim_paths = sim_run(llm, lengths, policy, params, 256, max_num_seqs)
+    result, sim_events, sim_paths = sim_run(llm, lengths, policy, params, 256, max_num_seqs,
+                                            decisions)
     assert sim_events == engine_events
     assert sim_paths == engine_paths     # each boundary's action and the pages after it
     m = result.metrics
     assert m.prefill_steps + m.decode_steps == llm.last_stats.num_steps
     assert m.output_tokens == llm.last_stats.num_output_tokens
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(1, 40)), min_size=2,
+                        max_size=4),
+       slack=st.integers(0, 3), max_num_seqs=st.integers(2, 4))
+def test_fullkv_preempts_and_recomputes_alike_on_a_tight_pool(model, lengths, slack,
+                                                             max_num_seqs):
+    # The most demanding request alone fills the pool but for `slack` pages (its KV ends at
+    # prompt + output - 1 tokens; the engine takes no fewer than min_capacity = 2), so the
+    # others are preempted and recomputed.
+    pages = max([math.ceil((p + o - 1) / 4) for p, o in lengths] + [2]) + slack
+    llm, engine_events, engine_paths, outputs = engine_run(model, lengths, "fullkv", {}, pages,
+                                                          max_num_seqs)
+    assert outputs == [o for _, o in lengths]
+    result, sim_events, sim_paths = sim_run(llm, lengths, "fullkv", {}, pages, max_num_seqs)
+    assert (sim_events, sim_paths) == (engine_events, engine_paths)
+    m = result.metrics
+    assert m.preemptions == llm.last_stats.num_preemptions
+    assert m.prefill_steps + m.decode_steps == llm.last_stats.num_steps

@@ -241,3 +241,21 @@ def test_signals_check_the_counterfactual_selection_as_the_controller_does(rando
                      ReplayOptions(fidelity_queries=2, signals=True))
     # Without signals the policy's select is never called: it only grows.
     replay_trace(random_trace, GrowsButSelectsBadly(), CONFIG, ReplayOptions(fidelity_queries=2))
+
+
+def test_a_boundary_before_the_first_decode_step_of_a_residency_has_no_query_state(
+        random_trace):
+    """Past the prompt, a boundary has the summaries of the previous token, unless the request
+    has not decoded since its admission (back from preemption: its recompute restarts them, as
+    in the engine); the next decoded boundary has them again."""
+    view = TraceView(random_trace, CONFIG)
+    prompt = random_trace.prompt_len
+    view.prepare_boundary(prompt)                    # a prompt ending on a page: none yet
+    assert not view.has_query_state
+    view.prepare_boundary(prompt + 40)
+    assert view.has_query_state
+    view.prepare_boundary(prompt + 41, decoded=False)
+    assert not view.has_query_state
+    view.prepare_boundary(prompt + 42)
+    assert view.has_query_state
+    torch.testing.assert_close(view.current_query, random_trace.queries[:, prompt + 41].float())

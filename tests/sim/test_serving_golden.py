@@ -10,6 +10,7 @@ a decode step takes 1 s, a prefill step 1 s + 0.5 s per prompt token. Log entrie
 from __future__ import annotations
 
 import attrs
+import pytest
 
 from growpage import CapacityPolicy, Decision, GrowPageConfig
 from growpage.policies import FixedBudgetPolicy
@@ -64,25 +65,25 @@ def test_grow_is_refused_when_the_pool_is_empty_and_falls_back_to_compress():
 
 
 def test_forced_growth_without_a_page_preempts_the_most_recent_request():
-    # Scenario: 3 pages. At t=5 r0 takes the last page; r1 cannot reach min_capacity and is
-    # preempted (it is the most recently admitted) while r0 decodes on. At t=9 r1 is
-    # re-admitted (recompute prefill of its 4 tokens, 3 s), at t=12 r0's GROW falls back and r1
-    # is preempted again; it runs once r0 has finished.
+    # Scenario: 3 pages. At t=5 r0 grows to 2 pages; r1 cannot reach min_capacity and is
+    # preempted (it is the most recently admitted) while r0 decodes on. Its recompute computes its 4 prompt tokens and its first output token, 5
+    # tokens in 2 pages, which it cannot get while r0 holds 2 and then 3 (r0 grows at t=9). It
+    # is re-admitted when r0 finishes at t=11: a prefill of 5 tokens (3.5 s) that also samples
+    # its second output token, so 5 decode steps are left: 3 to fill its 2 pages, a growth at
+    # t=17.5, 2 more.
     result = run([req("r0", 4, 7), req("r1", 4, 7)], ALWAYS_GROW, pages=3)
     assert result.events == [
         (0, "arrive", "r0", 0), (0, "arrive", "r1", 0),
         (0, "admit", "r0", 1), (0, "admit", "r1", 1),
         (5.0, "grow", "r0", 2), (5.0, "preempt", "r1", 1),
-        (9.0, "resume", "r1", 1),
-        (12.0, "fallback", "r0", 2), (12.0, "compress", "r0", 2), (12.0, "preempt", "r1", 1),
-        (14.0, "finish", "r0", 2),
-        (14.0, "resume", "r1", 1), (17.0, "grow", "r1", 2), (21.0, "grow", "r1", 3),
-        (23.0, "finish", "r1", 3),
+        (9.0, "grow", "r0", 3), (11.0, "finish", "r0", 3),
+        (11.0, "resume", "r1", 2), (17.5, "grow", "r1", 3), (19.5, "finish", "r1", 3),
     ]
-    assert result.metrics.preemptions == 2
+    assert result.metrics.preemptions == 1
+    assert (result.metrics.prefill_steps, result.metrics.decode_steps) == (2, 6 + 5)
     r1 = result.requests[1]
-    assert r1.preemptions == 2 and r1.capacity == [
-        (0, 1), (5.0, 0), (9.0, 1), (12.0, 0), (14.0, 1), (17.0, 2), (21.0, 3), (23.0, 0)]
+    assert r1.preemptions == 1 and r1.generated == 6 and r1.capacity == [
+        (0, 1), (5.0, 0), (11.0, 2), (17.5, 3), (19.5, 0)]
 
 
 def test_fullkv_preempts_instead_of_compressing():
@@ -161,3 +162,18 @@ def test_progress_counts_a_request_finished_by_its_prefill():
     simulate([req("r0", 4, 1), req("r1", 4, 3)], "fullkv", CONFIG, cfg, COST,
              on_progress=seen.append)
     assert seen == [1, 2]
+
+
+@pytest.mark.parametrize("decisions", ["script", "trace"])
+def test_the_first_decode_step_of_a_full_prompt_grows_without_asking_the_policy(decisions):
+    # r0's 8-token prompt fills its 2 pages, fixed-8's budget: its first decode step needs a
+    # third page before any query summary exists, so the controller grows (as the engine
+    # does) where the policy would have compressed; the next boundary, 4 steps later, is the
+    # policy's: a compression at 3 pages.
+    result = run([req("r0", 8, 6)], FixedBudgetPolicy(budget_tokens=8), pages=10,
+                 decisions=decisions)
+    assert [e[1:] for e in result.events] == [
+        ("arrive", "r0", 0), ("admit", "r0", 2), ("grow", "r0", 3), ("compress", "r0", 3),
+        ("finish", "r0", 3)]
+    m = result.metrics
+    assert (m.grows, m.forced_grows, m.compresses) == (1, 1, 1)
