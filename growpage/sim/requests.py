@@ -54,8 +54,10 @@ class SimRequest:
 
     @property
     def avg_budget(self) -> float:
-        """Mean capacity in tokens over its decoded tokens."""
-        return self.budget_tokens / self.generated if self.generated else 0.0
+        """Mean capacity in tokens over its decode steps (as the engine's: not over the token
+        each recompute after a preemption writes, which ``generated`` counts too)."""
+        decoded = self.generated - self.preemptions
+        return self.budget_tokens / decoded if decoded > 0 else 0.0
 
     @property
     def ttft_s(self) -> float | None:

@@ -84,6 +84,8 @@ def test_forced_growth_without_a_page_preempts_the_most_recent_request():
     r1 = result.requests[1]
     assert r1.preemptions == 1 and r1.generated == 6 and r1.capacity == [
         (0, 1), (5.0, 0), (11.0, 2), (17.5, 3), (19.5, 0)]
+    # Its budget over its 5 decode steps (the engine's definition): 3 at 2 pages, 2 at 3.
+    assert r1.avg_budget == (3 * 8 + 2 * 12) / 5
 
 
 def test_fullkv_preempts_instead_of_compressing():
