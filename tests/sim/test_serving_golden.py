@@ -13,6 +13,7 @@ import attrs
 import pytest
 
 from growpage import CapacityPolicy, Decision, GrowPageConfig
+from growpage.errors import ConfigError
 from growpage.policies import FixedBudgetPolicy
 from growpage.sim.costmodel import LinearCostModel
 from growpage.sim.serving import SimConfig, simulate
@@ -179,3 +180,13 @@ def test_the_first_decode_step_of_a_full_prompt_grows_without_asking_the_policy(
         ("finish", "r0", 3)]
     m = result.metrics
     assert (m.grows, m.forced_grows, m.compresses) == (1, 1, 1)
+
+
+def test_a_prompt_filling_the_pool_cannot_decode_even_under_a_compressing_policy():
+    # 12 prompt tokens fill the 3 pages; the first decode step needs a fourth before any query
+    # summary exists (the engine refuses such a request up front: prompt + 1 tokens must fit).
+    with pytest.raises(ConfigError, match=r"request 'r0' \(12 prompt \+ 2 output tokens\) cannot "
+                                          r"get a page even alone, holding 3 pages"):
+        run([req("r0", 12, 2)], FixedBudgetPolicy(budget_tokens=8), pages=3)
+    assert run([req("r0", 12, 1)], FixedBudgetPolicy(budget_tokens=8), pages=3).requests[0] \
+        .finish_s == 1 + 0.5 * 12   # one output token: its prefill alone
