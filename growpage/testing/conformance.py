@@ -97,7 +97,7 @@ def _call(policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase,
 
 
 @contextlib.contextmanager
-def _global_rngs_seeded(seed: int) -> Iterator[None]:
+def global_rngs_seeded(seed: int) -> Iterator[None]:
     """Seed Python's, numpy's and torch's process-wide RNGs; restore them afterwards.
 
     NOTE: hypothesis reseeds them identically for every example, so without this a policy
@@ -118,9 +118,9 @@ def _global_rngs_seeded(seed: int) -> Iterator[None]:
 def check_case(policy: object, case: BoundaryCase) -> None:
     """Check every rule on one boundary; raise ``PolicyConformanceError`` on the first broken."""
     try:  # the two runs see different global RNG states: the context alone must decide
-        with _global_rngs_seeded(case.seed):
+        with global_rngs_seeded(case.seed):
             decision, selections = _run(policy, case)
-        with _global_rngs_seeded(case.seed + 1):
+        with global_rngs_seeded(case.seed + 1):
             again, selections2 = _run(policy, case)
     except PolicyConformanceError:
         raise

@@ -30,7 +30,7 @@ from growpage.sim.serving import ServingResult, SimConfig, simulate
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.testing.conformance import (
     PolicyConformanceError,
-    _global_rngs_seeded,
+    global_rngs_seeded,
     raise_smallest_failure,
     refuse_a_class,
 )
@@ -133,7 +133,7 @@ def check_serving_case(policy: CapacityPolicy, case: ServingCase) -> None:
         return PolicyConformanceError("serves", f"{detail} (pool of {pages} pages)", case)
 
     try:   # the two runs see different global RNG states, as check_policy's
-        with _global_rngs_seeded(0):
+        with global_rngs_seeded(0):
             result = _serve(policy, case, config, pages)
     except GrowPageError as exc:
         raise fail(f"the run stopped: {type(exc).__name__}: {exc}") from exc
@@ -151,7 +151,7 @@ def check_serving_case(policy: CapacityPolicy, case: ServingCase) -> None:
         raise fail(f"the pool's bookkeeping broke: {exc}") from exc
     if result.pool.num_free_pages != pages:
         raise fail(f"{pages - result.pool.num_free_pages} pages never came back to the pool")
-    with _global_rngs_seeded(1):
+    with global_rngs_seeded(1):
         again = _serve(policy, case, config, pages)
     if again.events != result.events:
         raise fail("a second run of a fresh copy of the policy gave other events (first "
