@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 
 from ._utils import (
+    STRIDE_ALIGN,
     at,
+    cdiv,
     check_device,
     check_index,
     check_values,
@@ -42,6 +44,7 @@ from ._utils import (
     is_interpreter,
     next_pow2,
     page_range,
+    stride_align,
     values_in,
 )
 
@@ -81,7 +84,16 @@ def _compact_kernel(
     WRITE_STAGE: tl.constexpr,
     IN_PLACE: tl.constexpr,  # same table for source and destination: keep[j] == j moves nothing
     HAS_ACC: tl.constexpr,  # move each kept slot's accumulated attention along with its K/V
+    CACHE_ALIGN: tl.constexpr,  # stride_ckv, stride_cl multiples of it (_utils.stride_align)
+    STAGE_ALIGN: tl.constexpr,  # stride_sr, stride_sl, stride_sh, stride_skv likewise
 ):
+    # The same values, known to be multiples (vector loads and stores; see _utils.STRIDE_ALIGN).
+    stride_ckv = stride_ckv // CACHE_ALIGN * CACHE_ALIGN
+    stride_cl = stride_cl // CACHE_ALIGN * CACHE_ALIGN
+    stride_sr = stride_sr // STAGE_ALIGN * STAGE_ALIGN
+    stride_sl = stride_sl // STAGE_ALIGN * STAGE_ALIGN
+    stride_sh = stride_sh // STAGE_ALIGN * STAGE_ALIGN
+    stride_skv = stride_skv // STAGE_ALIGN * STAGE_ALIGN
     r = tl.program_id(0)
     chunk_layer = tl.program_id(1)
     h = tl.program_id(2)
@@ -156,17 +168,18 @@ def _shared_with_writers(block_tables: torch.Tensor, dst_block_tables: torch.Ten
     pages = torch.cat([block_tables.flatten(), dst_block_tables.flatten()]).long()
     owner = torch.cat([rows.repeat_interleave(block_tables.shape[1]),
                        rows.repeat_interleave(dst_block_tables.shape[1])])
-    written = torch.zeros_like(pages, dtype=torch.bool)
-    written[block_tables.numel():] = True
+    # NOTE: 0/1 integers, not bools: CUDA's scatter_reduce has no bool kernel.
+    written = torch.zeros_like(pages)
+    written[block_tables.numel():] = 1
     valid = pages >= 0
     pages, owner, written = pages[valid], owner[valid], written[valid]
     unique, index = torch.unique(pages, return_inverse=True)
     lo = torch.full_like(unique, num_reqs).scatter_reduce(0, index, owner, "amin")
     hi = torch.full_like(unique, -1).scatter_reduce(0, index, owner, "amax")
-    hit = torch.zeros_like(unique, dtype=torch.bool).scatter_reduce(0, index, written, "amax")
-    conflict = ((lo != hi) & hit)[index]  # per table entry
-    return torch.zeros(num_reqs, dtype=torch.bool, device=device).scatter_reduce(
-        0, owner, conflict, "amax")
+    hit = torch.zeros_like(unique).scatter_reduce(0, index, written, "amax")
+    conflict = ((lo != hi) & (hit > 0)).long()[index]  # per table entry
+    return torch.zeros(num_reqs, dtype=torch.long, device=device).scatter_reduce(
+        0, owner, conflict, "amax") > 0
 
 
 def check_keep(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.Tensor,
@@ -317,6 +330,7 @@ def compact_kv(
 
     has_acc = accumulated is not None
     acc = accumulated if accumulated is not None else kv_cache  # unused without sums
+    cache_align = stride_align(*kv_cache.stride()[:2])
 
     def launch(stage: torch.Tensor, acc_stage: torch.Tensor, layer0: int, num: int, read: bool,
                write: bool) -> None:
@@ -332,6 +346,7 @@ def compact_kv(
             PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_N=block_n,
             BLOCK_D=next_pow2(head_dim), READ_STAGE=read, WRITE_STAGE=write,
             IN_PLACE=in_place and not (read or write), HAS_ACC=has_acc,
+            CACHE_ALIGN=cache_align, STAGE_ALIGN=stride_align(*stage.stride()[:4]),
             num_stages=1,  # NOTE: no software pipelining: loads must not slide past the barrier
         )
 
@@ -339,10 +354,13 @@ def compact_kv(
         dummy = kv_cache.new_empty(1, 1, 1, 1, 1, 1)
         launch(dummy, acc, 0, num_layers, False, False)
         return
-    per_layer = num_reqs * num_kv_heads * num_keep * (2 * head_dim * kv_cache.element_size()
-                                                      + 4 * has_acc)
+    # The kept axis padded to a multiple of STRIDE_ALIGN: every stage stride is then one, so the
+    # stage's loads and stores are vector ones whatever the kept count (one compiled variant).
+    width = cdiv(num_keep, STRIDE_ALIGN) * STRIDE_ALIGN
+    per_layer = num_reqs * num_kv_heads * width * (2 * head_dim * kv_cache.element_size()
+                                                   + 4 * has_acc)
     chunk = max(1, min(num_layers, max_stage_bytes // per_layer))
-    stage = kv_cache.new_empty(num_reqs, chunk, num_kv_heads, 2, num_keep, head_dim)
+    stage = kv_cache.new_empty(num_reqs, chunk, num_kv_heads, 2, width, head_dim)
     acc_stage = acc.new_empty(num_reqs, chunk, num_kv_heads, num_keep) if has_acc else acc
     for layer0 in range(0, num_layers, chunk):
         num = min(chunk, num_layers - layer0)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ._utils import (
     MIN_DOT_DIM,
+    STRIDE_ALIGN,
     at,
     cdiv,
     check_block,
@@ -43,6 +44,7 @@ from ._utils import (
     next_pow2,
     num_sms,
     page_range,
+    stride_align,
 )
 from .split_k import LOG2E
 
@@ -82,7 +84,15 @@ def _demand_logits_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CACHE_ALIGN: tl.constexpr,  # stride_kl a multiple of it (_utils.stride_align)
+    SCRATCH_ALIGN: tl.constexpr,  # stride_lr, stride_lv, stride_ll, stride_lh likewise
 ):
+    # The same values, known to be multiples (vector loads and stores; see _utils.STRIDE_ALIGN).
+    stride_kl = stride_kl // CACHE_ALIGN * CACHE_ALIGN
+    stride_lr = stride_lr // SCRATCH_ALIGN * SCRATCH_ALIGN
+    stride_lv = stride_lv // SCRATCH_ALIGN * SCRATCH_ALIGN
+    stride_ll = stride_ll // SCRATCH_ALIGN * SCRATCH_ALIGN
+    stride_lh = stride_lh // SCRATCH_ALIGN * SCRATCH_ALIGN
     request = tl.program_id(0) // num_layers
     layer = tl.program_id(0) % num_layers
     kv_head = tl.program_id(1)
@@ -150,7 +160,12 @@ def _demand_normalize_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= every split count
     BLOCK_N: tl.constexpr,
+    SCRATCH_ALIGN: tl.constexpr,  # stride_lr, stride_lv, stride_ll, stride_lh multiples of it
 ):
+    stride_lr = stride_lr // SCRATCH_ALIGN * SCRATCH_ALIGN
+    stride_lv = stride_lv // SCRATCH_ALIGN * SCRATCH_ALIGN
+    stride_ll = stride_ll // SCRATCH_ALIGN * SCRATCH_ALIGN
+    stride_lh = stride_lh // SCRATCH_ALIGN * SCRATCH_ALIGN
     request = tl.program_id(0) // num_layers
     layer = tl.program_id(0) % num_layers
     kv_head = tl.program_id(1)
@@ -325,7 +340,11 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
     group = num_heads // num_kv_heads
     device = queries.device
     block_n = block_n or (16 if is_interpreter() else 64)
-    logits = torch.empty(num_req, num_views, num_layers, num_heads, max_candidates, device=device)
+    # Scratch rows padded to a multiple of STRIDE_ALIGN (never read past max_candidates): its
+    # strides are then multiples of it whatever the candidate count (vector stores and loads).
+    width = cdiv(max_candidates, STRIDE_ALIGN) * STRIDE_ALIGN
+    logits = torch.empty(num_req, num_views, num_layers, num_heads, width, device=device)
+    scratch_align = stride_align(*logits.stride()[:4])
     row_max = torch.empty(num_req, num_views, num_layers, num_heads, MAX_SPLITS, device=device)
     row_sum = torch.empty_like(row_max)
     out = torch.empty(num_req, num_views, num_layers, num_kv_heads, max_candidates, device=device)
@@ -340,6 +359,7 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_VIEWS=num_views,
         BLOCK_R=block_r, BLOCK_N=block_n,
         BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)), DOT_PRECISION=precision,
+        CACHE_ALIGN=stride_align(k_cache.stride(0)), SCRATCH_ALIGN=scratch_align,
     )
     norm_block = 64 if is_interpreter() else 256
     _demand_normalize_kernel[(num_req * num_layers, num_kv_heads,
@@ -347,7 +367,7 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
         tables, logits, row_max, row_sum, out, num_layers, meta_col, tables.stride(0),
         *logits.stride()[:4], *row_max.stride()[:4], *out.stride()[:4], max_candidates,
         GROUP=group, NUM_VIEWS=num_views, BLOCK_R=block_r, BLOCK_S=MAX_SPLITS,
-        BLOCK_N=norm_block,
+        BLOCK_N=norm_block, SCRATCH_ALIGN=scratch_align,
     )
     return out
 

@@ -105,3 +105,16 @@ def test_in_place_property(data: st.DataObject, page_size: int, num_pages: int) 
     kv_cache = randn(2, LAYERS, num_pages, page_size, KV_HEADS, HEAD_DIM, g=gen(n))
     tables = torch.randperm(num_pages, generator=gen(num_pages)).to(torch.int32)[None]
     run_both(kv_cache, tables.to(DEVICE), keep.to(DEVICE), None, False)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_cache_strides_not_multiples_of_16(staged: bool) -> None:
+    """A cache whose layer and K/V strides are not multiples of 16 (head dim 17, 7 pages of 3):
+    the kernel is told so (ALIGN 1) and moves the same bits as the reference; the staging
+    buffer, padded, stays aligned whatever the kept count."""
+    g = gen(5)
+    kv_cache = randn(2, LAYERS, 7, 3, KV_HEADS, 17, g=g)
+    assert kv_cache.stride(1) % 16 and kv_cache.stride(0) % 16
+    tables = torch.tensor([[4, 0, 6, -1], [2, 5, 1, 3]], dtype=torch.int32, device=DEVICE)
+    keep = make_keep([9, 11], [5, 7], g)
+    run_both(kv_cache, tables, keep, None, staged)

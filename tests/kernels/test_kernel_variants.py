@@ -210,3 +210,35 @@ def test_every_launched_kernel_is_listed() -> None:
                 found.append(attr)
                 assert id(value) in listed, f"{name}.{attr} is not in variants.KERNELS"
     assert len(set(found)) == len(KERNELS)
+
+
+def _constexprs(log: VariantLog, name: str, *names: str) -> set[tuple]:
+    return {tuple(item[2] for item in key if item[0] in names) for key in log.keys[name]}
+
+
+def test_strides_left_out_of_the_key_are_still_known_multiples_of_16() -> None:
+    """The cache's layer strides and the scratch strides that follow the kept and candidate
+    counts stay out of the compile keys; the wrappers tell the kernels they are multiples of 16
+    (ALIGN constexprs) so that their loads and stores stay vector ones. Odd counts included:
+    the staging buffer and the demand scratch are padded so that it holds for any count."""
+    g = gen(7)
+    cache = randn(2, LAYERS, 20, PAGE, HKV, D, g=g)
+    tables = torch.tensor([[0, 1, 2], [5, 4, 3]], dtype=torch.int32, device=DEVICE)
+    with record_variants() as log:
+        for keep_count in (3, 7):
+            keep = torch.arange(keep_count, device=DEVICE).expand(1, LAYERS, HKV, keep_count)
+            compact_kv(cache, tables[:1], keep.contiguous(), tables[1:], staged=True)
+            compact_kv(cache, tables[:1], keep.contiguous(), tables[1:], staged=False)
+        for num_candidates in (5, 37):
+            table = torch.randperm(20, generator=g)[:10].to(torch.int32).to(DEVICE)
+            demand_attention(randn(2, LAYERS, HQ, D, g=g), cache[0], table, num_candidates)
+    routes = _constexprs(log, "compact", "READ_STAGE", "WRITE_STAGE", "CACHE_ALIGN",
+                         "STAGE_ALIGN")
+    assert routes == {(False, True, 16, 16), (True, False, 16, 16), (False, False, 16, 1)}
+    assert _constexprs(log, "demand_logits", "CACHE_ALIGN", "SCRATCH_ALIGN") == {(16, 16)}
+    assert _constexprs(log, "demand_normalize", "SCRATCH_ALIGN") == {(16,)}
+    odd = randn(2, LAYERS, 7, 3, HKV, 17, g=g)  # layer stride 714: not a multiple of 16
+    with record_variants() as unaligned:
+        compact_kv(odd, tables[:1, :2], torch.arange(4, device=DEVICE).expand(
+            1, LAYERS, HKV, 4).contiguous(), staged=False)
+    assert _constexprs(unaligned, "compact", "CACHE_ALIGN") == {(1,)}
