@@ -111,6 +111,9 @@ def tokenizer_from_gguf(path: str | Path, reader: GGUFFile | None = None) -> Tok
         raise EngineError(f"{path}: GGUF metadata lacks tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
     types = gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise EngineError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                          f"{len(tokens)} tokens (one type per token expected)")
     pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
     if pre not in _PRE_SPLITS:
         raise EngineError(f"{path}: unknown pre-tokenizer {pre!r}")

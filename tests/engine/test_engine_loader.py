@@ -325,13 +325,16 @@ def test_gguf_tokenizer_rejects_unsupported_kinds(tmp_path):
         tokenizer_from_gguf(tmp_path / "pre.gguf")
 
 
-@pytest.mark.parametrize("tokens,bos,problem", [
-    (None, None, "lacks tokenizer.ggml.tokens"),
-    (["a", "b"], 7, "BOS token id 7 lies outside its vocabulary of 2 tokens"),
+@pytest.mark.parametrize("tokens,bos,types,problem", [
+    (None, None, None, "lacks tokenizer.ggml.tokens"),
+    (["a", "b"], 7, None, "BOS token id 7 lies outside its vocabulary of 2 tokens"),
+    (["a", "b", "c"], None, [1, 3], "token_type has 2 entries for 3 tokens"),
 ])
-def test_gguf_tokenizer_with_broken_metadata_raises_engine_error(tmp_path, tokens, bos, problem):
-    """A byte-level BPE tokenizer without its vocabulary, or with a BOS id outside it: the
-    loader's error naming the file, not a TypeError or IndexError from deep inside."""
+def test_gguf_tokenizer_with_broken_metadata_raises_engine_error(tmp_path, tokens, bos, types,
+                                                                 problem):
+    """A byte-level BPE tokenizer without its vocabulary, with a BOS id outside it, or with a
+    token-type list of another length: the loader's error naming the file, not a TypeError,
+    IndexError or ValueError from deep inside."""
     import gguf
 
     from growpage.engine.tokenizer import tokenizer_from_gguf
@@ -341,6 +344,8 @@ def test_gguf_tokenizer_with_broken_metadata_raises_engine_error(tmp_path, token
     w.add_tokenizer_model("gpt2")
     if tokens is not None:
         w.add_token_list(tokens)
+    if types is not None:
+        w.add_token_types(types)
     if bos is not None:
         w.add_bos_token_id(bos)
         w.add_add_bos_token(True)
