@@ -117,14 +117,6 @@ def shrink(source: Path, dest: Path, num: int, layers: tuple[int, ...], values: 
     return size
 
 
-def load_traces(directory: Path, limit: int | None = None) -> list:
-    from growpage.core.trace_set import read_trace_set
-
-    traces = read_trace_set(directory)
-    n = len(traces) if limit is None else min(limit, len(traces))
-    return [traces.read(i, dtype=torch.float32) for i in range(n)]
-
-
 # ---- report ----------------------------------------------------------------------------------
 TABLE_COLUMNS = [("policy", "policy", ""), ("avg_budget", "avg budget", ".0f"),
                  ("mass_mean", "mass mean", ".4f"), ("mass_min", "mass min", ".4f"),
@@ -339,11 +331,12 @@ def plot_advantage(signals: dict[str, dict], path: Path) -> Path:
 
 
 def run_analysis(args: argparse.Namespace) -> int:
+    from growpage.core.trace_set import read_trace_set
     from growpage.sim.realtrace import RealTraceSettings, analyze
     from growpage.sim.reports import format_table
 
     start = time.perf_counter()
-    traces = load_traces(args.traces, args.limit)
+    traces = read_trace_set(args.traces).read_all(args.limit)
     budgets = tuple(int(x) for x in args.budgets.split(","))
     settings = RealTraceSettings(page_size=args.page_size, budgets=budgets,
                                  fidelity_queries=args.fidelity_queries,

@@ -599,14 +599,6 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"{flag} must be >= {low}, got {value}")
 
 
-def load_traces(directory: Path, limit: int | None) -> list[Trace]:
-    traces = read_trace_set(directory)
-    if not len(traces):
-        raise ConfigError(f"--traces {directory}: the trace set is empty")
-    n = len(traces) if limit is None else min(limit, len(traces))
-    return [traces.read(i, dtype=torch.float32) for i in range(n)]
-
-
 def serve_setup(args: argparse.Namespace) -> ServeSetup:
     cost = load_cost_model(args.cost)
     pages = args.kv_pages
@@ -645,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    replay = ReplaySetup(traces=load_traces(args.traces, args.limit), page_size=args.page_size,
+    replay = ReplaySetup(traces=read_trace_set(args.traces).read_all(args.limit), page_size=args.page_size,
                          fidelity_queries=args.fidelity_queries)
     serve = serve_setup(args) if args.serve else None
     out = make_output_dir(args.out)   # every input checked, before the long part

@@ -27,7 +27,7 @@ from growpage.core.traces import (
     reject_json_constant,
     write_trace,
 )
-from growpage.errors import TraceError
+from growpage.errors import ConfigError, TraceError
 
 SET_FORMAT_NAME = "growpage-trace-set"
 INDEX_NAME = "index.json"
@@ -116,6 +116,17 @@ class TraceSet:
         trace = read_trace(path, device=device, dtype=dtype)
         self._check_entry(entry, trace.header, path)
         return trace
+
+    def read_all(self, limit: int | None = None, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> list[Trace]:
+        """The first ``limit`` traces (all when None), in index order. A set holding none is a
+        ``TraceError``: whoever asks for the traces of a set has nothing to do without one."""
+        if not self._entries:
+            raise TraceError(f"{self.directory}: the trace set is empty")
+        if limit is not None and limit < 1:
+            raise ConfigError(f"limit must be >= 1 or None, got {limit!r}")
+        n = len(self._entries) if limit is None else min(limit, len(self._entries))
+        return [self.read(i, device=device, dtype=dtype) for i in range(n)]
 
     def check(self) -> None:
         """Read every file's header (not its tensors) and check it against the index, so that

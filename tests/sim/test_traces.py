@@ -23,7 +23,7 @@ from growpage.core.traces import (
     read_trace_set,
     write_trace,
 )
-from growpage.errors import TraceError
+from growpage.errors import ConfigError, TraceError
 
 FUZZ = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -363,6 +363,20 @@ def test_trace_set_round_trip_and_lazy_iteration(tmp_path, make_trace, monkeypat
         reopened.read(1.0)
     with pytest.raises(TraceError, match="already in the set"):
         reopened.write(written[0])
+
+
+def test_read_all_takes_the_first_traces_and_refuses_an_empty_set(tmp_path, make_trace):
+    ts = TraceSet(tmp_path / "set", create=True)
+    with pytest.raises(TraceError, match="the trace set is empty"):
+        ts.read_all()
+    for i in range(3):
+        ts.write(make_trace(num_tokens=10 + i, request_id=f"r{i}", seed=i))
+    assert [t.request_id for t in ts.read_all()] == ["r0", "r1", "r2"]
+    assert [t.request_id for t in ts.read_all(2)] == ["r0", "r1"]
+    assert [t.request_id for t in ts.read_all(9)] == ["r0", "r1", "r2"]
+    assert ts.read_all(1, dtype=torch.float64)[0].keys.dtype == torch.float64
+    with pytest.raises(ConfigError, match="limit must be >= 1"):
+        ts.read_all(0)
 
 
 def test_opening_a_non_set_fails(tmp_path):
