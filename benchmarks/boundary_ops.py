@@ -212,7 +212,9 @@ def _run(args: argparse.Namespace, counter: _Counter | None, phases: dict | None
                                                          else args.model)
     llm = LLM(model, policy=args.policy, page_size=args.page_size, kv_pages=args.kv_pages,
               max_num_seqs=args.requests, min_capacity=2, enable_prefix_caching=False,
-              device=args.device, boundary_kernels=args.path == "triton")
+              device=args.device, boundary_kernels=args.path == "triton",
+              # The synchronous boundary path, whole inside make_room, on every device.
+              cuda_graphs=False, async_compaction=False)
     kv = llm.engine.kv
     make_room, prepare = kv.make_room, kv.prepare_boundaries
     buckets: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, policy=args.policy, page_size=args.page_size, device=args.device,
               kv_pages=args.kv_pages or args.requests * (-(-(args.max_tokens + 160)
                                                           // args.page_size)),
-              max_num_seqs=args.requests, min_capacity=4)
+              max_num_seqs=args.requests, min_capacity=4,
+              # The synchronous boundary path, whole inside make_room, on every device.
+              cuda_graphs=False, async_compaction=False)
     profiler = cProfile.Profile()
     make_room = llm.engine.kv.make_room
 

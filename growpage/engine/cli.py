@@ -32,10 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the requests' sampling (default: none; a run is reproducible "
                    "anyway, the engine's generator starting from seed 0)")
-    g.add_argument("--cuda-graphs", action="store_true",
-                   help="replay decode steps as CUDA graphs (CUDA, Triton backend)")
-    g.add_argument("--async-compaction", action="store_true",
-                   help="compress beside the decode step (paper E.3; gains only on CUDA)")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode steps as CUDA graphs (default: on CUDA with the Triton "
+                   "backend)")
+    g.add_argument("--async-compaction", action=argparse.BooleanOptionalAction, default=None,
+                   help="compress beside the decode step (paper E.3; default: with CUDA graphs)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar over requests, or over the tokens of a single prompt "
                    "(default: with more than one prompt)")
@@ -128,7 +129,8 @@ def run_generate(args: argparse.Namespace) -> int:
                           f"(got {len(prompts)})")
     if args.out is not None:
         _make_out_dir(args.out, "an output directory")
-    extra = {name: True for name in ("cuda_graphs", "async_compaction") if getattr(args, name)}
+    extra = {name: getattr(args, name) for name in ("cuda_graphs", "async_compaction")
+             if getattr(args, name) is not None}
     llm = _build_llm(policy=args.policy,
                      policy_kwargs=parse_policy_params(args.policy_arg, "--param"),
                      **_engine_kwargs(args), **extra)

@@ -98,11 +98,16 @@ class EngineConfig:
             (default) = when a Triton path runs on CUDA.
         cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket
             (``growpage.engine.cuda_graphs``); needs CUDA and the Triton backend, and no
-            trace recording. Off by default.
+            trace recording. None (default) = wherever it can run: on CUDA with the Triton
+            backend (``"auto"`` picks it there) and without trace recording. True where it
+            cannot run is a ``ConfigError``.
         async_compaction: a request whose boundary is decided as a compression sits that
             decode step out and compresses beside it, on a side CUDA stream, then rejoins
-            (paper appendix E.3; ``growpage.engine.scheduler``). Off by default. The tokens are
-            the ones the synchronous path gives; on the CPU there is nothing to overlap.
+            (paper appendix E.3; ``growpage.engine.scheduler``). The tokens are the ones the
+            synchronous path gives. None (default) = with CUDA graphs: the overlap needs the
+            host free while the forward runs, which graph replay gives (without graphs the
+            H200 check measured no gain); on the CPU there is nothing to overlap.
+            ``resolved`` turns both Nones into True or False.
         record_traces: directory of a trace set to record every finished request into.
         record_layers: model layers to record (None: all).
         record_values: record the values too (``has_values``).
@@ -120,8 +125,8 @@ class EngineConfig:
     attention_backend: str = attrs.field(default="auto")
     boundary_kernels: bool | None = None
     warmup: bool | None = None
-    cuda_graphs: bool = False
-    async_compaction: bool = attrs.field(default=False)
+    cuda_graphs: bool | None = attrs.field(default=None)
+    async_compaction: bool | None = attrs.field(default=None)
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
     record_values: bool = True
@@ -133,11 +138,12 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.attention_backend must be one of "
                               f"{', '.join(BACKENDS)}, got {value!r}")
 
+    @cuda_graphs.validator
     @async_compaction.validator
-    def _async(self, attribute: attrs.Attribute, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise ConfigError(f"EngineConfig.async_compaction must be True or False, "
-                              f"got {value!r}")
+    def _flag_or_auto(self, attribute: attrs.Attribute, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"EngineConfig.{attribute.name} must be True, False or None "
+                              f"(automatic), got {value!r}")
 
     @seed.validator
     def _seed(self, attribute: attrs.Attribute, value: int) -> None:
@@ -169,6 +175,16 @@ class EngineConfig:
         if self.record_traces is not None:
             raise ConfigError("EngineConfig.cuda_graphs cannot record traces (the recorder "
                               "reads each step's keys and values); turn one of them off")
+
+    def resolved(self, graphs_can_run: bool) -> EngineConfig:
+        """This config with ``cuda_graphs`` and ``async_compaction`` decided (True or False):
+        each None becomes its default, CUDA graphs where ``graphs_can_run`` (the engine knows:
+        CUDA, the Triton backend, no trace recording) and asynchronous compaction with them."""
+        graphs = graphs_can_run if self.cuda_graphs is None else self.cuda_graphs
+        deferred = graphs if self.async_compaction is None else self.async_compaction
+        if (graphs, deferred) == (self.cuda_graphs, self.async_compaction):
+            return self
+        return attrs.evolve(self, cuda_graphs=graphs, async_compaction=deferred)
 
     @property
     def page_size(self) -> int:

@@ -193,7 +193,7 @@ class KVCacheManager:
         start = time.perf_counter()
         try:
             if defer is None:
-                defer = self.config.async_compaction
+                defer = bool(self.config.async_compaction)  # None: not resolved, off
             outcome = self.controller.on_boundary(seq.state, self.view(seq), self._batch,
                                                   defer=defer)
             if outcome.pending is not None:

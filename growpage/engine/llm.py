@@ -78,7 +78,7 @@ class LLM:
                  enable_prefix_caching: bool = True, dtype: str | torch.dtype = "float32",
                  device: str = "cpu", attention_backend: str = "auto",
                  boundary_kernels: bool | None = None, warmup: bool | None = None,
-                 cuda_graphs: bool = False, async_compaction: bool = False,
+                 cuda_graphs: bool | None = None, async_compaction: bool | None = None,
                  record_traces: str | Path | None = None,
                  record_layers: Seq[int] | None = None, record_values: bool = True,
                  seed: int = 0,
@@ -113,6 +113,7 @@ class LLM:
             eos.add(self.tokenizer.eos_token_id)
         detok = None if self.tokenizer is None else self.tokenizer.decode
         self.engine = LLMEngine(self.model, self.config, policy_obj, tuple(sorted(eos)), detok)
+        self.config = self.engine.config  # what the engine decided (CUDA graphs, async...)
         self.last_stats: EngineStats | None = None
         self._num_requests = 0
         self._serving = False   # a call (or an open stream) is adding and stepping requests

@@ -34,6 +34,10 @@ class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig, policy: CapacityPolicy,
                  eos_token_ids: tuple[int, ...] = (),
                  detokenize: Callable[[list[int]], str] | None = None) -> None:
+        # cuda_graphs / async_compaction None: decided here, where the backend is known.
+        graphs_can_run = (str(config.device).startswith("cuda") and config.record_traces is None
+                          and bool(getattr(model.backend, "fuses_query_state", False)))
+        config = config.resolved(graphs_can_run)
         self.model, self.config, self.policy = model, config, policy
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize

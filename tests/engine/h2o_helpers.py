@@ -41,7 +41,11 @@ class SpyH2O(H2OPolicy):
 
     def select(self, ctx, keep):
         slots = super().select(ctx, keep)
-        self.log[-1].keep = slots.sort(dim=-1).values
+        # Its own boundary's entry: with async compaction the selections of a step run after
+        # all of its decisions, so the last entry may be another request's.
+        seen = next(s for s in reversed(self.log)
+                    if (s.request_id, s.position) == (str(ctx.request_id), ctx.position))
+        seen.keep = slots.sort(dim=-1).values
         return slots
 
     def seen(self, request_id: str) -> list[Seen]:

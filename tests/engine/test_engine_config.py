@@ -21,6 +21,8 @@ from growpage.errors import ConfigError
     ("attention_backend", "cudnn", "attention_backend must be one of"),
     ("device", "gpu0", "'gpu0' is not a torch device"),
     ("device", "meta", "'meta' is not supported"),
+    ("cuda_graphs", "yes", "cuda_graphs must be True, False or None \\(automatic\\)"),
+    ("async_compaction", 1, "async_compaction must be True, False or None"),
 ])
 def test_bad_setting_names_it(field, value, words):
     with pytest.raises(ConfigError, match=words):
@@ -118,6 +120,34 @@ def test_cli_seed_has_help(capsys):
         in text
 
 
+@pytest.mark.parametrize("graphs,deferred,can_run,want", [
+    (None, None, True, (True, True)),     # CUDA + Triton: graphs, and compaction beside them
+    (None, None, False, (False, False)),  # CPU, torch backend or recording: neither
+    (False, None, True, (False, False)),  # no graphs asked for: synchronous compaction
+    (None, False, True, (True, False)),
+    (False, True, False, (False, True)),  # an explicit choice stays
+])
+def test_cuda_graphs_and_async_compaction_default_to_where_they_help(monkeypatch, graphs,
+                                                                     deferred, can_run, want):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = EngineConfig(cuda_graphs=graphs, async_compaction=deferred, kv_pages=8,
+                          device="cuda" if can_run else "cpu")
+    done = config.resolved(can_run)
+    assert (done.cuda_graphs, done.async_compaction) == want
+    assert done.kv_pages == 8 and done.resolved(not can_run) == done  # decided once
+
+
+def test_a_cpu_engine_resolves_both_to_off():
+    from llm_helpers import tiny_llm, tiny_model
+
+    llm = tiny_llm(tiny_model(), "growpage")
+    assert (llm.config.cuda_graphs, llm.config.async_compaction) == (False, False)
+    assert llm.engine.config is llm.config and llm.engine.runner.graphs is None
+    llm = tiny_llm(tiny_model(), "growpage", async_compaction=True)
+    assert (llm.config.cuda_graphs, llm.config.async_compaction) == (False, True)
+
+
 def test_cli_device_and_backend_reach_the_engine(monkeypatch, capsys):
     from growpage import cli
     from growpage.engine import cli as engine_cli
@@ -137,6 +167,9 @@ def test_cli_device_and_backend_reach_the_engine(monkeypatch, capsys):
     assert (seen["device"], seen["attention_backend"]) == ("cuda", "torch")
     assert cli.main(["generate", "--prompt", "hi", "--device", "cuda:1"]) == 2
     assert seen["device"] == "cuda:1"
+    assert "cuda_graphs" not in seen and "async_compaction" not in seen  # the engine decides
+    assert cli.main(["generate", "--prompt", "hi", "--no-cuda-graphs", "--async-compaction"]) == 2
+    assert (seen["cuda_graphs"], seen["async_compaction"]) == (False, True)
     assert "stop here" in capsys.readouterr().err
 
 

@@ -94,7 +94,7 @@ def test_async_compaction_on_cuda(cpu_model, backend, graphs):
     run's (until float noise from other batch shapes may part them), the stall is part of the
     deferred time, nothing is left behind."""
     params = SamplingParams(max_tokens=80, ignore_eos=True)
-    sync = on_cuda(cpu_model, "growpage", backend, cuda_graphs=graphs)
+    sync = on_cuda(cpu_model, "growpage", backend, cuda_graphs=graphs, async_compaction=False)
     want = sync.generate(PROMPTS, params, use_tqdm=False)
     llm = on_cuda(cpu_model, "growpage", backend, cuda_graphs=graphs, async_compaction=True)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -117,7 +117,7 @@ def test_deferred_compressions_overlap_a_long_forward_on_cuda(cpu_model):
     forward: the compressions (on their side stream) finish long before it, so the step waits
     for none of them, and their time does not include the wait for the forward."""
     params = SamplingParams(max_tokens=80, ignore_eos=True)
-    llm = on_cuda(cpu_model, "growpage", "triton", async_compaction=True)
+    llm = on_cuda(cpu_model, "growpage", "triton", async_compaction=True, cuda_graphs=False)
     llm.generate(PROMPTS, params, use_tqdm=False)  # compiles and caches everything first
     engine, kv = llm.engine, llm.engine.kv
     run, slowed = engine.runner.run, []
@@ -136,4 +136,27 @@ def test_deferred_compressions_overlap_a_long_forward_on_cuda(cpu_model):
     assert slowed and deferred > 0
     assert stall <= 0.1 * deferred + 1e-3 * len(slowed), (stall, deferred, len(slowed))
     assert deferred < 0.05 * len(slowed) + 0.05, (deferred, len(slowed))  # not the 0.1 s waits
+    assert_all_returned(llm)
+
+
+def test_defaults_on_cuda_are_graphs_and_async_compaction_with_the_same_tokens(cpu_model):
+    """``LLM(device="cuda")`` with nothing else asked for: the Triton backend, CUDA-graph
+    decode and compressions beside the step; the tokens and decisions are the eager,
+    synchronous engine's (up to the first compression, after which batch shapes differ)."""
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    llm = tiny_llm(copy.deepcopy(cpu_model), "growpage", device="cuda")
+    assert (llm.config.cuda_graphs, llm.config.async_compaction) == (True, True)
+    assert llm.engine.runner.model.backend.name == "triton"
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    plain = on_cuda(cpu_model, "growpage", "triton", cuda_graphs=False, async_compaction=False)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.engine.runner.graphs.num_captured > 0
+    assert llm.engine.kv.deferred_compactions == llm.last_stats.events["compress"] > 0
+    for a, b in zip(got, want, strict=True):
+        first = next((i for i, (_, _, act) in enumerate(b.trajectory) if act == "compress"),
+                     len(b.trajectory))
+        assert a.trajectory[:first + 1] == b.trajectory[:first + 1]
+        n = b.trajectory[first][0] - len(b.prompt_token_ids) + 1 if first < len(
+            b.trajectory) else len(b.token_ids)
+        assert a.token_ids[:n] == b.token_ids[:n]
     assert_all_returned(llm)

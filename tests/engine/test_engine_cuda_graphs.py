@@ -35,6 +35,7 @@ def test_batch_buckets():
 
 def kernel_llm(graphs: bool, model, policy: str = "growpage", kv_pages: int = 40,
                **kwargs) -> LLM:
+    kwargs.setdefault("async_compaction", False)  # with graphs it would default to on
     llm = LLM(model, policy=policy, page_size=8, recent_window=2, kv_pages=kv_pages,
               max_num_seqs=6, device=DEVICE, attention_backend="triton", boundary_kernels=True,
               warmup=False, cuda_graphs=graphs and ON_CUDA, **kwargs)

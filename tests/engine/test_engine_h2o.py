@@ -168,7 +168,8 @@ def test_triton_backend_gives_the_torch_backends_sums():
                        boundary_kernels=False).generate(prompts, params, use_tqdm=False)
     with record_variants() as at_start:
         llm = spy_llm(tiny_model(), triton_spy, device=DEVICE, attention_backend="triton",
-                      boundary_kernels=True, warmup=True)
+                      boundary_kernels=True, warmup=True, cuda_graphs=False,
+                      async_compaction=False)  # the torch backend's path: eager, synchronous
     counts = llm.engine.warmup_report.variants
     assert counts["accumulate"] == 1 and counts["compact"] == 3, counts
     with record_variants() as serving:
@@ -195,7 +196,8 @@ def test_static_decode_pads_without_touching_the_sums():
     for graphs in (False, True):
         llm = tiny_llm(tiny_model(), policy=SpyH2O(budget_tokens=12), max_num_seqs=4,
                        kv_pages=40, device=DEVICE, attention_backend="triton",
-                       boundary_kernels=True, cuda_graphs=graphs and DEVICE == "cuda")
+                       boundary_kernels=True, cuda_graphs=graphs and DEVICE == "cuda",
+                       async_compaction=False)
         llm.engine.model.backend.num_splits = 1
         if graphs and DEVICE == "cpu":
             llm.engine.runner.graphs = DecodeGraphs(llm.engine.runner, 4, capture=False)
