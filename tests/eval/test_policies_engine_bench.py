@@ -86,3 +86,55 @@ def test_coincident_trajectories_are_drawn_apart(tmp_path, monkeypatch):
     assert [line.get_label() for line in lines] == ["fullkv", "growpage", "fixed-128", "fixed-256"]
     assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == 4
     close(fig)
+
+
+class _FakeBench:
+    """``time_again`` from a table of passes; records the order the rows ran in."""
+
+    def __init__(self, tps_by_label: dict[str, list[float]], events: dict | None = None):
+        self.tps, self.events, self.order = tps_by_label, events or {}, []
+
+    def time_again(self, r: dict, conts) -> dict:
+        self.order.append(r["label"])
+        tps = self.tps[r["label"]][sum(x == r["label"] for x in self.order)]
+        counts = {k: r[k] for k in ("grow", "compress", "shrink", "fallback", "preemptions")}
+        counts.update(self.events)
+        return {"tps": tps, "tpot_ms": 1000 / tps, "total_s": 10_000 / tps, **counts}
+
+
+def timed_row(label: str, tps: float) -> dict:
+    return row(label, tps=tps, tpot_ms=1000 / tps, total_s=10_000 / tps, grow=3, compress=1,
+               shrink=0, fallback=0, preemptions=0, kwargs={})
+
+
+def test_timing_passes_rotate_the_order_and_take_the_median():
+    rows = [timed_row("a", 100.0), timed_row("b", 200.0), timed_row("c", 300.0)]
+    fake = _FakeBench({"a": [0, 130.0, 90.0], "b": [0, 180.0, 260.0], "c": [0, 310.0, 100.0]})
+    bench.timing_passes(fake, rows, conts=None, passes=3)
+    assert fake.order == ["b", "c", "a", "c", "a", "b"]  # each pass starts one row later
+    assert [r["tps"] for r in rows] == [100.0, 200.0, 300.0]  # medians of the three passes
+    assert rows[0]["tps_passes"] == [100.0, 130.0, 90.0]
+    assert rows[2]["total_s"] == pytest.approx(10_000 / 300.0)
+    one = [timed_row("a", 100.0)]
+    bench.timing_passes(_FakeBench({}), one, conts=None, passes=1)  # one pass: nothing more
+    assert one[0]["tps"] == 100.0 and one[0]["tps_passes"] == [100.0]
+
+
+def test_a_pass_with_other_decisions_is_an_error():
+    rows = [timed_row("a", 100.0)]
+    with pytest.raises(RuntimeError, match="pass 2 gave compress 2, the first 1"):
+        bench.timing_passes(_FakeBench({"a": [0, 100.0]}, {"compress": 2}), rows, None, 2)
+
+
+def test_the_table_says_how_tps_was_timed():
+    rows = [timed_row("fullkv", 100.0)]
+    for r in rows:
+        r.update(avg_resident=2.0, avg_budget=300.0, boundary_s=0.1)
+    report = {"args": {"num_requests": 1, "max_tokens": 4, "page_size": 8, "min_capacity": 4,
+                       "seed": 0, "timing_passes": 3},
+              "kv_pages": 8, "full_pages": 16, "machine": "m", "rows": rows, "targets": {},
+              "fullkv_generate": {"tps": 1.0, "avg_resident": 1.0, "preemptions": 0},
+              "wall_s": 1.0}
+    assert "the median of 3 passes per row" in bench.to_markdown(report)
+    report["args"]["timing_passes"] = 1
+    assert "--timing-passes 3" in bench.to_markdown(report)
