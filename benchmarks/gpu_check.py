@@ -90,8 +90,10 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
     under the same page pool; boundary work as a share of the run (target <= 1%). On the
     Triton backend both again with CUDA-graph decode (beyond the paper; rows ``<policy>+graphs``,
     an error there is reported, not raised). growpage also runs with asynchronous compaction
-    (rows ``...+async``): its ``boundary_critical_pct`` is the boundary time the steps waited
-    for (the deferred compressions count only after the forward had finished)."""
+    (rows ``...+async``) and with whole boundaries decided beside the forward (rows
+    ``...+async-decisions``, ``LLM(async_decisions=True)``, beyond the paper): their
+    ``boundary_critical_pct`` is the boundary time the steps waited for (the deferred work
+    counts only after the forward had finished)."""
     from boundary_share import gpu_check_pool
 
     from growpage.engine.llm import LLM
@@ -106,17 +108,21 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
                               page)
     rows: dict = {"requests": num, "max_tokens": max_tokens, "page_size": page,
                   "kv_pages": kv_pages, "backend": base.engine.runner.model.backend.name}
-    # (policy, CUDA graphs, asynchronous compaction): the last rows are beyond the paper's
-    # synchronous engine (graphs) or its appendix E.3 (async): an error there is reported.
-    runs = [("fullkv", False, False), ("growpage", False, False), ("growpage", False, True)]
+    # (policy, CUDA graphs, deferred): deferred is "" (synchronous), "async" (compressions
+    # beside the forward, paper E.3) or "async-decisions" (whole boundaries beside it, beyond
+    # the paper). Rows with graphs or deferred work are extras: an error there is reported.
+    runs = [("fullkv", False, ""), ("growpage", False, ""), ("growpage", False, "async"),
+            ("growpage", False, "async-decisions")]
     if not smoke and rows["backend"] == "triton":
-        runs += [("fullkv", True, False), ("growpage", True, False), ("growpage", True, True)]
+        runs += [("fullkv", True, ""), ("growpage", True, ""), ("growpage", True, "async"),
+                 ("growpage", True, "async-decisions")]
     for policy, graphs, deferred in runs:
-        name = policy + ("+graphs" if graphs else "") + ("+async" if deferred else "")
+        name = policy + ("+graphs" if graphs else "") + (f"+{deferred}" if deferred else "")
         llm_kwargs = dict(policy=policy, tokenizer=base.tokenizer, page_size=page,
                           kv_pages=kv_pages, max_num_seqs=num, device=device,
                           attention_backend=attention_backend, min_capacity=4,
-                          cuda_graphs=graphs, async_compaction=deferred)
+                          cuda_graphs=graphs, async_compaction=bool(deferred),
+                          async_decisions=deferred == "async-decisions")
         try:
             rows[name] = _engine_run(LLM(base.model, **llm_kwargs), prompts, max_tokens,
                                      6 * page if not smoke else max_tokens)
@@ -159,7 +165,7 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     before = compiled_variants()
     kv = llm.engine.kv
     shared = (kv.shared_steps, kv.shared_boundaries)
-    deferred = kv.deferred_compactions
+    deferred, late = kv.deferred_compactions, kv.deferred_decisions
     with profile_boundaries(llm) as phases:  # ~1 us per timed call: the run's own numbers
         llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                      use_tqdm=False)
@@ -184,6 +190,7 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
             # asynchronous compaction: compressions run beside the forward, their seconds, and
             # of those the part after the forward had finished (what the steps waited for)
             "deferred_compactions": kv.deferred_compactions - deferred,
+            "deferred_decisions": kv.deferred_decisions - late,
             "deferred_s": st.deferred_time_s,
             "deferred_stall_s": st.deferred_waited_s,
             "boundary_critical_pct": 100 * (st.boundary_time_s - st.deferred_time_s
@@ -276,9 +283,10 @@ def check_targets(r: dict) -> dict:
     engine = r.get("engine", {})
     engine = engine if isinstance(engine, dict) else {}
     boundary = engine.get("growpage", {}).get("boundary_pct")
-    # With asynchronous compaction: the boundary time the steps waited for, best async row.
+    # With asynchronous compaction (or decisions): the boundary time the steps waited for,
+    # best such row.
     critical = [row["boundary_critical_pct"] for name, row in engine.items()
-                if name.endswith("+async") and isinstance(row, dict)
+                if "+async" in name and isinstance(row, dict)
                 and "boundary_critical_pct" in row]
     # Kernel binaries compiled inside the timed engine runs (the warm-up should leave none).
     compiles = {name: sum(row.get("compiles_during_run", {}).values())
@@ -339,8 +347,9 @@ def to_markdown(r: dict) -> str:
                   "ms per decided boundary | shared steps (boundaries) | deferred s "
                   "(waited for) | waited-for boundary % | warm-up s | compiles in run |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for name in ("fullkv", "growpage", "growpage+async", "fullkv+graphs",
-                     "growpage+graphs", "growpage+graphs+async"):
+        for name in ("fullkv", "growpage", "growpage+async", "growpage+async-decisions",
+                     "fullkv+graphs", "growpage+graphs", "growpage+graphs+async",
+                     "growpage+graphs+async-decisions"):
             e = engine.get(name)
             if e is None:
                 continue
@@ -359,8 +368,9 @@ def to_markdown(r: dict) -> str:
                          f"{compiles} |")
         lines += ["", f"growpage / fullkv throughput: {engine['growpage_vs_fullkv_tps']:.2f}x; "
                   "target: boundary work <= 1% of the run. Rows +async defer compressions to "
-                  "beside the forward (paper E.3); their waited-for share counts only what ran "
-                  "after the forward had finished."]
+                  "beside the forward (paper E.3), rows +async-decisions whole boundaries "
+                  "(beyond the paper); their waited-for share counts only what ran after the "
+                  "forward had finished."]
         lines += _phase_table(engine)
     else:
         lines += ["", f"Engine: {json.dumps(engine)}"]

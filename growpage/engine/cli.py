@@ -37,6 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "backend)")
     g.add_argument("--async-compaction", action=argparse.BooleanOptionalAction, default=None,
                    help="compress beside the decode step (paper E.3; default: with CUDA graphs)")
+    g.add_argument("--async-decisions", action="store_true",
+                   help="decide whole boundaries beside the decode step (beyond the paper)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar over requests, or over the tokens of a single prompt "
                    "(default: with more than one prompt)")
@@ -131,6 +133,8 @@ def run_generate(args: argparse.Namespace) -> int:
         _make_out_dir(args.out, "an output directory")
     extra = {name: getattr(args, name) for name in ("cuda_graphs", "async_compaction")
              if getattr(args, name) is not None}
+    if args.async_decisions:
+        extra["async_decisions"] = True
     llm = _build_llm(policy=args.policy,
                      policy_kwargs=parse_policy_params(args.policy_arg, "--param"),
                      **_engine_kwargs(args), **extra)

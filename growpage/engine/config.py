@@ -108,6 +108,13 @@ class EngineConfig:
             host free while the forward runs, which graph replay gives (without graphs the
             H200 check measured no gain); on the CPU there is nothing to overlap.
             ``resolved`` turns both Nones into True or False.
+        async_decisions: beyond the paper, which decides synchronously: a request at a
+            boundary its policy decides sits that decode step out, and the whole boundary,
+            decision included, runs beside the forward (as ``async_compaction`` runs a
+            compression), so with CUDA graphs nothing of it is left on the step's critical
+            path; the request's decision is the one it would get synchronously (same inputs),
+            one step later. Only where no outcome can need a preemption: a policy that falls
+            back to compressing, and no shared (prefix-cached) page to copy. Off by default.
         record_traces: directory of a trace set to record every finished request into.
         record_layers: model layers to record (None: all).
         record_values: record the values too (``has_values``).
@@ -127,6 +134,7 @@ class EngineConfig:
     warmup: bool | None = None
     cuda_graphs: bool | None = attrs.field(default=None)
     async_compaction: bool | None = attrs.field(default=None)
+    async_decisions: bool = attrs.field(default=False)
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
     record_values: bool = True
@@ -144,6 +152,12 @@ class EngineConfig:
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"EngineConfig.{attribute.name} must be True, False or None "
                               f"(automatic), got {value!r}")
+
+    @async_decisions.validator
+    def _late(self, attribute: attrs.Attribute, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"EngineConfig.async_decisions must be True or False, "
+                              f"got {value!r}")
 
     @seed.validator
     def _seed(self, attribute: attrs.Attribute, value: int) -> None:

@@ -13,6 +13,9 @@ With ``EngineConfig.async_compaction`` (paper appendix E.3) a compression decide
 scheduling is only settled there (``make_room(seq, defer=True)``); ``run_deferred`` runs the
 step's compressions after the decode step's forward has been launched, on a side CUDA stream,
 so the selection and compaction of the requests that compress overlap the others' decoding.
+With ``EngineConfig.async_decisions`` (beyond the paper) a boundary the policy decides is not
+even decided there: ``make_room`` only registers it (``LateBoundary``), and ``run_deferred``
+decides and acts on it beside the forward, so the whole boundary leaves the critical path.
 """
 
 from __future__ import annotations
@@ -34,6 +37,28 @@ from growpage.engine.model import ModelConfig
 from growpage.engine.query_state import QueryStatePool
 from growpage.engine.sequence import Sequence
 from growpage.policies.base import CapacityPolicy
+
+
+class LateBoundary:
+    """A boundary registered while scheduling and decided in ``run_deferred``
+    (``EngineConfig.async_decisions``): the request sits the step out unchanged, so its
+    decision reads what it would have read at once (summaries, keys, sums)."""
+
+    def __init__(self, kv: KVCacheManager, seq: Sequence) -> None:
+        self.kv, self.seq = kv, seq
+
+    def run(self, batch: BoundaryBatch | None) -> BoundaryOutcome:
+        """Decide and act (grow, or compress at once); never a preemption (see
+        ``KVCacheManager.decides_late``)."""
+        seq = self.seq
+        outcome = self.kv.controller.on_boundary(seq.state, self.kv.view(seq), batch)
+        if outcome.needs_preemption:  # decides_late rules it out; a broken rule is a bug
+            raise RuntimeError(f"request {seq.request_id!r}: a late boundary asked for a "
+                               "preemption")
+        return outcome
+
+    def cancel(self) -> None:
+        """Nothing was settled: the request stays at its boundary, decided next step."""
 
 
 class KVCacheManager:
@@ -69,9 +94,11 @@ class KVCacheManager:
         self._batch: BoundaryBatch | None = None  # this decode step's (prepare_boundaries)
         self.shared_steps = 0       # decode steps whose decided boundaries shared a batch
         self.shared_boundaries = 0  # the boundaries prepared in those batches (running totals)
-        # Asynchronous compaction: this step's deferred compressions, in decision order.
-        self._deferred: dict[int, tuple[Sequence, PendingCompaction]] = {}
+        # Asynchronous compaction: this step's deferred compressions (and with async_decisions
+        # its late boundaries), in decision order.
+        self._deferred: dict[int, tuple[Sequence, PendingCompaction | LateBoundary]] = {}
         self.deferred_compactions = 0   # compressions run by run_deferred (running total)
+        self.deferred_decisions = 0     # late boundaries decided by run_deferred (running total)
         self.deferred_seconds = 0.0     # their part of boundary_seconds (running total)
         self.deferred_stall_seconds = 0.0  # of that, what the step waited for (running total)
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
@@ -158,7 +185,8 @@ class KVCacheManager:
         """Before a decode step: the sequences of ``seqs`` whose boundary the policy will decide
         share one ``BoundaryBatch`` (their top-p sizes and Delta_t in one pass and one host
         sync), used by ``make_room`` until ``end_boundaries``."""
-        at = [seq for seq in seqs if self.controller.needs_decision(seq.state)]
+        at = [seq for seq in seqs if self.controller.needs_decision(seq.state)
+              and not (self.config.async_decisions and self.decides_late(seq))]
         self._batch = None
         if len(at) < 2:
             return
@@ -190,6 +218,9 @@ class KVCacheManager:
             return None
         if seq.seq_id in self._deferred:
             raise ValueError(f"request {seq.request_id!r} already has a compression pending")
+        if self.config.async_decisions and self.decides_late(seq):
+            self._deferred[seq.seq_id] = (seq, LateBoundary(self, seq))
+            return None  # unchanged, no room yet: is_deferred says it sits the step out
         start = time.perf_counter()
         try:
             if defer is None:
@@ -205,8 +236,21 @@ class KVCacheManager:
             self.boundary_seconds += time.perf_counter() - start
 
     # ---- asynchronous compaction ----------------------------------------------------------
+    def decides_late(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s boundary can be decided beside the forward (``async_decisions``):
+        its policy decides it (not a forced growth) and no outcome can need a preemption, so
+        nothing has to be settled while scheduling. A refused growth falls back to compressing
+        (``fallback_to_compress``), and a compression needs no page when none of the request's
+        pages is shared (no copy-on-write; pages become shared only at admission, in prefill
+        steps)."""
+        state = seq.state
+        return (bool(getattr(self.controller.policy, "fallback_to_compress", True))
+                and not any(self.pool.is_shared(page) for page in state.block_table)
+                and self.controller.will_decide(state, self.view(seq)))
+
     def is_deferred(self, seq: Sequence) -> bool:
-        """Whether ``seq`` has a compression pending (it sits this decode step out)."""
+        """Whether ``seq`` has a compression or a late boundary pending (it sits this decode
+        step out)."""
         return seq.seq_id in self._deferred
 
     @property
@@ -237,6 +281,7 @@ class KVCacheManager:
         if not self._deferred:
             return []
         items, self._deferred = list(self._deferred.values()), {}
+        late = [seq for seq, pending in items if isinstance(pending, LateBoundary)]
         start = time.perf_counter()
         streams = self._side_streams()
         forward_done = None
@@ -249,9 +294,13 @@ class KVCacheManager:
             with side:
                 if streams is not None and self._ready is not None:
                     streams[0].wait_event(self._ready)
+                batch = self._late_batch(late)
                 for _, pending in items:
                     done += 1
-                    pending.run()
+                    if isinstance(pending, LateBoundary):
+                        pending.run(batch)
+                    else:
+                        pending.run()
         except BaseException:
             for _, pending in items[done:]:
                 pending.cancel()
@@ -267,8 +316,21 @@ class KVCacheManager:
             self.boundary_seconds += elapsed
             self.deferred_seconds += elapsed
             self.deferred_stall_seconds += stall
-        self.deferred_compactions += len(items)
+        self.deferred_compactions += len(items) - len(late)
+        self.deferred_decisions += len(late)
         return [seq for seq, _ in items]
+
+    def _late_batch(self, late: list[Sequence]) -> BoundaryBatch | None:
+        """One ``BoundaryBatch`` for the step's late boundaries (``prepare_boundaries``'s, for
+        the boundaries decided beside the forward)."""
+        if len(late) < 2:
+            return None
+        batch = self.controller.prepare((seq.state, self.view(seq)) for seq in late)
+        if len(batch) < 2:
+            return None
+        self.shared_steps += 1
+        self.shared_boundaries += len(batch)
+        return batch
 
     def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
         """(compaction stream, an idle stream to read the device clock on); None on the CPU."""

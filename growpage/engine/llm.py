@@ -61,7 +61,8 @@ class LLM:
             sees a GPU).
         kv_pages / kv_cache_memory / max_num_seqs / max_num_batched_tokens /
         enable_prefix_caching / dtype / attention_backend / boundary_kernels / warmup /
-        cuda_graphs / async_compaction / record_traces / record_layers / record_values / seed:
+        cuda_graphs / async_compaction / async_decisions / record_traces / record_layers /
+        record_values / seed:
         see ``EngineConfig``. Recording needs ``policy="fullkv"`` and turns prefix caching off;
         so does a policy that reads H2O accumulated attention (``needs_accumulated_attention``,
         e.g. ``"h2o"``).
@@ -79,6 +80,7 @@ class LLM:
                  device: str = "cpu", attention_backend: str = "auto",
                  boundary_kernels: bool | None = None, warmup: bool | None = None,
                  cuda_graphs: bool | None = None, async_compaction: bool | None = None,
+                 async_decisions: bool = False,
                  record_traces: str | Path | None = None,
                  record_layers: Seq[int] | None = None, record_values: bool = True,
                  seed: int = 0,
@@ -104,6 +106,7 @@ class LLM:
             dtype=dtype, device=resolve_device(device), attention_backend=attention_backend,
             boundary_kernels=boundary_kernels,
             warmup=warmup, cuda_graphs=cuda_graphs, async_compaction=async_compaction,
+            async_decisions=async_decisions,
             record_traces=None if record_traces is None else str(record_traces),
             record_layers=None if record_layers is None else list(record_layers),
             record_values=record_values, seed=seed)

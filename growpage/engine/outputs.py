@@ -105,8 +105,8 @@ class EngineStats:
         avg_kv_budget: mean KV capacity (tokens) a decoding request held, over decode steps.
         events: the controller's event counts (grow, compress, shrink, fallback, ...).
         boundary_time_s: wall time spent in capacity control (decisions, scoring, compaction).
-        deferred_time_s: of that, the compressions run beside a decode step's forward
-            (``async_compaction``; 0 without it).
+        deferred_time_s: of that, the work run beside a decode step's forward: compressions
+            (``async_compaction``) and late boundaries (``async_decisions``); 0 without them.
         deferred_waited_s: of that, what the steps waited for: the part after the forward had
             finished (on the CPU, all of it).
         e2e_s: mean over requests of the time from submission to finish.
@@ -153,8 +153,8 @@ class EngineStats:
 
     def rows(self) -> list[tuple[str, str]]:
         e = self.events
-        deferred = [("deferred compressions", f"{self.deferred_time_s:.2f} s of it, "
-                                              f"{self.deferred_waited_s:.2f} s waited for")
+        deferred = [("deferred work", f"{self.deferred_time_s:.2f} s of it, "
+                                      f"{self.deferred_waited_s:.2f} s waited for")
                     ] if self.deferred_time_s > 0 else []
         return [
             ("policy", self.policy), ("requests", str(self.num_requests)),

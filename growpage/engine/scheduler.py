@@ -15,7 +15,9 @@ With ``EngineConfig.async_compaction`` (paper appendix E.3) a sequence whose bou
 decided as a compression sits the decode step out: its compression is settled while
 scheduling and runs beside the step's forward (``KVCacheManager.run_deferred``); it rejoins
 the next step. Growth still decodes at once. When no other sequence would decode, the
-compressions run at once and the step decodes them.
+compressions run at once and the step decodes them. With ``EngineConfig.async_decisions`` a
+sequence whose boundary its policy decides sits the step out before any decision, and the
+decision and its action run beside the forward (``KVCacheManager.decides_late`` says when).
 """
 
 from __future__ import annotations
@@ -172,11 +174,12 @@ class Scheduler:
         """Capacity control for ``seq``'s next token; preempts until it has a free slot.
 
         False when ``seq`` does not decode this step: it was preempted, must wait (no victim can
-        be recomputed) or compresses beside the step (``async_compaction``: ``kv.is_deferred``).
+        be recomputed) or compresses beside the step (``async_compaction``: ``kv.is_deferred``;
+        with ``async_decisions`` its whole boundary is decided there).
         """
         while True:
             outcome = self.kv.make_room(seq)
-            if outcome is not None and outcome.pending is not None:
+            if self.kv.is_deferred(seq):  # a compression, or its whole boundary, beside the step
                 return False
             if outcome is None or not outcome.needs_preemption:
                 return True

@@ -79,3 +79,21 @@ def hf_from_ours(model):
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     ref.tie_weights()
     return ref.eval()
+
+
+def watch_steps(llm: LLM) -> list[tuple[set[str], set[str]]]:
+    """Per decode step: (the requests it decodes, the requests that sit it out with work
+    deferred beside it: a compression, or with ``async_decisions`` a whole boundary)."""
+    engine, steps = llm.engine, []
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        out = schedule()
+        if not out.is_prefill:
+            deferred = {seq.request_id for seq in engine.scheduler.running
+                        if engine.kv.is_deferred(seq)}
+            steps.append(({seq.request_id for seq in out.seqs}, deferred))
+        return out
+
+    engine.scheduler.schedule = watched
+    return steps

@@ -7,7 +7,7 @@ from __future__ import annotations
 import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
 import pytest
 import torch
-from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model
+from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model, watch_steps
 
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import ConfigError, PolicyError
@@ -24,23 +24,6 @@ def model():
 
 def table_pages(llm) -> set[int]:
     return {p for seq in llm.engine.scheduler.running for p in seq.state.block_table}
-
-
-def watch_steps(llm) -> list[tuple[set[str], set[str]]]:
-    """Per decode step: (the requests it decodes, the requests whose compression it defers)."""
-    engine, steps = llm.engine, []
-    schedule = engine.scheduler.schedule
-
-    def watched():
-        out = schedule()
-        if not out.is_prefill:
-            deferred = {seq.request_id for seq in engine.scheduler.running
-                        if engine.kv.is_deferred(seq)}
-            steps.append(({seq.request_id for seq in out.seqs}, deferred))
-        return out
-
-    engine.scheduler.schedule = watched
-    return steps
 
 
 def test_async_compaction_gives_the_synchronous_tokens_and_trajectories(model):
@@ -61,7 +44,7 @@ def test_async_compaction_gives_the_synchronous_tokens_and_trajectories(model):
     # The call's statistics say so too (and only for this call).
     assert stats.deferred_time_s == pytest.approx(kv.deferred_seconds)
     assert stats.deferred_waited_s == pytest.approx(kv.deferred_stall_seconds)
-    assert "deferred compressions" in stats.table()
+    assert "deferred work" in stats.table()
     assert sync.last_stats.deferred_time_s == 0 and "deferred" not in sync.last_stats.table()
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)
     assert llm.last_stats.deferred_time_s == 0  # no boundary in that call

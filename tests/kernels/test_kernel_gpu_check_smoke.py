@@ -21,6 +21,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     partial = json.loads(out.with_suffix(".partial.json").read_text())
     assert {"decode", "ema", "boundary", "hostwork", "engine"} <= set(partial)
     assert "[gpu_check] engine growpage+async: " in proc.stdout  # each engine row as it ends
+    assert "[gpu_check] engine growpage+async-decisions: " in proc.stdout
     assert report["smoke"] and report["tests"] == {"skipped": "--smoke/--skip-tests/--sections"}
     decode = report["decode"]
     assert len(decode) == 4 and all(row["ms"] > 0 and row["gbps"] > 0 for row in decode)
@@ -40,13 +41,16 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         "boundaries"]
     assert report["targets"]["boundary_pct_of_run"] == engine["growpage"]["boundary_pct"]
     # Nothing compiles on CPU (interpreter): every timed row reports zero compiles.
-    assert report["targets"]["compiles_in_engine_runs"] == {"fullkv": 0, "growpage": 0,
-                                                            "growpage+async": 0}
-    # Asynchronous compaction's row: on the CPU a step waits for all of its deferred work.
-    deferred = engine["growpage+async"]
-    assert "error" not in deferred and deferred["deferred_s"] == deferred["deferred_stall_s"]
-    assert deferred["boundary_critical_pct"] == deferred["boundary_pct"]
-    assert report["targets"]["boundary_critical_pct_async"] == deferred["boundary_critical_pct"]
+    assert report["targets"]["compiles_in_engine_runs"] == {
+        "fullkv": 0, "growpage": 0, "growpage+async": 0, "growpage+async-decisions": 0}
+    # The rows with deferred work (async compaction, late boundaries): on the CPU a step waits
+    # for all of it; the target takes the best of them.
+    rows = [engine["growpage+async"], engine["growpage+async-decisions"]]
+    for deferred in rows:
+        assert "error" not in deferred and deferred["deferred_s"] == deferred["deferred_stall_s"]
+        assert deferred["boundary_critical_pct"] == deferred["boundary_pct"]
+    assert report["targets"]["boundary_critical_pct_async"] == min(
+        row["boundary_critical_pct"] for row in rows)
     assert report["targets"]["no_compiles_met"]
     markdown = out.with_suffix(".md").read_text()
     assert "| batch | context |" in markdown and "Boundary event" in markdown

@@ -1,0 +1,209 @@
+"""Late boundaries (``EngineConfig.async_decisions``, beyond the paper): a request at a boundary
+its policy decides sits that decode step out, and its decision and action run beside the
+forward (``KVCacheManager.run_deferred``). Its inputs are the ones it would have had at once,
+so its decisions and tokens are the synchronous engine's; only where no outcome could need a
+preemption (``KVCacheManager.decides_late``)."""
+
+from __future__ import annotations
+
+import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
+import pytest
+from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model, watch_steps
+
+from growpage import Decision
+from growpage.engine.config import EngineConfig
+from growpage.engine.sampling_params import SamplingParams
+from growpage.errors import ConfigError, PolicyError
+from growpage.policies import GrowPagePolicy
+
+PROMPTS = [prompt(9, 21), prompt(17, 22), prompt(6, 23), prompt(13, 24)]
+LONG = SamplingParams(max_tokens=80, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def decided(events: dict) -> int:
+    return sum(events.get(f"decided_{d.value}", 0) for d in Decision)
+
+
+def test_late_decisions_give_the_synchronous_tokens_and_trajectories(model):
+    sync = tiny_llm(model, "growpage")
+    want = sync.generate(PROMPTS, LONG, use_tqdm=False)
+    llm = tiny_llm(model, "growpage", async_decisions=True)
+    got = llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.trajectory for o in got] == [o.trajectory for o in want]
+    kv, stats = llm.engine.kv, llm.last_stats
+    assert stats.events == sync.last_stats.events
+    events = stats.events
+    assert events["compress"] > 0 and events["decided_grow"] > 0, events
+    # Every decided boundary was decided late (the pool never ran short, nothing is shared);
+    # its compression ran with it, not as a deferred compaction of its own.
+    assert kv.deferred_decisions == decided(events) > 0 and kv.deferred_compactions == 0
+    assert stats.num_steps > sync.last_stats.num_steps  # each costs its request one step
+    assert 0 < kv.deferred_seconds <= kv.boundary_seconds
+    assert_all_returned(llm)
+
+
+@pytest.mark.parametrize("policy,kwargs", [
+    ("fixed", {"policy_kwargs": {"budget_tokens": 24}}),
+    ("shrink", {}),
+    ("random", {"policy_kwargs": {"grow_prob": 0.5, "seed": 3}}),
+    ("h2o", {"policy_kwargs": {"budget_tokens": 24}}),  # its sums: unchanged while sitting out
+], ids=["fixed", "shrink", "random", "h2o"])
+def test_every_deciding_policy_gets_its_synchronous_tokens(model, policy, kwargs):
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    sync = tiny_llm(model, policy, **kwargs)
+    want = sync.generate(PROMPTS, params, use_tqdm=False)
+    llm = tiny_llm(model, policy, async_decisions=True, **kwargs)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.trajectory for o in got] == [o.trajectory for o in want]
+    assert llm.last_stats.events == sync.last_stats.events
+    assert llm.engine.kv.deferred_decisions == decided(llm.last_stats.events) > 0
+    assert_all_returned(llm)
+
+
+def test_a_deciding_request_sits_one_step_out_and_rejoins_the_next(model):
+    llm = tiny_llm(model, "growpage", async_decisions=True)
+    steps = watch_steps(llm)
+    llm.generate(PROMPTS, LONG, use_tqdm=False)
+    sat_out = [(i, late) for i, (_, late) in enumerate(steps) if late]
+    assert sat_out, "no boundary was decided late"
+    for i, late in sat_out:
+        decoded = steps[i][0]
+        assert decoded and not decoded & late   # the others decode without them
+        assert late <= steps[i + 1][0]          # and they are back one step later
+    assert sum(len(d) for _, d in sat_out) == llm.engine.kv.deferred_decisions
+
+
+def test_steps_with_several_late_boundaries_share_one_batch(model):
+    """Requests whose boundaries fall in the same step are decided together beside it (one
+    ``BoundaryBatch``), as they would be while scheduling."""
+    same = [prompt(12, 40 + i) for i in range(4)]  # equal lengths: boundaries in one step
+    sync = tiny_llm(model, "growpage")
+    want = sync.generate(same, LONG, use_tqdm=False)
+    llm = tiny_llm(model, "growpage", async_decisions=True)
+    got = llm.generate(same, LONG, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    kv = llm.engine.kv
+    assert kv.shared_boundaries == sync.engine.kv.shared_boundaries > 0
+    assert kv.deferred_decisions == decided(llm.last_stats.events)
+
+
+def test_a_lone_request_decides_at_once(model):
+    """With nobody else to decode, its late boundary runs at once: no step is lost."""
+    one = [prompt(10, 5)]
+    sync = tiny_llm(model, "growpage", kv_pages=8)
+    want = sync.generate(one, LONG, use_tqdm=False)[0]
+    llm = tiny_llm(model, "growpage", kv_pages=8, async_decisions=True)
+    got = llm.generate(one, LONG, use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids and got.trajectory == want.trajectory
+    assert llm.engine.kv.deferred_decisions == decided(got.events) > 0
+    assert llm.last_stats.num_steps == sync.last_stats.num_steps
+    assert_all_returned(llm)
+
+
+def test_a_tight_pool_falls_back_beside_the_step(model):
+    """Growth refused beside the step (the pool ran short): the request compresses instead,
+    never preempted for its late boundary; every request finishes, every page comes back."""
+    llm = tiny_llm(model, "growpage", kv_pages=22, max_num_seqs=4, async_decisions=True)
+    outs = llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert all(len(o.token_ids) == 80 for o in outs)
+    events = llm.last_stats.events
+    assert events["fallback"] > 0 and llm.engine.kv.deferred_decisions > 0, events
+    assert_all_returned(llm)
+
+
+def test_fullkv_never_decides_late(model):
+    """A policy that does not fall back to compressing would need a preemption when growth is
+    refused: its boundaries stay synchronous."""
+    sync = tiny_llm(model, "fullkv", kv_pages=30)
+    want = sync.generate(PROMPTS, LONG, use_tqdm=False)
+    llm = tiny_llm(model, "fullkv", kv_pages=30, async_decisions=True)
+    got = llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.kv.deferred_decisions == 0 and llm.last_stats.num_preemptions > 0
+    assert_all_returned(llm)
+
+
+SHARED = prompt(24, 30)
+SHARING = [SHARED + prompt(3, 31), SHARED + prompt(5, 32), SHARED + prompt(2, 33)]
+
+
+def test_shared_prefix_pages_keep_the_boundary_synchronous(model):
+    """A request holding shared (prefix-cached) pages may need copy-on-write pages to
+    compress, which only scheduling can settle: that boundary is decided at once. After the
+    copy its pages are its own, and its later boundaries are decided late."""
+    def cached(**kwargs):
+        llm = tiny_llm(model, "fixed", policy_kwargs={"budget_tokens": 32}, **kwargs)
+        llm.generate([SHARED], SamplingParams(max_tokens=1), use_tqdm=False)
+        return llm
+
+    sync = cached()
+    want = sync.generate(SHARING, LONG, use_tqdm=False)
+    llm = cached(async_decisions=True)
+    got = llm.generate(SHARING, LONG, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    events = llm.last_stats.events
+    assert events["cow_pages"] == sync.last_stats.events["cow_pages"] > 0
+    assert 0 < llm.engine.kv.deferred_decisions < decided(events)
+    assert_all_returned(llm)
+
+
+def test_a_failed_step_leaves_late_requests_at_their_boundary(model):
+    llm = tiny_llm(model, "growpage", async_decisions=True)
+    engine, run = llm.engine, llm.engine.runner.run
+    seen = {}
+
+    def failing(out):
+        if engine.kv.num_deferred and not seen:
+            seen.update({s.request_id: (s.state.num_tokens, list(s.state.block_table))
+                         for s in engine.scheduler.running if engine.kv.is_deferred(s)})
+            raise RuntimeError("device lost")
+        return run(out)
+
+    engine.runner.run = failing
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(str(i), ids, LONG)
+    with pytest.raises(RuntimeError, match="device lost"):
+        for _ in range(500):
+            engine.step()
+    assert seen and engine.kv.num_deferred == 0
+    for seq in engine.scheduler.running:
+        if seq.request_id in seen:
+            assert (seq.state.num_tokens, seq.state.block_table) == seen[seq.request_id]
+            assert engine.kv.controller.needs_decision(seq.state)
+    engine.runner.run = run
+    while engine.has_unfinished():  # the next steps decide them as if nothing had happened
+        engine.step()
+    assert_all_returned(llm)
+
+
+class FailingLate(GrowPagePolicy):
+    """Decides normally until its fifth decision, then raises."""
+
+    calls = 0
+
+    def decide(self, ctx):
+        FailingLate.calls += 1
+        if FailingLate.calls == 5:
+            raise RuntimeError("policy bug")
+        return super().decide(ctx)
+
+
+def test_a_policy_error_beside_the_step_aborts_cleanly(model):
+    FailingLate.calls = 0
+    llm = tiny_llm(model, FailingLate(), async_decisions=True)
+    with pytest.raises(PolicyError, match="policy bug"):
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert llm.engine.kv.num_deferred == 0
+    assert_all_returned(llm)
+
+
+def test_async_decisions_must_be_a_bool():
+    with pytest.raises(ConfigError, match="async_decisions must be True or False"):
+        EngineConfig(async_decisions=None)
