@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model, watch_steps
 
 from growpage import Decision
@@ -207,3 +209,40 @@ def test_a_policy_error_beside_the_step_aborts_cleanly(model):
 def test_async_decisions_must_be_a_bool():
     with pytest.raises(ConfigError, match="async_decisions must be True or False"):
         EngineConfig(async_decisions=None)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(2, 40)), min_size=1,
+                        max_size=4),
+       point=st.sampled_from([("growpage", {}), ("fixed", {"budget_tokens": 12}),
+                              ("shrink", {})]),
+       kv_pages=st.sampled_from([6, 8, 12, 256]), max_num_seqs=st.integers(1, 4))
+def test_late_boundaries_serve_any_workload_as_the_synchronous_engine(
+        model, lengths, point, kv_pages, max_num_seqs):
+    """Random workloads, pools from tight to ample: every request gets all its tokens, every
+    page comes back, and each request's decisions are the synchronous engine's as long as the
+    pool never refused a growth or forced a preemption in either (the free pages a decision
+    reads, and the order growths are served in, are the only inputs a step's delay changes)."""
+    policy, params = point
+    prompts = [prompt(p, 200 + i) for i, (p, _) in enumerate(lengths)]
+    sampling = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths]
+    runs = []
+    for late in (False, True):
+        llm = tiny_llm(model, policy, policy_kwargs=params, kv_pages=kv_pages,
+                       max_num_seqs=max_num_seqs, min_capacity=2, async_decisions=late)
+        try:
+            outs = llm.generate(prompts, sampling, use_tqdm=False)
+        except ConfigError as exc:  # a request that cannot fit the pool alone: both refuse
+            assert "cannot" in str(exc) or "needs" in str(exc), exc
+            return
+        assert [len(o.token_ids) for o in outs] == [o for _, o in lengths]
+        assert_all_returned(llm)
+        runs.append((llm, outs))
+    (sync, want), (llm, got) = runs
+    pressure = [x.last_stats.events.get("fallback", 0) + x.last_stats.num_preemptions
+                for x in (sync, llm)]
+    if not any(pressure):
+        assert [o.trajectory for o in got] == [o.trajectory for o in want]
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert llm.last_stats.events == sync.last_stats.events
