@@ -212,12 +212,14 @@ class KVCacheManager:
         A ``PREEMPT`` outcome changed nothing; the caller frees pages and asks again. With
         ``defer`` (None: ``EngineConfig.async_compaction``) a compression is settled, not run:
         the outcome's ``pending`` is set and ``seq`` is unchanged (``is_deferred``) until
-        ``run_deferred`` (or ``cancel_deferred``) in this step.
+        ``run_deferred`` (or ``cancel_deferred``) in this step. With
+        ``EngineConfig.async_decisions`` a boundary that ``decides_late`` is only filed: None is
+        returned, ``seq`` is unchanged and ``is_deferred``, and ``run_deferred`` decides it.
         """
         if not self.controller.needs_decision(seq.state):
             return None
         if seq.seq_id in self._deferred:
-            raise ValueError(f"request {seq.request_id!r} already has a compression pending")
+            raise ValueError(f"request {seq.request_id!r} already has boundary work pending")
         if self.config.async_decisions and self.decides_late(seq):
             self._deferred[seq.seq_id] = (seq, LateBoundary(self, seq))
             return None  # unchanged, no room yet: is_deferred says it sits the step out
