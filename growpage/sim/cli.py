@@ -62,6 +62,10 @@ def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--async-compaction", action="store_true",
                    help="as the engine's: a compacting request sits the next decode step out "
                         "while its compaction (--compaction-ms) runs beside it")
+    p.add_argument("--async-decisions", action="store_true",
+                   help="as the engine's (beyond the paper): a request whose boundary its "
+                        "policy decides sits the next decode step out while the whole boundary "
+                        "(--boundary-ms, --compaction-ms) runs beside it")
     p.add_argument("--kv-pages", type=int, metavar="N",
                    help="pages in the KV pool (default: what the preset's GPU holds, else 1500)")
     p.add_argument("--max-num-seqs", type=int, default=256,

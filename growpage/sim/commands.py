@@ -163,7 +163,8 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     admission_reserve=args.admission_reserve, decisions=args.decisions,
                     num_scripts=args.num_scripts, seed=args.seed,
-                    async_compaction=args.async_compaction)
+                    async_compaction=args.async_compaction,
+                    async_decisions=args.async_decisions)
     if args.traces and args.decisions != "trace":
         raise ConfigError("--traces is used only with --decisions trace (script mode draws "
                           "synthetic traces)")

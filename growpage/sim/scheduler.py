@@ -20,6 +20,7 @@ import heapq
 import math
 from collections import deque
 
+from growpage.core.capacity import BoundaryOutcome
 from growpage.core.decision import Action
 from growpage.core.request import RequestState
 from growpage.errors import ConfigError
@@ -49,6 +50,7 @@ class Scheduler:
         self._heap: list[tuple[int, int, SimRequest]] = []
         self._tick = 0
         self._kv_offset = 0           # sum over running of (num_tokens - sync_step)
+        self.decided_now: list[SimRequest] = []   # resolve_boundaries': the policy decided
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def log(self, now: float, kind: str, request: SimRequest) -> None:
@@ -149,13 +151,18 @@ class Scheduler:
     # ---- decode -----------------------------------------------------------------------------
     def resolve_boundaries(self, now: float) -> list[SimRequest]:
         """Run the controller for every running request at a capacity boundary now; returns
-        those still running whose KV was compacted (Compress & Hold, Shrink, a refused GROW)."""
-        compacted = []
+        those still running whose KV was compacted (Compress & Hold, Shrink, a refused GROW).
+        ``decided_now`` lists those still running whose boundary the policy decided."""
+        compacted, decided = [], []
         for r in self._pop_due():
             if r.is_running:
                 self._sync(r)
-                if self._boundary(r, now):
+                outcome = self._boundary(r, now)
+                if outcome is not None and outcome.decision is not None:
+                    decided.append(r)
+                if outcome is not None and outcome.action in (Action.COMPRESS, Action.SHRINK):
                     compacted.append(r)
+        self.decided_now = [r for r in decided if r.is_running]
         return [r for r in compacted if r.is_running]   # a later boundary may preempt one
 
     def sit_out(self, requests: list[SimRequest]) -> None:
@@ -169,8 +176,8 @@ class Scheduler:
             r.event_tick = self._tick   # the entry pushed before is stale now
             heapq.heappush(self._heap, (r.event_step, self._tick, r))
 
-    def _boundary(self, r: SimRequest, now: float) -> bool:
-        """One boundary of ``r``; whether its KV was compacted."""
+    def _boundary(self, r: SimRequest, now: float) -> BoundaryOutcome | None:
+        """One boundary of ``r``: its outcome, None when ``r`` itself was preempted."""
         scale = self.source.scale
         while True:
             state: RequestState = r.state
@@ -190,7 +197,7 @@ class Scheduler:
                 raise ConfigError(self._alone_error(r))
             self.preempt(victim, now)
             if victim is r:
-                return False
+                return None
         if outcome.fallback:
             self.log(now, "fallback", r)
         self.log(now, outcome.action.value, r)
@@ -198,7 +205,7 @@ class Scheduler:
         if outcome.pages_after != outcome.pages_before:
             r.capacity.append((now, r.num_pages))
         self._schedule_event(r)
-        return outcome.action in (Action.COMPRESS, Action.SHRINK)
+        return outcome
 
     def _alone_error(self, r: SimRequest) -> str:
         """Why ``r`` cannot go on even alone, and, for a policy that never compresses, the

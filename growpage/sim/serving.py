@@ -81,6 +81,11 @@ class SimConfig:
             compacted sits the next decode step out while its compaction runs beside it
             (unless nothing else would decode); the step waits for the compaction's price
             (``CostModel.compaction_s``) only where that is longer than the step.
+        async_decisions: as the engine's ``async_decisions`` (beyond the paper): a request
+            whose boundary its policy decided sits the next decode step out while its whole
+            boundary (decision and action) runs beside it (unless nothing else would decode,
+            or the policy never falls back to compressing); the step waits for the boundary's
+            price only where that is longer than the step.
     """
 
     num_kv_pages: int = attrs.field(default=1500, validator=_positive)
@@ -92,6 +97,7 @@ class SimConfig:
     seed: int = 0
     record_events: bool = False
     async_compaction: bool = attrs.field(default=False, validator=_flag)
+    async_decisions: bool = attrs.field(default=False, validator=_flag)
 
 
 @attrs.define
@@ -143,6 +149,7 @@ class _Run:
     peak_pages: int = 0
     boundary_seconds: float = 0.0
     async_compaction: bool = False
+    async_decisions: bool = False
     on_progress: Callable[[int], object] | None = None   # called with the finished count
 
     def spend(self, env: simpy.Environment, seconds: float) -> simpy.Timeout:
@@ -184,7 +191,14 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             yield run.idle
             continue
         decisions_s, compactions_s, compacted = _resolve_boundaries(run, env.now)
-        if run.async_compaction and compacted and len(compacted) < len(sched.running):
+        late = sched.decided_now if run.async_decisions and getattr(
+            sched.controller.policy, "fallback_to_compress", True) else []
+        if late and len(late) < len(sched.running):
+            # Their whole boundaries ran beside the next step, which they sit out (engine's
+            # async_decisions); the step waits only for boundary work longer than itself.
+            run.boundary_seconds += decisions_s + compactions_s
+            num_steps, seconds = 1, max(_sit_out_step(run, late), decisions_s + compactions_s)
+        elif run.async_compaction and compacted and len(compacted) < len(sched.running):
             # Their compactions run beside the next step, which they sit out (engine's
             # async_compaction); the step waits only for compaction work longer than itself.
             run.boundary_seconds += decisions_s + compactions_s
@@ -296,7 +310,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
     sim_requests = [SimRequest(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
     env = simpy.Environment()
     run = _Run(sched, cost, len(sim_requests), async_compaction=sim.async_compaction,
-               on_progress=on_progress)
+               async_decisions=sim.async_decisions, on_progress=on_progress)
     env.process(arrivals(env, run, sim_requests))
     env.process(engine(env, run))
     env.run()

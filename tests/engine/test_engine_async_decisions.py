@@ -246,3 +246,33 @@ def test_late_boundaries_serve_any_workload_as_the_synchronous_engine(
         assert [o.trajectory for o in got] == [o.trajectory for o in want]
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert llm.last_stats.events == sync.last_stats.events
+
+
+@pytest.mark.parametrize("policy,kwargs", [("fixed", {"budget_tokens": 12}), ("fullkv", {})])
+def test_the_simulator_predicts_the_steps_late_boundaries_add(model, policy, kwargs):
+    """The serving simulator's async_decisions (a request whose boundary was decided sits the
+    next step out) adds exactly the decode steps the engine's adds, for a state-driven
+    policy; none for a policy that never falls back to compressing."""
+    from growpage import GrowPageConfig
+    from growpage.policies import resolve_policy
+    from growpage.sim.costmodel import LinearCostModel
+    from growpage.sim.serving import SimConfig, simulate
+    from growpage.sim.workload_csv import WorkloadRequest
+
+    lengths = [(5, 40), (11, 90), (7, 65)]
+    prompts = [prompt(p, 30 + i) for i, (p, _) in enumerate(lengths)]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths]
+    requests = [WorkloadRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
+    engine_steps, sim_steps = {}, {}
+    for flag in (False, True):
+        llm = tiny_llm(model, policy=policy, policy_kwargs=kwargs, async_decisions=flag)
+        llm.generate(prompts, params, use_tqdm=False)
+        engine_steps[flag] = llm.last_stats.num_steps
+        served = simulate(requests, resolve_policy(policy, **kwargs),
+                          GrowPageConfig(page_size=4, recent_window=2),
+                          SimConfig(num_kv_pages=256, async_decisions=flag),
+                          LinearCostModel(base_s=1.0))
+        sim_steps[flag] = served.metrics.prefill_steps + served.metrics.decode_steps
+        assert engine_steps[flag] == sim_steps[flag], (flag, engine_steps, sim_steps)
+    added = engine_steps[True] - engine_steps[False]
+    assert (added > 5) if policy == "fixed" else added == 0

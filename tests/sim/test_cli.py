@@ -382,6 +382,10 @@ def test_serve_with_async_compaction(capsys):
     assert asyn["metrics"]["output_tokens"] == sync["metrics"]["output_tokens"]
     assert asyn["metrics"]["compresses"] == sync["metrics"]["compresses"] > 0
     assert asyn["metrics"]["decode_steps"] > sync["metrics"]["decode_steps"]
+    late = run_json(capsys, [*base, "--async-decisions"])
+    assert late["sim"]["async_decisions"] and not asyn["sim"]["async_decisions"]
+    assert late["metrics"]["output_tokens"] == sync["metrics"]["output_tokens"]
+    assert late["metrics"]["decode_steps"] > sync["metrics"]["decode_steps"]
 
 
 def test_small_pages_get_the_engines_recent_window(capsys):

@@ -65,9 +65,9 @@ workloads = st.lists(
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=workloads, pages=st.integers(3, 24), policy=st.sampled_from(sorted(POLICIES)),
        reserve=st.sampled_from([0.0, 0.2]), seats=st.integers(1, 4),
-       asynchronous=st.booleans())
+       asynchronous=st.booleans(), late=st.booleans())
 def test_pages_are_conserved_and_runs_are_deterministic(spec, pages, policy, reserve, seats,
-                                                        asynchronous):
+                                                        asynchronous, late):
     config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
     requests = [WorkloadRequest(f"r{i}", a, p, o) for i, (p, o, a) in enumerate(spec)]
     # A request alone must fit: its prompt and, when it decodes, the first decode step's token
@@ -79,7 +79,7 @@ def test_pages_are_conserved_and_runs_are_deterministic(spec, pages, policy, res
         assume(all(max(2, math.ceil((r.prompt_tokens + r.output_tokens - 1) / 4)) <= pages
                    for r in requests))
     sim = SimConfig(num_kv_pages=pages, max_num_seqs=seats, admission_reserve=reserve,
-                    record_events=True, async_compaction=asynchronous)
+                    record_events=True, async_compaction=asynchronous, async_decisions=late)
     first = simulate(requests, POLICIES[policy](), config, sim, COST)
     check_conservation(first, requests, pages)
     again = simulate(requests, POLICIES[policy](), config, sim, COST)
@@ -176,6 +176,35 @@ def test_async_compaction_hides_compaction_behind_the_step(price):
     assert paid_sync.metrics.boundary_time_s == pytest.approx(price * compactions)
     assert paid_async.metrics.boundary_time_s == pytest.approx(price * compactions)
 
+
+@pytest.mark.parametrize("price", [0.5, 3.0])
+def test_late_boundaries_hide_decision_and_compaction_behind_the_step(price):
+    """async_decisions: every request whose boundary was decided (here all compress: growth
+    up to fixed's budget is forced, below min_capacity) sits the next step out while its
+    decision and compaction run beside it; the step costs the longer of the two, and with
+    nothing else to decode the boundary is paid in full. The boundary time is the same as the
+    synchronous run's."""
+    def run(late: bool, boundary_s: float) -> object:
+        cost = LinearCostModel(base_s=1.0, boundary_s=boundary_s, compaction_s=boundary_s)
+        return simulate(TWO, resolve_policy("fixed", budget_tokens=48),
+                        GrowPageConfig(page_size=16, recent_window=4, min_capacity=3),
+                        SimConfig(num_kv_pages=200, record_events=True, async_decisions=late),
+                        cost)
+
+    free, paid = run(True, 0.0), run(True, price)
+    sync_paid = run(False, price)
+    a_done = {r.request_id: r for r in free.requests}["a"].finish_s
+    b = compressions_of(free, "b")
+    sat_out = len(compressions_of(free, "a")) + sum(t < a_done for t in b)
+    alone = sum(t >= a_done for t in b)
+    per_boundary = 2 * price  # one decision and one compaction each
+    assert paid.metrics.total_time_s == pytest.approx(
+        free.metrics.total_time_s + sat_out * (max(per_boundary, 1.0) - 1.0)
+        + per_boundary * alone)
+    assert paid.metrics.boundary_time_s == pytest.approx(sync_paid.metrics.boundary_time_s)
+    assert paid.metrics.total_time_s < sync_paid.metrics.total_time_s
+    assert free.metrics.compresses == sync_paid.metrics.compresses
+    assert free.metrics.grows == free.metrics.forced_grows  # no decided growth
 
 def test_pool_too_small_for_a_prompt_is_a_config_error():
     config = GrowPageConfig(page_size=4, recent_window=1)
