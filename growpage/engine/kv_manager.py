@@ -185,12 +185,15 @@ class KVCacheManager:
         """Before a decode step: the sequences of ``seqs`` whose boundary the policy will decide
         share one ``BoundaryBatch`` (their top-p sizes and Delta_t in one pass and one host
         sync), used by ``make_room`` until ``end_boundaries``."""
-        at = [seq for seq in seqs if self.controller.needs_decision(seq.state)
-              and not (self.config.async_decisions and self.decides_late(seq))]
+        start = time.perf_counter()
+        at = [seq for seq in seqs if self.controller.needs_decision(seq.state)]
+        if self.config.async_decisions and at:  # late ones are decided beside the forward
+            at = [seq for seq in at if not self.decides_late(seq)]
+            self.boundary_seconds += time.perf_counter() - start  # the filter is boundary work
+            start = time.perf_counter()
         self._batch = None
         if len(at) < 2:
             return
-        start = time.perf_counter()
         batch = self.controller.prepare((seq.state, self.view(seq)) for seq in at)
         self._batch = batch if len(batch) > 1 else None
         if self._batch is not None:
@@ -220,10 +223,11 @@ class KVCacheManager:
             return None
         if seq.seq_id in self._deferred:
             raise ValueError(f"request {seq.request_id!r} already has boundary work pending")
+        start = time.perf_counter()
         if self.config.async_decisions and self.decides_late(seq):
             self._deferred[seq.seq_id] = (seq, LateBoundary(self, seq))
+            self.boundary_seconds += time.perf_counter() - start  # filing it is boundary work
             return None  # unchanged, no room yet: is_deferred says it sits the step out
-        start = time.perf_counter()
         try:
             if defer is None:
                 defer = bool(self.config.async_compaction)  # None: not resolved, off

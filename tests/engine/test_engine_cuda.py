@@ -160,3 +160,22 @@ def test_defaults_on_cuda_are_graphs_and_async_compaction_with_the_same_tokens(c
     assert llm.engine.kv.deferred_compactions == llm.last_stats.events["compress"] > 0
     assert_same_until_the_first_compression(got, want)
     assert_all_returned(llm)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_late_boundaries_on_cuda(cpu_model, graphs):
+    """Whole boundaries decided on the side stream beside the forward (async_decisions): the
+    synchronous run's decisions and tokens (until other batch shapes may part them), every
+    decided boundary late, nothing left behind."""
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    sync = on_cuda(cpu_model, "growpage", "triton", cuda_graphs=graphs, async_compaction=False)
+    want = sync.generate(PROMPTS, params, use_tqdm=False)
+    llm = on_cuda(cpu_model, "growpage", "triton", cuda_graphs=graphs, async_decisions=True)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    kv, events = llm.engine.kv, llm.last_stats.events
+    decided = sum(events.get(f"decided_{d}", 0) for d in ("grow", "compress", "shrink"))
+    assert kv.deferred_decisions == decided > 0 and events["compress"] > 0
+    assert 0 <= kv.deferred_stall_seconds <= kv.deferred_seconds <= kv.boundary_seconds
+    assert all(len(a.token_ids) == 80 for a in got)
+    assert_same_until_the_first_compression(got, want)
+    assert_all_returned(llm)
