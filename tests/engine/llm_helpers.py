@@ -97,3 +97,91 @@ def watch_steps(llm: LLM) -> list[tuple[set[str], set[str]]]:
 
     engine.scheduler.schedule = watched
     return steps
+
+
+def served_both_ways(model, policy, prompts, params, flag: str, **kwargs):
+    """``prompts`` served by the synchronous engine and by one with ``flag`` on (an
+    ``LLM`` keyword such as ``async_compaction``): ``(sync, its outputs, llm, its outputs)``."""
+    sync = tiny_llm(model, policy, **kwargs)
+    want = sync.generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(model, policy, **{flag: True}, **kwargs)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    return sync, want, llm, got
+
+
+def assert_sat_out_one_step(steps: list[tuple[set[str], set[str]]]) -> int:
+    """``watch_steps``' log: each request that sat a step out was absent from it while others
+    decoded, and back the next step. Returns how many sit-outs there were (at least one)."""
+    sat_out = [(i, deferred) for i, (_, deferred) in enumerate(steps) if deferred]
+    assert sat_out, "no request sat a step out"
+    for i, deferred in sat_out:
+        decoded = steps[i][0]
+        assert decoded and not decoded & deferred   # the others decode without them
+        assert deferred <= steps[i + 1][0]          # and they are back one step later
+    return sum(len(d) for _, d in sat_out)
+
+
+def engine_and_simulator_steps(model, policy: str, kwargs: dict, flag: str):
+    """Three requests in the engine (tiny model) and in the serving simulator (same page size,
+    1 s per step), without and with ``flag`` (``async_compaction`` / ``async_decisions``, a
+    keyword of both ``LLM`` and ``SimConfig``): ``{flag value: (engine stats, sim metrics)}``."""
+    from growpage import GrowPageConfig
+    from growpage.policies import resolve_policy
+    from growpage.sim.costmodel import LinearCostModel
+    from growpage.sim.serving import SimConfig, simulate
+    from growpage.sim.workload_csv import WorkloadRequest
+
+    lengths = [(5, 40), (11, 90), (7, 65)]
+    prompts = [prompt(p, 30 + i) for i, (p, _) in enumerate(lengths)]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths]
+    requests = [WorkloadRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
+    runs = {}
+    for on in (False, True):
+        llm = tiny_llm(model, policy=policy, policy_kwargs=kwargs, **{flag: on})
+        llm.generate(prompts, params, use_tqdm=False)
+        served = simulate(requests, resolve_policy(policy, **kwargs),
+                          GrowPageConfig(page_size=4, recent_window=2),
+                          SimConfig(num_kv_pages=256, **{flag: on}),
+                          LinearCostModel(base_s=1.0))
+        runs[on] = (llm.last_stats, served.metrics)
+    return runs
+
+
+def fail_the_first_step_with_deferred_work(llm: LLM, prompts, params) -> dict:
+    """Add ``prompts``, then step until a step has deferred work (compressions or late
+    boundaries) and make its forward fail. Returns what the requests sitting that step out
+    held then, ``{request id: (num_tokens, block table)}``; the runner is restored."""
+    engine, run = llm.engine, llm.engine.runner.run
+    seen: dict = {}
+
+    def failing(out):
+        if engine.kv.num_deferred and not seen:
+            seen.update({s.request_id: (s.state.num_tokens, list(s.state.block_table))
+                         for s in engine.scheduler.running if engine.kv.is_deferred(s)})
+            raise RuntimeError("device lost")
+        return run(out)
+
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
+    engine.runner.run = failing
+    try:
+        for _ in range(500):
+            try:
+                engine.step()
+            except RuntimeError as exc:
+                assert "device lost" in str(exc) and seen, exc
+                return seen
+        raise AssertionError("no step deferred any work")
+    finally:
+        engine.runner.run = run
+
+
+def assert_left_at_their_boundaries(llm: LLM, seen: dict) -> None:
+    """After a failed step: nothing pending, and the requests that sat it out unchanged, still
+    at their boundaries."""
+    engine = llm.engine
+    assert engine.kv.num_deferred == 0
+    for seq in engine.scheduler.running:
+        if seq.request_id in seen:
+            assert (seq.state.num_tokens, seq.state.block_table) == seen[seq.request_id]
+            assert engine.kv.controller.needs_decision(seq.state)

@@ -7,7 +7,18 @@ from __future__ import annotations
 import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
 import pytest
 import torch
-from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model, watch_steps
+from llm_helpers import (
+    assert_all_returned,
+    assert_left_at_their_boundaries,
+    assert_sat_out_one_step,
+    engine_and_simulator_steps,
+    fail_the_first_step_with_deferred_work,
+    prompt,
+    served_both_ways,
+    tiny_llm,
+    tiny_model,
+    watch_steps,
+)
 
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import ConfigError, PolicyError
@@ -59,10 +70,8 @@ def test_async_compaction_gives_the_synchronous_tokens_and_trajectories(model):
 ], ids=["fixed", "shrink", "h2o"])
 def test_every_compressing_policy_gets_its_synchronous_tokens(model, policy, kwargs):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
-    sync = tiny_llm(model, policy, **kwargs)
-    want = sync.generate(PROMPTS, params, use_tqdm=False)
-    llm = tiny_llm(model, policy, async_compaction=True, **kwargs)
-    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    sync, want, llm, got = served_both_ways(model, policy, PROMPTS, params, "async_compaction",
+                                            **kwargs)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.trajectory for o in got] == [o.trajectory for o in want]
     events = llm.last_stats.events
@@ -90,22 +99,13 @@ def test_a_compressing_request_sits_one_step_out_and_rejoins_the_next(model):
     llm = tiny_llm(model, "growpage", async_compaction=True)
     steps = watch_steps(llm)
     llm.generate(PROMPTS, LONG, use_tqdm=False)
-    sat_out = [(i, deferred) for i, (_, deferred) in enumerate(steps) if deferred]
-    assert sat_out, "no compression was deferred"
-    for i, deferred in sat_out:
-        decoded = steps[i][0]
-        assert decoded and not decoded & deferred   # the others decode without them
-        assert deferred <= steps[i + 1][0]          # and they are back one step later
-    assert sum(len(d) for _, d in sat_out) == llm.engine.kv.deferred_compactions
+    assert assert_sat_out_one_step(steps) == llm.engine.kv.deferred_compactions
 
 
 def test_a_lone_request_compresses_at_once(model):
     """With nobody else to decode, a deferred compression runs at once: no step is lost."""
-    one = [prompt(10, 5)]
-    sync = tiny_llm(model, "growpage", kv_pages=8)
-    want = sync.generate(one, LONG, use_tqdm=False)[0]
-    llm = tiny_llm(model, "growpage", kv_pages=8, async_compaction=True)
-    got = llm.generate(one, LONG, use_tqdm=False)[0]
+    sync, (want,), llm, (got,) = served_both_ways(model, "growpage", [prompt(10, 5)], LONG,
+                                                  "async_compaction", kv_pages=8)
     assert got.token_ids == want.token_ids and got.trajectory == want.trajectory
     assert llm.engine.kv.deferred_compactions == got.events["compress"] > 0
     assert llm.last_stats.num_steps == sync.last_stats.num_steps
@@ -195,33 +195,10 @@ def test_a_failed_step_leaves_pending_requests_unchanged_for_the_next(model):
     """A step that fails after scheduling (here: the forward) cancels its pending compressions:
     their requests stay at their boundaries, and their copy-on-write pages are free again."""
     llm = cached_prefix_llm(model, async_compaction=True)
-    engine, run = llm.engine, llm.engine.runner.run
-    for i, ids in enumerate(SHARING):
-        engine.add_request(str(i), ids, LONG)
-    seen = {}
-
-    def failing(out):
-        if engine.kv.num_deferred and not seen:
-            seen.update({s.request_id: (s.state.num_tokens, list(s.state.block_table))
-                         for s in engine.scheduler.running if engine.kv.is_deferred(s)})
-            raise RuntimeError("device lost")
-        return run(out)
-
-    engine.runner.run = failing
-    for _ in range(200):
-        try:
-            engine.step()
-        except RuntimeError:
-            break
-    else:
-        pytest.fail("no compression was deferred")
-    assert engine.kv.num_deferred == 0
-    for seq in engine.scheduler.running:
-        if seq.request_id in seen:
-            assert (seq.state.num_tokens, seq.state.block_table) == seen[seq.request_id]
-            assert engine.kv.controller.needs_decision(seq.state)
-    assert engine.kv.pool.num_used_pages == len(table_pages(llm))
-    engine.abort_all()
+    seen = fail_the_first_step_with_deferred_work(llm, SHARING, LONG)
+    assert_left_at_their_boundaries(llm, seen)
+    assert llm.engine.kv.pool.num_used_pages == len(table_pages(llm))
+    llm.engine.abort_all()
     assert_all_returned(llm)
 
 
@@ -256,30 +233,14 @@ def test_async_compaction_must_be_a_bool():
 def test_the_simulator_predicts_the_steps_async_compaction_adds(model):
     """The serving simulator's async_compaction (a compacting request sits the next step out)
     adds exactly the decode steps the engine's adds, for a state-driven policy."""
-    from growpage import GrowPageConfig
-    from growpage.policies import resolve_policy
-    from growpage.sim.costmodel import LinearCostModel
-    from growpage.sim.serving import SimConfig, simulate
-    from growpage.sim.workload_csv import WorkloadRequest
-
-    lengths = [(5, 40), (11, 90), (7, 65)]
-    prompts = [prompt(p, 30 + i) for i, (p, _) in enumerate(lengths)]
-    params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths]
-    requests = [WorkloadRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
+    runs = engine_and_simulator_steps(model, "fixed", {"budget_tokens": 12}, "async_compaction")
     engine_steps, sim_steps = {}, {}
-    for flag in (False, True):
-        llm = tiny_llm(model, policy="fixed", policy_kwargs={"budget_tokens": 12},
-                       async_compaction=flag)
-        llm.generate(prompts, params, use_tqdm=False)
-        engine_steps[flag] = llm.last_stats.num_steps
-        served = simulate(requests, resolve_policy("fixed", budget_tokens=12),
-                          GrowPageConfig(page_size=4, recent_window=2),
-                          SimConfig(num_kv_pages=256, async_compaction=flag),
-                          LinearCostModel(base_s=1.0))
-        sim_steps[flag] = served.metrics.prefill_steps + served.metrics.decode_steps
-        assert served.metrics.compresses == llm.last_stats.events["compress"]
-    # Both prefill the three prompts in one step, which gives each its first token, and then
-    # decode o - 1 steps for o output tokens.
-    assert engine_steps[False] == sim_steps[False] == 1 + max(o for _, o in lengths) - 1
+    for flag, (stats, metrics) in runs.items():
+        engine_steps[flag] = stats.num_steps
+        sim_steps[flag] = metrics.prefill_steps + metrics.decode_steps
+        assert metrics.compresses == stats.events["compress"]
+    # Both prefill the three prompts (the longest output 90 tokens) in one step, which gives
+    # each its first token, and then decode o - 1 steps for o output tokens.
+    assert engine_steps[False] == sim_steps[False] == 1 + 90 - 1
     added = engine_steps[True] - engine_steps[False]
     assert added > 5 and sim_steps[True] - sim_steps[False] == added

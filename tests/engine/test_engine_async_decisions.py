@@ -10,7 +10,18 @@ import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model, watch_steps
+from llm_helpers import (
+    assert_all_returned,
+    assert_left_at_their_boundaries,
+    assert_sat_out_one_step,
+    engine_and_simulator_steps,
+    fail_the_first_step_with_deferred_work,
+    prompt,
+    served_both_ways,
+    tiny_llm,
+    tiny_model,
+    watch_steps,
+)
 
 from growpage import Decision
 from growpage.engine.config import EngineConfig
@@ -32,10 +43,7 @@ def decided(events: dict) -> int:
 
 
 def test_late_decisions_give_the_synchronous_tokens_and_trajectories(model):
-    sync = tiny_llm(model, "growpage")
-    want = sync.generate(PROMPTS, LONG, use_tqdm=False)
-    llm = tiny_llm(model, "growpage", async_decisions=True)
-    got = llm.generate(PROMPTS, LONG, use_tqdm=False)
+    sync, want, llm, got = served_both_ways(model, "growpage", PROMPTS, LONG, "async_decisions")
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.trajectory for o in got] == [o.trajectory for o in want]
     kv, stats = llm.engine.kv, llm.last_stats
@@ -59,10 +67,8 @@ def test_late_decisions_give_the_synchronous_tokens_and_trajectories(model):
 ], ids=["fixed", "shrink", "random", "h2o"])
 def test_every_deciding_policy_gets_its_synchronous_tokens(model, policy, kwargs):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
-    sync = tiny_llm(model, policy, **kwargs)
-    want = sync.generate(PROMPTS, params, use_tqdm=False)
-    llm = tiny_llm(model, policy, async_decisions=True, **kwargs)
-    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    sync, want, llm, got = served_both_ways(model, policy, PROMPTS, params, "async_decisions",
+                                            **kwargs)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.trajectory for o in got] == [o.trajectory for o in want]
     assert llm.last_stats.events == sync.last_stats.events
@@ -74,23 +80,14 @@ def test_a_deciding_request_sits_one_step_out_and_rejoins_the_next(model):
     llm = tiny_llm(model, "growpage", async_decisions=True)
     steps = watch_steps(llm)
     llm.generate(PROMPTS, LONG, use_tqdm=False)
-    sat_out = [(i, late) for i, (_, late) in enumerate(steps) if late]
-    assert sat_out, "no boundary was decided late"
-    for i, late in sat_out:
-        decoded = steps[i][0]
-        assert decoded and not decoded & late   # the others decode without them
-        assert late <= steps[i + 1][0]          # and they are back one step later
-    assert sum(len(d) for _, d in sat_out) == llm.engine.kv.deferred_decisions
+    assert assert_sat_out_one_step(steps) == llm.engine.kv.deferred_decisions
 
 
 def test_steps_with_several_late_boundaries_share_one_batch(model):
     """Requests whose boundaries fall in the same step are decided together beside it (one
     ``BoundaryBatch``), as they would be while scheduling."""
     same = [prompt(12, 40 + i) for i in range(4)]  # equal lengths: boundaries in one step
-    sync = tiny_llm(model, "growpage")
-    want = sync.generate(same, LONG, use_tqdm=False)
-    llm = tiny_llm(model, "growpage", async_decisions=True)
-    got = llm.generate(same, LONG, use_tqdm=False)
+    sync, want, llm, got = served_both_ways(model, "growpage", same, LONG, "async_decisions")
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     kv = llm.engine.kv
     assert kv.shared_boundaries == sync.engine.kv.shared_boundaries > 0
@@ -99,11 +96,8 @@ def test_steps_with_several_late_boundaries_share_one_batch(model):
 
 def test_a_lone_request_decides_at_once(model):
     """With nobody else to decode, its late boundary runs at once: no step is lost."""
-    one = [prompt(10, 5)]
-    sync = tiny_llm(model, "growpage", kv_pages=8)
-    want = sync.generate(one, LONG, use_tqdm=False)[0]
-    llm = tiny_llm(model, "growpage", kv_pages=8, async_decisions=True)
-    got = llm.generate(one, LONG, use_tqdm=False)[0]
+    sync, (want,), llm, (got,) = served_both_ways(model, "growpage", [prompt(10, 5)], LONG,
+                                                  "async_decisions", kv_pages=8)
     assert got.token_ids == want.token_ids and got.trajectory == want.trajectory
     assert llm.engine.kv.deferred_decisions == decided(got.events) > 0
     assert llm.last_stats.num_steps == sync.last_stats.num_steps
@@ -124,10 +118,8 @@ def test_a_tight_pool_falls_back_beside_the_step(model):
 def test_fullkv_never_decides_late(model):
     """A policy that does not fall back to compressing would need a preemption when growth is
     refused: its boundaries stay synchronous."""
-    sync = tiny_llm(model, "fullkv", kv_pages=30)
-    want = sync.generate(PROMPTS, LONG, use_tqdm=False)
-    llm = tiny_llm(model, "fullkv", kv_pages=30, async_decisions=True)
-    got = llm.generate(PROMPTS, LONG, use_tqdm=False)
+    sync, want, llm, got = served_both_ways(model, "fullkv", PROMPTS, LONG, "async_decisions",
+                                            kv_pages=30)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.engine.kv.deferred_decisions == 0 and llm.last_stats.num_preemptions > 0
     assert_all_returned(llm)
@@ -159,30 +151,10 @@ def test_shared_prefix_pages_keep_the_boundary_synchronous(model):
 
 def test_a_failed_step_leaves_late_requests_at_their_boundary(model):
     llm = tiny_llm(model, "growpage", async_decisions=True)
-    engine, run = llm.engine, llm.engine.runner.run
-    seen = {}
-
-    def failing(out):
-        if engine.kv.num_deferred and not seen:
-            seen.update({s.request_id: (s.state.num_tokens, list(s.state.block_table))
-                         for s in engine.scheduler.running if engine.kv.is_deferred(s)})
-            raise RuntimeError("device lost")
-        return run(out)
-
-    engine.runner.run = failing
-    for i, ids in enumerate(PROMPTS):
-        engine.add_request(str(i), ids, LONG)
-    with pytest.raises(RuntimeError, match="device lost"):
-        for _ in range(500):
-            engine.step()
-    assert seen and engine.kv.num_deferred == 0
-    for seq in engine.scheduler.running:
-        if seq.request_id in seen:
-            assert (seq.state.num_tokens, seq.state.block_table) == seen[seq.request_id]
-            assert engine.kv.controller.needs_decision(seq.state)
-    engine.runner.run = run
-    while engine.has_unfinished():  # the next steps decide them as if nothing had happened
-        engine.step()
+    seen = fail_the_first_step_with_deferred_work(llm, PROMPTS, LONG)
+    assert_left_at_their_boundaries(llm, seen)
+    while llm.engine.has_unfinished():  # the next steps decide them as if nothing happened
+        llm.engine.step()
     assert_all_returned(llm)
 
 
@@ -254,26 +226,9 @@ def test_the_simulator_predicts_the_steps_late_boundaries_add(model, policy, kwa
     """The serving simulator's async_decisions (a request whose boundary was decided sits the
     next step out) adds exactly the decode steps the engine's adds, for a state-driven
     policy; none for a policy that never falls back to compressing."""
-    from growpage import GrowPageConfig
-    from growpage.policies import resolve_policy
-    from growpage.sim.costmodel import LinearCostModel
-    from growpage.sim.serving import SimConfig, simulate
-    from growpage.sim.workload_csv import WorkloadRequest
-
-    lengths = [(5, 40), (11, 90), (7, 65)]
-    prompts = [prompt(p, 30 + i) for i, (p, _) in enumerate(lengths)]
-    params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths]
-    requests = [WorkloadRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
-    engine_steps, sim_steps = {}, {}
-    for flag in (False, True):
-        llm = tiny_llm(model, policy=policy, policy_kwargs=kwargs, async_decisions=flag)
-        llm.generate(prompts, params, use_tqdm=False)
-        engine_steps[flag] = llm.last_stats.num_steps
-        served = simulate(requests, resolve_policy(policy, **kwargs),
-                          GrowPageConfig(page_size=4, recent_window=2),
-                          SimConfig(num_kv_pages=256, async_decisions=flag),
-                          LinearCostModel(base_s=1.0))
-        sim_steps[flag] = served.metrics.prefill_steps + served.metrics.decode_steps
-        assert engine_steps[flag] == sim_steps[flag], (flag, engine_steps, sim_steps)
+    runs = engine_and_simulator_steps(model, policy, kwargs, "async_decisions")
+    engine_steps = {flag: stats.num_steps for flag, (stats, _) in runs.items()}
+    sim_steps = {flag: m.prefill_steps + m.decode_steps for flag, (_, m) in runs.items()}
+    assert engine_steps == sim_steps
     added = engine_steps[True] - engine_steps[False]
     assert (added > 5) if policy == "fixed" else added == 0
