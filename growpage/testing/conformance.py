@@ -8,6 +8,7 @@ import random
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +28,9 @@ RULES = {
     "exact-selection": "select() returns an integer tensor [L, Hkv, keep] of unique slot "
                        "indices within the resident tokens, the protected recent window included",
     "deterministic": "the same context gives the same decision and selection",
+    "order-independent": "a boundary gets the same decision and selection when another "
+                         "request's decide() and select() come between its own (asynchronous "
+                         "compaction runs a step's selections after all of its decisions)",
     "no-mutation": "decide() and select() leave the context and its KV view unchanged",
     "no-crash": "decide() and select() work on any valid small context (CPU tensors)",
     "serves": "served by the simulator on a small workload under a tight page pool "
@@ -133,6 +137,48 @@ def check_case(policy: object, case: BoundaryCase) -> None:
         if not torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values):
             raise PolicyConformanceError("deterministic", f"select(ctx, keep={keep}) chose "
                                          "different slots on the same context", case)
+    _check_order(policy, case)
+
+
+def _seeded(policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase, seed: int,
+            *args: object) -> Any:
+    """``_call`` with the global RNGs seeded for this one call."""
+    with global_rngs_seeded(seed):
+        return _call(policy, method, ctx, case, *args)
+
+
+def _check_order(policy: object, case: BoundaryCase) -> None:
+    """``case``'s boundary alone, then again with another request's boundary (same shapes,
+    other content) interleaved: decide it, decide the other, select the other, then select
+    it. Its answers must be the same (``order-independent``). Each of its calls gets the same
+    global RNG state both times, so only what the policy carries from call to call can tell
+    them apart (a policy drawing from the global RNGs fails ``deterministic`` instead); the
+    other boundary failing on its own is left to the example that draws it."""
+    other = attrs.evolve(case, seed=case.seed + 7919)
+    keeps, seed = _keeps(case), case.seed + 2
+    ctx = case.context()
+    decision = _seeded(policy, "decide", ctx, case, seed)
+    selections = [_seeded(policy, "select", ctx, case, seed + 1 + i, keep)
+                  for i, keep in enumerate(keeps)]
+    ctx, ctx_other = case.context(), other.context()
+    first = _seeded(policy, "decide", ctx, case, seed)
+    try:
+        _seeded(policy, "decide", ctx_other, other, seed + 100)
+        for keep in _keeps(other):
+            _seeded(policy, "select", ctx_other, other, seed + 101, keep)
+    except PolicyConformanceError:
+        return
+    picks = [_seeded(policy, "select", ctx, case, seed + 1 + i, keep)
+             for i, keep in enumerate(keeps)]
+    if first is not decision:
+        raise PolicyConformanceError("order-independent", f"decided {decision} alone, {first} "
+                                     "with another request's boundary around it", case)
+    for keep, alone, mixed in zip(keeps, selections, picks, strict=True):
+        if not (isinstance(mixed, torch.Tensor) and mixed.shape == alone.shape
+                and torch.equal(alone.sort(dim=-1).values, mixed.sort(dim=-1).values)):
+            raise PolicyConformanceError(
+                "order-independent", f"select(ctx, keep={keep}) chose other slots when another "
+                "request's decide() and select() came after its decide()", case)
 
 
 def _keeps(case: BoundaryCase) -> list[int]:

@@ -280,3 +280,50 @@ def test_a_nondeterministic_selection_is_told_apart_from_a_decision():
         check_policy(GlobalRandomDecide("torch"), max_examples=20)
     assert re.fullmatch(r"decided Decision\.\w+ then Decision\.\w+ on the same context",
                         info.value.detail), info.value.detail
+
+
+@attrs.define
+class RemembersItsLastDecide(GrowPagePolicy):
+    """Keeps what its last decide() saw and selects by it: right only when each select()
+    follows its own decide() at once, which asynchronous compaction does not promise."""
+
+    name = "remembers-last-decide"
+    _scores: torch.Tensor | None = None
+
+    def decide(self, ctx):
+        self._scores = ctx.scores()
+        return super().decide(ctx)
+
+    def select(self, ctx, keep):
+        from growpage.core.selection import growpage_select
+
+        return growpage_select(self._scores, ctx.num_tokens, ctx.recent_window, keep,
+                               ctx.page_size, ctx.config.local_quota)
+
+
+@attrs.define
+class CachesByBoundary(GrowPagePolicy):
+    """The same scores, cached by (request, position) as the policy guide advises: passes."""
+
+    name = "caches-by-boundary"
+    _cache: dict = attrs.field(factory=dict)
+
+    def decide(self, ctx):
+        self._cache[(ctx.request_id, ctx.position)] = ctx.scores()
+        return super().decide(ctx)
+
+    def select(self, ctx, keep):
+        from growpage.core.selection import growpage_select
+
+        scores = self._cache.get((ctx.request_id, ctx.position))
+        scores = ctx.scores() if scores is None else scores
+        return growpage_select(scores, ctx.num_tokens, ctx.recent_window, keep, ctx.page_size,
+                               ctx.config.local_quota)
+
+
+def test_state_carried_from_decide_to_select_breaks_order_independence():
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(RemembersItsLastDecide(), max_examples=15)
+    assert info.value.rule == "order-independent"
+    assert "another request's decide() and select()" in str(info.value)
+    check_policy(CachesByBoundary(), max_examples=15)
