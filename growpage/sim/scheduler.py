@@ -50,7 +50,6 @@ class Scheduler:
         self._heap: list[tuple[int, int, SimRequest]] = []
         self._tick = 0
         self._kv_offset = 0           # sum over running of (num_tokens - sync_step)
-        self.decided_now: list[SimRequest] = []   # resolve_boundaries': the policy decided
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def log(self, now: float, kind: str, request: SimRequest) -> None:
@@ -149,10 +148,10 @@ class Scheduler:
         self._schedule_event(r)
 
     # ---- decode -----------------------------------------------------------------------------
-    def resolve_boundaries(self, now: float) -> list[SimRequest]:
-        """Run the controller for every running request at a capacity boundary now; returns
-        those still running whose KV was compacted (Compress & Hold, Shrink, a refused GROW).
-        ``decided_now`` lists those still running whose boundary the policy decided."""
+    def resolve_boundaries(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
+        """Run the controller for every running request at a capacity boundary now; returns,
+        of those still running, the ones whose KV was compacted (Compress & Hold, Shrink, a
+        refused GROW) and the ones whose boundary the policy decided."""
         compacted, decided = [], []
         for r in self._pop_due():
             if r.is_running:
@@ -162,8 +161,8 @@ class Scheduler:
                     decided.append(r)
                 if outcome is not None and outcome.action in (Action.COMPRESS, Action.SHRINK):
                     compacted.append(r)
-        self.decided_now = [r for r in decided if r.is_running]
-        return [r for r in compacted if r.is_running]   # a later boundary may preempt one
+        # A later boundary may have preempted one.
+        return [r for r in compacted if r.is_running], [r for r in decided if r.is_running]
 
     def sit_out(self, requests: list[SimRequest]) -> None:
         """``requests`` skip the next decode step (asynchronous compaction: their compaction

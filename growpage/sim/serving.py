@@ -190,8 +190,8 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             run.idle = env.event()
             yield run.idle
             continue
-        decisions_s, compactions_s, compacted = _resolve_boundaries(run, env.now)
-        late = sched.decided_now if run.async_decisions and getattr(
+        decisions_s, compactions_s, compacted, decided = _resolve_boundaries(run, env.now)
+        late = decided if run.async_decisions and getattr(
             sched.controller.policy, "fallback_to_compress", True) else []
         if late and len(late) < len(sched.running):
             # Their whole boundaries ran beside the next step, which they sit out (engine's
@@ -227,16 +227,19 @@ def _report_progress(run: _Run, finished_before: int) -> None:
         run.on_progress(finished)
 
 
-def _resolve_boundaries(run: _Run, now: float) -> tuple[float, float, list[SimRequest]]:
+def _resolve_boundaries(run: _Run, now: float
+                        ) -> tuple[float, float, list[SimRequest], list[SimRequest]]:
     """Resolve the boundaries due now: the seconds the cost model charges for their decisions
-    and for their compactions, and the running requests whose KV was compacted."""
+    and for their compactions, the running requests whose KV was compacted, and those whose
+    boundary the policy decided."""
     events = run.scheduler.controller.events
     decided, compactions = _decided(events), events.compress + events.shrink
-    compacted = run.scheduler.resolve_boundaries(now)
+    compacted, deciders = run.scheduler.resolve_boundaries(now)
     decided = _decided(events) - decided
     compactions = events.compress + events.shrink - compactions
     decisions_s = run.cost.boundary_time(decided, 0)
-    return decisions_s, run.cost.boundary_time(decided, compactions) - decisions_s, compacted
+    return (decisions_s, run.cost.boundary_time(decided, compactions) - decisions_s, compacted,
+            deciders)
 
 
 def _sit_out_step(run: _Run, compacted: list[SimRequest]) -> float:
