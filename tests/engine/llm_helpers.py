@@ -185,3 +185,9 @@ def assert_left_at_their_boundaries(llm: LLM, seen: dict) -> None:
         if seq.request_id in seen:
             assert (seq.state.num_tokens, seq.state.block_table) == seen[seq.request_id]
             assert engine.kv.controller.needs_decision(seq.state)
+
+
+# The workload both deferred-work test modules serve (async compaction, late boundaries): four
+# requests of different prompt lengths, 80 output tokens each.
+DEFERRED_PROMPTS = [prompt(9, 21), prompt(17, 22), prompt(6, 23), prompt(13, 24)]
+DEFERRED_LONG = SamplingParams(max_tokens=80, ignore_eos=True)

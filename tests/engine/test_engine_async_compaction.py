@@ -8,6 +8,8 @@ import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before 
 import pytest
 import torch
 from llm_helpers import (
+    DEFERRED_LONG,
+    DEFERRED_PROMPTS,
     assert_all_returned,
     assert_left_at_their_boundaries,
     assert_sat_out_one_step,
@@ -24,8 +26,7 @@ from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import ConfigError, PolicyError
 from growpage.policies import GrowPagePolicy
 
-PROMPTS = [prompt(9, 21), prompt(17, 22), prompt(6, 23), prompt(13, 24)]
-LONG = SamplingParams(max_tokens=80, ignore_eos=True)
+PROMPTS, LONG = DEFERRED_PROMPTS, DEFERRED_LONG
 
 
 @pytest.fixture(scope="module")

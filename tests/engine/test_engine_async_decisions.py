@@ -11,6 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llm_helpers import (
+    DEFERRED_LONG,
+    DEFERRED_PROMPTS,
     assert_all_returned,
     assert_left_at_their_boundaries,
     assert_sat_out_one_step,
@@ -29,8 +31,7 @@ from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import ConfigError, PolicyError
 from growpage.policies import GrowPagePolicy
 
-PROMPTS = [prompt(9, 21), prompt(17, 22), prompt(6, 23), prompt(13, 24)]
-LONG = SamplingParams(max_tokens=80, ignore_eos=True)
+PROMPTS, LONG = DEFERRED_PROMPTS, DEFERRED_LONG
 
 
 @pytest.fixture(scope="module")
