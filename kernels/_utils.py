@@ -48,6 +48,34 @@ def stride_align(*strides: int) -> int:
     return STRIDE_ALIGN if all(int(s) % STRIDE_ALIGN == 0 for s in strides) else 1
 
 
+# Register budgets of a context tile, ``BLOCK_N x BLOCK_D`` elements of the cache's dtype: the
+# largest that ``benchmarks/aot_compile.py`` finds free of register spills on sm_80 / sm_90 with
+# 4 warps. bf16 / fp16 at head dim 128 keep the 64-key tile; an fp32 cache (whose dot runs in
+# fp32) at head dim 128 gets 16 keys: with 64, decode attention spills 608 bytes a thread and
+# the H2O accumulation 200; with 32, decode attention with the fused EMA still spills 360.
+TILE_BYTES = 64 * 128 * 2
+TILE_BYTES_FP32 = 16 * 128 * 4
+
+
+def default_block_n(head_dim: int, dtype: torch.dtype) -> int:
+    """The context tile of a compiled launch whose caller gave none: the largest power of two in
+    ``[MIN_DOT_DIM, 64]`` whose ``BLOCK_N x BLOCK_D`` tile fits the budget of the cache's dtype
+    (``TILE_BYTES``, ``TILE_BYTES_FP32``). Under the interpreter: 16, the cheapest to interpret."""
+    if _INTERPRETER:
+        return 16
+    budget = TILE_BYTES_FP32 if dtype == torch.float32 else TILE_BYTES
+    rows = budget // (next_pow2(head_dim) * dtype.itemsize)
+    return max(MIN_DOT_DIM, min(64, 1 << max(rows, 1).bit_length() - 1))
+
+
+def vector_warps(elements: int, itemsize: int, most: int = 4) -> int:
+    """Warps for a program that moves one ``elements``-element tile: as many as still give each
+    thread a 16-byte vector (too many threads for a small tile split it into 2- or 4-byte
+    accesses), at least 1, at most ``most``."""
+    warps = elements * itemsize // (32 * 16)
+    return max(1, min(most, 1 << max(warps, 1).bit_length() - 1))
+
+
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Whether kernels should upcast ``tl.dot`` operands to fp32.
 

@@ -39,9 +39,9 @@ from ._utils import (
     check_float,
     check_heads,
     check_index,
+    default_block_n,
     dot_in_fp32,
     index_checks_on,
-    is_interpreter,
     next_pow2,
 )
 from .query_state import (
@@ -258,7 +258,7 @@ def paged_decode_attention(
         return out
 
     group = num_heads // num_kv_heads
-    block_n = block_n or (16 if is_interpreter() else 64)
+    block_n = block_n or default_block_n(head_dim, k_cache.dtype)
     max_context = block_tables.shape[1] * page_size
     splits = num_splits
     if splits is None:

@@ -17,6 +17,7 @@ from ._utils import (
     check_values,
     index_checks_on,
     next_pow2,
+    vector_warps,
 )
 
 
@@ -94,10 +95,12 @@ def store_kv(
                        "may repeat)")
     if num_tokens == 0:
         return
+    block_h, block_d = max(2, next_pow2(num_kv_heads)), next_pow2(head_dim)
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_H=max(2, next_pow2(num_kv_heads)), BLOCK_D=next_pow2(head_dim),
+        BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=vector_warps(block_h * block_d, k_cache.element_size()),
     )
