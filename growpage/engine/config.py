@@ -82,7 +82,8 @@ class EngineConfig:
     Attributes:
         growpage: capacity-control settings (``page_size`` is the KV page size b).
         kv_pages: pages in the KV cache; None sizes it from ``kv_cache_memory``.
-        kv_cache_memory: bytes for the KV cache when ``kv_pages`` is None (default 512 MiB).
+        kv_cache_memory: bytes for the KV cache, instead of ``kv_pages`` (default, when neither is
+            given: 512 MiB); giving both is a ``ConfigError``.
         max_num_seqs: most requests resident (running) at once; also the query-state slots.
         max_num_batched_tokens: prefill tokens per step; longer prompts prefill in chunks.
         enable_prefix_caching: share full prompt pages across requests (PagePool hash table).
@@ -173,6 +174,10 @@ class EngineConfig:
     def __attrs_post_init__(self) -> None:
         # NOTE: every request grows to min_capacity pages before its policy may compress.
         least = self.growpage.min_capacity
+        if self.kv_pages is not None and self.kv_cache_memory is not None:
+            raise ConfigError(f"EngineConfig: give kv_pages ({self.kv_pages}) or "
+                              f"kv_cache_memory ({self.kv_cache_memory} bytes), not both: they "
+                              "are two ways to size the same KV cache")
         if self.kv_pages is not None and self.kv_pages < least:
             raise ConfigError(f"EngineConfig.kv_pages: {plural(self.kv_pages, 'page')} cannot "
                               f"hold one request, which grows to min_capacity = {least} pages "

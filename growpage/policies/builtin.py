@@ -32,6 +32,12 @@ def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
                           f"integer, got {value!r}")
 
 
+def _integer(inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be an integer, got "
+                          f"{value!r}")
+
+
 def _grow_if(condition: bool) -> Decision:
     return Decision.GROW if condition else Decision.COMPRESS
 
@@ -137,7 +143,7 @@ class RandomPolicy(CapacityPolicy):
 
     name = "random"
     grow_prob: float = attrs.field(default=0.3, validator=_in_range(0.0, 1.0))
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=_integer)
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         rng = random.Random(f"{self.seed}:{ctx.request_id}:{ctx.position}")

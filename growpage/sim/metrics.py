@@ -24,7 +24,8 @@ class ServingMetrics:
             as the engine's (requests of one output token have none).
         ttft_s: mean seconds from arrival to the end of the request's first prefill.
         avg_resident: time-average number of requests resident in KV memory (the paper's C).
-        avg_kv_budget: mean over requests of their average capacity (tokens) while decoding.
+        avg_kv_budget: mean over requests of their average capacity (tokens) while decoding
+            (requests that never decoded, of one output token, are left out, as from TPOT).
         grow_ratio: share of policy decisions that were GROW, before fallback (Table 9).
         grows: executed growths (forced ones included); compresses, shrinks, fallbacks as the
             controller counted them; preemptions: requests preempted by the scheduler.
@@ -79,17 +80,18 @@ def compute_metrics(policy: str, requests: list[SimRequest], events: EventCounte
                     boundary_time_s: float = 0.0) -> ServingMetrics:
     """Metrics of a finished run; ``resident_seconds`` is the integral of the batch size."""
     out_tokens = sum(r.output_tokens for r in requests)
-    n = max(len(requests), 1)
     latencies = {"ttft": _known(r.ttft_s for r in requests),
                  "tpot": _known(r.tpot_ms for r in requests),
                  "e2e": _known(r.e2e_s for r in requests)}
-    means = {name: sum(xs) / max(len(xs), 1) for name, xs in latencies.items()}
+    budgets = _known(r.avg_budget for r in requests)  # requests that decoded at all
+    means = {name: sum(xs) / max(len(xs), 1)
+             for name, xs in {**latencies, "budget": budgets}.items()}
     return ServingMetrics(
         policy=policy, num_requests=len(requests), output_tokens=out_tokens,
         total_time_s=total_time_s, tps=out_tokens / total_time_s if total_time_s else 0.0,
         tpot_ms=means["tpot"], ttft_s=means["ttft"], e2e_s=means["e2e"],
         avg_resident=resident_seconds / total_time_s if total_time_s else 0.0,
-        avg_kv_budget=sum(r.avg_budget for r in requests) / n, grow_ratio=events.grow_ratio,
+        avg_kv_budget=means["budget"], grow_ratio=events.grow_ratio,
         grows=events.grow, forced_grows=events.forced_grow, compresses=events.compress,
         shrinks=events.shrink, fallbacks=events.fallback, preemptions=num_preemptions,
         decode_steps=decode_steps, prefill_steps=prefill_steps, peak_pages=peak_pages,

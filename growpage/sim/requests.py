@@ -53,11 +53,12 @@ class SimRequest:
         return self.output_tokens - 1
 
     @property
-    def avg_budget(self) -> float:
+    def avg_budget(self) -> float | None:
         """Mean capacity in tokens over its decode steps (as the engine's: not over the token
-        each recompute after a preemption writes, which ``generated`` counts too)."""
+        each recompute after a preemption writes, which ``generated`` counts too); None before
+        its first decode step (a request of one output token has none), as ``tpot_ms``."""
         decoded = self.generated - self.preemptions
-        return self.budget_tokens / decoded if decoded > 0 else 0.0
+        return self.budget_tokens / decoded if decoded > 0 else None
 
     @property
     def ttft_s(self) -> float | None:

@@ -283,6 +283,19 @@ def _check_requests(requests: Sequence[WorkloadRequest]) -> None:
         seen.add(r.request_id)
 
 
+def _check_types(config: object, sim: object, cost: object) -> None:
+    """``simulate``'s settings are the objects it reads, or a ``ConfigError`` says which is not
+    (a preset name or a ``PRESETS`` entry is not a cost model: ``load_cost_model`` makes one)."""
+    for name, value, kind, hint in (
+            ("config", config, GrowPageConfig, ""), ("sim", sim, SimConfig, ""),
+            ("cost", cost, CostModel,
+             "; build one with LinearCostModel(...), RooflineCostModel(hardware, model) or "
+             "load_cost_model('a100-qwen3-8b') (a preset's name or a linear model's JSON)")):
+        if not isinstance(value, kind):
+            raise ConfigError(f"simulate(): {name} must be a {kind.__name__}, got "
+                              f"{type(value).__name__} {value!r:.80}{hint}")
+
+
 def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
              config: GrowPageConfig, sim: SimConfig, cost: CostModel,
              trace_of: Callable[[WorkloadRequest], Trace] | None = None,
@@ -297,6 +310,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
     ``on_progress(num_finished)`` is called whenever requests finish.
     """
     _check_requests(requests)
+    _check_types(config, sim, cost)
     policy = resolve_policy(policy)
     if not cost.decode_time(1, 1, 1) > 0:
         raise ConfigError(f"cost model {cost.name!r} prices a decode step at 0 s: simulated time "

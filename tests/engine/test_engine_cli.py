@@ -116,6 +116,29 @@ def test_generate_takes_policy_params_as_the_simulator_does(monkeypatch, flag):
                                                                     "tau": None}
 
 
+@pytest.mark.parametrize("flags, window", [([], None), (["--recent-window", "8"], 8)])
+def test_generate_takes_the_recent_window_as_the_simulator_does(monkeypatch, flags, window):
+    class Built(Exception):
+        pass
+
+    seen = {}
+
+    def build(**kw):
+        seen.update(kw)
+        raise Built
+
+    monkeypatch.setattr(engine_cli, "_build_llm", build)
+    with pytest.raises(Built):
+        cli.main(["generate", "--prompt", "hi", "--page-size", "32", *flags])
+    assert seen["page_size"] == 32 and seen.get("recent_window") == window
+
+
+def test_a_bad_recent_window_is_a_clean_error(capsys):
+    err = error_of(["generate", "--prompt", "hi", "--page-size", "16", "--recent-window", "20",
+                    "--model", "/nonexistent.gguf"], capsys)
+    assert "recent_window" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("flag", ["--param", "--policy-arg"])
 @pytest.mark.parametrize("values,words", [(["foo"], "expects KEY=VALUE, got 'foo'"),
                                           (["tau=0.1", "tau=0.2"], "tau given twice")])

@@ -46,6 +46,12 @@ def test_a_pool_below_min_capacity_is_refused_up_front(monkeypatch):
     monkeypatch.setattr(llm_module, "_load", lambda *a: pytest.fail("model loaded"))
     with pytest.raises(ConfigError, match="min_capacity"):
         llm_module.LLM(page_size=16, kv_pages=1)
+    # two sizes for one cache: refused, not one of them dropped (and before the model loads)
+    with pytest.raises(ConfigError, match=r"kv_pages \(10\) or kv_cache_memory \(100000000 "
+                                          r"bytes\), not both"):
+        EngineConfig(kv_pages=10, kv_cache_memory=10**8)
+    with pytest.raises(ConfigError, match="not both"):
+        llm_module.LLM(kv_pages=10, kv_cache_memory=10**8)
 
 
 def test_cuda_graphs_are_refused_before_the_model_loads(monkeypatch):

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_helpers import ON_CUDA
-
 from growpage.kernels._utils import default_block_n, vector_warps
+from kernel_helpers import ON_CUDA
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "aot_compile.py"

@@ -73,6 +73,9 @@ def test_invalid_hyperparameters_name_the_field():
     ("growpage", {"p": True}, "GrowPagePolicy.p"),           # --param p=true
     ("fixed", {"budget_tokens": True}, "FixedBudgetPolicy.budget_tokens"),
     ("shrink", {"min_capacity_tokens": 1024.5}, "ShrinkPolicy.min_capacity_tokens"),
+    ("random", {"seed": 1.5}, "RandomPolicy.seed"),           # --param seed=1.5
+    ("random", {"seed": "a"}, "RandomPolicy.seed"),
+    ("random", {"seed": True}, "RandomPolicy.seed"),
 ])
 def test_wrongly_typed_hyperparameters_name_the_field(name, params, field):
     """A string or bool from ``--param`` is refused with the field's name, not a comparison

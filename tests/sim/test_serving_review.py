@@ -58,6 +58,33 @@ def test_latencies_of_a_hand_derived_scenario():
         (1187.5, 1337.5, 1371.25))
 
 
+def test_a_request_that_never_decodes_is_left_out_of_the_mean_budget():
+    """One output token comes from the prefill: no decode step, so no budget to average (as no
+    TPOT); the mean budget is the other request's, not dragged halfway to 0."""
+    requests = [WorkloadRequest("one", 0.0, 4, 1), WorkloadRequest("many", 0.0, 4, 9)]
+    result = simulate(requests, "fullkv", GOLDEN_CONFIG,
+                      SimConfig(num_kv_pages=10, admission_reserve=0.0), GOLDEN_COST)
+    one, many = result.requests
+    assert (one.avg_budget, one.tpot_ms) == (None, None)
+    assert many.avg_budget is not None and many.avg_budget >= 4  # at least its page
+    assert result.metrics.avg_kv_budget == pytest.approx(many.avg_budget)
+
+
+@pytest.mark.parametrize("which, says", [
+    ("cost", r"cost must be a CostModel, got tuple .*load_cost_model\('a100-qwen3-8b'\)"),
+    ("config", "config must be a GrowPageConfig, got dict"),
+    ("sim", "sim must be a SimConfig, got int"),
+])
+def test_simulate_names_a_setting_of_the_wrong_type(which, says):
+    from growpage.sim.hardware import PRESETS
+
+    args = {"config": GOLDEN_CONFIG, "sim": SimConfig(num_kv_pages=10), "cost": GOLDEN_COST}
+    args[which] = {"cost": PRESETS["a100-qwen3-8b"], "config": {"page_size": 4},
+                   "sim": 10}[which]
+    with pytest.raises(ConfigError, match=says):
+        simulate([WorkloadRequest("r0", 0.0, 4, 9)], "fullkv", **args)
+
+
 @pytest.mark.parametrize("policy", ["growpage", "fullkv", "fixed", "shrink"])
 def test_latency_metrics_hold_their_invariants_on_a_loaded_pool(policy):
     spec = attrs.evolve(WORKLOADS["small"], arrival="poisson", rate_per_s=4.0)

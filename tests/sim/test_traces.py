@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,34 @@ def test_writer_cleans_up_when_saving_fails(tmp_path, make_trace, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_trace(tmp_path / "a.safetensors", make_trace())
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_written_files_get_the_umask_like_any_other_file(tmp_path, make_trace, umask):
+    """A trace and its set's index are readable by whoever the umask lets read new files (the
+    temporary file behind the atomic rename would otherwise keep mkstemp's 0o600)."""
+    old = os.umask(umask)
+    try:
+        plain = tmp_path / "plain"
+        plain.write_text("x")
+        path = write_trace(tmp_path / "a.safetensors", make_trace())
+        ts = TraceSet(tmp_path / "set", create=True)
+        ts.write(make_trace(request_id="r"))
+    finally:
+        os.umask(old)
+    expected = stat.S_IMODE(plain.stat().st_mode)
+    assert expected == 0o666 & ~umask
+    files = [path, tmp_path / "set" / "index.json", *(tmp_path / "set").glob("*.safetensors")]
+    assert len(files) == 3
+    assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {
+        f.name: oct(expected) for f in files}
+
+
+def test_rewriting_a_file_keeps_its_permissions(tmp_path, make_trace):
+    path = write_trace(tmp_path / "a.safetensors", make_trace(seed=1))
+    path.chmod(0o640)
+    write_trace(path, make_trace(seed=2))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
 
 
 def test_writer_rejects_other_storage_dtypes(tmp_path, make_trace):
