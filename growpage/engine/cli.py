@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from growpage._argtypes import positive_int
 from growpage.engine.config import plural
 from growpage.errors import ConfigError, EngineError
 from growpage.policies.registry import parse_policy_params
@@ -89,6 +90,9 @@ def _common(p: argparse.ArgumentParser, default_policy: str | None,
                    help="KV cache pages (default: 512 MiB worth)")
     p.add_argument("--page-size", type=int, default=64,
                    help="tokens per KV page (default 64 for short CPU runs; the paper uses 256)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (default: torch's, one per core; on a machine other "
+                        "jobs share, 1 or 2 avoids oversubscription)")
     p.add_argument("--recent-window", type=int, default=None,
                    help="protected recent tokens (default 16, or page size / 4 for pages of 16 "
                         "tokens or fewer, as the simulator's)")
@@ -108,7 +112,13 @@ def _build_llm(**kwargs: Any) -> LLM:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``LLM`` arguments of the engine flags (``--threads`` is applied here, to torch)."""
     from growpage.engine.config import resolve_device
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     window = {} if args.recent_window is None else {"recent_window": args.recent_window}
     return {"model": args.model, "kv_pages": args.kv_pages, "page_size": args.page_size,

@@ -8,18 +8,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from growpage._argtypes import positive_int
+
 DEFAULT_POINTS = ["growpage", "fullkv", "fixed@budget_tokens=1024,2048,4096,8192"]
-
-
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
@@ -36,7 +27,7 @@ def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic traces (replay: trace i gets seed + i), the "
                         "workload's lengths and arrivals, and the scripts (default 0)")
-    p.add_argument("--threads", type=_positive_int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: best on a shared machine; sweep: per "
                         "worker process)")
     p.add_argument("--out", metavar="DIR", help="write JSON/CSV results and PNG plots here")

@@ -133,6 +133,36 @@ def test_generate_takes_the_recent_window_as_the_simulator_does(monkeypatch, fla
     assert seen["page_size"] == 32 and seen.get("recent_window") == window
 
 
+def test_threads_sets_torch_s_threads_before_the_engine_is_built(monkeypatch):
+    import torch
+
+    class Built(Exception):
+        pass
+
+    seen = []
+
+    def build(**kw):
+        seen.append(torch.get_num_threads())
+        raise Built
+
+    monkeypatch.setattr(engine_cli, "_build_llm", build)
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(("set", n)))
+    with pytest.raises(Built):
+        cli.main(["generate", "--prompt", "hi", "--threads", "3"])
+    with pytest.raises(Built):
+        cli.main(["generate", "--prompt", "hi"])  # default: torch's own, untouched
+    assert seen == [("set", 3), before, before]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_a_bad_thread_count_is_a_usage_error(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--prompt", "hi", "--threads", value])
+    assert exit_info.value.code == 2
+    assert "--threads: expected an integer >= 1" in capsys.readouterr().err
+
+
 def test_a_bad_recent_window_is_a_clean_error(capsys):
     err = error_of(["generate", "--prompt", "hi", "--page-size", "16", "--recent-window", "20",
                     "--model", "/nonexistent.gguf"], capsys)
