@@ -1,0 +1,64 @@
+"""``growpage check``: the conformance kit from the command line.
+
+    growpage check my_policy.py:CappedGrowPage --param max_pages=8
+
+runs ``check_policy`` (every rule of ``RULES`` but ``serves`` on random small boundaries) and
+then ``check_serving`` (rule ``serves``: small random workloads served by the simulator), and
+prints what passed. A broken rule ends the check with the rule, what went wrong and the
+smallest example hypothesis found, and exit status 1 (a failed check, as pytest's); a policy
+that cannot be built is a usage error (status 2), as everywhere in ``growpage``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from growpage._argtypes import positive_int
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "check", help="check a capacity policy against the conformance rules",
+        description="Check a capacity policy against the conformance kit's rules "
+                    "(growpage.testing): its decisions and selections on random small "
+                    "boundaries, then small workloads served by the simulator.")
+    p.add_argument("policy", help="registered name, 'module:Class' or 'file.py:Class'")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="policy hyperparameter (repeatable; VALUE read as JSON, else as a "
+                        "Python literal such as None, else kept as a string)")
+    p.add_argument("--examples", type=positive_int, default=40,
+                   help="random boundaries for the per-boundary rules (default 40)")
+    p.add_argument("--serving-examples", type=positive_int, default=15,
+                   help="random workloads for the serving rule (default 15)")
+    p.add_argument("--no-serving", dest="serving", action="store_false",
+                   help="skip the serving rule (the per-boundary rules only)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from growpage.policies.registry import parse_policy_params, resolve_policy
+    from growpage.testing import RULES, PolicyConformanceError, check_policy, check_serving
+
+    policy = resolve_policy(args.policy, **parse_policy_params(args.param, "--param"))
+    per_boundary = [rule for rule in RULES if rule != "serves"]
+    print(f"checking policy {policy.name!r} ({type(policy).__name__}); rules: "
+          f"{', '.join(per_boundary)}{', serves' if args.serving else ''}")
+    steps = [(f"per-boundary rules on {args.examples} random boundaries",
+              lambda: check_policy(policy, max_examples=args.examples))]
+    if args.serving:
+        steps.append((f"serves on {args.serving_examples} random workloads in the simulator",
+                      lambda: check_serving(policy, max_examples=args.serving_examples)))
+    for what, check in steps:
+        print(f"  {what} ...", end=" ", flush=True)
+        start = time.perf_counter()
+        try:
+            check()
+        except PolicyConformanceError as exc:
+            print("FAILED")
+            print(f"\n{exc}")
+            return 1
+        print(f"ok ({time.perf_counter() - start:.1f} s)")
+    skipped = "" if args.serving else " (serving rule skipped)"
+    print(f"policy {policy.name!r} passes every rule checked{skipped}")
+    return 0

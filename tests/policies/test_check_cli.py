@@ -1,0 +1,91 @@
+"""``growpage check``: the conformance kit as one command, with its exit statuses."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from growpage.cli import main
+
+BROKEN = textwrap.dedent("""
+    from growpage import CapacityPolicy, Decision
+
+
+    class StringlyTyped(CapacityPolicy):
+        name = "stringly"
+
+        def decide(self, ctx):
+            return Decision.GROW if ctx.num_pages < 3 else "compress"
+
+
+    class CrashesOnTheThirdRequest(CapacityPolicy):
+        '''Fine on any one boundary; a served workload's third request ("r2") breaks it.'''
+
+        name = "third-request"
+
+        def decide(self, ctx):
+            if ctx.request_id == "r2":
+                raise RuntimeError("boom")
+            return Decision.GROW
+""")
+
+
+@pytest.fixture()
+def broken(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text(BROKEN)
+    return path
+
+
+def test_a_conforming_policy_passes_both_halves(capsys):
+    assert main(["check", "fixed", "--param", "budget_tokens=16", "--examples", "10",
+                 "--serving-examples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("checking policy 'fixed' (FixedBudgetPolicy); rules: valid-decision, ")
+    assert "no-crash, serves\n" in out
+    assert "per-boundary rules on 10 random boundaries ... ok (" in out
+    assert "serves on 4 random workloads in the simulator ... ok (" in out
+    assert out.endswith("policy 'fixed' passes every rule checked\n")
+
+
+def test_a_broken_rule_fails_the_check_with_the_smallest_example(capsys, broken):
+    assert main(["check", f"{broken}:StringlyTyped", "--examples", "20"]) == 1
+    out = capsys.readouterr().out
+    assert "per-boundary rules on 20 random boundaries ... FAILED\n" in out
+    assert "[valid-decision] decide() returns a growpage.Decision: got 'compress'" in out
+    assert "example: BoundaryCase(" in out and "num_pages=3" in out   # shrunk to the edge
+    assert "serves on" not in out   # stopped at the first broken rule
+    assert "passes" not in out
+
+
+def test_what_only_a_served_workload_shows_fails_the_serving_half(capsys, broken):
+    argv = ["check", f"{broken}:CrashesOnTheThirdRequest", "--examples", "10",
+            "--serving-examples", "30"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "per-boundary rules on 10 random boundaries ... ok (" in out
+    assert "serves on 30 random workloads in the simulator ... FAILED" in out
+    assert "[serves]" in out and "RuntimeError: boom" in out and "requests=[r0:" in out
+    assert main([*argv, "--no-serving"]) == 0
+    out = capsys.readouterr().out
+    assert "rules: valid-decision" in out and ", serves" not in out
+    assert out.endswith("passes every rule checked (serving rule skipped)\n")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["check", "nope"], "unknown policy 'nope'"),
+    (["check", "fixed", "--param", "budget_tokens=0"], "budget_tokens must be a positive"),
+    (["check", "fixed", "--param", "budget"], "--param expects KEY=VALUE"),
+])
+def test_a_policy_that_cannot_be_built_is_a_usage_error(capsys, argv, says):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("growpage: error: ") and says in err
+
+
+def test_a_bad_example_count_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["check", "fixed", "--examples", "0"])
+    assert info.value.code == 2
+    assert "--examples: expected an integer >= 1, got 0" in capsys.readouterr().err
