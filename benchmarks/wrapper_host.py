@@ -3,7 +3,9 @@
 On a GPU a small model's decode step is bound by the host, and the wrappers run once per layer
 (decode attention, KV store) or per boundary (demand, boundary queries, compaction). With the
 launches replaced by no-ops, what is left is the wrappers' own work (argument checks, scratch
-allocations, strides, split counts), which this measures on any machine:
+allocations, strides, split counts), which this measures on any machine. The first column is a
+GPU's default (index tensors' values not checked); the second adds those checks, which the
+interpreter always runs and ``GROWPAGE_CHECK_INDICES=1`` turns on for a GPU:
 
     python benchmarks/wrapper_host.py            # SmolLM2 shapes, batch 64, microseconds/call
     python benchmarks/wrapper_host.py --calls 200
@@ -21,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import growpage.kernels as K  # noqa: E402  (turns the interpreter on without CUDA)
+from growpage.kernels import set_index_checks, without_index_checks  # noqa: E402
 from growpage.kernels.variants import stubbed_launches  # noqa: E402
 
 from growpage.engine.config import check_device  # noqa: E402
@@ -65,11 +68,18 @@ def calls(device: torch.device) -> dict:
     }
 
 
-def measure(num_calls: int, device: torch.device) -> dict[str, float]:
-    """Microseconds per call of each wrapper, launches stubbed (restored afterwards)."""
+def measure(num_calls: int, device: torch.device) -> dict[str, tuple[float, float]]:
+    """Microseconds per call of each wrapper, launches stubbed (restored afterwards): as a GPU
+    runs it by default, without checking the index tensors' values, and with those checks
+    (always on under the interpreter; ``GROWPAGE_CHECK_INDICES=1`` on a GPU)."""
+    out = {}
     with stubbed_launches():
-        return {name: timeit.timeit(fn, number=num_calls) / num_calls * 1e6
-                for name, fn in calls(device).items()}
+        for name, fn in calls(device).items():
+            with without_index_checks():
+                plain = timeit.timeit(fn, number=num_calls) / num_calls * 1e6
+            checked = timeit.timeit(fn, number=num_calls) / num_calls * 1e6
+            out[name] = (plain, checked)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,9 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     device = check_device(args.device)  # ConfigError (one line) where torch has no such device
-    print("| wrapper (launch stubbed) | us per call |\n|---|---:|")
-    for name, us in measure(args.calls, device).items():
-        print(f"| {name} | {us:.1f} |")
+    previous = set_index_checks(True)  # the second column checks on a GPU too
+    try:
+        rows = measure(args.calls, device)
+    finally:
+        set_index_checks(previous)
+    print("| wrapper (launch stubbed) | us per call | with index checks |\n|---|---:|---:|")
+    for name, (plain, checked) in rows.items():
+        print(f"| {name} | {plain:.1f} | {checked:.1f} |")
     return 0
 
 
