@@ -23,8 +23,7 @@ class SimRequest:
 
     __slots__ = ("spec", "request_id", "prompt_tokens", "output_tokens", "state", "view",
                  "num_tokens", "generated", "sync_step", "admit_step", "event_step",
-                 "event_tick", "admit_seq", "is_running", "resume_pages", "resume_tokens",
-                 "preemptions",
+                 "event_tick", "admit_seq", "is_running", "resuming", "preemptions",
                  "budget_tokens", "first_token_s", "finish_s", "capacity")
 
     def __init__(self, spec: WorkloadRequest) -> None:
@@ -37,7 +36,8 @@ class SimRequest:
         self.num_tokens = self.generated = self.sync_step = self.admit_step = 0
         self.event_step = self.event_tick = self.admit_seq = 0
         self.is_running = False
-        self.resume_pages = self.resume_tokens = self.preemptions = 0
+        self.resuming = False   # preempted, waiting for its recompute
+        self.preemptions = 0
         self.budget_tokens = 0
         self.first_token_s: float | None = None
         self.finish_s: float | None = None

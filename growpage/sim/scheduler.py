@@ -8,10 +8,9 @@ are brought up to date (``_sync``) only when it has an event.
 
 Preemption is by recompute, the victim being the most recently admitted running request (as in
 vLLM): its pages are freed and it goes back to the front of the queue; when re-admitted it pays a
-prefill of all its tokens (prompt + generated, the last sampled one included) and gets back the
-resident tokens it had (its KV is rebuilt and compacted to the same state, so its decisions
-continue unchanged) plus the last token's, with the pages they take; as in the engine, that
-prefill also samples its next output token.
+prefill of all its tokens (prompt + generated, the last sampled one included), which, as in the
+engine, rebuilds its full KV (what its compressions had dropped is back, on the pages all its
+tokens take) and samples its next output token.
 """
 
 from __future__ import annotations
@@ -105,9 +104,9 @@ class Scheduler:
         tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
-            if r.resume_pages:   # a recompute also writes its last token's KV (see _start)
-                pages = max(r.resume_pages, math.ceil((r.resume_tokens + 1) / self.page_size))
+            if r.resuming:   # a recompute: the full KV of every token it has (see _start)
                 need = r.prompt_tokens + r.generated + 1
+                pages = math.ceil(need / self.page_size)
             else:
                 pages = math.ceil(r.prompt_tokens / self.page_size)
                 need = r.prompt_tokens
@@ -126,14 +125,15 @@ class Scheduler:
         return batch, tokens
 
     def _start(self, r: SimRequest, pages: int, now: float) -> None:
-        if r.view is None:
+        if r.view is None or r.resuming:
+            # A recompute starts from a fresh view: what its compressions dropped is back.
             r.view = self.source.view_for(r.spec)
         r.state.block_table = self.pool.allocate(pages, respect_watermark=True)
-        if r.resume_pages:
+        if r.resuming:
             # As the engine's recompute: the prefill computes every token the request has, the
-            # last one (sampled, never fed back yet) included, and samples the next: one token
-            # more than it held, and one more output token.
-            r.num_tokens = r.resume_tokens + 1
+            # last one (sampled, never fed back yet) included, and samples the next. Its KV is
+            # full again (the compressions are forgotten), and it has one more output token.
+            r.num_tokens = r.prompt_tokens + r.generated + 1
             r.generated += 1
         else:
             r.num_tokens = r.prompt_tokens
@@ -143,8 +143,8 @@ class Scheduler:
         r.admit_seq = self._tick = self._tick + 1
         self.running.append(r)
         r.capacity.append((now, r.num_pages))
-        self.log(now, "resume" if r.resume_pages else "admit", r)
-        r.resume_pages = r.resume_tokens = 0
+        self.log(now, "resume" if r.resuming else "admit", r)
+        r.resuming = False
         self._schedule_event(r)
 
     # ---- decode -----------------------------------------------------------------------------
@@ -224,7 +224,7 @@ class Scheduler:
         """Recompute preemption: free the pages, back to the front of the queue."""
         self._sync(r)
         self.log(now, "preempt", r)
-        r.resume_pages, r.resume_tokens = r.num_pages, r.num_tokens
+        r.resuming = True
         self._release(r)
         r.preemptions += 1
         self.num_preemptions += 1

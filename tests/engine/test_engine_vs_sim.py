@@ -1,20 +1,23 @@
 """The engine and the serving simulator step alike: on the same workload, pool and state-driven
 policy (one that reads no attention signal, so both decide alike), every request takes the same
 boundary decisions in the same order, and the run takes as many steps on both sides; under
-fullkv also on a pool tight enough to preempt (recompute), which both model alike."""
+fullkv also on a pool tight enough to preempt (recompute), which both model alike, and under a
+budget policy that preempts instead of falling back, whose victims may have compressed: their
+recompute rebuilds the full KV on both sides."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llm_helpers import prompt, tiny_llm, tiny_model
 
 from growpage.engine.sampling_params import SamplingParams
-from growpage.policies import resolve_policy
+from growpage.policies import FixedBudgetPolicy, resolve_policy
 from growpage.sim.costmodel import LinearCostModel
 from growpage.sim.serving import SimConfig, simulate
 from growpage.sim.workload_csv import WorkloadRequest
@@ -97,3 +100,57 @@ def test_fullkv_preempts_and_recomputes_alike_on_a_tight_pool(model, lengths, sl
     m = result.metrics
     assert m.preemptions == llm.last_stats.num_preemptions
     assert m.prefill_steps + m.decode_steps == llm.last_stats.num_steps
+
+
+@attrs.define
+class FixedWithoutFallback(FixedBudgetPolicy):
+    """``fixed``, but a refused GROW preempts (the victim may be a request that compressed)."""
+
+    name = "fixed-without-fallback"
+    fallback_to_compress = False
+
+
+def compressed_victims(events) -> int:
+    compressed, victims = set(), 0
+    for _, kind, rid, _ in events:
+        compressed.update([rid] if kind == "compress" else [])
+        victims += kind == "preempt" and rid in compressed
+    return victims
+
+
+def assert_preempt_alike(model, lengths, pages, decisions):
+    policy = FixedWithoutFallback(budget_tokens=8)
+    llm, engine_events, engine_paths, outputs = engine_run(model, lengths, policy, {}, pages, 4)
+    assert outputs == [o for _, o in lengths]
+    result, sim_events, sim_paths = sim_run(llm, lengths, policy, {}, pages, 4, decisions)
+    assert (sim_events, sim_paths) == (engine_events, engine_paths)
+    m = result.metrics
+    assert m.preemptions == llm.last_stats.num_preemptions
+    assert m.prefill_steps + m.decode_steps == llm.last_stats.num_steps
+    return result
+
+
+@pytest.mark.parametrize("decisions", ["script", "trace"])
+@pytest.mark.parametrize("lengths, pages", [
+    ([(12, 22), (8, 6), (1, 12), (10, 10)], 11),
+    ([(2, 14), (3, 17), (11, 22), (11, 19)], 9),
+])
+def test_a_victim_that_compressed_comes_back_with_its_full_kv(model, lengths, pages, decisions):
+    """The engine's recompute prefills every token again, so a victim that had compressed to 3
+    pages comes back on the 4 all its tokens take (until 2026-12-01 the simulator gave it back
+    its compressed KV: 3 pages, and every later boundary one page short)."""
+    result = assert_preempt_alike(model, lengths, pages, decisions)
+    assert compressed_victims(result.events) >= 1
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.tuples(st.one_of(st.integers(1, 4), st.integers(8, 14)),
+                                  st.integers(6, 24)), min_size=2, max_size=4),
+       slack=st.integers(0, 2))
+def test_a_budget_policy_without_fallback_preempts_alike(model, lengths, slack):
+    # The engine admits a request only when its full KV fits (the policy never falls back), so
+    # the pool holds the longest one whole, plus `slack`; short prompts grow, long ones
+    # compress at 2 pages' budget, and the growths find the pool full.
+    pages = max(math.ceil((p + o - 1) / 4) for p, o in lengths) + slack
+    assert_preempt_alike(model, lengths, pages, "script")
