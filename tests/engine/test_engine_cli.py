@@ -97,62 +97,52 @@ def test_counts_of_one_are_singular(monkeypatch, capsys):
     assert "finish reason  length (1 token)\n" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag", ["--param", "--policy-arg"])
-def test_generate_takes_policy_params_as_the_simulator_does(monkeypatch, flag):
-    class Built(Exception):
-        pass
+class _Built(Exception):
+    """Raised by ``_llm_arguments``'s stand-in for ``_build_llm``: the CLI got that far."""
 
-    seen = {}
+
+def _llm_arguments(monkeypatch, argv: list[str], when_built=None) -> dict:
+    """The keyword arguments ``argv`` builds its ``LLM`` with (no model is loaded);
+    ``when_built()`` runs at that moment."""
+    seen: dict = {}
 
     def build(**kw):
         seen.update(kw)
-        raise Built
+        if when_built is not None:
+            when_built()
+        raise _Built
 
     monkeypatch.setattr(engine_cli, "_build_llm", build)
-    with pytest.raises(Built):
-        cli.main(["generate", "--prompt", "hi", "--policy", "fixed", flag, "budget_tokens=128",
-                  flag, "tau=None"])
+    with pytest.raises(_Built):
+        cli.main(argv)
+    return seen
+
+
+@pytest.mark.parametrize("flag", ["--param", "--policy-arg"])
+def test_generate_takes_policy_params_as_the_simulator_does(monkeypatch, flag):
+    seen = _llm_arguments(monkeypatch, ["generate", "--prompt", "hi", "--policy", "fixed", flag,
+                                        "budget_tokens=128", flag, "tau=None"])
     assert seen["policy"] == "fixed" and seen["policy_kwargs"] == {"budget_tokens": 128,
                                                                     "tau": None}
 
 
 @pytest.mark.parametrize("flags, window", [([], None), (["--recent-window", "8"], 8)])
 def test_generate_takes_the_recent_window_as_the_simulator_does(monkeypatch, flags, window):
-    class Built(Exception):
-        pass
-
-    seen = {}
-
-    def build(**kw):
-        seen.update(kw)
-        raise Built
-
-    monkeypatch.setattr(engine_cli, "_build_llm", build)
-    with pytest.raises(Built):
-        cli.main(["generate", "--prompt", "hi", "--page-size", "32", *flags])
+    seen = _llm_arguments(monkeypatch, ["generate", "--prompt", "hi", "--page-size", "32",
+                                        *flags])
     assert seen["page_size"] == 32 and seen.get("recent_window") == window
 
 
 def test_threads_sets_torch_s_threads_before_the_engine_is_built(monkeypatch):
     import torch
 
-    class Built(Exception):
-        pass
-
-    seen = []
-
-    def build(**kw):
-        seen.append(torch.get_num_threads())
-        raise Built
-
-    monkeypatch.setattr(engine_cli, "_build_llm", build)
+    calls: list = []
     before = torch.get_num_threads()
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(("set", n)))
-    with pytest.raises(Built):
-        cli.main(["generate", "--prompt", "hi", "--threads", "3"])
-    with pytest.raises(Built):
-        cli.main(["generate", "--prompt", "hi"])  # default: torch's own, untouched
-    assert seen == [("set", 3), before, before]
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(("set", n)))
+    when_built = lambda: calls.append(torch.get_num_threads())  # noqa: E731
+    _llm_arguments(monkeypatch, ["generate", "--prompt", "hi", "--threads", "3"], when_built)
+    _llm_arguments(monkeypatch, ["generate", "--prompt", "hi"], when_built)  # torch's own
+    assert calls == [("set", 3), before, before]
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
