@@ -38,17 +38,35 @@ import torch
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=256)
 SMOLLM = dict(num_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
+WIDE = dict(num_heads=16, num_kv_heads=2, head_dim=256, page_size=16)   # Gemma-like heads
+NARROW = dict(num_heads=14, num_kv_heads=2, head_dim=64, page_size=32)  # Qwen2.5-0.5B-like
 
-# Kernels that move KV rows, and what their PTX must show for the 16-byte aligned caches
-# compiled here: "loads" (no global load narrower than 4 bytes, and some 16-byte one) or
-# "moves" (the same for loads and stores: compaction and the KV store only move data).
+# Kernels that move KV rows, what their PTX must show for the 16-byte aligned caches compiled
+# here, and the constexprs whose product is the KV tile a program moves at once: "loads" (no
+# global load narrower than 4 bytes, and one as wide as the tile allows) or "moves" (the same
+# for loads and stores: compaction and the KV store only move data). As wide as the tile
+# allows: 16 bytes, or less when the tile has fewer than 16 bytes for each of the program's
+# threads (SmolLM2's 3 x 64 bf16 store fills one warp's 16-byte accesses; 2 x 64 cannot).
 VECTOR_KERNELS = {
-    "_compact_kernel": "moves",
-    "_store_kv_kernel": "moves",
-    "_decode_attention_kernel": "loads",
-    "_accumulate_kernel": "loads",
-    "_demand_logits_kernel": "loads",
+    "_compact_kernel": ("moves", ("BLOCK_N", "BLOCK_D")),
+    "_store_kv_kernel": ("moves", ("BLOCK_H", "BLOCK_D")),
+    "_decode_attention_kernel": ("loads", ("BLOCK_N", "BLOCK_D")),
+    "_accumulate_kernel": ("loads", ("BLOCK_N", "BLOCK_D")),
+    "_demand_logits_kernel": ("loads", ("BLOCK_N", "BLOCK_D")),
 }
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def vector_bytes(c: dict) -> int:
+    """The widest access a compiled variant ``c`` of a ``VECTOR_KERNELS`` kernel can make:
+    16 bytes, or its KV tile's bytes per thread when fewer (the cache's dtype is the narrowest
+    float among the launch's tensors)."""
+    _, tile = VECTOR_KERNELS[c["kernel"]]
+    elements = 1
+    for name in tile:
+        elements *= int(c["constexprs"][name])
+    itemsize = min(_ITEMSIZE[d] for d in c["dtype"].split(",") if d in _ITEMSIZE)
+    return min(16, elements * itemsize // (32 * c["num_warps"]))
 
 # ld.global[.nc][.v2|.v4].b16, st.global.v4.b32, cp.async.cg.shared.global [a], [b], 16 ...
 _ACCESS = re.compile(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
@@ -171,7 +189,7 @@ def compile_all(quick: bool) -> None:
         cases = [(LLAMA, torch.bfloat16, every), (LLAMA, torch.float32, {"decode", "accumulate"}),
                  (SMOLLM, torch.bfloat16, every)]
     else:
-        cases = [(s, d, every) for s in (LLAMA, SMOLLM)
+        cases = [(s, d, every) for s in (LLAMA, SMOLLM, WIDE, NARROW)
                  for d in (torch.bfloat16, torch.float16, torch.float32)]
     for sh, dtype, which in cases:
         hq, hkv, dim, page = sh["num_heads"], sh["num_kv_heads"], sh["head_dim"], sh["page_size"]
@@ -226,16 +244,17 @@ def problems(compiled: list[dict]) -> list[str]:
         if c.get("spill_bytes"):
             out.append(f"{name}: spills {c['spill_bytes']} B a thread to local memory "
                        f"({c['registers']} registers)")
-        rule = VECTOR_KERNELS.get(c["kernel"])
-        if rule is None:
+        if c["kernel"] not in VECTOR_KERNELS:
             continue
+        rule, _ = VECTOR_KERNELS[c["kernel"]]
         kinds = ("load", "store") if rule == "moves" else ("load",)
+        want = vector_bytes(c)
         for kind in kinds:
-            if c[f"narrow_{kind}s"] or c[f"widest_{kind}"] < 16:
+            if c[f"narrow_{kind}s"] or c[f"widest_{kind}"] < want:
                 out.append(f"{name}: KV {kind}s not vectorized ({c[f'narrow_{kind}s']} "
-                           f"{kind}s narrower than 4 B, widest {c[f'widest_{kind}']} B: a stride "
-                           "that lost its divisibility by 16, or more threads than the tile "
-                           "has 16-byte pieces?)")
+                           f"{kind}s narrower than 4 B, widest {c[f'widest_{kind}']} B of the "
+                           f"{want} B the tile allows: a stride that lost its divisibility by "
+                           "16, or more threads than the tile has 16-byte pieces?)")
     return out
 
 

@@ -53,19 +53,33 @@ def stride_align(*strides: int) -> int:
 # 4 warps. bf16 / fp16 at head dim 128 keep the 64-key tile; an fp32 cache (whose dot runs in
 # fp32) at head dim 128 gets 16 keys: with 64, decode attention spills 608 bytes a thread and
 # the H2O accumulation 200; with 32, decode attention with the fused EMA still spills 360.
+# Demand attention at head dim 256 gets 32 keys (64 spills 512 bytes); its fp32 path keeps 64
+# keys at head dim 128 (80 registers), so it passes an fp32 budget of 2 x TILE_BYTES.
+# Compaction only moves data: 2 x TILE_BYTES for every dtype (64 keys but for an fp32 cache at
+# head dim 256, which spills 376-528 bytes a thread with 64).
 TILE_BYTES = 64 * 128 * 2
 TILE_BYTES_FP32 = 16 * 128 * 4
 
 
-def default_block_n(head_dim: int, dtype: torch.dtype) -> int:
+def default_block_n(head_dim: int, dtype: torch.dtype, tile_bytes: int = TILE_BYTES,
+                    fp32_tile_bytes: int = TILE_BYTES_FP32) -> int:
     """The context tile of a compiled launch whose caller gave none: the largest power of two in
     ``[MIN_DOT_DIM, 64]`` whose ``BLOCK_N x BLOCK_D`` tile fits the budget of the cache's dtype
-    (``TILE_BYTES``, ``TILE_BYTES_FP32``). Under the interpreter: 16, the cheapest to interpret."""
+    (``tile_bytes``; ``fp32_tile_bytes`` for fp32), which a kernel that needs fewer registers
+    per element may raise. Under the interpreter: 16, the cheapest to interpret."""
     if _INTERPRETER:
         return 16
-    budget = TILE_BYTES_FP32 if dtype == torch.float32 else TILE_BYTES
+    budget = fp32_tile_bytes if dtype == torch.float32 else tile_bytes
     rows = budget // (next_pow2(head_dim) * dtype.itemsize)
     return max(MIN_DOT_DIM, min(64, 1 << max(rows, 1).bit_length() - 1))
+
+
+def tile_warps(block_n: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Warps of a program over a ``block_n``-key context tile: 4, or 8 when even that tile is
+    over its dtype's register budget (an fp32 cache at head dim 256, whose 16-key tile spills
+    24 bytes a thread with 4 warps in the H2O accumulation and none with 8)."""
+    budget = TILE_BYTES_FP32 if dtype == torch.float32 else TILE_BYTES
+    return 8 if block_n * next_pow2(head_dim) * dtype.itemsize > budget else 4
 
 
 def vector_warps(elements: int, itemsize: int, most: int = 4) -> int:

@@ -39,6 +39,7 @@ from ._utils import (
     index_checks_on,
     next_pow2,
     pages_read,
+    tile_warps,
 )
 from .split_k import LOG2E
 
@@ -163,7 +164,7 @@ def accumulate_attention(
     lse: torch.Tensor | None = None,
     *,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> None:
     """Add one decode step's attention (group mean per KV head) into ``acc`` in place.
 
@@ -214,6 +215,7 @@ def accumulate_attention(
         return
     group = num_heads // num_kv_heads
     scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
+    block_n = block_n or default_block_n(head_dim, k_cache.dtype)
     _accumulate_kernel[(num_seqs, num_kv_heads)](
         q, k_cache, block_tables, context_lens, lse if lse is not None else acc, acc,
         block_tables.shape[1] * page_size, scale,
@@ -224,8 +226,8 @@ def accumulate_attention(
         acc.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_H=max(MIN_DOT_DIM, next_pow2(group)),
-        BLOCK_N=block_n or default_block_n(head_dim, k_cache.dtype),
+        BLOCK_N=block_n,
         BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)),
         HAS_LSE=lse is not None, DOT_FP32=dot_in_fp32(k_cache.dtype),
-        num_warps=num_warps,
+        num_warps=num_warps or tile_warps(block_n, head_dim, k_cache.dtype),
     )

@@ -33,15 +33,16 @@ import triton.language as tl
 
 from ._utils import (
     STRIDE_ALIGN,
+    TILE_BYTES,
     at,
     cdiv,
     check_device,
     check_index,
     check_values,
+    default_block_n,
     first_repeat,
     first_true,
     index_checks_on,
-    is_interpreter,
     next_pow2,
     page_range,
     stride_align,
@@ -324,7 +325,8 @@ def compact_kv(
     if staged is None:
         staged = dst_block_tables is not None and not bool(
             is_direct_safe(block_tables, dst_tables).all())
-    block_n = block_n or (16 if is_interpreter() else 64)
+    block_n = block_n or default_block_n(head_dim, kv_cache.dtype, tile_bytes=2 * TILE_BYTES,
+                                         fp32_tile_bytes=2 * TILE_BYTES)
 
     in_place = dst_block_tables is None or dst_block_tables is block_tables
 

@@ -31,6 +31,7 @@ import triton.language as tl
 from ._utils import (
     MIN_DOT_DIM,
     STRIDE_ALIGN,
+    TILE_BYTES,
     at,
     cdiv,
     check_block,
@@ -39,6 +40,7 @@ from ._utils import (
     check_heads,
     check_index,
     check_values,
+    default_block_n,
     index_checks_on,
     is_interpreter,
     next_pow2,
@@ -339,7 +341,8 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
                          num_pages, page_range(num_pages))
     group = num_heads // num_kv_heads
     device = queries.device
-    block_n = block_n or (16 if is_interpreter() else 64)
+    # fp32 caches keep the bf16 tile's key count (2x its bytes): no spill at head dim 128
+    block_n = block_n or default_block_n(head_dim, k_cache.dtype, fp32_tile_bytes=2 * TILE_BYTES)
     # Scratch rows padded to a multiple of STRIDE_ALIGN (never read past max_candidates): its
     # strides are then multiples of it whatever the candidate count (vector stores and loads).
     width = cdiv(max_candidates, STRIDE_ALIGN) * STRIDE_ALIGN

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from growpage.kernels._utils import default_block_n, vector_warps
+from growpage.kernels._utils import default_block_n, tile_warps, vector_warps
 from kernel_helpers import ON_CUDA
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,10 +108,11 @@ def test_global_accesses_reads_widths_from_ptx() -> None:
                                        "narrow_loads": 0, "narrow_stores": 0}
 
 
-def _variant(kernel: str, **numbers: int) -> dict:
+def _variant(kernel: str, **numbers) -> dict:
     base = {"kernel": kernel, "arch": 90, "dtype": "bfloat16", "num_warps": 4,
-            "constexprs": {"BLOCK_N": 64}, "shared": 0, "registers": 96, "spill_bytes": 0,
-            "widest_load": 16, "widest_store": 16, "narrow_loads": 0, "narrow_stores": 0}
+            "constexprs": {"BLOCK_N": 64, "BLOCK_H": 8, "BLOCK_D": 128}, "shared": 0,
+            "registers": 96, "spill_bytes": 0, "widest_load": 16, "widest_store": 16,
+            "narrow_loads": 0, "narrow_stores": 0}
     return {**base, **numbers}
 
 
@@ -127,7 +128,8 @@ def test_problems_names_each_broken_rule() -> None:
         _variant("_boundary_queries_kernel", shared=300 * 1024),
     ])
     assert len(found) == 4, found
-    assert "_decode_attention_kernel bfloat16 warps=4 BLOCK_N=64: spills 608 B" in found[0]
+    assert "_decode_attention_kernel bfloat16 warps=4 BLOCK_N=64,BLOCK_H=8,BLOCK_D=128: spills " \
+           "608 B" in found[0]
     assert "_compact_kernel" in found[1] and "KV stores not vectorized" in found[1]
     assert "_demand_logits_kernel" in found[2] and "KV loads not vectorized" in found[2]
     assert "_boundary_queries_kernel" in found[3] and "over the" in found[3]
@@ -143,6 +145,9 @@ def test_default_tiles_keep_bf16_and_shrink_fp32(monkeypatch: pytest.MonkeyPatch
     assert default_block_n(64, torch.float32) == 32
     assert default_block_n(256, torch.bfloat16) == 32
     assert default_block_n(256, torch.float32) == 16  # never below a dot's 16 rows
+    # demand attention's fp32 path takes the bf16 tile's key count (twice its bytes)
+    assert default_block_n(128, torch.float32, fp32_tile_bytes=2 * _utils.TILE_BYTES) == 64
+    assert default_block_n(256, torch.float32, fp32_tile_bytes=2 * _utils.TILE_BYTES) == 32
     monkeypatch.setattr(_utils, "_INTERPRETER", True)
     assert default_block_n(128, torch.bfloat16) == 16
 
@@ -156,3 +161,26 @@ def test_vector_warps_give_each_thread_16_bytes() -> None:
     for elements, itemsize in ((256, 2), (1024, 2), (256, 4), (2048, 4)):
         per_thread = elements * itemsize / (32 * vector_warps(elements, itemsize))
         assert per_thread >= 16
+
+
+def test_a_tile_too_small_for_16_bytes_a_thread_asks_for_what_it_allows() -> None:
+    """2 KV heads of 64 bf16 values are 256 bytes: one warp's 32 threads get 8 each, so an
+    8-byte store is the best there is, and a 4-byte one is still reported."""
+    aot = _aot()
+    small = {"BLOCK_H": 2, "BLOCK_D": 64}
+    ok = _variant("_store_kv_kernel", num_warps=1, constexprs=small, widest_load=8,
+                  widest_store=8)
+    assert aot.vector_bytes(ok) == 8 and aot.problems([ok]) == []
+    worse = {**ok, "widest_store": 4}
+    (line,) = aot.problems([worse])
+    assert "KV stores not vectorized" in line and "widest 4 B of the 8 B the tile allows" in line
+    # an fp32 launch of the same tile allows 16 bytes again
+    assert aot.vector_bytes({**ok, "dtype": "float32,int32"}) == 16
+
+
+def test_tile_warps_double_only_past_the_register_budget() -> None:
+    assert tile_warps(64, 128, torch.bfloat16) == 4
+    assert tile_warps(16, 128, torch.float32) == 4
+    assert tile_warps(16, 256, torch.float32) == 8   # over budget even at the smallest tile
+    assert tile_warps(64, 256, torch.bfloat16) == 8
+
