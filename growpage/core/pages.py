@@ -132,11 +132,14 @@ class PagePool:
 
         ``parent`` is the cached page holding the previous page of the same prefix (None for a
         first page). Returns False when nothing was cached: an equal page is cached already
-        (the first one stays), or the parent is no longer cached.
+        (the first one stays), or the parent is no longer cached. Registering a page again as
+        the prefix page it is cached as changes nothing (its cached descendants stay).
         """
         self._check_held(page)
         if len(token_ids) != self.page_size:
             raise ValueError(f"only full pages are cached ({len(token_ids)} != {self.page_size})")
+        if self.lookup(page_hash, token_ids, parent) == page:
+            return True   # a prefix hit's page, registered by its new holder: already so
         self._forget(page)
         if page_hash in self._page_of or (parent is not None and parent not in self._hash_of):
             return False

@@ -163,17 +163,26 @@ class KVCacheManager:
         seq.reset_residency()
 
     def register_full_pages(self, seq: Sequence) -> None:
-        """Enter the full, uncompacted pages of computed tokens in the prefix cache."""
+        """Enter the full, uncompacted pages of computed tokens in the prefix cache.
+
+        A page is chained to the cached page of the prefix before it, which is the request's
+        own page or, when another request cached an equal page first (both prefilled in one
+        step), that one: the request's later pages are then found after it.
+        """
         if not self.prefix_caching or seq.kept_positions is not None:
             return
         b, tokens = self.page_size, seq.token_ids
         while (seq.num_registered_pages + 1) * b <= seq.state.position:
             i = seq.num_registered_pages
             chunk = tokens[i * b:(i + 1) * b]
+            parent = seq.last_cached_page
             seq.last_page_hash = chain_hash(seq.last_page_hash, chunk)
-            parent = seq.state.block_table[i - 1] if i else None
-            self.pool.register(seq.state.block_table[i], seq.last_page_hash, chunk, parent=parent)
             seq.num_registered_pages += 1
+            if i and parent is None:
+                continue  # the prefix before it is not cached: neither can this page be
+            page = seq.state.block_table[i]
+            self.pool.register(page, seq.last_page_hash, chunk, parent=parent)
+            seq.last_cached_page = self.pool.lookup(seq.last_page_hash, chunk, parent)
 
     # ---- slots ----------------------------------------------------------------------------
     def slots(self, seq: Sequence, start: int, num: int) -> list[int]:

@@ -63,6 +63,9 @@ class Sequence:
         self.num_cached_tokens = 0      # prefix-cache hit tokens of the last admission
         self.num_registered_pages = 0   # leading pages entered in the prefix cache
         self.last_page_hash: int | None = None
+        # the cached page holding its last registered prefix page (its own, or an equal one
+        # cached before it); None when that prefix is not cached
+        self.last_cached_page: int | None = None
         self.kept_positions: torch.Tensor | None = None
         self.tail_start = 0
         self.num_preemptions = 0
@@ -115,6 +118,7 @@ class Sequence:
         self.num_decode_steps = 0
         self.num_registered_pages = 0
         self.last_page_hash = None
+        self.last_cached_page = None
         self.kept_positions = None
         self.tail_start = 0
 

@@ -106,6 +106,8 @@ class PagePoolMachine(RuleBasedStateMachine):
 
     def _m_register(self, page: int, h: int, tokens: tuple[int, ...], parent: int | None
                     ) -> None:
+        if self._m_lookup(h, tokens, parent) == page:
+            return  # cached as exactly this already: nothing changes, its descendants stay
         self._m_forget(page)
         if h in self.cache or (parent is not None and not self._m_cached(parent)):
             return  # keep the first page cached under this hash; no orphan entries
@@ -764,3 +766,24 @@ def test_register_prefix_links_pages_and_forgetting_a_parent_forgets_descendants
     assert pool.register(pages[0], chain_hash(None, [9, 9]), [9, 9], parent=None)
     assert pool.lookup(old_hash, [1, 2]) is None
     pool.check_invariants()
+
+
+def test_registering_a_hit_s_pages_again_keeps_the_other_branches():
+    """A request that acquires cached pages registers them again as its own: that must not
+    forget what is cached below them for other prompts (their later pages)."""
+    pool = PagePool(8, 2)
+    a, b = [1, 2, 3, 4, 9], [1, 2, 5, 6, 9]   # one shared page, then their own
+    a_pages = pool.allocate(3)
+    assert pool.register_prefix(a_pages, a) == 2
+    pool.free(list(reversed(a_pages)))
+    hit = pool.match_prefix(b)                  # b shares a's first page
+    assert hit == a_pages[:1]
+    pool.acquire(hit[0])
+    b_pages = hit + pool.allocate(2)
+    assert pool.register(hit[0], chain_hash(None, [1, 2]), [1, 2], parent=None)  # already so
+    assert pool.register_prefix(b_pages, b) == 2
+    pool.free(list(reversed(b_pages)))
+    # both branches below the shared page are cached
+    assert len(pool.match_prefix(a)) == 2 and len(pool.match_prefix(b)) == 2
+    pool.check_invariants()
+

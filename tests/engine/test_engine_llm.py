@@ -63,6 +63,27 @@ def test_prefix_caching_on_and_off_identical(models):
     assert_all_returned(on)
 
 
+def test_prompts_sharing_a_page_each_keep_their_own_cached_pages(models):
+    """Two prompts share their first page (4 tokens) and differ after it. A hit on the shared
+    page must not forget the other prompt's later pages, and two such prompts prefilled in one
+    step both get their later pages cached (the second's chained to the first's equal page)."""
+    shared = prompt(4, 3)
+    a, b = shared + prompt(5, 4), shared + prompt(5, 5)   # pages: shared, own, partial
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm = tiny_llm(models[0])
+
+    def cached(*prompts):
+        return [o.num_cached_tokens for o in llm.generate(list(prompts), one, use_tqdm=False)]
+
+    assert [cached(p)[0] for p in (a, a, b, b, a)] == [0, 8, 4, 8, 8]
+    fresh = tiny_llm(models[0])
+    assert [o.num_cached_tokens for o in fresh.generate([a, b], one, use_tqdm=False)] == [0, 0]
+    assert [o.num_cached_tokens for o in fresh.generate([b], one, use_tqdm=False)] == [8]
+    assert [o.num_cached_tokens for o in fresh.generate([a], one, use_tqdm=False)] == [8]
+    assert_all_returned(llm)
+    assert_all_returned(fresh)
+
+
 def test_forced_preemption_gives_identical_greedy_output(models, expected):
     # 24 pages of 4 tokens hold ~2 of these requests at full length: the rest are preempted
     # and recomputed, possibly several times.
