@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from growpage.errors import ConfigError, PolicyError
+from growpage.errors import ConfigError, GrowPageError, PolicyError
 from growpage.policies.base import CapacityPolicy
 
 _REGISTRY: dict[str, type[CapacityPolicy]] = {}
@@ -86,7 +86,8 @@ def _file_hint(exc: Exception, target: str, attr: str) -> str:
 
 
 def _load_file(path: Path) -> ModuleType:
-    """The module of a policy file, run once per process (as ``import`` runs a module).
+    """The module of a policy file, run once per process (as ``import`` runs a module); the
+    file's directory goes on ``sys.path`` (at its end), so the modules beside it import.
 
     NOTE: callers resolve the same spec many times (one policy object per replayed trace);
     running the file again would re-register its policies as new classes. The module name
@@ -106,6 +107,10 @@ def _load_file(path: Path) -> ModuleType:
         raise PolicyError(f"cannot load policy file {path}")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[mod_name] = module  # the file may import itself (attrs, dataclasses look it up)
+    # As for a script, modules beside the file import (`from helpers import X`); appended, not
+    # prepended, so that a file there cannot shadow the standard library or installed packages.
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     try:
         loader.exec_module(module)
     except BaseException as exc:
@@ -141,9 +146,21 @@ def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: 
         raise PolicyError(f"{spec!r} is not a CapacityPolicy subclass")
     try:
         return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
+    except GrowPageError as exc:   # the built-ins' validators: their message names the field
         raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}"
                           f"{_fields_hint(cls, kwargs)}") from exc
+    except Exception as exc:  # noqa: BLE001 - whatever a user's constructor raises
+        hint = _fields_hint(cls, kwargs) if isinstance(exc, TypeError) else ""
+        raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: "
+                          f"{_constructor_error(exc)}{hint}") from exc
+
+
+def _constructor_error(exc: Exception) -> str:
+    """What a policy's constructor raised, in one line: attrs' ``instance_of`` validator raises
+    ``TypeError(message, attribute, type, value)``, whose ``str`` is the whole tuple; its first
+    argument is the message. An exception other than TypeError / ValueError gets its type."""
+    text = exc.args[0] if len(exc.args) > 1 and isinstance(exc.args[0], str) else str(exc)
+    return text if isinstance(exc, (TypeError, ValueError)) else f"{type(exc).__name__}: {text}"
 
 
 def _fields_hint(cls: type, kwargs: dict[str, Any]) -> str:

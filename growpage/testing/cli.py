@@ -33,13 +33,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="random workloads for the serving rule (default 15)")
     p.add_argument("--no-serving", dest="serving", action="store_false",
                    help="skip the serving rule (the per-boundary rules only)")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch CPU threads (default 1: the kit's tensors are tiny, and on a "
+                        "shared machine one thread is several times faster)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from growpage.policies.registry import parse_policy_params, resolve_policy
+    import torch
+
     from growpage.testing import RULES, PolicyConformanceError, check_policy, check_serving
 
+    torch.set_num_threads(args.threads)
     policy = resolve_policy(args.policy, **parse_policy_params(args.param, "--param"))
     per_boundary = [rule for rule in RULES if rule != "serves"]
     print(f"checking policy {policy.name!r} ({type(policy).__name__}); rules: "

@@ -89,3 +89,51 @@ def test_a_bad_example_count_is_refused_by_argparse(capsys):
         main(["check", "fixed", "--examples", "0"])
     assert info.value.code == 2
     assert "--examples: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_check_runs_on_one_torch_thread_unless_told(monkeypatch, capsys):
+    import torch
+
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    assert main(["check", "fullkv", "--examples", "2", "--no-serving"]) == 0
+    assert main(["check", "fullkv", "--examples", "2", "--no-serving", "--threads", "2"]) == 0
+    assert threads == [1, 2]
+
+
+SIBLING = textwrap.dedent("""
+    import attrs
+    from growpage_check_sibling import TAU   # a module beside this file
+    from growpage.policies import GrowPagePolicy
+
+
+    @attrs.define
+    class UsesItsSibling(GrowPagePolicy):
+        name = "uses-its-sibling"
+        tau: float = TAU
+
+
+    class PicksAMode(GrowPagePolicy):
+        name = "picks-a-mode"
+
+        def __init__(self, mode="a"):
+            super().__init__()
+            self.level = {"a": 1}[mode]
+""")
+
+
+def test_a_policy_file_imports_its_neighbours_and_a_failing_constructor_is_a_usage_error(
+        tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # loading the file extends it
+    (tmp_path / "growpage_check_sibling.py").write_text("TAU = 0.02\n")
+    (tmp_path / "sibling_policy.py").write_text(SIBLING)
+    spec = f"{tmp_path / 'sibling_policy.py'}"
+    assert main(["check", f"{spec}:UsesItsSibling", "--examples", "3", "--no-serving"]) == 0
+    assert "passes every rule checked" in capsys.readouterr().out
+    # a constructor's own exception: the policy cannot be built (2), not a broken rule (1)
+    assert main(["check", f"{spec}:PicksAMode", "--param", "mode=b"]) == 2
+    err = capsys.readouterr().err
+    assert err == "growpage: error: cannot build policy 'picks-a-mode': KeyError: 'b'\n"
+

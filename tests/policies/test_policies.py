@@ -84,6 +84,22 @@ def test_wrongly_typed_hyperparameters_name_the_field(name, params, field):
         resolve_policy(name, **params)
 
 
+def test_an_attrs_type_validator_s_error_reads_as_one_line():
+    """attrs' ``instance_of`` raises TypeError(message, attribute, type, value): the message is
+    shown, not the tuple."""
+    import attrs
+
+    @attrs.define
+    class Typed(GrowPagePolicy):
+        name = "typed-max-pages"
+        max_pages: int = attrs.field(default=16, validator=attrs.validators.instance_of(int))
+
+    with pytest.raises(PolicyError) as info:
+        resolve_policy(Typed, max_pages=8.0)
+    assert str(info.value) == ("cannot build policy 'typed-max-pages': 'max_pages' must be "
+                               "<class 'int'> (got 8.0 that is a <class 'float'>).")
+
+
 CASE = dict(num_layers=2, num_kv_heads=2, group_size=2, head_dim=8, page_size=8,
             recent_window=2, num_pages=4, num_free_pages=3, gap=4, seed=5, sharpness=1.0,
             track_accumulated=True)
