@@ -40,9 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from growpage.policies.registry import parse_policy_params, resolve_policy
     import torch
 
+    from growpage.policies.registry import parse_policy_params, resolve_policy
     from growpage.testing import RULES, PolicyConformanceError, check_policy, check_serving
 
     torch.set_num_threads(args.threads)

@@ -34,6 +34,7 @@ from growpage.testing.conformance import (
     raise_smallest_failure,
     refuse_a_class,
 )
+from growpage.testing.strategies import check_knob, check_sizes
 
 # Step times of round numbers: what is checked does not depend on them, only the order of events.
 COST = LinearCostModel(base_s=0.01, per_seq_s=0.001, per_prefill_token_s=0.0001)
@@ -77,11 +78,6 @@ class ServingCase:
                 f"max_num_seqs={self.max_num_seqs}, requests=[{lengths}])")
 
 
-def _check_knob(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"serving_cases: {name} must be an integer >= {low}, got {value!r}")
-
-
 def serving_cases(max_requests: int = 5, max_prompt: int = 40, max_output: int = 120,
                   page_sizes: Sequence[int] = (4, 8, 16), max_slack: int = 4,
                   max_num_seqs: int = 4) -> st.SearchStrategy[ServingCase]:
@@ -93,12 +89,11 @@ def serving_cases(max_requests: int = 5, max_prompt: int = 40, max_output: int =
     for name, value, low in (("max_requests", max_requests, 1), ("max_prompt", max_prompt, 1),
                              ("max_output", max_output, 1), ("max_slack", max_slack, 0),
                              ("max_num_seqs", max_num_seqs, 1)):
-        _check_knob(name, value, low)
+        check_knob("serving_cases", name, value, low)
+    check_sizes("serving_cases", "page_sizes", page_sizes)
     sizes = list(page_sizes)
-    if not sizes:
-        raise ValueError("serving_cases: page_sizes is empty")
     for b in sizes:
-        _check_knob("each of page_sizes", b, 2)
+        check_knob("serving_cases", "page_sizes", b, 2)
     request = st.tuples(st.integers(1, max_prompt), st.integers(1, max_output),
                         st.sampled_from([0.0, 0.0, 0.05, 0.2, 0.5]))
     return st.builds(

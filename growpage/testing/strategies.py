@@ -224,15 +224,14 @@ def boundary_cases(max_layers: int = 3, max_kv_heads: int = 3, max_group: int = 
     for knob, value, low in (("max_layers", max_layers, 1), ("max_kv_heads", max_kv_heads, 1),
                              ("max_group", max_group, 1), ("max_compressions", max_compressions,
                                                            0)):
-        _check_int(knob, value, low)
-    _check_int("max_pages", max_pages, 2, " (the policy decides boundaries from min_capacity, "
-               "2 pages, on)")
+        check_knob("boundary_cases", knob, value, low)
+    check_knob("boundary_cases", "max_pages", max_pages, 2, " (the policy decides boundaries "
+               "from min_capacity, 2 pages, on)")
     for knob, values, even in (("page_sizes", page_sizes, False), ("head_dims", head_dims, True)):
-        if not isinstance(values, (tuple, list)) or not values:
-            raise TypeError(f"boundary_cases: {knob} must be a non-empty tuple of integers, "
-                            f"got {values!r}")
+        check_sizes("boundary_cases", knob, values)
         for v in values:
-            _check_int(knob, v, 2 if even else 1, " (RoPE rotates pairs)" if even else "")
+            check_knob("boundary_cases", knob, v, 2 if even else 1,
+                       " (RoPE rotates pairs)" if even else "")
             if even and v % 2:
                 raise ValueError(f"boundary_cases: {knob} must hold even integers (RoPE "
                                  f"rotates pairs), got {v!r}")
@@ -242,11 +241,22 @@ def boundary_cases(max_layers: int = 3, max_kv_heads: int = 3, max_group: int = 
                            tuple(head_dims), accumulated, max_compressions)
 
 
-def _check_int(knob: str, value: object, low: int, why: str = "") -> None:
+def check_knob(strategy: str, knob: str, value: object, low: int, why: str = "") -> None:
+    """A strategy's integer knob: ``TypeError`` when it is not an integer, ``ValueError`` when
+    it is below ``low`` (the same for every strategy of the kit)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"boundary_cases: {knob} must be an integer, got {value!r}")
+        raise TypeError(f"{strategy}: {knob} must be an integer, got {value!r}")
     if value < low:
-        raise ValueError(f"boundary_cases: {knob} must be at least {low}{why}, got {value!r}")
+        raise ValueError(f"{strategy}: {knob} must be at least {low}{why}, got {value!r}")
+
+
+def check_sizes(strategy: str, knob: str, values: object) -> None:
+    """A strategy's knob of sizes to draw from: ``TypeError`` when it is not a tuple or list,
+    ``ValueError`` when it is empty (its values are then checked with ``check_knob``)."""
+    if not isinstance(values, (tuple, list)):
+        raise TypeError(f"{strategy}: {knob} must be a tuple of integers, got {values!r}")
+    if not values:
+        raise ValueError(f"{strategy}: {knob} must not be empty")
 
 
 @st.composite

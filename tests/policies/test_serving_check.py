@@ -106,13 +106,18 @@ def test_check_serving_refuses_what_is_not_a_policy_instance():
         check_serving(object())
 
 
-@pytest.mark.parametrize("knobs, match", [({"max_requests": 0}, "max_requests"),
-                                          ({"page_sizes": ()}, "page_sizes is empty"),
-                                          ({"page_sizes": (1,)}, "page_sizes"),
-                                          ({"max_slack": -1}, "max_slack"),
-                                          ({"max_output": 2.5}, "max_output")])
-def test_serving_cases_refuse_bad_knobs(knobs, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize("knobs, error, match", [
+    ({"max_requests": 0}, ValueError, "max_requests must be at least 1"),
+    ({"page_sizes": ()}, ValueError, "page_sizes must not be empty"),
+    ({"page_sizes": (1,)}, ValueError, "page_sizes must be at least 2"),
+    ({"page_sizes": 8}, TypeError, "page_sizes must be a tuple of integers"),
+    ({"max_slack": -1}, ValueError, "max_slack must be at least 0"),
+    ({"max_output": 2.5}, TypeError, "max_output must be an integer"),
+])
+def test_serving_cases_refuse_bad_knobs(knobs, error, match):
+    """As ``boundary_cases``: a knob of the wrong type is a TypeError, one out of range (an
+    empty tuple of sizes included) a ValueError."""
+    with pytest.raises(error, match=f"serving_cases: {match}"):
         serving_cases(**knobs)
 
 
