@@ -131,6 +131,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that finished in it."""
         start = time.perf_counter()
+        out: SchedulerOutput | None = None
         try:
             out = self.scheduler.schedule()
             capacities = [] if out.is_prefill else [s.state.capacity(self.kv.page_size)
@@ -138,8 +139,14 @@ class LLMEngine:
             seqs, logits = self.runner.run(out)
         except BaseException:
             self.kv.cancel_deferred()  # their requests are unchanged (still at the boundary)
+            if out is not None:  # the forward failed: its slots and chunks are computed again
+                self.scheduler.unschedule(out)
             raise
-        self.kv.run_deferred()  # compressions that sat this step out, beside its forward
+        try:
+            self.kv.run_deferred()  # compressions that sat this step out, beside its forward
+        except BaseException:
+            self.update(out, seqs, logits)  # the forward ran: its requests keep their tokens
+            raise
         finished = self.update(out, seqs, logits)
         self.stats.on_step(time.perf_counter() - start,
                            len(self.scheduler.running) + len(finished), capacities,

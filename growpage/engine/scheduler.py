@@ -73,18 +73,25 @@ class Scheduler:
         for every token it may generate, which the model's context bounds.
         """
         need = seq.num_total_tokens
+        watermark = ""
         if not getattr(self.kv.controller.policy, "fallback_to_compress", True):
-            # Its KV at the end: every token but the last, which is never fed back.
+            # Its KV at the end: every token but the last, which is never fed back. Growth the
+            # policy decides leaves the pool's watermark free, even for a request alone (only
+            # growth below min_capacity may take it).
             need = min(need + seq.params.max_tokens, self.kv.model_config.max_position) - 1
-            fits = self.kv.pages_for(need) <= self.kv.num_pages
+            reserve = self.kv.pool.watermark
+            limit = max(self.kv.num_pages - reserve, self.kv.controller.config.min_capacity)
+            fits = self.kv.pages_for(need) <= limit
+            if reserve:
+                watermark = f", {reserve} of them kept free as the pool's watermark"
         else:
             fits = self.kv.can_ever_fit(need)   # the prompt and the first decode step's token
         if not fits:
             raise EngineError(
                 f"request {seq.request_id!r}: {need} tokens (prompt {seq.num_total_tokens}) "
                 f"cannot fit in the KV cache ({plural(self.kv.num_pages, 'page')} of "
-                f"{self.kv.page_size} tokens); raise kv_pages, shorten the prompt or lower "
-                "max_tokens")
+                f"{self.kv.page_size} tokens{watermark}); raise kv_pages, shorten the prompt "
+                "or lower max_tokens")
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -152,23 +159,42 @@ class Scheduler:
                  if seq.status is SequenceStatus.RUNNING and not seq.is_prefilling]
         self.kv.prepare_boundaries(ready)  # their boundary signals in one pass
         try:
-            for seq in ready:
-                if seq.status is not SequenceStatus.RUNNING:
-                    continue  # preempted for an earlier one
-                if self._make_room(seq, scheduled):
+            try:
+                for seq in ready:
+                    if seq.status is not SequenceStatus.RUNNING:
+                        continue  # preempted for an earlier one
+                    if self._make_room(seq, scheduled):
+                        self.kv.append_slot(seq)
+                        scheduled.append(seq)
+            finally:
+                self.kv.end_boundaries()
+            if not scheduled and self.kv.num_deferred:
+                # Nothing else decodes this step: compress now and decode the compressed ones.
+                for seq in self.kv.run_deferred():
                     self.kv.append_slot(seq)
                     scheduled.append(seq)
-        finally:
-            self.kv.end_boundaries()
-        if not scheduled and self.kv.num_deferred:
-            # Nothing else decodes this step: compress now and decode the compressed ones.
-            for seq in self.kv.run_deferred():
-                self.kv.append_slot(seq)
-                scheduled.append(seq)
+        except BaseException:
+            for seq in scheduled:  # a failed schedule: the slots it gave out come back
+                self._give_back(seq, 1)
+            raise
         if not scheduled:
             return None
         return SchedulerOutput(False, tuple(scheduled), (1,) * len(scheduled),
                                tuple(self._preempted))
+
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """Undo what scheduling ``out`` advanced, for a step that failed before its tokens were
+        sampled: each request gives back the slot (decode) or the prompt chunk (prefill) it
+        was given, so the next step computes it again, at the same positions. What scheduling
+        settled stays: admissions, pages, boundary outcomes, preemptions (each a state the
+        next step starts from as from any other)."""
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            self._give_back(seq, n)
+
+    @staticmethod
+    def _give_back(seq: Sequence, n: int) -> None:
+        seq.state.num_tokens -= n
+        seq.state.position -= n
 
     def _make_room(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
         """Capacity control for ``seq``'s next token; preempts until it has a free slot.

@@ -147,10 +147,12 @@ def engine_and_simulator_steps(model, policy: str, kwargs: dict, flag: str):
     return runs
 
 
-def fail_the_first_step_with_deferred_work(llm: LLM, prompts, params) -> dict:
-    """Add ``prompts``, then step until a step has deferred work (compressions or late
-    boundaries) and make its forward fail. Returns what the requests sitting that step out
-    held then, ``{request id: (num_tokens, block table)}``; the runner is restored."""
+def fail_the_first_step_with_deferred_work(llm: LLM, prompts, params,
+                                           added: list | None = None) -> dict:
+    """Add ``prompts`` (their sequences appended to ``added``), then step until a step has
+    deferred work (compressions or late boundaries) and make its forward fail. Returns what the
+    requests sitting that step out held then, ``{request id: (num_tokens, block table)}``; the
+    runner is restored."""
     engine, run = llm.engine, llm.engine.runner.run
     seen: dict = {}
 
@@ -162,7 +164,9 @@ def fail_the_first_step_with_deferred_work(llm: LLM, prompts, params) -> dict:
         return run(out)
 
     for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, params)
+        seq = engine.add_request(str(i), ids, params)
+        if added is not None:
+            added.append(seq)
     engine.runner.run = failing
     try:
         for _ in range(500):

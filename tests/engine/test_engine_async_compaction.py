@@ -203,6 +203,22 @@ def test_a_failed_step_leaves_pending_requests_unchanged_for_the_next(model):
     assert_all_returned(llm)
 
 
+@pytest.mark.parametrize("policy, kwargs", [("fixed", {"budget_tokens": 12}), ("growpage", {})])
+def test_stepping_on_after_a_failed_step_serves_a_clean_run_s_tokens(model, policy, kwargs):
+    """The failed step's pending compressions are cancelled and its decodes given back: the
+    next steps compress and decode them again, and the tokens are a clean run's."""
+    want = [o.token_ids for o in tiny_llm(model, policy, policy_kwargs=kwargs,
+                                          async_compaction=True).generate(
+        PROMPTS, LONG, use_tqdm=False)]
+    llm = tiny_llm(model, policy, policy_kwargs=kwargs, async_compaction=True)
+    seqs: list = []
+    fail_the_first_step_with_deferred_work(llm, PROMPTS, LONG, seqs)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [seq.output_token_ids for seq in seqs] == want
+    assert_all_returned(llm)
+
+
 class BadSelection(GrowPagePolicy):
     """Always compresses and selects out-of-range slots."""
 

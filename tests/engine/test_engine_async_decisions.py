@@ -151,11 +151,16 @@ def test_shared_prefix_pages_keep_the_boundary_synchronous(model):
 
 
 def test_a_failed_step_leaves_late_requests_at_their_boundary(model):
+    want = [o.token_ids for o in tiny_llm(model, "growpage", async_decisions=True).generate(
+        PROMPTS, LONG, use_tqdm=False)]
     llm = tiny_llm(model, "growpage", async_decisions=True)
-    seen = fail_the_first_step_with_deferred_work(llm, PROMPTS, LONG)
+    seqs: list = []
+    seen = fail_the_first_step_with_deferred_work(llm, PROMPTS, LONG, seqs)
     assert_left_at_their_boundaries(llm, seen)
     while llm.engine.has_unfinished():  # the next steps decide them as if nothing happened
         llm.engine.step()
+    # ... and the failed step's decodes run again: a clean run's tokens
+    assert [seq.output_token_ids for seq in seqs] == want
     assert_all_returned(llm)
 
 

@@ -208,3 +208,113 @@ def test_first_boundary_before_any_decode_query_grows_without_the_policy(model):
     # decode query exists.
     assert out.events["forced_grow"] == 1 and out.events["decided_grow"] == 0
     assert out.trajectory == [(8, 3, "grow")]
+
+
+# ---- a step that fails, then the engine stepped on ---------------------------------------------
+def _serve_with_a_failed_forward(llm, prompts, params, fail_at: int):
+    """Step ``llm``'s engine through ``prompts``, the forward of step ``fail_at`` failing once,
+    then stepping on; the requests' output tokens."""
+    engine = llm.engine
+    seqs = [engine.add_request(str(i), ids, params) for i, ids in enumerate(prompts)]
+    run, steps = engine.runner.run, [0]
+
+    def failing(out):
+        steps[0] += 1
+        if steps[0] == fail_at:
+            raise RuntimeError("device lost")
+        return run(out)
+
+    engine.runner.run = failing
+    failed = 0
+    try:
+        while engine.has_unfinished():
+            try:
+                engine.step()
+            except RuntimeError as exc:
+                assert "device lost" in str(exc)
+                failed += 1
+    finally:
+        engine.runner.run = run
+    assert failed == 1
+    return [seq.output_token_ids for seq in seqs]
+
+
+@pytest.mark.parametrize("policy", ["fullkv", "fixed"])
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 7, 10])
+@pytest.mark.parametrize("chunk", [8, 4096])
+def test_a_failed_step_is_computed_again_and_the_tokens_are_a_clean_run_s(model, policy, fail_at,
+                                                                         chunk):
+    """Whatever step fails (a prefill chunk, a decode step), the requests it had scheduled give
+    back their slots and chunks, so stepping on computes them again at the same positions: the
+    tokens are a clean run's, and no page that no forward computed enters the prefix cache
+    (the same prompts served again from it get the same tokens). 10 steps, or 13 with prefill
+    chunks of 8 tokens."""
+    kwargs = {"policy_kwargs": {"budget_tokens": 12}} if policy == "fixed" else {}
+    prompts = [prompt(13, 1), prompt(6, 2), prompt(9, 3)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    clean = tiny_llm(model, policy, max_num_batched_tokens=chunk, **kwargs)
+    want = [o.token_ids for o in clean.generate(prompts, params, use_tqdm=False)]
+    llm = tiny_llm(model, policy, max_num_batched_tokens=chunk, **kwargs)
+    assert _serve_with_a_failed_forward(llm, prompts, params, fail_at) == want
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in again] == want
+    if policy == "fullkv":   # (compressions rewrite their prompt pages, which leave the cache)
+        assert all(o.num_cached_tokens > 0 for o in again)
+    assert_all_returned(llm)
+
+
+@attrs.define
+class FixedFailingOnce(CapacityPolicy):
+    """``fixed`` at 12 tokens whose ``fail_at``-th decision raises (once)."""
+
+    name = "fixed-failing-once"
+    fail_at: int = 3
+    calls: list = attrs.field(factory=list)
+
+    def decide(self, ctx):
+        self.calls.append(ctx.request_id)
+        if len(self.calls) == self.fail_at:
+            raise RuntimeError("policy bug")
+        return Decision.GROW if ctx.capacity < 12 else Decision.COMPRESS
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 5])
+def test_a_scheduling_failure_gives_back_the_slots_it_had_given(model, fail_at):
+    """A boundary that fails while a decode step is being scheduled, after other requests got
+    their slots: those come back, and stepping on serves a clean run's tokens."""
+    prompts = [prompt(6, 4), prompt(7, 5), prompt(5, 6)]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    clean = tiny_llm(model, FixedFailingOnce(fail_at=0))
+    want = [o.token_ids for o in clean.generate(prompts, params, use_tqdm=False)]
+    llm = tiny_llm(model, FixedFailingOnce(fail_at=fail_at))
+    engine = llm.engine
+    seqs = [engine.add_request(str(i), ids, params) for i, ids in enumerate(prompts)]
+    failed = 0
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except PolicyError as exc:
+            assert "policy bug" in str(exc)
+            failed += 1
+    assert failed == 1
+    assert [seq.output_token_ids for seq in seqs] == want
+    assert_all_returned(llm)
+
+
+@pytest.mark.parametrize("watermark", [0, 1, 2])
+def test_a_policy_that_never_compresses_is_refused_up_front_when_the_watermark_bars_it(
+        model, watermark):
+    """fullkv needs every token's KV; its growth leaves the pool's watermark free, so a request
+    that would need those pages is refused when it is added, not aborted half-way."""
+    llm = tiny_llm(model, page_size=2, recent_window=1, kv_pages=26, watermark=watermark,
+                   enable_prefix_caching=False)
+    ids = prompt(23, 8)   # 23 + 28 - 1 = 50 tokens of KV at the end: 25 pages of 2
+    params = SamplingParams(max_tokens=28, ignore_eos=True)
+    if watermark <= 1:
+        (out,) = llm.generate([ids], params, use_tqdm=False)
+        assert len(out.token_ids) == 28 and out.num_preemptions == 0
+    else:
+        with pytest.raises(EngineError, match="50 tokens .*26 pages of 2 tokens, 2 of them kept "
+                                              "free as the pool's watermark"):
+            llm.generate([ids], params, use_tqdm=False)
+    assert_all_returned(llm)
