@@ -225,18 +225,24 @@ def _serve_with_a_failed_forward(llm, prompts, params, fail_at: int):
         return run(out)
 
     engine.runner.run = failing
-    failed = 0
     try:
-        while engine.has_unfinished():
-            try:
-                engine.step()
-            except RuntimeError as exc:
-                assert "device lost" in str(exc)
-                failed += 1
+        assert _step_to_the_end(engine, RuntimeError, "device lost") == 1
     finally:
         engine.runner.run = run
-    assert failed == 1
     return [seq.output_token_ids for seq in seqs]
+
+
+def _step_to_the_end(engine, error: type[Exception], says: str) -> int:
+    """Step ``engine`` until it has nothing left, going on after each ``error`` (its message
+    holding ``says``); how many steps failed."""
+    failed = 0
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except error as exc:
+            assert says in str(exc)
+            failed += 1
+    return failed
 
 
 @pytest.mark.parametrize("policy", ["fullkv", "fixed"])
@@ -289,14 +295,7 @@ def test_a_scheduling_failure_gives_back_the_slots_it_had_given(model, fail_at):
     llm = tiny_llm(model, FixedFailingOnce(fail_at=fail_at))
     engine = llm.engine
     seqs = [engine.add_request(str(i), ids, params) for i, ids in enumerate(prompts)]
-    failed = 0
-    while engine.has_unfinished():
-        try:
-            engine.step()
-        except PolicyError as exc:
-            assert "policy bug" in str(exc)
-            failed += 1
-    assert failed == 1
+    assert _step_to_the_end(engine, PolicyError, "policy bug") == 1
     assert [seq.output_token_ids for seq in seqs] == want
     assert_all_returned(llm)
 
