@@ -62,8 +62,11 @@ def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="most requests running at once (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384,
-                   help="most prompt tokens one prefill step computes; a longer prompt runs "
-                        "alone (default 16384)")
+                   help="most prompt tokens one prefill step computes; a longer prompt goes "
+                        "on in the next steps (chunked prefill, as the engine) (default 16384)")
+    p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
+                   help="prefill whole prompts, as nano-vLLM: one waits for a step with room "
+                        "for it, one longer than --max-num-batched-tokens runs alone")
     p.add_argument("--admission-reserve", type=float, default=0.05,
                    help="share of the pool a new request must leave free (default 0.05)")
     p.add_argument("--decisions", choices=["script", "trace"], default="script",

@@ -161,6 +161,7 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float
         pages = cost.kv_pages(config.page_size) if isinstance(cost, RooflineCostModel) else 1500
     sim = SimConfig(num_kv_pages=pages, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
+                    chunked_prefill=args.chunked_prefill,
                     admission_reserve=args.admission_reserve, decisions=args.decisions,
                     num_scripts=args.num_scripts, seed=args.seed,
                     async_compaction=args.async_compaction,

@@ -84,9 +84,11 @@ class CostModel(abc.ABC):
             return float(self.decode_times(num_seqs, kv_tokens, num_steps).sum())
         return overhead * num_steps + _sum_of_max(lines, kv_tokens, num_seqs, num_steps)
 
-    def prefill_time(self, prefill_tokens: int) -> float:
-        """Seconds of a prefill-only step."""
-        return float(self.step_time(0, 0, prefill_tokens))
+    def prefill_time(self, prefill_tokens: int, context_tokens: int = 0) -> float:
+        """Seconds of a prefill-only step computing ``prefill_tokens`` tokens, whose requests
+        had ``context_tokens`` KV tokens computed in earlier steps (chunked prefill's later
+        chunks attend to them), read as a decode step reads its resident KV."""
+        return float(self.step_time(0, context_tokens, prefill_tokens))
 
     def boundary_time(self, decided: int, compactions: int) -> float:
         """Seconds of capacity control between two steps: ``decided`` policy decisions, of

@@ -23,7 +23,7 @@ class SimRequest:
 
     __slots__ = ("spec", "request_id", "prompt_tokens", "output_tokens", "state", "view",
                  "num_tokens", "generated", "sync_step", "admit_step", "event_step",
-                 "event_tick", "admit_seq", "is_running", "resuming", "preemptions",
+                 "event_tick", "admit_seq", "is_running", "resuming", "prefill_left", "preemptions",
                  "budget_tokens", "first_token_s", "finish_s", "capacity")
 
     def __init__(self, spec: WorkloadRequest) -> None:
@@ -37,6 +37,7 @@ class SimRequest:
         self.event_step = self.event_tick = self.admit_seq = 0
         self.is_running = False
         self.resuming = False   # preempted, waiting for its recompute
+        self.prefill_left = 0   # tokens of its current prefill not computed yet (chunked)
         self.preemptions = 0
         self.budget_tokens = 0
         self.first_token_s: float | None = None

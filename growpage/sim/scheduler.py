@@ -1,7 +1,8 @@
 """Continuous-batching scheduler of the serving simulator (nano-vLLM style, page accounting).
 
-Requests wait in FCFS order; a step either prefills newly admitted requests (they take priority)
-or decodes one token for every running request. Decode steps run in *segments*: between two
+Requests wait in FCFS order; a step either prefills (a chunk of the prompts of requests still
+prefilling, then of newly admitted ones, within the step's token budget: prefill takes priority,
+as in the engine) or decodes one token for every running request. Decode steps run in *segments*: between two
 events (a request at a capacity boundary, or finishing) nothing changes but token counts, so a
 segment of ``k`` steps is priced at once and nothing is done per token. A request's counters
 are brought up to date (``_sync``) only when it has an event.
@@ -19,6 +20,8 @@ import heapq
 import math
 from collections import deque
 
+import attrs
+
 from growpage.core.capacity import BoundaryOutcome
 from growpage.core.decision import Action
 from growpage.core.request import RequestState
@@ -27,12 +30,27 @@ from growpage.sim.requests import SimRequest
 from growpage.sim.sources import ScriptSource, TraceSource
 
 
+@attrs.frozen
+class PrefillStep:
+    """One prefill step: the requests it computes a chunk of, in order, each chunk's tokens,
+    and the KV tokens those requests computed in earlier steps (what the chunks attend to
+    besides themselves)."""
+
+    requests: tuple[SimRequest, ...]
+    chunks: tuple[int, ...]
+    context_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.chunks)
+
+
 class Scheduler:
     """Owns the waiting queue, the running batch and (through the source) the page pool."""
 
     def __init__(self, source: TraceSource | ScriptSource, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, admission_reserve: int = 0,
-                 record_events: bool = False) -> None:
+                 record_events: bool = False, chunked_prefill: bool = True) -> None:
         self.source = source
         self.controller = source.controller
         self.pool = source.controller.pool
@@ -40,6 +58,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.admission_reserve = admission_reserve   # pages left free for running requests
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.finished: list[SimRequest] = []
@@ -49,6 +68,7 @@ class Scheduler:
         self._heap: list[tuple[int, int, SimRequest]] = []
         self._tick = 0
         self._kv_offset = 0           # sum over running of (num_tokens - sync_step)
+        self.prefilling: list[SimRequest] = []   # running, their prefill not done, in order
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def log(self, now: float, kind: str, request: SimRequest) -> None:
@@ -94,41 +114,64 @@ class Scheduler:
             heapq.heappop(self._heap)
         return self._heap[0][0] if self._heap else self.step
 
-    # ---- admission --------------------------------------------------------------------------
-    def admit(self, now: float) -> tuple[list[SimRequest], int]:
-        """Admit waiting requests FCFS while pages, seats and the token budget allow.
+    # ---- admission and prefill --------------------------------------------------------------
+    def _prefill_need(self, r: SimRequest) -> int:
+        """Tokens its (next) prefill computes: the prompt, or after a preemption every token it
+        has, the last sampled one included (a recompute, see ``_start``)."""
+        return r.prompt_tokens + (r.generated + 1 if r.resuming else 0)
 
-        Returns the admitted requests and the number of tokens their prefill computes.
+    def admit(self, now: float) -> PrefillStep | None:
+        """The next prefill step, None when there is none (a decode step comes next).
+
+        As the engine's scheduler: the running requests still prefilling take their next chunk
+        first, then waiting requests are admitted FCFS while seats, pages and the step's token
+        budget (``max_num_batched_tokens``) last. An admitted request gets the pages of its
+        whole prefill at once. With chunked prefill (the default) each takes what is left of
+        the budget, and a longer prompt goes on in the next steps; without, a request's whole
+        prefill is one chunk and it waits when the budget cannot hold it (a longer one than the
+        budget runs alone).
         """
-        batch: list[SimRequest] = []
-        tokens = 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            r = self.waiting[0]
-            if r.resuming:   # a recompute: the full KV of every token it has (see _start)
-                need = r.prompt_tokens + r.generated + 1
-                pages = math.ceil(need / self.page_size)
-            else:
-                pages = math.ceil(r.prompt_tokens / self.page_size)
-                need = r.prompt_tokens
-            if batch and tokens + need > self.max_num_batched_tokens:
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[SimRequest, int]] = []
+        context = 0
+        for r in self.prefilling:
+            if budget <= 0:
                 break
-            reserve = self.admission_reserve if self.running or batch else 0
+            n = min(r.prefill_left, budget)
+            context += self._prefill_need(r) - r.prefill_left
+            chunks.append((r, n))
+            budget -= n
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            r = self.waiting[0]
+            need = self._prefill_need(r)
+            if not self.chunked_prefill and chunks and need > budget:
+                break
+            pages = math.ceil(need / self.page_size)
+            reserve = self.admission_reserve if self.running else 0
             if not self.pool.can_allocate(pages + reserve, respect_watermark=True):
-                if not self.running and not batch:
+                if not self.running:
                     raise ConfigError(f"request {r.request_id!r} needs {pages} KV pages; the pool "
                                       f"has {self.pool.num_pages} (watermark {self.pool.watermark})")
                 break
             self.waiting.popleft()
             self._start(r, pages, now)
-            batch.append(r)
-            tokens += need
-        return batch, tokens
+            n = min(need, budget) if self.chunked_prefill else need
+            chunks.append((r, n))
+            budget -= n
+        if not chunks:
+            return None
+        for r, n in chunks:
+            r.prefill_left -= n
+        self.prefilling = [r for r in self.prefilling if r.prefill_left]
+        return PrefillStep(tuple(r for r, _ in chunks), tuple(n for _, n in chunks), context)
 
     def _start(self, r: SimRequest, pages: int, now: float) -> None:
         if r.view is None or r.resuming:
             # A recompute starts from a fresh view: what its compressions dropped is back.
             r.view = self.source.view_for(r.spec)
         r.state.block_table = self.pool.allocate(pages, respect_watermark=True)
+        r.prefill_left = self._prefill_need(r)
+        self.prefilling.append(r)
         if r.resuming:
             # As the engine's recompute: the prefill computes every token the request has, the
             # last one (sampled, never fed back yet) included, and samples the next. Its KV is
@@ -137,6 +180,8 @@ class Scheduler:
             r.generated += 1
         else:
             r.num_tokens = r.prompt_tokens
+        # Its KV counts in full from now: no decode step runs while a request prefills (a
+        # prefill step comes first as long as one does), so it is whole when next read.
         r.sync_step = r.admit_step = self.step
         self._kv_offset += r.num_tokens - r.sync_step
         r.is_running = True
@@ -236,12 +281,18 @@ class Scheduler:
         r.state.block_table = []
         r.is_running = False
         self.running.remove(r)
+        if r.prefill_left:
+            self.prefilling.remove(r)
+            r.prefill_left = 0
         self._kv_offset -= r.num_tokens - r.sync_step
 
-    def finish_prefilled(self, batch: list[SimRequest], now: float) -> None:
-        """The prefill of ``batch`` has run and produced an output token for each: its first, or
-        after a recompute its next (see ``_start``); those that needed no more finish."""
-        for r in batch:
+    def finish_prefilled(self, step: PrefillStep, now: float) -> None:
+        """The prefill ``step`` has run: each request whose prefill it completed produced an
+        output token, its first or after a recompute its next (see ``_start``); those that
+        needed no more finish. Those still prefilling go on in the next prefill step."""
+        for r in step.requests:
+            if r.prefill_left:
+                continue
             if r.first_token_s is None:
                 r.first_token_s = now
             if r.generated >= r.decode_tokens:

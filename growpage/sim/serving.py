@@ -8,9 +8,10 @@ due go through the ``CapacityController`` and the running batch decodes up to it
 is in seconds.
 
 Step semantics, as in the engine (and vLLM): a prefill step computes the admitted requests'
-prompts (plus, for a request back from preemption, its generated tokens: recompute) and produces
-each one's first output token (after a recompute, its next); each decode step writes the KV slot of a running request's last
-token and produces its next one. A request of ``N`` output tokens thus decodes ``N - 1`` steps,
+prompts (plus, for a request back from preemption, its generated tokens: recompute), in chunks
+of at most ``max_num_batched_tokens`` tokens a step, and the step that completes a request's
+prompt produces its first output token (after a recompute, its next); each decode step writes
+the KV slot of a running request's last token and produces its next one. A request of ``N`` output tokens thus decodes ``N - 1`` steps,
 and its KV ends at ``prompt + N - 1`` tokens (the last token is never fed back).
 """
 
@@ -67,8 +68,11 @@ class SimConfig:
     Attributes:
         num_kv_pages: pages in the shared KV pool (1500 ~ Qwen3-8B on an A100 80 GB, b = 256).
         max_num_seqs: most running requests (continuous-batching seats).
-        max_num_batched_tokens: most tokens one prefill step computes (a longer prompt still
-            runs, alone).
+        max_num_batched_tokens: most tokens one prefill step computes.
+        chunked_prefill: as the engine: a prompt longer than what is left of a prefill step's
+            token budget computes that much and goes on in the next prefill steps (a request
+            decodes once its whole prompt is computed). False: a prompt is one chunk, waiting
+            for a step with room for it (one longer than the budget runs alone), as nano-vLLM.
         admission_reserve: share of the pool a new request must leave free when admitted
             (room for the running requests to grow; 0 = nano-vLLM's greedy admission,
             vLLM keeps 1%).
@@ -91,6 +95,7 @@ class SimConfig:
     num_kv_pages: int = attrs.field(default=1500, validator=_positive)
     max_num_seqs: int = attrs.field(default=256, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=16384, validator=_positive)
+    chunked_prefill: bool = attrs.field(default=True, validator=_flag)
     decisions: str = attrs.field(default="script", validator=_mode)
     admission_reserve: float = attrs.field(default=0.05, validator=_fraction)
     num_scripts: int = attrs.field(default=8, validator=_positive)
@@ -178,12 +183,12 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
     """The engine loop: prefill when possible, else decode up to the next event."""
     sched, cost = run.scheduler, run.cost
     while len(sched.finished) < run.num_requests:
-        batch, tokens = sched.admit(env.now)
-        if batch:
-            yield run.spend(env, cost.prefill_time(tokens))
+        prefill = sched.admit(env.now)
+        if prefill is not None:
+            yield run.spend(env, cost.prefill_time(prefill.tokens, prefill.context_tokens))
             run.prefill_steps += 1
             done = len(sched.finished)
-            sched.finish_prefilled(batch, env.now)
+            sched.finish_prefilled(prefill, env.now)
             _report_progress(run, done)
             continue
         if not sched.running:
@@ -323,7 +328,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
                               sim.seed, demand)
     reserve = int(sim.admission_reserve * sim.num_kv_pages)
     sched = Scheduler(source, config.page_size, sim.max_num_seqs, sim.max_num_batched_tokens,
-                      reserve, sim.record_events)
+                      reserve, sim.record_events, sim.chunked_prefill)
     sim_requests = [SimRequest(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
     env = simpy.Environment()
     run = _Run(sched, cost, len(sim_requests), async_compaction=sim.async_compaction,

@@ -3,7 +3,8 @@ policy (one that reads no attention signal, so both decide alike), every request
 boundary decisions in the same order, and the run takes as many steps on both sides; under
 fullkv also on a pool tight enough to preempt (recompute), which both model alike, and under a
 budget policy that preempts instead of falling back, whose victims may have compressed: their
-recompute rebuilds the full KV on both sides."""
+recompute rebuilds the full KV on both sides. Prompts longer than a step's token budget prefill
+in chunks on both sides, and each request gets its first and last tokens at the same step."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def model():
     return tiny_model()
 
 
-def engine_run(model, lengths, policy, params, kv_pages, max_num_seqs):
+def engine_run(model, lengths, policy, params, kv_pages, max_num_seqs, chunk=4096):
     llm = tiny_llm(model, policy=policy, policy_kwargs=params, kv_pages=kv_pages,
-                   max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+                   max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+                   max_num_batched_tokens=chunk)
     prompts = [prompt(p, 100 + i) for i, (p, _) in enumerate(lengths)]
     outs = llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True)
                                   for _, o in lengths], use_tqdm=False)
@@ -65,12 +67,13 @@ def sim_run(llm, lengths, policy, params, kv_pages, max_num_seqs, decisions="scr
                         max_size=4),
        point=st.sampled_from([("fullkv", {}), ("fixed", {"budget_tokens": 12}),
                               ("fixed", {"budget_tokens": 20})]),
-       max_num_seqs=st.integers(1, 4), decisions=st.sampled_from(["script", "trace"]))
+       max_num_seqs=st.integers(1, 4), decisions=st.sampled_from(["script", "trace"]),
+       chunk=st.sampled_from([4096, 3, 8]))
 def test_engine_and_simulator_take_the_same_steps_and_decisions(model, lengths, point,
-                                                                 max_num_seqs, decisions):
+                                                                 max_num_seqs, decisions, chunk):
     policy, params = point
     llm, engine_events, engine_paths, outputs = engine_run(model, lengths, policy, params, 256,
-                                                          max_num_seqs)
+                                                          max_num_seqs, chunk)
     assert outputs == [o for _, o in lengths]
     result, sim_events, sim_paths = sim_run(llm, lengths, policy, params, 256, max_num_seqs,
                                             decisions)
@@ -85,15 +88,16 @@ def test_engine_and_simulator_take_the_same_steps_and_decisions(model, lengths, 
                                                                   HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(1, 40)), min_size=2,
                         max_size=4),
-       slack=st.integers(0, 3), max_num_seqs=st.integers(2, 4))
+       slack=st.integers(0, 3), max_num_seqs=st.integers(2, 4),
+       chunk=st.sampled_from([4096, 2, 5]))
 def test_fullkv_preempts_and_recomputes_alike_on_a_tight_pool(model, lengths, slack,
-                                                             max_num_seqs):
+                                                             max_num_seqs, chunk):
     # The most demanding request alone fills the pool but for `slack` pages (its KV ends at
     # prompt + output - 1 tokens; the engine takes no fewer than min_capacity = 2), so the
     # others are preempted and recomputed.
     pages = max([math.ceil((p + o - 1) / 4) for p, o in lengths] + [2]) + slack
     llm, engine_events, engine_paths, outputs = engine_run(model, lengths, "fullkv", {}, pages,
-                                                          max_num_seqs)
+                                                          max_num_seqs, chunk)
     assert outputs == [o for _, o in lengths]
     result, sim_events, sim_paths = sim_run(llm, lengths, "fullkv", {}, pages, max_num_seqs)
     assert (sim_events, sim_paths) == (engine_events, engine_paths)
@@ -118,9 +122,10 @@ def compressed_victims(events) -> int:
     return victims
 
 
-def assert_preempt_alike(model, lengths, pages, decisions):
+def assert_preempt_alike(model, lengths, pages, decisions, chunk=4096):
     policy = FixedWithoutFallback(budget_tokens=8)
-    llm, engine_events, engine_paths, outputs = engine_run(model, lengths, policy, {}, pages, 4)
+    llm, engine_events, engine_paths, outputs = engine_run(model, lengths, policy, {}, pages, 4,
+                                                          chunk)
     assert outputs == [o for _, o in lengths]
     result, sim_events, sim_paths = sim_run(llm, lengths, policy, {}, pages, 4, decisions)
     assert (sim_events, sim_paths) == (engine_events, engine_paths)
@@ -147,10 +152,54 @@ def test_a_victim_that_compressed_comes_back_with_its_full_kv(model, lengths, pa
                                                                   HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.tuples(st.one_of(st.integers(1, 4), st.integers(8, 14)),
                                   st.integers(6, 24)), min_size=2, max_size=4),
-       slack=st.integers(0, 2))
-def test_a_budget_policy_without_fallback_preempts_alike(model, lengths, slack):
+       slack=st.integers(0, 2), chunk=st.sampled_from([4096, 3]))
+def test_a_budget_policy_without_fallback_preempts_alike(model, lengths, slack, chunk):
     # The engine admits a request only when its full KV fits (the policy never falls back), so
     # the pool holds the longest one whole, plus `slack`; short prompts grow, long ones
     # compress at 2 pages' budget, and the growths find the pool full.
     pages = max(math.ceil((p + o - 1) / 4) for p, o in lengths) + slack
-    assert_preempt_alike(model, lengths, pages, "script")
+    assert_preempt_alike(model, lengths, pages, "script", chunk)
+
+
+
+def engine_token_steps(llm, lengths):
+    """Step the engine by hand: per request, the step (1-based) of its first and of its last
+    token."""
+    engine = llm.engine
+    seqs = [engine.add_request(f"r{i}", prompt(p, 100 + i),
+                               SamplingParams(max_tokens=o, ignore_eos=True))
+            for i, (p, o) in enumerate(lengths)]
+    first, last, step = {}, {}, 0
+    while engine.has_unfinished():
+        engine.step()
+        step += 1
+        for s in seqs:
+            if s.num_output_tokens and s.request_id not in first:
+                first[s.request_id] = step
+            if s.is_finished and s.request_id not in last:
+                last[s.request_id] = step
+    return first, last
+
+
+@pytest.mark.parametrize("policy, params", [("fullkv", {}), ("fixed", {"budget_tokens": 8})])
+@pytest.mark.parametrize("lengths, chunk, max_num_seqs", [
+    ([(14, 5), (9, 3), (2, 6)], 4, 4),      # a prompt over four steps, the next shares one
+    ([(13, 2), (1, 7), (11, 4)], 5, 2),     # a seat frees while the third still waits
+    ([(6, 9), (6, 9), (6, 9)], 6, 3),       # one prompt a step exactly
+])
+def test_chunked_prefill_gives_each_request_its_tokens_at_the_same_steps(model, policy, params,
+                                                                        lengths, chunk,
+                                                                        max_num_seqs):
+    """A prompt longer than what is left of a step's token budget prefills in chunks on both
+    sides (until 2026-12-01 the simulator ran it whole, alone, in one step): at one second a
+    step, each request's first and last tokens come at the same step in both."""
+    llm = tiny_llm(model, policy=policy, policy_kwargs=params, max_num_seqs=max_num_seqs,
+                   enable_prefix_caching=False, max_num_batched_tokens=chunk)
+    first, last = engine_token_steps(llm, lengths)
+    result, _, _ = sim_run(llm, lengths, policy, params, 256, max_num_seqs)
+    assert {r.request_id: round(r.first_token_s) for r in result.requests} == first
+    assert {r.request_id: round(r.finish_s) for r in result.requests} == last
+    m = result.metrics
+    assert m.prefill_steps + m.decode_steps == max(last.values())
+    assert m.prefill_steps >= math.ceil(sum(p for p, _ in lengths) / chunk)
+

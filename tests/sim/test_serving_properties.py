@@ -65,9 +65,10 @@ workloads = st.lists(
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=workloads, pages=st.integers(3, 24), policy=st.sampled_from(sorted(POLICIES)),
        reserve=st.sampled_from([0.0, 0.2]), seats=st.integers(1, 4),
-       asynchronous=st.booleans(), late=st.booleans())
+       asynchronous=st.booleans(), late=st.booleans(),
+       prefill=st.sampled_from([(16384, True), (5, True), (13, True), (5, False)]))
 def test_pages_are_conserved_and_runs_are_deterministic(spec, pages, policy, reserve, seats,
-                                                        asynchronous, late):
+                                                        asynchronous, late, prefill):
     config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
     requests = [WorkloadRequest(f"r{i}", a, p, o) for i, (p, o, a) in enumerate(spec)]
     # A request alone must fit: its prompt and, when it decodes, the first decode step's token
@@ -78,8 +79,10 @@ def test_pages_are_conserved_and_runs_are_deterministic(spec, pages, policy, res
     if policy == "fullkv":
         assume(all(max(2, math.ceil((r.prompt_tokens + r.output_tokens - 1) / 4)) <= pages
                    for r in requests))
+    chunk, chunked = prefill
     sim = SimConfig(num_kv_pages=pages, max_num_seqs=seats, admission_reserve=reserve,
-                    record_events=True, async_compaction=asynchronous, async_decisions=late)
+                    record_events=True, async_compaction=asynchronous, async_decisions=late,
+                    max_num_batched_tokens=chunk, chunked_prefill=chunked)
     first = simulate(requests, POLICIES[policy](), config, sim, COST)
     check_conservation(first, requests, pages)
     again = simulate(requests, POLICIES[policy](), config, sim, COST)
@@ -206,6 +209,36 @@ def test_late_boundaries_hide_decision_and_compaction_behind_the_step(price):
     assert free.metrics.compresses == sync_paid.metrics.compresses
     assert free.metrics.grows == free.metrics.forced_grows  # no decided growth
 
+@pytest.mark.parametrize("chunked, first", [
+    (True, {"long": 3.0, "a": 4.0, "b": 4.0}),    # 10 + 10 + 10 of "long", then "a" and "b"
+    (False, {"long": 1.0, "a": 2.0, "b": 2.0}),   # "long" whole and alone, then "a" and "b"
+])
+def test_without_chunked_prefill_a_long_prompt_runs_whole_and_alone(chunked, first):
+    """Chunked prefill (the default, as the engine) splits a prompt over steps of
+    ``max_num_batched_tokens`` tokens; ``chunked_prefill=False`` is nano-vLLM's prefill: whole
+    prompts, the next waiting for a step with room for it, one over the budget alone."""
+    requests = [WorkloadRequest("long", 0.0, 30, 2), WorkloadRequest("a", 0.0, 6, 2),
+                WorkloadRequest("b", 0.0, 4, 2)]
+    sim = SimConfig(num_kv_pages=64, max_num_batched_tokens=10, admission_reserve=0.0,
+                    chunked_prefill=chunked)
+    result = simulate(requests, "fullkv", GrowPageConfig(page_size=4, recent_window=1), sim,
+                      LinearCostModel(base_s=1.0))
+    assert {r.request_id: r.first_token_s for r in result.requests} == first
+    assert result.metrics.prefill_steps == (4 if chunked else 2)
+
+
+def test_a_later_chunk_pays_for_the_kv_it_attends_to():
+    """A prefill step's price reads, besides its tokens, the KV its chunks' requests computed in
+    earlier steps, as a decode step reads its resident KV: 30 prompt tokens in chunks of 10 at
+    1 s a token and 0.5 s a KV token take 10 + (10 + 5) + (10 + 10) s."""
+    cost = LinearCostModel(base_s=0.0, per_kv_token_s=0.5, per_prefill_token_s=1.0)
+    config = GrowPageConfig(page_size=4, recent_window=1)
+    for chunked, ttft in ((True, 45.0), (False, 30.0)):
+        sim = SimConfig(num_kv_pages=64, max_num_batched_tokens=10, chunked_prefill=chunked)
+        result = simulate([WorkloadRequest("r", 0.0, 30, 1)], "fullkv", config, sim, cost)
+        assert result.requests[0].ttft_s == ttft
+
+
 def test_pool_too_small_for_a_prompt_is_a_config_error():
     config = GrowPageConfig(page_size=4, recent_window=1)
     with pytest.raises(ConfigError, match="needs 3 KV pages"):
@@ -214,7 +247,8 @@ def test_pool_too_small_for_a_prompt_is_a_config_error():
 
 
 @pytest.mark.parametrize("field, value", [("num_kv_pages", 0), ("max_num_seqs", 1.5),
-                                          ("admission_reserve", 1.0), ("decisions", "magic")])
+                                          ("admission_reserve", 1.0), ("decisions", "magic"),
+                                          ("chunked_prefill", 1)])
 def test_sim_config_validation_names_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         SimConfig(**{field: value})
