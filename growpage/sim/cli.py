@@ -67,6 +67,9 @@ def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                    help="prefill whole prompts, as nano-vLLM: one waits for a step with room "
                         "for it, one longer than --max-num-batched-tokens runs alone")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="no prefix cache: every prefill computes all its tokens (the engine's "
+                        "enable_prefix_caching=False)")
     p.add_argument("--admission-reserve", type=float, default=0.05,
                    help="share of the pool a new request must leave free (default 0.05)")
     p.add_argument("--decisions", choices=["script", "trace"], default="script",

@@ -161,7 +161,7 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float
         pages = cost.kv_pages(config.page_size) if isinstance(cost, RooflineCostModel) else 1500
     sim = SimConfig(num_kv_pages=pages, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    chunked_prefill=args.chunked_prefill,
+                    chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
                     admission_reserve=args.admission_reserve, decisions=args.decisions,
                     num_scripts=args.num_scripts, seed=args.seed,
                     async_compaction=args.async_compaction,
@@ -225,10 +225,12 @@ def run_serve(args: argparse.Namespace) -> int:
     table = reports.format_table([m], reports.SERVING_COLUMNS) + (
         f"\n{m['num_requests']} requests, {m['output_tokens']} output tokens, "
         f"{sim.num_kv_pages} KV pages (peak {m['peak_pages']}), cost model {args.cost}"
-        "\n\n" + reports.latency_table(m))
+        + (f", {m['prefix_hit_tokens']} prompt tokens from the prefix cache"
+           if m["prefix_hit_tokens"] else "")
+        + "\n\n" + reports.latency_table(m))
     payload = {"metrics": m, "policy": args.policy, "params": kwargs, "sim": attrs.asdict(sim),
-               "config": attrs.asdict(config), "cost": args.cost, "workload": args.workload,
-               "arrival_rate_per_s": args.arrival_rate}
+               "config": attrs.asdict(config), "cost": args.cost, "cost_model": cost.describe(),
+               "workload": args.workload, "arrival_rate_per_s": args.arrival_rate}
     _emit(args, table, payload)
     if out is not None:
         reports.write_json(out / "metrics.json", payload)

@@ -32,6 +32,8 @@ class ServingMetrics:
         peak_pages: most pages in use at once.
         boundary_time_s: simulated seconds of capacity control (``CostModel.boundary_time``),
             part of ``total_time_s``; 0 unless the cost model prices it.
+        prefix_hit_tokens: prompt tokens (recomputes' tokens included) taken from the prefix
+            cache instead of computed, as the engine's ``EngineStats.prefix_hit_tokens``.
         e2e_s: mean seconds from arrival to the request's last output token.
         ttft_p50_s ... e2e_p99_s: percentiles (``PERCENTILES``) over the requests of their
             TTFT (s), TPOT (ms) and end-to-end latency (s), defined as the means are; numpy's
@@ -69,6 +71,7 @@ class ServingMetrics:
     e2e_p50_s: float = 0.0
     e2e_p90_s: float = 0.0
     e2e_p99_s: float = 0.0
+    prefix_hit_tokens: int = 0
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -77,7 +80,7 @@ class ServingMetrics:
 def compute_metrics(policy: str, requests: list[SimRequest], events: EventCounters,
                     total_time_s: float, resident_seconds: float, num_preemptions: int,
                     decode_steps: int, prefill_steps: int, peak_pages: int, num_pages: int,
-                    boundary_time_s: float = 0.0) -> ServingMetrics:
+                    boundary_time_s: float = 0.0, prefix_hit_tokens: int = 0) -> ServingMetrics:
     """Metrics of a finished run; ``resident_seconds`` is the integral of the batch size."""
     out_tokens = sum(r.output_tokens for r in requests)
     latencies = {"ttft": _known(r.ttft_s for r in requests),
@@ -95,7 +98,7 @@ def compute_metrics(policy: str, requests: list[SimRequest], events: EventCounte
         grows=events.grow, forced_grows=events.forced_grow, compresses=events.compress,
         shrinks=events.shrink, fallbacks=events.fallback, preemptions=num_preemptions,
         decode_steps=decode_steps, prefill_steps=prefill_steps, peak_pages=peak_pages,
-        num_pages=num_pages, boundary_time_s=boundary_time_s,
+        num_pages=num_pages, boundary_time_s=boundary_time_s, prefix_hit_tokens=prefix_hit_tokens,
         **percentile_fields(latencies, {"ttft": "s", "tpot": "ms", "e2e": "s"}))
 
 

@@ -23,7 +23,8 @@ class SimRequest:
 
     __slots__ = ("spec", "request_id", "prompt_tokens", "output_tokens", "state", "view",
                  "num_tokens", "generated", "sync_step", "admit_step", "event_step",
-                 "event_tick", "admit_seq", "is_running", "resuming", "prefill_left", "preemptions",
+                 "event_tick", "admit_seq", "is_running", "resuming", "prefill_target",
+                 "prefill_left", "registered", "last_hash", "last_cached", "preemptions",
                  "budget_tokens", "first_token_s", "finish_s", "capacity")
 
     def __init__(self, spec: WorkloadRequest) -> None:
@@ -37,7 +38,11 @@ class SimRequest:
         self.event_step = self.event_tick = self.admit_seq = 0
         self.is_running = False
         self.resuming = False   # preempted, waiting for its recompute
-        self.prefill_left = 0   # tokens of its current prefill not computed yet (chunked)
+        self.prefill_target = 0   # tokens its current prefill computes, cached ones included
+        self.prefill_left = 0     # of those, not computed yet (chunked prefill)
+        self.registered = 0       # prefix caching: leading pages entered (or tried) this time
+        self.last_hash: int | None = None    # chain hash of its last entered page
+        self.last_cached: int | None = None  # the cached page of its prefix so far
         self.preemptions = 0
         self.budget_tokens = 0
         self.first_token_s: float | None = None

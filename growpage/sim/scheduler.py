@@ -22,10 +22,11 @@ from collections import deque
 
 import attrs
 
-from growpage.core.capacity import BoundaryOutcome
+from growpage.core.capacity import BoundaryOutcome, PendingCompaction
 from growpage.core.decision import Action
 from growpage.core.request import RequestState
 from growpage.errors import ConfigError
+from growpage.sim.prefix import PrefixCache
 from growpage.sim.requests import SimRequest
 from growpage.sim.sources import ScriptSource, TraceSource
 
@@ -50,7 +51,8 @@ class Scheduler:
 
     def __init__(self, source: TraceSource | ScriptSource, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, admission_reserve: int = 0,
-                 record_events: bool = False, chunked_prefill: bool = True) -> None:
+                 record_events: bool = False, chunked_prefill: bool = True,
+                 prefix_caching: bool = True, defer_compactions: bool = False) -> None:
         self.source = source
         self.controller = source.controller
         self.pool = source.controller.pool
@@ -59,6 +61,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.admission_reserve = admission_reserve   # pages left free for running requests
         self.chunked_prefill = chunked_prefill
+        self.prefix = PrefixCache(self.pool, source.scale, prefix_caching)
+        self.defer_compactions = defer_compactions   # settle now, run after the others
+        self._pending: dict[str, PendingCompaction] = {}
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.finished: list[SimRequest] = []
@@ -126,51 +131,75 @@ class Scheduler:
         As the engine's scheduler: the running requests still prefilling take their next chunk
         first, then waiting requests are admitted FCFS while seats, pages and the step's token
         budget (``max_num_batched_tokens``) last. An admitted request gets the pages of its
-        whole prefill at once. With chunked prefill (the default) each takes what is left of
-        the budget, and a longer prompt goes on in the next steps; without, a request's whole
-        prefill is one chunk and it waits when the budget cannot hold it (a longer one than the
-        budget runs alone).
+        whole prefill at once: with prefix caching the cached pages of its leading tokens,
+        which its prefill does not compute, and new ones for the rest. With chunked prefill
+        (the default) each takes what is left of the budget, and a longer prompt goes on in
+        the next steps; without, a request's whole prefill is one chunk and it waits when the
+        budget cannot hold it (a longer one than the budget runs alone).
         """
         budget = self.max_num_batched_tokens
         chunks: list[tuple[SimRequest, int]] = []
-        context = 0
         for r in self.prefilling:
             if budget <= 0:
                 break
             n = min(r.prefill_left, budget)
-            context += self._prefill_need(r) - r.prefill_left
             chunks.append((r, n))
             budget -= n
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             r = self.waiting[0]
-            need = self._prefill_need(r)
-            if not self.chunked_prefill and chunks and need > budget:
+            cached, todo, fits = self._admission(r)
+            if not self.chunked_prefill and chunks and todo > budget:
                 break
-            pages = math.ceil(need / self.page_size)
-            reserve = self.admission_reserve if self.running else 0
-            if not self.pool.can_allocate(pages + reserve, respect_watermark=True):
+            if not fits:
                 if not self.running:
+                    pages = math.ceil(self._prefill_need(r) / self.page_size)
                     raise ConfigError(f"request {r.request_id!r} needs {pages} KV pages; the pool "
-                                      f"has {self.pool.num_pages} (watermark {self.pool.watermark})")
+                                      f"has {self.pool.num_pages}")
                 break
             self.waiting.popleft()
-            self._start(r, pages, now)
-            n = min(need, budget) if self.chunked_prefill else need
+            self._start(r, cached, now)
+            n = min(todo, budget) if self.chunked_prefill else todo
             chunks.append((r, n))
             budget -= n
         if not chunks:
             return None
+        # What the chunks attend to besides themselves: their requests' KV computed before
+        # (earlier chunks, cached pages).
+        context = sum(r.prefill_target - r.prefill_left for r, _ in chunks)
         for r, n in chunks:
             r.prefill_left -= n
+            self.prefix.register(r, r.prefill_target - r.prefill_left)
         self.prefilling = [r for r in self.prefilling if r.prefill_left]
         return PrefillStep(tuple(r for r, _ in chunks), tuple(n for _, n in chunks), context)
 
-    def _start(self, r: SimRequest, pages: int, now: float) -> None:
+    def _admission(self, r: SimRequest) -> tuple[list[int], int, bool]:
+        """For waiting ``r`` now: the cached pages it would take, the tokens its prefill would
+        compute, and whether its pages fit (as the engine's: leaving ``admission_reserve`` and
+        the pool's watermark free unless nothing runs)."""
+        need = self._prefill_need(r)
+        cached = self.prefix.cached_pages(r, need)
+        take = (math.ceil(need / self.page_size) - len(cached)
+                + self.prefix.pages_to_take(cached))
+        reserve = self.admission_reserve if self.running else 0
+        fits = self.pool.can_allocate(take + reserve, respect_watermark=bool(self.running))
+        return cached, need - len(cached) * self.page_size, fits
+
+    def can_admit(self) -> bool:
+        """Whether the head of the queue would be admitted now (nothing changes)."""
+        return (bool(self.waiting) and len(self.running) < self.max_num_seqs
+                and self._admission(self.waiting[0])[2])
+
+    def _start(self, r: SimRequest, cached: list[int], now: float) -> None:
         if r.view is None or r.resuming:
             # A recompute starts from a fresh view: what its compressions dropped is back.
             r.view = self.source.view_for(r.spec)
-        r.state.block_table = self.pool.allocate(pages, respect_watermark=True)
-        r.prefill_left = self._prefill_need(r)
+        new = math.ceil(self._prefill_need(r) / self.page_size) - len(cached)
+        watermark = bool(self.running)
+        self.prefix.take(r, cached)
+        r.state.block_table = cached + self.pool.allocate(new, respect_watermark=watermark)
+        r.prefill_target = self._prefill_need(r)
+        r.prefill_left = r.prefill_target - len(cached) * self.page_size
+        self.prefix.register(r, len(cached) * self.page_size)
         self.prefilling.append(r)
         if r.resuming:
             # As the engine's recompute: the prefill computes every token the request has, the
@@ -193,21 +222,55 @@ class Scheduler:
         self._schedule_event(r)
 
     # ---- decode -----------------------------------------------------------------------------
-    def resolve_boundaries(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
+    def resolve_boundaries(self, now: float, late_decisions: bool = False
+                           ) -> tuple[list[SimRequest], list[SimRequest]]:
         """Run the controller for every running request at a capacity boundary now; returns,
         of those still running, the ones whose KV was compacted (Compress & Hold, Shrink, a
-        refused GROW) and the ones whose boundary the policy decided."""
-        compacted, decided = [], []
+        refused GROW) and, with ``late_decisions`` (the engine's ``async_decisions``), the
+        ones whose boundary was decided late.
+
+        As the engine's scheduler: the requests are taken in admission order. With late
+        decisions a request whose boundary can be decided beside the next step (its policy
+        decides it and falls back to compressing, and it holds no shared page, so no outcome
+        needs a preemption) is only filed; with ``defer_compactions`` (the engine's
+        ``async_compaction``) a compression is settled (its copy-on-write pages taken) but not
+        run. Both kinds then run after all the others, in the order they were filed, as the
+        engine's ``run_deferred`` does beside the step: a page two requests share is copied
+        by both, and stays cached.
+        """
+        compacted, late = [], []
+        deferred: list[tuple[SimRequest, bool]] = []   # (request, a late boundary?) in order
         for r in self._pop_due():
-            if r.is_running:
-                self._sync(r)
-                outcome = self._boundary(r, now)
-                if outcome is not None and outcome.decision is not None:
-                    decided.append(r)
-                if outcome is not None and outcome.action in (Action.COMPRESS, Action.SHRINK):
-                    compacted.append(r)
-        # A later boundary may have preempted one.
-        return [r for r in compacted if r.is_running], [r for r in decided if r.is_running]
+            if not r.is_running:
+                continue
+            self._sync(r)
+            if late_decisions and self._decides_late(r):
+                late.append(r)
+                deferred.append((r, True))
+                continue
+            outcome = self._boundary(r, now, defer=self.defer_compactions)
+            if outcome is not None and outcome.action in (Action.COMPRESS, Action.SHRINK):
+                compacted.append(r)
+                if outcome.pending is not None:
+                    deferred.append((r, False))
+        for r, is_late in deferred:
+            if not r.is_running:   # preempted for a later one (its compaction was cancelled)
+                continue
+            if not is_late:
+                self._run_pending(r, now)
+                continue
+            outcome = self._boundary(r, now)
+            if outcome is not None and outcome.action in (Action.COMPRESS, Action.SHRINK):
+                compacted.append(r)
+        return [r for r in compacted if r.is_running], [r for r in late if r.is_running]
+
+    def _decides_late(self, r: SimRequest) -> bool:
+        """``KVCacheManager.decides_late`` for ``r`` at its boundary now."""
+        return (bool(getattr(self.controller.policy, "fallback_to_compress", True))
+                and r.num_pages >= self.controller.config.min_capacity
+                and self.step > r.admit_step   # a query summary exists
+                and not (self.prefix.enabled
+                         and any(self.pool.is_shared(page) for page in r.state.block_table)))
 
     def sit_out(self, requests: list[SimRequest]) -> None:
         """``requests`` skip the next decode step (asynchronous compaction: their compaction
@@ -220,8 +283,11 @@ class Scheduler:
             r.event_tick = self._tick   # the entry pushed before is stale now
             heapq.heappush(self._heap, (r.event_step, self._tick, r))
 
-    def _boundary(self, r: SimRequest, now: float) -> BoundaryOutcome | None:
-        """One boundary of ``r``: its outcome, None when ``r`` itself was preempted."""
+    def _boundary(self, r: SimRequest, now: float, defer: bool = False
+                  ) -> BoundaryOutcome | None:
+        """One boundary of ``r``: its outcome, None when ``r`` itself was preempted. With
+        ``defer`` a compression is only settled (its outcome's ``pending``; ``_run_pending``
+        runs it)."""
         scale = self.source.scale
         while True:
             state: RequestState = r.state
@@ -233,7 +299,12 @@ class Scheduler:
             # last page, or the first step after a recompute), so the controller grows.
             self.source.prepare(view, state.num_tokens, state.position,
                                 decoded=self.step > r.admit_step)
-            outcome = self.controller.on_boundary(state, view)
+            fallbacks = state.events.fallback
+            outcome = self.controller.on_boundary(state, view, defer=defer)
+            if state.events.fallback > fallbacks:
+                # Logged also when the compression it fell back to had to preempt (no page to
+                # copy a shared page to), as the engine counts it.
+                self.log(now, "fallback", r)
             if outcome.action is not Action.PREEMPT:
                 break
             victim = self.running[-1]
@@ -242,14 +313,22 @@ class Scheduler:
             self.preempt(victim, now)
             if victim is r:
                 return None
-        if outcome.fallback:
-            self.log(now, "fallback", r)
+        if outcome.pending is not None:
+            self._pending[r.request_id] = outcome.pending
+        else:
+            self._settled(r, outcome, now)
+        return outcome
+
+    def _settled(self, r: SimRequest, outcome: BoundaryOutcome, now: float) -> None:
         self.log(now, outcome.action.value, r)
-        self._set_tokens(r, state.num_tokens * scale)
+        self._set_tokens(r, r.state.num_tokens * self.source.scale)
         if outcome.pages_after != outcome.pages_before:
             r.capacity.append((now, r.num_pages))
         self._schedule_event(r)
-        return outcome
+
+    def _run_pending(self, r: SimRequest, now: float) -> None:
+        """Run the compression settled for ``r`` (``_boundary(defer=True)``)."""
+        self._settled(r, self._pending.pop(r.request_id).run(), now)
 
     def _alone_error(self, r: SimRequest) -> str:
         """Why ``r`` cannot go on even alone, and, for a policy that never compresses, the
@@ -277,7 +356,10 @@ class Scheduler:
         r.capacity.append((now, 0))
 
     def _release(self, r: SimRequest) -> None:
-        self.pool.free(r.state.block_table)
+        pending = self._pending.pop(r.request_id, None)
+        if pending is not None:   # its settled compaction will not run: its pages go back
+            pending.cancel()
+        self.pool.free(reversed(r.state.block_table))   # tail first: cached heads stay longest
         r.state.block_table = []
         r.is_running = False
         self.running.remove(r)

@@ -73,6 +73,10 @@ class SimConfig:
             token budget computes that much and goes on in the next prefill steps (a request
             decodes once its whole prompt is computed). False: a prompt is one chunk, waiting
             for a step with room for it (one longer than the budget runs alone), as nano-vLLM.
+        prefix_caching: as the engine's ``enable_prefix_caching``: full prompt pages stay
+            cached after their request leaves, and a request whose leading pages are cached
+            (a shared ``WorkloadRequest.prefix``, or its own after a preemption) takes them
+            instead of computing them (``sim.prefix``).
         admission_reserve: share of the pool a new request must leave free when admitted
             (room for the running requests to grow; 0 = nano-vLLM's greedy admission,
             vLLM keeps 1%).
@@ -96,6 +100,7 @@ class SimConfig:
     max_num_seqs: int = attrs.field(default=256, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=16384, validator=_positive)
     chunked_prefill: bool = attrs.field(default=True, validator=_flag)
+    prefix_caching: bool = attrs.field(default=True, validator=_flag)
     decisions: str = attrs.field(default="script", validator=_mode)
     admission_reserve: float = attrs.field(default=0.05, validator=_fraction)
     num_scripts: int = attrs.field(default=8, validator=_positive)
@@ -195,15 +200,18 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             run.idle = env.event()
             yield run.idle
             continue
-        decisions_s, compactions_s, compacted, decided = _resolve_boundaries(run, env.now)
-        late = decided if run.async_decisions and getattr(
-            sched.controller.policy, "fallback_to_compress", True) else []
-        if late and len(late) < len(sched.running):
+        decisions_s, compactions_s, compacted, late = _resolve_boundaries(run, env.now)
+        # Compacted at once (decided while scheduling): with async_compaction they too sit out.
+        compacted = [r for r in compacted if r not in late]
+        sitting = late + compacted if run.async_compaction else late
+        if late and len(sitting) < len(sched.running):
             # Their whole boundaries ran beside the next step, which they sit out (engine's
             # async_decisions); the step waits only for boundary work longer than itself.
+            # (When every request would sit out, the engine runs it all at once: below.)
             run.boundary_seconds += decisions_s + compactions_s
-            num_steps, seconds = 1, max(_sit_out_step(run, late), decisions_s + compactions_s)
-        elif run.async_compaction and compacted and len(compacted) < len(sched.running):
+            num_steps, seconds = 1, max(_sit_out_step(run, sitting), decisions_s + compactions_s)
+        elif (not late and run.async_compaction and compacted
+              and len(compacted) < len(sched.running)):
             # Their compactions run beside the next step, which they sit out (engine's
             # async_compaction); the step waits only for compaction work longer than itself.
             run.boundary_seconds += decisions_s + compactions_s
@@ -235,16 +243,16 @@ def _report_progress(run: _Run, finished_before: int) -> None:
 def _resolve_boundaries(run: _Run, now: float
                         ) -> tuple[float, float, list[SimRequest], list[SimRequest]]:
     """Resolve the boundaries due now: the seconds the cost model charges for their decisions
-    and for their compactions, the running requests whose KV was compacted, and those whose
-    boundary the policy decided."""
+    and for their compactions, the running requests whose KV was compacted, and, with
+    ``async_decisions``, those whose boundary was decided late (``Scheduler.resolve_boundaries``)."""
     events = run.scheduler.controller.events
     decided, compactions = _decided(events), events.compress + events.shrink
-    compacted, deciders = run.scheduler.resolve_boundaries(now)
+    compacted, late = run.scheduler.resolve_boundaries(now, run.async_decisions)
     decided = _decided(events) - decided
     compactions = events.compress + events.shrink - compactions
     decisions_s = run.cost.boundary_time(decided, 0)
     return (decisions_s, run.cost.boundary_time(decided, compactions) - decisions_s, compacted,
-            deciders)
+            late)
 
 
 def _sit_out_step(run: _Run, compacted: list[SimRequest]) -> float:
@@ -267,6 +275,10 @@ def _segment(run: _Run, now: float) -> tuple[int, float]:
     batch = len(sched.running)
     num_steps = sched.next_event_step() - sched.step
     assert num_steps >= 1, "an event is due but was not resolved"
+    if sched.can_admit():
+        # A boundary freed pages (a shrink, a preemption) or a request arrived while the
+        # boundaries were paid for: as in the engine, it is admitted after the next step.
+        num_steps = 1
     kv = sched.kv_tokens() + batch
     seconds = run.cost.decode_time(batch, kv, num_steps)
     if run.next_arrival_s < now + seconds:   # stop after the step the arrival falls in
@@ -328,7 +340,8 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
                               sim.seed, demand)
     reserve = int(sim.admission_reserve * sim.num_kv_pages)
     sched = Scheduler(source, config.page_size, sim.max_num_seqs, sim.max_num_batched_tokens,
-                      reserve, sim.record_events, sim.chunked_prefill)
+                      reserve, sim.record_events, sim.chunked_prefill, sim.prefix_caching,
+                      sim.async_compaction)
     sim_requests = [SimRequest(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
     env = simpy.Environment()
     run = _Run(sched, cost, len(sim_requests), async_compaction=sim.async_compaction,
@@ -340,5 +353,5 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
     metrics = compute_metrics(policy.name, sim_requests, source.controller.events, env.now - first,
                               run.resident_seconds, sched.num_preemptions, run.decode_steps,
                               run.prefill_steps, run.peak_pages, sched.pool.num_pages,
-                              run.boundary_seconds)
+                              run.boundary_seconds, sched.prefix.hit_tokens)
     return ServingResult(metrics, sim_requests, sched.events, sched.pool)

@@ -2,18 +2,22 @@
 
 ::
 
-    arrival_s,prompt_tokens,output_tokens,trace
-    0.0,120,2048,req-0
-    0.5,96,800,
+    arrival_s,prompt_tokens,output_tokens,trace,prefix,prefix_tokens
+    0.0,120,2048,req-0,system-a,64
+    0.5,96,800,,system-a,64
+    0.9,300,500,,,
 
 ``arrival_s``: seconds (finite, >= 0); ``prompt_tokens`` / ``output_tokens``: integers in
 ``[1, MAX_TOKENS]``; ``trace`` (optional column, may be empty): the request id of a trace in the
-trace set given to the simulator. Rows are returned in arrival order (stable). Every problem
+trace set given to the simulator; ``prefix`` and ``prefix_tokens`` (optional columns, both
+given or both empty in a row): the requests naming one prefix begin with the same
+``prefix_tokens`` prompt tokens (``1 <= prefix_tokens <= prompt_tokens``), which the
+simulator's prefix cache shares (``sim.prefix``). Rows are returned in arrival order (stable). Every problem
 raises ``WorkloadError`` naming the file, the line and the field.
 
 JSON Lines (``.jsonl``): one object per line with the same fields, e.g.
 ``{"arrival_s": 0.5, "prompt_tokens": 96, "output_tokens": 800}``; ``trace`` may be omitted or
-null; token counts must be JSON integers; blank lines are skipped; any other key is an error.
+null, as may ``prefix`` and ``prefix_tokens`` (both or neither); token counts must be JSON integers; blank lines are skipped; any other key is an error.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import attrs
 from growpage.errors import WorkloadError
 
 REQUIRED = ("arrival_s", "prompt_tokens", "output_tokens")
-OPTIONAL = ("trace",)
+OPTIONAL = ("trace", "prefix", "prefix_tokens")
 MAX_TOKENS = 1 << 20    # longest prompt or output accepted, tokens
 MAX_FILE_BYTES = 1 << 28
 
@@ -68,6 +72,20 @@ def _check_kind(inst: WorkloadRequest, attribute: attrs.Attribute, value: object
                             f"got {value!r}")
 
 
+def _check_prefix(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or not 0 <= int(value) <= inst.prompt_tokens):
+        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: prefix_tokens must be an "
+                            f"integer in [0, prompt_tokens = {inst.prompt_tokens}], got {value!r}")
+    if (inst.prefix is None) != (value == 0):
+        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: prefix and prefix_tokens go "
+                            f"together (a shared prefix of >= 1 token, or none), got prefix="
+                            f"{inst.prefix!r}, prefix_tokens={value!r}")
+    if inst.prefix == "":
+        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: prefix must be a non-empty "
+                            "string or None")
+
+
 @attrs.frozen
 class WorkloadRequest:
     """One request of a workload (lengths in tokens, arrival in seconds); checked as the CSV
@@ -79,6 +97,8 @@ class WorkloadRequest:
     output_tokens: int = attrs.field(validator=_check_tokens)
     trace: str | None = attrs.field(default=None, validator=_check_optional_str)
     kind: str = attrs.field(default="", validator=_check_kind)
+    prefix: str | None = attrs.field(default=None, validator=_check_optional_str)
+    prefix_tokens: int = attrs.field(default=0, validator=_check_prefix)
 
 
 def _int_field(text: str, name: str, where: str) -> int:
@@ -126,7 +146,7 @@ def _check_header(header: list[str], source: str) -> None:
                 (("missing", missing), ("unknown column", unknown), ("repeated", twice)) if names]
     hint = "; the first line must be the header" if len(missing) == len(REQUIRED) else ""
     raise WorkloadError(f"{source}: bad header ({'; '.join(problems)}{hint}): it must hold "
-                        f"{', '.join(REQUIRED)} and optionally trace, each once")
+                        f"{', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)}, each once")
 
 
 def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
@@ -152,11 +172,20 @@ def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRe
         if len(row) != len(header):
             raise WorkloadError(f"{where}: {len(row)} fields, header has {len(header)}")
         trace = row[col["trace"]].strip() if "trace" in col else ""
-        out.append(WorkloadRequest(
-            request_id=f"req-{i}", arrival_s=_arrival(row[col["arrival_s"]], where),
-            prompt_tokens=_int_field(row[col["prompt_tokens"]], "prompt_tokens", where),
-            output_tokens=_int_field(row[col["output_tokens"]], "output_tokens", where),
-            trace=trace or None, kind="csv"))
+        prefix = row[col["prefix"]].strip() if "prefix" in col else ""
+        count = row[col["prefix_tokens"]].strip() if "prefix_tokens" in col else ""
+        if bool(prefix) != bool(count):
+            raise WorkloadError(f"{where}: prefix and prefix_tokens are given together or not "
+                                f"at all, got prefix={prefix!r}, prefix_tokens={count!r}")
+        prompt = _int_field(row[col["prompt_tokens"]], "prompt_tokens", where)
+        out.append(_checked(where, WorkloadRequest, request_id=f"req-{i}",
+                            arrival_s=_arrival(row[col["arrival_s"]], where),
+                            prompt_tokens=prompt,
+                            output_tokens=_int_field(row[col["output_tokens"]], "output_tokens",
+                                                     where),
+                            trace=trace or None, kind="csv", prefix=prefix or None,
+                            prefix_tokens=_int_field(count, "prefix_tokens", where) if count
+                            else 0))
     return sorted(out, key=lambda r: r.arrival_s)
 
 
@@ -175,7 +204,7 @@ def _json_request(obj: object, i: int, where: str) -> WorkloadRequest:
         raise WorkloadError(f"{where}: " + "; ".join(
             ([f"missing {', '.join(missing)}"] if missing else [])
             + ([f"unknown key {', '.join(map(repr, unknown))}"] if unknown else []))
-            + f" (keys: {', '.join(REQUIRED)} and optionally trace)")
+            + f" (keys: {', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)})")
     arrival = obj["arrival_s"]
     if (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
             or not math.isfinite(arrival) or arrival < 0):
@@ -184,11 +213,30 @@ def _json_request(obj: object, i: int, where: str) -> WorkloadRequest:
     if trace is not None and not isinstance(trace, str):
         raise WorkloadError(f"{where}: trace must be a string or null, got {trace!r}")
     trace = (trace or "").strip() or None
-    return WorkloadRequest(
-        request_id=f"req-{i}", arrival_s=float(arrival),
-        prompt_tokens=_json_tokens(obj["prompt_tokens"], "prompt_tokens", where),
-        output_tokens=_json_tokens(obj["output_tokens"], "output_tokens", where),
-        trace=trace, kind="jsonl")
+    prefix, count = obj.get("prefix"), obj.get("prefix_tokens")
+    if prefix is not None and not isinstance(prefix, str):
+        raise WorkloadError(f"{where}: prefix must be a string or null, got {prefix!r}")
+    prefix = (prefix or "").strip() or None
+    if (prefix is None) != (count is None):
+        raise WorkloadError(f"{where}: prefix and prefix_tokens are given together or not at "
+                            f"all, got prefix={prefix!r}, prefix_tokens={count!r}")
+    return _checked(where, WorkloadRequest, request_id=f"req-{i}", arrival_s=float(arrival),
+                    prompt_tokens=_json_tokens(obj["prompt_tokens"], "prompt_tokens", where),
+                    output_tokens=_json_tokens(obj["output_tokens"], "output_tokens", where),
+                    trace=trace, kind="jsonl", prefix=prefix,
+                    prefix_tokens=0 if count is None else _json_tokens(count, "prefix_tokens",
+                                                                       where))
+
+
+def _checked(where: str, cls: type[WorkloadRequest], **fields: object) -> WorkloadRequest:
+    """``cls(**fields)``, its ``WorkloadError`` naming the file and line instead of the
+    request's made-up id."""
+    try:
+        return cls(**fields)  # type: ignore[arg-type]
+    except WorkloadError as e:
+        text = str(e)
+        head = f"WorkloadRequest {fields['request_id']!r}: "
+        raise WorkloadError(f"{where}: {text.removeprefix(head)}") from None
 
 
 def parse_workload_jsonl(text: str, source: str = "<workload>") -> list[WorkloadRequest]:

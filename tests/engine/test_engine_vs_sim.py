@@ -13,7 +13,7 @@ from collections import Counter
 
 import attrs
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from llm_helpers import prompt, tiny_llm, tiny_model
 
@@ -47,7 +47,8 @@ def sim_run(llm, lengths, policy, params, kv_pages, max_num_seqs, decisions="scr
     requests = [WorkloadRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
     sim = SimConfig(num_kv_pages=kv_pages, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=llm.config.max_num_batched_tokens,
-                    admission_reserve=0.0, record_events=True, decisions=decisions)
+                    admission_reserve=0.0, record_events=True, decisions=decisions,
+                    prefix_caching=llm.config.enable_prefix_caching)
     result = simulate(requests, resolve_policy(policy, **params), llm.config.growpage, sim,
                       LinearCostModel(base_s=1.0))
     counts = {r.request_id: Counter() for r in requests}
@@ -202,4 +203,76 @@ def test_chunked_prefill_gives_each_request_its_tokens_at_the_same_steps(model, 
     m = result.metrics
     assert m.prefill_steps + m.decode_steps == max(last.values())
     assert m.prefill_steps >= math.ceil(sum(p for p, _ in lengths) / chunk)
+
+
+
+def shared_prompts(spec):
+    """Engine prompts and simulator requests of ``spec``: ``(group, shared, prompt, output)``
+    per request, its first ``shared`` tokens those of its group's prefix (None: no prefix) and
+    the rest its own (the first of them unique to it, so no two prompts are equal)."""
+    prefixes = {g: prompt(16, 500 + k) for k, g in enumerate("abc")}
+    prompts, requests = [], []
+    for i, (group, shared, p, o) in enumerate(spec):
+        shared = min(shared, p - 1) if group else 0
+        own = [3 + i] + prompt(p - shared - 1, 100 + i)
+        prompts.append((prefixes[group][:shared] if group else []) + own)
+        requests.append(WorkloadRequest(f"r{i}", 0.0, p, o, prefix=group if shared else None,
+                                        prefix_tokens=shared))
+    return prompts, requests
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(spec=st.lists(st.tuples(st.sampled_from([None, "a", "a", "a", "b"]), st.integers(4, 16),
+                               st.integers(1, 18), st.integers(1, 24)), min_size=2, max_size=5),
+       point=st.sampled_from([("fullkv", {}), ("fixed", {"budget_tokens": 8}),
+                              ("fixed", {"budget_tokens": 16})]),
+       slack=st.sampled_from([0, 0, 1, 200]), max_num_seqs=st.integers(1, 4),
+       chunk=st.sampled_from([4096, 3, 8]), decisions=st.sampled_from(["script", "trace"]),
+       flags=st.sampled_from([{}, {}, {"async_compaction": True}, {"async_decisions": True},
+                              {"async_compaction": True, "async_decisions": True}]))
+def test_prefix_caching_shares_and_recomputes_alike(model, spec, point, slack, max_num_seqs,
+                                                    chunk, decisions, flags):
+    """With prefix caching (the engine's default) a request whose leading pages are cached, a
+    shared prefix or its own pages after a preemption, takes them instead of computing them,
+    in the engine and the simulator alike: the same cached tokens, the same boundary decisions
+    and each request's first and last tokens at the same step (until 2026-12-01 the simulator
+    had no prefix cache). Also with asynchronous compaction and late boundaries, where a request
+    holding a shared page is decided at once."""
+    policy, params = point
+    prompts, requests = shared_prompts(spec)
+    need = [math.ceil((r.prompt_tokens + (r.output_tokens - 1 if policy == "fullkv" else 1)) / 4)
+            for r in requests]
+    pages = max(need + [2]) + slack
+    llm = tiny_llm(model, policy=policy, policy_kwargs=params, kv_pages=pages,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk, **flags)
+    engine = llm.engine
+    seqs = [engine.add_request(r.request_id, ids, SamplingParams(max_tokens=r.output_tokens,
+                                                                 ignore_eos=True))
+            for r, ids in zip(requests, prompts, strict=True)]
+    first, last, step = {}, {}, 0
+    while engine.has_unfinished():
+        engine.step()
+        step += 1
+        for s in seqs:
+            if s.num_output_tokens and s.request_id not in first:
+                first[s.request_id] = step
+            if s.is_finished and s.request_id not in last:
+                last[s.request_id] = step
+    sim = SimConfig(num_kv_pages=pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk,
+                    admission_reserve=0.0, record_events=True, decisions=decisions, **flags)
+    result = simulate(requests, resolve_policy(policy, **params), llm.config.growpage, sim,
+                      LinearCostModel(base_s=1.0))
+    event(f"prefix hits: {result.metrics.prefix_hit_tokens > 0}")
+    event(f"preemptions: {result.metrics.preemptions > 0}")
+    assert result.metrics.prefix_hit_tokens == engine.kv.prefix_hit_tokens
+    assert {r.request_id: round(r.first_token_s) for r in result.requests} == first
+    assert {r.request_id: round(r.finish_s) for r in result.requests} == last
+    events = {s.request_id: (s.num_preemptions, s.state.events.as_dict()) for s in seqs}
+    sim_events = {r.request_id: (r.preemptions, Counter()) for r in result.requests}
+    for _, kind, rid, _ in result.events:
+        if kind in KINDS:
+            sim_events[rid][1][kind] += 1
+    assert {k: (n, {e: c.get(e, 0) for e in KINDS}) for k, (n, c) in sim_events.items()} == \
+        {k: (n, {e: ev.get(e, 0) for e in KINDS}) for k, (n, ev) in events.items()}
 

@@ -398,3 +398,24 @@ def test_small_pages_get_the_engines_recent_window(capsys):
     out = run_json(capsys, ["sim", "replay", "--synthetic", "1", "--gen-len", "128",
                             "--page-size", "16", "--recent-window", "2"])
     assert out["config"]["recent_window"] == 2
+
+
+def test_serve_shares_a_prefix_unless_told_not_to(capsys, tmp_path):
+    """Eight requests naming one 256-token system prompt (pages of 32): seven take its 8 cached
+    pages; ``--no-prefix-caching`` computes every token, and ``--no-chunked-prefill`` is
+    recorded. The text report says how many tokens came from the cache."""
+    path = tmp_path / "w.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens,prefix,prefix_tokens\n"
+                    + "".join(f"{i * 0.01},300,40,sys,256\n" for i in range(8)))
+    base = ["sim", "serve", "--workload", str(path), *SMALL, "--kv-pages", "200", "--policy",
+            "fullkv", "--max-num-batched-tokens", "512"]
+    cached = run_json(capsys, base)
+    assert cached["metrics"]["prefix_hit_tokens"] == 7 * 256
+    assert cached["sim"]["prefix_caching"] and cached["sim"]["chunked_prefill"]
+    assert cached["cost_model"]["kind"] == "RooflineCostModel"
+    computed = run_json(capsys, [*base, "--no-prefix-caching", "--no-chunked-prefill"])
+    assert computed["metrics"]["prefix_hit_tokens"] == 0
+    assert not computed["sim"]["prefix_caching"] and not computed["sim"]["chunked_prefill"]
+    assert computed["metrics"]["ttft_s"] > cached["metrics"]["ttft_s"]
+    assert main(base) == 0
+    assert f"{7 * 256} prompt tokens from the prefix cache" in capsys.readouterr().out

@@ -239,6 +239,26 @@ def test_a_later_chunk_pays_for_the_kv_it_attends_to():
         assert result.requests[0].ttft_s == ttft
 
 
+@pytest.mark.parametrize("caching, hits, ttft", [
+    (True, 24, [14.0, 18.0, 22.0]),     # r1 and r2 take the 3 cached pages, compute 2 tokens
+    (False, 0, [14.0, 30.0, 46.0]),     # each computes all 14
+])
+def test_a_shared_prefix_is_computed_once(caching, hits, ttft):
+    """Three requests, one at a time, naming one 12-token prefix on 4-token pages: the first
+    computes it, the others take its 3 pages (12 tokens each) and prefill their own 2 tokens
+    (1 s a prefill token, 1 s a decode step)."""
+    requests = [WorkloadRequest(f"r{i}", 0.0, 14, 3, prefix="sys", prefix_tokens=12)
+                for i in range(3)]
+    cost = LinearCostModel(base_s=0.0, per_seq_s=1.0, per_prefill_token_s=1.0)
+    for decisions in ("script", "trace"):
+        sim = SimConfig(num_kv_pages=64, max_num_seqs=1, prefix_caching=caching,
+                        decisions=decisions)
+        result = simulate(requests, "fullkv", GrowPageConfig(page_size=4, recent_window=1), sim,
+                          cost)
+        assert result.metrics.prefix_hit_tokens == hits
+        assert [r.ttft_s for r in result.requests] == ttft
+
+
 def test_pool_too_small_for_a_prompt_is_a_config_error():
     config = GrowPageConfig(page_size=4, recent_window=1)
     with pytest.raises(ConfigError, match="needs 3 KV pages"):

@@ -348,7 +348,7 @@ def test_a_bad_csv_header_names_what_is_wrong(header, says):
     with pytest.raises(WorkloadError) as info:
         parse_workload_csv(header + "\n0,96,800\n", "w.csv")
     assert str(info.value) == (f"w.csv: bad header {says}: it must hold arrival_s, "
-                               "prompt_tokens, output_tokens and optionally trace, each once")
+                               "prompt_tokens, output_tokens and optionally trace, prefix, prefix_tokens, each once")
 
 
 # ---- a policy that never compresses is fullkv when memory is plentiful -----------------------

@@ -8,7 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from growpage.errors import WorkloadError
-from growpage.sim.workload_csv import WorkloadRequest, load_workload_csv, parse_workload_csv
+from growpage.sim.workload_csv import (
+    WorkloadRequest,
+    load_workload_csv,
+    parse_workload_csv,
+    parse_workload_jsonl,
+)
 from growpage.sim.workloads import (
     WORKLOADS,
     LengthDist,
@@ -63,6 +68,42 @@ def test_csv_round_trip(tmp_path):
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.trace) for r in requests] == [
         (0.0, 96, 800, None), (1.5, 120, 2048, "req-0")]
     assert resolve_workload(str(path)) == requests
+
+
+def test_a_shared_prefix_reads_from_csv_and_json_lines(tmp_path):
+    csv_path, jsonl_path = tmp_path / "w.csv", tmp_path / "w.jsonl"
+    csv_path.write_text("arrival_s,prompt_tokens,output_tokens,prefix,prefix_tokens\n"
+                        "0,120,20,sys,64\n0.5,96,8,,\n")
+    jsonl_path.write_text('{"arrival_s": 0, "prompt_tokens": 120, "output_tokens": 20, '
+                          '"prefix": "sys", "prefix_tokens": 64}\n'
+                          '{"arrival_s": 0.5, "prompt_tokens": 96, "output_tokens": 8}\n')
+    for requests in (load_workload_csv(csv_path), resolve_workload(str(jsonl_path))):
+        assert [(r.prefix, r.prefix_tokens) for r in requests] == [("sys", 64), (None, 0)]
+
+
+@pytest.mark.parametrize("row, match", [
+    ("0,10,5,sys,", "line 2: prefix and prefix_tokens are given together"),
+    ("0,10,5,,4", "line 2: prefix and prefix_tokens are given together"),
+    ("0,10,5,sys,11", r"line 2: prefix_tokens must be an integer in \[0, prompt_tokens = 10\]"),
+    ("0,10,5,sys,0", "line 2: prefix_tokens must lie in"),
+    ("0,10,5,sys,x", "line 2: prefix_tokens must be an integer"),
+])
+def test_a_bad_shared_prefix_names_the_line(row, match):
+    with pytest.raises(WorkloadError, match=match):
+        parse_workload_csv("arrival_s,prompt_tokens,output_tokens,prefix,prefix_tokens\n" + row)
+
+
+@pytest.mark.parametrize("obj, match", [
+    ('"prefix": "sys"', "given together"),
+    ('"prefix_tokens": 4', "given together"),
+    ('"prefix": 3, "prefix_tokens": 4', "prefix must be a string"),
+    ('"prefix": "sys", "prefix_tokens": 4.0', "prefix_tokens must be an integer"),
+    ('"prefix": "sys", "prefix_tokens": 11', r"prompt_tokens = 10\]"),
+])
+def test_a_bad_shared_prefix_in_json_lines_names_the_line(obj, match):
+    with pytest.raises(WorkloadError, match="line 1: .*" + match):
+        parse_workload_jsonl('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5, '
+                             + obj + "}")
 
 
 @pytest.mark.parametrize("text, match", [
@@ -144,6 +185,12 @@ def test_errors_name_the_file_line_despite_blank_lines(tmp_path):
     (dict(output_tokens=True), "output_tokens"),
     (dict(request_id=""), "request_id"),
     (dict(trace=3), "trace"),
+    (dict(prefix="sys"), "prefix and prefix_tokens go together"),
+    (dict(prefix_tokens=8), "prefix and prefix_tokens go together"),
+    (dict(prefix="sys", prefix_tokens=65), "prefix_tokens must be an integer in"),
+    (dict(prefix="sys", prefix_tokens=True), "prefix_tokens must be an integer in"),
+    (dict(prefix="", prefix_tokens=8), "prefix must be a non-empty string"),
+    (dict(prefix=7, prefix_tokens=8), "prefix must be a string"),
 ], ids=lambda v: str(v) if isinstance(v, str) else None)
 def test_a_workload_request_built_in_python_is_checked_as_a_csv_row_is(fields, says):
     good = dict(request_id="r", arrival_s=0.0, prompt_tokens=64, output_tokens=32)

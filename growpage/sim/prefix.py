@@ -1,0 +1,102 @@
+"""Prefix caching in the serving simulator, as the engine's (``KVCacheManager``).
+
+A workload request may name a shared prefix (``WorkloadRequest.prefix``, its first
+``prefix_tokens`` prompt tokens, equal in every request naming it: a system prompt, a few-shot
+template). The simulator has no token ids, so it makes them up: the prefix's tokens get ids of
+their group, every other token (the rest of the prompt, the generated ones) ids of its own
+request, and the shared ``PagePool``'s prefix cache does the rest, as in the engine:
+
+* on admission the request takes the cached pages of its longest cached run of full leading
+  pages (not the last token's: its logits must be computed), reviving freed ones, and its
+  prefill computes only what follows;
+* after each prefill step the full pages a request has computed enter the cache (decode pages
+  do not, as in the engine; a recompute after preemption computes them again and enters them);
+* pages are freed tail first, so cached heads stay longest, and a freed cached page stays
+  cached until it is reused;
+* a compression of a shared page copies it first (the controller's copy-on-write).
+
+Two requests whose prompts are equal share only what their ``prefix`` says: the engine would
+also share their decode pages when they generate the same tokens, which the simulator does not
+know.
+
+Ids are in the pool's units: one per token in trace mode; one per page in script mode, where the
+pool counts pages (a page is shared when all its tokens lie in the prefix).
+"""
+
+from __future__ import annotations
+
+from growpage.core.pages import PagePool, chain_hash
+from growpage.sim.requests import SimRequest
+
+_SPAN = 1 << 40   # ids per group or request: more units than any request has
+
+
+class PrefixCache:
+    """The engine's prefix caching over the simulator's pool (see the module docstring).
+
+    ``scale``: tokens per pool unit (1 in trace mode, the page size in script mode).
+    ``enabled``: False makes every method a no-op (``SimConfig(prefix_caching=False)``).
+    """
+
+    def __init__(self, pool: PagePool, scale: int, enabled: bool) -> None:
+        self.pool, self.scale, self.enabled = pool, scale, enabled
+        self.page_tokens = pool.page_size * scale
+        self.hit_tokens = 0                   # prompt tokens taken from the cache, in all
+        self._groups: dict[str, int] = {}
+        self._requests: dict[str, int] = {}
+
+    def _ids(self, r: SimRequest, num_tokens: int) -> list[int]:
+        """Made-up token ids of ``r``'s first ``num_tokens`` tokens, one per whole pool unit."""
+        units = num_tokens // self.scale
+        spec = r.spec
+        shared = min(spec.prefix_tokens // self.scale, units) if spec.prefix else 0
+        ids: list[int] = []
+        if shared:
+            group = self._groups.setdefault(spec.prefix, len(self._groups))  # type: ignore[arg-type]
+            ids = list(range(group * _SPAN, group * _SPAN + shared))
+        own = -(1 + self._requests.setdefault(r.request_id, len(self._requests))) * _SPAN
+        ids.extend(range(own + shared, own + units))
+        return ids
+
+    def cached_pages(self, r: SimRequest, num_tokens: int) -> list[int]:
+        """Cached pages for the first tokens of a prefill of ``num_tokens`` tokens (not taken);
+        never all of them: the last token is computed for its logits."""
+        if not self.enabled:
+            return []
+        pages = self.pool.match_prefix(self._ids(r, num_tokens))
+        if pages and len(pages) * self.page_tokens >= num_tokens:
+            pages = pages[:-1]
+        return pages
+
+    def pages_to_take(self, cached: list[int]) -> int:
+        """Free pages that taking ``cached`` uses up: the freed ones it revives."""
+        return sum(1 for page in cached if self.pool.refcounts[page] == 0)
+
+    def take(self, r: SimRequest, cached: list[int]) -> None:
+        """``r`` holds ``cached`` (its block table begins with them) and has computed them."""
+        for page in cached:
+            self.pool.acquire(page)
+        r.registered, r.last_hash, r.last_cached = 0, None, None
+        self.hit_tokens += len(cached) * self.page_tokens
+
+    def register(self, r: SimRequest, computed: int) -> None:
+        """Enter ``r``'s full pages of its first ``computed`` tokens in the cache, each chained
+        to the cached page before it (its own, or an equal one another request cached first),
+        as ``KVCacheManager.register_full_pages``."""
+        if not self.enabled:
+            return
+        per_page = self.pool.page_size
+        full = computed // self.page_tokens
+        if r.registered >= full:
+            return
+        ids = self._ids(r, full * self.page_tokens)
+        while r.registered < full:
+            i = r.registered
+            chunk = ids[i * per_page:(i + 1) * per_page]
+            parent = r.last_cached
+            r.last_hash = chain_hash(r.last_hash, chunk)
+            r.registered += 1
+            if i and parent is None:
+                continue   # the prefix before it is not cached: neither can this page be
+            self.pool.register(r.state.block_table[i], r.last_hash, chunk, parent=parent)
+            r.last_cached = self.pool.lookup(r.last_hash, chunk, parent)
