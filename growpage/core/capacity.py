@@ -27,7 +27,7 @@ from growpage.core.events import EventCounters
 from growpage.core.kvview import KVView
 from growpage.core.pages import PagePool
 from growpage.core.request import RequestState
-from growpage.errors import GrowPageError, PolicyError
+from growpage.errors import ConfigError, GrowPageError, PolicyError
 
 if TYPE_CHECKING:
     from growpage.policies.base import CapacityPolicy
@@ -167,7 +167,8 @@ class CapacityController:
         decision = _call(self.policy, "decide", ctx)
         if not isinstance(decision, Decision):
             raise PolicyError(f"policy {_name(self.policy)} returned {decision!r} from decide(); "
-                              "expected a growpage.Decision")
+                              f"expected a growpage.Decision (request {ctx.request_id!r} at "
+                              f"position {ctx.position})")
         self._count(state, f"decided_{decision.value}")
         delta = ctx.computed_delta()
         if decision is Decision.GROW:
@@ -264,7 +265,8 @@ class CapacityController:
         indices = _call(self.policy, "select", ctx, keep)
         problem, ordered = _check_selection(indices, ctx, keep)
         if problem:
-            raise PolicyError(f"policy {_name(self.policy)} select(): {problem}")
+            raise PolicyError(f"policy {_name(self.policy)} select(): {problem} "
+                              f"(request {ctx.request_id!r} at position {ctx.position})")
         assert ordered is not None  # no problem: the checked selection comes back
         return ordered
 
@@ -363,8 +365,13 @@ def _call(policy: object, method: str, ctx: BoundaryContext, *args: object) -> A
     and the boundary, chained to the original (its traceback is kept)."""
     try:
         return getattr(policy, method)(ctx, *args)
-    except GrowPageError:
-        raise
+    except GrowPageError as exc:
+        if not isinstance(exc, ConfigError):
+            raise
+        # A bad argument to a context method (``attention("longterm")``, ``delta(p=1.5)``) is
+        # the policy's bug: name the policy and the boundary as for any other exception.
+        raise PolicyError(f"policy {_name(policy)} {method}() raised ConfigError: {exc} "
+                          f"(request {ctx.request_id!r} at position {ctx.position})") from exc
     except Exception as exc:
         raise PolicyError(f"policy {_name(policy)} {method}() raised {type(exc).__name__}: "
                           f"{exc} (request {ctx.request_id!r} at position {ctx.position})"

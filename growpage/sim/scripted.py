@@ -124,12 +124,24 @@ class RecordingPolicy(CapacityPolicy):
         self.fallback_to_compress = inner.fallback_to_compress  # type: ignore[misc]  # see NOTE
         self.needs_accumulated_attention = inner.needs_accumulated_attention  # type: ignore[misc]  # see NOTE
         self.logs: dict[object, list[SignalLog]] = {}
+        self._read: set[tuple[Any, ...]] = set()   # every signal key read at any boundary
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         log: SignalLog = {}
         self.logs.setdefault(ctx.request_id, []).append(log)
         # A proxy: forwards every attribute to ctx (and logs the signal calls).
-        return self.inner.decide(cast(BoundaryContext, RecordingContext(ctx, log)))
+        decision = self.inner.decide(cast(BoundaryContext, RecordingContext(ctx, log)))
+        # A policy that stops reading a signal past some live fact (``CappedGrowPage`` of
+        # docs/policy-guide.md: no delta() at its page cap) may read it at that boundary in
+        # serving, where fallbacks keep the request smaller: log what it read before, too.
+        self._read.update(log)
+        for key in self._read - log.keys():
+            try:
+                value = getattr(ctx, key[0])(*key[1:])
+            except Exception:   # not available here: a read in serving is then an error
+                continue
+            log[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return decision
 
     def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
         return self.inner.select(ctx, keep)

@@ -164,7 +164,8 @@ class _Run:
 
     def spend(self, env: simpy.Environment, seconds: float) -> simpy.Timeout:
         self.resident_seconds += len(self.scheduler.running) * seconds
-        self.peak_pages = max(self.peak_pages, self.scheduler.pool.num_used_pages)
+        if seconds > 0:   # a state held for no time (a free prefill) is not in pool_timeline()
+            self.peak_pages = max(self.peak_pages, self.scheduler.pool.num_used_pages)
         return env.timeout(seconds)
 
 

@@ -128,9 +128,11 @@ class ScriptBook:
                                   f"its script has {len(logs)}")
         if key not in logs[ordinal]:
             raise SimulationError(
-                f"policy {self.policy.name!r} read signal {key} at boundary {ordinal} of request "
-                f"{request_id!r}, but its script run did not (signals must not depend on the "
-                "pool state in script mode; use trace mode)")
+                f"policy {self.policy.name!r} read {key[0]}({', '.join(map(repr, key[1:]))}) at "
+                f"decided boundary {ordinal} of request {request_id!r}, but its script run did "
+                "not (in script mode which signals a policy reads must not depend on the pool "
+                "state, nor on num_pages or capacity, which fallbacks change; use trace mode: "
+                "--decisions trace, SimConfig(decisions='trace'))")
         return logs[ordinal][key]
 
     def _logs(self, index: int) -> list[SignalLog]:

@@ -46,9 +46,17 @@ def _check_id(inst: object, attribute: attrs.Attribute, value: object) -> None:
                             f"got {value!r}")
 
 
+def _finite(value: numbers.Real) -> bool:
+    """``math.isfinite``, False (not OverflowError) for an int too large for a float."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _check_arrival(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or value < 0):
+            or not _finite(value) or value < 0):
         raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: arrival_s must be a finite "
                             f"number >= 0, got {value!r}")
 
@@ -207,7 +215,7 @@ def _json_request(obj: object, i: int, where: str) -> WorkloadRequest:
             + f" (keys: {', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)})")
     arrival = obj["arrival_s"]
     if (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
-            or not math.isfinite(arrival) or arrival < 0):
+            or not _finite(arrival) or arrival < 0):
         raise WorkloadError(f"{where}: arrival_s must be a finite number >= 0, got {arrival!r}")
     trace = obj.get("trace")
     if trace is not None and not isinstance(trace, str):
@@ -242,7 +250,9 @@ def _checked(where: str, cls: type[WorkloadRequest], **fields: object) -> Worklo
 def parse_workload_jsonl(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
     """Parse JSON Lines text (see the module docstring); requests in arrival order."""
     out: list[WorkloadRequest] = []
-    for line, raw in enumerate(text.splitlines(), start=1):
+    # Only "\n" ends a line: str.splitlines() also splits at U+2028, form feeds, ..., which
+    # JSON allows inside a string (and which would shift the reported line numbers).
+    for line, raw in enumerate(text.split("\n"), start=1):
         if not raw.strip():
             continue
         where = f"{source}, line {line}"

@@ -128,6 +128,9 @@ class WorkloadSpec:
 
     def requests(self, seed: int = 0) -> list[WorkloadRequest]:
         """Draw the requests (shuffled across classes), in arrival order."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise WorkloadError(f"WorkloadSpec {self.name!r}: seed must be an int >= 0, "
+                                f"got {seed!r}")
         rng = np.random.default_rng(seed)
         kinds, prompts, outputs = [], [], []
         for c in self.classes:

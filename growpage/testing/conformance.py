@@ -148,13 +148,15 @@ def _seeded(policy: object, method: str, ctx: BoundaryContext, case: BoundaryCas
 
 
 def _check_order(policy: object, case: BoundaryCase) -> None:
-    """``case``'s boundary alone, then again with another request's boundary (same shapes,
-    other content) interleaved: decide it, decide the other, select the other, then select
-    it. Its answers must be the same (``order-independent``). Each of its calls gets the same
-    global RNG state both times, so only what the policy carries from call to call can tell
-    them apart (a policy drawing from the global RNGs fails ``deterministic`` instead); the
-    other boundary failing on its own is left to the example that draws it."""
-    other = attrs.evolve(case, seed=case.seed + 7919)
+    """``case``'s boundary alone, then again with another request's boundary (same layers and
+    heads, one page more, other content) interleaved: decide it, decide the other, select the
+    other, then select it. Its answers must be the same (``order-independent``). Each of its
+    calls gets the same global RNG state both times, so only what the policy carries from call
+    to call can tell them apart (a policy drawing from the global RNGs fails ``deterministic``
+    instead); the other boundary failing on its own is left to the example that draws it."""
+    # Another request of another length: a policy that carries something from decide() to
+    # select() (num_tokens, positions, a plan) gives itself away only if the two differ.
+    other = attrs.evolve(case, seed=case.seed + 7919, num_pages=case.num_pages + 1)
     keeps, seed = _keeps(case), case.seed + 2
     ctx = case.context()
     decision = _seeded(policy, "decide", ctx, case, seed)
@@ -235,7 +237,10 @@ def raise_smallest_failure(run: Callable[[], None], failure: list[PolicyConforma
     try:
         run()
     except PolicyConformanceError:
-        raise failure[-1] from None
+        # Keep the policy's own exception (a no-crash failure's traceback into the policy's
+        # code); ``from None`` would reset the cause the kit set, and hide the line.
+        smallest = failure[-1]
+        raise smallest from smallest.__cause__
     except Flaky as exc:  # failed once, then passed on the same example: hidden state
         first = failure[-1] if failure else None
         detail = f"[{first.rule}] {first.detail}" if first else str(exc).splitlines()[0]

@@ -181,9 +181,10 @@ def test_an_exception_from_the_policy_is_a_policy_error_naming_it(where):
         ctrl.on_boundary(state, view)
     assert isinstance(info.value.__cause__, ZeroDivisionError)
     assert (state.num_pages, state.num_tokens, pool.num_free_pages) == (3, 3 * B, 7)
-    # The library's own errors already name their problem: they pass through as they are.
+    # A context method refusing the policy's argument is the policy's bug: named as above.
     ctrl.policy = Raises(where, ConfigError("coverage p must lie in (0, 1]"))
-    with pytest.raises(ConfigError, match="coverage p"):
+    with pytest.raises(PolicyError, match=rf"policy scripted {where}\(\) raised ConfigError: "
+                       r"coverage p must lie in \(0, 1\] \(request 'r0' at position 29\)"):
         ctrl.on_boundary(state, view)
     ctrl.policy = Raises(where, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
@@ -479,12 +480,12 @@ def _set(i, value):
 
 
 @pytest.mark.parametrize("spoil, says", [
-    (_set(0, lambda n: -3), r"slot index out of range \[0, 24\): -3 in layer 1, KV head 1$"),
-    (_set(-1, lambda n: n + 2), r"out of range \[0, 24\): 26 in layer 1, KV head 1$"),
+    (_set(0, lambda n: -3), r"slot index out of range \[0, 24\): -3 in layer 1, KV head 1 \(request .* at position \d+\)$"),
+    (_set(-1, lambda n: n + 2), r"out of range \[0, 24\): 26 in layer 1, KV head 1 \(request .* at position \d+\)$"),
     (_set(0, lambda n: n - 1), r"duplicate slot indices within a layer/KV head: slot 23 twice "
-                               r"in layer 1, KV head 1$"),
+                               r"in layer 1, KV head 1 \(request .* at position \d+\)$"),
     (_set(-2, lambda n: 2), r"protected recent window \(last 3 slots\) not fully kept: slot "
-                            r"22 missing in layer 1, KV head 1$"),
+                            r"22 missing in layer 1, KV head 1 \(request .* at position \d+\)$"),
 ])
 def test_an_invalid_selection_says_where(spoil, says):
     ctrl, state, view, _, _ = setup([])

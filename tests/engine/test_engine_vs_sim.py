@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from llm_helpers import prompt, tiny_llm, tiny_model
 
+from growpage import Decision
 from growpage.engine.sampling_params import SamplingParams
 from growpage.policies import FixedBudgetPolicy, resolve_policy
 from growpage.sim.costmodel import LinearCostModel
@@ -276,3 +277,31 @@ def test_prefix_caching_shares_and_recomputes_alike(model, spec, point, slack, m
     assert {k: (n, {e: c.get(e, 0) for e in KINDS}) for k, (n, c) in sim_events.items()} == \
         {k: (n, {e: ev.get(e, 0) for e in KINDS}) for k, (n, ev) in events.items()}
 
+
+
+class AlwaysShrink(FixedBudgetPolicy):
+    """Shrinks at every boundary it decides: pages come free in the middle of a decode run."""
+
+    name = "always-shrink"
+
+    def decide(self, ctx):
+        return Decision.SHRINK
+
+
+@pytest.mark.parametrize("policy, lengths, pages, watermark", [
+    (AlwaysShrink(), [(12, 30), (7, 2)], 4, 0),   # a shrink frees the waiting one's page
+    ("fixed", [(11, 2)], 3, 1),                   # alone, a request may take the watermark
+    ("fixed", [(11, 2), (3, 9)], 4, 1),
+], ids=["shrink-frees-a-page", "watermark-alone", "watermark-two"])
+def test_a_waiting_request_is_admitted_at_the_engines_step(model, policy, lengths, pages,
+                                                          watermark):
+    """A page freed by a boundary admits the waiting request at the next step, as in the
+    engine (until 2026-12-01 the simulator waited for the next event, 3 steps late here), and
+    a request admitted when nothing runs may use the watermark's pages, as in the engine (the
+    simulator refused it)."""
+    llm = tiny_llm(model, policy=policy, kv_pages=pages, max_num_seqs=2, watermark=watermark,
+                   enable_prefix_caching=False)
+    first, last = engine_token_steps(llm, lengths)
+    result, _, _ = sim_run(llm, lengths, policy, {}, pages, 2)
+    assert {r.request_id: round(r.first_token_s) for r in result.requests} == first
+    assert {r.request_id: round(r.finish_s) for r in result.requests} == last

@@ -181,7 +181,7 @@ def test_the_kit_and_the_controller_judge_a_selection_dtype_alike(dtype):
         ctrl.on_boundary(state, case.view())
         controller = None
     except PolicyError as exc:
-        controller = str(exc).split("select(): ", 1)[1]
+        controller = str(exc).split("select(): ", 1)[1].rsplit(" (request ", 1)[0]
     assert kit == controller
     assert (kit is None) == (torch.iinfo(dtype).bits >= 32)
 
@@ -328,3 +328,43 @@ def test_state_carried_from_decide_to_select_breaks_order_independence():
     assert info.value.rule == "order-independent"
     assert "another request's decide() and select()" in str(info.value)
     check_policy(CachesByBoundary(), max_examples=15)
+
+
+@attrs.define
+class PlansInDecide(CapacityPolicy):
+    """decide() notes the request's length, select() keeps the last slots by that note: right
+    only when the other request of the order check differs in length (until 2026-12-01 it had
+    the same shape and length, and this passed the kit, then failed in the engine with
+    asynchronous compaction)."""
+
+    name = "plans-in-decide"
+    _plan: int = 0
+
+    def decide(self, ctx):
+        self._plan = ctx.num_tokens
+        return Decision.COMPRESS
+
+    def select(self, ctx, keep):
+        n = self._plan
+        return torch.arange(n - keep, n).expand(*ctx.shape, keep).contiguous()
+
+
+def test_a_length_carried_from_decide_to_select_breaks_order_independence():
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(PlansInDecide(), max_examples=20)
+    assert info.value.rule == "order-independent"
+
+
+def test_a_crash_keeps_the_policys_own_traceback():
+    """The smallest failing example's error is chained to the policy's exception, whose
+    traceback ends in the policy's line (until 2026-12-01 the kit dropped it)."""
+    import traceback
+
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(SelectRaises(), max_examples=10)
+    root = info.value
+    while root.__cause__ is not None:
+        root = root.__cause__
+    assert isinstance(root, KeyError)
+    last = traceback.extract_tb(root.__traceback__)[-1]
+    assert (last.filename, last.name) == (__file__, "select")

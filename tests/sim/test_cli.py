@@ -419,3 +419,18 @@ def test_serve_shares_a_prefix_unless_told_not_to(capsys, tmp_path):
     assert computed["metrics"]["ttft_s"] > cached["metrics"]["ttft_s"]
     assert main(base) == 0
     assert f"{7 * 256} prompt tokens from the prefix cache" in capsys.readouterr().out
+
+
+def test_a_policy_error_names_the_policy_files_line(capsys, tmp_path):
+    """``growpage sim replay`` with a policy that raises says where, as ``sim sweep`` does."""
+    (tmp_path / "bad_policy.py").write_text(
+        "from growpage import CapacityPolicy, Decision\n\n\n"
+        "class Bad(CapacityPolicy):\n"
+        "    name = 'bad'\n\n"
+        "    def decide(self, ctx):\n"
+        "        return {}[ctx.position]\n")
+    code = main(["sim", "replay", "--synthetic", "1", "--gen-len", "200", *SMALL, "--policy",
+                 f"{tmp_path / 'bad_policy.py'}:Bad"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"({tmp_path / 'bad_policy.py'}:8, in decide)" in err, err

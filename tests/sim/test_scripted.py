@@ -103,3 +103,27 @@ def test_a_policy_reading_accumulated_attention_in_decide_runs_in_script_mode():
                     SumsDecide(), CONFIG, SimConfig(num_kv_pages=60), COST)
     assert done.metrics.output_tokens == 600
     assert done.metrics.grows + done.metrics.compresses > 5
+
+
+@attrs.define
+class CappedGrowPage(CapacityPolicy):
+    """docs/policy-guide.md's example: GrowPage's trend signal, never beyond max_pages."""
+
+    name = "capped-growpage"
+    max_pages: int = 3
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        if ctx.num_pages >= self.max_pages:
+            return Decision.COMPRESS
+        return Decision.GROW if ctx.delta() > 0 else Decision.COMPRESS
+
+
+def test_a_policy_that_stops_reading_a_signal_at_its_cap_serves_in_script_mode():
+    """Its script run reaches the cap and stops reading delta(); in serving, fallbacks keep the
+    request below the cap, where it reads delta() again at that boundary: the script logs
+    every signal read before at each boundary (until 2026-12-01 this was a SimulationError)."""
+    requests = [WorkloadRequest(f"r{i}", 0.0, 40, 600) for i in range(6)]
+    result = simulate(requests, CappedGrowPage(), CONFIG,
+                      SimConfig(num_kv_pages=14, admission_reserve=0.0), COST)
+    m = result.metrics
+    assert m.fallbacks > 0 and m.output_tokens == 6 * 600

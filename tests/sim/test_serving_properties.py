@@ -280,3 +280,13 @@ def test_a_request_that_cannot_grow_even_alone_is_a_config_error():
     with pytest.raises(ConfigError, match="too small"):
         simulate([WorkloadRequest("r", 0.0, 4, 8)], "fullkv", config,
                  SimConfig(num_kv_pages=1, admission_reserve=0.0), COST)
+
+
+def test_peak_pages_is_the_pool_timelines_peak_when_prefills_are_free():
+    """A request done at its (free) prefill held its 10 pages for no time: the peak is what the
+    pool held for a while, the peak of ``pool_timeline()`` (which ``pool.png`` draws)."""
+    requests = [WorkloadRequest("r0", 0.0, 40, 1), WorkloadRequest("r1", 0.0, 4, 10)]
+    result = simulate(requests, "fullkv", GrowPageConfig(page_size=4, recent_window=1),
+                      SimConfig(num_kv_pages=64, admission_reserve=0.0),
+                      LinearCostModel(per_seq_s=0.01))
+    assert result.metrics.peak_pages == max(u for _, u, _ in result.pool_timeline()) == 4

@@ -233,3 +233,27 @@ def test_a_request_class_is_checked(args, says):
         RequestClass(*args, LengthDist(10), LengthDist(10))
     with pytest.raises(WorkloadError, match="prompt"):
         RequestClass("a", 2, 10, LengthDist(10))
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"arrival_s": 1' + "0" * 400 + ', "prompt_tokens": 5, "output_tokens": 5}', "line 1: arrival_s"),
+    ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "trace": "a\u2028b"}\n'
+     '{"arrival_s": -1, "prompt_tokens": 5, "output_tokens": 5}', "line 2: arrival_s"),
+])
+def test_json_lines_edge_cases_are_workload_errors_on_the_right_line(text, says):
+    """An integer too large for a float is refused, not an OverflowError; a line separator
+    inside a string does not end a line, so the line numbers stay the file's."""
+    with pytest.raises(WorkloadError, match=says):
+        parse_workload_jsonl(text, "w.jsonl")
+    with pytest.raises(WorkloadError, match="arrival_s"):
+        WorkloadRequest("r", 10**400, 5, 5)
+
+
+def test_a_line_separator_inside_a_json_string_is_not_a_line_break():
+    text = '{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "trace": "a\u2028b"}\n'
+    assert [r.trace for r in parse_workload_jsonl(text)] == ["a\u2028b"]
+
+
+def test_a_negative_seed_is_a_workload_error():
+    with pytest.raises(WorkloadError, match="seed must be an int >= 0, got -1"):
+        resolve_workload("tiny", seed=-1)
