@@ -193,12 +193,20 @@ class ScriptedPolicy(CapacityPolicy):
         self.name = inner.name  # type: ignore[misc]  # as in RecordingPolicy
         self.fallback_to_compress = inner.fallback_to_compress  # type: ignore[misc]  # as in RecordingPolicy
         self.ordinals: dict[object, int] = {}
+        self._last: dict[object, tuple[int, int]] = {}   # request -> (position, ordinal)
         self._keep: dict[tuple[int, int], torch.Tensor] = {}
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         rid = ctx.request_id
-        ordinal = self.ordinals.get(rid, 0)
-        self.ordinals[rid] = ordinal + 1
+        last = self._last.get(rid)
+        if last is not None and last[0] == ctx.position:
+            # The same boundary decided again (its action had to preempt another request
+            # first): the same script boundary, as the engine's policy sees the same request.
+            ordinal = last[1]
+        else:
+            ordinal = self.ordinals.get(rid, 0)
+            self.ordinals[rid] = ordinal + 1
+            self._last[rid] = (ctx.position, ordinal)
         scripted = ScriptedContext(ctx, self.config, lambda key: self.lookup(rid, ordinal, key))
         return self.inner.decide(scripted)
 

@@ -17,6 +17,7 @@ and its KV ends at ``prompt + N - 1`` tokens (the last token is never fed back).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Generator, Sequence
 
 import attrs
@@ -301,6 +302,37 @@ def _check_requests(requests: Sequence[WorkloadRequest]) -> None:
         seen.add(r.request_id)
 
 
+def _check_fits(requests: Sequence[WorkloadRequest], policy: CapacityPolicy,
+                config: GrowPageConfig, sim: SimConfig) -> None:
+    """A ``ConfigError`` before the run (not when it gets there) for a request that cannot
+    finish even alone in the pool, as the engine refuses it when it is added.
+
+    A compressing policy needs its prompt and the first decode step's token, and the forced
+    growth up to ``min_capacity``; one that never compresses (``fullkv``) needs its whole KV,
+    ``prompt + output - 1`` tokens, leaving the watermark free for its growth beyond
+    ``min_capacity``."""
+    b, pages, reserve = config.page_size, sim.num_kv_pages, config.watermark
+    compresses = bool(getattr(policy, "fallback_to_compress", True))
+    for r in requests:
+        total = math.ceil((r.prompt_tokens + r.output_tokens - 1) / b)   # its KV at the end
+        forced = min(config.min_capacity, total)
+        if compresses:
+            need = max(math.ceil((r.prompt_tokens + (r.output_tokens > 1)) / b), forced)
+            if need <= pages:
+                continue
+            why = f"its prompt and first decode step need {need} pages of {b} tokens"
+        else:
+            need = total
+            if need <= max(pages - reserve, forced) and math.ceil(r.prompt_tokens / b) <= pages:
+                continue
+            why = (f"policy {policy.name!r} never compresses, so it needs {need} pages of {b} "
+                   f"tokens" + (f" and the watermark's {reserve}" if reserve else "")
+                   + f" (--kv-pages {need + reserve})")
+        raise ConfigError(f"request {r.request_id!r} ({r.prompt_tokens} prompt + "
+                          f"{r.output_tokens} output tokens) cannot finish even alone: {why}; "
+                          f"the pool has {pages}")
+
+
 def _check_types(config: object, sim: object, cost: object) -> None:
     """``simulate``'s settings are the objects it reads, or a ``ConfigError`` says which is not
     (a preset name or a ``PRESETS`` entry is not a cost model: ``load_cost_model`` makes one)."""
@@ -330,6 +362,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
     _check_requests(requests)
     _check_types(config, sim, cost)
     policy = resolve_policy(policy)
+    _check_fits(requests, policy, config, sim)
     if not cost.decode_time(1, 1, 1) > 0:
         raise ConfigError(f"cost model {cost.name!r} prices a decode step at 0 s: simulated time "
                           "would not advance and throughput is undefined")

@@ -46,10 +46,10 @@ def _check_id(inst: object, attribute: attrs.Attribute, value: object) -> None:
                             f"got {value!r}")
 
 
-def _finite(value: numbers.Real) -> bool:
+def _finite(value: numbers.Real | float) -> bool:
     """``math.isfinite``, False (not OverflowError) for an int too large for a float."""
     try:
-        return math.isfinite(value)
+        return math.isfinite(float(value))
     except OverflowError:
         return False
 

@@ -135,5 +135,6 @@ def test_a_policy_file_imports_its_neighbours_and_a_failing_constructor_is_a_usa
     # a constructor's own exception: the policy cannot be built (2), not a broken rule (1)
     assert main(["check", f"{spec}:PicksAMode", "--param", "mode=b"]) == 2
     err = capsys.readouterr().err
-    assert err == "growpage: error: cannot build policy 'picks-a-mode': KeyError: 'b'\n"
+    assert err == ("growpage: error: cannot build policy 'picks-a-mode': KeyError: 'b' "
+                   f"({tmp_path / 'sibling_policy.py'}:18, in __init__)\n")   # the file's line
 

@@ -127,3 +127,28 @@ def test_a_policy_that_stops_reading_a_signal_at_its_cap_serves_in_script_mode()
                       SimConfig(num_kv_pages=14, admission_reserve=0.0), COST)
     m = result.metrics
     assert m.fallbacks > 0 and m.output_tokens == 6 * 600
+
+
+def test_a_boundary_decided_again_after_a_preemption_reads_the_same_script_boundary():
+    """When a boundary's action must preempt another request first, the controller asks the
+    policy again at the same position: that is the same script boundary, not the next one
+    (the engine's policy sees the same request again)."""
+    from types import SimpleNamespace
+
+    from growpage.sim.scripted import ScriptedPolicy
+
+    read = []
+
+    class ReadsDelta(CapacityPolicy):
+        name = "reads-delta"
+
+        def decide(self, ctx):
+            ctx.delta()
+            return Decision.GROW
+
+    policy = ScriptedPolicy(ReadsDelta(), CONFIG,
+                            lambda rid, ordinal, key: read.append((rid, ordinal)) or 0.0)
+    for rid, position in (("a", 64), ("a", 64), ("b", 64), ("a", 96), ("a", 96), ("a", 128)):
+        policy.decide(SimpleNamespace(request_id=rid, position=position, num_pages=2,
+                                      num_free_pages=3, view=None))
+    assert read == [("a", 0), ("a", 0), ("b", 0), ("a", 1), ("a", 1), ("a", 2)]

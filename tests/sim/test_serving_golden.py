@@ -184,9 +184,10 @@ def test_the_first_decode_step_of_a_full_prompt_grows_without_asking_the_policy(
 
 def test_a_prompt_filling_the_pool_cannot_decode_even_under_a_compressing_policy():
     # 12 prompt tokens fill the 3 pages; the first decode step needs a fourth before any query
-    # summary exists (the engine refuses such a request up front: prompt + 1 tokens must fit).
-    with pytest.raises(ConfigError, match=r"request 'r0' \(12 prompt \+ 2 output tokens\) cannot "
-                                          r"get a page even alone, holding 3 pages"):
+    # summary exists (refused up front, as the engine does: prompt + 1 tokens must fit).
+    with pytest.raises(ConfigError, match=r"^request 'r0' \(12 prompt \+ 2 output tokens\) cannot "
+                                          r"finish even alone: its prompt and first decode step "
+                                          r"need 4 pages of 4 tokens; the pool has 3$"):
         run([req("r0", 12, 2)], FixedBudgetPolicy(budget_tokens=8), pages=3)
     assert run([req("r0", 12, 1)], FixedBudgetPolicy(budget_tokens=8), pages=3).requests[0] \
         .finish_s == 1 + 0.5 * 12   # one output token: its prefill alone

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -259,11 +260,18 @@ def test_a_shared_prefix_is_computed_once(caching, hits, ttft):
         assert [r.ttft_s for r in result.requests] == ttft
 
 
-def test_pool_too_small_for_a_prompt_is_a_config_error():
+@pytest.mark.parametrize("policy, says", [
+    ("fullkv", "never compresses, so it needs 4 pages of 4 tokens (--kv-pages 4)"),
+    ("fixed", "its prompt and first decode step need 4 pages of 4 tokens"),
+])
+def test_pool_too_small_for_a_prompt_is_a_config_error_before_the_run(policy, says):
     config = GrowPageConfig(page_size=4, recent_window=1)
-    with pytest.raises(ConfigError, match="needs 3 KV pages"):
-        simulate([WorkloadRequest("big", 0.0, 12, 4)], "fullkv", config,
-                 SimConfig(num_kv_pages=2), COST)
+    requests = [WorkloadRequest("small", 0.0, 4, 4), WorkloadRequest("big", 5.0, 12, 4)]
+    progress = []
+    with pytest.raises(ConfigError, match=f"request 'big' .*{re.escape(says)}; the pool has 2"):
+        simulate(requests, policy, config, SimConfig(num_kv_pages=2), COST,
+                 on_progress=progress.append)
+    assert progress == []   # refused before anything ran
 
 
 @pytest.mark.parametrize("field, value", [("num_kv_pages", 0), ("max_num_seqs", 1.5),
@@ -277,9 +285,26 @@ def test_sim_config_validation_names_the_field(field, value):
 def test_a_request_that_cannot_grow_even_alone_is_a_config_error():
     # One page: the prompt fits, but reaching min_capacity (2 pages) never can.
     config = GrowPageConfig(page_size=4, recent_window=1)
-    with pytest.raises(ConfigError, match="too small"):
+    with pytest.raises(ConfigError, match=r"needs 3 pages of 4 tokens \(--kv-pages 3\); the "
+                                          r"pool has 1$"):
         simulate([WorkloadRequest("r", 0.0, 4, 8)], "fullkv", config,
                  SimConfig(num_kv_pages=1, admission_reserve=0.0), COST)
+    with pytest.raises(ConfigError, match=r"need 2 pages of 4 tokens; the pool has 1$"):
+        simulate([WorkloadRequest("r", 0.0, 4, 8)], "fixed", config,
+                 SimConfig(num_kv_pages=1, admission_reserve=0.0), COST)
+
+
+def test_a_policy_that_never_compresses_leaves_the_watermark_free():
+    """fullkv's growth beyond min_capacity leaves the watermark free: 3 pages of KV need a pool
+    of 4 with a watermark of 1, and the error says so."""
+    config = GrowPageConfig(page_size=4, recent_window=1, watermark=1)
+    request = [WorkloadRequest("r", 0.0, 4, 8)]
+    with pytest.raises(ConfigError, match=r"needs 3 pages of 4 tokens and the watermark's 1 "
+                                          r"\(--kv-pages 4\); the pool has 3$"):
+        simulate(request, "fullkv", config, SimConfig(num_kv_pages=3, admission_reserve=0.0), COST)
+    result = simulate(request, "fullkv", config, SimConfig(num_kv_pages=4, admission_reserve=0.0),
+                      COST)
+    assert result.metrics.output_tokens == 8
 
 
 def test_peak_pages_is_the_pool_timelines_peak_when_prefills_are_free():

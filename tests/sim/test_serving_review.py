@@ -327,9 +327,9 @@ def test_a_pool_too_small_for_fullkv_names_the_pages_it_needs(decisions):
                  SimConfig(num_kv_pages=9, admission_reserve=0.0, decisions=decisions),
                  GOLDEN_COST)
     message = str(info.value)
-    assert message.startswith("request 'r' (10 prompt + 31 output tokens) cannot get a page "
-                              "even alone, holding 9 pages after 27 output tokens")
-    assert message.endswith("so it needs 10 pages (--kv-pages 10)") and "\n" not in message
+    assert message == ("request 'r' (10 prompt + 31 output tokens) cannot finish even alone: "
+                       "policy 'fullkv' never compresses, so it needs 10 pages of 4 tokens "
+                       "(--kv-pages 10); the pool has 9")
     result = simulate(requests, "fullkv", config,
                       SimConfig(num_kv_pages=10, admission_reserve=0.0, decisions=decisions),
                       GOLDEN_COST)
