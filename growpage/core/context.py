@@ -13,6 +13,7 @@ Candidate sets over the resident slots ``0..N-1`` (b = page size, R = recent win
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
 
 import torch
 
@@ -30,7 +31,7 @@ class BoundaryContext:
     """Read-only snapshot of one request at a capacity boundary, with lazily computed signals.
 
     Attributes:
-        request_id: the request's id.
+        request_id: the request's id (``Hashable``; a ``str`` in the engine and the simulator).
         num_tokens: resident tokens N (all ``num_pages * page_size`` slots are used).
         position: absolute position t of the token that needs a slot; the current query (the
             view's ``current_query``) is token t - 1's, the last one decoded.
@@ -42,7 +43,7 @@ class BoundaryContext:
             None.
     """
 
-    def __init__(self, request_id: object, num_tokens: int, position: int, num_pages: int,
+    def __init__(self, request_id: Hashable, num_tokens: int, position: int, num_pages: int,
                  num_free_pages: int, config: GrowPageConfig, view: KVView) -> None:
         self.request_id = request_id
         self.num_tokens = num_tokens

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import attrs
 
 from growpage.core.events import EventCounters
@@ -20,7 +22,7 @@ class RequestState:
         trajectory: ``(position, num_pages, action)`` after every boundary.
     """
 
-    request_id: object
+    request_id: Hashable
     block_table: list[int] = attrs.field(factory=list)
     num_tokens: int = 0
     position: int = 0

@@ -6,6 +6,8 @@ Not a test module: mypy reads it, pytest does not collect it.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import attrs
 import torch
 from hypothesis import given
@@ -37,6 +39,18 @@ class CappedGrowPage(CapacityPolicy):
         if ctx.num_pages >= self.max_pages:
             return Decision.COMPRESS
         return Decision.GROW if ctx.delta() > self.tau else Decision.COMPRESS
+
+
+@attrs.define
+class CachesScores(CapacityPolicy):
+    """Keeps state only as a cache keyed by ``(request_id, position)``, as the guide advises."""
+
+    name = "typed-caches-scores"
+    _cache: dict[tuple[Hashable, int], torch.Tensor] = attrs.field(factory=dict)
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        self._cache[(ctx.request_id, ctx.position)] = ctx.scores()
+        return Decision.COMPRESS
 
 
 @register_policy
