@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="decide whole boundaries beside the decode step (beyond the paper)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar over requests, or over the tokens of a single prompt "
-                   "(default: with more than one prompt)")
+                   "(default: with more than one prompt, on a terminal)")
     g.add_argument("--stream", action="store_true",
                    help="print the answer as it is generated (a single prompt)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",

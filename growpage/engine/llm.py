@@ -133,7 +133,8 @@ class LLM:
         prompt, ``[B, N]`` B of them); outputs in prompt order.
 
         ``use_tqdm``: True shows a progress bar (over requests, or over the tokens of a lone
-        request), False none, None (default) one over requests when there are several.
+        request), False none, None (default) one over requests when there are several and
+        stderr is a terminal (not in a log file).
         """
         self.last_stats = None  # a call that fails leaves none, not the previous call's
         prompt_list = as_prompt_list(prompts)
@@ -348,6 +349,9 @@ def _progress(seqs: list[Sequence], enabled: bool | None) -> ProgressBar[NoRetur
         return None
     from tqdm.auto import tqdm
 
+    disable = None if enabled is None else False   # None: tqdm shows it on a terminal only
     if len(seqs) > 1:
-        return tqdm(total=len(seqs), desc="requests", unit="req", dynamic_ncols=True)
-    return tqdm(total=seqs[0].params.max_tokens, desc="tokens", unit="tok", dynamic_ncols=True)
+        return tqdm(total=len(seqs), desc="requests", unit="req", dynamic_ncols=True,
+                    disable=disable)
+    return tqdm(total=seqs[0].params.max_tokens, desc="tokens", unit="tok", dynamic_ncols=True,
+                disable=disable)

@@ -18,7 +18,7 @@ from growpage.core.capacity import selection_problem
 from growpage.core.context import BoundaryContext, changed_signals, missing_sums_hint
 from growpage.core.decision import Decision
 from growpage.errors import GrowPageError
-from growpage.testing.strategies import BoundaryCase, boundary_cases
+from growpage.testing.strategies import BoundaryCase, boundary_cases, check_knob
 
 if TYPE_CHECKING:
     from growpage.testing.serving import ServingCase
@@ -201,6 +201,7 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
     object (a class, a name: see ``resolve_policy``).
     """
     refuse_a_class(policy, "check_policy")
+    check_knob("check_policy", "max_examples", max_examples, 1)
     missing = [m for m in ("decide", "select") if not callable(getattr(policy, m, None))]
     if missing:
         raise TypeError(f"check_policy takes a policy object, got {policy!r} (no "

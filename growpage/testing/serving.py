@@ -163,6 +163,7 @@ def check_serving(policy: CapacityPolicy, max_examples: int = 15, **strategy_kwa
     hypothesis found; ``TypeError`` when ``policy`` is not a policy object.
     """
     refuse_a_class(policy, "check_serving")
+    check_knob("check_serving", "max_examples", max_examples, 1)
     if not isinstance(policy, CapacityPolicy):
         raise TypeError(f"check_serving takes a CapacityPolicy instance (the simulator and the "
                         f"engine run only those), got {policy!r}")

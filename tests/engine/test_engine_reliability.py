@@ -3,6 +3,8 @@ clear and leave the engine usable."""
 
 from __future__ import annotations
 
+import sys
+
 import attrs
 import numpy as np
 import pytest
@@ -156,7 +158,7 @@ def test_a_kv_cache_the_host_cannot_hold_is_an_engine_error(model, monkeypatch):
         tiny_llm(model, kv_pages=2**40)
 
 
-def test_progress_bar_over_requests_or_the_tokens_of_a_lone_one(model, capsys):
+def test_progress_bar_over_requests_or_the_tokens_of_a_lone_one(model, capsys, monkeypatch):
     llm = tiny_llm(model)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     llm.generate([prompt(5, 1)], params)
@@ -165,8 +167,11 @@ def test_progress_bar_over_requests_or_the_tokens_of_a_lone_one(model, capsys):
     err = capsys.readouterr().err
     assert "tokens: 100%" in err and "5/5" in err
     llm.generate([prompt(5, 1), prompt(6, 2)], params)
+    assert capsys.readouterr().err == ""  # default: stderr is no terminal here (a log file)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    llm.generate([prompt(5, 1), prompt(6, 2)], params)
     err = capsys.readouterr().err
-    assert "requests: 100%" in err and "2/2" in err
+    assert "requests: 100%" in err and "2/2" in err   # default, on a terminal
     llm.generate([prompt(5, 1), prompt(6, 2)], params, use_tqdm=False)
     assert capsys.readouterr().err == ""
 

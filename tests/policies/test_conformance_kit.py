@@ -368,3 +368,13 @@ def test_a_crash_keeps_the_policys_own_traceback():
     assert isinstance(root, KeyError)
     last = traceback.extract_tb(root.__traceback__)[-1]
     assert (last.filename, last.name) == (__file__, "select")
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-3, ValueError), (2.5, TypeError),
+                                          (True, TypeError)])
+def test_max_examples_is_checked_by_the_kit_not_by_hypothesis(value, error):
+    from growpage.testing import check_serving
+
+    for check in (check_policy, check_serving):
+        with pytest.raises(error, match=rf"{check.__name__}: max_examples must be"):
+            check(GrowPagePolicy(), max_examples=value)
