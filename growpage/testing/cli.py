@@ -67,4 +67,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"ok ({time.perf_counter() - start:.1f} s)")
     skipped = "" if args.serving else " (serving rule skipped)"
     print(f"policy {policy.name!r} passes every rule checked{skipped}")
+    if args.serving:
+        from growpage.testing.serving import script_mode_problem
+
+        problem = script_mode_problem(policy)
+        if problem is not None:   # not a broken rule: trace mode serves it
+            print(f"note: script mode (the default of `growpage sim serve`) cannot serve it: "
+                  f"{problem}")
     return 0

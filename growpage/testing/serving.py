@@ -180,3 +180,27 @@ def check_serving(policy: CapacityPolicy, max_examples: int = 15, **strategy_kwa
             raise
 
     raise_smallest_failure(run, failure, "a workload")
+
+
+def script_mode_problem(policy: CapacityPolicy) -> str | None:
+    """Why ``policy`` cannot be served in script mode (the default of ``growpage sim serve``),
+    or None: a few small workloads on tight and ample pools, served with played-back signals.
+
+    Not a conformance rule (the policy may be right, and trace mode serves it): script mode
+    plays back the signals a replay of a synthetic trace read, so a policy whose choice of
+    signals depends on the pool, or that reads KV content, cannot run there."""
+    config = GrowPageConfig(page_size=8, recent_window=2)
+    requests = [WorkloadRequest(f"r{i}", 0.05 * (i % 2), 20 + 3 * i, 60 + 30 * i)
+                for i in range(5)]
+    compresses = policy.fallback_to_compress
+    alone = max(math.ceil((r.prompt_tokens + (r.output_tokens - 1 if not compresses else 1))
+                          / config.page_size) for r in requests)
+    for pages in (max(alone, config.min_capacity) + 1, 4 * alone):
+        sim = SimConfig(num_kv_pages=pages, max_num_seqs=4, admission_reserve=0.0,
+                        decisions="script", num_scripts=2)
+        try:
+            with global_rngs_seeded(0):
+                simulate(requests, copy.deepcopy(policy), config, sim, COST)
+        except GrowPageError as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return None

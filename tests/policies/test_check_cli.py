@@ -138,3 +138,31 @@ def test_a_policy_file_imports_its_neighbours_and_a_failing_constructor_is_a_usa
     assert err == ("growpage: error: cannot build policy 'picks-a-mode': KeyError: 'b' "
                    f"({tmp_path / 'sibling_policy.py'}:18, in __init__)\n")   # the file's line
 
+
+
+MOODY = textwrap.dedent("""
+    from growpage import CapacityPolicy, Decision
+
+
+    class ReadsDeltaWhenCrowded(CapacityPolicy):
+        '''Right in every world, but which signals it reads depends on the pool.'''
+
+        name = "crowded"
+
+        def decide(self, ctx):
+            if ctx.num_free_pages < 2 and ctx.delta() > 0:
+                return Decision.GROW
+            return Decision.GROW if ctx.num_pages < 3 else Decision.COMPRESS
+""")
+
+
+def test_a_policy_script_mode_cannot_serve_passes_with_a_note(capsys, tmp_path):
+    """Not a broken rule (trace mode serves it), but the default of ``sim serve`` would stop on
+    it: the check says so after passing, exit status 0."""
+    path = tmp_path / "moody.py"
+    path.write_text(MOODY)
+    assert main(["check", f"{path}:ReadsDeltaWhenCrowded", "--examples", "5",
+                 "--serving-examples", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "passes every rule checked\nnote: script mode (the default of `growpage sim serve`) " \
+           "cannot serve it: SimulationError: policy 'crowded' read delta()" in out
