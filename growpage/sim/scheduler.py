@@ -46,6 +46,14 @@ class PrefillStep:
         return sum(self.chunks)
 
 
+class _FiledLate:
+    """``Scheduler._boundary``'s answer for a boundary that, once a preemption for it left it
+    holding no shared page, is decided late (filed, as the engine's ``make_room``)."""
+
+
+_LATE = _FiledLate()
+
+
 class Scheduler:
     """Owns the waiting queue, the running batch and (through the source) the page pool."""
 
@@ -248,7 +256,14 @@ class Scheduler:
                 late.append(r)
                 deferred.append((r, True))
                 continue
-            outcome = self._boundary(r, now, defer=self.defer_compactions)
+            outcome = self._boundary(r, now, defer=self.defer_compactions,
+                                     late_decisions=late_decisions)
+            if isinstance(outcome, _FiledLate):
+                # Its boundary had to preempt another request first, which left it holding no
+                # shared page: the engine's make_room, asked again, files it as a late one.
+                late.append(r)
+                deferred.append((r, True))
+                continue
             if outcome is not None and outcome.action in (Action.COMPRESS, Action.SHRINK):
                 compacted.append(r)
                 if outcome.pending is not None:
@@ -259,8 +274,9 @@ class Scheduler:
             if not is_late:
                 self._run_pending(r, now)
                 continue
-            outcome = self._boundary(r, now)
-            if outcome is not None and outcome.action in (Action.COMPRESS, Action.SHRINK):
+            outcome = self._boundary(r, now)   # never filed again: late_decisions is off
+            if isinstance(outcome, BoundaryOutcome) and outcome.action in (Action.COMPRESS,
+                                                                          Action.SHRINK):
                 compacted.append(r)
         return [r for r in compacted if r.is_running], [r for r in late if r.is_running]
 
@@ -283,11 +299,12 @@ class Scheduler:
             r.event_tick = self._tick   # the entry pushed before is stale now
             heapq.heappush(self._heap, (r.event_step, self._tick, r))
 
-    def _boundary(self, r: SimRequest, now: float, defer: bool = False
-                  ) -> BoundaryOutcome | None:
+    def _boundary(self, r: SimRequest, now: float, defer: bool = False,
+                  late_decisions: bool = False) -> BoundaryOutcome | _FiledLate | None:
         """One boundary of ``r``: its outcome, None when ``r`` itself was preempted. With
         ``defer`` a compression is only settled (its outcome's ``pending``; ``_run_pending``
-        runs it)."""
+        runs it). With ``late_decisions``, ``_LATE`` when a preemption for it left it deciding
+        late (``_decides_late``): as the engine's ``make_room`` asked again, it is only filed."""
         scale = self.source.scale
         while True:
             state: RequestState = r.state
@@ -313,6 +330,8 @@ class Scheduler:
             self.preempt(victim, now)
             if victim is r:
                 return None
+            if late_decisions and self._decides_late(r):
+                return _LATE
         if outcome.pending is not None:
             self._pending[r.request_id] = outcome.pending
         else:

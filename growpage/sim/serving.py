@@ -317,7 +317,9 @@ def _check_fits(requests: Sequence[WorkloadRequest], policy: CapacityPolicy,
         total = math.ceil((r.prompt_tokens + r.output_tokens - 1) / b)   # its KV at the end
         forced = min(config.min_capacity, total)
         if compresses:
-            need = max(math.ceil((r.prompt_tokens + (r.output_tokens > 1)) / b), forced)
+            # As the engine's Scheduler.add (KVCacheManager.can_ever_fit): the prompt and one
+            # more token, whatever the output length.
+            need = max(math.ceil((r.prompt_tokens + 1) / b), forced)
             if need <= pages:
                 continue
             why = f"its prompt and first decode step need {need} pages of {b} tokens"
@@ -373,8 +375,12 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
         source = ScriptSource(policy, config, sim.num_kv_pages, requests, sim.num_scripts,
                               sim.seed, demand)
     reserve = int(sim.admission_reserve * sim.num_kv_pages)
+    # As the engine (LLM()): a policy that reads H2O accumulated attention keeps per-slot sums,
+    # which shared pages cannot hold, so it runs without prefix caching.
+    prefix_caching = sim.prefix_caching and not getattr(policy, "needs_accumulated_attention",
+                                                        False)
     sched = Scheduler(source, config.page_size, sim.max_num_seqs, sim.max_num_batched_tokens,
-                      reserve, sim.record_events, sim.chunked_prefill, sim.prefix_caching,
+                      reserve, sim.record_events, sim.chunked_prefill, prefix_caching,
                       sim.async_compaction)
     sim_requests = [SimRequest(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
     env = simpy.Environment()

@@ -65,9 +65,9 @@ class ServingCase:
             if not compresses:   # its KV ends one token short of prompt + output
                 return math.ceil((r.prompt_tokens + r.output_tokens - 1) / b)
             # A prompt that fills its last page has a boundary at its first decode step, before
-            # any query summary exists: a forced growth (as below min_capacity).
-            full = r.prompt_tokens % b == 0 and r.output_tokens > 1
-            return max(math.ceil(r.prompt_tokens / b) + full, config.min_capacity)
+            # any query summary exists: a forced growth (as below min_capacity). The engine
+            # wants room for it whatever the output length, and so does the simulator.
+            return max(math.ceil((r.prompt_tokens + 1) / b), config.min_capacity)
 
         return max(alone(r) for r in self.requests) + self.slack + config.watermark
 

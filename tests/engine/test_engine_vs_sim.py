@@ -241,10 +241,19 @@ def test_prefix_caching_shares_and_recomputes_alike(model, spec, point, slack, m
     had no prefix cache). Also with asynchronous compaction and late boundaries, where a request
     holding a shared page is decided at once."""
     policy, params = point
+    need = [math.ceil((p + (o - 1 if policy == "fullkv" else 1)) / 4) for _, _, p, o in spec]
+    result = assert_serves_alike(model, spec, policy, params, max(need + [2]) + slack,
+                                 max_num_seqs, chunk, decisions, flags)
+    event(f"prefix hits: {result.metrics.prefix_hit_tokens > 0}")
+    event(f"preemptions: {result.metrics.preemptions > 0}")
+
+
+def assert_serves_alike(model, spec, policy, params, pages, max_num_seqs, chunk, decisions,
+                        flags):
+    """``spec`` (see ``shared_prompts``) in the engine, stepped by hand, and in the simulator at
+    1 s a step: the same prefix-cache hits, each request's first and last tokens at the same
+    step, the same preemptions and boundary events per request. Returns the simulator's run."""
     prompts, requests = shared_prompts(spec)
-    need = [math.ceil((r.prompt_tokens + (r.output_tokens - 1 if policy == "fullkv" else 1)) / 4)
-            for r in requests]
-    pages = max(need + [2]) + slack
     llm = tiny_llm(model, policy=policy, policy_kwargs=params, kv_pages=pages,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk, **flags)
     engine = llm.engine
@@ -264,8 +273,6 @@ def test_prefix_caching_shares_and_recomputes_alike(model, spec, point, slack, m
                     admission_reserve=0.0, record_events=True, decisions=decisions, **flags)
     result = simulate(requests, resolve_policy(policy, **params), llm.config.growpage, sim,
                       LinearCostModel(base_s=1.0))
-    event(f"prefix hits: {result.metrics.prefix_hit_tokens > 0}")
-    event(f"preemptions: {result.metrics.preemptions > 0}")
     assert result.metrics.prefix_hit_tokens == engine.kv.prefix_hit_tokens
     assert {r.request_id: round(r.first_token_s) for r in result.requests} == first
     assert {r.request_id: round(r.finish_s) for r in result.requests} == last
@@ -276,7 +283,29 @@ def test_prefix_caching_shares_and_recomputes_alike(model, spec, point, slack, m
             sim_events[rid][1][kind] += 1
     assert {k: (n, {e: c.get(e, 0) for e in KINDS}) for k, (n, c) in sim_events.items()} == \
         {k: (n, {e: ev.get(e, 0) for e in KINDS}) for k, (n, ev) in events.items()}
+    return result
 
+
+@pytest.mark.parametrize("decisions", ["script", "trace"])
+def test_a_boundary_unshared_by_its_preemption_is_decided_late(model, decisions):
+    """Late boundaries: r0's compression must copy its page shared with r2 and, the pool full,
+    preempts r2 first; then nothing is shared, and the engine, asked again, files r0's boundary
+    as a late one (until 2026-12-01 the simulator decided it at once: r1 finished 4 steps
+    late)."""
+    result = assert_serves_alike(
+        model, [("a", 4, 5, 10), (None, 0, 5, 10), ("a", 4, 5, 10)], "fixed",
+        {"budget_tokens": 8}, 5, 3, 5, decisions, {"async_decisions": True})
+    assert result.metrics.preemptions >= 1 and result.metrics.prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("decisions", ["script", "trace"])
+def test_h2o_runs_without_the_prefix_cache_as_in_the_engine(model, decisions):
+    """A policy that reads accumulated attention keeps per-slot sums, which a shared page
+    cannot hold: the engine turns prefix caching off for it, and so does the simulator (it
+    took 24 cached tokens before 2026-12-01)."""
+    result = assert_serves_alike(
+        model, [("a", 12, 16, 6)] * 3, "h2o", {"budget_tokens": 16}, 64, 4, 8, decisions, {})
+    assert result.metrics.prefix_hit_tokens == 0
 
 
 class AlwaysShrink(FixedBudgetPolicy):

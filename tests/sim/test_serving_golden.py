@@ -184,10 +184,13 @@ def test_the_first_decode_step_of_a_full_prompt_grows_without_asking_the_policy(
 
 def test_a_prompt_filling_the_pool_cannot_decode_even_under_a_compressing_policy():
     # 12 prompt tokens fill the 3 pages; the first decode step needs a fourth before any query
-    # summary exists (refused up front, as the engine does: prompt + 1 tokens must fit).
-    with pytest.raises(ConfigError, match=r"^request 'r0' \(12 prompt \+ 2 output tokens\) cannot "
-                                          r"finish even alone: its prompt and first decode step "
-                                          r"need 4 pages of 4 tokens; the pool has 3$"):
-        run([req("r0", 12, 2)], FixedBudgetPolicy(budget_tokens=8), pages=3)
-    assert run([req("r0", 12, 1)], FixedBudgetPolicy(budget_tokens=8), pages=3).requests[0] \
+    # summary exists. Refused up front, as the engine does (prompt + 1 tokens must fit, even
+    # for one output token: until 2026-12-01 the simulator served that one).
+    for output in (2, 1):
+        with pytest.raises(ConfigError, match=rf"^request 'r0' \(12 prompt \+ {output} output "
+                                              r"tokens\) cannot finish even alone: its prompt "
+                                              r"and first decode step need 4 pages of 4 tokens; "
+                                              r"the pool has 3$"):
+            run([req("r0", 12, output)], FixedBudgetPolicy(budget_tokens=8), pages=3)
+    assert run([req("r0", 12, 1)], FixedBudgetPolicy(budget_tokens=8), pages=4).requests[0] \
         .finish_s == 1 + 0.5 * 12   # one output token: its prefill alone
