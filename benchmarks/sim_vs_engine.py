@@ -166,7 +166,7 @@ def run_sim(requests: Sequence[WorkloadRequest], traces: dict[str, Trace], point
     """The workload in the serving simulator, trace mode, the engine's pool and limits."""
     sim = SimConfig(num_kv_pages=scenario.kv_pages, max_num_seqs=scenario.max_num_seqs,
                     max_num_batched_tokens=scenario.max_num_batched_tokens, decisions="trace",
-                    admission_reserve=0.0)
+                    admission_reserve=0.0, prefix_caching=False)   # as make_llm's engine
     policy = resolve_policy(point.policy, **dict(point.params))
     return simulate(requests, policy, config, sim, cost,
                     trace_of=lambda r: traces[r.request_id])

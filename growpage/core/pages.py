@@ -166,6 +166,21 @@ class PagePool:
             parent = page
         return min(len(pages), len(token_ids) // b)
 
+    def extend_chain(self, page: int, token_ids: Sequence[int], prev_hash: int | None,
+                     parent: int | None, first: bool) -> tuple[int, int | None]:
+        """Enter held ``page``, the full page ``token_ids`` after a prefix of chain hash
+        ``prev_hash`` whose cached page is ``parent`` (``first``: no prefix before it).
+
+        Returns the chain hash through this page and the cached page of the prefix through it:
+        this page, or an equal one cached first by another holder (then a later page chains to
+        that one), or None when the prefix before it is not cached (nor is this page, then).
+        """
+        page_hash = chain_hash(prev_hash, token_ids)
+        if not first and parent is None:
+            return page_hash, None
+        self.register(page, page_hash, token_ids, parent=parent)
+        return page_hash, self.lookup(page_hash, token_ids, parent)
+
     def lookup(self, page_hash: int, token_ids: Sequence[int], parent: int | None = None
                ) -> int | None:
         """The cached page holding exactly ``token_ids`` after ``parent`` under ``page_hash``."""

@@ -28,7 +28,7 @@ import torch
 
 from growpage.core.capacity import BoundaryOutcome, CapacityController, PendingCompaction
 from growpage.core.context import BoundaryBatch
-from growpage.core.pages import PagePool, chain_hash
+from growpage.core.pages import PagePool
 from growpage.engine.accumulation import allocate_sums, sum_bytes
 from growpage.engine.attention import allocate_kv_cache, check_kv_cache_fits, kv_cache_bytes
 from growpage.engine.config import EngineConfig
@@ -174,15 +174,10 @@ class KVCacheManager:
         b, tokens = self.page_size, seq.token_ids
         while (seq.num_registered_pages + 1) * b <= seq.state.position:
             i = seq.num_registered_pages
-            chunk = tokens[i * b:(i + 1) * b]
-            parent = seq.last_cached_page
-            seq.last_page_hash = chain_hash(seq.last_page_hash, chunk)
+            seq.last_page_hash, seq.last_cached_page = self.pool.extend_chain(
+                seq.state.block_table[i], tokens[i * b:(i + 1) * b], seq.last_page_hash,
+                seq.last_cached_page, first=i == 0)
             seq.num_registered_pages += 1
-            if i and parent is None:
-                continue  # the prefix before it is not cached: neither can this page be
-            page = seq.state.block_table[i]
-            self.pool.register(page, seq.last_page_hash, chunk, parent=parent)
-            seq.last_cached_page = self.pool.lookup(seq.last_page_hash, chunk, parent)
 
     # ---- slots ----------------------------------------------------------------------------
     def slots(self, seq: Sequence, start: int, num: int) -> list[int]:

@@ -25,7 +25,7 @@ pool counts pages (a page is shared when all its tokens lie in the prefix).
 
 from __future__ import annotations
 
-from growpage.core.pages import PagePool, chain_hash
+from growpage.core.pages import PagePool
 from growpage.sim.requests import SimRequest
 
 _SPAN = 1 << 40   # ids per group or request: more units than any request has
@@ -92,11 +92,7 @@ class PrefixCache:
         ids = self._ids(r, full * self.page_tokens)
         while r.registered < full:
             i = r.registered
-            chunk = ids[i * per_page:(i + 1) * per_page]
-            parent = r.last_cached
-            r.last_hash = chain_hash(r.last_hash, chunk)
+            r.last_hash, r.last_cached = self.pool.extend_chain(
+                r.state.block_table[i], ids[i * per_page:(i + 1) * per_page], r.last_hash,
+                r.last_cached, first=i == 0)
             r.registered += 1
-            if i and parent is None:
-                continue   # the prefix before it is not cached: neither can this page be
-            self.pool.register(r.state.block_table[i], r.last_hash, chunk, parent=parent)
-            r.last_cached = self.pool.lookup(r.last_hash, chunk, parent)

@@ -165,12 +165,16 @@ def test_a_budget_policy_without_fallback_preempts_alike(model, lengths, slack, 
 
 
 def engine_token_steps(llm, lengths):
-    """Step the engine by hand: per request, the step (1-based) of its first and of its last
-    token."""
-    engine = llm.engine
-    seqs = [engine.add_request(f"r{i}", prompt(p, 100 + i),
-                               SamplingParams(max_tokens=o, ignore_eos=True))
-            for i, (p, o) in enumerate(lengths)]
+    """Step the engine by hand over prompts of ``lengths``: ``step_to_the_end``'s answer."""
+    return step_to_the_end(llm.engine, [(f"r{i}", prompt(p, 100 + i), o)
+                                        for i, (p, o) in enumerate(lengths)])
+
+
+def step_to_the_end(engine, requests):
+    """Add ``(request id, prompt ids, output tokens)`` and step until all finish; per request,
+    the step (1-based) of its first and of its last token. Returns also the sequences."""
+    seqs = [engine.add_request(rid, ids, SamplingParams(max_tokens=o, ignore_eos=True))
+            for rid, ids, o in requests]
     first, last, step = {}, {}, 0
     while engine.has_unfinished():
         engine.step()
@@ -180,7 +184,7 @@ def engine_token_steps(llm, lengths):
                 first[s.request_id] = step
             if s.is_finished and s.request_id not in last:
                 last[s.request_id] = step
-    return first, last
+    return first, last, seqs
 
 
 @pytest.mark.parametrize("policy, params", [("fullkv", {}), ("fixed", {"budget_tokens": 8})])
@@ -197,7 +201,7 @@ def test_chunked_prefill_gives_each_request_its_tokens_at_the_same_steps(model, 
     step, each request's first and last tokens come at the same step in both."""
     llm = tiny_llm(model, policy=policy, policy_kwargs=params, max_num_seqs=max_num_seqs,
                    enable_prefix_caching=False, max_num_batched_tokens=chunk)
-    first, last = engine_token_steps(llm, lengths)
+    first, last, _ = engine_token_steps(llm, lengths)
     result, _, _ = sim_run(llm, lengths, policy, params, 256, max_num_seqs)
     assert {r.request_id: round(r.first_token_s) for r in result.requests} == first
     assert {r.request_id: round(r.finish_s) for r in result.requests} == last
@@ -257,18 +261,8 @@ def assert_serves_alike(model, spec, policy, params, pages, max_num_seqs, chunk,
     llm = tiny_llm(model, policy=policy, policy_kwargs=params, kv_pages=pages,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk, **flags)
     engine = llm.engine
-    seqs = [engine.add_request(r.request_id, ids, SamplingParams(max_tokens=r.output_tokens,
-                                                                 ignore_eos=True))
-            for r, ids in zip(requests, prompts, strict=True)]
-    first, last, step = {}, {}, 0
-    while engine.has_unfinished():
-        engine.step()
-        step += 1
-        for s in seqs:
-            if s.num_output_tokens and s.request_id not in first:
-                first[s.request_id] = step
-            if s.is_finished and s.request_id not in last:
-                last[s.request_id] = step
+    first, last, seqs = step_to_the_end(engine, [
+        (r.request_id, ids, r.output_tokens) for r, ids in zip(requests, prompts, strict=True)])
     sim = SimConfig(num_kv_pages=pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk,
                     admission_reserve=0.0, record_events=True, decisions=decisions, **flags)
     result = simulate(requests, resolve_policy(policy, **params), llm.config.growpage, sim,
@@ -330,7 +324,7 @@ def test_a_waiting_request_is_admitted_at_the_engines_step(model, policy, length
     simulator refused it)."""
     llm = tiny_llm(model, policy=policy, kv_pages=pages, max_num_seqs=2, watermark=watermark,
                    enable_prefix_caching=False)
-    first, last = engine_token_steps(llm, lengths)
+    first, last, _ = engine_token_steps(llm, lengths)
     result, _, _ = sim_run(llm, lengths, policy, {}, pages, 2)
     assert {r.request_id: round(r.first_token_s) for r in result.requests} == first
     assert {r.request_id: round(r.finish_s) for r in result.requests} == last
