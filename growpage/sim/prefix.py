@@ -51,8 +51,8 @@ class PrefixCache:
         spec = r.spec
         shared = min(spec.prefix_tokens // self.scale, units) if spec.prefix else 0
         ids: list[int] = []
-        if shared:
-            group = self._groups.setdefault(spec.prefix, len(self._groups))  # type: ignore[arg-type]
+        if spec.prefix and shared:
+            group = self._groups.setdefault(spec.prefix, len(self._groups))
             ids = list(range(group * _SPAN, group * _SPAN + shared))
         own = -(1 + self._requests.setdefault(r.request_id, len(self._requests))) * _SPAN
         ids.extend(range(own + shared, own + units))

@@ -2,9 +2,9 @@
 
 Requests wait in FCFS order; a step either prefills (a chunk of the prompts of requests still
 prefilling, then of newly admitted ones, within the step's token budget: prefill takes priority,
-as in the engine) or decodes one token for every running request. Decode steps run in *segments*: between two
-events (a request at a capacity boundary, or finishing) nothing changes but token counts, so a
-segment of ``k`` steps is priced at once and nothing is done per token. A request's counters
+as in the engine) or decodes one token for every running request. Decode steps run in
+*segments*: between two events (a request at a capacity boundary, or finishing) nothing changes
+but token counts, so a segment of ``k`` steps is priced at once and nothing is done per token. A request's counters
 are brought up to date (``_sync``) only when it has an event.
 
 Preemption is by recompute, the victim being the most recently admitted running request (as in
@@ -201,11 +201,11 @@ class Scheduler:
         if r.view is None or r.resuming:
             # A recompute starts from a fresh view: what its compressions dropped is back.
             r.view = self.source.view_for(r.spec)
-        new = math.ceil(self._prefill_need(r) / self.page_size) - len(cached)
-        watermark = bool(self.running)
-        self.prefix.take(r, cached)
-        r.state.block_table = cached + self.pool.allocate(new, respect_watermark=watermark)
         r.prefill_target = self._prefill_need(r)
+        new = math.ceil(r.prefill_target / self.page_size) - len(cached)
+        self.prefix.take(r, cached)
+        r.state.block_table = cached + self.pool.allocate(new,
+                                                          respect_watermark=bool(self.running))
         r.prefill_left = r.prefill_target - len(cached) * self.page_size
         self.prefix.register(r, len(cached) * self.page_size)
         self.prefilling.append(r)
