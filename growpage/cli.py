@@ -64,22 +64,15 @@ def _where(exc: BaseException) -> str:
     """`` (file:line, in function)`` of the policy author's code a policy error came from (the
     last frame outside growpage and installed packages), as ``sim sweep`` reports a failed
     point: a policy author needs the line of their bug, not only its message."""
-    from growpage.errors import PolicyError
+    import pathlib
+    import sysconfig
+
+    from growpage.errors import PolicyError, raised_at
 
     if not isinstance(exc, PolicyError) or exc.__cause__ is None:
         return ""
-    import pathlib
-    import sysconfig
-    import traceback
-
-    root: BaseException = exc
-    while root.__cause__ is not None:
-        root = root.__cause__
-    skip = (str(pathlib.Path(__file__).parent), sysconfig.get_paths()["purelib"],
-            sysconfig.get_paths()["stdlib"])
-    frames = [f for f in traceback.extract_tb(root.__traceback__)
-              if not f.filename.startswith(skip) and not f.filename.startswith("<")]
-    return f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    paths = sysconfig.get_paths()
+    return raised_at(exc, (str(pathlib.Path(__file__).parent), paths["purelib"], paths["stdlib"]))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """Error types. Every error the library raises on bad input derives from ``GrowPageError``."""
 
+from __future__ import annotations
+
+import traceback
+
 
 class GrowPageError(Exception):
     """Base class of the library's own errors."""
@@ -32,3 +36,18 @@ class SimulationError(GrowPageError):
 
 class EngineError(GrowPageError):
     """Bad input to the engine (empty prompt, prompt that can never fit, missing model...)."""
+
+
+def raised_at(exc: BaseException, skip: tuple[str, ...] = ()) -> str:
+    """`` (file:line, in function)`` of the last frame that raised the root of ``exc``'s
+    ``__cause__`` chain, leaving out files under the ``skip`` prefixes (and ``<...>`` ones when
+    any are given); ``""`` when no frame is left.
+
+    NOTE: simpy re-raises a process's exception as a copy caused by the original, and a policy
+    error is caused by the policy's own exception: the root holds the frame that matters."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    frames = [f for f in traceback.extract_tb(root.__traceback__)
+              if not skip or not (f.filename.startswith(skip) or f.filename.startswith("<"))]
+    return f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""

@@ -15,7 +15,6 @@ it was raised) instead of metrics, and the other points run on.
 from __future__ import annotations
 
 import itertools
-import traceback
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig
-from growpage.errors import ConfigError, GrowPageError
+from growpage.errors import ConfigError, GrowPageError, raised_at
 from growpage.policies.registry import parse_policy_value, resolve_policy
 from growpage.sim.costmodel import load_cost_model, with_boundary_costs
 from growpage.sim.replay import ReplayOptions, replay_trace
@@ -121,16 +120,8 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
 
 
 def _describe(exc: BaseException) -> str:
-    """``Type: message (file:line, in function)``, with the frame that raised first.
-
-    NOTE: simpy re-raises a process's exception as a copy caused by the original, so the frame
-    is taken from the end of the ``__cause__`` chain."""
-    root = exc
-    while root.__cause__ is not None:
-        root = root.__cause__
-    frames = traceback.extract_tb(root.__traceback__)
-    where = f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+    """``Type: message (file:line, in function)``, with the frame that raised first."""
+    return f"{type(exc).__name__}: {exc}{raised_at(exc)}"
 
 
 def try_point(point: SweepPoint, settings: SweepSettings) -> dict:

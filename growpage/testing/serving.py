@@ -189,18 +189,16 @@ def script_mode_problem(policy: CapacityPolicy) -> str | None:
     Not a conformance rule (the policy may be right, and trace mode serves it): script mode
     plays back the signals a replay of a synthetic trace read, so a policy whose choice of
     signals depends on the pool, or that reads KV content, cannot run there."""
-    config = GrowPageConfig(page_size=8, recent_window=2)
-    requests = [WorkloadRequest(f"r{i}", 0.05 * (i % 2), 20 + 3 * i, 60 + 30 * i)
-                for i in range(5)]
-    compresses = policy.fallback_to_compress
-    alone = max(math.ceil((r.prompt_tokens + (r.output_tokens - 1 if not compresses else 1))
-                          / config.page_size) for r in requests)
-    for pages in (max(alone, config.min_capacity) + 1, 4 * alone):
-        sim = SimConfig(num_kv_pages=pages, max_num_seqs=4, admission_reserve=0.0,
-                        decisions="script", num_scripts=2)
+    case = ServingCase(tuple(WorkloadRequest(f"r{i}", 0.05 * (i % 2), 20 + 3 * i, 60 + 30 * i)
+                             for i in range(5)), page_size=8, slack=1, max_num_seqs=4)
+    config = case.config()
+    tight = case.num_kv_pages(config, policy.fallback_to_compress)
+    for pages in (tight, 4 * tight):
+        sim = SimConfig(num_kv_pages=pages, max_num_seqs=case.max_num_seqs,
+                        admission_reserve=0.0, decisions="script", num_scripts=2)
         try:
             with global_rngs_seeded(0):
-                simulate(requests, copy.deepcopy(policy), config, sim, COST)
+                simulate(list(case.requests), copy.deepcopy(policy), config, sim, COST)
         except GrowPageError as exc:
             return f"{type(exc).__name__}: {exc}"
     return None
