@@ -5,11 +5,14 @@ generating exactly ``--max-tokens`` tokens (``ignore_eos``), all submitted at on
 (SmolLM2-135M-Instruct, fp32, torch backend) with a KV pool too small for ``fullkv`` to keep
 every request resident. Steps:
 
-1. **calibrate**: time the engine's forward passes over the workload's shapes
-   (``growpage.engine.profile.measure_step_times``) and fit the simulator's ``LinearCostModel``
-   (``growpage.sim.calibrate.fit_linear``), as ``growpage calibrate`` does. The machine is
-   shared, so one pass runs before the engine runs and one after each of them, and the model is
-   fitted on all passes together: it sees the load the engine runs saw;
+1. **calibrate**: time the engine's forward passes over the workload's shapes (every batch size
+   from 1 to the number of requests; ``growpage.engine.profile.measure_step_times``) and fit the
+   simulator's ``PiecewiseCostModel`` (``growpage.sim.calibrate.fit_piecewise``), as ``growpage
+   calibrate --kind piecewise`` does; a ``LinearCostModel`` fitted on the same rows is reported
+   beside it. Both price a decode step's KV as the engine's torch backend reads it, padded to
+   the batch's longest context (``padded_kv``). The machine is shared, so one pass runs before the engine runs and one after each
+   of them, and the models are fitted on all passes together: they see the load the engine runs
+   saw;
 2. **record**: run the workload once under ``fullkv`` with a pool large enough for everything,
    recording every layer's queries and keys (``LLM(record_traces=DIR)``);
 3. **engine**: run the workload under each policy with the small pool and keep ``EngineStats``;
@@ -17,7 +20,8 @@ every request resident. Steps:
    decides on a ``TraceView`` over its own recorded trace: closed loop, the real policy on the
    real queries and keys), with the calibrated cost model and the engine's pool, page size,
    ``max_num_seqs`` and token budget;
-5. compare TPS, C (average resident requests), total time and event counts.
+5. compare TPS, C (average resident requests), total time and event counts; the same requests
+   priced with the linear model give a second set of errors (not gated).
 
 Modelling choices that make both sides count the same thing:
 
@@ -57,7 +61,7 @@ from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace
 from growpage.eval.machine import describe_machine
 from growpage.policies.registry import resolve_policy
-from growpage.sim.calibrate import fit_linear
+from growpage.sim.calibrate import fit_linear, fit_piecewise
 from growpage.sim.costmodel import CostModel, with_boundary_costs
 from growpage.sim.serving import ServingResult, SimConfig, simulate
 from growpage.sim.sweep import SweepPoint, parse_points
@@ -102,15 +106,17 @@ def sampling_params(scenario: Scenario) -> Any:
 
 def calibration_shapes(scenario: Scenario, prompt_tokens: int
                        ) -> tuple[list[int], list[int], list[int | tuple[int, int]]]:
-    """Batch sizes, per-request contexts and prefills spanning the workload's steps: one prompt
-    (a recompute after preemption), and every prompt at once as the first step admits them (a
+    """Batch sizes, per-request contexts and prefills spanning the workload's steps: every
+    batch size the run can decode (the engine's step time is not linear in it: on a CPU some
+    sizes take matrix kernels' faster paths), the shortest and longest contexts, one prompt (a
+    recompute after preemption), and every prompt at once as the first step admits them (a
     batch of ``n`` sequences, not one sequence of ``prompt_tokens``, whose attention would cost
     the square of its length)."""
     n = scenario.num_requests
     per_prompt = max(1, prompt_tokens // n)
     longest = per_prompt + scenario.max_tokens
-    batch_sizes = sorted({1, max(1, n // 4), max(1, n // 2), n})
-    contexts = sorted({per_prompt, (per_prompt + longest) // 2, longest})
+    batch_sizes = list(range(1, n + 1))
+    contexts = sorted({per_prompt, longest})
     prefills: list[int | tuple[int, int]] = [per_prompt, (n, max(n, prompt_tokens))]
     return batch_sizes, contexts, prefills
 
@@ -238,7 +244,9 @@ def _error_cell(err: float | None, difference: float, fmt: str) -> str:
     return f"{err:+.1%}" if err is not None else f"n/a ({difference:+{fmt}})"
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
+def markdown(rows: list[dict], meta: dict, linear_rows: Sequence[dict] = ()) -> str:
+    """The report: the piecewise model's comparison (gated), then the same runs priced with
+    the linear model (``linear_rows``, errors only)."""
     lines = ["| point | metric | engine (measured) | simulator | rel. error |",
              "|---|---|---:|---:|---:|"]
     for row in rows:
@@ -247,7 +255,20 @@ def markdown(rows: list[dict], meta: dict) -> str:
             mark = " **!**" if key in GATED and (err is None or abs(err) > TARGET) else ""
             lines.append(f"| {row['point']} | {name} | {e:{fmt}} | {s:{fmt}} | "
                          f"{_error_cell(err, s - e, fmt)}{mark} |")
-    c = meta["cost_model"]
+    c, lc = meta["cost_model"], meta.get("linear_cost_model")
+    table = ", ".join(f"{n}: {1e3 * t:.1f}" for n, t in zip(c["batch_sizes"], c["batch_s"],
+                                                             strict=True))
+    linear = []
+    if linear_rows and lc:
+        linear = [
+            "Same runs priced with a linear model fitted on the same rows (rms "
+            f"{1e3 * meta['linear_calibration_rms_s']:.2f} ms: base {1e3 * lc['base_s']:.2f} ms + "
+            f"{1e3 * lc['per_seq_s']:.3f} ms/seq + {1e6 * lc['per_kv_token_s']:.3f} us/KV token "
+            f"+ {1e3 * lc['per_prefill_token_s']:.3f} ms/prefill token; not gated):", "",
+            "| point | TPS error | C error | total time error |", "|---|---:|---:|---:|",
+            *(f"| {row['point']} | " + " | ".join(
+                _error_cell(row["rel_error"][k], row["sim"][k] - row["engine"][k], ".2f")
+                for k in GATED) + " |" for row in linear_rows), ""]
     return "\n".join([
         "# Simulator vs engine (CPU, SmolLM2-135M-Instruct)", "",
         f"Command: `{meta['command']}`", "",
@@ -259,16 +280,20 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"tokens, max_num_seqs {meta['max_num_seqs']}, prefix caching off. Traces: "
         f"{meta['recorded_layers']} layers recorded under fullkv. Simulator: trace mode "
         "(closed loop on the recorded queries and keys), admission reserve 0.", "",
-        f"Cost model fitted on {meta['calibration_rows']} engine forward passes "
-        f"(rms {1e3 * meta['calibration_rms_s']:.2f} ms): base {1e3 * c['base_s']:.2f} ms + "
-        f"{1e3 * c['per_seq_s']:.3f} ms/seq + {1e6 * c['per_kv_token_s']:.3f} us/KV token + "
-        f"{1e3 * c['per_prefill_token_s']:.3f} ms/prefill token. Capacity control, ms per "
+        f"Piecewise cost model fitted on {meta['calibration_rows']} engine forward passes "
+        f"(rms {1e3 * meta['calibration_rms_s']:.2f} ms): fixed ms per step by batch size "
+        f"({table}; 0 = prefill) + {1e6 * c['per_kv_token_s']:.3f} us/KV token + "
+        f"{1e3 * c['per_prefill_token_s']:.3f} ms/prefill token; a decode step's KV tokens "
+        + ("are its batch times its longest context (the torch backend pads to it)"
+           if c.get("padded_kv") else "are the sum of its contexts")
+        + ". Capacity control, ms per "
         "decision + ms per compaction, measured per policy in runs of their own "
         "(`measure_boundary_costs`; 0 with `--no-boundaries`): " + "; ".join(
             f"{label} {1e3 * p['boundary_s']:.2f} + {1e3 * p['compaction_s']:.2f}"
             for label, p in meta.get("boundary_prices", {}).items()) + ".", "",
         *lines, "",
-        f"Target: TPS, C and total time within +-{TARGET:.0%} (**!** marks a miss).", ""])
+        f"Target: TPS, C and total time within +-{TARGET:.0%} (**!** marks a miss).", "",
+        *linear])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,21 +350,29 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: the passes are spread over the benchmark, so the fit sees the machine's load as the
     # engine runs did (the machine is shared; one pass alone can be off by tens of percent).
     table = np.concatenate(passes)
-    cost = fit_linear(table)
-    cost.save(out / "costmodel.json")
+    from growpage.engine.profile import decode_pads_kv
+
+    # The torch backend pads every sequence's KV to the batch's longest: the simulator prices
+    # a decode step's KV so (the calibration's contexts are uniform, so the fit is the same).
+    pads = decode_pads_kv(model)
+    costs = {"piecewise": fit_piecewise(table, padded_kv=pads),
+             "linear": fit_linear(table, padded_kv=pads)}
+    costs["piecewise"].save(out / "costmodel.json")
+    costs["linear"].save(out / "costmodel-linear.json")
     # Capacity control priced per point on this engine, in runs of their own: what a decision
     # costs depends on the policy (fullkv reads nothing, growpage estimates demand).
     prices = {point.label: boundary_prices(model, point, scenario) if args.boundaries
               else {"boundary_s": 0.0, "compaction_s": 0.0} for point in points}
-    predicted = cost.step_time(table[:, 0], table[:, 1], table[:, 2])
-    rms = float(np.sqrt(np.mean((predicted - table[:, 3]) ** 2)))
-    rows = []
+    rms = {kind: float(np.sqrt(np.mean((c.step_time(table[:, 0], table[:, 1], table[:, 2])
+                                        - table[:, 3]) ** 2))) for kind, c in costs.items()}
+    rows: dict[str, list[dict]] = {kind: [] for kind in costs}
     for point, (stats, config) in tqdm(list(zip(points, engine_stats, strict=True)),
                                        desc="simulate", unit="point"):
-        priced = with_boundary_costs(cost, prices[point.label]["boundary_s"],
-                                     prices[point.label]["compaction_s"])
-        result = run_sim(requests, by_id, point, config, scenario, priced)
-        rows.append(compare(point.label, engine_row(stats), sim_row(result)))
+        for kind, cost in costs.items():
+            priced = with_boundary_costs(cost, prices[point.label]["boundary_s"],
+                                         prices[point.label]["compaction_s"])
+            result = run_sim(requests, by_id, point, config, scenario, priced)
+            rows[kind].append(compare(point.label, engine_row(stats), sim_row(result)))
     meta = {"command": "python " + " ".join(["benchmarks/sim_vs_engine.py", *sys.argv[1:]]),
             "machine": machine, "torch": torch.__version__, "threads": args.threads,
             "date": started, "wall_s": time.perf_counter() - start,
@@ -347,15 +380,18 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": scenario.max_tokens, "kv_pages": scenario.kv_pages,
             "page_size": scenario.page_size, "max_num_seqs": scenario.max_num_seqs,
             "recorded_layers": "all" if layers is None else len(layers),
-            "calibration_rows": len(table), "calibration_rms_s": rms,
-            "cost_model": attrs.asdict(cost), "boundary_prices": prices}
-    report = markdown(rows, meta)
+            "calibration_rows": len(table), "calibration_rms_s": rms["piecewise"],
+            "linear_calibration_rms_s": rms["linear"],
+            "cost_model": attrs.asdict(costs["piecewise"]),
+            "linear_cost_model": attrs.asdict(costs["linear"]), "boundary_prices": prices}
+    report = markdown(rows["piecewise"], meta, rows["linear"])
     (out / "report.md").write_text(report)
     (out / "sim_vs_engine.json").write_text(json.dumps(
-        {"meta": meta, "scenario": attrs.asdict(scenario), "rows": rows,
-         "calibration": table.tolist()}, indent=1) + "\n")
+        {"meta": meta, "scenario": attrs.asdict(scenario), "rows": rows["piecewise"],
+         "linear_rows": rows["linear"], "calibration": table.tolist()}, indent=1) + "\n")
     print(report)
-    print(f"results in {out}/ (report.md, sim_vs_engine.json, costmodel.json, traces/)")
+    print(f"results in {out}/ (report.md, sim_vs_engine.json, costmodel.json, "
+          "costmodel-linear.json, traces/)")
     return 0
 
 

@@ -14,3 +14,21 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
+
+
+def size_list(text: str) -> tuple[int, ...]:
+    """Whole numbers >= 1 as ``1,2,4`` or ranges ``1-16`` (``1-8,12,16`` mixes them); sorted,
+    each once."""
+    values: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected whole numbers >= 1 such as 1,2,4 or 1-16, got {text!r}") from None
+        if first < 1 or last < first:
+            raise argparse.ArgumentTypeError(
+                f"expected whole numbers >= 1 and ranges low-high, got {part.strip()!r}")
+        values.update(range(first, last + 1))
+    return tuple(sorted(values))

@@ -196,11 +196,13 @@ class BoundaryContext:
         (both worlds record it for a policy with ``needs_accumulated_attention``)."""
         sums = self.view.accumulated_attention()
         self._read_missing_sums |= sums is None
-        return sums
+        return None if sums is None else sums.clone()
 
     def positions(self) -> torch.Tensor:
         """Absolute positions held by each slot, ``[L, Hkv, N]``."""
-        return self.view.positions()
+        # NOTE: copies (as accumulated_attention's): a view may hand out its own storage (the
+        # simulator's do), which a policy changing the tensor in place would corrupt.
+        return self.view.positions().clone()
 
 
 def missing_sums_hint(ctx: BoundaryContext) -> str:

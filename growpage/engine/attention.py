@@ -102,6 +102,10 @@ class AttentionBackend(abc.ABC):
     """
 
     name: str = "abstract"
+    #: Decode reads every sequence's KV padded to the longest in the batch, so a step costs
+    #: about ``batch * longest context`` KV reads, not their sum (the simulator's cost models
+    #: price it so with ``padded_kv``; ``growpage calibrate`` reads it).
+    pads_decode: bool = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer_cache: torch.Tensor | None, ctx: StepContext, scale: float
@@ -147,6 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend in plain torch (CPU or GPU); softmax in fp32."""
 
     name = "torch"
+    pads_decode = True   # gathers whole block tables; the paged backend, up to the longest
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

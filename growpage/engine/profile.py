@@ -104,6 +104,15 @@ def measure_step_times(model: str | Path | CausalLM | None = None,
     return rows
 
 
+def decode_pads_kv(model: CausalLM | None = None) -> bool:
+    """Whether the decode steps ``measure_step_times`` times pad each sequence's KV to the
+    longest in the batch (``AttentionBackend.pads_decode``): ``model``'s backend, or the one it
+    loads (``auto`` on the CPU: torch, which pads)."""
+    backend = model.backend if isinstance(model, CausalLM) else make_attention_backend("auto",
+                                                                                        "cpu")
+    return bool(backend.pads_decode)
+
+
 def measure_boundary_costs(model: str | Path | CausalLM | None = None, num_requests: int = 6,
                            max_tokens: int = 96, page_size: int = 16,
                            policy: str | CapacityPolicy = "growpage", progress: bool = True

@@ -9,7 +9,13 @@ Main entry points::
     signal_quality(records) -> SignalQuality                                   # Fig. 6 / 7
 """
 
-from growpage.sim.costmodel import CostModel, LinearCostModel, RooflineCostModel, load_cost_model
+from growpage.sim.costmodel import (
+    CostModel,
+    LinearCostModel,
+    PiecewiseCostModel,
+    RooflineCostModel,
+    load_cost_model,
+)
 from growpage.sim.records import BoundaryRecord, ReplayResult
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.serving import ServingResult, SimConfig, simulate
@@ -17,8 +23,8 @@ from growpage.sim.signal import SignalQuality, signal_quality
 from growpage.sim.workloads import WORKLOADS, WorkloadRequest, WorkloadSpec, resolve_workload
 
 __all__ = [
-    "WORKLOADS", "BoundaryRecord", "CostModel", "LinearCostModel", "ReplayOptions",
-    "ReplayResult", "RooflineCostModel", "ServingResult", "SignalQuality", "SimConfig",
+    "WORKLOADS", "BoundaryRecord", "CostModel", "LinearCostModel", "PiecewiseCostModel",
+    "ReplayOptions", "ReplayResult", "RooflineCostModel", "ServingResult", "SignalQuality", "SimConfig",
     "WorkloadRequest", "WorkloadSpec", "load_cost_model", "replay_trace", "resolve_workload",
     "signal_quality", "simulate",
 ]

@@ -1,4 +1,5 @@
-"""Fitting ``LinearCostModel`` to measured engine step times (``growpage calibrate``).
+"""Fitting ``LinearCostModel`` or ``PiecewiseCostModel`` to measured engine step times
+(``growpage calibrate``).
 
 Measurements are rows of ``num_seqs, kv_tokens, prefill_tokens, step_s`` (a decode step of
 ``num_seqs`` sequences reading ``kv_tokens`` KV tokens in total, plus ``prefill_tokens`` prompt
@@ -16,13 +17,14 @@ import importlib
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from growpage.errors import ConfigError, EngineError
-from growpage.sim.costmodel import STEP_COEFFICIENTS, LinearCostModel
+from growpage.sim.costmodel import STEP_COEFFICIENTS, LinearCostModel, PiecewiseCostModel
 
 COLUMNS = ("num_seqs", "kv_tokens", "prefill_tokens", "step_s")
 ENGINE_PROFILER = "growpage.engine.profile"
@@ -63,32 +65,94 @@ def load_measurements(path: str | os.PathLike) -> np.ndarray:
     return np.array(rows)
 
 
-def fit_linear(rows: np.ndarray) -> LinearCostModel:
-    """Least-squares fit of ``LinearCostModel`` with non-negative coefficients.
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin ||a x - b||`` over ``x >= 0`` (Lawson and Hanson's active-set method).
 
-    A coefficient the unconstrained fit makes negative is fixed at 0 and the rest refitted.
+    Columns are scaled to unit norm first (the constraint does not change), as the step-time
+    columns differ by orders of magnitude; a zero column gets coefficient 0.
     """
-    x = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1], rows[:, 2]])
-    y = rows[:, 3]
-    active = [True] * 4
-    coef = np.zeros(4)
-    while any(active):
-        cols = [i for i in range(4) if active[i]]
-        sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-        coef[:] = 0
-        coef[cols] = sol
-        if (sol >= 0).all():
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    norms = np.linalg.norm(a, axis=0)
+    usable = norms > 0
+    scaled = a[:, usable] / norms[usable]
+    n = scaled.shape[1]
+    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(np.float64).eps * max(scaled.shape)   # columns have unit norm
+    for _ in range(3 * n + 1):
+        gradient = scaled.T @ (b - scaled @ x)
+        free = ~passive & (gradient > tol)
+        if not free.any():
             break
-        active[cols[int(np.argmin(sol))]] = False
-    base, per_seq, per_kv, per_prefill = (float(c) for c in coef)
+        passive[np.argmax(np.where(free, gradient, -np.inf))] = True
+        while True:   # solve on the passive set; step back while it leaves the feasible region
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(scaled[:, passive], b, rcond=None)[0]
+            bad = passive & (z <= tol)
+            if not bad.any():
+                x = z
+                break
+            alpha = np.min(x[bad] / (x[bad] - z[bad]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    out = np.zeros(a.shape[1])
+    out[usable] = x / norms[usable]
+    return out
+
+
+def _design_linear(rows: np.ndarray) -> np.ndarray:
+    return np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1], rows[:, 2]])
+
+
+def fit_linear(rows: np.ndarray, padded_kv: bool = False) -> LinearCostModel:
+    """Least-squares fit of ``LinearCostModel`` with non-negative coefficients (``nnls``).
+
+    ``padded_kv``: the measured engine pads decode KV to the longest sequence
+    (``CostModel.padded_kv``); the fit is the same (measure uniform contexts), the simulator
+    then prices ragged batches by their longest sequence.
+    """
+    base, per_seq, per_kv, per_prefill = (float(c) for c in nnls(_design_linear(rows),
+                                                                  rows[:, 3]))
     return LinearCostModel(base_s=base, per_seq_s=per_seq, per_kv_token_s=per_kv,
-                           per_prefill_token_s=per_prefill)
+                           per_prefill_token_s=per_prefill, padded_kv=padded_kv)
 
 
-def fit_warnings(rows: np.ndarray) -> list[str]:
-    """What ``rows`` cannot determine: a column with one value throughout (its coefficient is
-    then fitted as 0, or cannot be told apart from ``base_s``), or columns that depend linearly
-    on each other."""
+def _design_piecewise(rows: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """The batch sizes measured and the design matrix: one indicator column per batch size,
+    then kv_tokens and prefill_tokens."""
+    sizes = sorted({int(n) for n in rows[:, 0]})
+    if any(float(n) != int(n) for n in rows[:, 0]):
+        raise ConfigError("a piecewise cost model needs whole numbers of sequences (num_seqs)")
+    indicators = (rows[:, 0][:, None] == np.array(sizes, dtype=np.float64)[None, :])
+    return sizes, np.column_stack([indicators.astype(np.float64), rows[:, 1], rows[:, 2]])
+
+
+def fit_piecewise(rows: np.ndarray, padded_kv: bool = False) -> PiecewiseCostModel:
+    """Least-squares fit of ``PiecewiseCostModel``: one fixed cost per batch size measured
+    (``num_seqs`` 0 for prefill-only steps) and a shared cost per KV token and per prompt
+    token, all non-negative (``nnls``); ``padded_kv`` as ``fit_linear``'s."""
+    sizes, x = _design_piecewise(rows)
+    coef = nnls(x, rows[:, 3])
+    return PiecewiseCostModel(batch_sizes=tuple(sizes),
+                              batch_s=tuple(float(c) for c in coef[:len(sizes)]),
+                              per_kv_token_s=float(coef[-2]),
+                              per_prefill_token_s=float(coef[-1]), padded_kv=padded_kv)
+
+
+#: ``growpage calibrate --kind``: the fitting function of each fitted cost model.
+FITS: dict[str, Callable[..., LinearCostModel | PiecewiseCostModel]] = {
+    "linear": fit_linear, "piecewise": fit_piecewise}
+
+
+def fit_warnings(rows: np.ndarray, kind: str = "linear") -> list[str]:
+    """What ``rows`` cannot determine for a ``kind`` model (``FITS``).
+
+    Linear: a column with one value throughout (its coefficient is then fitted as 0, or cannot
+    be told apart from ``base_s``), or columns that depend linearly on each other. Piecewise:
+    the per-token costs, which only differences within one batch size determine.
+    """
+    if kind == "piecewise":
+        return _piecewise_warnings(rows)
     warnings = []
     for i, (column, coef) in enumerate(zip(COLUMNS[:3], STEP_COEFFICIENTS[1:], strict=True)):
         value = float(rows[0, i])
@@ -98,11 +162,31 @@ def fit_warnings(rows: np.ndarray) -> list[str]:
             warnings.append(f"{column} is {value:g} in every measurement, so {coef} {what}; "
                             f"measure steps with other {column}")
     if not warnings:
-        x = np.column_stack([np.ones(len(rows)), rows[:, :3]])
+        x = _design_linear(rows)
         if np.linalg.matrix_rank(x / np.abs(x).max(axis=0)) < x.shape[1]:
             warnings.append(f"{', '.join(COLUMNS[:3])} depend linearly on each other in these "
                             "measurements, so their coefficients are not fitted separately; "
                             "vary them independently")
+    return warnings
+
+
+def _piecewise_warnings(rows: np.ndarray) -> list[str]:
+    sizes, x = _design_piecewise(rows)
+    warnings = []
+    for col, column, coef in ((1, "kv_tokens", "per_kv_token_s"),
+                              (2, "prefill_tokens", "per_prefill_token_s")):
+        if (rows[:, col] == 0).all():
+            warnings.append(f"{column} is 0 in every measurement, so {coef} is fitted as 0 "
+                            f"(free in the simulator); measure steps with other {column}")
+        elif all(len(set(rows[rows[:, 0] == n, col])) == 1 for n in sizes):
+            warnings.append(f"{column} never changes within one num_seqs, so {coef} is not "
+                            "fitted (a piecewise model gives each num_seqs its own fixed cost); "
+                            f"measure each num_seqs at two or more {column}")
+    if not warnings and np.linalg.matrix_rank(x / np.maximum(np.abs(x).max(axis=0), 1e-300)
+                                              ) < x.shape[1]:
+        warnings.append("kv_tokens and prefill_tokens depend linearly on each other within the "
+                        "batch sizes measured, so their costs are not fitted separately; vary "
+                        "them independently")
     return warnings
 
 
@@ -118,3 +202,9 @@ def measure_engine(**options: Any) -> np.ndarray:
                           f"{', '.join(COLUMNS)}") from None
     items = profiler.measure_step_times(**options)
     return np.array([_row(d, f"{ENGINE_PROFILER} row {i}") for i, d in enumerate(items)])
+
+
+def engine_pads_kv() -> bool:
+    """Whether the local engine's decode steps, as ``measure_engine`` times them, pad every
+    sequence's KV to the longest (``growpage.engine.profile.decode_pads_kv``)."""
+    return bool(importlib.import_module(ENGINE_PROFILER).decode_pads_kv())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from growpage._argtypes import positive_int
+from growpage._argtypes import positive_int, size_list
 
 DEFAULT_POINTS = ["growpage", "fullkv", "fixed@budget_tokens=1024,2048,4096,8192"]
 
@@ -124,10 +124,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(p, policy=False)
     p.set_defaults(func=_lazy("run_sweep"))
 
-    p = subparsers.add_parser("calibrate", help="fit the linear step-time model")
+    p = subparsers.add_parser("calibrate", help="fit a step-time model to the engine")
     p.add_argument("--measurements", metavar="FILE",
                    help="CSV/JSON rows num_seqs,kv_tokens,prefill_tokens,step_s (default: "
                         "measure the local engine)")
+    p.add_argument("--kind", choices=("linear", "piecewise"), default="linear",
+                   help="linear: base + per sequence + per KV token + per prompt token; "
+                        "piecewise: a fixed cost measured for each batch size (interpolated "
+                        "between them) + per KV token + per prompt token, for engines whose "
+                        "step time is not linear in the batch size (default %(default)s)")
+    p.add_argument("--batch-sizes", type=size_list, metavar="LIST",
+                   help="decode batch sizes to measure on the engine, as 1,4,16 or 1-16 "
+                        "(default 1,4,16; with --kind piecewise 1-16: measure every size the "
+                        "simulation will run)")
+    p.add_argument("--padded-kv", action=argparse.BooleanOptionalAction, default=None,
+                   help="price a decode step's KV as batch size x the longest context, as an "
+                        "attention that pads to the longest sequence reads it (default: what the "
+                        "local engine's backend does, the torch backend pads; with "
+                        "--measurements, no)")
+    p.add_argument("--contexts", type=size_list, metavar="LIST",
+                   help="KV tokens per sequence of the measured decode steps (default "
+                        "128,512,1024)")
     p.add_argument("--out", default="costmodel.json",
                    help="where to write the model (default: %(default)s)")
     p.add_argument("--no-boundaries", dest="boundaries", action="store_false",

@@ -338,16 +338,35 @@ def _model_path(text: str) -> Path:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from growpage.sim.calibrate import fit_linear, fit_warnings, load_measurements, measure_engine
+    from growpage.sim.calibrate import (
+        FITS,
+        engine_pads_kv,
+        fit_warnings,
+        load_measurements,
+        measure_engine,
+    )
 
     out = _model_path(args.out)
-    if args.measurements and args.boundary_policy is not None:
-        raise ConfigError("--boundary-policy prices capacity control on the local engine, which "
-                          "--measurements does not run; drop one of them (serve and sweep take "
-                          "--boundary-ms / --compaction-ms for prices measured elsewhere)")
-    rows = load_measurements(args.measurements) if args.measurements else measure_engine()
-    model = fit_linear(rows)
-    for text in fit_warnings(rows):
+    engine_only = [flag for flag, value in (("--boundary-policy", args.boundary_policy),
+                                            ("--batch-sizes", args.batch_sizes),
+                                            ("--contexts", args.contexts)) if value is not None]
+    if args.measurements and engine_only:
+        raise ConfigError(f"{', '.join(engine_only)} set how the local engine is measured, "
+                          "which --measurements does not run; drop one of them (serve and sweep "
+                          "take --boundary-ms / --compaction-ms for prices measured elsewhere)")
+    if args.measurements:
+        rows = load_measurements(args.measurements)
+    else:
+        shapes = {"batch_sizes": args.batch_sizes or (
+            tuple(range(1, 17)) if args.kind == "piecewise" else (1, 4, 16))}
+        if args.contexts:
+            shapes["contexts"] = args.contexts
+        rows = measure_engine(**shapes)
+    padded = args.padded_kv
+    if padded is None:   # as the measured engine's attention does (--measurements: summed)
+        padded = False if args.measurements else engine_pads_kv()
+    model = FITS[args.kind](rows, padded_kv=padded)
+    for text in fit_warnings(rows, args.kind):
         _warn(text)
     if not args.measurements and args.boundaries:  # capacity control on the same engine
         from growpage.engine.profile import measure_boundary_costs
@@ -364,7 +383,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out}: cannot write the cost model ({e.strerror or e})") from None
     print(f"fitted on {len(rows)} measurements (rms error {rms * 1e3:.3f} ms):")
     for key, value in attrs.asdict(model).items():
-        if key != "name":
-            print(f"  {key:20s} {value:.6g}")
+        if key == "padded_kv":
+            print(f"  {key:20s} {str(value).lower()}")
+        elif key != "name":
+            shown = (", ".join(f"{v:.6g}" for v in value) if isinstance(value, (list, tuple))
+                     else f"{value:.6g}")
+            print(f"  {key:20s} {shown}")
     print(f"wrote {path}")
     return 0

@@ -2,15 +2,20 @@
 
 A step is one engine iteration: a decode step for ``num_seqs`` running requests whose attention
 reads ``kv_tokens`` resident KV tokens in total, and/or a prefill of ``prefill_tokens`` prompt
-tokens. Two models:
+tokens. Three models:
 
 * ``LinearCostModel``: ``t = base + per_seq * num_seqs + per_kv_token * kv_tokens
   + per_prefill_token * prefill_tokens``, fitted by least squares from engine measurements
   (``growpage calibrate``), saved and loaded as JSON.
+* ``PiecewiseCostModel``: as the linear model, but what a step of ``num_seqs`` sequences costs
+  beyond its KV and prompt tokens is a measured table, interpolated between the batch sizes
+  measured (``growpage calibrate --kind piecewise``). Matrix kernels on a CPU are not linear in
+  the batch size (on the project's machine SmolLM2 decodes 16 sequences faster than 15), and a
+  line through a few batch sizes misprices the others.
 * ``RooflineCostModel``: ``t = overhead + max(flops / (peak * mfu), bytes / (bandwidth * mbu))``
   from hardware and model specs (``sim.hardware`` has the paper's presets).
 
-Both may also price capacity control (``boundary_time``): seconds per policy decision and per
+All may also price capacity control (``boundary_time``): seconds per policy decision and per
 compaction, 0 by default (the paper's asynchronous pipeline).
 
 All arguments may be numpy arrays (broadcast), so a run of decode steps is priced in one call.
@@ -43,6 +48,12 @@ def _non_negative(inst: object, attribute: attrs.Attribute, value: float) -> Non
                           f"got {value!r}")
 
 
+def _boolean(inst: object, attribute: attrs.Attribute, value: bool) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be true or false, "
+                          f"got {value!r}")
+
+
 def _unit(inst: object, attribute: attrs.Attribute, value: float) -> None:
     if not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ConfigError(f"{type(inst).__name__}.{attribute.name} must lie in (0, 1], got {value!r}")
@@ -52,6 +63,10 @@ class CostModel(abc.ABC):
     """Seconds per engine step."""
 
     name: str = "cost"
+    #: Price a decode step's KV as ``num_seqs * (longest context)`` instead of the sum of the
+    #: contexts: an attention that pads every sequence to the longest in the batch reads that
+    #: much (the engine's torch backend, ``AttentionBackend.pads_decode``). The simulator asks.
+    padded_kv: bool = False
 
     @abc.abstractmethod
     def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
@@ -128,6 +143,7 @@ class LinearCostModel(CostModel):
     per_prefill_token_s: float = attrs.field(default=0.0, validator=_non_negative)
     boundary_s: float = attrs.field(default=0.0, validator=_non_negative)    # per decision
     compaction_s: float = attrs.field(default=0.0, validator=_non_negative)  # per compaction
+    padded_kv: bool = attrs.field(default=False, validator=_boolean)         # see CostModel
     name: str = "linear"
 
     def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
@@ -139,27 +155,122 @@ class LinearCostModel(CostModel):
         return self.base_s + self.per_seq_s * num_seqs, [(0.0, self.per_kv_token_s)]
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps({"kind": "linear", **attrs.asdict(self)}, indent=1) + "\n")
-        return path
+        return _save(self, "linear", path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> LinearCostModel:
-        try:
-            d = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{path}: cannot read a cost model ({e})") from None
-        if not isinstance(d, dict) or d.pop("kind", None) != "linear":
-            raise ConfigError(f"{path}: not a linear cost model (expected \"kind\": \"linear\")")
-        missing = [k for k in STEP_COEFFICIENTS if k not in d]
-        if missing:
-            raise ConfigError(f"{path}: cost model lacks {', '.join(missing)}")
-        try:
-            return cls(**d)
-        except TypeError as e:
-            raise ConfigError(f"{path}: bad cost model fields ({e})") from None
-        except ConfigError as e:   # a validator's message names the field, not the file
-            raise ConfigError(f"{path}: {e}") from None
+        return _load(cls, "linear", STEP_COEFFICIENTS, path)
+
+
+def _save(cost: attrs.AttrsInstance, kind: str, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps({"kind": kind, **attrs.asdict(cost)}, indent=1) + "\n")
+    return path
+
+
+def _read_model(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read a cost model ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: not a cost model (expected a JSON object with a \"kind\")")
+    return d
+
+
+FittedT = TypeVar("FittedT", "LinearCostModel", "PiecewiseCostModel")
+
+
+def _load(cls: type[FittedT], kind: str, required: tuple[str, ...], path: str | os.PathLike
+          ) -> FittedT:
+    d = _read_model(path)
+    if d.pop("kind", None) != kind:
+        raise ConfigError(f"{path}: not a {kind} cost model (expected \"kind\": \"{kind}\")")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ConfigError(f"{path}: cost model lacks {', '.join(missing)}")
+    try:
+        return cls(**d)
+    except TypeError as e:
+        raise ConfigError(f"{path}: bad cost model fields ({e})") from None
+    except ConfigError as e:   # a validator's message names the field, not the file
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _batch_sizes(inst: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if (not isinstance(value, tuple) or not value
+            or any(isinstance(b, bool) or not isinstance(b, int) for b in value)
+            or value[0] < 0 or any(value[i] >= value[i + 1] for i in range(len(value) - 1))):
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be one or more "
+                          f"increasing whole numbers >= 0, got {value!r}")
+
+
+def _batch_seconds(inst: PiecewiseCostModel, attribute: attrs.Attribute,
+                   value: tuple[float, ...]) -> None:
+    if not isinstance(value, tuple):
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a list of seconds, "
+                          f"got {value!r}")
+    if len(value) != len(inst.batch_sizes):
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name} needs one value per batch "
+                          f"size ({len(inst.batch_sizes)}), got {len(value)}")
+    for x in value:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < float("inf"):
+            raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be finite numbers "
+                              f">= 0, got {value!r}")
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, tuple, np.ndarray)) else value
+
+
+@attrs.frozen(kw_only=True)
+class PiecewiseCostModel(CostModel):
+    """Step time with a measured cost per batch size (seconds):
+    ``t = batch_time(num_seqs) + per_kv_token * kv_tokens + per_prefill_token * prefill_tokens``.
+
+    ``batch_time`` is piecewise linear through ``(batch_sizes[i], batch_s[i])``, extended past
+    either end along its outer segment (never below 0); a size of 0 is a prefill-only step's
+    fixed cost. ``growpage calibrate --kind piecewise`` fits it with one ``batch_s`` per batch
+    size measured, so measure every size the simulation will run (an unmeasured size is
+    interpolated, which is what the linear model does everywhere).
+    """
+
+    batch_sizes: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_batch_sizes)
+    batch_s: tuple[float, ...] = attrs.field(converter=_as_tuple, validator=_batch_seconds)
+    per_kv_token_s: float = attrs.field(default=0.0, validator=_non_negative)
+    per_prefill_token_s: float = attrs.field(default=0.0, validator=_non_negative)
+    boundary_s: float = attrs.field(default=0.0, validator=_non_negative)    # per decision
+    compaction_s: float = attrs.field(default=0.0, validator=_non_negative)  # per compaction
+    padded_kv: bool = attrs.field(default=False, validator=_boolean)         # see CostModel
+    name: str = "piecewise"
+
+    def batch_time(self, num_seqs: ArrayLike) -> ArrayLike:
+        """Seconds of a step of ``num_seqs`` sequences beyond its KV and prompt tokens."""
+        sizes, seconds = np.asarray(self.batch_sizes, float), np.asarray(self.batch_s, float)
+        n = np.asarray(num_seqs, dtype=np.float64)
+        if len(sizes) == 1:
+            return np.broadcast_to(seconds[0], n.shape)[()]
+        inside = np.interp(n, sizes, seconds)
+        low = seconds[0] + (n - sizes[0]) * (seconds[1] - seconds[0]) / (sizes[1] - sizes[0])
+        high = seconds[-1] + (n - sizes[-1]) * (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
+        out = np.where(n < sizes[0], low, np.where(n > sizes[-1], high, inside))
+        return np.maximum(out, 0.0)[()]
+
+    def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
+                  ) -> ArrayLike:
+        return (self.batch_time(num_seqs) + self.per_kv_token_s * np.asarray(kv_tokens)
+                + self.per_prefill_token_s * np.asarray(prefill_tokens))[()]
+
+    def decode_lines(self, num_seqs: int) -> tuple[float, list[tuple[float, float]]]:
+        return float(self.batch_time(num_seqs)), [(0.0, self.per_kv_token_s)]
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return _save(self, "piecewise", path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PiecewiseCostModel:
+        return _load(cls, "piecewise", ("batch_sizes", "batch_s", "per_kv_token_s",
+                                         "per_prefill_token_s"), path)
 
 
 @attrs.frozen(kw_only=True)
@@ -243,12 +354,22 @@ def with_boundary_costs(cost: CostModelT, boundary_s: float | None = None,
     return attrs.evolve(cost, **changes)  # type: ignore[misc]  # attrs class, checked above
 
 
+#: The fitted kinds a cost model's JSON file may hold (its ``"kind"``).
+FITTED_KINDS: dict[str, type[LinearCostModel] | type[PiecewiseCostModel]] = {
+    "linear": LinearCostModel, "piecewise": PiecewiseCostModel}
+
+
 def load_cost_model(spec: str) -> CostModel:
-    """A roofline preset by name (``sim.hardware.PRESETS``) or a linear model's JSON file."""
+    """A roofline preset by name (``sim.hardware.PRESETS``) or a fitted model's JSON file
+    (linear or piecewise, as its ``"kind"`` says)."""
     if spec in PRESETS:
         hardware, model = PRESETS[spec]
         return RooflineCostModel(hardware=hardware, model=model)
     if Path(spec).suffix == ".json" or Path(spec).exists():
-        return LinearCostModel.load(spec)
+        kind = _read_model(spec).get("kind")
+        if kind not in FITTED_KINDS:
+            raise ConfigError(f"{spec}: unknown cost model kind {kind!r} (expected "
+                              f"{' or '.join(map(repr, FITTED_KINDS))})")
+        return FITTED_KINDS[kind].load(spec)
     raise ConfigError(f"unknown cost model {spec!r}: give a preset ({', '.join(PRESETS)}) or a "
                       "JSON file written by `growpage calibrate`")

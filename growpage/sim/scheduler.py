@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
 
 import attrs
 
@@ -120,6 +121,13 @@ class Scheduler:
     def kv_tokens(self) -> int:
         """Resident KV tokens of the running batch now."""
         return self._kv_offset + len(self.running) * self.step
+
+    def longest_context(self, excluding: Sequence[SimRequest] = ()) -> int:
+        """Resident KV tokens now of the longest running request but ``excluding`` (0 when
+        none)."""
+        skip = {id(r) for r in excluding}
+        return max((r.num_tokens - r.sync_step for r in self.running if id(r) not in skip),
+                   default=-self.step) + self.step
 
     def next_event_step(self) -> int:
         while self._heap and not (self._heap[0][2].is_running

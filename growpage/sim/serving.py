@@ -262,7 +262,8 @@ def _sit_out_step(run: _Run, compacted: list[SimRequest]) -> float:
     out (``Scheduler.sit_out``)."""
     sched = run.scheduler
     batch = len(sched.running) - len(compacted)
-    kv = sched.kv_tokens() - sum(r.num_tokens for r in compacted) + batch
+    kv = (batch * (sched.longest_context(compacted) + 1) if run.cost.padded_kv
+          else sched.kv_tokens() - sum(r.num_tokens for r in compacted) + batch)
     sched.sit_out(compacted)
     return run.cost.decode_time(batch, kv, 1)
 
@@ -281,7 +282,9 @@ def _segment(run: _Run, now: float) -> tuple[int, float]:
         # A boundary freed pages (a shrink, a preemption) or a request arrived while the
         # boundaries were paid for: as in the engine, it is admitted after the next step.
         num_steps = 1
-    kv = sched.kv_tokens() + batch
+    # Every running request gains a token per step, so the longest does too: padded KV grows
+    # by ``batch`` per step, as the sum does.
+    kv = batch * (sched.longest_context() + 1) if run.cost.padded_kv else sched.kv_tokens() + batch
     seconds = run.cost.decode_time(batch, kv, num_steps)
     if run.next_arrival_s < now + seconds:   # stop after the step the arrival falls in
         ends = np.cumsum(run.cost.decode_times(batch, kv, num_steps))
@@ -342,7 +345,7 @@ def _check_types(config: object, sim: object, cost: object) -> None:
             ("config", config, GrowPageConfig, ""), ("sim", sim, SimConfig, ""),
             ("cost", cost, CostModel,
              "; build one with LinearCostModel(...), RooflineCostModel(hardware, model) or "
-             "load_cost_model('a100-qwen3-8b') (a preset's name or a linear model's JSON)")):
+             "load_cost_model('a100-qwen3-8b') (a preset's name or a calibrated model's JSON)")):
         if not isinstance(value, kind):
             raise ConfigError(f"simulate(): {name} must be a {kind.__name__}, got "
                               f"{type(value).__name__} {value!r:.80}{hint}")

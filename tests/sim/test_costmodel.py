@@ -16,7 +16,13 @@ from growpage.sim.calibrate import (
     load_measurements,
     measure_engine,
 )
-from growpage.sim.costmodel import CostModel, LinearCostModel, RooflineCostModel, load_cost_model
+from growpage.sim.costmodel import (
+    CostModel,
+    LinearCostModel,
+    PiecewiseCostModel,
+    RooflineCostModel,
+    load_cost_model,
+)
 from growpage.sim.hardware import A100_80GB, PRESETS, QWEN3_8B
 
 
@@ -39,6 +45,8 @@ def test_roofline_preset_pool_and_memory_bound_decode():
     load_cost_model("a100-qwen3-8b"), load_cost_model("a100-r1-llama-8b"),
     RooflineCostModel(hardware=A100_80GB, model=QWEN3_8B, mfu=0.02, mbu=1.0),  # crosses over
     LinearCostModel(base_s=0.01, per_seq_s=1e-3, per_kv_token_s=2e-7, per_prefill_token_s=1e-4),
+    PiecewiseCostModel(batch_sizes=(0, 1, 16, 64), batch_s=(0.05, 0.01, 0.008, 0.02),
+                       per_kv_token_s=2e-7, per_prefill_token_s=1e-4),
 ])
 @pytest.mark.parametrize("batch, kv, steps", [(1, 10, 1), (64, 50000, 300), (256, 10**6, 7),
                                                (200, 0, 3000)])

@@ -194,6 +194,30 @@ def test_h2o_uses_accumulated_attention_in_replay(random_trace):
     assert [r.mass_mean for r in h2o.records] != [r.mass_mean for r in fixed.records]
 
 
+def test_a_policy_writing_into_what_the_context_hands_it_changes_nothing_else(random_trace):
+    # ctx.positions() and ctx.accumulated_attention() used to hand out the replay view's own
+    # storage: a policy changing them in place changed the replay's KV positions and sums
+    # (the engine hands out copies).
+    h2o_class = type(resolve_policy("h2o", budget_tokens=4 * B))
+
+    @attrs.define
+    class Vandal(h2o_class):
+        name = "vandal"
+
+        def select(self, ctx, keep):
+            kept = super().select(ctx, keep)
+            ctx.positions().zero_()
+            ctx.accumulated_attention().fill_(-1.0)
+            return kept
+
+    cfg = attrs.evolve(CONFIG, min_capacity=2)
+    plain = replay_trace(random_trace, resolve_policy("h2o", budget_tokens=4 * B), cfg)
+    vandal = replay_trace(random_trace, Vandal(budget_tokens=4 * B), cfg)
+    assert [r.pages_after for r in plain.records] == [r.pages_after for r in vandal.records]
+    assert [r.mass_mean for r in plain.records] == [r.mass_mean for r in vandal.records]
+    assert "compress" in [r.decision for r in plain.records]
+
+
 class _FailsAfter(CapacityPolicy):
     """Grows ``grows`` times, then fails the way ``how`` says."""
 

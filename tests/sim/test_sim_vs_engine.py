@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "engine"))
 from llm_helpers import prompt, tiny_model  # noqa: E402
 
-from growpage.sim.calibrate import fit_linear  # noqa: E402
+from growpage.sim.calibrate import fit_piecewise  # noqa: E402
 from growpage.sim.sweep import parse_points  # noqa: E402
 
 NUM_REQUESTS, MAX_TOKENS = 4, 24
@@ -62,7 +62,8 @@ def cost(bench, model, scenario, prompts):
     table = bench.measure(model, shapes, repeats=0, progress=False)
     assert table.shape == (len(shapes[0]) * len(shapes[1]) + len(shapes[2]), 4)
     assert (table[:, 3] > 0).all()
-    return fit_linear(table)
+    assert sorted(set(table[table[:, 2] == 0, 0])) == list(range(1, NUM_REQUESTS + 1))
+    return fit_piecewise(table)
 
 
 def test_recorded_workload_is_the_submitted_one(recorded, prompts):
@@ -122,10 +123,19 @@ def test_relative_error_and_report(bench):
             "wall_s": 1.0, "num_requests": 1, "prompt_tokens": 1, "max_tokens": 1,
             "kv_pages": 1, "page_size": 1, "max_num_seqs": 1, "recorded_layers": "all",
             "calibration_rows": 4, "calibration_rms_s": 0.001,
-            "cost_model": {"base_s": 0.01, "per_seq_s": 0.001, "per_kv_token_s": 1e-7,
-                           "per_prefill_token_s": 1e-4}}
+            "cost_model": {"batch_sizes": [0, 1, 2], "batch_s": [0.05, 0.01, 0.0125],
+                           "per_kv_token_s": 1e-7, "per_prefill_token_s": 1e-4},
+            "linear_calibration_rms_s": 0.002,
+            "linear_cost_model": {"base_s": 0.01, "per_seq_s": 0.001, "per_kv_token_s": 1e-7,
+                                  "per_prefill_token_s": 1e-4}}
     text = bench.markdown([row], meta)
     assert "| p | TPS (tok/s) | 10.0 | 12.0 | +20.0% **!** |" in text
+    assert "(0: 50.0, 1: 10.0, 2: 12.5; 0 = prefill)" in text
+    assert "linear model" not in text                  # no linear rows given
+    linear = bench.compare("p", engine, {**engine, "total_time_s": 9})
+    text = bench.markdown([row], meta, [linear])
+    assert "rms 2.00 ms: base 10.00 ms + 1.000 ms/seq" in text
+    assert "| p | +0.0% | +0.0% | -10.0% |" in text
     assert bench.relative_error(3, 0) is None          # the engine never compressed
     row = bench.compare("p", {**engine, "compresses": 0}, {**engine, "compresses": 3})
     assert "| p | compress | 0 | 3 | n/a (+3) |" in bench.markdown([row], meta)

@@ -1,0 +1,196 @@
+"""The piecewise cost model (a measured fixed cost per batch size), the non-negative least
+squares both fits use, and ``growpage calibrate --kind piecewise``."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from growpage._argtypes import size_list
+from growpage.cli import main
+from growpage.errors import ConfigError
+from growpage.sim.calibrate import fit_linear, fit_piecewise, fit_warnings, nnls
+from growpage.sim.costmodel import LinearCostModel, PiecewiseCostModel, load_cost_model
+
+CPU_LIKE = PiecewiseCostModel(batch_sizes=(0, 1, 4, 15, 16), batch_s=(0.06, 0.05, 0.09, 0.16, 0.11),
+                              per_kv_token_s=2e-5, per_prefill_token_s=2e-3)
+
+
+def test_batch_time_is_the_table_between_and_its_outer_segments_beyond():
+    c = CPU_LIKE
+    assert c.batch_time(15) == pytest.approx(0.16) and c.batch_time(16) == pytest.approx(0.11)
+    assert c.batch_time(2) == pytest.approx(0.05 + (0.09 - 0.05) / 3)
+    # Past the last size: the 15 -> 16 slope (-0.05 per sequence), never below 0.
+    assert c.batch_time(17) == pytest.approx(0.06) and c.batch_time(40) == 0.0
+    # Below the first size: the 0 -> 1 segment continued.
+    low = PiecewiseCostModel(batch_sizes=(4, 8), batch_s=(0.04, 0.06))
+    assert low.batch_time(2) == pytest.approx(0.03) and low.batch_time(0) == pytest.approx(0.02)
+    assert PiecewiseCostModel(batch_sizes=(8,), batch_s=(0.07,)).batch_time(3) == 0.07
+    # Arrays broadcast, and a step adds its KV and prompt tokens.
+    assert np.allclose(c.batch_time(np.array([1, 15, 16])), [0.05, 0.16, 0.11])
+    assert c.step_time(15, 1000, 0) == pytest.approx(0.16 + 1000 * 2e-5)
+    assert c.prefill_time(100, 50) == pytest.approx(0.06 + 100 * 2e-3 + 50 * 2e-5)
+
+
+def test_fit_piecewise_recovers_a_cost_that_is_not_linear_in_the_batch_size(tmp_path):
+    rows = np.array([[n, n * ctx, 0, CPU_LIKE.step_time(n, n * ctx)]
+                     for n in (1, 4, 15, 16) for ctx in (64, 250)]
+                    + [[0, 0, p, CPU_LIKE.prefill_time(p)] for p in (57, 909)])
+    fitted = fit_piecewise(rows)
+    assert fitted.batch_sizes == (0, 1, 4, 15, 16)
+    assert np.allclose(fitted.batch_s, CPU_LIKE.batch_s, rtol=1e-6)
+    assert fitted.per_kv_token_s == pytest.approx(2e-5, rel=1e-6)
+    assert fitted.per_prefill_token_s == pytest.approx(2e-3, rel=1e-6)
+    assert fit_warnings(rows, "piecewise") == []
+    # The linear model cannot: a line through these sizes misprices 15 and 16 sequences.
+    linear = fit_linear(rows)
+    assert abs(linear.step_time(15, 15 * 250) / CPU_LIKE.step_time(15, 15 * 250) - 1) > 0.1
+    path = fitted.save(tmp_path / "p.json")
+    assert json.loads(path.read_text())["kind"] == "piecewise"
+    assert PiecewiseCostModel.load(path) == fitted == load_cost_model(str(path))
+
+
+def test_piecewise_warns_of_what_the_measurements_cannot_fit():
+    one_context = np.array([[1, 64, 0, 0.05], [4, 256, 0, 0.09], [0, 0, 57, 0.2],
+                            [0, 0, 900, 1.8]])
+    assert fit_warnings(one_context, "piecewise") == [
+        "kv_tokens never changes within one num_seqs, so per_kv_token_s is not fitted (a "
+        "piecewise model gives each num_seqs its own fixed cost); measure each num_seqs at two "
+        "or more kv_tokens"]
+    no_prefill = np.array([[1, 64, 0, 0.05], [1, 128, 0, 0.06], [4, 256, 0, 0.09],
+                           [4, 512, 0, 0.1]])
+    assert fit_warnings(no_prefill, "piecewise") == [
+        "prefill_tokens is 0 in every measurement, so per_prefill_token_s is fitted as 0 (free "
+        "in the simulator); measure steps with other prefill_tokens"]
+    with pytest.raises(ConfigError, match="whole numbers of sequences"):
+        fit_piecewise(np.array([[1.5, 64, 0, 0.05]] * 4))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"batch_sizes": (), "batch_s": ()}, "batch_sizes must be one or more increasing"),
+    ({"batch_sizes": (4, 2), "batch_s": (0.1, 0.1)}, "increasing"),
+    ({"batch_sizes": (-1, 2), "batch_s": (0.1, 0.1)}, ">= 0"),
+    ({"batch_sizes": (1.5,), "batch_s": (0.1,)}, "whole numbers"),
+    ({"batch_sizes": (1, 2), "batch_s": (0.1,)}, "one value per batch size"),
+    ({"batch_sizes": 4, "batch_s": (0.1,)}, "one or more increasing whole numbers"),
+    ({"batch_sizes": (4,), "batch_s": 0.1}, "must be a list of seconds"),
+    ({"batch_sizes": (1, 2), "batch_s": (0.1, float("nan"))}, "finite numbers >= 0"),
+    ({"batch_sizes": (1,), "batch_s": (0.1,), "per_kv_token_s": -1.0}, "per_kv_token_s"),
+    ({"batch_sizes": (1,), "batch_s": (0.1,), "padded_kv": 1}, "padded_kv must be true or false"),
+])
+def test_bad_piecewise_models_are_config_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        PiecewiseCostModel(**kwargs)
+
+
+def test_cost_model_files_are_read_by_their_kind(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"kind": "cubic", "base_s": 1.0}))
+    with pytest.raises(ConfigError, match=r"unknown cost model kind 'cubic' \(expected 'linear' "
+                                          r"or 'piecewise'\)"):
+        load_cost_model(str(path))
+    path.write_text(json.dumps({"kind": "piecewise", "batch_sizes": [1, 2]}))
+    with pytest.raises(ConfigError, match="lacks batch_s, per_kv_token_s, per_prefill_token_s"):
+        load_cost_model(str(path))
+    path.write_text(json.dumps({"kind": "piecewise", "batch_sizes": [1, 2], "batch_s": [0.1, -2],
+                                "per_kv_token_s": 0, "per_prefill_token_s": 0}))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: PiecewiseCostModel.batch_s must")):
+        load_cost_model(str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a cost model"):
+        load_cost_model(str(path))
+    CPU_LIKE.save(path)
+    with pytest.raises(ConfigError, match="not a linear cost model"):
+        LinearCostModel.load(path)
+
+
+def _kkt_holds(a: np.ndarray, b: np.ndarray, x: np.ndarray) -> bool:
+    """Optimality of ``x`` for ``min ||a x - b||, x >= 0``: the gradient of the residual is 0
+    where ``x > 0`` and points outwards (``<= 0``) where ``x == 0`` (columns scaled)."""
+    norms = np.maximum(np.linalg.norm(a, axis=0), 1e-300)
+    gradient = (a.T @ (b - a @ x)) / norms / max(np.linalg.norm(b), 1e-300)
+    return bool((x >= 0).all() and (gradient <= 1e-7).all()
+                and np.allclose(gradient[x > 0], 0, atol=1e-7))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 12), st.integers(0, 2**32 - 1))
+def test_nnls_finds_the_constrained_optimum(n, extra, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(n + extra, n)) * rng.uniform(1e-3, 1e3, n)   # columns of mixed scale
+    b = rng.normal(size=n + extra)
+    assert _kkt_holds(a, b, nnls(a, b))
+
+
+def test_fit_linear_is_a_true_non_negative_least_squares():
+    # Dropping the most negative coefficient of the unconstrained fit and refitting (the old
+    # fit) kept per_seq_s and left the residual at 21.3; the optimum drops it (16.9).
+    rows = np.array([[2, 4, 0, 9], [3, 4, 4, 6], [3, 9, 9, 9], [4, 1, 6, 1], [2, 4, 3, 5]],
+                    dtype=float)
+    fitted = fit_linear(rows)
+    predicted = fitted.step_time(rows[:, 0], rows[:, 1], rows[:, 2])
+    assert float(np.sum((predicted - rows[:, 3]) ** 2)) == pytest.approx(16.8916, abs=1e-3)
+    x = np.column_stack([np.ones(5), rows[:, :3]])
+    coef = np.array([fitted.base_s, fitted.per_seq_s, fitted.per_kv_token_s,
+                     fitted.per_prefill_token_s])
+    assert _kkt_holds(x, rows[:, 3], coef)
+
+
+def test_size_list_reads_lists_and_ranges():
+    assert size_list("1-4,8,16") == (1, 2, 3, 4, 8, 16)
+    assert size_list("16, 4,4") == (4, 16)
+    for bad in ("0", "4-2", "x", "1,,2", "-3"):
+        with pytest.raises(Exception, match="expected"):
+            size_list(bad)
+
+
+def test_calibrate_piecewise_measures_every_batch_size(tmp_path, monkeypatch, capsys):
+    import growpage.engine.profile as profile
+
+    asked = {}
+
+    def measure(**kw):
+        asked.update(kw)
+        return [{"num_seqs": n, "kv_tokens": n * ctx, "prefill_tokens": 0,
+                 "step_s": float(CPU_LIKE.step_time(n, n * ctx))}
+                for n in kw["batch_sizes"] for ctx in kw.get("contexts", (128, 512))] + [
+                {"num_seqs": 0, "kv_tokens": 0, "prefill_tokens": p,
+                 "step_s": float(CPU_LIKE.prefill_time(p))} for p in (64, 256)]
+
+    monkeypatch.setattr(profile, "measure_step_times", measure)
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--kind", "piecewise", "--no-boundaries", "--out", str(out)]) == 0
+    assert asked == {"batch_sizes": tuple(range(1, 17))}
+    model = load_cost_model(str(out))
+    assert isinstance(model, PiecewiseCostModel) and model.batch_sizes == tuple(range(17))
+    assert model.padded_kv   # the local engine's torch backend pads decode KV to the longest
+    assert model.batch_time(15) == pytest.approx(0.16, rel=1e-6)
+    printed = capsys.readouterr().out
+    assert "batch_sizes          0, 1, 2, 3" in printed and "rms error" in printed
+    assert main(["calibrate", "--batch-sizes", "2-3", "--contexts", "10,20", "--no-boundaries",
+                 "--out", str(out)]) == 0
+    assert asked == {"batch_sizes": (2, 3), "contexts": (10, 20)}
+    assert isinstance(load_cost_model(str(out)), LinearCostModel)
+
+
+def test_calibrate_refuses_engine_shapes_with_measurements(tmp_path, capsys):
+    path = tmp_path / "m.csv"
+    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+                    "4,900,8,0.03\n8,800,0,0.05\n")
+    out = tmp_path / "m.json"
+    assert main(["calibrate", "--measurements", str(path), "--batch-sizes", "1-4",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-sizes" in err and "--measurements" in err and not out.exists()
+    assert main(["calibrate", "--measurements", str(path), "--kind", "piecewise",
+                 "--out", str(out)]) == 0
+    model = load_cost_model(str(out))
+    assert isinstance(model, PiecewiseCostModel) and not model.padded_kv
+    assert main(["calibrate", "--measurements", str(path), "--padded-kv", "--out", str(out)]) == 0
+    assert load_cost_model(str(out)).padded_kv
+    assert "padded_kv            true" in capsys.readouterr().out
