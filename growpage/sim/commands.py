@@ -21,6 +21,7 @@ from growpage.policies.registry import parse_policy_params, resolve_policy
 from growpage.sim import reports
 from growpage.sim.costmodel import (
     CostModel,
+    PiecewiseCostModel,
     RooflineCostModel,
     load_cost_model,
     with_boundary_costs,
@@ -153,8 +154,11 @@ def _signal_table(q: Any) -> str:
 
 
 # ---- serve -----------------------------------------------------------------------------------
-def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float | None
-                   ) -> tuple[SimConfig, CostModel, list[WorkloadRequest]]:
+def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float | None,
+                   warn: bool = True) -> tuple[SimConfig, CostModel, list[WorkloadRequest]]:
+    """The simulator's settings, cost model and requests of ``args`` at arrival ``rate``;
+    ``warn``: say what in them deserves a warning (a sweep's rates share all of it but the
+    arrival times, so it warns once)."""
     cost = with_boundary_costs(load_cost_model(args.cost), *_boundary_prices(args))
     pages = args.kv_pages
     if pages is None:
@@ -176,8 +180,13 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float
     if not args.traces and any(r.trace for r in requests):
         _warn(f"{args.workload}: the trace column is ignored; it names traces of the set given "
               "with --decisions trace --traces DIR")
+    if warn and isinstance(cost, PiecewiseCostModel) and sim.max_num_seqs > cost.batch_sizes[-1]:
+        _warn(f"{args.cost} measured decode steps of up to {cost.batch_sizes[-1]} sequences; "
+              f"steps of more (--max-num-seqs {sim.max_num_seqs}) are priced by extrapolation "
+              f"({1e3 * cost.trend_s:.3g} ms per sequence more): calibrate with --batch-sizes "
+              f"up to {sim.max_num_seqs} to measure them")
     longest = max(r.prompt_tokens + r.output_tokens for r in requests)
-    if longest > LONG_REQUEST_TOKENS and not args.traces:
+    if warn and longest > LONG_REQUEST_TOKENS and not args.traces:
         _warn(f"{args.workload}: the longest request has {longest} tokens; a policy that reads "
               "attention signals first replays a synthetic trace that long (script mode: once "
               "per script; trace mode: once per request), and that time grows about as the "
@@ -264,7 +273,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     rates = args.arrival_rate or [None]
     if len(set(rates)) != len(rates):
         raise ConfigError(f"--arrival-rate: a rate is given twice ({rates})")
-    setups = [_serving_setup(args, config, rate) for rate in rates]   # all checked first
+    setups = [_serving_setup(args, config, rate, warn=i == 0)   # all checked first
+              for i, rate in enumerate(rates)]
     points = parse_points(args.points)
     out = _out_dir(args)
     boundary_s, compaction_s = _boundary_prices(args)

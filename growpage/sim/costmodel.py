@@ -228,9 +228,9 @@ class PiecewiseCostModel(CostModel):
     """Step time with a measured cost per batch size (seconds):
     ``t = batch_time(num_seqs) + per_kv_token * kv_tokens + per_prefill_token * prefill_tokens``.
 
-    ``batch_time`` is piecewise linear through ``(batch_sizes[i], batch_s[i])``, extended past
-    either end along its outer segment (never below 0); a size of 0 is a prefill-only step's
-    fixed cost. ``growpage calibrate --kind piecewise`` fits it with one ``batch_s`` per batch
+    ``batch_time`` is piecewise linear through ``(batch_sizes[i], batch_s[i])`` and extended
+    past either end with the measured sizes' overall slope (``trend_s``; never below 0); a size
+    of 0 is a prefill-only step's fixed cost. ``growpage calibrate --kind piecewise`` fits it with one ``batch_s`` per batch
     size measured, so measure every size the simulation will run (an unmeasured size is
     interpolated, which is what the linear model does everywhere).
     """
@@ -244,16 +244,26 @@ class PiecewiseCostModel(CostModel):
     padded_kv: bool = attrs.field(default=False, validator=_boolean)         # see CostModel
     name: str = "piecewise"
 
+    @property
+    def trend_s(self) -> float:
+        """Seconds per sequence beyond the measured sizes: the slope of the least-squares line
+        through the measured decode sizes (>= 1), never below 0 (0 with fewer than two). One
+        segment's slope would carry a quirk of two sizes far (16 sequences cost less than 15 on
+        the project's CPU)."""
+        points = [(n, t) for n, t in zip(self.batch_sizes, self.batch_s, strict=True) if n >= 1]
+        if len(points) < 2:
+            return 0.0
+        sizes, seconds = np.array(points, dtype=np.float64).T
+        return max(float(np.polyfit(sizes, seconds, 1)[0]), 0.0)
+
     def batch_time(self, num_seqs: ArrayLike) -> ArrayLike:
         """Seconds of a step of ``num_seqs`` sequences beyond its KV and prompt tokens."""
         sizes, seconds = np.asarray(self.batch_sizes, float), np.asarray(self.batch_s, float)
         n = np.asarray(num_seqs, dtype=np.float64)
-        if len(sizes) == 1:
-            return np.broadcast_to(seconds[0], n.shape)[()]
-        inside = np.interp(n, sizes, seconds)
-        low = seconds[0] + (n - sizes[0]) * (seconds[1] - seconds[0]) / (sizes[1] - sizes[0])
-        high = seconds[-1] + (n - sizes[-1]) * (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
-        out = np.where(n < sizes[0], low, np.where(n > sizes[-1], high, inside))
+        trend = self.trend_s
+        out = np.where(n < sizes[0], seconds[0] - trend * (sizes[0] - n),
+                       np.where(n > sizes[-1], seconds[-1] + trend * (n - sizes[-1]),
+                                np.interp(n, sizes, seconds)))
         return np.maximum(out, 0.0)[()]
 
     def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0

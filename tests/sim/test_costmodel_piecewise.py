@@ -25,12 +25,18 @@ def test_batch_time_is_the_table_between_and_its_outer_segments_beyond():
     c = CPU_LIKE
     assert c.batch_time(15) == pytest.approx(0.16) and c.batch_time(16) == pytest.approx(0.11)
     assert c.batch_time(2) == pytest.approx(0.05 + (0.09 - 0.05) / 3)
-    # Past the last size: the 15 -> 16 slope (-0.05 per sequence), never below 0.
-    assert c.batch_time(17) == pytest.approx(0.06) and c.batch_time(40) == 0.0
-    # Below the first size: the 0 -> 1 segment continued.
+    # Past the last size: the least-squares slope of the decode sizes 1, 4, 15, 16, not the
+    # 15 -> 16 segment's (-0.05 per sequence, which would reach 0 at 18 sequences).
+    trend = np.polyfit([1, 4, 15, 16], [0.05, 0.09, 0.16, 0.11], 1)[0]
+    assert c.trend_s == pytest.approx(trend) and trend > 0
+    assert c.batch_time(40) == pytest.approx(0.11 + 24 * trend)
+    # Below the first size: the same slope, down to 0 at most.
     low = PiecewiseCostModel(batch_sizes=(4, 8), batch_s=(0.04, 0.06))
+    assert low.trend_s == pytest.approx(0.005)
     assert low.batch_time(2) == pytest.approx(0.03) and low.batch_time(0) == pytest.approx(0.02)
     assert PiecewiseCostModel(batch_sizes=(8,), batch_s=(0.07,)).batch_time(3) == 0.07
+    falling = PiecewiseCostModel(batch_sizes=(2, 4), batch_s=(0.05, 0.01))
+    assert falling.trend_s == 0.0 and falling.batch_time(9) == pytest.approx(0.01)
     # Arrays broadcast, and a step adds its KV and prompt tokens.
     assert np.allclose(c.batch_time(np.array([1, 15, 16])), [0.05, 0.16, 0.11])
     assert c.step_time(15, 1000, 0) == pytest.approx(0.16 + 1000 * 2e-5)
@@ -194,3 +200,20 @@ def test_calibrate_refuses_engine_shapes_with_measurements(tmp_path, capsys):
     assert main(["calibrate", "--measurements", str(path), "--padded-kv", "--out", str(out)]) == 0
     assert load_cost_model(str(out)).padded_kv
     assert "padded_kv            true" in capsys.readouterr().out
+
+
+def test_serving_past_the_measured_batch_sizes_warns_once(tmp_path, capsys):
+    path = CPU_LIKE.save(tmp_path / "cpu.json")
+    serve = ["sim", "serve", "--workload", "tiny", "--policy", "fixed", "--cost", str(path),
+             "--page-size", "64", "--json"]
+    assert main([*serve, "--max-num-seqs", "16"]) == 0
+    assert "extrapolation" not in capsys.readouterr().err
+    assert main([*serve, "--max-num-seqs", "32"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("growpage: warning:") == 1
+    assert (f"{path} measured decode steps of up to 16 sequences; steps of more "
+            "(--max-num-seqs 32) are priced by extrapolation") in err
+    assert main(["sim", "sweep", "--workload", "tiny", "--points", "fixed", "--cost", str(path),
+                 "--page-size", "64", "--max-num-seqs", "32", "--arrival-rate", "1", "2",
+                 "--fidelity-traces", "0", "--jobs", "1", "--json"]) == 0
+    assert capsys.readouterr().err.count("priced by extrapolation") == 1
