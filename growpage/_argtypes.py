@@ -16,9 +16,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+#: The most values ``size_list`` expands to: each is a shape measured on the engine.
+MAX_SIZES = 1024
+
+
 def size_list(text: str) -> tuple[int, ...]:
     """Whole numbers >= 1 as ``1,2,4`` or ranges ``1-16`` (``1-8,12,16`` mixes them); sorted,
-    each once."""
+    each once; at most ``MAX_SIZES`` of them."""
     values: set[int] = set()
     for part in text.split(","):
         lo, dash, hi = part.strip().partition("-")
@@ -30,5 +34,9 @@ def size_list(text: str) -> tuple[int, ...]:
         if first < 1 or last < first:
             raise argparse.ArgumentTypeError(
                 f"expected whole numbers >= 1 and ranges low-high, got {part.strip()!r}")
+        if last - first + 1 + len(values) > MAX_SIZES:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} holds more than {MAX_SIZES} values, each a shape to measure; give "
+                "fewer (a list such as 128,512,2048 for contexts)")
         values.update(range(first, last + 1))
     return tuple(sorted(values))

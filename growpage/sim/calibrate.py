@@ -34,11 +34,13 @@ def _row(d: Any, where: str) -> list[float]:
     if not isinstance(d, dict) or set(d) != set(COLUMNS):
         raise ConfigError(f"{where}: a measurement needs exactly the fields {', '.join(COLUMNS)}")
     try:
+        if any(isinstance(d[c], bool) for c in COLUMNS):
+            raise TypeError("a bool is not a measurement")
         row = [float(d[c]) for c in COLUMNS]
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: measurement fields must be numbers, got {d!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{where}: measurement fields must be numbers, got {d!r:.200}") from None
     if not all(math.isfinite(x) and x >= 0 for x in row):
-        raise ConfigError(f"{where}: measurement fields must be finite and >= 0, got {d!r}")
+        raise ConfigError(f"{where}: measurement fields must be finite and >= 0, got {d!r:.200}")
     return row
 
 
@@ -60,8 +62,8 @@ def load_measurements(path: str | os.PathLike) -> np.ndarray:
         items = list(csv.DictReader(text.splitlines()))
     rows = [_row(d, f"{path}, measurement {i}") for i, d in enumerate(items)]
     if len(rows) < 4:
-        raise ConfigError(f"{path}: need at least 4 measurements to fit 4 coefficients, "
-                          f"got {len(rows)}")
+        raise ConfigError(f"{path}: need at least 4 measurements to fit a cost model, got "
+                          f"{len(rows)}")
     return np.array(rows)
 
 
@@ -69,24 +71,37 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``argmin ||a x - b||`` over ``x >= 0`` (Lawson and Hanson's active-set method).
 
     Columns are scaled to unit norm first (the constraint does not change), as the step-time
-    columns differ by orders of magnitude; a zero column gets coefficient 0.
+    columns differ by orders of magnitude; a zero column gets coefficient 0. The tolerances are
+    relative to ``b``'s norm, so scaling ``b`` scales the answer.
     """
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    norms = np.linalg.norm(a, axis=0)
-    usable = norms > 0
-    scaled = a[:, usable] / norms[usable]
+    if a.ndim != 2 or b.shape != a.shape[:1]:
+        raise ValueError(f"nnls needs a [m, n] matrix and an [m] vector, got {a.shape}, "
+                         f"{b.shape}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError("nnls needs finite numbers (the input holds NaN or infinity)")
+    peak = np.abs(a).max(axis=0, initial=0.0)
+    usable = peak > 0
+    unit = a[:, usable] / peak[usable]          # in [-1, 1]: its norm cannot overflow
+    norms = peak[usable] * np.linalg.norm(unit, axis=0)
+    scaled = unit / np.linalg.norm(unit, axis=0)
+    b_peak = float(np.abs(b).max(initial=0.0))
+    if b_peak == 0.0 or not usable.any():
+        return np.zeros(a.shape[1])
+    b_unit = b / b_peak                          # solve for b / b_peak, scale back at the end
     n = scaled.shape[1]
     x, passive = np.zeros(n), np.zeros(n, dtype=bool)
-    tol = 10 * np.finfo(np.float64).eps * max(scaled.shape)   # columns have unit norm
+    tol = 10 * np.finfo(np.float64).eps * max(scaled.shape) * max(
+        float(np.linalg.norm(b_unit)), 1.0)
     for _ in range(3 * n + 1):
-        gradient = scaled.T @ (b - scaled @ x)
+        gradient = scaled.T @ (b_unit - scaled @ x)
         free = ~passive & (gradient > tol)
         if not free.any():
             break
         passive[np.argmax(np.where(free, gradient, -np.inf))] = True
         while True:   # solve on the passive set; step back while it leaves the feasible region
             z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(scaled[:, passive], b, rcond=None)[0]
+            z[passive] = np.linalg.lstsq(scaled[:, passive], b_unit, rcond=None)[0]
             bad = passive & (z <= tol)
             if not bad.any():
                 x = z
@@ -96,7 +111,7 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             passive &= x > tol
             x[~passive] = 0.0
     out = np.zeros(a.shape[1])
-    out[usable] = x / norms[usable]
+    out[usable] = x * b_peak / norms
     return out
 
 
@@ -120,9 +135,11 @@ def fit_linear(rows: np.ndarray, padded_kv: bool = False) -> LinearCostModel:
 def _design_piecewise(rows: np.ndarray) -> tuple[list[int], np.ndarray]:
     """The batch sizes measured and the design matrix: one indicator column per batch size,
     then kv_tokens and prefill_tokens."""
+    for i, n in enumerate(rows[:, 0]):
+        if float(n) != int(n):
+            raise ConfigError(f"measurement {i}: a piecewise cost model needs a whole number of "
+                              f"sequences (num_seqs), got {float(n):g}")
     sizes = sorted({int(n) for n in rows[:, 0]})
-    if any(float(n) != int(n) for n in rows[:, 0]):
-        raise ConfigError("a piecewise cost model needs whole numbers of sequences (num_seqs)")
     indicators = (rows[:, 0][:, None] == np.array(sizes, dtype=np.float64)[None, :])
     return sizes, np.column_stack([indicators.astype(np.float64), rows[:, 1], rows[:, 2]])
 
@@ -151,6 +168,9 @@ def fit_warnings(rows: np.ndarray, kind: str = "linear") -> list[str]:
     be told apart from ``base_s``), or columns that depend linearly on each other. Piecewise:
     the per-token costs, which only differences within one batch size determine.
     """
+    if kind not in FITS:
+        raise ConfigError(f"unknown cost model kind {kind!r} (expected "
+                          f"{' or '.join(map(repr, FITS))})")
     if kind == "piecewise":
         return _piecewise_warnings(rows)
     warnings = []
@@ -184,9 +204,10 @@ def _piecewise_warnings(rows: np.ndarray) -> list[str]:
                             f"measure each num_seqs at two or more {column}")
     if not warnings and np.linalg.matrix_rank(x / np.maximum(np.abs(x).max(axis=0), 1e-300)
                                               ) < x.shape[1]:
-        warnings.append("kv_tokens and prefill_tokens depend linearly on each other within the "
-                        "batch sizes measured, so their costs are not fitted separately; vary "
-                        "them independently")
+        warnings.append(f"these {len(rows)} measurements do not determine every coefficient "
+                        f"({len(sizes)} fixed costs, one per num_seqs, and the costs per KV "
+                        "token and per prefill token): vary kv_tokens and prefill_tokens "
+                        "independently within the batch sizes")
     return warnings
 
 

@@ -180,11 +180,13 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float
     if not args.traces and any(r.trace for r in requests):
         _warn(f"{args.workload}: the trace column is ignored; it names traces of the set given "
               "with --decisions trace --traces DIR")
-    if warn and isinstance(cost, PiecewiseCostModel) and sim.max_num_seqs > cost.batch_sizes[-1]:
+    batch = min(sim.max_num_seqs, len(requests))   # the most sequences a decode step can hold
+    if warn and isinstance(cost, PiecewiseCostModel) and batch > cost.batch_sizes[-1]:
         _warn(f"{args.cost} measured decode steps of up to {cost.batch_sizes[-1]} sequences; "
-              f"steps of more (--max-num-seqs {sim.max_num_seqs}) are priced by extrapolation "
+              f"steps of more (up to {batch}: --max-num-seqs {sim.max_num_seqs}, "
+              f"{len(requests)} requests) are priced by extrapolation "
               f"({1e3 * cost.trend_s:.3g} ms per sequence more): calibrate with --batch-sizes "
-              f"up to {sim.max_num_seqs} to measure them")
+              f"up to {batch} to measure them")
     longest = max(r.prompt_tokens + r.output_tokens for r in requests)
     if warn and longest > LONG_REQUEST_TOKENS and not args.traces:
         _warn(f"{args.workload}: the longest request has {longest} tokens; a policy that reads "
@@ -361,9 +363,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
                                             ("--batch-sizes", args.batch_sizes),
                                             ("--contexts", args.contexts)) if value is not None]
     if args.measurements and engine_only:
+        hint = (" (serve and sweep take --boundary-ms / --compaction-ms for prices measured "
+                "elsewhere)" if args.boundary_policy is not None else "")
         raise ConfigError(f"{', '.join(engine_only)} set how the local engine is measured, "
-                          "which --measurements does not run; drop one of them (serve and sweep "
-                          "take --boundary-ms / --compaction-ms for prices measured elsewhere)")
+                          f"which --measurements does not run; drop one of them{hint}")
     if args.measurements:
         rows = load_measurements(args.measurements)
     else:
@@ -375,7 +378,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     padded = args.padded_kv
     if padded is None:   # as the measured engine's attention does (--measurements: summed)
         padded = False if args.measurements else engine_pads_kv()
-    model = FITS[args.kind](rows, padded_kv=padded)
+    try:
+        model = FITS[args.kind](rows, padded_kv=padded)
+    except ConfigError as e:   # a measurement the kind cannot use: say which file holds it
+        raise ConfigError(f"{args.measurements}, {e}" if args.measurements else str(e)) from None
     for text in fit_warnings(rows, args.kind):
         _warn(text)
     if not args.measurements and args.boundaries:  # capacity control on the same engine

@@ -24,6 +24,7 @@ All arguments may be numpy arrays (broadcast), so a run of decode steps is price
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import math
 import os
@@ -42,16 +43,31 @@ if TYPE_CHECKING:
 ArrayLike = float | int | np.ndarray
 
 
+def _finite_non_negative(value: object) -> bool:
+    """A number (not a bool) that is finite as a float and >= 0 (an int too large for a float
+    is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return 0 <= float(value) < float("inf")
+    except OverflowError:
+        return False
+
+
 def _non_negative(inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+    if not _finite_non_negative(value):
         raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a finite number >= 0, "
-                          f"got {value!r}")
+                          f"got {value!r:.80}")
 
 
 def _boolean(inst: object, attribute: attrs.Attribute, value: bool) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be true or false, "
                           f"got {value!r}")
+
+
+def _plain_bool(value: Any) -> Any:
+    return bool(value) if isinstance(value, np.bool_) else value
 
 
 def _unit(inst: object, attribute: attrs.Attribute, value: float) -> None:
@@ -143,7 +159,7 @@ class LinearCostModel(CostModel):
     per_prefill_token_s: float = attrs.field(default=0.0, validator=_non_negative)
     boundary_s: float = attrs.field(default=0.0, validator=_non_negative)    # per decision
     compaction_s: float = attrs.field(default=0.0, validator=_non_negative)  # per compaction
-    padded_kv: bool = attrs.field(default=False, validator=_boolean)         # see CostModel
+    padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=_boolean)
     name: str = "linear"
 
     def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
@@ -199,28 +215,51 @@ def _load(cls: type[FittedT], kind: str, required: tuple[str, ...], path: str | 
 
 def _batch_sizes(inst: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
     if (not isinstance(value, tuple) or not value
-            or any(isinstance(b, bool) or not isinstance(b, int) for b in value)
-            or value[0] < 0 or any(value[i] >= value[i + 1] for i in range(len(value) - 1))):
+            or any(isinstance(b, bool) or not isinstance(b, int) or not _finite_non_negative(b)
+                   for b in value)
+            or any(value[i] >= value[i + 1] for i in range(len(value) - 1))):
         raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be one or more "
-                          f"increasing whole numbers >= 0, got {value!r}")
+                          f"increasing whole numbers >= 0, got {value!r:.80}")
 
 
 def _batch_seconds(inst: PiecewiseCostModel, attribute: attrs.Attribute,
                    value: tuple[float, ...]) -> None:
     if not isinstance(value, tuple):
         raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a list of seconds, "
-                          f"got {value!r}")
+                          f"got {value!r:.80}")
     if len(value) != len(inst.batch_sizes):
         raise ConfigError(f"{type(inst).__name__}.{attribute.name} needs one value per batch "
                           f"size ({len(inst.batch_sizes)}), got {len(value)}")
-    for x in value:
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < float("inf"):
-            raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be finite numbers "
-                              f">= 0, got {value!r}")
+    if not all(_finite_non_negative(x) for x in value):
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be finite numbers "
+                          f">= 0, got {value!r:.80}")
 
 
-def _as_tuple(value: Any) -> Any:
-    return tuple(value) if isinstance(value, (list, tuple, np.ndarray)) else value
+def _plain_tuple(value: Any, kind: type, numpy_kind: type) -> Any:
+    """A list, tuple, range or numpy array as a tuple, its numpy scalars of ``numpy_kind`` as
+    ``kind`` (anything else is left for the validator to refuse)."""
+    if not isinstance(value, (list, tuple, range, np.ndarray)):
+        return value
+    items = value.tolist() if isinstance(value, np.ndarray) else value
+    return tuple(kind(v) if isinstance(v, numpy_kind) and not isinstance(v, np.bool_) else v
+                 for v in items)
+
+
+def _int_tuple(value: Any) -> Any:
+    return _plain_tuple(value, int, np.integer)
+
+
+def _float_tuple(value: Any) -> Any:
+    return _plain_tuple(value, float, np.number)
+
+
+@functools.lru_cache(maxsize=64)
+def _trend(sizes: tuple[int, ...], seconds: tuple[float, ...]) -> float:
+    points = [(n, t) for n, t in zip(sizes, seconds, strict=True) if n >= 1]
+    if len(points) < 2:
+        return 0.0
+    x, y = np.array(points, dtype=np.float64).T
+    return max(float(np.polyfit(x, y, 1)[0]), 0.0)
 
 
 @attrs.frozen(kw_only=True)
@@ -228,42 +267,51 @@ class PiecewiseCostModel(CostModel):
     """Step time with a measured cost per batch size (seconds):
     ``t = batch_time(num_seqs) + per_kv_token * kv_tokens + per_prefill_token * prefill_tokens``.
 
-    ``batch_time`` is piecewise linear through ``(batch_sizes[i], batch_s[i])`` and extended
-    past either end with the measured sizes' overall slope (``trend_s``; never below 0); a size
-    of 0 is a prefill-only step's fixed cost. ``growpage calibrate --kind piecewise`` fits it with one ``batch_s`` per batch
+    ``batch_time`` is piecewise linear through the measured decode sizes ``(batch_sizes[i],
+    batch_s[i])`` (sizes >= 1) and extended past either end with their overall slope
+    (``trend_s``; never below 0); a size of 0 is a prefill-only step's fixed cost, used for
+    prefill-only steps alone. ``growpage calibrate --kind piecewise`` fits it with one ``batch_s`` per batch
     size measured, so measure every size the simulation will run (an unmeasured size is
     interpolated, which is what the linear model does everywhere).
     """
 
-    batch_sizes: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_batch_sizes)
-    batch_s: tuple[float, ...] = attrs.field(converter=_as_tuple, validator=_batch_seconds)
+    batch_sizes: tuple[int, ...] = attrs.field(converter=_int_tuple,
+                                               validator=_batch_sizes)
+    batch_s: tuple[float, ...] = attrs.field(converter=_float_tuple,
+                                             validator=_batch_seconds)
     per_kv_token_s: float = attrs.field(default=0.0, validator=_non_negative)
     per_prefill_token_s: float = attrs.field(default=0.0, validator=_non_negative)
     boundary_s: float = attrs.field(default=0.0, validator=_non_negative)    # per decision
     compaction_s: float = attrs.field(default=0.0, validator=_non_negative)  # per compaction
-    padded_kv: bool = attrs.field(default=False, validator=_boolean)         # see CostModel
+    padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=_boolean)
     name: str = "piecewise"
 
     @property
     def trend_s(self) -> float:
-        """Seconds per sequence beyond the measured sizes: the slope of the least-squares line
-        through the measured decode sizes (>= 1), never below 0 (0 with fewer than two). One
-        segment's slope would carry a quirk of two sizes far (16 sequences cost less than 15 on
-        the project's CPU)."""
-        points = [(n, t) for n, t in zip(self.batch_sizes, self.batch_s, strict=True) if n >= 1]
-        if len(points) < 2:
-            return 0.0
-        sizes, seconds = np.array(points, dtype=np.float64).T
-        return max(float(np.polyfit(sizes, seconds, 1)[0]), 0.0)
+        """Seconds per sequence beyond the measured decode sizes: the slope of the least-squares
+        line through them (sizes >= 1), never below 0 (0 with fewer than two). One segment's
+        slope would carry a quirk of two sizes far (16 sequences cost less than 15 on the
+        project's CPU)."""
+        return _trend(self.batch_sizes, self.batch_s)
 
     def batch_time(self, num_seqs: ArrayLike) -> ArrayLike:
-        """Seconds of a step of ``num_seqs`` sequences beyond its KV and prompt tokens."""
-        sizes, seconds = np.asarray(self.batch_sizes, float), np.asarray(self.batch_s, float)
+        """Seconds of a step of ``num_seqs`` sequences beyond its KV and prompt tokens.
+
+        Decode sizes (>= 1) interpolate between the measured decode sizes and follow
+        ``trend_s`` past them; size 0 (a prefill-only step) is its own measurement, or the
+        decode sizes' line taken down to 0 when it was not measured.
+        """
         n = np.asarray(num_seqs, dtype=np.float64)
+        decode = [(b, t) for b, t in zip(self.batch_sizes, self.batch_s, strict=True) if b >= 1]
+        if not decode:   # only prefill-only steps were measured
+            return np.broadcast_to(np.float64(self.batch_s[0]), n.shape)[()]
+        sizes, seconds = (np.array(c, dtype=np.float64) for c in zip(*decode, strict=True))
         trend = self.trend_s
         out = np.where(n < sizes[0], seconds[0] - trend * (sizes[0] - n),
                        np.where(n > sizes[-1], seconds[-1] + trend * (n - sizes[-1]),
                                 np.interp(n, sizes, seconds)))
+        if self.batch_sizes[0] == 0:
+            out = np.where(n == 0, self.batch_s[0], out)
         return np.maximum(out, 0.0)[()]
 
     def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
@@ -377,7 +425,7 @@ def load_cost_model(spec: str) -> CostModel:
         return RooflineCostModel(hardware=hardware, model=model)
     if Path(spec).suffix == ".json" or Path(spec).exists():
         kind = _read_model(spec).get("kind")
-        if kind not in FITTED_KINDS:
+        if not isinstance(kind, str) or kind not in FITTED_KINDS:
             raise ConfigError(f"{spec}: unknown cost model kind {kind!r} (expected "
                               f"{' or '.join(map(repr, FITTED_KINDS))})")
         return FITTED_KINDS[kind].load(spec)

@@ -3,6 +3,7 @@ squares both fits use, and ``growpage calibrate --kind piecewise``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -73,8 +74,18 @@ def test_piecewise_warns_of_what_the_measurements_cannot_fit():
     assert fit_warnings(no_prefill, "piecewise") == [
         "prefill_tokens is 0 in every measurement, so per_prefill_token_s is fitted as 0 (free "
         "in the simulator); measure steps with other prefill_tokens"]
-    with pytest.raises(ConfigError, match="whole numbers of sequences"):
-        fit_piecewise(np.array([[1.5, 64, 0, 0.05]] * 4))
+    with pytest.raises(ConfigError, match=r"measurement 2: a piecewise cost model needs a whole "
+                                          r"number of sequences \(num_seqs\), got 1\.5"):
+        fit_piecewise(np.array([[1, 64, 0, 0.05]] * 2 + [[1.5, 64, 0, 0.05]] * 2))
+    with pytest.raises(ConfigError, match="unknown cost model kind 'Piecewise'"):
+        fit_warnings(no_prefill, "Piecewise")
+    # kv_tokens and prefill_tokens move together within each batch size.
+    together = np.array([[1, 64, 0, 0.05], [1, 128, 5, 0.06], [2, 64, 0, 0.07],
+                         [2, 128, 5, 0.1]])
+    assert fit_warnings(together, "piecewise") == [
+        "these 4 measurements do not determine every coefficient (2 fixed costs, one per "
+        "num_seqs, and the costs per KV token and per prefill token): vary kv_tokens and "
+        "prefill_tokens independently within the batch sizes"]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -151,8 +162,12 @@ def test_size_list_reads_lists_and_ranges():
     assert size_list("1-4,8,16") == (1, 2, 3, 4, 8, 16)
     assert size_list("16, 4,4") == (4, 16)
     for bad in ("0", "4-2", "x", "1,,2", "-3"):
-        with pytest.raises(Exception, match="expected"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected"):
             size_list(bad)
+    assert len(size_list("1-1024")) == 1024
+    for too_many in ("1-1025", "1-1000,2000-2100", "1-1000000000"):
+        with pytest.raises(argparse.ArgumentTypeError, match="more than 1024 values"):
+            size_list(too_many)
 
 
 def test_calibrate_piecewise_measures_every_batch_size(tmp_path, monkeypatch, capsys):
@@ -208,12 +223,103 @@ def test_serving_past_the_measured_batch_sizes_warns_once(tmp_path, capsys):
              "--page-size", "64", "--json"]
     assert main([*serve, "--max-num-seqs", "16"]) == 0
     assert "extrapolation" not in capsys.readouterr().err
+    # tiny has 12 requests: no step can hold more than the 16 measured, whatever the seats.
+    assert main(serve) == 0
+    assert "extrapolation" not in capsys.readouterr().err
+    small = PiecewiseCostModel(batch_sizes=(0, 1, 4, 8), batch_s=(0.06, 0.05, 0.09, 0.1),
+                               per_kv_token_s=2e-5, per_prefill_token_s=2e-3).save(path)
     assert main([*serve, "--max-num-seqs", "32"]) == 0
     err = capsys.readouterr().err
     assert err.count("growpage: warning:") == 1
-    assert (f"{path} measured decode steps of up to 16 sequences; steps of more "
-            "(--max-num-seqs 32) are priced by extrapolation") in err
+    assert (f"{small} measured decode steps of up to 8 sequences; steps of more (up to 12: "
+            "--max-num-seqs 32, 12 requests) are priced by extrapolation") in err
     assert main(["sim", "sweep", "--workload", "tiny", "--points", "fixed", "--cost", str(path),
                  "--page-size", "64", "--max-num-seqs", "32", "--arrival-rate", "1", "2",
                  "--fidelity-traces", "0", "--jobs", "1", "--json"]) == 0
     assert capsys.readouterr().err.count("priced by extrapolation") == 1
+
+
+def test_numpy_values_and_ranges_are_taken_as_plain_numbers():
+    model = PiecewiseCostModel(batch_sizes=np.array([1, 4, 16]), batch_s=np.float32([1, 2, 3]),
+                               padded_kv=np.True_)
+    assert model.batch_sizes == (1, 4, 16) and model.batch_s == (1.0, 2.0, 3.0)
+    assert all(type(b) is int for b in model.batch_sizes) and model.padded_kv is True
+    assert PiecewiseCostModel(batch_sizes=range(1, 4), batch_s=[0.1] * 3).batch_sizes == (1, 2, 3)
+    assert LinearCostModel(padded_kv=np.False_).padded_kv is False
+
+
+def test_decode_sizes_do_not_interpolate_towards_the_prefill_cost():
+    # Measured: prefill-only steps (size 0) and decode steps of 4 and 8 sequences. A decode
+    # step of 2 follows the decode sizes' line, not a line from the prefill cost at 0.
+    c = PiecewiseCostModel(batch_sizes=(0, 4, 8), batch_s=(0.2, 0.04, 0.06))
+    assert c.batch_time(0) == pytest.approx(0.2)
+    assert c.batch_time(2) == pytest.approx(0.03) and c.batch_time(1) == pytest.approx(0.025)
+    assert np.allclose(c.batch_time(np.array([0, 2, 6, 10])), [0.2, 0.03, 0.05, 0.07])
+    # Without a size-0 measurement a prefill-only step takes the decode line down to 0.
+    assert PiecewiseCostModel(batch_sizes=(4, 8), batch_s=(0.04, 0.06)).batch_time(0) == \
+        pytest.approx(0.02)
+    assert PiecewiseCostModel(batch_sizes=(0,), batch_s=(0.3,)).batch_time(5) == 0.3
+
+
+@pytest.mark.parametrize("content", [
+    {"kind": ["linear"]}, {"kind": {"piecewise": 1}}, {"kind": None},
+])
+def test_a_cost_model_file_of_no_known_kind_is_a_config_error(tmp_path, content):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ConfigError, match="unknown cost model kind"):
+        load_cost_model(str(path))
+
+
+@pytest.mark.parametrize("field, value", [("batch_s", [0.01, 10 ** 400]),
+                                          ("batch_sizes", [1, 10 ** 400]),
+                                          ("per_kv_token_s", 10 ** 400)])
+def test_numbers_too_large_for_a_float_are_config_errors(tmp_path, field, value):
+    fields = {"kind": "piecewise", "batch_sizes": [1, 2], "batch_s": [0.01, 0.02],
+              "per_kv_token_s": 0, "per_prefill_token_s": 0, field: value}
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(fields))
+    with pytest.raises(ConfigError, match=f"PiecewiseCostModel.{field} must"):
+        load_cost_model(str(path))
+    with pytest.raises(ConfigError, match="base_s must be a finite number"):
+        LinearCostModel(base_s=10 ** 400)
+
+
+def test_measurements_refuse_bools_and_numbers_too_large_for_a_float(tmp_path):
+    from growpage.sim.calibrate import load_measurements
+
+    good = {"num_seqs": 1, "kv_tokens": 10, "prefill_tokens": 0, "step_s": 0.1}
+    for bad in ({"num_seqs": True}, {"kv_tokens": 10 ** 400}):
+        path = tmp_path / "m.json"
+        path.write_text(json.dumps([good] * 3 + [{**good, **bad}]))
+        with pytest.raises(ConfigError, match="measurement 3: measurement fields must be numbers"):
+            load_measurements(path)
+
+
+def test_nnls_scales_with_its_inputs_and_refuses_non_finite_ones():
+    a = np.array([[1.0, 2.0], [3.0, 1.0], [0.5, 4.0]])
+    b = np.array([1.0, 2.0, 3.0])
+    x = nnls(a, b)
+    for scale in (1e-16, 1e-8, 1e12):
+        assert np.allclose(nnls(a, b * scale), x * scale, rtol=1e-9)
+    assert nnls([[1e200], [1e200]], [1e200, 1e200]) == pytest.approx([1.0])
+    assert nnls([[1e-170], [2e-170]], [1.0, 2.0]) == pytest.approx([1e170])
+    assert (nnls(a, np.zeros(3)) == 0).all() and (nnls(np.zeros((3, 2)), b) == 0).all()
+    for bad_a, bad_b in ((a, [1.0, np.nan, 0.0]), ([[np.inf, 1.0]] * 3, b)):
+        with pytest.raises(ValueError, match="finite"):
+            nnls(bad_a, bad_b)
+
+
+def test_calibrate_names_the_file_and_gives_only_the_hints_that_apply(tmp_path, capsys):
+    path = tmp_path / "m.csv"
+    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+                    "1.5,900,8,0.03\n8,800,0,0.05\n")
+    out = tmp_path / "m.json"
+    assert main(["calibrate", "--measurements", str(path), "--kind", "piecewise",
+                 "--out", str(out)]) == 2
+    assert (f"{path}, measurement 2: a piecewise cost model needs a whole number of sequences"
+            in capsys.readouterr().err)
+    assert main(["calibrate", "--measurements", str(path), "--contexts", "64",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--contexts set how the local engine is measured" in err and "--boundary-ms" not in err
