@@ -126,8 +126,9 @@ class Scheduler:
         """Resident KV tokens now of the longest running request but ``excluding`` (0 when
         none)."""
         skip = {id(r) for r in excluding}
-        return max((r.num_tokens - r.sync_step for r in self.running if id(r) not in skip),
-                   default=-self.step) + self.step
+        # A request's tokens now: those at its sync step plus one per step since.
+        behind = [r.num_tokens - r.sync_step for r in self.running if id(r) not in skip]
+        return max(behind) + self.step if behind else 0
 
     def next_event_step(self) -> int:
         while self._heap and not (self._heap[0][2].is_running
