@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Iterable
+
 import attrs
 import torch
 
@@ -17,8 +20,11 @@ DEFAULT_KV_CACHE_MEMORY = 512 * 2**20  # bytes, when neither kv_pages nor a budg
 
 def _to_dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
+        if value not in DTYPES.values():
+            raise ConfigError(f"EngineConfig.dtype: {value} is not supported (one of "
+                              "torch.float32, torch.bfloat16, torch.float16)")
         return value
-    if value not in DTYPES:
+    if not isinstance(value, str) or value not in DTYPES:
         raise ConfigError(f"EngineConfig.dtype: unknown dtype {value!r} "
                           f"(one of {', '.join(DTYPES)})")
     return DTYPES[value]
@@ -72,7 +78,19 @@ def plural(num: int, noun: str) -> str:
 
 
 def _layers(value: list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
-    return None if value is None else tuple(sorted(set(value)))
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in value):
+        raise ConfigError(f"EngineConfig.record_layers must be a list of layer indices or "
+                          f"None, got {value!r:.80}")
+    return tuple(sorted({int(i) for i in value}))
+
+
+def _flag(inst: object, attribute: attrs.Attribute, value: bool) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"EngineConfig.{attribute.name} must be True or False, got "
+                          f"{value!r:.80}")
 
 
 @attrs.frozen(kw_only=True)
@@ -127,18 +145,18 @@ class EngineConfig:
     kv_cache_memory: int | None = attrs.field(default=None, validator=_optional_positive)
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive)
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_flag)
     dtype: torch.dtype = attrs.field(default=torch.float32, converter=_to_dtype)
     device: str = attrs.field(default="cpu", converter=str)
     attention_backend: str = attrs.field(default="auto")
-    boundary_kernels: bool | None = None
-    warmup: bool | None = None
+    boundary_kernels: bool | None = attrs.field(default=None)
+    warmup: bool | None = attrs.field(default=None)
     cuda_graphs: bool | None = attrs.field(default=None)
     async_compaction: bool | None = attrs.field(default=None)
     async_decisions: bool = attrs.field(default=False)
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
-    record_values: bool = True
+    record_values: bool = attrs.field(default=True, validator=_flag)
     seed: int = attrs.field(default=0)
 
     @attention_backend.validator
@@ -149,6 +167,8 @@ class EngineConfig:
 
     @cuda_graphs.validator
     @async_compaction.validator
+    @boundary_kernels.validator
+    @warmup.validator
     def _flag_or_auto(self, attribute: attrs.Attribute, value: bool | None) -> None:
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"EngineConfig.{attribute.name} must be True, False or None "

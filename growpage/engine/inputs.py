@@ -31,6 +31,8 @@ def as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     """One prompt or several, as a list of prompts."""
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)):
+        raise EngineError(_BYTES)
     if isinstance(prompts, ARRAYS):
         prompts = prompts.tolist()
     if not isinstance(prompts, Seq):
@@ -59,6 +61,10 @@ def per_prompt_params(params: SamplingParams | Seq[SamplingParams], n: int
     return params
 
 
+_BYTES = ("prompts must be a string, a list of token ids or a list of those, got bytes "
+          "(decode them to a string first)")
+
+
 def where(name: str, index: int, count: int) -> str:
     """``" (prompts[2])"`` for error messages when there are several, else ``""``."""
     return f" ({name}[{index}])" if count > 1 else ""
@@ -75,9 +81,11 @@ def encode_prompt(prompt: Prompt, tokenizer: Any, chat: bool, at: str = "",
             raise EngineError(f"empty {what}{at}")
         ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
         return ids, prompt
-    if not isinstance(prompt, (Seq, *ARRAYS)):
+    if not isinstance(prompt, (Seq, *ARRAYS)) or isinstance(prompt, (bytes, bytearray)):
         raise EngineError(f"a {what} is a string or a list of token ids, got "
-                          f"{type(prompt).__name__}{at}")
+                          f"{type(prompt).__name__}{at}"
+                          + (" (decode bytes to a string first)" if isinstance(
+                              prompt, (bytes, bytearray)) else ""))
     ids = prompt.tolist() if isinstance(prompt, ARRAYS) else list(prompt)
     if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
         raise EngineError(f"a token-id {what} must be a list of ints{at}")

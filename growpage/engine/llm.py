@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -33,7 +33,7 @@ from growpage.engine.model import CausalLM
 from growpage.engine.outputs import EngineStats, RequestOutput, ScoreOutput, StreamChunk
 from growpage.engine.sampling_params import SamplingParams
 from growpage.engine.sequence import Sequence
-from growpage.errors import EngineError
+from growpage.errors import ConfigError, EngineError
 from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import resolve_policy
 
@@ -88,6 +88,13 @@ class LLM:
         unknown = set(growpage_fields) - _GROWPAGE_FIELDS
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}")
+        if config is not None and not isinstance(config, GrowPageConfig):
+            raise ConfigError(f"LLM(config=...) takes a GrowPageConfig, got "
+                              f"{type(config).__name__} {config!r:.80}")
+        if policy_kwargs is not None and not isinstance(policy_kwargs, Mapping):
+            raise ConfigError(f"LLM(policy_kwargs=...) takes a dict of the policy's "
+                              f"hyperparameters, got {type(policy_kwargs).__name__} "
+                              f"{policy_kwargs!r:.80}")
         base = config or GrowPageConfig()
         page_size = growpage_fields.get("page_size")
         if isinstance(page_size, int) and "recent_window" not in growpage_fields:
@@ -102,13 +109,16 @@ class LLM:
         self.config = EngineConfig(
             growpage=gp, kv_pages=kv_pages, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching and record_traces is None and not sums,
+            # A non-bool goes through as given, for the config to refuse.
+            enable_prefix_caching=(enable_prefix_caching and record_traces is None and not sums
+                                   if isinstance(enable_prefix_caching, bool)
+                                   else enable_prefix_caching),
             dtype=dtype, device=resolve_device(device), attention_backend=attention_backend,
             boundary_kernels=boundary_kernels,
             warmup=warmup, cuda_graphs=cuda_graphs, async_compaction=async_compaction,
             async_decisions=async_decisions,
             record_traces=None if record_traces is None else str(record_traces),
-            record_layers=None if record_layers is None else list(record_layers),
+            record_layers=record_layers,
             record_values=record_values, seed=seed)
         self.model, self.tokenizer = _load(model, tokenizer, self.config)
         eos = set(self.model.config.eos_token_ids)
@@ -137,8 +147,10 @@ class LLM:
         stderr is a terminal (not in a log file).
         """
         self.last_stats = None  # a call that fails leaves none, not the previous call's
+        _check_chat(chat)
         prompt_list = as_prompt_list(prompts)
-        params_list = per_prompt_params(params or SamplingParams(), len(prompt_list))
+        params_list = per_prompt_params(SamplingParams() if params is None else params,
+                                        len(prompt_list))
         n = len(prompt_list)
         encoded = [encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
                    for i, p in enumerate(prompt_list)]
@@ -151,6 +163,7 @@ class LLM:
         """Teacher-forced NLL of each continuation after its prompt under the policy (paper
         section 5.3): capacity decisions happen as in decoding, the next token is forced."""
         self.last_stats = None
+        _check_chat(chat)
         prompt_list, cont_list = as_prompt_list(prompts), as_prompt_list(continuations)
         if len(prompt_list) != len(cont_list):
             raise EngineError(f"{len(prompt_list)} prompts but {len(cont_list)} continuations")
@@ -182,8 +195,10 @@ class LLM:
         """
         self._check_idle()
         self.last_stats = None
+        _check_chat(chat)
         prompt_list = as_prompt_list(prompts)
-        params_list = per_prompt_params(params or SamplingParams(), len(prompt_list))
+        params_list = per_prompt_params(SamplingParams() if params is None else params,
+                                        len(prompt_list))
         n = len(prompt_list)
         encoded = [encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
                    for i, p in enumerate(prompt_list)]
@@ -256,10 +271,15 @@ class LLM:
         bar = None
         self._serving = True
         try:
-            for ids, params, forced, text in work:
+            for i, (ids, params, forced, text) in enumerate(work):
                 rid = str(self._num_requests)
-                seqs.append(engine.add_request(rid, ids, params, forced, text))
+                try:
+                    seqs.append(engine.add_request(rid, ids, params, forced, text))
+                except EngineError as e:   # say which of the caller's prompts it was
+                    raise EngineError(f"{e}{where('prompts', i, len(work))}") from None
                 self._num_requests += 1
+            if not seqs:   # nothing to run: an empty call's statistics, all zero
+                self.last_stats = self._summary()
             bar = _progress(seqs, use_tqdm)
             while engine.has_unfinished():
                 done = engine.step()
@@ -267,9 +287,7 @@ class LLM:
                     bar.update(len(done) if len(seqs) > 1 else
                                seqs[0].num_output_tokens - bar.n)
                 if not engine.has_unfinished():
-                    self.last_stats = engine.stats.summary(
-                        getattr(engine.policy, "name", type(engine.policy).__name__),
-                        self.config.page_size, engine.kv.num_pages)
+                    self.last_stats = self._summary()
                 yield seqs
         except BaseException:   # GeneratorExit included: the consumer stopped early
             engine.abort_all()
@@ -278,6 +296,11 @@ class LLM:
             self._serving = False
             if bar is not None:
                 bar.close()
+
+    def _summary(self) -> EngineStats:
+        engine = self.engine
+        return engine.stats.summary(getattr(engine.policy, "name", type(engine.policy).__name__),
+                                    self.config.page_size, engine.kv.num_pages)
 
     def _request_output(self, s: Sequence) -> RequestOutput:
         text = "" if self.tokenizer is None else self.tokenizer.decode(s.output_token_ids)
@@ -320,6 +343,11 @@ def _attention_backend(config: EngineConfig) -> AttentionBackend:
     from growpage.engine.backends import make_attention_backend
 
     return make_attention_backend(config.attention_backend, config.device)
+
+
+def _check_chat(chat: object) -> None:
+    if not isinstance(chat, bool):
+        raise EngineError(f"chat must be True or False, got {type(chat).__name__} {chat!r:.80}")
 
 
 @attrs.define

@@ -95,6 +95,9 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise EngineError(f"request {request_id!r}: token ids must lie in [0, {vocab})")
+        if forced_token_ids is not None and any(not 0 <= t < vocab for t in forced_token_ids):
+            raise EngineError(f"request {request_id!r}: continuation token ids must lie in "
+                              f"[0, {vocab})")
         if params.stop and self.detokenize is None:
             raise EngineError("stop strings need a tokenizer")
         seq = Sequence(self._next_id, request_id, prompt_token_ids, params, forced_token_ids,

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import attrs
+import numpy as np
 
 from growpage.errors import EngineError
 
@@ -30,11 +31,24 @@ def _stop_tuple(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, .
         return ()
     if isinstance(value, str):
         return (value,)
-    return _as_tuple(value, "stop", "a string or a list of strings")
+    if not isinstance(value, (list, tuple, set, frozenset)):   # a dict would give its keys
+        raise EngineError(f"SamplingParams.stop: must be a string or a list of strings, got "
+                          f"{value!r:.80}")
+    return tuple(value)
 
 
 def _id_tuple(value: list[int] | tuple[int, ...]) -> tuple[int, ...]:
-    return _as_tuple(value, "stop_token_ids", "a list of token ids")
+    if isinstance(value, (str, bytes, dict)):
+        raise EngineError(f"SamplingParams.stop_token_ids: must be a list of token ids, got "
+                          f"{value!r:.80}")
+    return tuple(_plain(v) for v in _as_tuple(value, "stop_token_ids", "a list of token ids"))
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python number it holds (numpy bools stay, to be refused)."""
+    if isinstance(value, np.generic) and not isinstance(value, np.bool_):
+        return value.item()
+    return value
 
 
 def _is_int(value: object) -> bool:
@@ -55,10 +69,10 @@ class SamplingParams:
         ignore_eos: keep generating past the model's end-of-sequence tokens.
     """
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 256
-    seed: int | None = None
+    temperature: float = attrs.field(default=0.0, converter=_plain)
+    top_p: float = attrs.field(default=1.0, converter=_plain)
+    max_tokens: int = attrs.field(default=256, converter=_plain)
+    seed: int | None = attrs.field(default=None, converter=_plain)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_tuple)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_id_tuple)
     ignore_eos: bool = False

@@ -322,3 +322,62 @@ def test_a_policy_that_never_compresses_is_refused_up_front_when_the_watermark_b
                                               "free as the pool's watermark"):
             llm.generate([ids], params, use_tqdm=False)
     assert_all_returned(llm)
+
+
+def test_inputs_the_engine_audit_found_are_refused_by_name_and_the_llm_stays_usable(model,
+                                                                                    tmp_path):
+    from growpage.core.config import GrowPageConfig
+    from growpage.errors import ConfigError
+
+    llm = tiny_llm(model, "fullkv", kv_pages=64)
+    good = [prompt(5, 1)]
+
+    def usable():
+        assert len(llm.generate(good, SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids) == 2
+        assert_all_returned(llm)
+
+    # A temperature so small that logits / T overflow used to make torch.multinomial fail on
+    # nan probabilities; it now draws (nearly) greedily.
+    greedy = llm.generate(good, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    tiny_t = llm.generate(good, SamplingParams(max_tokens=6, ignore_eos=True, temperature=1e-40,
+                                               seed=3), use_tqdm=False)
+    assert tiny_t[0].token_ids == greedy[0].token_ids
+    cases = [
+        (lambda: llm.generate(good, []), "give one SamplingParams or one per prompt (1), got 0"),
+        (lambda: llm.stream(good, ()), "give one SamplingParams or one per prompt (1), got 0"),
+        (lambda: llm.score(good, [[10 ** 9]]), "continuation token ids must lie in [0, 128)"),
+        (lambda: llm.score(good, [[-5]]), "continuation token ids must lie in [0, 128)"),
+        (lambda: llm.generate(b"hello"), "got bytes (decode them to a string first)"),
+        (lambda: llm.generate([b"hi", [3, 4]]), "got bytes (prompts[0]) (decode bytes"),
+        (lambda: llm.generate([[1, 2], [10 ** 9]], SamplingParams(max_tokens=2)),
+         "token ids must lie in [0, 128) (prompts[1])"),
+        (lambda: llm.generate(good, chat="yes"), "chat must be True or False, got str 'yes'"),
+    ]
+    for call, message in cases:
+        with pytest.raises(EngineError) as info:
+            call()
+        assert message in str(info.value), (message, str(info.value))
+        usable()
+    llm.generate([], use_tqdm=False)   # an empty call has statistics, all zero
+    assert llm.last_stats is not None and llm.last_stats.num_requests == 0
+    assert SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5),
+                          stop_token_ids=np.array([1, 2])).max_tokens == 3
+    with pytest.raises(EngineError, match="stop: must be a string or a list of strings, got {'a': 1}"):
+        SamplingParams(stop={"a": 1})
+    bad_llms = [
+        ({"dtype": torch.int8}, "EngineConfig.dtype: torch.int8 is not supported"),
+        ({"config": "x"}, "LLM(config=...) takes a GrowPageConfig, got str"),
+        ({"policy_kwargs": [1]}, "LLM(policy_kwargs=...) takes a dict"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False"),
+        ({"record_traces": str(tmp_path / "t"), "record_layers": "01"},
+         "record_layers must be a list of layer indices or None, got '01'"),
+        ({"warmup": "yes"}, "warmup must be True, False or None"),
+        ({"record_values": 1}, "record_values must be True or False"),
+    ]
+    for kwargs, message in bad_llms:
+        with pytest.raises(ConfigError) as info:
+            LLM(model, policy="fullkv", **kwargs)
+        assert message in str(info.value), (message, str(info.value))
+    assert LLM(model, policy="fullkv", config=GrowPageConfig(page_size=4, recent_window=2),
+               record_traces=str(tmp_path / "t"), record_layers=np.array([1, 0])
+               ).config.record_layers == (0, 1)
