@@ -77,7 +77,7 @@ def plural(num: int, noun: str) -> str:
     return f"{num} {noun}" if num == 1 else f"{num} {noun}s"
 
 
-def _layers(value: list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
+def _layers(value: Iterable[int] | None) -> tuple[int, ...] | None:
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not all(
