@@ -76,9 +76,19 @@ class TraceSet:
         if self._index_path.is_file():
             self._entries = self._load_index()
         elif create and (not self.directory.exists() or self.directory.is_dir()):
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._entries = []
-            self._save_index()
+            orphans = (sorted(p.name for p in self.directory.glob("*.safetensors"))
+                       if self.directory.is_dir() else [])
+            if orphans:   # a set that lost its index: starting a new one would overwrite them
+                raise TraceError(f"{directory}: holds trace files ({', '.join(orphans[:3])}"
+                                 f"{', ...' if len(orphans) > 3 else ''}) but no {INDEX_NAME}; "
+                                 "record into an empty directory, or restore the index")
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._entries = []
+                self._save_index()
+            except OSError as e:
+                raise TraceError(f"{directory}: cannot create a trace set "
+                                 f"({e.strerror or e})") from None
         elif not self.directory.exists():
             raise TraceError(f"{directory}: no such directory (not a trace set)")
         elif not self.directory.is_dir():
@@ -144,14 +154,22 @@ class TraceSet:
 
     def write(self, trace: Trace, *, tags: tuple[str, ...] | list[str] = (),
               dtype: torch.dtype = torch.float16) -> TraceEntry:
-        """Append ``trace`` to the set; request ids must be unique."""
+        """Append ``trace`` to the set; request ids must be unique, ``tags`` a list of
+        strings. The file gets a name no file in the directory has."""
         rid = trace.request_id
         if any(e.request_id == rid for e in self._entries):
             raise TraceError(f"{self._index_path}: request id {rid!r} is already in the set")
+        if isinstance(tags, (str, bytes)) or not isinstance(tags, (list, tuple)) or not all(
+                isinstance(t, str) for t in tags):
+            raise TraceError(f"tags must be a list of strings, got {tags!r:.80}")
         slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in rid)[:64]
-        entry = TraceEntry(file=f"{len(self._entries):06d}-{slug}.safetensors", request_id=rid,
-                           prompt_len=trace.prompt_len, num_tokens=trace.num_tokens,
-                           tags=tuple(tags))
+        taken = {e.file for e in self._entries}
+        number = len(self._entries)
+        while (name := f"{number:06d}-{slug}.safetensors") in taken or (
+                self.directory / name).exists():
+            number += 1   # an entry removed by hand, or a file the index does not list
+        entry = TraceEntry(file=name, request_id=rid, prompt_len=trace.prompt_len,
+                           num_tokens=trace.num_tokens, tags=tuple(tags))
         write_trace(self.directory / entry.file, trace, dtype=dtype)
         self._entries.append(entry)
         try:

@@ -281,6 +281,8 @@ def _parse_header(metadata: dict[str, str] | None, path: Path) -> tuple[TraceHea
 
 
 def _open(path: Path) -> Any:
+    if path.exists() and not path.is_file():   # a FIFO or device would block or never end
+        raise TraceError(f"{path}: not a regular file (a trace is a safetensors file)")
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except FileNotFoundError:

@@ -483,3 +483,53 @@ def test_trace_sets_still_import_from_the_trace_module():
     assert traces_mod.read_trace_set is trace_set_mod.read_trace_set
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         traces_mod.NoSuchThing  # noqa: B018
+
+
+def test_a_set_that_lost_its_index_is_not_overwritten(tmp_path, make_trace):
+    ts = TraceSet(tmp_path / "set", create=True)
+    ts.write(make_trace(request_id="r0"))
+    before = (tmp_path / "set" / ts.index[0].file).read_bytes()
+    (tmp_path / "set" / "index.json").unlink()
+    with pytest.raises(TraceError, match=r"holds trace files \(000000-r0.safetensors\) but no "
+                                         r"index.json"):
+        TraceSet(tmp_path / "set", create=True)
+    assert (tmp_path / "set" / ts.index[0].file).read_bytes() == before
+    assert not (tmp_path / "set" / "index.json").exists()
+    with pytest.raises(TraceError, match="cannot create a trace set"):
+        TraceSet(tmp_path / "set" / ts.index[0].file / "sub", create=True)
+
+
+def test_write_never_takes_a_file_name_in_use(tmp_path, make_trace):
+    # Entry "x" is removed from the index by hand; the next write (the set holds one entry,
+    # so its number is 1 again) must not overwrite "a_b"'s file, whose name it would take.
+    ts = TraceSet(tmp_path, create=True)
+    ts.write(make_trace(request_id="x", seed=1))
+    ts.write(make_trace(request_id="a_b", seed=2))
+    d = _index(tmp_path)
+    d["traces"] = [e for e in d["traces"] if e["request_id"] != "x"]
+    (tmp_path / "index.json").write_text(json.dumps(d))
+    reopened = read_trace_set(tmp_path)
+    entry = reopened.write(make_trace(request_id="a/b", seed=3))
+    assert entry.file not in ("000000-x.safetensors", "000001-a_b.safetensors")
+    again = read_trace_set(tmp_path)
+    assert [t.request_id for t in again] == ["a_b", "a/b"]
+    assert torch.equal(again.read("a_b").keys, make_trace(request_id="a_b", seed=2).keys.half()
+                       .float())
+
+
+@pytest.mark.parametrize("tags", [[1], "xyz", None, [b"a"]])
+def test_bad_tags_are_refused_before_anything_is_written(tmp_path, make_trace, tags):
+    ts = TraceSet(tmp_path, create=True)
+    with pytest.raises(TraceError, match="tags must be a list of strings"):
+        ts.write(make_trace(), tags=tags)
+    assert len(read_trace_set(tmp_path)) == 0 and not list(tmp_path.glob("*.safetensors"))
+
+
+def test_a_trace_path_that_is_not_a_regular_file_is_refused(tmp_path):
+    fifo = tmp_path / "000000-0.safetensors"
+    os.mkfifo(fifo)
+    for read in (read_trace_header, read_trace):
+        with pytest.raises(TraceError, match="not a regular file"):
+            read(fifo)
+    with pytest.raises(TraceError, match="not a regular file"):
+        read_trace(tmp_path)
