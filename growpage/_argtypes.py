@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -40,3 +41,16 @@ def size_list(text: str) -> tuple[int, ...]:
                 "fewer (a list such as 128,512,2048 for contexts)")
         values.update(range(first, last + 1))
     return tuple(sorted(values))
+
+
+def path_text(text: str) -> str:
+    """A file or directory name: not empty (``--out ""`` would write into the current
+    directory, ``--traces ""`` read it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a name or path, got an empty string")
+    return text
+
+
+def path_arg(text: str) -> Path:
+    """``path_text`` as a ``Path``."""
+    return Path(path_text(text))

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from growpage._argtypes import positive_int
+from growpage._argtypes import path_arg, positive_int
 from growpage.engine.config import plural
 from growpage.errors import ConfigError, EngineError
 from growpage.policies.registry import parse_policy_params
@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source = g.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", default=None,
                         help="a prompt text (repeat it for several, served as one batch)")
-    source.add_argument("--prompts", type=Path, default=None,
+    source.add_argument("--prompts", type=path_arg, default=None,
                         help="text file, one prompt per line (or JSONL with a 'prompt' field)")
     _common(g, default_policy="growpage", default_max_tokens=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--ignore-eos", action="store_true",
                    help="generate --max-tokens tokens whatever the model's end token says "
                         "(default: stop at it)")
-    g.add_argument("--out", type=Path, default=None, metavar="DIR",
+    g.add_argument("--out", type=path_arg, default=None, metavar="DIR",
                    help="also write outputs.jsonl (one line per prompt: text, tokens, finish "
                         "reason, latencies, capacity events), stats.json (the engine "
                         "statistics and the settings) and pool.png (KV pages in use and running "
@@ -59,9 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     r = subparsers.add_parser("record", help="record full-KV traces (fullkv policy) of prompts "
                               "into a trace set for the simulator")
-    r.add_argument("--prompts", required=True, type=Path,
+    r.add_argument("--prompts", required=True, type=path_arg,
                    help="text file, one prompt per line (or JSONL with a 'prompt' field)")
-    r.add_argument("--out", required=True, type=Path, help="trace-set directory")
+    r.add_argument("--out", required=True, type=path_arg, help="trace-set directory")
     r.add_argument("--layers", default=None,
                    help="comma-separated model layers to record (default: all)")
     r.add_argument("--no-values", dest="values", action="store_false",
@@ -84,7 +84,7 @@ def _common(p: argparse.ArgumentParser, default_policy: str | None,
                        default=[], metavar="KEY=VALUE",
                        help="policy hyperparameter, e.g. tau=0.01 (repeatable; read as the "
                             "simulator's --param)")
-    p.add_argument("--max-tokens", type=int, default=default_max_tokens,
+    p.add_argument("--max-tokens", type=positive_int, default=default_max_tokens,
                    help=f"most tokens to generate per prompt (default {default_max_tokens})")
     p.add_argument("--kv-pages", type=int, default=None,
                    help="KV cache pages (default: 512 MiB worth)")

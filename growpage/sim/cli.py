@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from growpage._argtypes import positive_int, size_list
+from growpage._argtypes import path_text, positive_int, size_list
 
 DEFAULT_POINTS = ["growpage", "fullkv", "fixed@budget_tokens=1024,2048,4096,8192"]
 
@@ -30,12 +30,13 @@ def _common(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: best on a shared machine; sweep: per "
                         "worker process)")
-    p.add_argument("--out", metavar="DIR", help="write JSON/CSV results and PNG plots here")
+    p.add_argument("--out", metavar="DIR", type=path_text,
+                   help="write JSON/CSV results and PNG plots here")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
-    p.add_argument("--workload", required=True, metavar="NAME_OR_FILE",
+    p.add_argument("--workload", required=True, metavar="NAME_OR_FILE", type=path_text,
                    help="mixed, amc23, aime24, gsm8k, small, tiny, a CSV file or a .jsonl file")
     p.add_argument("--arrival-rate", type=float, metavar="REQ_PER_S",
                    nargs="+" if sweep else None,
@@ -75,7 +76,8 @@ def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--decisions", choices=["script", "trace"], default="script",
                    help="script: played-back signals (scales); trace: a KV view per request "
                         "(default script)")
-    p.add_argument("--traces", metavar="DIR", help="trace set for --decisions trace")
+    p.add_argument("--traces", metavar="DIR", type=path_text,
+                   help="trace set for --decisions trace")
     p.add_argument("--num-scripts", type=int, default=8,
                    help="script mode: synthetic traces the requests share, one per length "
                         "group (default 8)")
@@ -97,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("replay", help="replay traces under a policy: decisions and fidelity")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--traces", metavar="DIR", help="a trace set directory")
+    src.add_argument("--traces", metavar="DIR", type=path_text, help="a trace set directory")
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic traces instead")
     p.add_argument("--gen-len", type=int, help="synthetic: generated tokens (default 4096)")
     p.add_argument("--schedule", help="synthetic: regime schedule (default random)")
@@ -125,7 +127,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_lazy("run_sweep"))
 
     p = subparsers.add_parser("calibrate", help="fit a step-time model to the engine")
-    p.add_argument("--measurements", metavar="FILE",
+    p.add_argument("--measurements", metavar="FILE", type=path_text,
                    help="CSV/JSON rows num_seqs,kv_tokens,prefill_tokens,step_s (default: "
                         "measure the local engine)")
     p.add_argument("--kind", choices=("linear", "piecewise"), default="linear",
@@ -145,7 +147,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", type=size_list, metavar="LIST",
                    help="KV tokens per sequence of the measured decode steps (default "
                         "128,512,1024)")
-    p.add_argument("--out", default="costmodel.json",
+    p.add_argument("--out", default="costmodel.json", type=path_text,
                    help="where to write the model (default: %(default)s)")
     p.add_argument("--no-boundaries", dest="boundaries", action="store_false",
                    help="do not measure the seconds per capacity decision and per compaction "

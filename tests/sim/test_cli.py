@@ -434,3 +434,32 @@ def test_a_policy_error_names_the_policy_files_line(capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 2
     assert f"({tmp_path / 'bad_policy.py'}:8, in decide)" in err, err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["sim", "replay", "--traces", ""], "--traces"),
+    (["sim", "serve", "--workload", "tiny", "--decisions", "trace", "--traces", " "], "--traces"),
+    (["sim", "replay", "--synthetic", "1", "--out", ""], "--out"),
+    (["sim", "serve", "--workload", ""], "--workload"),
+    (["calibrate", "--measurements", ""], "--measurements"),
+    (["record", "--prompts", "p.txt", "--out", ""], "--out"),
+    (["generate", "--prompt", "hi", "--out", ""], "--out"),
+])
+def test_an_empty_path_is_a_usage_error(capsys, argv, flag):
+    # --traces "" used to read the current directory (a traceback in replay, synthetic traces
+    # in serve), --out "" to write into it or nothing at all.
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: expected a name or path, got an empty string" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_record_refuses_a_max_tokens_below_one_before_loading_the_model(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["record", "--prompts", "p.txt", "--out", str(tmp_path / "set"), "--max-tokens",
+              value])
+    assert exit_info.value.code == 2
+    assert "--max-tokens: expected an integer >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "set").exists()
