@@ -122,7 +122,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--fidelity-traces", type=int, default=4,
-                   help="synthetic traces replayed per point for fidelity (0: none; default 4)")
+                   help="traces replayed per point for fidelity: the first of --traces with "
+                        "--decisions trace, else synthetic ones (0: none; default 4)")
     _common(p, policy=False)
     p.set_defaults(func=_lazy("run_sweep"))
 

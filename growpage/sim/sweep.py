@@ -5,8 +5,9 @@ values (each value read as ``--param`` reads it: ``policies.registry.parse_polic
 ``fixed@budget_tokens=1024,2048,4096,8192`` or ``growpage@tau=-0.01,0,0.01``.
 
 Each point is served on the workload (throughput side of the Pareto front) and replayed on a few
-synthetic traces with a private pool (fidelity side: mean retained attention mass and output
-error of the next page's queries, as in ``sim.replay``).
+traces with a private pool (fidelity side: mean retained attention mass and output error of the
+next page's queries, as in ``sim.replay``): the first traces of the set a trace-mode sweep
+serves, else synthetic ones (``fidelity_traces``).
 
 A point that raises does not stop the sweep: its row carries ``error`` (the exception and where
 it was raised) instead of metrics, and the other points run on.
@@ -24,6 +25,8 @@ import torch
 from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig
+from growpage.core.trace_set import TraceSet
+from growpage.core.traces import Trace
 from growpage.errors import ConfigError, GrowPageError, raised_at
 from growpage.policies.registry import parse_policy_value, resolve_policy
 from growpage.sim.costmodel import load_cost_model, with_boundary_costs
@@ -107,16 +110,37 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
                        settings.config, settings.sim,
                        with_boundary_costs(load_cost_model(settings.cost), settings.boundary_s,
                                            settings.compaction_s), trace_of)
-    spec = attrs.evolve(SCRIPT_SPEC, gen_len=settings.fidelity_gen_len)
-    replays = [replay_trace(synthetic_trace(spec, settings.seed + 1000 + i),
-                            resolve_policy(point.policy, **kwargs), settings.config,
+    replays = [replay_trace(trace, resolve_policy(point.policy, **kwargs), settings.config,
                             ReplayOptions(fidelity_queries=4))
-               for i in range(settings.fidelity_traces)]
+               for trace in fidelity_traces(settings)]
     fidelity = aggregate_replays(replays)
     return {**_identity(point), **serving.metrics.as_dict(), "policy": point.policy,
+            "fidelity_source": fidelity_source(settings),
             "mass_mean": fidelity.get("mass_mean"), "mass_min": fidelity.get("mass_min"),
             "output_error": fidelity.get("output_error"),
             "replay_avg_budget": fidelity.get("avg_budget")}
+
+
+def fidelity_traces(settings: SweepSettings) -> list[Trace]:
+    """The traces a point's fidelity is replayed on: the first ``fidelity_traces`` of the
+    trace set when the sweep serves one (trace mode), else synthetic ones."""
+    if settings.fidelity_traces == 0:
+        return []
+    if settings.traces and settings.sim.decisions == "trace":
+        return TraceSet(settings.traces).read_all(settings.fidelity_traces)
+    spec = attrs.evolve(SCRIPT_SPEC, gen_len=settings.fidelity_gen_len)
+    return [synthetic_trace(spec, settings.seed + 1000 + i)
+            for i in range(settings.fidelity_traces)]
+
+
+def fidelity_source(settings: SweepSettings) -> str:
+    """What ``fidelity_traces`` replays, in words (a sweep row's ``fidelity_source``)."""
+    if settings.fidelity_traces == 0:
+        return "none"
+    if settings.traces and settings.sim.decisions == "trace":
+        return f"traces {settings.traces} (first {settings.fidelity_traces})"
+    return (f"{settings.fidelity_traces} synthetic traces of {settings.fidelity_gen_len} "
+            "tokens")
 
 
 def _describe(exc: BaseException) -> str:

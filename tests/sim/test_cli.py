@@ -180,6 +180,17 @@ def test_sweep_in_trace_mode_serves_the_trace_set(capsys, tmp_path):
     assert main(["sim", "sweep", "--workload", str(csv), *SMALL, "--points", "fullkv",
                  "--decisions", "trace", "--traces", str(tmp_path / "nothing")]) == 2
     assert "not a trace set" in capsys.readouterr().err
+    # Fidelity replays the set's traces too (it replayed synthetic ones): as `sim replay`.
+    replayed = run_json(capsys, ["sim", "replay", "--traces", str(tmp_path / "set"), *SMALL,
+                                 "--policy", "fixed", "--param", "budget_tokens=64",
+                                 "--fidelity-queries", "4"])["summary"]
+    swept = run_json(capsys, ["sim", "sweep", "--workload", str(csv), *SMALL, "--kv-pages", "20",
+                              "--points", "fixed@budget_tokens=64", "--jobs", "1",
+                              "--fidelity-traces", "2", "--decisions", "trace", "--traces",
+                              str(tmp_path / "set")])["points"][0]
+    assert swept["mass_mean"] == pytest.approx(replayed["mass_mean"])
+    assert swept["replay_avg_budget"] == pytest.approx(replayed["avg_budget"])
+    assert swept["fidelity_source"] == f"traces {tmp_path / 'set'} (first 2)"
 
 
 @pytest.mark.parametrize("command", ["serve", "sweep"])
