@@ -130,7 +130,11 @@ def run_replay(args: argparse.Namespace) -> int:
         reports.write_csv(out / "replay.csv", rows)
         from growpage.sim.plots import plot_capacity, plot_signal_scatter
 
-        plot_capacity({r.request_id: r.trajectory for r in results[:12]}, out / "capacity.png",
+        # Each line runs from the prompt to the trace's last token (a replay stopped by a
+        # full pool, to its last boundary): a trace with no boundary is a flat line.
+        plot_capacity({r.request_id: r.trajectory + ([] if r.preempted else
+                                                     [(r.num_tokens, r.final_pages)])
+                       for r in results[:12]}, out / "capacity.png",
                       config.page_size, title=f"capacity under {args.policy}")
         files = "replay.json, replay.csv, capacity.png"
         if args.signals:

@@ -474,3 +474,23 @@ def test_record_refuses_a_max_tokens_below_one_before_loading_the_model(tmp_path
     assert exit_info.value.code == 2
     assert "--max-tokens: expected an integer >= 1" in capsys.readouterr().err
     assert not (tmp_path / "set").exists()
+
+
+def test_replay_capacity_plot_draws_each_trace_to_its_last_token(capsys, tmp_path, monkeypatch):
+    import growpage.sim.plots as plots
+
+    drawn = {}
+    real = plots.plot_capacity
+    monkeypatch.setattr(plots, "plot_capacity",
+                        lambda trajectories, *a, **k: drawn.update(trajectories) or
+                        real(trajectories, *a, **k))
+    # Page size 256: a 214-token trace of a 64-token prompt never reaches a boundary; its line
+    # used to be a single point (an empty plot).
+    out = run_json(capsys, ["sim", "replay", "--synthetic", "2", "--gen-len", "150",
+                            "--page-size", "256", "--out", str(tmp_path)])
+    assert all(t["boundaries"] == 0 for t in out["traces"])
+    assert len(drawn) == 2
+    for trace in out["traces"]:
+        line = drawn[trace["request_id"]]
+        assert len(line) == 2 and line[-1][0] == trace["num_tokens"]
+        assert line[0][1] == line[-1][1]
