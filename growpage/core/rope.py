@@ -30,6 +30,20 @@ class RopeConfig:
         if value % 2:
             raise ValueError(f"RopeConfig.head_dim must be even, got {value}")
 
+    def __attrs_post_init__(self) -> None:
+        # NOTE: a zero scaling factor or equal frequency factors divide by zero in
+        # inv_frequencies, which would turn every rotated query and key into NaN.
+        positive = {"scaling_factor": self.scaling_factor, "low_freq_factor": self.low_freq_factor,
+                    "high_freq_factor": self.high_freq_factor,
+                    "original_max_position": self.original_max_position}
+        for name, value in positive.items():
+            if value is not None and not (isinstance(value, (int, float))
+                                          and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"RopeConfig.{name} must be a number > 0, got {value!r}")
+        if self.scaling_factor is not None and self.low_freq_factor == self.high_freq_factor:
+            raise ValueError(f"RopeConfig: low_freq_factor and high_freq_factor must differ "
+                             f"(both {self.low_freq_factor}) when scaling_factor is set")
+
     def to_dict(self) -> dict:
         return attrs.asdict(self)
 

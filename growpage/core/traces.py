@@ -192,6 +192,22 @@ def check_trace_tensors(trace: Trace, where: str) -> None:
                              f"{shape} [recorded layers, tokens, heads, head_dim]")
         if not bool(torch.isfinite(x).all()):
             raise TraceError(f"{where}: {name} have non-finite values (NaN or inf)")
+    # |q . k| * softmax_scale <= |q| |k| * softmax_scale: past this bound a replay's attention
+    # logits could overflow float32 and every attention signal turn into NaN.
+    bound = h.softmax_scale * _largest_norm(trace.queries) * _largest_norm(trace.keys)
+    if not bound <= LOGIT_BOUND:
+        raise TraceError(f"{where}: queries and keys this large (|q| |k| softmax_scale up to "
+                         f"{bound:.3g}) would overflow attention in float32; check "
+                         "softmax_scale and the recorded tensors")
+
+
+#: Largest attention logit bound a trace may reach (float32 overflows at 3.4e38).
+LOGIT_BOUND = 1e30
+
+
+def _largest_norm(x: torch.Tensor) -> float:
+    """Largest vector norm over the last dimension, a layer at a time (float64 scalars)."""
+    return max(float(layer.double().norm(dim=-1).max()) for layer in x) if x.numel() else 0.0
 
 
 def _tensor_names(h: TraceHeader) -> list[tuple[str, str, int]]:

@@ -533,3 +533,23 @@ def test_a_trace_path_that_is_not_a_regular_file_is_refused(tmp_path):
             read(fifo)
     with pytest.raises(TraceError, match="not a regular file"):
         read_trace(tmp_path)
+
+
+def test_values_that_would_make_a_replay_compute_nan_are_refused(tmp_path, make_trace):
+    import attrs
+
+    t = make_trace()
+    # A softmax scale the header check allows (finite, > 0) but that overflows the logits:
+    # the replay used to report NaN masses as missing and decide on a delta of 0.
+    with pytest.raises(TraceError, match=r"would overflow attention in float32"):
+        Trace(header=attrs.evolve(t.header, softmax_scale=1e300), queries=t.queries,
+              keys=t.keys, values=t.values)
+    with pytest.raises(TraceError, match=r"would overflow attention in float32"):
+        Trace(header=t.header, queries=t.queries * 1e20, keys=t.keys * 1e20, values=t.values)
+    path = write_trace(tmp_path / "t.safetensors", t)
+    bad = _rewrite(path, tmp_path / "bad.safetensors",
+                   header=lambda d: d["rope"].update(scaling_factor=0.0))
+    with pytest.raises(TraceError, match="rope.*scaling_factor must be a number > 0"):
+        read_trace(bad)
+    with pytest.raises(ValueError, match="low_freq_factor and high_freq_factor must differ"):
+        RopeConfig(head_dim=16, scaling_factor=8.0, low_freq_factor=2.0, high_freq_factor=2.0)
