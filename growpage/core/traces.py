@@ -19,7 +19,7 @@ import math
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,14 @@ def _check_header(h: TraceHeader) -> None:
                          f"{len(h.token_ids)}")
 
 
+def _id_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    """``layer_ids`` / ``token_ids`` as a tuple (each id is checked with the header)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TraceError(f"header ids (layer_ids, token_ids) must be lists of integers, got "
+                         f"{values!r:.80}")
+    return int_tuple(values)
+
+
 @attrs.frozen(kw_only=True)
 class TraceHeader:
     """What a trace records besides tensors. ``num_tokens`` (T) is ``len(token_ids)``."""
@@ -86,14 +94,14 @@ class TraceHeader:
     request_id: str
     model: str
     num_layers: int                                   # layers of the model
-    layer_ids: tuple[int, ...] = attrs.field(converter=int_tuple)  # recorded model layers
+    layer_ids: tuple[int, ...] = attrs.field(converter=_id_tuple)  # recorded model layers
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     rope: RopeConfig
     softmax_scale: float
     prompt_len: int
-    token_ids: tuple[int, ...] = attrs.field(converter=int_tuple)  # prompt + generated, length T
+    token_ids: tuple[int, ...] = attrs.field(converter=_id_tuple)  # prompt + generated, length T
     has_values: bool = True
     meta: dict = attrs.field(factory=dict, hash=False)        # free-form, JSON-serializable
 

@@ -118,7 +118,7 @@ def run_replay(args: argparse.Namespace) -> int:
     columns = [("request_id", "trace", "")] + reports.REPLAY_COLUMNS
     table = reports.format_table(rows, columns)
     payload: dict[str, Any] = {"config": attrs.asdict(config), "policy": args.policy,
-                               "params": kwargs, "summary": rows[-1],
+                               "params": kwargs, "source": _source(args), "summary": rows[-1],
                                "traces": [r.as_dict() for r in results]}
     if args.signals:
         quality = signal_quality(rec for r in results for rec in r.records)
@@ -145,6 +145,14 @@ def run_replay(args: argparse.Namespace) -> int:
             files += ", signals.png"
         _note(args, f"results in {out}/ ({files})")
     return 0
+
+
+def _source(args: argparse.Namespace) -> dict[str, Any]:
+    """What a replay read: the trace set, or the synthetic traces' settings."""
+    if args.traces:
+        return {"traces": args.traces}
+    return {"synthetic": args.synthetic, "gen_len": args.gen_len, "schedule": args.schedule,
+            "seed": args.seed}
 
 
 def _signal_table(q: Any) -> str:
@@ -245,7 +253,8 @@ def run_serve(args: argparse.Namespace) -> int:
         + "\n\n" + reports.latency_table(m))
     payload = {"metrics": m, "policy": args.policy, "params": kwargs, "sim": attrs.asdict(sim),
                "config": attrs.asdict(config), "cost": args.cost, "cost_model": cost.describe(),
-               "workload": args.workload, "arrival_rate_per_s": args.arrival_rate}
+               "workload": args.workload, "arrival_rate_per_s": args.arrival_rate,
+               "traces": args.traces}
     _emit(args, table, payload)
     if out is not None:
         reports.write_json(out / "metrics.json", payload)
@@ -300,7 +309,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if done or args.json:
         _emit(args, reports.format_table(done, columns), {"points": done, "failed": failed})
     if out is not None:
-        reports.write_json(out / "sweep.json", {"workload": args.workload,
+        reports.write_json(out / "sweep.json", {"workload": args.workload, "traces": args.traces,
                                                 "arrival_rate_per_s": args.arrival_rate,
                                                 "points": done, "failed": failed})
         reports.write_csv(out / "sweep.csv", done)

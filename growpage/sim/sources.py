@@ -198,6 +198,11 @@ def traces_for(requests: Sequence[WorkloadRequest], directory: str
         entry = by_id.get(r.trace) if r.trace else traces.index[i % len(traces)]
         if entry is None:
             raise ConfigError(f"request {r.request_id}: trace {r.trace!r} is not in {directory}")
+        if r.prefix is not None and r.prefix_tokens > entry.prompt_len:
+            raise ConfigError(f"request {r.request_id}: its shared prefix {r.prefix!r} of "
+                              f"{r.prefix_tokens} tokens is longer than the prompt of its trace "
+                              f"{entry.request_id!r} in {directory} ({entry.prompt_len} "
+                              "tokens), which the request takes in trace mode")
         chosen[r.request_id] = entry
         out.append(attrs.evolve(r, prompt_tokens=entry.prompt_len,
                                 output_tokens=entry.num_tokens - entry.prompt_len + 1))

@@ -494,3 +494,16 @@ def test_replay_capacity_plot_draws_each_trace_to_its_last_token(capsys, tmp_pat
         line = drawn[trace["request_id"]]
         assert len(line) == 2 and line[-1][0] == trace["num_tokens"]
         assert line[0][1] == line[-1][1]
+
+
+def test_a_shared_prefix_longer_than_its_traces_prompt_names_both(capsys, tmp_path):
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[30], seed=2)
+    csv = tmp_path / "w.csv"
+    csv.write_text("arrival_s,prompt_tokens,output_tokens,prefix,prefix_tokens\n0,100,10,sys,90\n")
+    assert main(["sim", "serve", "--workload", str(csv), *SMALL, "--kv-pages", "20",
+                 "--decisions", "trace", "--traces", str(tmp_path / "set")]) == 2
+    err = capsys.readouterr().err
+    assert ("request req-0: its shared prefix 'sys' of 90 tokens is longer than the prompt of "
+            f"its trace 'synthetic-0' in {tmp_path / 'set'} (20 tokens)") in err

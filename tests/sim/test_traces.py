@@ -553,3 +553,34 @@ def test_values_that_would_make_a_replay_compute_nan_are_refused(tmp_path, make_
         read_trace(bad)
     with pytest.raises(ValueError, match="low_freq_factor and high_freq_factor must differ"):
         RopeConfig(head_dim=16, scaling_factor=8.0, low_freq_factor=2.0, high_freq_factor=2.0)
+
+
+@pytest.mark.parametrize("change", [{"token_ids": None}, {"layer_ids": 3}, {"token_ids": "ab"}])
+def test_header_ids_that_are_not_lists_are_trace_errors(make_trace, change):
+    import attrs
+
+    with pytest.raises(TraceError, match="must be lists of integers"):
+        attrs.evolve(make_trace().header, **change)
+
+
+def test_results_name_the_traces_they_came_from(capsys, tmp_path):
+    from growpage.cli import main
+    from growpage.sim.synthetic import SyntheticSpec, write_synthetic_trace_set
+
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=20, gen_len=1)
+    write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[40], seed=2)
+    small = ["--page-size", "16", "--recent-window", "4"]
+    assert main(["sim", "replay", "--traces", str(tmp_path / "set"), *small, "--out",
+                 str(tmp_path / "r")]) == 0
+    assert json.loads((tmp_path / "r" / "replay.json").read_text())["source"] == {
+        "traces": str(tmp_path / "set")}
+    assert main(["sim", "replay", "--synthetic", "1", "--gen-len", "40", *small, "--out",
+                 str(tmp_path / "s")]) == 0
+    assert json.loads((tmp_path / "s" / "replay.json").read_text())["source"]["synthetic"] == 1
+    assert main(["sim", "serve", "--workload", "tiny", *small, "--kv-pages", "200",
+                 "--decisions", "trace", "--traces", str(tmp_path / "set"), "--out",
+                 str(tmp_path / "v")]) == 0
+    assert json.loads((tmp_path / "v" / "metrics.json").read_text())["traces"] == str(
+        tmp_path / "set")
+    capsys.readouterr()
