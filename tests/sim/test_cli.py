@@ -507,3 +507,22 @@ def test_a_shared_prefix_longer_than_its_traces_prompt_names_both(capsys, tmp_pa
     err = capsys.readouterr().err
     assert ("request req-0: its shared prefix 'sys' of 90 tokens is longer than the prompt of "
             f"its trace 'synthetic-0' in {tmp_path / 'set'} (20 tokens)") in err
+
+
+def test_traces_of_some_layers_only_get_a_note(capsys, tmp_path):
+    from growpage.core.trace_set import TraceSet
+    from growpage.core.traces import Trace
+    from growpage.sim.synthetic import synthetic_trace
+
+    whole = synthetic_trace(SyntheticSpec(num_layers=3, num_q_heads=2, num_kv_heads=1,
+                                          head_dim=16, prompt_len=20, gen_len=40), 1, "r0")
+    header = attrs.evolve(whole.header, layer_ids=[0, 2])
+    part = Trace(header=header, queries=whole.queries[[0, 2]], keys=whole.keys[[0, 2]],
+                 values=None if whole.values is None else whole.values[[0, 2]])
+    TraceSet(tmp_path / "set", create=True).write(part)
+    assert main(["sim", "replay", "--traces", str(tmp_path / "set"), *SMALL, "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "traces hold 2 of 3 model layers; Delta_t, scores and fidelity are computed" in err
+    TraceSet(tmp_path / "whole", create=True).write(whole)
+    assert main(["sim", "replay", "--traces", str(tmp_path / "whole"), *SMALL, "--json"]) == 0
+    assert "model layers" not in capsys.readouterr().err
