@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from growpage.core.traces import (
 from growpage.errors import ConfigError, TraceError
 
 SET_FORMAT_NAME = "growpage-trace-set"
+#: The names ``write`` gives trace files (what a set that lost its index leaves behind).
+TRACE_FILE = re.compile(r"\d{6}-.*\.safetensors")
 INDEX_NAME = "index.json"
 
 
@@ -76,7 +79,8 @@ class TraceSet:
         if self._index_path.is_file():
             self._entries = self._load_index()
         elif create and (not self.directory.exists() or self.directory.is_dir()):
-            orphans = (sorted(p.name for p in self.directory.glob("*.safetensors"))
+            orphans = (sorted(p.name for p in self.directory.glob("*.safetensors")
+                              if TRACE_FILE.fullmatch(p.name))
                        if self.directory.is_dir() else [])
             if orphans:   # a set that lost its index: starting a new one would overwrite them
                 raise TraceError(f"{directory}: holds trace files ({', '.join(orphans[:3])}"
@@ -152,16 +156,18 @@ class TraceSet:
             raise TraceError(f"{path}: (request_id, prompt_len, num_tokens) = {got} disagrees "
                              f"with {self._index_path}")
 
-    def write(self, trace: Trace, *, tags: tuple[str, ...] | list[str] = (),
+    def write(self, trace: Trace, *, tags: Iterable[str] = (),
               dtype: torch.dtype = torch.float16) -> TraceEntry:
         """Append ``trace`` to the set; request ids must be unique, ``tags`` a list of
         strings. The file gets a name no file in the directory has."""
         rid = trace.request_id
         if any(e.request_id == rid for e in self._entries):
             raise TraceError(f"{self._index_path}: request id {rid!r} is already in the set")
-        if isinstance(tags, (str, bytes)) or not isinstance(tags, (list, tuple)) or not all(
-                isinstance(t, str) for t in tags):
+        given = (None if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Iterable)
+                 else tuple(tags))   # once: a generator is read here only
+        if given is None or not all(isinstance(t, str) for t in given):
             raise TraceError(f"tags must be a list of strings, got {tags!r:.80}")
+        tags = given
         slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in rid)[:64]
         taken = {e.file for e in self._entries}
         number = len(self._entries)

@@ -6,6 +6,7 @@ import numbers
 from collections.abc import Iterable
 
 import attrs
+import numpy as np
 import torch
 
 from growpage.core.config import GrowPageConfig
@@ -20,9 +21,9 @@ DEFAULT_KV_CACHE_MEMORY = 512 * 2**20  # bytes, when neither kv_pages nor a budg
 
 def _to_dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
-        if value not in DTYPES.values():
+        if value not in (*DTYPES.values(), torch.float64):
             raise ConfigError(f"EngineConfig.dtype: {value} is not supported (one of "
-                              "torch.float32, torch.bfloat16, torch.float16)")
+                              "torch.float32, torch.bfloat16, torch.float16, torch.float64)")
         return value
     if not isinstance(value, str) or value not in DTYPES:
         raise ConfigError(f"EngineConfig.dtype: unknown dtype {value!r} "
@@ -80,11 +81,18 @@ def plural(num: int, noun: str) -> str:
 def _layers(value: Iterable[int] | None) -> tuple[int, ...] | None:
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not all(
-            isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in value):
+    items = None if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) else list(
+        value)   # once: a generator is read here only
+    if items is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+                                for i in items):
         raise ConfigError(f"EngineConfig.record_layers must be a list of layer indices or "
                           f"None, got {value!r:.80}")
-    return tuple(sorted({int(i) for i in value}))
+    return tuple(sorted({int(i) for i in items}))
+
+
+def _plain_bool(value: object) -> object:
+    """A numpy bool as a Python bool (anything else is left for the validator)."""
+    return bool(value) if isinstance(value, np.bool_) else value
 
 
 def _flag(inst: object, attribute: attrs.Attribute, value: bool) -> None:
@@ -145,18 +153,19 @@ class EngineConfig:
     kv_cache_memory: int | None = attrs.field(default=None, validator=_optional_positive)
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive)
-    enable_prefix_caching: bool = attrs.field(default=True, validator=_flag)
+    enable_prefix_caching: bool = attrs.field(default=True, converter=_plain_bool,
+                                              validator=_flag)
     dtype: torch.dtype = attrs.field(default=torch.float32, converter=_to_dtype)
     device: str = attrs.field(default="cpu", converter=str)
     attention_backend: str = attrs.field(default="auto")
-    boundary_kernels: bool | None = attrs.field(default=None)
-    warmup: bool | None = attrs.field(default=None)
-    cuda_graphs: bool | None = attrs.field(default=None)
-    async_compaction: bool | None = attrs.field(default=None)
-    async_decisions: bool = attrs.field(default=False)
+    boundary_kernels: bool | None = attrs.field(default=None, converter=_plain_bool)
+    warmup: bool | None = attrs.field(default=None, converter=_plain_bool)
+    cuda_graphs: bool | None = attrs.field(default=None, converter=_plain_bool)
+    async_compaction: bool | None = attrs.field(default=None, converter=_plain_bool)
+    async_decisions: bool = attrs.field(default=False, converter=_plain_bool)
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
-    record_values: bool = attrs.field(default=True, validator=_flag)
+    record_values: bool = attrs.field(default=True, converter=_plain_bool, validator=_flag)
     seed: int = attrs.field(default=0)
 
     @attention_backend.validator

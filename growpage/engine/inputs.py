@@ -27,16 +27,17 @@ def _is_token(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    """One prompt or several, as a list of prompts."""
+def as_prompt_list(prompts: Prompt | Seq[Prompt], name: str = "prompts") -> list[Prompt]:
+    """One prompt or several, as a list of prompts (``name`` says which input in errors)."""
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, (bytes, bytearray)):
-        raise EngineError(_BYTES)
+        raise EngineError(f"{name} must be a string, a list of token ids or a list of those, "
+                          "got bytes (decode them to a string first)")
     if isinstance(prompts, ARRAYS):
         prompts = prompts.tolist()
     if not isinstance(prompts, Seq):
-        raise EngineError(f"prompts must be a string, a list of token ids or a list of those, "
+        raise EngineError(f"{name} must be a string, a list of token ids or a list of those, "
                           f"got {type(prompts).__name__}")
     items: list[Any] = list(prompts)
     if items and all(_is_token(t) for t in items):
@@ -59,10 +60,6 @@ def per_prompt_params(params: SamplingParams | Seq[SamplingParams], n: int
     if len(params) != n:
         raise EngineError(f"give one SamplingParams or one per prompt ({n}), got {len(params)}")
     return params
-
-
-_BYTES = ("prompts must be a string, a list of token ids or a list of those, got bytes "
-          "(decode them to a string first)")
 
 
 def where(name: str, index: int, count: int) -> str:

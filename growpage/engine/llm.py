@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
+import numpy as np
 import torch
 
 from growpage.core.config import GrowPageConfig, fitted_recent_window
@@ -164,7 +165,8 @@ class LLM:
         section 5.3): capacity decisions happen as in decoding, the next token is forced."""
         self.last_stats = None
         _check_chat(chat)
-        prompt_list, cont_list = as_prompt_list(prompts), as_prompt_list(continuations)
+        prompt_list = as_prompt_list(prompts)
+        cont_list = as_prompt_list(continuations, "continuations")
         if len(prompt_list) != len(cont_list):
             raise EngineError(f"{len(prompt_list)} prompts but {len(cont_list)} continuations")
         work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]] = []
@@ -172,6 +174,10 @@ class LLM:
         for i, (p, c) in enumerate(zip(prompt_list, cont_list, strict=True)):
             ids, text = encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
             forced = encode_continuation(c, self.tokenizer, where("continuations", i, n))
+            vocab = self.model.config.vocab_size
+            if any(not 0 <= t < vocab for t in forced):
+                raise EngineError(f"continuation token ids must lie in [0, {vocab})"
+                                  f"{where('continuations', i, n)}")
             params = SamplingParams(max_tokens=len(forced), ignore_eos=True)
             work.append((ids, params, forced, text))
         seqs = self._run(work, use_tqdm)
@@ -346,7 +352,7 @@ def _attention_backend(config: EngineConfig) -> AttentionBackend:
 
 
 def _check_chat(chat: object) -> None:
-    if not isinstance(chat, bool):
+    if not isinstance(chat, (bool, np.bool_)):
         raise EngineError(f"chat must be True or False, got {type(chat).__name__} {chat!r:.80}")
 
 

@@ -229,11 +229,14 @@ def _hf_rope(hf: dict, head_dim: int, path: Path) -> RopeConfig:
         return RopeConfig(head_dim=head_dim, theta=theta)
     if kind == "llama3":
         get = functools.partial(_required, scaling, path=path, section="rope_scaling.")
-        return RopeConfig(
-            head_dim=head_dim, theta=theta, scaling_factor=float(get("factor")),
-            low_freq_factor=float(get("low_freq_factor")),
-            high_freq_factor=float(get("high_freq_factor")),
-            original_max_position=int(get("original_max_position_embeddings")))
+        try:
+            return RopeConfig(
+                head_dim=head_dim, theta=theta, scaling_factor=float(get("factor")),
+                low_freq_factor=float(get("low_freq_factor")),
+                high_freq_factor=float(get("high_freq_factor")),
+                original_max_position=int(get("original_max_position_embeddings")))
+        except ValueError as e:   # RopeConfig's own checks (a factor of 0, equal factors)
+            raise EngineError(f"{path}: bad rope_scaling ({e})") from None
     raise EngineError(f"{path}: unsupported rope scaling {kind!r} (default and llama3 only)")
 
 

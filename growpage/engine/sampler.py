@@ -51,9 +51,7 @@ class Sampler:
         rows = logits[sampled].cpu()
         for j, i in enumerate(sampled):
             p = params[i]
-            # Shifted so the largest logit is 0: a tiny temperature sends the others to -inf
-            # (a near-greedy draw), where dividing first would give inf - inf = nan.
-            probs = torch.softmax((rows[j] - rows[j].max()) / p.temperature, dim=-1)
+            probs = torch.softmax(rows[j] / p.temperature, dim=-1)
             probs = top_p_filter(probs, p.top_p)
             gen = self._generator(seq_ids[i], p)
             tokens[i] = int(torch.multinomial(probs, 1, generator=gen))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -17,6 +18,7 @@ def _check(cond: bool, field: str, msg: str) -> None:
 
 
 SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes
+GREEDY_BELOW = 1e-5           # temperatures below it decode greedily (vLLM's threshold too)
 
 
 def _as_tuple(value: Any, field: str, what: str) -> tuple:
@@ -31,14 +33,15 @@ def _stop_tuple(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, .
         return ()
     if isinstance(value, str):
         return (value,)
-    if not isinstance(value, (list, tuple, set, frozenset)):   # a dict would give its keys
+    if isinstance(value, (bytes, Mapping)):   # a dict would give its keys
         raise EngineError(f"SamplingParams.stop: must be a string or a list of strings, got "
                           f"{value!r:.80}")
-    return tuple(value)
+    return tuple(str(s) if isinstance(s, np.str_) else s
+                 for s in _as_tuple(value, "stop", "a string or a list of strings"))
 
 
 def _id_tuple(value: list[int] | tuple[int, ...]) -> tuple[int, ...]:
-    if isinstance(value, (str, bytes, dict)):
+    if isinstance(value, (str, bytes, Mapping)):
         raise EngineError(f"SamplingParams.stop_token_ids: must be a list of token ids, got "
                           f"{value!r:.80}")
     return tuple(_plain(v) for v in _as_tuple(value, "stop_token_ids", "a list of token ids"))
@@ -60,7 +63,8 @@ class SamplingParams:
     """Decoding settings of one request.
 
     Attributes:
-        temperature: 0 means greedy (the default); > 0 samples from ``softmax(logits / T)``.
+        temperature: 0 means greedy (the default), as does anything below ``GREEDY_BELOW``
+            (1e-5); above it samples from ``softmax(logits / T)``.
         top_p: nucleus sampling mass in (0, 1]; 1 keeps the whole distribution.
         max_tokens: most tokens to generate (>= 1).
         seed: per-request RNG seed in [-2**63, 2**64); None draws from the engine's generator.
@@ -97,7 +101,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below ``GREEDY_BELOW`` pick the top token (a smaller one would make
+        ``logits / T`` overflow float32 into NaN probabilities)."""
+        return self.temperature < GREEDY_BELOW
 
     def replace(self, **changes: Any) -> SamplingParams:
         return attrs.evolve(self, **changes)

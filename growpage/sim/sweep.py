@@ -138,7 +138,8 @@ def fidelity_source(settings: SweepSettings) -> str:
     if settings.fidelity_traces == 0:
         return "none"
     if settings.traces and settings.sim.decisions == "trace":
-        return f"traces {settings.traces} (first {settings.fidelity_traces})"
+        count = min(settings.fidelity_traces, len(TraceSet(settings.traces)))
+        return f"traces {settings.traces} (first {count})"
     return (f"{settings.fidelity_traces} synthetic traces of {settings.fidelity_gen_len} "
             "tokens")
 

@@ -363,3 +363,19 @@ def test_build_model_rejects_mismatched_state_dict():
     sd.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(EngineError, match="up_proj"):
         build_model(cfg, sd)
+
+
+@pytest.mark.parametrize("scaling, problem", [
+    ({"factor": 0.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}, "scaling_factor must be"),
+    ({"factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0}, "must differ"),
+])
+def test_a_bad_llama3_rope_scaling_names_the_config_file(scaling, problem):
+    from pathlib import Path
+
+    from growpage.engine.loader import _hf_rope
+    from growpage.errors import EngineError
+
+    hf = {"rope_scaling": {"rope_type": "llama3", "original_max_position_embeddings": 8192,
+                           **scaling}}
+    with pytest.raises(EngineError, match=f"/models/x/config.json: bad rope_scaling .*{problem}"):
+        _hf_rope(hf, 64, Path("/models/x/config.json"))

@@ -337,15 +337,19 @@ def test_inputs_the_engine_audit_found_are_refused_by_name_and_the_llm_stays_usa
         assert_all_returned(llm)
 
     # A temperature so small that logits / T overflow used to make torch.multinomial fail on
-    # nan probabilities; it now draws (nearly) greedily.
+    # nan probabilities; below 1e-5 it decodes greedily.
     greedy = llm.generate(good, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
-    tiny_t = llm.generate(good, SamplingParams(max_tokens=6, ignore_eos=True, temperature=1e-40,
-                                               seed=3), use_tqdm=False)
-    assert tiny_t[0].token_ids == greedy[0].token_ids
+    for t in (1e-40, 1e-46, 5e-324, 9e-6):
+        tiny_t = llm.generate(good, SamplingParams(max_tokens=6, ignore_eos=True,
+                                                   temperature=t, seed=3), use_tqdm=False)
+        assert tiny_t[0].token_ids == greedy[0].token_ids, t
     cases = [
         (lambda: llm.generate(good, []), "give one SamplingParams or one per prompt (1), got 0"),
         (lambda: llm.stream(good, ()), "give one SamplingParams or one per prompt (1), got 0"),
         (lambda: llm.score(good, [[10 ** 9]]), "continuation token ids must lie in [0, 128)"),
+        (lambda: llm.score(good * 2, [[3], [10 ** 9]]),
+         "continuation token ids must lie in [0, 128) (continuations[1])"),
+        (lambda: llm.score(good, b"ab"), "continuations must be a string, a list of token ids"),
         (lambda: llm.score(good, [[-5]]), "continuation token ids must lie in [0, 128)"),
         (lambda: llm.generate(b"hello"), "got bytes (decode them to a string first)"),
         (lambda: llm.generate([b"hi", [3, 4]]), "got bytes (prompts[0]) (decode bytes"),
@@ -378,6 +382,20 @@ def test_inputs_the_engine_audit_found_are_refused_by_name_and_the_llm_stays_usa
         with pytest.raises(ConfigError) as info:
             LLM(model, policy="fullkv", **kwargs)
         assert message in str(info.value), (message, str(info.value))
-    assert LLM(model, policy="fullkv", config=GrowPageConfig(page_size=4, recent_window=2),
-               record_traces=str(tmp_path / "t"), record_layers=np.array([1, 0])
-               ).config.record_layers == (0, 1)
+    for layers in (np.array([1, 0]), (i for i in [1, 0]), map(int, "10"), range(2)):
+        recorded = LLM(model, policy="fullkv", config=GrowPageConfig(page_size=4,
+                                                                     recent_window=2),
+                       record_traces=str(tmp_path / "t"), record_layers=layers
+                       ).config.record_layers
+        assert recorded == (0, 1) and all(type(i) is int for i in recorded)
+    flags = LLM(model, policy="fullkv", enable_prefix_caching=np.True_, warmup=np.False_).config
+    assert flags.enable_prefix_caching is True and flags.warmup is False
+    from growpage.engine.config import EngineConfig
+
+    assert EngineConfig(dtype=torch.float64).dtype == torch.float64
+    assert len(llm.generate(good, SamplingParams(max_tokens=2), chat=np.False_,
+                            use_tqdm=False)[0].token_ids) == 2
+    from collections import deque
+    for stops in ((s for s in ["a", "b"]), np.array(["a", "b"]), {"a": 0, "b": 1}.keys(),
+                  deque(["a", "b"])):
+        assert SamplingParams(stop=stops).stop == ("a", "b")

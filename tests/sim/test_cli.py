@@ -186,8 +186,8 @@ def test_sweep_in_trace_mode_serves_the_trace_set(capsys, tmp_path):
                                  "--fidelity-queries", "4"])["summary"]
     swept = run_json(capsys, ["sim", "sweep", "--workload", str(csv), *SMALL, "--kv-pages", "20",
                               "--points", "fixed@budget_tokens=64", "--jobs", "1",
-                              "--fidelity-traces", "2", "--decisions", "trace", "--traces",
-                              str(tmp_path / "set")])["points"][0]
+                              "--fidelity-traces", "4", "--decisions", "trace", "--traces",
+                              str(tmp_path / "set")])["points"][0]   # the set holds 2
     assert swept["mass_mean"] == pytest.approx(replayed["mass_mean"])
     assert swept["replay_avg_budget"] == pytest.approx(replayed["avg_budget"])
     assert swept["fidelity_source"] == f"traces {tmp_path / 'set'} (first 2)"

@@ -517,7 +517,19 @@ def test_write_never_takes_a_file_name_in_use(tmp_path, make_trace):
                        .float())
 
 
-@pytest.mark.parametrize("tags", [[1], "xyz", None, [b"a"]])
+def test_tags_may_be_any_iterable_of_strings(tmp_path, make_trace):
+    ts = TraceSet(tmp_path, create=True)
+    assert ts.write(make_trace(request_id="a"), tags={"x"}).tags == ("x",)
+    assert ts.write(make_trace(request_id="b"), tags=(t for t in ["y", "z"])).tags == ("y", "z")
+
+
+def test_a_directory_with_other_safetensors_files_can_hold_a_new_set(tmp_path, make_trace):
+    (tmp_path / "model.safetensors").write_bytes(b"not ours")
+    TraceSet(tmp_path, create=True).write(make_trace())
+    assert len(read_trace_set(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("tags", [[1], "xyz", None, [b"a"], {"a": 1}])
 def test_bad_tags_are_refused_before_anything_is_written(tmp_path, make_trace, tags):
     ts = TraceSet(tmp_path, create=True)
     with pytest.raises(TraceError, match="tags must be a list of strings"):
