@@ -150,16 +150,22 @@ STEP_COEFFICIENTS = ("base_s", "per_seq_s", "per_kv_token_s", "per_prefill_token
 
 
 @attrs.frozen(kw_only=True)
-class LinearCostModel(CostModel):
-    """Linear step time (seconds); coefficients in seconds per unit."""
+class _FittedCostModel(CostModel):
+    """What the fitted models share: per-token costs, capacity-control prices, ``padded_kv``."""
 
-    base_s: float = attrs.field(default=0.0, validator=_non_negative)
-    per_seq_s: float = attrs.field(default=0.0, validator=_non_negative)
     per_kv_token_s: float = attrs.field(default=0.0, validator=_non_negative)
     per_prefill_token_s: float = attrs.field(default=0.0, validator=_non_negative)
     boundary_s: float = attrs.field(default=0.0, validator=_non_negative)    # per decision
     compaction_s: float = attrs.field(default=0.0, validator=_non_negative)  # per compaction
     padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=_boolean)
+
+
+@attrs.frozen(kw_only=True)
+class LinearCostModel(_FittedCostModel):
+    """Linear step time (seconds); coefficients in seconds per unit."""
+
+    base_s: float = attrs.field(default=0.0, validator=_non_negative)
+    per_seq_s: float = attrs.field(default=0.0, validator=_non_negative)
     name: str = "linear"
 
     def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
@@ -263,27 +269,22 @@ def _trend(sizes: tuple[int, ...], seconds: tuple[float, ...]) -> float:
 
 
 @attrs.frozen(kw_only=True)
-class PiecewiseCostModel(CostModel):
+class PiecewiseCostModel(_FittedCostModel):
     """Step time with a measured cost per batch size (seconds):
     ``t = batch_time(num_seqs) + per_kv_token * kv_tokens + per_prefill_token * prefill_tokens``.
 
     ``batch_time`` is piecewise linear through the measured decode sizes ``(batch_sizes[i],
     batch_s[i])`` (sizes >= 1) and extended past either end with their overall slope
     (``trend_s``; never below 0); a size of 0 is a prefill-only step's fixed cost, used for
-    prefill-only steps alone. ``growpage calibrate --kind piecewise`` fits it with one ``batch_s`` per batch
-    size measured, so measure every size the simulation will run (an unmeasured size is
-    interpolated, which is what the linear model does everywhere).
+    prefill-only steps alone. ``growpage calibrate --kind piecewise`` fits it with one
+    ``batch_s`` per batch size measured, so measure every size the simulation will run (an
+    unmeasured size is interpolated, which is what the linear model does everywhere).
     """
 
     batch_sizes: tuple[int, ...] = attrs.field(converter=_int_tuple,
                                                validator=_batch_sizes)
     batch_s: tuple[float, ...] = attrs.field(converter=_float_tuple,
                                              validator=_batch_seconds)
-    per_kv_token_s: float = attrs.field(default=0.0, validator=_non_negative)
-    per_prefill_token_s: float = attrs.field(default=0.0, validator=_non_negative)
-    boundary_s: float = attrs.field(default=0.0, validator=_non_negative)    # per decision
-    compaction_s: float = attrs.field(default=0.0, validator=_non_negative)  # per compaction
-    padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=_boolean)
     name: str = "piecewise"
 
     @property

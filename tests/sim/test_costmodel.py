@@ -112,15 +112,19 @@ def test_calibrate_warns_of_what_the_measurements_cannot_fit(tmp_path, capsys):
     assert fit_warnings(rows) == []
 
 
-def test_calibrate_refuses_a_boundary_policy_it_would_not_run(tmp_path, capsys):
+@pytest.mark.parametrize("flag, value", [("--boundary-policy", "fixed"),
+                                         ("--batch-sizes", "1-4"), ("--contexts", "64")])
+def test_calibrate_refuses_engine_settings_it_would_not_use(tmp_path, capsys, flag, value):
     path = tmp_path / "m.csv"
     path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
                     "4,900,8,0.03\n8,800,0,0.05\n")
     out = tmp_path / "m.json"
-    assert main(["calibrate", "--measurements", str(path), "--boundary-policy", "fixed",
-                 "--out", str(out)]) == 2
+    assert main(["calibrate", "--measurements", str(path), flag, value, "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "--boundary-policy" in err and "--measurements" in err and not out.exists()
+    assert f"{flag} set how the local engine is measured" in err and "--measurements" in err
+    assert not out.exists()
+    # The hint about prices measured elsewhere is for --boundary-policy alone.
+    assert ("--boundary-ms" in err) == (flag == "--boundary-policy")
 
 
 @pytest.mark.parametrize("argv, priced", [([], "growpage"), (["--boundary-policy", "fixed"],

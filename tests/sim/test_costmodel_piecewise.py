@@ -199,24 +199,6 @@ def test_calibrate_piecewise_measures_every_batch_size(tmp_path, monkeypatch, ca
     assert isinstance(load_cost_model(str(out)), LinearCostModel)
 
 
-def test_calibrate_refuses_engine_shapes_with_measurements(tmp_path, capsys):
-    path = tmp_path / "m.csv"
-    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
-                    "4,900,8,0.03\n8,800,0,0.05\n")
-    out = tmp_path / "m.json"
-    assert main(["calibrate", "--measurements", str(path), "--batch-sizes", "1-4",
-                 "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "--batch-sizes" in err and "--measurements" in err and not out.exists()
-    assert main(["calibrate", "--measurements", str(path), "--kind", "piecewise",
-                 "--out", str(out)]) == 0
-    model = load_cost_model(str(out))
-    assert isinstance(model, PiecewiseCostModel) and not model.padded_kv
-    assert main(["calibrate", "--measurements", str(path), "--padded-kv", "--out", str(out)]) == 0
-    assert load_cost_model(str(out)).padded_kv
-    assert "padded_kv            true" in capsys.readouterr().out
-
-
 def test_serving_past_the_measured_batch_sizes_warns_once(tmp_path, capsys):
     path = CPU_LIKE.save(tmp_path / "cpu.json")
     serve = ["sim", "serve", "--workload", "tiny", "--policy", "fixed", "--cost", str(path),
@@ -310,16 +292,20 @@ def test_nnls_scales_with_its_inputs_and_refuses_non_finite_ones():
             nnls(bad_a, bad_b)
 
 
-def test_calibrate_names_the_file_and_gives_only_the_hints_that_apply(tmp_path, capsys):
+def test_calibrate_piecewise_from_a_file_names_it_and_pads_only_when_asked(tmp_path, capsys):
     path = tmp_path / "m.csv"
-    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
-                    "1.5,900,8,0.03\n8,800,0,0.05\n")
+    rows = "1,100,0,0.01\n2,200,0,0.02\n{num_seqs},900,8,0.03\n8,800,0,0.05\n"
+    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n" + rows.format(num_seqs=1.5))
     out = tmp_path / "m.json"
     assert main(["calibrate", "--measurements", str(path), "--kind", "piecewise",
                  "--out", str(out)]) == 2
     assert (f"{path}, measurement 2: a piecewise cost model needs a whole number of sequences"
             in capsys.readouterr().err)
-    assert main(["calibrate", "--measurements", str(path), "--contexts", "64",
-                 "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "--contexts set how the local engine is measured" in err and "--boundary-ms" not in err
+    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n" + rows.format(num_seqs=4))
+    assert main(["calibrate", "--measurements", str(path), "--kind", "piecewise",
+                 "--out", str(out)]) == 0
+    model = load_cost_model(str(out))
+    assert isinstance(model, PiecewiseCostModel) and not model.padded_kv
+    assert main(["calibrate", "--measurements", str(path), "--padded-kv", "--out", str(out)]) == 0
+    assert load_cost_model(str(out)).padded_kv
+    assert "padded_kv            true" in capsys.readouterr().out
