@@ -142,13 +142,16 @@ class TraceSet:
         n = len(self._entries) if limit is None else min(limit, len(self._entries))
         return [self.read(i, device=device, dtype=dtype) for i in range(n)]
 
-    def check(self) -> None:
+    def check(self) -> list[TraceHeader]:
         """Read every file's header (not its tensors) and check it against the index, so that
         a missing, foreign or broken file is found before any trace is used; ``TraceError``
-        naming the first such file."""
+        naming the first such file. Returns the headers, in index order."""
+        headers = []
         for entry in self._entries:
             path = self.directory / entry.file
-            self._check_entry(entry, read_trace_header(path), path)
+            headers.append(read_trace_header(path))
+            self._check_entry(entry, headers[-1], path)
+        return headers
 
     def _check_entry(self, entry: TraceEntry, header: TraceHeader, path: Path) -> None:
         got = (header.request_id, header.prompt_len, header.num_tokens)

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig, fitted_recent_window
 from growpage.core.trace_set import TraceSet
-from growpage.core.traces import Trace, read_trace_header
+from growpage.core.traces import Trace, TraceHeader
 from growpage.errors import ConfigError
 from growpage.policies.registry import parse_policy_params, resolve_policy
 from growpage.sim import reports
@@ -85,17 +85,14 @@ def _warn(text: str, kind: str = "warning") -> None:
 
 
 # ---- replay ----------------------------------------------------------------------------------
-def _note_layer_subset(traces: TraceSet) -> None:
-    """Say so when the set's traces hold some of the model's layers only: every attention
-    signal is then computed over those (the engine reads all of them)."""
-    counts = set()
-    for entry in traces.index:
-        header = read_trace_header(traces.directory / entry.file)
-        if header.num_recorded_layers < header.num_layers:
-            counts.add((header.num_recorded_layers, header.num_layers))
+def _note_layer_subset(directory: Path, headers: list[TraceHeader]) -> None:
+    """Say so when a set's traces (``headers``) hold some of the model's layers only: every
+    attention signal is then computed over those (the engine reads all of them)."""
+    counts = {(h.num_recorded_layers, h.num_layers) for h in headers
+              if h.num_recorded_layers < h.num_layers}
     if counts:
         held = ", ".join(f"{n} of {total}" for n, total in sorted(counts))
-        _warn(f"{traces.directory}: traces hold {held} model layers; Delta_t, scores and "
+        _warn(f"{directory}: traces hold {held} model layers; Delta_t, scores and "
               "fidelity are computed over those layers only (the engine reads every layer)",
               kind="note")
 
@@ -109,8 +106,8 @@ def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace
         traces = TraceSet(args.traces)
         if not len(traces):
             raise ConfigError(f"{args.traces}: the trace set is empty")
-        traces.check()   # a broken file is found now, not after the traces before it
-        _note_layer_subset(traces)
+        # A broken file is found now, not after the traces before it.
+        _note_layer_subset(traces.directory, traces.check())
         return len(traces), traces.read
     _at_least("--synthetic", args.synthetic, 1)
     spec = SyntheticSpec(gen_len=REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
@@ -228,7 +225,8 @@ def _trace_requests(args: argparse.Namespace, requests: list[WorkloadRequest]
                     ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
     """``traces_for`` over ``--traces``, saying once how many requests changed lengths."""
     traced, trace_of = traces_for(requests, args.traces)
-    _note_layer_subset(TraceSet(args.traces))
+    set_ = TraceSet(args.traces)
+    _note_layer_subset(set_.directory, set_.check())
     changed = sum((a.prompt_tokens, a.output_tokens) != (b.prompt_tokens, b.output_tokens)
                   for a, b in zip(requests, traced, strict=True))
     if changed:
