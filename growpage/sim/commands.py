@@ -85,7 +85,7 @@ def _warn(text: str, kind: str = "warning") -> None:
 
 
 # ---- replay ----------------------------------------------------------------------------------
-def _note_layer_subset(directory: Path, headers: list[TraceHeader]) -> None:
+def _note_layer_subset(directory: str, headers: list[TraceHeader]) -> None:
     """Say so when a set's traces (``headers``) hold some of the model's layers only: every
     attention signal is then computed over those (the engine reads all of them)."""
     counts = {(h.num_recorded_layers, h.num_layers) for h in headers
@@ -107,7 +107,7 @@ def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace
         if not len(traces):
             raise ConfigError(f"{args.traces}: the trace set is empty")
         # A broken file is found now, not after the traces before it.
-        _note_layer_subset(traces.directory, traces.check())
+        _note_layer_subset(args.traces, traces.check())
         return len(traces), traces.read
     _at_least("--synthetic", args.synthetic, 1)
     spec = SyntheticSpec(gen_len=REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
@@ -224,9 +224,8 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float
 def _trace_requests(args: argparse.Namespace, requests: list[WorkloadRequest]
                     ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
     """``traces_for`` over ``--traces``, saying once how many requests changed lengths."""
-    traced, trace_of = traces_for(requests, args.traces)
-    set_ = TraceSet(args.traces)
-    _note_layer_subset(set_.directory, set_.check())
+    traced, trace_of = traces_for(requests, args.traces,
+                                  on_headers=lambda h: _note_layer_subset(args.traces, h))
     changed = sum((a.prompt_tokens, a.output_tokens) != (b.prompt_tokens, b.output_tokens)
                   for a, b in zip(requests, traced, strict=True))
     if changed:

@@ -24,7 +24,7 @@ from growpage.core.config import GrowPageConfig
 from growpage.core.kvview import KVView
 from growpage.core.pages import PagePool
 from growpage.core.trace_set import TraceSet
-from growpage.core.traces import Trace
+from growpage.core.traces import Trace, TraceHeader
 from growpage.errors import ConfigError, SimulationError
 from growpage.policies.base import CapacityPolicy
 from growpage.sim.replay import ReplayOptions, replay_trace
@@ -183,15 +183,19 @@ def synthetic_trace_of(spec: SyntheticSpec = SCRIPT_SPEC, seed: int = 0
     return trace_of
 
 
-def traces_for(requests: Sequence[WorkloadRequest], directory: str
+def traces_for(requests: Sequence[WorkloadRequest], directory: str,
+               on_headers: Callable[[list[TraceHeader]], None] | None = None
                ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
     """Trace mode over a trace set: each request takes its ``trace`` (or the set's entries in
     turn) and the lengths of that trace. A trace holds the KV of every token but the last
-    output token (never fed back), so ``G`` generated positions make ``G + 1`` output tokens."""
+    output token (never fed back), so ``G`` generated positions make ``G + 1`` output tokens.
+    ``on_headers`` gets the set's headers, read once to check the files."""
     traces = TraceSet(directory)
     if not len(traces):
         raise ConfigError(f"{directory}: the trace set is empty")
-    traces.check()   # a broken file is found now, not when its request is admitted
+    headers = traces.check()   # a broken file is found now, not when its request is admitted
+    if on_headers is not None:
+        on_headers(headers)
     by_id = {e.request_id: e for e in traces.index}
     chosen, out = {}, []
     for i, r in enumerate(requests):
