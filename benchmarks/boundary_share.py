@@ -11,13 +11,17 @@ cost next to nothing either:
     python benchmarks/boundary_share.py --requests 16 --max-tokens 256 --policies growpage
     python benchmarks/boundary_share.py --policies growpage --alone --prompt-len 45-75
     python benchmarks/boundary_share.py --policies growpage --async-compaction --prompt-len 45-75
+    python benchmarks/boundary_share.py --policies growpage --async-decisions --prompt-len 45-75
 
 It prints, per policy, the run's seconds, the boundary seconds and share, ms per decided
 boundary, and the boundary phases (``growpage.engine.boundary_profile``). With
 ``--async-compaction`` each policy also runs with compressions deferred to beside the forward
 (``LLM(async_compaction=True)``): its ``decision %`` is the boundary share left when the deferred
 work is hidden entirely, the best a GPU's overlap can do (here, on the CPU, the step waits for
-all of it).
+all of it). ``--async-decisions`` adds rows that defer whole boundaries as well
+(``LLM(async_decisions=True)``, beyond the paper): their ``decision %`` is what stays on the
+critical path, the registration of late boundaries while scheduling and the boundaries that must
+stay synchronous (``KVCacheManager.decides_late``).
 
 NOTE: an estimate, not a measurement. With launches stubbed the kernels' outputs are left
 unwritten, so the decisions differ from a real run's; and torch ops still compute on the CPU, so
@@ -82,18 +86,22 @@ def run(args: argparse.Namespace) -> dict:
                     "page_size": args.page_size, "kv_pages": kv_pages, "layers": args.layers,
                     "rows": {}}
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    runs = [(policy, True, False) for policy in args.policies]
+    # (policy, shared BoundaryBatch per step, deferred: "" | "async" | "async-decisions")
+    runs = [(policy, True, "") for policy in args.policies]
     if args.alone:
-        runs += [(policy, False, False) for policy in args.policies if policy != "fullkv"]
-    if args.async_compaction:
-        runs += [(policy, True, True) for policy in args.policies if policy != "fullkv"]
+        runs += [(policy, False, "") for policy in args.policies if policy != "fullkv"]
+    for flag, deferred in ((args.async_compaction, "async"),
+                           (args.async_decisions, "async-decisions")):
+        if flag:
+            runs += [(policy, True, deferred) for policy in args.policies if policy != "fullkv"]
     for policy, shared, deferred in runs:
         # No index-value checks: the interpreter always runs them, a GPU by default does not.
         with stubbed_launches(), without_index_checks():
             llm = LLM(model, policy=policy, page_size=args.page_size, kv_pages=kv_pages,
                       max_num_seqs=args.requests, device="cpu", attention_backend="triton",
                       boundary_kernels=True, min_capacity=4, enable_prefix_caching=False,
-                      async_compaction=deferred)
+                      async_compaction=bool(deferred),
+                      async_decisions=deferred == "async-decisions")
             if not shared:  # every boundary on its own: no BoundaryBatch per step
                 kv = llm.engine.kv
                 kv.prepare_boundaries = lambda seqs, kv=kv: kv.end_boundaries()
@@ -101,11 +109,12 @@ def run(args: argparse.Namespace) -> dict:
                 llm.generate(prompts, params, use_tqdm=False)
         st = llm.last_stats
         kv = llm.engine.kv
-        name = policy + ("" if shared else " (alone)") + ("+async" if deferred else "")
+        name = policy + ("" if shared else " (alone)") + (f"+{deferred}" if deferred else "")
         report["rows"][name] = {
             "total_s": st.total_time_s, "boundary_s": st.boundary_time_s,
             "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
             "deferred_s": kv.deferred_seconds, "deferred_compactions": kv.deferred_compactions,
+            "deferred_decisions": kv.deferred_decisions,
             "decision_pct": 100 * (st.boundary_time_s - kv.deferred_seconds) / st.total_time_s,
             "steps": st.num_steps,
             "decided": phases.decided,
@@ -140,6 +149,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run each policy with compressions deferred to beside the forward "
                         "(LLM(async_compaction=True)); 'decision %%' is the share left when the "
                         "deferred work is hidden")
+    p.add_argument("--async-decisions", action="store_true",
+                   help="also run each policy with whole boundaries decided beside the forward "
+                        "(LLM(async_decisions=True), beyond the paper)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 

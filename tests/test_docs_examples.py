@@ -43,7 +43,7 @@ def test_readme_policy_is_a_working_policy() -> None:
 
 
 def test_engine_guide_examples_run(capsys) -> None:
-    usage, profile, stream = blocks("docs/engine.md")
+    usage, profile, arrivals, stream = blocks("docs/engine.md")
     scope: dict = {}
     exec(compile(usage, "docs/engine.md usage", "exec"), scope)
     assert len(scope["outs"]) == 2 and "C" in capsys.readouterr().out
@@ -55,6 +55,12 @@ def test_engine_guide_examples_run(capsys) -> None:
     printed = capsys.readouterr().out
     assert printed.split("policy")[0].strip() and "throughput (TPS)" in printed
     assert scope["llm"].last_stats.num_requests == 1
+
+    # The arrivals example, its answers cut short as the stream's: 8 requests at 2 per second.
+    exec(compile(arrivals, "docs/engine.md arrivals", "exec"), short)
+    stats = scope["llm"].last_stats
+    assert stats.num_requests == 8 and "throughput (TPS)" in capsys.readouterr().out
+    assert stats.total_time_s >= short["times"][-1] - short["times"][0]
 
     # The profiling example, with the names it takes from the surrounding text.
     # Long enough (EOS ignored) to cross a few page boundaries of 64.

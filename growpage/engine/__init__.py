@@ -1,7 +1,7 @@
 """The paged LLM engine: models, loaders, tokenizer, attention backends, scheduler, ``LLM``.
 
 Submodules import torch; this package stays light so ``import growpage.engine`` is cheap:
-``LLM``, ``SamplingParams`` and ``EngineConfig`` are imported on first use. Everything else
+``LLM``, ``SamplingParams``, ``EngineConfig`` and ``poisson_arrivals`` are imported on first use. Everything else
 comes from the submodules: ``growpage.engine.loader.load_model``,
 ``growpage.engine.tokenizer.load_tokenizer``, ``growpage.engine.context.use_context``.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {"LLM": "growpage.engine.llm", "SamplingParams": "growpage.engine.sampling_params",
-         "EngineConfig": "growpage.engine.config"}
+         "EngineConfig": "growpage.engine.config", "poisson_arrivals": "growpage.engine.inputs"}
 
 __all__ = list(_LAZY)
 

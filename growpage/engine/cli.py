@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--prompt", action="append", default=None,
                         help="a prompt text (repeat it for several, served as one batch)")
     source.add_argument("--prompts", type=path_arg, default=None,
-                        help="text file, one prompt per line (or JSONL with a 'prompt' field)")
+                        help="text file, one prompt per line (or JSONL with a 'prompt' field "
+                             "and, on every line or none, an 'arrival_s' field: seconds)")
     _common(g, default_policy="growpage", default_max_tokens=256)
+    g.add_argument("--arrival-rate", type=float, default=None, metavar="REQ_PER_S",
+                   help="serve the prompts as Poisson arrivals at this many requests per "
+                        "second over wall-clock time, the first at once (seeded by "
+                        "--arrival-seed; default: all at once, or a JSONL file's 'arrival_s')")
+    g.add_argument("--arrival-seed", type=int, default=0,
+                   help="seed of --arrival-rate's arrival times (default 0)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling mass in (0, 1] (default 1: the whole distribution)")
@@ -137,7 +145,15 @@ def _layers(text: str) -> list[int]:
 def run_generate(args: argparse.Namespace) -> int:
     from growpage.engine.sampling_params import SamplingParams
 
-    prompts = args.prompt if args.prompts is None else read_prompts(args.prompts)
+    prompts, arrivals = (args.prompt, None) if args.prompts is None else read_prompt_file(
+        args.prompts)
+    if args.arrival_rate is not None:
+        if arrivals is not None:
+            raise ConfigError(f"{args.prompts} gives its own arrival times ('arrival_s'): "
+                              f"leave out --arrival-rate")
+        from growpage.engine.inputs import poisson_arrivals
+
+        arrivals = poisson_arrivals(len(prompts), args.arrival_rate, args.arrival_seed)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
@@ -159,7 +175,8 @@ def run_generate(args: argparse.Namespace) -> int:
         _print_finish(out)
         outs = [out]
     else:
-        outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=args.progress)
+        outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=args.progress,
+                            arrival_times=arrivals)
         for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
             if len(outs) > 1:
                 print(f"### {i + 1}/{len(outs)}: {_clip(prompt)}")
@@ -224,6 +241,13 @@ def _clip(text: str, width: int = 70) -> str:
 
 def read_prompts(path: Path) -> list[str]:
     """Prompts of a text file (one per line) or a JSONL file (``{"prompt": ...}`` per line)."""
+    return read_prompt_file(path)[0]
+
+
+def read_prompt_file(path: Path) -> tuple[list[str], list[float] | None]:
+    """Prompts of a text file (one per line) or a JSONL file (``{"prompt": ...}`` per line),
+    and their arrival times: a JSONL file's ``arrival_s`` (seconds), on every line or on none
+    (then None)."""
     if path.is_dir():
         raise EngineError(f"prompt file {path} is a directory")
     if not path.is_file():
@@ -235,26 +259,45 @@ def read_prompts(path: Path) -> list[str]:
                           f"{exc.start})") from None
     except OSError as exc:
         raise EngineError(f"prompt file {path}: cannot read it ({exc.strerror})") from None
-    prompts = []
+    prompts: list[str] = []
+    arrivals: list[float | None] = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        prompts.append(_jsonl_prompt(line, f"{path}:{number}") if path.suffix == ".jsonl"
-                       else line)
+        if path.suffix == ".jsonl":
+            prompt, arrival = _jsonl_prompt(line, f"{path}:{number}")
+            if arrivals and (arrival is None) != (arrivals[0] is None):
+                raise EngineError(f"{path}:{number}: 'arrival_s' must be on every line or on "
+                                  f"none (line {number} " + ("lacks it" if arrival is None
+                                                             else "has it") + ", the first "
+                                  "prompt's line " + ("has it)" if arrival is None
+                                                      else "does not)"))
+            prompts.append(prompt)
+            arrivals.append(arrival)
+        else:
+            prompts.append(line)
     if not prompts:
         raise EngineError(f"{path} holds no prompts")
-    return prompts
+    if not arrivals or arrivals[0] is None:
+        return prompts, None
+    return prompts, [a for a in arrivals if a is not None]
 
 
-def _jsonl_prompt(line: str, where: str) -> str:
+def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
     try:
-        prompt = json.loads(line)["prompt"]
+        row = json.loads(line)
+        prompt = row["prompt"]
     except (ValueError, KeyError, TypeError) as exc:
         raise EngineError(f"{where}: bad JSONL line {line[:60]!r} ({exc})") from None
     if not isinstance(prompt, str):
         raise EngineError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__} "
                           f"({line[:60]!r})")
-    return prompt
+    arrival = row.get("arrival_s")
+    if arrival is not None and (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
+                                or not math.isfinite(arrival) or arrival < 0):
+        raise EngineError(f"{where}: 'arrival_s' must be a number of seconds >= 0, got "
+                          f"{arrival!r}")
+    return prompt, None if arrival is None else float(arrival)
 
 
 def run_record(args: argparse.Namespace) -> int:

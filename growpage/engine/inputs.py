@@ -2,12 +2,13 @@
 
 A prompt is text or token ids (a list of ints, numpy integers included, or a tensor or numpy
 array: ``[N]`` one prompt, ``[B, N]`` B of them); params are one ``SamplingParams`` or one per
-prompt. Anything else is an ``EngineError``
-that says what was given.
+prompt; arrival times are seconds, one per prompt. Anything else is an ``EngineError`` that
+says what was given.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -100,3 +101,44 @@ def encode_continuation(cont: Prompt, tokenizer: Any, at: str = "") -> list[int]
     if not ids:
         raise EngineError(f"empty continuation{at}")
     return ids
+
+
+def arrival_offsets(arrival_times: object, n: int) -> list[float] | None:
+    """``arrival_times`` of ``n`` prompts (seconds, one per prompt; None: all at once) as
+    offsets from the earliest: the run starts when the first request arrives."""
+    if arrival_times is None:
+        return None
+    if isinstance(arrival_times, ARRAYS):
+        arrival_times = arrival_times.tolist()
+    if not isinstance(arrival_times, Seq) or isinstance(arrival_times, (str, bytes, bytearray)):
+        raise EngineError(f"arrival_times must be a list of seconds, one per prompt, got "
+                          f"{type(arrival_times).__name__}")
+    given = list(arrival_times)
+    if len(given) != n:
+        raise EngineError(f"arrival_times has {len(given)} values for {n} prompts")
+    times = []
+    for i, t in enumerate(given):
+        if not isinstance(t, numbers.Real) or isinstance(t, (bool, np.bool_)):
+            raise EngineError(f"arrival_times[{i}] must be a number of seconds, got "
+                              f"{type(t).__name__} {t!r:.40}")
+        if not (math.isfinite(t) and float(t) >= 0):
+            raise EngineError(f"arrival_times[{i}] must be finite and >= 0, got {t!r}")
+        times.append(float(t))
+    first = min(times, default=0.0)
+    return [t - first for t in times]
+
+
+def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
+    """``n`` arrival times (seconds, ascending) of a Poisson process of ``rate_per_s`` requests
+    per second, for ``LLM.generate(..., arrival_times=...)``: exponential gaps, seeded, drawn as
+    the simulator draws a workload's (``WorkloadSpec(arrival="poisson")``)."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise EngineError(f"poisson_arrivals: n must be an int >= 0, got {n!r}")
+    if (isinstance(rate_per_s, bool) or not isinstance(rate_per_s, numbers.Real)
+            or not (math.isfinite(rate_per_s) and float(rate_per_s) > 0)):
+        raise EngineError(f"poisson_arrivals: rate_per_s must be a finite number > 0, got "
+                          f"{rate_per_s!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise EngineError(f"poisson_arrivals: seed must be an int >= 0, got {seed!r}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / float(rate_per_s), int(n))
+    return [float(t) for t in np.cumsum(gaps)]

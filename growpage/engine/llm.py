@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -23,6 +25,7 @@ from growpage.core.config import GrowPageConfig, fitted_recent_window
 from growpage.engine.config import EngineConfig, resolve_device
 from growpage.engine.inputs import (
     Prompt,
+    arrival_offsets,
     as_prompt_list,
     encode_continuation,
     encode_prompt,
@@ -44,6 +47,8 @@ if TYPE_CHECKING:
     from growpage.engine.attention import AttentionBackend
 
 _GROWPAGE_FIELDS = {f.name for f in attrs.fields(GrowPageConfig)}
+# One request of a call: prompt ids, params, forced continuation ids (score), prompt text.
+_Work = tuple[list[int], SamplingParams, list[int] | None, str | None]
 
 
 class LLM:
@@ -138,26 +143,48 @@ class LLM:
 
     # ---- public API -----------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
-                 | None = None, *, chat: bool = False, use_tqdm: bool | None = None
-                 ) -> list[RequestOutput]:
+                 | None = None, *, chat: bool = False, use_tqdm: bool | None = None,
+                 arrival_times: Seq[float] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids as a list or a tensor: ``[N]`` is one
         prompt, ``[B, N]`` B of them); outputs in prompt order.
 
         ``use_tqdm``: True shows a progress bar (over requests, or over the tokens of a lone
         request), False none, None (default) one over requests when there are several and
         stderr is a terminal (not in a log file).
+
+        ``arrival_times`` (seconds, one per prompt; default: all at once) serves the prompts as
+        requests arriving over wall-clock time, the earliest at once: a request joins the
+        engine at the first step boundary after its arrival, the engine waits idle when nothing
+        has arrived yet, and its TTFT and end-to-end latency count from its arrival. This is
+        the simulator's serving setting (``growpage sim serve``); ``poisson_arrivals`` draws
+        such times.
         """
         self.last_stats = None  # a call that fails leaves none, not the previous call's
         _check_chat(chat)
+        work, arrivals = self._work(prompts, params, chat, arrival_times)
+        seqs = self._run(work, use_tqdm, arrivals)
+        return [self._request_output(s) for s in seqs]
+
+    def _work(self, prompts: Prompt | Seq[Prompt], params: SamplingParams
+              | Seq[SamplingParams] | None, chat: bool, arrival_times: object
+              ) -> tuple[list[_Work], list[float] | None]:
+        """The requests of a ``generate`` or ``stream`` call, checked as ``add_request`` would
+        check them (before any runs: a request arriving late must not fail mid-run), and the
+        arrival offsets."""
         prompt_list = as_prompt_list(prompts)
         params_list = per_prompt_params(SamplingParams() if params is None else params,
                                         len(prompt_list))
         n = len(prompt_list)
-        encoded = [encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
-                   for i, p in enumerate(prompt_list)]
-        seqs = self._run([(ids, prm, None, text) for (ids, text), prm
-                          in zip(encoded, params_list, strict=True)], use_tqdm)
-        return [self._request_output(s) for s in seqs]
+        arrivals = arrival_offsets(arrival_times, n)
+        work: list[_Work] = []
+        for i, (prompt, prm) in enumerate(zip(prompt_list, params_list, strict=True)):
+            ids, text = encode_prompt(prompt, self.tokenizer, chat, where("prompts", i, n))
+            try:
+                self.engine.check_request(str(self._num_requests + i), ids, prm)
+            except EngineError as e:   # say which of the caller's prompts it was
+                raise EngineError(f"{e}{where('prompts', i, n)}") from None
+            work.append((ids, prm, None, text))
+        return work, arrivals
 
     def score(self, prompts: Prompt | Seq[Prompt], continuations: Prompt | Seq[Prompt], *,
               chat: bool = False, use_tqdm: bool = False) -> list[ScoreOutput]:
@@ -169,7 +196,7 @@ class LLM:
         cont_list = as_prompt_list(continuations, "continuations")
         if len(prompt_list) != len(cont_list):
             raise EngineError(f"{len(prompt_list)} prompts but {len(cont_list)} continuations")
-        work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]] = []
+        work: list[_Work] = []
         n = len(prompt_list)
         for i, (p, c) in enumerate(zip(prompt_list, cont_list, strict=True)):
             ids, text = encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
@@ -190,7 +217,8 @@ class LLM:
 
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams
                | Seq[SamplingParams] | None = None, *, chat: bool = False,
-               use_tqdm: bool | None = False) -> Iterator[StreamChunk]:
+               use_tqdm: bool | None = False, arrival_times: Seq[float] | None = None
+               ) -> Iterator[StreamChunk]:
         """``generate``, yielding each request's new text after every engine step.
 
         A ``StreamChunk`` comes for each request that produced visible text in a step, and a
@@ -198,27 +226,20 @@ class LLM:
         ``generate`` returns. Leaving the loop early aborts the requests still running (their
         pages come back). ``last_stats`` is set when every request has finished. One stream
         at a time: another call while a stream is open raises ``EngineError``.
+        ``arrival_times`` as for ``generate``: a request's chunks start after it arrives.
         """
         self._check_idle()
         self.last_stats = None
         _check_chat(chat)
-        prompt_list = as_prompt_list(prompts)
-        params_list = per_prompt_params(SamplingParams() if params is None else params,
-                                        len(prompt_list))
-        n = len(prompt_list)
-        encoded = [encode_prompt(p, self.tokenizer, chat, where("prompts", i, n))
-                   for i, p in enumerate(prompt_list)]
-        work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]]
-        work = [(ids, prm, None, text) for (ids, text), prm in zip(encoded, params_list,
-                                                                     strict=True)]
-        return self._stream(work, use_tqdm)
+        work, arrivals = self._work(prompts, params, chat, arrival_times)
+        return self._stream(work, use_tqdm, arrivals)
 
-    def _stream(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
-                use_tqdm: bool | None) -> Iterator[StreamChunk]:
+    def _stream(self, work: list[_Work], use_tqdm: bool | None,
+                arrivals: list[float] | None) -> Iterator[StreamChunk]:
         shown = [_Shown() for _ in work]
-        for seqs in self._serve(work, use_tqdm):
+        for seqs in self._serve(work, use_tqdm, arrivals):  # noqa: B007
             for i, seq in enumerate(seqs):
-                chunk = self._chunk(i, seq, shown[i])
+                chunk = None if seq is None else self._chunk(i, seq, shown[i])
                 if chunk is not None:
                     yield chunk
 
@@ -257,42 +278,62 @@ class LLM:
             raise EngineError("this LLM has a stream open: read it to the end, or call its "
                               "close(), before starting another call")
 
-    def _run(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
-             use_tqdm: bool | None) -> list[Sequence]:
-        steps = self._serve(work, use_tqdm)
-        seqs: list[Sequence] = []
-        for seqs in steps:  # noqa: B007 - the last step's sequences are the result
-            pass
-        return seqs
+    def _run(self, work: list[_Work], use_tqdm: bool | None,
+             arrivals: list[float] | None = None) -> list[Sequence]:
+        seqs: list[Sequence | None] = []
+        for seqs in self._serve(work, use_tqdm, arrivals):  # noqa: B007
+            pass   # the last step's sequences are the result
+        return [s for s in seqs if s is not None]   # every one, once all have finished
 
-    def _serve(self, work: list[tuple[list[int], SamplingParams, list[int] | None, str | None]],
-               use_tqdm: bool | None) -> Iterator[list[Sequence]]:
-        """Add the requests, then step until all have finished, yielding them after each step;
-        on any error, or a consumer that stops early, the unfinished ones are aborted.
-        ``last_stats`` is set before the last yield."""
+    def _serve(self, work: list[_Work], use_tqdm: bool | None,
+               arrivals: list[float] | None = None) -> Iterator[list[Sequence | None]]:
+        """Add the requests, each at its arrival offset (seconds after the first; None: all at
+        once), and step until all have arrived and finished, yielding them in ``work``'s order
+        after each step (None for one that has not arrived yet); on any error, or a consumer
+        that stops early, the unfinished ones are aborted. ``last_stats`` is set before the
+        last yield."""
         self._check_idle()
         engine = self.engine
         engine.stats.reset()
-        seqs: list[Sequence] = []
+        start = engine.stats.start   # the clock of the run: the first arrival
+        seqs: list[Sequence | None] = [None] * len(work)
+        pending = deque(range(len(work)) if arrivals is None
+                        else sorted(range(len(work)), key=arrivals.__getitem__))
         bar = None
         self._serving = True
-        try:
-            for i, (ids, params, forced, text) in enumerate(work):
-                rid = str(self._num_requests)
+
+        def admit(now: float) -> None:
+            while pending and (arrivals is None or start + arrivals[pending[0]] <= now):
+                i = pending.popleft()
+                ids, params, forced, text = work[i]
                 try:
-                    seqs.append(engine.add_request(rid, ids, params, forced, text))
+                    seqs[i] = engine.add_request(
+                        str(self._num_requests), ids, params, forced, text,
+                        arrival_time=None if arrivals is None else start + arrivals[i])
                 except EngineError as e:   # say which of the caller's prompts it was
                     raise EngineError(f"{e}{where('prompts', i, len(work))}") from None
                 self._num_requests += 1
-            if not seqs:   # nothing to run: an empty call's statistics, all zero
+
+        try:
+            admit(start)
+            if not work:   # nothing to run: an empty call's statistics, all zero
                 self.last_stats = self._summary()
-            bar = _progress(seqs, use_tqdm)
-            while engine.has_unfinished():
+            bar = _progress(work, use_tqdm)
+            while pending or engine.has_unfinished():
+                if not engine.has_unfinished():   # idle until the next request arrives
+                    assert arrivals is not None
+                    wait = start + arrivals[pending[0]] - time.perf_counter()
+                    if wait > 0:
+                        time.sleep(wait)
+                        engine.stats.on_idle(wait)
+                    admit(time.perf_counter())
+                    continue
                 done = engine.step()
+                admit(time.perf_counter())
                 if bar is not None:
-                    bar.update(len(done) if len(seqs) > 1 else
-                               seqs[0].num_output_tokens - bar.n)
-                if not engine.has_unfinished():
+                    bar.update(len(done) if len(work) > 1 else
+                               (seqs[0].num_output_tokens if seqs[0] else 0) - bar.n)
+                if not pending and not engine.has_unfinished():
                     self.last_stats = self._summary()
                 yield seqs
         except BaseException:   # GeneratorExit included: the consumer stopped early
@@ -377,15 +418,16 @@ def _stop_hold(tail: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
-def _progress(seqs: list[Sequence], enabled: bool | None) -> ProgressBar[NoReturn] | None:
-    """A tqdm bar over ``seqs``, or over the tokens of a lone one (``enabled=True``)."""
-    if enabled is False or not seqs or (enabled is None and len(seqs) == 1):
+def _progress(work: list[_Work], enabled: bool | None) -> ProgressBar[NoReturn] | None:
+    """A tqdm bar over the requests of ``work``, or over the tokens of a lone one
+    (``enabled=True``)."""
+    if enabled is False or not work or (enabled is None and len(work) == 1):
         return None
     from tqdm.auto import tqdm
 
     disable = None if enabled is None else False   # None: tqdm shows it on a terminal only
-    if len(seqs) > 1:
-        return tqdm(total=len(seqs), desc="requests", unit="req", dynamic_ncols=True,
+    if len(work) > 1:
+        return tqdm(total=len(work), desc="requests", unit="req", dynamic_ncols=True,
                     disable=disable)
-    return tqdm(total=seqs[0].params.max_tokens, desc="tokens", unit="tok", dynamic_ncols=True,
+    return tqdm(total=work[0][1].max_tokens, desc="tokens", unit="tok", dynamic_ncols=True,
                 disable=disable)

@@ -81,14 +81,27 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    forced_token_ids: list[int] | None = None, prompt: str | None = None
-                    ) -> Sequence:
+                    forced_token_ids: list[int] | None = None, prompt: str | None = None,
+                    arrival_time: float | None = None) -> Sequence:
         """Queue a request (``EngineError`` when it is empty or can never fit).
 
         Prompt and output share the model's context (``max_position`` tokens): the prompt must
         leave room for a token, a scored continuation must fit beside its prompt, and
         generation stops with finish reason ``length`` when the context is full.
+        ``arrival_time`` (``time.perf_counter()`` seconds; default now) is when the request
+        arrived, what its TTFT and end-to-end latency count from.
         """
+        self.check_request(request_id, prompt_token_ids, params, forced_token_ids)
+        seq = Sequence(self._next_id, request_id, prompt_token_ids, params, forced_token_ids,
+                       prompt, arrival_time=(time.perf_counter() if arrival_time is None
+                                             else arrival_time))
+        self.scheduler.add(seq)
+        self._next_id += 1
+        return seq
+
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      forced_token_ids: list[int] | None = None) -> None:
+        """What ``add_request`` refuses, without queueing anything (``EngineError``)."""
         if not prompt_token_ids:
             raise EngineError(f"request {request_id!r}: empty prompt")
         self._check_context(request_id, len(prompt_token_ids), forced_token_ids)
@@ -100,11 +113,6 @@ class LLMEngine:
                               f"[0, {vocab})")
         if params.stop and self.detokenize is None:
             raise EngineError("stop strings need a tokenizer")
-        seq = Sequence(self._next_id, request_id, prompt_token_ids, params, forced_token_ids,
-                       prompt, arrival_time=time.perf_counter())
-        self.scheduler.add(seq)
-        self._next_id += 1
-        return seq
 
     def _check_context(self, request_id: str, num_prompt: int,
                        forced_token_ids: list[int] | None) -> None:

@@ -51,6 +51,11 @@ class StatsCollector:
         self.budget_samples += len(decode_capacities)
         self.max_pages_used = max(self.max_pages_used, pages_used)
 
+    def on_idle(self, seconds: float) -> None:
+        """The engine waited ``seconds`` with nothing to run (requests still to arrive): part
+        of the time that ``avg_resident`` averages over, with none resident."""
+        self.step_time += seconds
+
     def on_finish(self, seq: Sequence) -> None:
         self.finished.append(seq)
 

@@ -98,7 +98,7 @@ def test_boundary_share_estimates_the_gpu_check_run_host_side():
     bench = load_benchmark("boundary_share")
     args = bench.parse_args(["--requests", "3", "--max-tokens", "60", "--page-size", "8",
                              "--layers", "2", "--policies", "fullkv", "growpage",
-                             "--async-compaction"])
+                             "--async-compaction", "--async-decisions"])
     # With launches stubbed the kernels' outputs stay unwritten, so the decisions follow
     # whatever memory torch hands out (they changed with the tests run before this one). Here
     # that memory is NaN, so every decision is the same on every run (Delta_t = 0: compress).
@@ -115,10 +115,18 @@ def test_boundary_share_estimates_the_gpu_check_run_host_side():
     assert full["events"]["compress"] == 0 and full["phases"]["calls"]["compact"] == 0
     # Compressions deferred to beside the forward: what is left is the decisions' share.
     deferred = report["rows"]["growpage+async"]
-    assert set(report["rows"]) == {"fullkv", "growpage", "growpage+async"}
+    assert set(report["rows"]) == {"fullkv", "growpage", "growpage+async",
+                                   "growpage+async-decisions"}
     assert deferred["deferred_compactions"] == deferred["events"]["compress"] > 0
     assert 0 < deferred["decision_pct"] < deferred["boundary_pct"]
     assert grow["decision_pct"] == grow["boundary_pct"] and grow["deferred_s"] == 0
+    assert grow["deferred_decisions"] == deferred["deferred_decisions"] == 0
+    # Whole boundaries beside the forward: every decided one is late (growpage falls back to
+    # compressing, no prefix cache), so almost nothing is left on the critical path.
+    late = report["rows"]["growpage+async-decisions"]
+    assert late["deferred_decisions"] == late["decided"] > 0
+    assert late["deferred_compactions"] == 0  # a late compression runs with its decision
+    assert 0 <= late["decision_pct"] < deferred["decision_pct"]
     # 40% of what fullkv needs for all requests, but room for the longest one.
     assert bench.gpu_check_pool([100] * 10, 412, 64) == 36  # 10 x 9 pages -> 36
     assert bench.gpu_check_pool([100], 60, 8) == 22  # 161 tokens: 21 pages, 8 < 161 // 8 + 2
