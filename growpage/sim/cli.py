@@ -149,6 +149,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "attention (reads all the data: slower)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="--deep: progress bar over the traces (default on)")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch CPU threads (default 1, as the other sim commands)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a line")
     p.set_defaults(func=_lazy("run_check_traces"))
 

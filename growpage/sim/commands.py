@@ -189,6 +189,7 @@ def _signal_table(q: Any) -> str:
 
 # ---- check-traces ----------------------------------------------------------------------------
 def run_check_traces(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
     traces = TraceSet(args.traces)
     if not len(traces):
         raise ConfigError(f"{args.traces}: the trace set is empty")
