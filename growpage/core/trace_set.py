@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 import torch
+from tqdm import tqdm
 
 from growpage._convert import str_tuple
 from growpage.core.traces import (
@@ -142,15 +143,25 @@ class TraceSet:
         n = len(self._entries) if limit is None else min(limit, len(self._entries))
         return [self.read(i, device=device, dtype=dtype) for i in range(n)]
 
-    def check(self) -> list[TraceHeader]:
+    def check(self, *, deep: bool = False, progress: bool = False) -> list[TraceHeader]:
         """Read every file's header (not its tensors) and check it against the index, so that
         a missing, foreign or broken file is found before any trace is used; ``TraceError``
-        naming the first such file. Returns the headers, in index order."""
+        naming the first such file. Returns the headers, in index order.
+
+        ``deep``: then also read every trace's tensors, one trace at a time, and validate them
+        as ``read`` does when a replay takes the trace (names, dtypes and shapes against the
+        header, finite values, the ``LOGIT_BOUND`` on queries and keys), so that bad tensor
+        data is found before the work too; ``progress`` shows a progress bar over that pass.
+        """
         headers = []
-        for entry in self._entries:
+        for entry in self._entries:   # all headers first: a missing file is found at once
             path = self.directory / entry.file
             headers.append(read_trace_header(path))
             self._check_entry(entry, headers[-1], path)
+        if deep:
+            for entry in tqdm(self._entries, desc="check traces", unit="trace",
+                              disable=not progress):
+                self.read(entry)   # validates, and is dropped before the next one is read
         return headers
 
     def _check_entry(self, entry: TraceEntry, header: TraceHeader, path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``growpage sim replay|serve|sweep`` and ``growpage calibrate``: argument parsing.
+"""``growpage sim replay|serve|sweep|check-traces`` and ``growpage calibrate``: argument parsing.
 
 The commands themselves are in ``sim.commands``; this module only declares their options.
 """
@@ -83,6 +83,14 @@ def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                         "group (default 8)")
 
 
+def _check_traces_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--check-traces", choices=["headers", "deep"], default=None,
+                   help="how --traces is checked before the work: headers (default) reads "
+                        "every file's header; deep also reads and validates every trace's "
+                        "tensors, one at a time, as `growpage sim check-traces --deep` does, so "
+                        "that bad tensor data stops the run at once, not in its middle")
+
+
 def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
     """The command ``name`` of ``sim.commands``, imported only when it runs."""
     def run(args: argparse.Namespace) -> int:
@@ -110,8 +118,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(p)
     p.set_defaults(func=_lazy("run_replay"), seed=None)   # None: not given (--synthetic only)
 
+    _check_traces_flag(p)
+
     p = sub.add_parser("serve", help="simulate serving a workload under a policy")
     _serving(p)
+    _check_traces_flag(p)
     _common(p)
     p.set_defaults(func=_lazy("run_serve"))
 
@@ -124,8 +135,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fidelity-traces", type=int, default=4,
                    help="traces replayed per point for fidelity: the first of --traces with "
                         "--decisions trace, else synthetic ones (0: none; default 4)")
+    _check_traces_flag(p)
     _common(p, policy=False)
     p.set_defaults(func=_lazy("run_sweep"))
+
+    p = sub.add_parser("check-traces", help="check a trace set before using it: every file's "
+                       "header against the index, with --deep every trace's tensors too")
+    p.add_argument("traces", metavar="DIR", type=path_text, help="a trace set directory")
+    p.add_argument("--deep", action="store_true",
+                   help="also read every trace's tensors, one trace at a time, and validate "
+                        "them as a replay reads them: names, dtypes and shapes against the "
+                        "header, finite values, queries and keys small enough for float32 "
+                        "attention (reads all the data: slower)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="--deep: progress bar over the traces (default on)")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch CPU threads (default 1, as the other sim commands)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    p.set_defaults(func=_lazy("run_check_traces"))
 
     p = subparsers.add_parser("calibrate", help="fit a step-time model to the engine")
     p.add_argument("--measurements", metavar="FILE", type=path_text,

@@ -97,6 +97,13 @@ def _note_layer_subset(directory: str, headers: list[TraceHeader]) -> None:
               kind="note")
 
 
+def _deep_check(args: argparse.Namespace) -> bool:
+    """Whether ``--check-traces deep`` asks for every trace's tensors to be checked first."""
+    if args.check_traces is not None and not args.traces:
+        raise ConfigError("--check-traces: for --traces only (synthetic traces need no check)")
+    return args.check_traces == "deep"
+
+
 def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace]]:
     synthetic_only = {"--gen-len": args.gen_len, "--schedule": args.schedule, "--seed": args.seed}
     if args.traces:
@@ -107,8 +114,10 @@ def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace
         if not len(traces):
             raise ConfigError(f"{args.traces}: the trace set is empty")
         # A broken file is found now, not after the traces before it.
-        _note_layer_subset(args.traces, traces.check())
+        _note_layer_subset(args.traces, traces.check(deep=_deep_check(args),
+                                                     progress=not args.json))
         return len(traces), traces.read
+    _deep_check(args)   # refuses --check-traces without --traces
     _at_least("--synthetic", args.synthetic, 1)
     spec = SyntheticSpec(gen_len=REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
                          schedule=REPLAY_SCHEDULE if args.schedule is None else args.schedule)
@@ -178,6 +187,21 @@ def _signal_table(q: Any) -> str:
         ("adv", "growth adv (mass)", ".4f"), ("adv_err", "growth adv (out err)", ".4f")])
 
 
+# ---- check-traces ----------------------------------------------------------------------------
+def run_check_traces(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    traces = TraceSet(args.traces)
+    if not len(traces):
+        raise ConfigError(f"{args.traces}: the trace set is empty")
+    headers = traces.check(deep=args.deep, progress=args.progress and not args.json)
+    tokens = sum(h.num_tokens for h in headers)
+    checked = "headers and tensors" if args.deep else "headers (--deep: tensors too)"
+    _emit(args, f"{args.traces}: {len(headers)} traces, {tokens} tokens: {checked} ok",
+          {"traces": args.traces, "deep": args.deep, "num_traces": len(headers),
+           "num_tokens": tokens})
+    return 0
+
+
 # ---- serve -----------------------------------------------------------------------------------
 def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float | None,
                    warn: bool = True) -> tuple[SimConfig, CostModel, list[WorkloadRequest]]:
@@ -198,6 +222,7 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float
     if args.traces and args.decisions != "trace":
         raise ConfigError("--traces is used only with --decisions trace (script mode draws "
                           "synthetic traces)")
+    _deep_check(args)   # refuses --check-traces without --traces
     if rate is not None and not (rate > 0 and rate != float("inf")):
         raise ConfigError(f"--arrival-rate must be a finite number > 0 (requests per second), "
                           f"got {rate}")
@@ -225,7 +250,8 @@ def _trace_requests(args: argparse.Namespace, requests: list[WorkloadRequest]
                     ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
     """``traces_for`` over ``--traces``, saying once how many requests changed lengths."""
     traced, trace_of = traces_for(requests, args.traces,
-                                  on_headers=lambda h: _note_layer_subset(args.traces, h))
+                                  on_headers=lambda h: _note_layer_subset(args.traces, h),
+                                  deep=_deep_check(args), progress=not args.json)
     changed = sum((a.prompt_tokens, a.output_tokens) != (b.prompt_tokens, b.output_tokens)
                   for a, b in zip(requests, traced, strict=True))
     if changed:

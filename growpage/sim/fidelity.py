@@ -92,21 +92,38 @@ class FutureAttention:
         return self._group_mean(self._lost_per_head(self.dropped(resident)))
 
     def output_error(self, resident: torch.Tensor) -> torch.Tensor | None:
-        """``[L, Hkv, Q]`` mean over the query group of ``|o - o_hat|_2``, or None without values."""
+        """``[L, Hkv, Q]`` float64 mean over the query group of ``|o - o_hat|_2``, or None
+        without values.
+
+        NOTE: the outputs are divided by a power of two near their largest entry (exact) before
+        ``o - o_hat`` and its norm, and the norm multiplied back in float64: with values as
+        large as fp32 or bf16 hold (~1e20 squared, or ``o - o_hat`` itself past 3.4e38) a
+        finite trace still gets a finite error, and other traces the same one as unscaled."""
         if self.values is None:
             return None
         drop = self.dropped(resident)
         lost = self._lost_per_head(drop).unsqueeze(-1)                      # [L, Hkv, G*Q, 1]
         full = torch.matmul(self.probs, self.values)                        # [L, Hkv, G*Q, d]
         lost_out = torch.matmul(self.probs * drop.unsqueeze(-2), self.values)
+        scale = _power_of_two_above(torch.maximum(full.abs().amax(dim=-1, keepdim=True),
+                                                  lost_out.abs().amax(dim=-1, keepdim=True)))
+        full, lost_out = full / scale, lost_out / scale
         approx = (full - lost_out) / (1.0 - lost).clamp_min(1e-12)
-        return self._group_mean((full - approx).norm(dim=-1))
+        err = (full - approx).norm(dim=-1).double() * scale.squeeze(-1).double()
+        return self._group_mean(err)
 
     def working_set_ratio(self, p: float) -> float:
         """Mean top-p working-set ratio (Eq. 7) of the sampled queries over their full history."""
         attn = self.probs.unflatten(2, (-1, self.num_queries)).mean(dim=2)  # [L, Hkv, Q, K]
         counts = coverage_demand(attn, p).float()                           # [L, Hkv, Q]
         return float((counts / (self.positions.float() + 1)).mean())
+
+
+def _power_of_two_above(x: torch.Tensor) -> torch.Tensor:
+    """The power of two ``2^e`` with ``x < 2^e <= 2x`` for each ``x > 0`` (1 where ``x`` is 0):
+    dividing by it is exact and brings ``x`` into ``[0.5, 1)``."""
+    exponent = torch.frexp(x).exponent                                      # x = m 2^e, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x), exponent)
 
 
 @attrs.frozen

@@ -184,16 +184,19 @@ def synthetic_trace_of(spec: SyntheticSpec = SCRIPT_SPEC, seed: int = 0
 
 
 def traces_for(requests: Sequence[WorkloadRequest], directory: str,
-               on_headers: Callable[[list[TraceHeader]], None] | None = None
+               on_headers: Callable[[list[TraceHeader]], None] | None = None, *,
+               deep: bool = False, progress: bool = False
                ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
     """Trace mode over a trace set: each request takes its ``trace`` (or the set's entries in
     turn) and the lengths of that trace. A trace holds the KV of every token but the last
     output token (never fed back), so ``G`` generated positions make ``G + 1`` output tokens.
-    ``on_headers`` gets the set's headers, read once to check the files."""
+    ``on_headers`` gets the set's headers, read once to check the files; ``deep`` and
+    ``progress`` are ``TraceSet.check``'s (also validate every trace's tensors first)."""
     traces = TraceSet(directory)
     if not len(traces):
         raise ConfigError(f"{directory}: the trace set is empty")
-    headers = traces.check()   # a broken file is found now, not when its request is admitted
+    # A broken file is found now, not when its request is admitted.
+    headers = traces.check(deep=deep, progress=progress)
     if on_headers is not None:
         on_headers(headers)
     by_id = {e.request_id: e for e in traces.index}
