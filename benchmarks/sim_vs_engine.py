@@ -3,7 +3,9 @@
 Scenario: 16 chat prompts from ``growpage.eval.workload.reasoning_prompts()``, every request
 generating exactly ``--max-tokens`` tokens (``ignore_eos``), all submitted at once to the engine
 (SmolLM2-135M-Instruct, fp32, torch backend) with a KV pool too small for ``fullkv`` to keep
-every request resident. Steps:
+every request resident; ``--arrival-rate R`` has them arrive as a Poisson process instead, in
+wall-clock time on the engine (``LLM.generate(arrival_times=...)``) and in simulated time in
+the simulator. Steps:
 
 1. **calibrate**: time the engine's forward passes over the workload's shapes (every batch size
    from 1 to the number of requests; ``growpage.engine.profile.measure_step_times``) and fit the
@@ -83,6 +85,16 @@ class Scenario:
     max_num_batched_tokens: int = 4096
     record_kv_pages: int = 512     # pool of the recording run: nothing is ever preempted
     chat: bool = True
+    arrival_rate: float | None = None   # Poisson arrivals (requests/s); None: all at t = 0
+
+    def arrivals(self) -> list[float] | None:
+        """Arrival seconds of the requests, the first at 0 (seed 0), or None (all at once)."""
+        if self.arrival_rate is None:
+            return None
+        from growpage.engine.inputs import poisson_arrivals
+
+        times = poisson_arrivals(self.num_requests, self.arrival_rate, seed=0)
+        return [t - times[0] for t in times]
 
 
 # ---- the engine side -------------------------------------------------------------------------
@@ -150,19 +162,22 @@ def run_engine(model: Any, tokenizer: Any, scenario: Scenario, point: SweepPoint
     """``EngineStats`` of the workload under ``point`` with the small pool."""
     llm = make_llm(model, tokenizer, scenario, point, scenario.kv_pages)
     llm.generate(list(prompts), sampling_params(scenario), chat=scenario.chat,
-                 use_tqdm=progress)
+                 use_tqdm=progress, arrival_times=scenario.arrivals())
     return llm.last_stats, llm.config.growpage
 
 
 # ---- the simulator side ----------------------------------------------------------------------
-def workload_from_traces(traces: TraceSet, output_tokens: Sequence[int]
+def workload_from_traces(traces: TraceSet, output_tokens: Sequence[int],
+                         arrivals: Sequence[float] | None = None
                          ) -> tuple[list[WorkloadRequest], dict[str, Trace]]:
-    """One simulated request per recorded trace, in the set's order (= submission order), all
-    arriving at t = 0, generating what the engine generated."""
+    """One simulated request per recorded trace, in the set's order (= submission order),
+    arriving at ``arrivals`` (seconds; None: all at t = 0), generating what the engine
+    generated."""
     requests, by_id = [], {}
-    for entry, out_tokens in zip(traces.index, output_tokens, strict=True):
-        requests.append(WorkloadRequest(entry.request_id, 0.0, entry.prompt_len, int(out_tokens),
-                                        entry.request_id, "recorded"))
+    times = arrivals if arrivals is not None else [0.0] * len(traces.index)
+    for entry, out_tokens, arrival in zip(traces.index, output_tokens, times, strict=True):
+        requests.append(WorkloadRequest(entry.request_id, float(arrival), entry.prompt_len,
+                                        int(out_tokens), entry.request_id, "recorded"))
         by_id[entry.request_id] = traces.read(entry)
     return requests, by_id
 
@@ -276,7 +291,10 @@ def markdown(rows: list[dict], meta: dict, linear_rows: Sequence[dict] = ()) -> 
         f"measured {meta['date']}; whole benchmark {meta['wall_s']:.0f} s.", "",
         f"Workload: {meta['num_requests']} chat prompts from `reasoning_prompts()`, "
         f"{meta['prompt_tokens']} prompt tokens in all, {meta['max_tokens']} generated tokens "
-        f"each (EOS ignored), all at t = 0; pool {meta['kv_pages']} pages x {meta['page_size']} "
+        f"each (EOS ignored), " + ("all at t = 0" if meta.get("arrival_rate") is None else
+                                    f"Poisson arrivals at {meta['arrival_rate']:g} requests/s "
+                                    "(seed 0, the first at t = 0)")
+        + f"; pool {meta['kv_pages']} pages x {meta['page_size']} "
         f"tokens, max_num_seqs {meta['max_num_seqs']}, prefix caching off. Traces: "
         f"{meta['recorded_layers']} layers recorded under fullkv. Simulator: trace mode "
         "(closed loop on the recorded queries and keys), admission reserve 0.", "",
@@ -309,13 +327,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="timings per calibration shape")
     ap.add_argument("--no-boundaries", dest="boundaries", action="store_false",
                     help="leave capacity control unpriced in the simulator (asynchronous)")
+    ap.add_argument("--arrival-rate", type=float, default=None, metavar="REQ_PER_S",
+                    help="requests arrive as a Poisson process of this rate (seed 0, the first "
+                         "at once) on both sides: LLM.generate(arrival_times=...) over wall-clock "
+                         "time, the simulator over simulated time (default: all at t = 0)")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_engine"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
     machine = describe_machine()
     scenario = Scenario(num_requests=args.num_requests, max_tokens=args.max_tokens,
-                        page_size=args.page_size, kv_pages=args.kv_pages)
+                        page_size=args.page_size, kv_pages=args.kv_pages,
+                        arrival_rate=args.arrival_rate)
     points = parse_points(args.points)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -341,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     calibration_pass(1)
     print(f"[2/{steps}] recording fullkv traces", flush=True)
     traces, rec_outs = record_traces(model, tokenizer, scenario, prompts, out / "traces", layers)
-    requests, by_id = workload_from_traces(traces, [len(o.token_ids) for o in rec_outs])
+    requests, by_id = workload_from_traces(traces, [len(o.token_ids) for o in rec_outs],
+                                           scenario.arrivals())
     engine_stats = []
     for i, point in enumerate(points):
         print(f"[{3 + 2 * i}/{steps}] engine: {point.label}", flush=True)
@@ -378,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": started, "wall_s": time.perf_counter() - start,
             "num_requests": scenario.num_requests, "prompt_tokens": prompt_tokens,
             "max_tokens": scenario.max_tokens, "kv_pages": scenario.kv_pages,
+            "arrival_rate": scenario.arrival_rate,
             "page_size": scenario.page_size, "max_num_seqs": scenario.max_num_seqs,
             "recorded_layers": "all" if layers is None else len(layers),
             "calibration_rows": len(table), "calibration_rms_s": rms["piecewise"],

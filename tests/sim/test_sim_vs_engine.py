@@ -139,3 +139,31 @@ def test_relative_error_and_report(bench):
     assert bench.relative_error(3, 0) is None          # the engine never compressed
     row = bench.compare("p", {**engine, "compresses": 0}, {**engine, "compresses": 3})
     assert "| p | compress | 0 | 3 | n/a (+3) |" in bench.markdown([row], meta)
+
+
+def test_poisson_arrivals_reach_both_sides(bench, model, scenario, prompts, recorded, cost):
+    import attrs
+
+    arriving = attrs.evolve(scenario, arrival_rate=20.0)   # 4 requests over ~0.2 s
+    times = arriving.arrivals()
+    assert times[0] == 0.0 and times == sorted(times) and times[-1] > 0
+    assert scenario.arrivals() is None
+    requests, traces = recorded
+    timed = [attrs.evolve(r, arrival_s=t) for r, t in zip(requests, times, strict=True)]
+    (point,) = parse_points(["growpage"])
+    stats, config = bench.run_engine(model, None, arriving, point, prompts, progress=False)
+    result = bench.run_sim(timed, traces, point, config, arriving, cost)
+    row = bench.compare(point.label, bench.engine_row(stats), bench.sim_row(result))
+    engine, sim = row["engine"], row["sim"]
+    assert engine["output_tokens"] == sim["output_tokens"] == NUM_REQUESTS * MAX_TOKENS
+    for side in (engine, sim):   # the last request arrives times[-1] after the first
+        assert side["total_time_s"] > times[-1]
+    assert [r.spec.arrival_s for r in result.requests] == times
+    meta = {"command": "x", "machine": "m", "torch": "t", "threads": 1, "date": "d",
+            "wall_s": 1.0, "num_requests": 1, "prompt_tokens": 1, "max_tokens": 1,
+            "kv_pages": 1, "page_size": 1, "max_num_seqs": 1, "recorded_layers": "all",
+            "calibration_rows": 4, "calibration_rms_s": 0.001, "arrival_rate": 20.0,
+            "cost_model": {"batch_sizes": [0, 1], "batch_s": [0.05, 0.01],
+                           "per_kv_token_s": 1e-7, "per_prefill_token_s": 1e-4}}
+    assert "Poisson arrivals at 20 requests/s (seed 0, the first at t = 0)" in bench.markdown(
+        [row], meta)
