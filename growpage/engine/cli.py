@@ -248,9 +248,14 @@ def read_prompts(path: Path) -> list[str]:
 
 def _jsonl_prompt(line: str, where: str) -> str:
     try:
-        prompt = json.loads(line)["prompt"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise EngineError(f"{where}: bad JSONL line {line[:60]!r} ({exc})") from None
+        record = json.loads(line)
+    except ValueError as exc:
+        raise EngineError(f"{where}: bad JSONL line {line[:60]!r} (not JSON: {exc})") from None
+    if not isinstance(record, dict) or "prompt" not in record:
+        what = "no 'prompt' key" if isinstance(record, dict) else "not a JSON object"
+        raise EngineError(f"{where}: bad JSONL line {line[:60]!r} ({what}; each line holds "
+                          f"an object such as {{\"prompt\": \"...\"}})")
+    prompt = record["prompt"]
     if not isinstance(prompt, str):
         raise EngineError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__} "
                           f"({line[:60]!r})")
