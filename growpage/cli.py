@@ -64,12 +64,20 @@ def _where(exc: BaseException) -> str:
     """`` (file:line, in function)`` of the policy author's code a policy error came from (the
     last frame outside growpage and installed packages), as ``sim sweep`` reports a failed
     point: a policy author needs the line of their bug, not only its message."""
+    from growpage.errors import PolicyError
+
+    return policy_code_location(exc) if isinstance(exc, PolicyError) else ""
+
+
+def policy_code_location(exc: BaseException) -> str:
+    """``_where`` for any error caused by a policy's exception (``growpage check``'s broken
+    rules too); ``""`` when ``exc`` has no cause or no frame of the policy's own code."""
     import pathlib
     import sysconfig
 
-    from growpage.errors import PolicyError, raised_at
+    from growpage.errors import raised_at
 
-    if not isinstance(exc, PolicyError) or exc.__cause__ is None:
+    if exc.__cause__ is None:
         return ""
     paths = sysconfig.get_paths()
     return raised_at(exc, (str(pathlib.Path(__file__).parent), paths["purelib"], paths["stdlib"]))
