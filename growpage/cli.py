@@ -64,15 +64,11 @@ def _where(exc: BaseException) -> str:
     """`` (file:line, in function)`` of the policy author's code a policy error came from (the
     last frame outside growpage and installed packages), as ``sim sweep`` reports a failed
     point: a policy author needs the line of their bug, not only its message."""
-    import pathlib
-    import sysconfig
-
-    from growpage.errors import PolicyError, raised_at
+    from growpage.errors import PolicyError, policy_raised_at
 
     if not isinstance(exc, PolicyError) or exc.__cause__ is None:
         return ""
-    paths = sysconfig.get_paths()
-    return raised_at(exc, (str(pathlib.Path(__file__).parent), paths["purelib"], paths["stdlib"]))
+    return policy_raised_at(exc)
 
 
 if __name__ == "__main__":

@@ -51,3 +51,14 @@ def raised_at(exc: BaseException, skip: tuple[str, ...] = ()) -> str:
     frames = [f for f in traceback.extract_tb(root.__traceback__)
               if not skip or not (f.filename.startswith(skip) or f.filename.startswith("<"))]
     return f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+
+
+def policy_raised_at(exc: BaseException) -> str:
+    """``raised_at`` for the policy author's code: the last frame outside growpage, installed
+    packages and the standard library (a context method that refuses the policy's argument
+    raises inside growpage, but the bug is on the policy's line); ``""`` when none is left."""
+    import pathlib
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return raised_at(exc, (str(pathlib.Path(__file__).parent), paths["purelib"], paths["stdlib"]))

@@ -285,14 +285,18 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[float] | None]:
 
 def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
     try:
-        row = json.loads(line)
-        prompt = row["prompt"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise EngineError(f"{where}: bad JSONL line {line[:60]!r} ({exc})") from None
+        record = json.loads(line)
+    except ValueError as exc:
+        raise EngineError(f"{where}: bad JSONL line {line[:60]!r} (not JSON: {exc})") from None
+    if not isinstance(record, dict) or "prompt" not in record:
+        what = "no 'prompt' key" if isinstance(record, dict) else "not a JSON object"
+        raise EngineError(f"{where}: bad JSONL line {line[:60]!r} ({what}; each line holds "
+                          f"an object such as {{\"prompt\": \"...\"}})")
+    prompt = record["prompt"]
     if not isinstance(prompt, str):
         raise EngineError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__} "
                           f"({line[:60]!r})")
-    arrival = row.get("arrival_s")
+    arrival = record.get("arrival_s")
     if arrival is not None and (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
                                 or not math.isfinite(arrival) or arrival < 0):
         raise EngineError(f"{where}: 'arrival_s' must be a number of seconds >= 0, got "

@@ -51,6 +51,21 @@ _GROWPAGE_FIELDS = {f.name for f in attrs.fields(GrowPageConfig)}
 _Work = tuple[list[int], SamplingParams, list[int] | None, str | None]
 
 
+def _close_keywords(unknown: set[str]) -> str:
+    """``"; did you mean 'page_size'?"`` for misspelled keywords of ``LLM`` or GrowPageConfig
+    fields, else a pointer to where the keywords are."""
+    import difflib
+    import inspect
+
+    known = _GROWPAGE_FIELDS | set(inspect.signature(LLM.__init__).parameters) - {
+        "self", "growpage_fields"}
+    close = [match for name in sorted(unknown)
+             for match in difflib.get_close_matches(name, known, n=1)]
+    if close:
+        return f"; did you mean {', '.join(map(repr, close))}?"
+    return "; LLM takes its own keywords and GrowPageConfig's fields (docs/engine.md, Parameters)"
+
+
 class LLM:
     """Load a model, build the engine, generate and score.
 
@@ -93,7 +108,8 @@ class LLM:
                  **growpage_fields: Any) -> None:
         unknown = set(growpage_fields) - _GROWPAGE_FIELDS
         if unknown:
-            raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}")
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}"
+                            f"{_close_keywords(unknown)}")
         if config is not None and not isinstance(config, GrowPageConfig):
             raise ConfigError(f"LLM(config=...) takes a GrowPageConfig, got "
                               f"{type(config).__name__} {config!r:.80}")

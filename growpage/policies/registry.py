@@ -193,6 +193,7 @@ def parse_policy_params(items: list[str], flag: str = "--param") -> dict[str, An
     out: dict[str, Any] = {}
     for item in items:
         key, eq, value = item.partition("=")
+        key = key.strip()   # "tau = 0.01", as spaces around the value are ignored
         if not eq or not key:
             raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
         if key in out:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from growpage.core.config import GrowPageConfig
 from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace
-from growpage.errors import ConfigError, GrowPageError, raised_at
+from growpage.errors import ConfigError, GrowPageError, policy_raised_at, raised_at
 from growpage.policies.registry import parse_policy_value, resolve_policy
 from growpage.sim.costmodel import load_cost_model, with_boundary_costs
 from growpage.sim.replay import ReplayOptions, replay_trace
@@ -145,8 +145,9 @@ def fidelity_source(settings: SweepSettings) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    """``Type: message (file:line, in function)``, with the frame that raised first."""
-    return f"{type(exc).__name__}: {exc}{raised_at(exc)}"
+    """``Type: message (file:line, in function)``: the line of the policy's own code that
+    raised (as ``growpage sim serve`` says), else the frame that raised first."""
+    return f"{type(exc).__name__}: {exc}{policy_raised_at(exc) or raised_at(exc)}"
 
 
 def try_point(point: SweepPoint, settings: SweepSettings) -> dict:

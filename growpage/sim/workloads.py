@@ -202,5 +202,5 @@ def resolve_workload(name_or_file: str, seed: int = 0, rate_per_s: float | None 
     if is_file:
         return load_workload_csv(name_or_file)
     raise WorkloadError(f"unknown workload {name_or_file!r}: give one of {', '.join(WORKLOADS)}, "
-                        "a CSV file (arrival_s, prompt_tokens, output_tokens[, trace]) or a "
-                        ".jsonl file with those keys")
+                        "a CSV file (arrival_s, prompt_tokens, output_tokens[, trace, prefix, "
+                        "prefix_tokens]) or a .jsonl file with those keys")

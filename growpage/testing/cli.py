@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from growpage.errors import policy_raised_at
     from growpage.policies.registry import parse_policy_params, resolve_policy
     from growpage.testing import RULES, PolicyConformanceError, check_policy, check_serving
 
@@ -63,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         except PolicyConformanceError as exc:
             print("FAILED")
             print(f"\n{exc}")
+            where = policy_raised_at(exc) if exc.__cause__ is not None else ""
+            if where:   # a crash: the line of the policy's code that raised
+                print(f"  raised at {where.strip().removeprefix('(').removesuffix(')')}")
             return 1
         print(f"ok ({time.perf_counter() - start:.1f} s)")
     skipped = "" if args.serving else " (serving rule skipped)"

@@ -36,8 +36,9 @@ def test_bad_prompt_files_are_errors(tmp_path, capsys, no_model):
     ('{"prompt": null}', "'prompt' must be a string, got NoneType"),
     ('{"prompt": ["a", "b"]}', "'prompt' must be a string, got list"),
     ('{"prompt": 5}', "'prompt' must be a string, got int"),
-    ('{"text": "hi"}', "bad JSONL line"),
-    ("[1, 2", "bad JSONL line"),
+    ('{"text": "hi"}', "(no 'prompt' key; each line holds an object such as {\"prompt\": \"...\"})"),
+    ('["hi"]', "(not a JSON object; each line holds an object such as"),
+    ("[1, 2", "(not JSON: Expecting ',' delimiter: line 1 column 6 (char 5))"),
 ])
 def test_jsonl_prompts_must_be_strings(tmp_path, capsys, no_model, line, words):
     path = tmp_path / "p.jsonl"

@@ -191,3 +191,16 @@ def test_cli_record_bad_layers(tmp_path, capsys):
                      "--layers", "0,last"]) == 2
     assert "--layers: expected comma-separated layer numbers, got '0,last'" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"page_sise": 64}, "['page_sise']; did you mean 'page_size'?"),       # a GrowPageConfig field
+    ({"kv_page": 8}, "['kv_page']; did you mean 'kv_pages'?"),             # an LLM keyword
+    ({"colour": 1}, "['colour']; LLM takes its own keywords and GrowPageConfig's fields"),
+])
+def test_a_misspelled_llm_keyword_is_named_with_what_was_meant(kwargs, words):
+    from growpage import LLM
+
+    with pytest.raises(TypeError) as info:   # before any model is loaded
+        LLM(**kwargs)
+    assert str(info.value).startswith(f"LLM() got unexpected keyword argument(s) {words}")

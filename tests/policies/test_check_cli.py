@@ -19,6 +19,13 @@ BROKEN = textwrap.dedent("""
             return Decision.GROW if ctx.num_pages < 3 else "compress"
 
 
+    class AsksForAViewThatIsNot(CapacityPolicy):
+        name = "longterm"
+
+        def decide(self, ctx):
+            return Decision.GROW if ctx.attention("longterm").sum() > 0 else Decision.COMPRESS
+
+
     class CrashesOnTheThirdRequest(CapacityPolicy):
         '''Fine on any one boundary; a served workload's third request ("r2") breaks it.'''
 
@@ -57,6 +64,15 @@ def test_a_broken_rule_fails_the_check_with_the_smallest_example(capsys, broken)
     assert "example: BoundaryCase(" in out and "num_pages=3" in out   # shrunk to the edge
     assert "serves on" not in out   # stopped at the first broken rule
     assert "passes" not in out
+    assert "raised at" not in out   # no crash, no line of the policy's code to show
+
+
+def test_a_crash_names_the_line_of_the_policy_that_raised(capsys, broken):
+    assert main(["check", f"{broken}:AsksForAViewThatIsNot", "--examples", "5"]) == 1
+    out = capsys.readouterr().out
+    assert "[no-crash]" in out and "decide(ctx) raised ConfigError: " in out
+    line = next(i for i, text in enumerate(BROKEN.splitlines(), 1) if '"longterm").sum()' in text)
+    assert f"\n  raised at {broken}:{line}, in decide\n" in out   # not growpage's own frame
 
 
 def test_what_only_a_served_workload_shows_fails_the_serving_half(capsys, broken):
@@ -67,6 +83,8 @@ def test_what_only_a_served_workload_shows_fails_the_serving_half(capsys, broken
     assert "per-boundary rules on 10 random boundaries ... ok (" in out
     assert "serves on 30 random workloads in the simulator ... FAILED" in out
     assert "[serves]" in out and "RuntimeError: boom" in out and "requests=[r0:" in out
+    boom = BROKEN.splitlines().index('            raise RuntimeError("boom")') + 1
+    assert f"\n  raised at {broken}:{boom}, in decide\n" in out   # the policy's own line
     assert main([*argv, "--no-serving"]) == 0
     out = capsys.readouterr().out
     assert "rules: valid-decision" in out and ", serves" not in out

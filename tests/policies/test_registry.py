@@ -115,6 +115,18 @@ def test_a_hyperparameter_given_twice_on_the_command_line_is_refused():
         parse_policy_params(["tau=0.1", "tau=0.2"])
 
 
+def test_spaces_around_a_hyperparameter_name_are_ignored_as_around_its_value():
+    from growpage.errors import ConfigError
+    from growpage.policies.registry import parse_policy_params
+
+    assert parse_policy_params([" budget_tokens = 1024 ", "tau =0.5"]) == {
+        "budget_tokens": 1024, "tau": 0.5}
+    with pytest.raises(ConfigError, match="--param tau given twice"):
+        parse_policy_params(["tau=0.1", " tau=0.2"])
+    with pytest.raises(ConfigError, match="--param expects KEY=VALUE, got ' = 3'"):
+        parse_policy_params([" = 3"])
+
+
 def test_a_policy_without_a_usable_name_is_refused_and_the_registry_kept():
     """``name: str = "x"`` in an attrs class is a field: the class has no string name. Refused
     at registration, naming the cause, and the registry still lists and resolves."""

@@ -235,6 +235,14 @@ class Crash(CapacityPolicy):
 
     def decide(self, ctx):
         raise RuntimeError("kaboom")
+
+
+@attrs.define
+class AsksTheContextWrong(CapacityPolicy):
+    name = "asks-wrong"
+
+    def decide(self, ctx):
+        return ctx.attention("longterm")
 """
 
 
@@ -261,6 +269,20 @@ def test_a_failing_sweep_point_is_named_and_the_others_are_kept(capsys, tmp_path
     out = json.loads(capsys.readouterr().out)
     assert [p["label"] for p in out["points"]] == ["fullkv"]
     assert "RuntimeError: kaboom" in out["failed"][0]["error"]
+
+
+def test_a_failing_sweep_point_names_the_policys_line_when_growpage_refused_its_call(
+        capsys, tmp_path):
+    """The context method raises (inside growpage), but the line to fix is the policy's, as
+    ``sim serve`` and ``sim replay`` report it."""
+    (tmp_path / "pols.py").write_text(CRASH_POLICY)
+    argv = ["sim", "sweep", "--workload", "tiny", *SMALL, "--kv-pages", "120", "--points",
+            f"{tmp_path / 'pols.py'}:AsksTheContextWrong", "--jobs", "1",
+            "--fidelity-traces", "0"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.rpartition("growpage: error: ")[2]
+    assert "got 'longterm'" in error
+    assert error.rstrip().endswith(f"({tmp_path / 'pols.py'}:19, in decide)"), error
 
 
 def test_serve_records_the_policy_params(capsys, tmp_path):

@@ -134,8 +134,11 @@ def test_missing_or_binary_file(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(WorkloadError):
         load_workload_csv(binary)
-    with pytest.raises(WorkloadError, match="unknown workload"):
+    with pytest.raises(WorkloadError, match="unknown workload") as info:
         resolve_workload("nonsense")
+    # every column a workload file may have, as load_workload_csv reads them
+    assert "(arrival_s, prompt_tokens, output_tokens[, trace, prefix, prefix_tokens])" in str(
+        info.value)
 
 
 @FUZZ
