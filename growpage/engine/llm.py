@@ -325,7 +325,7 @@ class LLM:
                 try:
                     seqs[i] = engine.add_request(
                         str(self._num_requests), ids, params, forced, text,
-                        arrival_time=None if arrivals is None else start + arrivals[i])
+                        arrival_time=start + (0.0 if arrivals is None else arrivals[i]))
                 except EngineError as e:   # say which of the caller's prompts it was
                     raise EngineError(f"{e}{where('prompts', i, len(work))}") from None
                 self._num_requests += 1
@@ -378,7 +378,8 @@ class LLM:
             finish_reason=s.finish_reason.value if s.finish_reason else "abort",
             trajectory=list(s.state.trajectory), events=s.state.events.as_dict(),
             num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens,
-            ttft_s=ttft, tpot_s=tpot, e2e_s=(s.finish_time or s.arrival_time) - s.arrival_time)
+            ttft_s=ttft, tpot_s=tpot, e2e_s=(s.finish_time or s.arrival_time) - s.arrival_time,
+            arrival_s=s.arrival_time - self.engine.stats.start)
 
 
 def _load(model: str | Path | CausalLM | None, tokenizer: Any, config: EngineConfig

@@ -17,7 +17,10 @@ class RequestOutput:
         trajectory: ``(position, num_pages, action)`` after every capacity boundary.
         events: the request's boundary event counts (``EventCounters.as_dict()``).
         ttft_s / tpot_s: time to first token; mean time per output token after the first.
-        e2e_s: time from submission to the last token.
+        e2e_s: time from submission (or arrival) to the last token.
+        arrival_s: when the request arrived, in seconds after the first of its call arrived
+            (``generate(..., arrival_times=...)``; 0 for a call whose requests all arrive at
+            once).
     """
 
     request_id: str
@@ -33,6 +36,7 @@ class RequestOutput:
     ttft_s: float = 0.0
     tpot_s: float = 0.0
     e2e_s: float = 0.0
+    arrival_s: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

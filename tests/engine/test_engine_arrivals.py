@@ -54,8 +54,10 @@ def test_requests_join_after_they_arrive_and_the_engine_idles_between(model):
     for (when, _, arrival), offset in zip(added, offsets, strict=True):
         assert arrival == start + offset    # latencies count from the arrival...
         assert arrival <= when < arrival + 0.2   # ...and it joins once it has arrived
-    for out in outs:
+    for out, offset in zip(outs, offsets, strict=True):
         assert 0 < out.ttft_s <= out.e2e_s < 0.2   # no request waited for another
+        assert out.arrival_s == pytest.approx(offset, abs=1e-9)
+    assert [o.arrival_s for o in together] == [0.0, 0.0, 0.0]   # all at once: at the start
     assert stats.total_time_s >= 0.6 and stats.num_requests == 3
     # One request at a time and idle gaps between them: on average fewer than one resident.
     assert 0 < stats.avg_resident < 0.5
