@@ -211,7 +211,8 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
     failure: list[PolicyConformanceError] = []
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), print_blob=False)
+              suppress_health_check=list(HealthCheck), print_blob=False,
+              report_multiple_bugs=False)
     @given(boundary_cases(**strategy_kwargs))
     def run(case: BoundaryCase) -> None:
         try:

@@ -378,3 +378,28 @@ def test_max_examples_is_checked_by_the_kit_not_by_hypothesis(value, error):
     for check in (check_policy, check_serving):
         with pytest.raises(error, match=rf"{check.__name__}: max_examples must be"):
             check(GrowPagePolicy(), max_examples=value)
+
+
+@attrs.define
+class TwoBugs(GrowPagePolicy):
+    """Two bugs at two lines: hypothesis finds both, and would report them as a group."""
+
+    name = "two-bugs"
+
+    def decide(self, ctx):
+        if ctx.num_pages >= 4:
+            return "grow"
+        return super().decide(ctx)
+
+    def select(self, ctx, keep):
+        if ctx.recent_window == 0:
+            raise ZeroDivisionError("no window")
+        return super().select(ctx, keep)
+
+
+def test_two_broken_rules_are_reported_as_one_conformance_error():
+    """Until 2026-12 hypothesis's report of several distinct failures (an ExceptionGroup) left
+    check_policy, and `growpage check` dumped it as a traceback."""
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(TwoBugs(), max_examples=40)
+    assert info.value.rule in ("valid-decision", "no-crash") and info.value.case is not None
