@@ -62,9 +62,22 @@ def _snapshot(ctx: Any) -> dict:   # the kit's contexts: a DenseKVView behind
     return {"state": copy.deepcopy(state), "tensors": {k: t.clone() for k, t in tensors.items()}}
 
 
-def _same(a: dict, b: dict) -> bool:
-    return a["state"] == b["state"] and a["tensors"].keys() == b["tensors"].keys() and all(
-        torch.equal(a["tensors"][k], b["tensors"][k]) for k in a["tensors"])
+# What a snapshot's tensors are, in the words a policy reaches them with.
+_VIEW_TENSORS = {"keys": "ctx.view.keys()", "positions": "ctx.view.positions()",
+                 "summaries": "the query summaries (ctx.view.query_state().short / .long)",
+                 "current": "the current query (ctx.view.query_state().current)",
+                 "acc": "ctx.view.accumulated_attention()"}
+
+
+def _changes(a: dict, b: dict) -> list[str]:
+    """What differs between two snapshots of a context, named as a policy reaches it."""
+    changed = [f"ctx.{k}" for k in a["state"].keys() | b["state"].keys()
+               if a["state"].get(k) != b["state"].get(k)]
+    for k in a["tensors"].keys() | b["tensors"].keys():
+        x, y = a["tensors"].get(k), b["tensors"].get(k)
+        if x is None or y is None or not torch.equal(x, y):
+            changed.append(_VIEW_TENSORS.get(k, k))
+    return sorted(changed)
 
 
 def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tensor]]:
@@ -80,8 +93,10 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
         if problem:
             raise PolicyConformanceError("exact-selection", f"keep={keep}: {problem}", case)
         selections.append(indices.clone())
-    if not _same(before, _snapshot(ctx)):
-        raise PolicyConformanceError("no-mutation", "the context or its view changed", case)
+    changed = _changes(before, _snapshot(ctx))
+    if changed:
+        raise PolicyConformanceError("no-mutation", "the context or its view changed: "
+                                     f"{', '.join(changed)}", case)
     changed = changed_signals(ctx, case.context())
     if changed:
         raise PolicyConformanceError("no-mutation", "a tensor the context returned was "

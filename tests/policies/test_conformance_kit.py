@@ -403,3 +403,31 @@ def test_two_broken_rules_are_reported_as_one_conformance_error():
     with pytest.raises(PolicyConformanceError) as info:
         check_policy(TwoBugs(), max_examples=40)
     assert info.value.rule in ("valid-decision", "no-crash") and info.value.case is not None
+
+
+@attrs.define
+class ChangesTheView(GrowPagePolicy):
+    """Changes one thing the context leads to, in place."""
+
+    name = "changes-the-view"
+    what: str = "keys"
+
+    def select(self, ctx, keep):
+        if self.what == "keys":
+            keys = ctx.view.keys()
+            keys /= keys.norm(dim=-1, keepdim=True) + 1.0
+        elif self.what == "queries":
+            ctx.view.query_state().short.mul_(2.0)
+        else:
+            ctx.num_free_pages += 1
+        return super().select(ctx, keep)
+
+
+@pytest.mark.parametrize("what, named", [
+    ("keys", "ctx.view.keys()"), ("queries", "query_state().short"),
+    ("facts", "ctx.num_free_pages")])
+def test_a_mutation_names_what_changed(what, named):
+    """Until 2026-12 the error said only "the context or its view changed"."""
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(ChangesTheView(what=what), max_examples=3, max_layers=1, max_pages=3)
+    assert info.value.rule == "no-mutation" and named in info.value.detail
