@@ -431,3 +431,59 @@ def test_a_mutation_names_what_changed(what, named):
     with pytest.raises(PolicyConformanceError) as info:
         check_policy(ChangesTheView(what=what), max_examples=3, max_layers=1, max_pages=3)
     assert info.value.rule == "no-mutation" and named in info.value.detail
+
+
+@attrs.define
+class RemembersTheFirstSize(GrowPagePolicy):
+    """Grows while a request holds the pages it had at its first boundary: state keyed by the
+    request id alone."""
+
+    name = "first-size"
+    first: dict = attrs.field(factory=dict)
+
+    def decide(self, ctx):
+        first = self.first.setdefault(ctx.request_id, ctx.num_pages)
+        return Decision.GROW if ctx.num_pages == first else Decision.COMPRESS
+
+
+@attrs.define
+class GrowsTheLongest(GrowPagePolicy):
+    """Grows a request only if no longer one was seen so far: state shared by all requests."""
+
+    name = "grows-the-longest"
+    longest: list = attrs.field(factory=lambda: [0])
+
+    def decide(self, ctx):
+        self.longest[0] = max(self.longest[0], ctx.num_tokens)
+        return Decision.GROW if ctx.num_tokens == self.longest[0] else Decision.COMPRESS
+
+
+@pytest.mark.parametrize("policy, saw", [
+    (RemembersTheFirstSize(), "an earlier boundary of the same request"),
+    (GrowsTheLongest(), "another request's boundary")], ids=str)
+def test_answers_that_depend_on_earlier_boundaries_are_not_deterministic(policy, saw):
+    """Until 2026-12 both passed: each boundary was answered twice by the same object, which
+    answers the same the second time, and other boundaries came after a boundary's decide."""
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(policy, max_examples=20)
+    assert info.value.rule == "deterministic"
+    assert f"first saw {saw}" in info.value.detail and "fresh copy" in info.value.detail
+
+
+@attrs.define
+class CachesDeltaByBoundary(GrowPagePolicy):
+    """A cache keyed by (request id, position), as the policy guide allows: conforms."""
+
+    name = "caches-delta"
+    cache: dict = attrs.field(factory=dict)
+
+    def decide(self, ctx):
+        key = (ctx.request_id, ctx.position)
+        if key not in self.cache:
+            self.cache[key] = ctx.delta()
+        return Decision.GROW if self.cache[key] > 0.0 else Decision.COMPRESS
+
+
+def test_a_cache_keyed_by_request_and_position_conforms():
+    check_policy(CachesDeltaByBoundary(), max_examples=20)
+
