@@ -121,12 +121,14 @@ def global_rngs_seeded(seed: int) -> Iterator[None]:
 
     NOTE: hypothesis reseeds them identically for every example, so without this a policy
     drawing from them makes the same draws on both runs of ``check_case`` and looks
-    deterministic."""
+    deterministic. Torch's CPU generator only (the kit's tensors are on the CPU):
+    ``torch.manual_seed`` would also seed the accelerators' generators, which ``fork_rng``
+    does not restore, and costs a stack capture per call where CUDA is not initialized."""
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         random.seed(seed)
         np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         try:
             yield
         finally:

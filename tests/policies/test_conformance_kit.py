@@ -487,3 +487,21 @@ class CachesDeltaByBoundary(GrowPagePolicy):
 def test_a_cache_keyed_by_request_and_position_conforms():
     check_policy(CachesDeltaByBoundary(), max_examples=20)
 
+
+def test_check_policy_leaves_the_accelerators_seed_as_it_found_it():
+    """The kit seeds torch's CPU generator only. Until 2026-12 it called torch.manual_seed,
+    which also seeds CUDA (queued until CUDA starts, where it has not) and is not restored:
+    a script's own torch.manual_seed then no longer decided its GPU draws."""
+    torch.manual_seed(7)
+    if torch.cuda.is_initialized():
+        before = torch.cuda.get_rng_state_all()
+        check_policy(GrowPagePolicy(), max_examples=3)
+        assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all(),
+                                                           strict=True))
+        return
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    if tracker is None:
+        pytest.skip("this torch queues CUDA seeds elsewhere")
+    queued = tracker.get_calls()
+    check_policy(GrowPagePolicy(), max_examples=3)
+    assert tracker.get_calls() == queued
