@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 from growpage._argtypes import positive_int
+
+if TYPE_CHECKING:
+    from growpage.testing.conformance import PolicyConformanceError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         except PolicyConformanceError as exc:
             print("FAILED")
             print(f"\n{exc}")
+            where = _policy_line(exc)
+            if where:
+                print(f"  raised at{where}")
             return 1
         print(f"ok ({time.perf_counter() - start:.1f} s)")
     skipped = "" if args.serving else " (serving rule skipped)"
@@ -75,3 +82,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: script mode (the default of `growpage sim serve`) cannot serve it: "
                   f"{problem}")
     return 0
+
+
+def _policy_line(exc: PolicyConformanceError) -> str:
+    """`` (file:line, in function)`` of the policy's own code that raised the exception behind
+    ``exc`` (a crash in ``decide``/``select``), as the other commands report a policy error;
+    ``""`` when the policy raised nothing or no frame of it is left."""
+    import pathlib
+    import sysconfig
+
+    from growpage.errors import raised_at
+
+    if exc.__cause__ is None:
+        return ""
+    growpage_dir = str(pathlib.Path(__file__).parents[1])
+    paths = sysconfig.get_paths()
+    return raised_at(exc, (growpage_dir, paths["purelib"], paths["stdlib"]))
