@@ -79,3 +79,4 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: script mode (the default of `growpage sim serve`) cannot serve it: "
                   f"{problem}")
     return 0
+

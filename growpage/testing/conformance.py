@@ -62,9 +62,22 @@ def _snapshot(ctx: Any) -> dict:   # the kit's contexts: a DenseKVView behind
     return {"state": copy.deepcopy(state), "tensors": {k: t.clone() for k, t in tensors.items()}}
 
 
-def _same(a: dict, b: dict) -> bool:
-    return a["state"] == b["state"] and a["tensors"].keys() == b["tensors"].keys() and all(
-        torch.equal(a["tensors"][k], b["tensors"][k]) for k in a["tensors"])
+# What a snapshot's tensors are, in the words a policy reaches them with.
+_VIEW_TENSORS = {"keys": "ctx.view.keys()", "positions": "ctx.view.positions()",
+                 "summaries": "the query summaries (ctx.view.query_state().short / .long)",
+                 "current": "the current query (ctx.view.query_state().current)",
+                 "acc": "ctx.view.accumulated_attention()"}
+
+
+def _changes(a: dict, b: dict) -> list[str]:
+    """What differs between two snapshots of a context, named as a policy reaches it."""
+    changed = [f"ctx.{k}" for k in a["state"].keys() | b["state"].keys()
+               if a["state"].get(k) != b["state"].get(k)]
+    for k in a["tensors"].keys() | b["tensors"].keys():
+        x, y = a["tensors"].get(k), b["tensors"].get(k)
+        if x is None or y is None or not torch.equal(x, y):
+            changed.append(_VIEW_TENSORS.get(k, k))
+    return sorted(changed)
 
 
 def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tensor]]:
@@ -80,8 +93,10 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
         if problem:
             raise PolicyConformanceError("exact-selection", f"keep={keep}: {problem}", case)
         selections.append(indices.clone())
-    if not _same(before, _snapshot(ctx)):
-        raise PolicyConformanceError("no-mutation", "the context or its view changed", case)
+    changed = _changes(before, _snapshot(ctx))
+    if changed:
+        raise PolicyConformanceError("no-mutation", "the context or its view changed: "
+                                     f"{', '.join(changed)}", case)
     changed = changed_signals(ctx, case.context())
     if changed:
         raise PolicyConformanceError("no-mutation", "a tensor the context returned was "
@@ -106,12 +121,14 @@ def global_rngs_seeded(seed: int) -> Iterator[None]:
 
     NOTE: hypothesis reseeds them identically for every example, so without this a policy
     drawing from them makes the same draws on both runs of ``check_case`` and looks
-    deterministic."""
+    deterministic. Torch's CPU generator only (the kit's tensors are on the CPU):
+    ``torch.manual_seed`` would also seed the accelerators' generators, which ``fork_rng``
+    does not restore, and costs a stack capture per call where CUDA is not initialized."""
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         random.seed(seed)
         np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         try:
             yield
         finally:
@@ -119,8 +136,12 @@ def global_rngs_seeded(seed: int) -> Iterator[None]:
             np.random.set_state(np_state)
 
 
-def check_case(policy: object, case: BoundaryCase) -> None:
-    """Check every rule on one boundary; raise ``PolicyConformanceError`` on the first broken."""
+def check_case(policy: object, case: BoundaryCase, pristine: object | None = None) -> None:
+    """Check every rule on one boundary; raise ``PolicyConformanceError`` on the first broken.
+
+    ``pristine``: a copy of the policy as it was built, before any call (``check_policy``
+    passes one); None copies ``policy`` as it is now."""
+    pristine = _copy(policy) if pristine is None else pristine
     try:  # the two runs see different global RNG states: the context alone must decide
         with global_rngs_seeded(case.seed):
             decision, selections = _run(policy, case)
@@ -138,6 +159,97 @@ def check_case(policy: object, case: BoundaryCase) -> None:
             raise PolicyConformanceError("deterministic", f"select(ctx, keep={keep}) chose "
                                          "different slots on the same context", case)
     _check_order(policy, case)
+    if pristine is not None:
+        _check_history(pristine, case)
+
+
+def _copy(policy: object) -> object | None:
+    """A deep copy of ``policy``, or None when it cannot be copied (no history check then)."""
+    try:
+        return copy.deepcopy(policy)
+    except Exception:  # noqa: BLE001 - a policy holding a lock, a file...: not a broken rule
+        return None
+
+
+def _check_history(pristine: object, case: BoundaryCase) -> None:
+    """``case``'s boundary on a fresh copy of the policy, then on another fresh copy that first
+    saw an earlier boundary of the same request and a boundary of another request: the answers
+    must be the same (``deterministic``: a function of the context, not of what came before).
+    Catches state keyed by request id alone (a per-request memo or counter) and state shared
+    by all requests (a running threshold); a cache keyed by ``(request_id, position)`` passes.
+    As in ``_check_order``, the other boundaries failing on their own is left to their example.
+    """
+    others = [("another request's boundary", attrs.evolve(case, seed=case.seed + 104729,
+                                                          num_pages=case.num_pages + 1), None)]
+    earlier = _earlier_boundary(case)
+    if earlier is not None:
+        others.insert(0, ("an earlier boundary of the same request", earlier,
+                          case.context().request_id))
+    seed = case.seed + 3
+    alone = _answers(_copy(pristine), case.context(), case, seed)
+    after = _answers_after(pristine, others, case, seed)
+    if after is None or _same_answers(alone, after):
+        return
+    if len(others) > 1:   # name the boundary that is enough to change the answer, if one is
+        for shown in (others[:1], others[1:]):
+            answers = _answers_after(pristine, shown, case, seed)
+            if answers is not None and not _same_answers(alone, answers):
+                others, after = shown, answers
+                break
+    saw = " and ".join(f"{label} (position {other.position})" for label, other, _ in others)
+    if after[0] is not alone[0]:
+        what = f"decided {alone[0]} on a fresh copy of the policy, {after[0]}"
+    else:
+        keep = next(k for k, a, b in zip(_keeps(case), alone[1], after[1], strict=True)
+                    if not _same_selection(a, b))
+        what = f"select(ctx, keep={keep}) chose other slots than on a fresh copy of the policy"
+    raise PolicyConformanceError(
+        "deterministic", f"{what} on a fresh copy that first saw {saw}: the answer depends "
+        "on what the policy saw before, not on the context alone; keep state only as a cache "
+        "keyed by (ctx.request_id, ctx.position)", case)
+
+
+def _earlier_boundary(case: BoundaryCase) -> BoundaryCase | None:
+    """A boundary of the same request at an earlier position (other content), or None at the
+    first boundary a request can have (``min_capacity`` pages, nothing evicted)."""
+    if case.num_pages > 2:
+        return attrs.evolve(case, seed=case.seed + 15485863, num_pages=case.num_pages - 1)
+    if case.gap >= case.page_size:
+        return attrs.evolve(case, seed=case.seed + 15485863, gap=case.gap - case.page_size)
+    return None
+
+
+def _answers(policy: object, ctx: BoundaryContext, case: BoundaryCase, seed: int
+             ) -> tuple[Any, list[Any]]:
+    """``decide`` and every ``select`` of ``case``'s boundary, each call with seeded RNGs."""
+    decision = _seeded(policy, "decide", ctx, case, seed)
+    return decision, [_seeded(policy, "select", ctx, case, seed + 1 + i, keep)
+                      for i, keep in enumerate(_keeps(case))]
+
+
+def _answers_after(pristine: object, others: list[tuple[str, BoundaryCase, Any]],
+                   case: BoundaryCase, seed: int) -> tuple[Any, list[Any]] | None:
+    """``_answers`` on a fresh copy of the policy that first answered ``others`` (a request id
+    given with one makes it a boundary of that request); None when one of them fails."""
+    policy = _copy(pristine)
+    try:
+        for i, (_, other, request_id) in enumerate(others):
+            ctx = other.context()
+            if request_id is not None:
+                ctx.request_id = request_id
+            _answers(policy, ctx, other, seed + 100 * (i + 1))
+    except PolicyConformanceError:
+        return None
+    return _answers(policy, case.context(), case, seed)
+
+
+def _same_answers(a: tuple[Any, list[Any]], b: tuple[Any, list[Any]]) -> bool:
+    return a[0] is b[0] and all(_same_selection(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+def _same_selection(a: Any, b: Any) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values))
 
 
 def _seeded(policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase, seed: int,
@@ -209,13 +321,15 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
     if getattr(policy, "needs_accumulated_attention", False):
         strategy_kwargs.setdefault("accumulated", True)
     failure: list[PolicyConformanceError] = []
+    pristine = _copy(policy)   # before any call: each example's history check copies it
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), print_blob=False)
+              suppress_health_check=list(HealthCheck), print_blob=False,
+              report_multiple_bugs=False)
     @given(boundary_cases(**strategy_kwargs))
     def run(case: BoundaryCase) -> None:
         try:
-            check_case(policy, case)
+            check_case(policy, case, pristine)
         except PolicyConformanceError as exc:
             failure[:] = [exc]
             raise

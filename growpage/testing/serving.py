@@ -170,7 +170,8 @@ def check_serving(policy: CapacityPolicy, max_examples: int = 15, **strategy_kwa
     failure: list[PolicyConformanceError] = []
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), print_blob=False)
+              suppress_health_check=list(HealthCheck), print_blob=False,
+              report_multiple_bugs=False)
     @given(serving_cases(**strategy_kwargs))
     def run(case: ServingCase) -> None:
         try:

@@ -26,6 +26,16 @@ BROKEN = textwrap.dedent("""
             return Decision.GROW if ctx.attention("longterm").sum() > 0 else Decision.COMPRESS
 
 
+    class SelectIndexesPastItsBuffer(CapacityPolicy):
+        name = "past-its-buffer"
+
+        def decide(self, ctx):
+            return Decision.COMPRESS
+
+        def select(self, ctx, keep):
+            return [0, 1, 2][keep]
+
+
     class CrashesOnTheThirdRequest(CapacityPolicy):
         '''Fine on any one boundary; a served workload's third request ("r2") breaks it.'''
 
@@ -184,3 +194,15 @@ def test_a_policy_script_mode_cannot_serve_passes_with_a_note(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "passes every rule checked\nnote: script mode (the default of `growpage sim serve`) " \
            "cannot serve it: SimulationError: policy 'crowded' read delta()" in out
+
+
+def test_a_crash_in_select_names_the_line_of_the_policy_that_raised(capsys, broken):
+    """As the other commands do for a policy error (until 2026-12 `check` printed only the
+    message: the author had to rerun it in Python to find the line)."""
+    assert main(["check", f"{broken}:SelectIndexesPastItsBuffer", "--examples", "5",
+                 "--no-serving"]) == 1
+    out = capsys.readouterr().out
+    assert "[no-crash]" in out and "IndexError" in out
+    line = next(i for i, text in enumerate(BROKEN.splitlines(), 1)
+                if text.strip() == "return [0, 1, 2][keep]")
+    assert f"\n  raised at {broken}:{line}, in select\n" in out

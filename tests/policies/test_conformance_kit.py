@@ -378,3 +378,130 @@ def test_max_examples_is_checked_by_the_kit_not_by_hypothesis(value, error):
     for check in (check_policy, check_serving):
         with pytest.raises(error, match=rf"{check.__name__}: max_examples must be"):
             check(GrowPagePolicy(), max_examples=value)
+
+
+@attrs.define
+class TwoBugs(GrowPagePolicy):
+    """Two bugs at two lines: hypothesis finds both, and would report them as a group."""
+
+    name = "two-bugs"
+
+    def decide(self, ctx):
+        if ctx.num_pages >= 4:
+            return "grow"
+        return super().decide(ctx)
+
+    def select(self, ctx, keep):
+        if ctx.recent_window == 0:
+            raise ZeroDivisionError("no window")
+        return super().select(ctx, keep)
+
+
+def test_two_broken_rules_are_reported_as_one_conformance_error():
+    """Until 2026-12 hypothesis's report of several distinct failures (an ExceptionGroup) left
+    check_policy, and `growpage check` dumped it as a traceback."""
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(TwoBugs(), max_examples=40)
+    assert info.value.rule in ("valid-decision", "no-crash") and info.value.case is not None
+
+
+@attrs.define
+class ChangesTheView(GrowPagePolicy):
+    """Changes one thing the context leads to, in place."""
+
+    name = "changes-the-view"
+    what: str = "keys"
+
+    def select(self, ctx, keep):
+        if self.what == "keys":
+            keys = ctx.view.keys()
+            keys /= keys.norm(dim=-1, keepdim=True) + 1.0
+        elif self.what == "queries":
+            ctx.view.query_state().short.mul_(2.0)
+        else:
+            ctx.num_free_pages += 1
+        return super().select(ctx, keep)
+
+
+@pytest.mark.parametrize("what, named", [
+    ("keys", "ctx.view.keys()"), ("queries", "query_state().short"),
+    ("facts", "ctx.num_free_pages")])
+def test_a_mutation_names_what_changed(what, named):
+    """Until 2026-12 the error said only "the context or its view changed"."""
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(ChangesTheView(what=what), max_examples=3, max_layers=1, max_pages=3)
+    assert info.value.rule == "no-mutation" and named in info.value.detail
+
+
+@attrs.define
+class RemembersTheFirstSize(GrowPagePolicy):
+    """Grows while a request holds the pages it had at its first boundary: state keyed by the
+    request id alone."""
+
+    name = "first-size"
+    first: dict = attrs.field(factory=dict)
+
+    def decide(self, ctx):
+        first = self.first.setdefault(ctx.request_id, ctx.num_pages)
+        return Decision.GROW if ctx.num_pages == first else Decision.COMPRESS
+
+
+@attrs.define
+class GrowsTheLongest(GrowPagePolicy):
+    """Grows a request only if no longer one was seen so far: state shared by all requests."""
+
+    name = "grows-the-longest"
+    longest: list = attrs.field(factory=lambda: [0])
+
+    def decide(self, ctx):
+        self.longest[0] = max(self.longest[0], ctx.num_tokens)
+        return Decision.GROW if ctx.num_tokens == self.longest[0] else Decision.COMPRESS
+
+
+@pytest.mark.parametrize("policy, saw", [
+    (RemembersTheFirstSize(), "an earlier boundary of the same request"),
+    (GrowsTheLongest(), "another request's boundary")], ids=str)
+def test_answers_that_depend_on_earlier_boundaries_are_not_deterministic(policy, saw):
+    """Until 2026-12 both passed: each boundary was answered twice by the same object, which
+    answers the same the second time, and other boundaries came after a boundary's decide."""
+    with pytest.raises(PolicyConformanceError) as info:
+        check_policy(policy, max_examples=20)
+    assert info.value.rule == "deterministic"
+    assert f"first saw {saw}" in info.value.detail and "fresh copy" in info.value.detail
+
+
+@attrs.define
+class CachesDeltaByBoundary(GrowPagePolicy):
+    """A cache keyed by (request id, position), as the policy guide allows: conforms."""
+
+    name = "caches-delta"
+    cache: dict = attrs.field(factory=dict)
+
+    def decide(self, ctx):
+        key = (ctx.request_id, ctx.position)
+        if key not in self.cache:
+            self.cache[key] = ctx.delta()
+        return Decision.GROW if self.cache[key] > 0.0 else Decision.COMPRESS
+
+
+def test_a_cache_keyed_by_request_and_position_conforms():
+    check_policy(CachesDeltaByBoundary(), max_examples=20)
+
+
+def test_check_policy_leaves_the_accelerators_seed_as_it_found_it():
+    """The kit seeds torch's CPU generator only. Until 2026-12 it called torch.manual_seed,
+    which also seeds CUDA (queued until CUDA starts, where it has not) and is not restored:
+    a script's own torch.manual_seed then no longer decided its GPU draws."""
+    torch.manual_seed(7)
+    if torch.cuda.is_initialized():
+        before = torch.cuda.get_rng_state_all()
+        check_policy(GrowPagePolicy(), max_examples=3)
+        assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all(),
+                                                           strict=True))
+        return
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    if tracker is None:
+        pytest.skip("this torch queues CUDA seeds elsewhere")
+    queued = tracker.get_calls()
+    check_policy(GrowPagePolicy(), max_examples=3)
+    assert tracker.get_calls() == queued
