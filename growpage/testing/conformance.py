@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -179,8 +179,9 @@ def _check_history(pristine: object, case: BoundaryCase) -> None:
     by all requests (a running threshold); a cache keyed by ``(request_id, position)`` passes.
     As in ``_check_order``, the other boundaries failing on their own is left to their example.
     """
-    others = [("another request's boundary", attrs.evolve(case, seed=case.seed + 104729,
-                                                          num_pages=case.num_pages + 1), None)]
+    others: list[tuple[str, BoundaryCase, Hashable | None]] = [
+        ("another request's boundary", attrs.evolve(case, seed=case.seed + 104729,
+                                                    num_pages=case.num_pages + 1), None)]
     earlier = _earlier_boundary(case)
     if earlier is not None:
         others.insert(0, ("an earlier boundary of the same request", earlier,
