@@ -191,13 +191,14 @@ def parse_policy_value(text: str) -> Any:
 def parse_policy_params(items: list[str], flag: str = "--param") -> dict[str, Any]:
     """``["key=value", ...]`` from a command line -> policy kwargs (``parse_policy_value``)."""
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}   # each key's text as given, for the error naming both
     for item in items:
         key, eq, value = item.partition("=")
         key = key.strip()   # "tau = 0.01", as spaces around the value are ignored
         if not eq or not key:
             raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
         if key in out:
-            raise ConfigError(f"{flag} {key} given twice ({key}={out[key]!r} and {item!r}); "
+            raise ConfigError(f"{flag} {key} given twice ({given[key]!r} and {item!r}); "
                               "give each hyperparameter once")
-        out[key] = parse_policy_value(value)
+        out[key], given[key] = parse_policy_value(value), item
     return out

@@ -111,7 +111,8 @@ def test_a_hyperparameter_given_twice_on_the_command_line_is_refused():
     from growpage.policies.registry import parse_policy_params
 
     assert parse_policy_params(["tau=0.1", "beta=2"]) == {"tau": 0.1, "beta": 2}
-    with pytest.raises(ConfigError, match=r"--param tau given twice \(tau=0.1 and 'tau=0.2'\)"):
+    with pytest.raises(ConfigError,
+                       match=r"--param tau given twice \('tau=0.1' and 'tau=0.2'\)"):
         parse_policy_params(["tau=0.1", "tau=0.2"])
 
 
