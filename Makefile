@@ -29,7 +29,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# Regenerates docs/results.md's CPU sections (not part of CI; ~50 min on 2 quiet cores).
+# Regenerates docs/results.md's CPU sections (not part of CI; ~60 min on 2 quiet cores).
 results: $(STAMP)
 	$(VENV)/bin/growpage demo
 	$(VENV)/bin/growpage sim replay --synthetic 16 --gen-len 8192 --policy growpage --signals --out results/signals
@@ -38,6 +38,7 @@ results: $(STAMP)
 	$(PY) benchmarks/sensitivity.py
 	$(PY) benchmarks/paper_scale.py
 	$(PY) benchmarks/sim_vs_engine.py
+	$(PY) benchmarks/sim_vs_engine.py --arrival-rate 0.5 --out results/sim_vs_engine_arrivals
 	$(PY) benchmarks/policies_engine.py --preset cpu
 
 # Re-records the 16 real SmolLM2 traces of results section 5 and analyses them, with the
