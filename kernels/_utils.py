@@ -128,6 +128,23 @@ def check_heads(num_heads: int, num_kv_heads: int) -> None:
         f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads (GQA)"
 
 
+def check_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """``v_cache`` laid out as ``k_cache``: the kernels address both with ``k_cache``'s strides."""
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), \
+        f"v_cache: expected k_cache's shape {tuple(k_cache.shape)} and strides " \
+        f"{k_cache.stride()}, got {tuple(v_cache.shape)} and {v_cache.stride()}"
+
+
+def check_written(t: torch.Tensor, name: str) -> None:
+    """A tensor a kernel writes holds each element once: a stride of 0 over a dimension of two
+    or more (an ``expand`` view) makes two programs' writes land on one address."""
+    if 0 in t.stride():  # NOTE: the common case costs this one test
+        for size, stride in zip(t.shape, t.stride(), strict=True):
+            assert stride != 0 or size < 2, \
+                f"{name}: written, so no element may alias another, got strides {t.stride()} " \
+                f"for shape {tuple(t.shape)} (an expanded view?)"
+
+
 def check_index(t: torch.Tensor, ndim: int, name: str) -> None:
     assert t.dim() == ndim, f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}"
     assert t.dtype in (torch.int32, torch.int64), f"{name}: int32/int64 expected, got {t.dtype}"

@@ -34,6 +34,7 @@ from ._utils import (
     check_float,
     check_heads,
     check_index,
+    check_written,
     default_block_n,
     dot_in_fp32,
     index_checks_on,
@@ -195,6 +196,7 @@ def accumulate_attention(
         f"acc: fp32 [{num_pages * page_size}, {num_kv_heads}] expected, got {acc.dtype} " \
         f"{tuple(acc.shape)}"
     assert acc.stride(1) == 1, "acc: heads contiguous"
+    check_written(acc, "acc")
     check_index(block_tables, 2, "block_tables")
     check_index(context_lens, 1, "context_lens")
     assert block_tables.shape[0] == context_lens.shape[0] == num_seqs, \

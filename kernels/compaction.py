@@ -39,6 +39,7 @@ from ._utils import (
     check_device,
     check_index,
     check_values,
+    check_written,
     default_block_n,
     first_repeat,
     first_true,
@@ -297,24 +298,32 @@ def compact_kv(
         staged: force the staging route (True) or the direct route (False); None picks direct
             unless ``is_direct_safe`` fails for some request (that check syncs with the GPU).
     """
+    assert kv_cache.dim() == 6 and kv_cache.shape[0] == 2, \
+        f"kv_cache: expected [2, L, num_pages, page_size, Hkv, d], got shape " \
+        f"{tuple(kv_cache.shape)}"
     num_layers, page_size, num_kv_heads, head_dim = (kv_cache.shape[1], *kv_cache.shape[3:])
-    assert kv_cache.dim() == 6 and kv_cache.shape[0] == 2, "kv_cache: [2, L, pages, page, Hkv, d]"
     assert kv_cache.stride(-1) == 1, "kv_cache: last dim contiguous"
+    check_written(kv_cache, "kv_cache")
     if accumulated is not None:
         expected = (num_layers, kv_cache.shape[2] * page_size, num_kv_heads)
         assert accumulated.dtype == torch.float32 and tuple(accumulated.shape) == expected, \
             f"accumulated: fp32 {expected} expected, got {accumulated.dtype} " \
             f"{tuple(accumulated.shape)}"
         assert accumulated.stride(2) == 1, "accumulated: heads contiguous"
+        check_written(accumulated, "accumulated")
         check_device(kv_cache, accumulated)
     check_index(block_tables, 2, "block_tables")
     check_index(keep, 4, "keep")
     num_reqs, num_keep = keep.shape[0], keep.shape[3]
-    assert keep.shape[1:3] == (num_layers, num_kv_heads), f"keep {tuple(keep.shape)} vs cache"
-    assert block_tables.shape[0] == num_reqs, "one block table per request"
+    assert keep.shape[1:3] == (num_layers, num_kv_heads), \
+        f"keep: expected [R, L={num_layers}, Hkv={num_kv_heads}, K] (the cache's), got shape " \
+        f"{tuple(keep.shape)}"
+    assert block_tables.shape[0] == num_reqs, \
+        f"block_tables: {block_tables.shape[0]} rows, keep has {num_reqs} requests"
     dst_tables = block_tables if dst_block_tables is None else dst_block_tables
     check_index(dst_tables, 2, "dst_block_tables")
-    assert dst_tables.shape[0] == num_reqs
+    assert dst_tables.shape[0] == num_reqs, \
+        f"dst_block_tables: {dst_tables.shape[0]} rows, keep has {num_reqs} requests"
     check_device(kv_cache, block_tables, dst_tables, keep)
     if index_checks_on():
         check_keep(kv_cache, block_tables, keep, dst_block_tables)

@@ -39,6 +39,8 @@ from ._utils import (
     check_float,
     check_heads,
     check_index,
+    check_kv_pair,
+    check_written,
     default_block_n,
     dot_in_fp32,
     index_checks_on,
@@ -215,7 +217,7 @@ def paged_decode_attention(
     check_float(q, "q")
     check_float(k_cache, "k_cache")
     assert q.stride(-1) == 1, "q: last dim contiguous"
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), "k/v differ"
+    check_kv_pair(k_cache, v_cache)
     assert k_cache.stride(-1) == 1, "k_cache/v_cache: last dim contiguous"
     assert k_cache.dtype == v_cache.dtype, f"k_cache {k_cache.dtype} vs v_cache {v_cache.dtype}"
     assert d_cache == head_dim, f"head dim: q has {head_dim}, the cache {d_cache}"
@@ -239,11 +241,14 @@ def paged_decode_attention(
     else:
         has_ema = True
         check_query_state_args(q_pre, query_state, slot_ids, is_first)
+        check_device(q, q_pre)  # the four EMA tensors are on one device (checked above)
         assert q_pre.shape == q.shape, f"q_pre {tuple(q_pre.shape)} vs q {tuple(q.shape)}"
         if is_first.dtype == torch.bool:
             is_first = is_first.to(torch.int32)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        check_written(out, "out")
     assert out.shape == q.shape and out.stride(-1) == 1, \
         f"out: expected {tuple(q.shape)} with a contiguous last dim, got {tuple(out.shape)}"
     check_float(out, "out")

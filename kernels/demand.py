@@ -235,13 +235,17 @@ def demand_attention(
         (its table and counts go to the device in one small copy).
     """
     check_index(block_table, 1, "block_table")
-    _, num_layers, _, _ = queries.shape
-    page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
-    assert 0 < num_candidates <= block_table.shape[0] * page_size, "num_candidates out of range"
+    check_demand_ranks(queries, 4, k_cache)
+    num_layers, page_size, num_kv_heads = queries.shape[1], k_cache.shape[2], k_cache.shape[3]
+    most = block_table.shape[0] * page_size
+    assert 0 < num_candidates <= most, \
+        f"num_candidates must lie in [1, {most}] (block_table width {block_table.shape[0]} x " \
+        f"page size {page_size}), got {num_candidates}"
     if num_splits is None:
         num_splits = demand_splits(num_candidates, num_layers, num_kv_heads, queries.device,
                                    block_n)
-    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}]"
+    assert 1 <= num_splits <= MAX_SPLITS, \
+        f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}"
     meta = torch.tensor([num_candidates, num_splits], dtype=torch.int32)
     table = torch.cat([block_table.to(torch.int32), meta.to(block_table.device)])[None]
     return _demand_attention_batch(queries[None], k_cache, table, block_table.shape[0],
@@ -279,6 +283,15 @@ def demand_attention_batch(
                                    max_splits, sm_scale, block_n, None)
 
 
+def check_demand_ranks(queries: torch.Tensor, ndim: int, k_cache: torch.Tensor) -> None:
+    shape = "[V, L, Hq, d]" if ndim == 4 else "[R, V, L, Hq, d]"
+    assert queries.dim() == ndim, \
+        f"queries: expected {shape}, got shape {tuple(queries.shape)}"
+    assert k_cache.dim() == 5, \
+        f"k_cache: expected [L, num_pages, page_size, Hkv, d] (all layers' keys), got shape " \
+        f"{tuple(k_cache.shape)}"
+
+
 def check_demand_tables(tables: torch.Tensor, meta_col: int, page_size: int, num_pages: int,
                         max_candidates: int, max_splits: int) -> None:
     """Each row's candidate count in ``[0, min(max_candidates, meta_col * page_size)]``, its
@@ -312,9 +325,12 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
     """``block_table``: ``demand_attention``'s, whose pages fill the one row of ``tables`` and
     whose candidate and split counts were checked on the host: its values are checked instead
     of the table's (before the cast to int32, which could wrap a large page id)."""
+    check_demand_ranks(queries, 5, k_cache)
     num_req, num_views, num_layers, num_heads, head_dim = queries.shape
     _, _, page_size, num_kv_heads, d_cache = k_cache.shape
-    assert k_cache.shape[0] == num_layers and d_cache == head_dim, "queries vs k_cache layout"
+    assert k_cache.shape[0] == num_layers and d_cache == head_dim, \
+        f"queries {tuple(queries.shape)} vs k_cache {tuple(k_cache.shape)}: expected the same " \
+        f"layer count L and head dim d"
     check_heads(num_heads, num_kv_heads)
     check_float(k_cache, "k_cache")
     check_float(queries, "queries")
@@ -324,10 +340,14 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
         check_block(block_n)
     check_index(tables, 2, "tables")
     assert tables.dtype == torch.int32, f"tables: int32 expected, got {tables.dtype}"
+    assert meta_col >= 0, f"meta_col must be >= 0, got {meta_col}"
     assert tables.shape[0] == num_req and tables.shape[1] >= meta_col + 2, \
         f"tables: expected [{num_req}, >= {meta_col + 2}], got {tuple(tables.shape)}"
-    assert 0 < max_candidates <= meta_col * page_size, "max_candidates out of range"
-    assert 1 <= max_splits <= MAX_SPLITS, f"max_splits must lie in [1, {MAX_SPLITS}]"
+    assert 0 < max_candidates <= meta_col * page_size, \
+        f"max_candidates must lie in [1, {meta_col * page_size}] (meta_col {meta_col} x page " \
+        f"size {page_size}), got {max_candidates}"
+    assert 1 <= max_splits <= MAX_SPLITS, \
+        f"max_splits must lie in [1, {MAX_SPLITS}], got {max_splits}"
     check_device(queries, k_cache, tables)
     # NOTE: no repeat checks: the tables are only read, and every write goes to the output and
     # scratch rows of the program's own (request, layer, head), so rows may share pages.

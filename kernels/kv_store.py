@@ -14,7 +14,9 @@ from ._utils import (
     check_distinct,
     check_float,
     check_index,
+    check_kv_pair,
     check_values,
+    check_written,
     index_checks_on,
     next_pow2,
     vector_warps,
@@ -77,7 +79,8 @@ def store_kv(
     assert k_cache.dtype == v_cache.dtype, f"k_cache {k_cache.dtype} vs v_cache {v_cache.dtype}"
     assert value.shape == key.shape, f"value {tuple(value.shape)} vs key {tuple(key.shape)}"
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "key/value: last dim contiguous"
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), "k/v differ"
+    check_kv_pair(k_cache, v_cache)
+    check_written(k_cache, "k_cache")
     assert k_cache.dim() == 4 and k_cache.stride(-1) == 1, "cache: [num_pages, page_size, Hkv, d]"
     assert k_cache.shape[2:] == key.shape[1:], f"cache {tuple(k_cache.shape)} vs {tuple(key.shape)}"
     check_index(slot_mapping, 1, "slot_mapping")
