@@ -18,7 +18,7 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from ._utils import set_index_checks, without_index_checks  # noqa: E402
+from ._utils import KernelInputError, set_index_checks, without_index_checks  # noqa: E402
 from .accumulate import accumulate_attention  # noqa: E402
 from .boundary_queries import boundary_queries, boundary_queries_batch  # noqa: E402
 from .compaction import compact_kv, is_direct_safe  # noqa: E402
@@ -38,6 +38,7 @@ __all__ = [
     "BETA_LONG",
     "BETA_SHORT",
     "DemandSignals",
+    "KernelInputError",
     "accumulate_attention",
     "boundary_queries",
     "boundary_queries_batch",

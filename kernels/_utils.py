@@ -99,40 +99,53 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and is_interpreter())
 
 
+class KernelInputError(ValueError, AssertionError):
+    """A launch wrapper refused its arguments (shape, dtype, stride, device or index values).
+
+    A ``ValueError``; also an ``AssertionError``, which these checks raised until 2026-12-01 as
+    ``assert`` statements (gone under ``python -O``, which then let a bad shape reach a kernel
+    that reads past its tensors)."""
+
+
 def check_device(*tensors: torch.Tensor) -> None:
     """All tensors on one device; CPU tensors only under the interpreter."""
     device = tensors[0].device
     for t in tensors:
-        assert t.device == device, f"tensors on different devices: {t.device} vs {device}"
+        if t.device != device:
+            raise KernelInputError(f"tensors on different devices: {t.device} vs {device}")
     if device.type == "cpu":
-        assert _INTERPRETER, "Triton kernels on CPU tensors need TRITON_INTERPRET=1"
+        if not _INTERPRETER:
+            raise KernelInputError("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_float(t: torch.Tensor, name: str) -> None:
-    assert t.dtype in FLOAT_DTYPES, f"{name}: fp32/fp16/bf16 expected, got {t.dtype}"
+    if t.dtype not in FLOAT_DTYPES:
+        raise KernelInputError(f"{name}: fp32/fp16/bf16 expected, got {t.dtype}")
 
 
 def check_block(block_n: int, name: str = "block_n", dot: bool = True) -> None:
     """A tile width given by the caller: ``tl.arange`` needs a power of two, and a ``tl.dot``
     operand (``dot``) at least ``MIN_DOT_DIM`` rows when compiled."""
     least = MIN_DOT_DIM if dot and not _INTERPRETER else 1
-    assert block_n >= least and block_n & (block_n - 1) == 0, \
-        f"{name} must be a power of two >= {least}, got {block_n}"
+    if not (block_n >= least and block_n & (block_n - 1) == 0):
+        raise KernelInputError(f"{name} must be a power of two >= {least}, got {block_n}")
 
 
 def check_heads(num_heads: int, num_kv_heads: int) -> None:
-    assert num_kv_heads > 0 and num_heads % num_kv_heads == 0, \
-        f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads (GQA)"
+    if not (num_kv_heads > 0 and num_heads % num_kv_heads == 0):
+        raise KernelInputError(
+            f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads (GQA)")
 
 
 def check_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """``v_cache`` laid out as ``k_cache``: the kernels address both with ``k_cache``'s strides."""
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), \
-        f"v_cache: expected k_cache's shape {tuple(k_cache.shape)} and strides " \
-        f"{k_cache.stride()}, got {tuple(v_cache.shape)} and {v_cache.stride()}"
+    if not (k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()):
+        raise KernelInputError(
+            f"v_cache: expected k_cache's shape {tuple(k_cache.shape)} and strides "
+            f"{k_cache.stride()}, got {tuple(v_cache.shape)} and {v_cache.stride()}")
 
 
 def check_written(t: torch.Tensor, name: str) -> None:
@@ -140,15 +153,19 @@ def check_written(t: torch.Tensor, name: str) -> None:
     or more (an ``expand`` view) makes two programs' writes land on one address."""
     if 0 in t.stride():  # NOTE: the common case costs this one test
         for size, stride in zip(t.shape, t.stride(), strict=True):
-            assert stride != 0 or size < 2, \
-                f"{name}: written, so no element may alias another, got strides {t.stride()} " \
-                f"for shape {tuple(t.shape)} (an expanded view?)"
+            if not (stride != 0 or size < 2):
+                raise KernelInputError(
+                    f"{name}: written, so no element may alias another, got strides {t.stride()} "
+                    f"for shape {tuple(t.shape)} (an expanded view?)")
 
 
 def check_index(t: torch.Tensor, ndim: int, name: str) -> None:
-    assert t.dim() == ndim, f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}"
-    assert t.dtype in (torch.int32, torch.int64), f"{name}: int32/int64 expected, got {t.dtype}"
-    assert t.stride(-1) == 1, f"{name}: last dimension must be contiguous"
+    if t.dim() != ndim:
+        raise KernelInputError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise KernelInputError(f"{name}: int32/int64 expected, got {t.dtype}")
+    if t.stride(-1) != 1:
+        raise KernelInputError(f"{name}: last dimension must be contiguous")
 
 
 def num_sms(device: torch.device) -> int:
@@ -239,7 +256,7 @@ def check_values(
     where: Callable[[], torch.Tensor] | None = None,
     label: Callable[[tuple[int, ...]], str] | None = None,
     note: Callable[[tuple[int, ...]], str] | None = None,
-    exc: type[Exception] = AssertionError,
+    exc: type[Exception] = KernelInputError,
 ) -> None:
     """Raise ``exc`` naming the first value of ``t`` outside ``[low, high)`` (``high`` None: no
     upper bound), its index and ``expected`` (the valid values, in words).
@@ -324,7 +341,7 @@ def check_distinct(
     where: Callable[[], torch.Tensor] | None = None,
     label: Callable[[tuple[int, ...]], str] | None = None,
     note: Callable[[tuple[int, ...], tuple[int, ...]], str] | None = None,
-    exc: type[Exception] = AssertionError,
+    exc: type[Exception] = KernelInputError,
 ) -> None:
     """Raise ``exc`` naming the first value >= 0 that two entries of ``t`` hold (an index two
     programs would write through), the two entries and ``expected`` (in words).

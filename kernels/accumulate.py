@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ._utils import (
     MIN_DOT_DIM,
+    KernelInputError,
     check_block,
     check_block_tables,
     check_context_lens,
@@ -180,32 +181,40 @@ def accumulate_attention(
         sm_scale: softmax scale, default ``d ** -0.5``.
         lse: optional ``[B, Hq]`` fp32 natural-log log-sum-exp of each row (skips a pass).
     """
-    assert q.dim() == 3 and k_cache.dim() == 4, \
-        f"q [B, Hq, d] and k_cache [num_pages, page_size, Hkv, d] expected, got shapes " \
-        f"{tuple(q.shape)} and {tuple(k_cache.shape)}"
+    if not (q.dim() == 3 and k_cache.dim() == 4):
+        raise KernelInputError(
+            f"q [B, Hq, d] and k_cache [num_pages, page_size, Hkv, d] expected, got shapes "
+            f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
     num_seqs, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, d_cache = k_cache.shape
     check_float(q, "q")
     check_float(k_cache, "k_cache")
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "q, k_cache: last dim contiguous"
-    assert d_cache == head_dim, f"head dim: q has {head_dim}, the cache {d_cache}"
+    if not (q.stride(-1) == 1 and k_cache.stride(-1) == 1):
+        raise KernelInputError("q, k_cache: last dim contiguous")
+    if d_cache != head_dim:
+        raise KernelInputError(f"head dim: q has {head_dim}, the cache {d_cache}")
     check_heads(num_heads, num_kv_heads)
     if block_n is not None:
         check_block(block_n)
-    assert acc.dtype == torch.float32 and acc.shape == (num_pages * page_size, num_kv_heads), \
-        f"acc: fp32 [{num_pages * page_size}, {num_kv_heads}] expected, got {acc.dtype} " \
-        f"{tuple(acc.shape)}"
-    assert acc.stride(1) == 1, "acc: heads contiguous"
+    if not (acc.dtype == torch.float32 and acc.shape == (num_pages * page_size, num_kv_heads)):
+        raise KernelInputError(
+            f"acc: fp32 [{num_pages * page_size}, {num_kv_heads}] expected, got {acc.dtype} "
+            f"{tuple(acc.shape)}")
+    if acc.stride(1) != 1:
+        raise KernelInputError("acc: heads contiguous")
     check_written(acc, "acc")
     check_index(block_tables, 2, "block_tables")
     check_index(context_lens, 1, "context_lens")
-    assert block_tables.shape[0] == context_lens.shape[0] == num_seqs, \
-        f"block_tables {tuple(block_tables.shape)} and context_lens " \
-        f"{tuple(context_lens.shape)} need one row per query ({num_seqs})"
+    if not (block_tables.shape[0] == context_lens.shape[0] == num_seqs):
+        raise KernelInputError(
+            f"block_tables {tuple(block_tables.shape)} and context_lens "
+            f"{tuple(context_lens.shape)} need one row per query ({num_seqs})")
     if lse is not None:
-        assert lse.shape == (num_seqs, num_heads) and lse.dtype == torch.float32, \
-            f"lse: fp32 {(num_seqs, num_heads)} expected, got {lse.dtype} {tuple(lse.shape)}"
-        assert lse.stride(1) == 1, "lse: last dim contiguous"
+        if not (lse.shape == (num_seqs, num_heads) and lse.dtype == torch.float32):
+            raise KernelInputError(
+                f"lse: fp32 {(num_seqs, num_heads)} expected, got {lse.dtype} {tuple(lse.shape)}")
+        if lse.stride(1) != 1:
+            raise KernelInputError("lse: last dim contiguous")
         check_device(q, k_cache, block_tables, context_lens, acc, lse)
     else:
         check_device(q, k_cache, block_tables, context_lens, acc)

@@ -32,7 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import at, cdiv, check_device, check_values, index_checks_on, next_pow2
+from ._utils import (
+    KernelInputError,
+    at,
+    cdiv,
+    check_device,
+    check_values,
+    index_checks_on,
+    next_pow2,
+)
 
 NUM_VIEWS = 2
 # Elements of one [BLOCK_H, BLOCK_D] tile: bounds the heads per program for large head dims.
@@ -104,21 +112,21 @@ def _check_args(summaries: torch.Tensor, current: torch.Tensor, inv_freq: torch.
     for name, t, ndim in (("summaries", summaries, 5), ("current", current, 4),
                           ("inv_freq", inv_freq, 1)):
         if t.dim() != ndim:
-            raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+            raise KernelInputError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
         if t.dtype != torch.float32:
-            raise ValueError(f"{name}: expected torch.float32, got {t.dtype}")
+            raise KernelInputError(f"{name}: expected torch.float32, got {t.dtype}")
         if t.numel() and t.stride(-1) != 1:
-            raise ValueError(f"{name}: last dimension must be contiguous")
+            raise KernelInputError(f"{name}: last dimension must be contiguous")
     num_layers, num_slots, num_views, num_heads, head_dim = summaries.shape
     if num_views != NUM_VIEWS:
-        raise ValueError(f"summaries: expected [L, M, 2, Hq, d], got shape {tuple(summaries.shape)}")
+        raise KernelInputError(f"summaries: expected [L, M, 2, Hq, d], got shape {tuple(summaries.shape)}")
     if current.shape != (num_layers, num_slots, num_heads, head_dim):
-        raise ValueError(f"current: expected shape {(num_layers, num_slots, num_heads, head_dim)} "
+        raise KernelInputError(f"current: expected shape {(num_layers, num_slots, num_heads, head_dim)} "
                          f"([L, M, Hq, d] of summaries), got {tuple(current.shape)}")
     if head_dim == 0 or head_dim % 2:
-        raise ValueError(f"head dim must be even and > 0, got {head_dim}")
+        raise KernelInputError(f"head dim must be even and > 0, got {head_dim}")
     if inv_freq.shape[0] != head_dim // 2:
-        raise ValueError(f"inv_freq: expected length d/2 = {head_dim // 2}, "
+        raise KernelInputError(f"inv_freq: expected length d/2 = {head_dim // 2}, "
                          f"got {inv_freq.shape[0]}")
     check_device(summaries, current, inv_freq)
 
@@ -139,7 +147,7 @@ def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, 
     Returns:
         ``[2, L, Hq, d]`` fp32, equal to ``rope_at(cfg, rms_calibrate(s, cur), position)`` for
         ``s`` = short and long summary. Raises ``ValueError`` on bad shapes, dtypes, slot,
-        position or head dim (AssertionError from ``check_device`` on a device mismatch). One
+        position or head dim (``KernelInputError`` from ``check_device`` on a device mismatch). One
         request of ``boundary_queries_batch`` (slot and position go to the device in one small
         copy).
     """
@@ -147,11 +155,11 @@ def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, 
     slot, position = operator.index(slot), operator.index(position)
     num_slots = summaries.shape[1]
     if not 0 <= slot < num_slots:
-        raise ValueError(f"slot {slot} out of range [0, {num_slots})")
+        raise KernelInputError(f"slot {slot} out of range [0, {num_slots})")
     if position < 0:
-        raise ValueError(f"position must be >= 0, got {position}")
+        raise KernelInputError(f"position must be >= 0, got {position}")
     if position >= 2**31:
-        raise ValueError(f"position must be < 2**31 (an int32 on the device), got {position}")
+        raise KernelInputError(f"position must be < 2**31 (an int32 on the device), got {position}")
     meta = torch.tensor([[slot, position]], dtype=torch.int32).to(summaries.device)
     return _boundary_queries_batch(summaries, current, meta, 0, inv_freq, eps, False)[0]
 
@@ -188,10 +196,13 @@ def _boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta
     """``check``: read ``meta``'s values (``boundary_queries`` checked its slot and position on
     the host)."""
     _check_args(summaries, current, inv_freq)
-    assert meta.dim() == 2 and meta.dtype == torch.int32 and meta.stride(-1) == 1, \
-        f"meta: expected a row-contiguous [R, W] int32 tensor, got {meta.dtype} {tuple(meta.shape)}"
-    assert meta_col >= 0, f"meta_col must be >= 0, got {meta_col}"
-    assert meta.shape[1] >= meta_col + 2, f"meta: {meta.shape[1]} columns, need {meta_col + 2}"
+    if not (meta.dim() == 2 and meta.dtype == torch.int32 and meta.stride(-1) == 1):
+        raise KernelInputError(f"meta: expected a row-contiguous [R, W] int32 tensor, got "
+                               f"{meta.dtype} {tuple(meta.shape)}")
+    if meta_col < 0:
+        raise KernelInputError(f"meta_col must be >= 0, got {meta_col}")
+    if meta.shape[1] < meta_col + 2:
+        raise KernelInputError(f"meta: {meta.shape[1]} columns, need {meta_col + 2}")
     check_device(summaries, meta)
     # NOTE: no repeat check: a slot is only read, each request writes its own output row, so
     # two requests may read one slot.

@@ -34,6 +34,7 @@ import triton.language as tl
 from ._utils import (
     STRIDE_ALIGN,
     TILE_BYTES,
+    KernelInputError,
     at,
     cdiv,
     check_device,
@@ -204,7 +205,7 @@ def check_keep(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.T
         index = first_true((this >= 0) & ((prev < 0) | (this <= prev)))
         if index is not None:
             after = (*index[:3], index[3] + 1)
-            raise AssertionError(
+            raise KernelInputError(
                 f"{at('keep', after)} = {int(keep[after])} after {at('keep', index)} = "
                 f"{int(keep[index])}: expected each row of keep strictly ascending, then -1 "
                 f"padding at its end")
@@ -230,7 +231,7 @@ def check_keep(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.T
         page = table[rows, column].long()
         index = first_true(kept & ((page < -1) | (page >= num_pages)))
         if index is not None:
-            raise AssertionError(
+            raise KernelInputError(
                 f"{at(name, (index[0], int(column[index])))} = {int(page[index])} ({what} "
                 f"{at('keep', index)} = {int(keep[index])}): expected {page_range(num_pages)}")
 
@@ -260,7 +261,7 @@ def check_destinations(kv_cache: torch.Tensor, keep: torch.Tensor, dst_tables: t
     if found is None:
         return
     (r1, layer, head, c1), (r2, _, _, c2) = found
-    raise AssertionError(
+    raise KernelInputError(
         f"{at(name, (r1, c1))} = {at(name, (r2, c2))} = {int(dst_tables[r1, c1])} (the "
         f"destination page of {at('keep', (r1, layer, head, c1 * page_size))} and "
         f"{at('keep', (r2, layer, head, c2 * page_size))}): expected each destination page at "
@@ -298,32 +299,39 @@ def compact_kv(
         staged: force the staging route (True) or the direct route (False); None picks direct
             unless ``is_direct_safe`` fails for some request (that check syncs with the GPU).
     """
-    assert kv_cache.dim() == 6 and kv_cache.shape[0] == 2, \
-        f"kv_cache: expected [2, L, num_pages, page_size, Hkv, d], got shape " \
-        f"{tuple(kv_cache.shape)}"
+    if not (kv_cache.dim() == 6 and kv_cache.shape[0] == 2):
+        raise KernelInputError(
+            f"kv_cache: expected [2, L, num_pages, page_size, Hkv, d], got shape "
+            f"{tuple(kv_cache.shape)}")
     num_layers, page_size, num_kv_heads, head_dim = (kv_cache.shape[1], *kv_cache.shape[3:])
-    assert kv_cache.stride(-1) == 1, "kv_cache: last dim contiguous"
+    if kv_cache.stride(-1) != 1:
+        raise KernelInputError("kv_cache: last dim contiguous")
     check_written(kv_cache, "kv_cache")
     if accumulated is not None:
         expected = (num_layers, kv_cache.shape[2] * page_size, num_kv_heads)
-        assert accumulated.dtype == torch.float32 and tuple(accumulated.shape) == expected, \
-            f"accumulated: fp32 {expected} expected, got {accumulated.dtype} " \
-            f"{tuple(accumulated.shape)}"
-        assert accumulated.stride(2) == 1, "accumulated: heads contiguous"
+        if not (accumulated.dtype == torch.float32 and tuple(accumulated.shape) == expected):
+            raise KernelInputError(
+                f"accumulated: fp32 {expected} expected, got {accumulated.dtype} "
+                f"{tuple(accumulated.shape)}")
+        if accumulated.stride(2) != 1:
+            raise KernelInputError("accumulated: heads contiguous")
         check_written(accumulated, "accumulated")
         check_device(kv_cache, accumulated)
     check_index(block_tables, 2, "block_tables")
     check_index(keep, 4, "keep")
     num_reqs, num_keep = keep.shape[0], keep.shape[3]
-    assert keep.shape[1:3] == (num_layers, num_kv_heads), \
-        f"keep: expected [R, L={num_layers}, Hkv={num_kv_heads}, K] (the cache's), got shape " \
-        f"{tuple(keep.shape)}"
-    assert block_tables.shape[0] == num_reqs, \
-        f"block_tables: {block_tables.shape[0]} rows, keep has {num_reqs} requests"
+    if keep.shape[1:3] != (num_layers, num_kv_heads):
+        raise KernelInputError(
+            f"keep: expected [R, L={num_layers}, Hkv={num_kv_heads}, K] (the cache's), got shape "
+            f"{tuple(keep.shape)}")
+    if block_tables.shape[0] != num_reqs:
+        raise KernelInputError(
+            f"block_tables: {block_tables.shape[0]} rows, keep has {num_reqs} requests")
     dst_tables = block_tables if dst_block_tables is None else dst_block_tables
     check_index(dst_tables, 2, "dst_block_tables")
-    assert dst_tables.shape[0] == num_reqs, \
-        f"dst_block_tables: {dst_tables.shape[0]} rows, keep has {num_reqs} requests"
+    if dst_tables.shape[0] != num_reqs:
+        raise KernelInputError(
+            f"dst_block_tables: {dst_tables.shape[0]} rows, keep has {num_reqs} requests")
     check_device(kv_cache, block_tables, dst_tables, keep)
     if index_checks_on():
         check_keep(kv_cache, block_tables, keep, dst_block_tables)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ._utils import (
     MIN_DOT_DIM,
+    KernelInputError,
     check_block,
     check_block_tables,
     check_context_lens,
@@ -209,48 +210,59 @@ def paged_decode_attention(
     Returns:
         ``[B, Hq, d]`` attention output.
     """
-    assert q.dim() == 3, f"q: expected [B, Hq, d], got shape {tuple(q.shape)}"
-    assert k_cache.dim() == 4, f"k_cache: expected [num_pages, page_size, Hkv, d], got shape " \
-        f"{tuple(k_cache.shape)}"
+    if q.dim() != 3:
+        raise KernelInputError(f"q: expected [B, Hq, d], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise KernelInputError(
+            f"k_cache: expected [num_pages, page_size, Hkv, d], got shape "
+            f"{tuple(k_cache.shape)}")
     num_seqs, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, d_cache = k_cache.shape
     check_float(q, "q")
     check_float(k_cache, "k_cache")
-    assert q.stride(-1) == 1, "q: last dim contiguous"
+    if q.stride(-1) != 1:
+        raise KernelInputError("q: last dim contiguous")
     check_kv_pair(k_cache, v_cache)
-    assert k_cache.stride(-1) == 1, "k_cache/v_cache: last dim contiguous"
-    assert k_cache.dtype == v_cache.dtype, f"k_cache {k_cache.dtype} vs v_cache {v_cache.dtype}"
-    assert d_cache == head_dim, f"head dim: q has {head_dim}, the cache {d_cache}"
+    if k_cache.stride(-1) != 1:
+        raise KernelInputError("k_cache/v_cache: last dim contiguous")
+    if k_cache.dtype != v_cache.dtype:
+        raise KernelInputError(f"k_cache {k_cache.dtype} vs v_cache {v_cache.dtype}")
+    if d_cache != head_dim:
+        raise KernelInputError(f"head dim: q has {head_dim}, the cache {d_cache}")
     check_heads(num_heads, num_kv_heads)
     check_index(block_tables, 2, "block_tables")
     check_index(context_lens, 1, "context_lens")
-    assert block_tables.shape[0] == context_lens.shape[0] == num_seqs, \
-        f"block_tables {tuple(block_tables.shape)} and context_lens " \
-        f"{tuple(context_lens.shape)} need one row per query ({num_seqs})"
+    if not (block_tables.shape[0] == context_lens.shape[0] == num_seqs):
+        raise KernelInputError(
+            f"block_tables {tuple(block_tables.shape)} and context_lens "
+            f"{tuple(context_lens.shape)} need one row per query ({num_seqs})")
     check_device(q, k_cache, v_cache, block_tables, context_lens)
     # NOTE: everything is checked before the launch: the fused EMA writes the query state.
     if num_splits is not None:
-        assert 1 <= num_splits <= MAX_SPLITS, \
-            f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}"
+        if not (1 <= num_splits <= MAX_SPLITS):
+            raise KernelInputError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
     if block_n is not None:
         check_block(block_n)
     if q_pre is None or query_state is None or slot_ids is None or is_first is None:
-        assert q_pre is query_state is slot_ids is is_first is None, "EMA args: all or none"
+        if not (q_pre is query_state is slot_ids is is_first is None):
+            raise KernelInputError("EMA args: all or none")
         has_ema = False
         q_pre, query_state, slot_ids, is_first = q, q, context_lens, context_lens  # unused
     else:
         has_ema = True
         check_query_state_args(q_pre, query_state, slot_ids, is_first)
         check_device(q, q_pre)  # the four EMA tensors are on one device (checked above)
-        assert q_pre.shape == q.shape, f"q_pre {tuple(q_pre.shape)} vs q {tuple(q.shape)}"
+        if q_pre.shape != q.shape:
+            raise KernelInputError(f"q_pre {tuple(q_pre.shape)} vs q {tuple(q.shape)}")
         if is_first.dtype == torch.bool:
             is_first = is_first.to(torch.int32)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
         check_written(out, "out")
-    assert out.shape == q.shape and out.stride(-1) == 1, \
-        f"out: expected {tuple(q.shape)} with a contiguous last dim, got {tuple(out.shape)}"
+    if not (out.shape == q.shape and out.stride(-1) == 1):
+        raise KernelInputError(
+            f"out: expected {tuple(q.shape)} with a contiguous last dim, got {tuple(out.shape)}")
     check_float(out, "out")
     check_device(q, out)
     if index_checks_on():

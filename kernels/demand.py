@@ -32,6 +32,7 @@ from ._utils import (
     MIN_DOT_DIM,
     STRIDE_ALIGN,
     TILE_BYTES,
+    KernelInputError,
     at,
     cdiv,
     check_block,
@@ -238,14 +239,15 @@ def demand_attention(
     check_demand_ranks(queries, 4, k_cache)
     num_layers, page_size, num_kv_heads = queries.shape[1], k_cache.shape[2], k_cache.shape[3]
     most = block_table.shape[0] * page_size
-    assert 0 < num_candidates <= most, \
-        f"num_candidates must lie in [1, {most}] (block_table width {block_table.shape[0]} x " \
-        f"page size {page_size}), got {num_candidates}"
+    if not (0 < num_candidates <= most):
+        raise KernelInputError(
+            f"num_candidates must lie in [1, {most}] (block_table width {block_table.shape[0]} x "
+            f"page size {page_size}), got {num_candidates}")
     if num_splits is None:
         num_splits = demand_splits(num_candidates, num_layers, num_kv_heads, queries.device,
                                    block_n)
-    assert 1 <= num_splits <= MAX_SPLITS, \
-        f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}"
+    if not (1 <= num_splits <= MAX_SPLITS):
+        raise KernelInputError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
     meta = torch.tensor([num_candidates, num_splits], dtype=torch.int32)
     table = torch.cat([block_table.to(torch.int32), meta.to(block_table.device)])[None]
     return _demand_attention_batch(queries[None], k_cache, table, block_table.shape[0],
@@ -285,11 +287,12 @@ def demand_attention_batch(
 
 def check_demand_ranks(queries: torch.Tensor, ndim: int, k_cache: torch.Tensor) -> None:
     shape = "[V, L, Hq, d]" if ndim == 4 else "[R, V, L, Hq, d]"
-    assert queries.dim() == ndim, \
-        f"queries: expected {shape}, got shape {tuple(queries.shape)}"
-    assert k_cache.dim() == 5, \
-        f"k_cache: expected [L, num_pages, page_size, Hkv, d] (all layers' keys), got shape " \
-        f"{tuple(k_cache.shape)}"
+    if queries.dim() != ndim:
+        raise KernelInputError(f"queries: expected {shape}, got shape {tuple(queries.shape)}")
+    if k_cache.dim() != 5:
+        raise KernelInputError(
+            f"k_cache: expected [L, num_pages, page_size, Hkv, d] (all layers' keys), got shape "
+            f"{tuple(k_cache.shape)}")
 
 
 def check_demand_tables(tables: torch.Tensor, meta_col: int, page_size: int, num_pages: int,
@@ -328,26 +331,31 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
     check_demand_ranks(queries, 5, k_cache)
     num_req, num_views, num_layers, num_heads, head_dim = queries.shape
     _, _, page_size, num_kv_heads, d_cache = k_cache.shape
-    assert k_cache.shape[0] == num_layers and d_cache == head_dim, \
-        f"queries {tuple(queries.shape)} vs k_cache {tuple(k_cache.shape)}: expected the same " \
-        f"layer count L and head dim d"
+    if not (k_cache.shape[0] == num_layers and d_cache == head_dim):
+        raise KernelInputError(
+            f"queries {tuple(queries.shape)} vs k_cache {tuple(k_cache.shape)}: expected the same "
+            f"layer count L and head dim d")
     check_heads(num_heads, num_kv_heads)
     check_float(k_cache, "k_cache")
     check_float(queries, "queries")
-    assert queries.stride(-1) == 1 and k_cache.stride(-1) == 1, \
-        "queries, k_cache: last dim contiguous"
+    if not (queries.stride(-1) == 1 and k_cache.stride(-1) == 1):
+        raise KernelInputError("queries, k_cache: last dim contiguous")
     if block_n is not None:
         check_block(block_n)
     check_index(tables, 2, "tables")
-    assert tables.dtype == torch.int32, f"tables: int32 expected, got {tables.dtype}"
-    assert meta_col >= 0, f"meta_col must be >= 0, got {meta_col}"
-    assert tables.shape[0] == num_req and tables.shape[1] >= meta_col + 2, \
-        f"tables: expected [{num_req}, >= {meta_col + 2}], got {tuple(tables.shape)}"
-    assert 0 < max_candidates <= meta_col * page_size, \
-        f"max_candidates must lie in [1, {meta_col * page_size}] (meta_col {meta_col} x page " \
-        f"size {page_size}), got {max_candidates}"
-    assert 1 <= max_splits <= MAX_SPLITS, \
-        f"max_splits must lie in [1, {MAX_SPLITS}], got {max_splits}"
+    if tables.dtype != torch.int32:
+        raise KernelInputError(f"tables: int32 expected, got {tables.dtype}")
+    if meta_col < 0:
+        raise KernelInputError(f"meta_col must be >= 0, got {meta_col}")
+    if not (tables.shape[0] == num_req and tables.shape[1] >= meta_col + 2):
+        raise KernelInputError(
+            f"tables: expected [{num_req}, >= {meta_col + 2}], got {tuple(tables.shape)}")
+    if not (0 < max_candidates <= meta_col * page_size):
+        raise KernelInputError(
+            f"max_candidates must lie in [1, {meta_col * page_size}] (meta_col {meta_col} x page "
+            f"size {page_size}), got {max_candidates}")
+    if not (1 <= max_splits <= MAX_SPLITS):
+        raise KernelInputError(f"max_splits must lie in [1, {MAX_SPLITS}], got {max_splits}")
     check_device(queries, k_cache, tables)
     # NOTE: no repeat checks: the tables are only read, and every write goes to the output and
     # scratch rows of the program's own (request, layer, head), so rows may share pages.
@@ -402,7 +410,7 @@ def working_set_sizes(attention: torch.Tensor, p: float) -> torch.Tensor:
     gives Nc); ``ValueError`` for ``p <= 0`` or NaN. Ties do not change k.
     """
     if not p > 0.0:
-        raise ValueError(f"top-p mass p must be > 0, got {p!r}")
+        raise KernelInputError(f"top-p mass p must be > 0, got {p!r}")
     ordered = attention.sort(dim=-1, descending=True).values
     below = (ordered.cumsum(dim=-1) < p).sum(dim=-1)
     return (below + 1).clamp(max=attention.shape[-1])
@@ -424,7 +432,7 @@ def estimate_demand(queries: torch.Tensor, k_cache: torch.Tensor, block_table: t
     """``demand_attention`` plus the top-p sizes, Δt and scores, without a host sync.
     ``p > 0`` (``ValueError`` otherwise, NaN included, before any launch)."""
     if not p > 0.0:
-        raise ValueError(f"top-p mass p must be > 0, got {p!r}")
+        raise KernelInputError(f"top-p mass p must be > 0, got {p!r}")
     attention = demand_attention(queries, k_cache, block_table, num_candidates, sm_scale)
     sizes = working_set_sizes(attention, p)
     ratio = (sizes.float() / num_candidates).flatten(1).mean(dim=1)

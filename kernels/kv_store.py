@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ._utils import (
+    KernelInputError,
     check_device,
     check_distinct,
     check_float,
@@ -71,20 +72,27 @@ def store_kv(
         slot_mapping: ``[N]`` int32/int64 physical slot per token, each slot at most once;
             -1 skips the token (and may repeat).
     """
-    assert key.dim() == 3, f"key: expected [N, Hkv, d], got shape {tuple(key.shape)}"
+    if key.dim() != 3:
+        raise KernelInputError(f"key: expected [N, Hkv, d], got shape {tuple(key.shape)}")
     num_tokens, num_kv_heads, head_dim = key.shape
     check_float(key, "key")
     check_float(value, "value")
     check_float(k_cache, "k_cache")
-    assert k_cache.dtype == v_cache.dtype, f"k_cache {k_cache.dtype} vs v_cache {v_cache.dtype}"
-    assert value.shape == key.shape, f"value {tuple(value.shape)} vs key {tuple(key.shape)}"
-    assert key.stride(-1) == 1 and value.stride(-1) == 1, "key/value: last dim contiguous"
+    if k_cache.dtype != v_cache.dtype:
+        raise KernelInputError(f"k_cache {k_cache.dtype} vs v_cache {v_cache.dtype}")
+    if value.shape != key.shape:
+        raise KernelInputError(f"value {tuple(value.shape)} vs key {tuple(key.shape)}")
+    if not (key.stride(-1) == 1 and value.stride(-1) == 1):
+        raise KernelInputError("key/value: last dim contiguous")
     check_kv_pair(k_cache, v_cache)
     check_written(k_cache, "k_cache")
-    assert k_cache.dim() == 4 and k_cache.stride(-1) == 1, "cache: [num_pages, page_size, Hkv, d]"
-    assert k_cache.shape[2:] == key.shape[1:], f"cache {tuple(k_cache.shape)} vs {tuple(key.shape)}"
+    if not (k_cache.dim() == 4 and k_cache.stride(-1) == 1):
+        raise KernelInputError("cache: [num_pages, page_size, Hkv, d]")
+    if k_cache.shape[2:] != key.shape[1:]:
+        raise KernelInputError(f"cache {tuple(k_cache.shape)} vs {tuple(key.shape)}")
     check_index(slot_mapping, 1, "slot_mapping")
-    assert slot_mapping.shape[0] == num_tokens, "one slot per token"
+    if slot_mapping.shape[0] != num_tokens:
+        raise KernelInputError("one slot per token")
     check_device(key, value, k_cache, v_cache, slot_mapping)
     if index_checks_on():
         num_slots = k_cache.shape[0] * k_cache.shape[1]

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._utils import (
+    KernelInputError,
     check_device,
     check_distinct,
     check_float,
@@ -94,19 +95,25 @@ def _update_query_state_kernel(
 
 def check_query_state_args(q_pre: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
                            is_first: torch.Tensor) -> None:
-    assert q_pre.dim() == 3 and q_pre.stride(-1) == 1, "q_pre: [B, Hq, d], last dim contiguous"
+    if not (q_pre.dim() == 3 and q_pre.stride(-1) == 1):
+        raise KernelInputError("q_pre: [B, Hq, d], last dim contiguous")
     check_float(q_pre, "q_pre")
-    assert state.dim() == 4 and state.shape[1] == 2, "state: [max_num_seqs, 2, Hq, d]"
-    assert state.dtype == torch.float32 and state.stride(-1) == 1, "state: fp32, last dim dense"
+    if not (state.dim() == 4 and state.shape[1] == 2):
+        raise KernelInputError("state: [max_num_seqs, 2, Hq, d]")
+    if not (state.dtype == torch.float32 and state.stride(-1) == 1):
+        raise KernelInputError("state: fp32, last dim dense")
     check_written(state, "state")
-    assert state.shape[2:] == q_pre.shape[1:], f"state {tuple(state.shape)} vs {tuple(q_pre.shape)}"
+    if state.shape[2:] != q_pre.shape[1:]:
+        raise KernelInputError(f"state {tuple(state.shape)} vs {tuple(q_pre.shape)}")
     check_index(slot_ids, 1, "slot_ids")
-    assert is_first.dim() == 1 and is_first.dtype in (torch.int32, torch.int64, torch.bool), \
-        f"is_first: [B] int32/int64/bool expected, got {is_first.dtype} {tuple(is_first.shape)}"
+    if not (is_first.dim() == 1 and is_first.dtype in (torch.int32, torch.int64, torch.bool)):
+        raise KernelInputError(
+            f"is_first: [B] int32/int64/bool expected, got {is_first.dtype} {tuple(is_first.shape)}")
     # NOTE: the kernels read is_first[b] at offset b; a bool one is converted (a dense copy).
-    assert is_first.dtype == torch.bool or is_first.stride(0) == 1, \
-        f"is_first: must be contiguous, got stride {is_first.stride(0)}"
-    assert slot_ids.shape[0] == is_first.shape[0] == q_pre.shape[0], "one slot/flag per request"
+    if not (is_first.dtype == torch.bool or is_first.stride(0) == 1):
+        raise KernelInputError(f"is_first: must be contiguous, got stride {is_first.stride(0)}")
+    if not (slot_ids.shape[0] == is_first.shape[0] == q_pre.shape[0]):
+        raise KernelInputError("one slot/flag per request")
     check_device(q_pre, state, slot_ids, is_first)
 
 

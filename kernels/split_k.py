@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, next_pow2, num_sms
+from ._utils import KernelInputError, cdiv, next_pow2, num_sms
 
 LOG2E = 1.4426950408889634
 # Most splits of one row; the merge reads them as one tile of this width, whatever the count,
@@ -64,9 +64,17 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
 def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
     """Merge fp32 partials ``part [B, Hq, S, d]`` and ``lse [B, Hq, S]`` into ``out [B, Hq, d]``."""
     num_seqs, num_heads, splits, head_dim = part.shape
-    assert part.stride(-1) == 1 and lse.shape == part.shape[:3] and lse.stride(-1) == 1
-    assert out.shape == (num_seqs, num_heads, head_dim) and out.stride(-1) == 1
-    assert 1 <= splits <= MAX_SPLITS, f"split count must lie in [1, {MAX_SPLITS}], got {splits}"
+    if not (part.stride(-1) == 1 and lse.shape == part.shape[:3] and lse.stride(-1) == 1):
+        raise KernelInputError(
+            f"merge_splits: part [B, Hq, S, d] and lse [B, Hq, S] with a dense last dimension "
+            f"expected, got part {tuple(part.shape)} strides {part.stride()}, lse "
+            f"{tuple(lse.shape)} strides {lse.stride()}")
+    if not (out.shape == (num_seqs, num_heads, head_dim) and out.stride(-1) == 1):
+        raise KernelInputError(
+            f"merge_splits: out [B, Hq, d] = {(num_seqs, num_heads, head_dim)} with a dense last "
+            f"dimension expected, got {tuple(out.shape)} strides {out.stride()}")
+    if not (1 <= splits <= MAX_SPLITS):
+        raise KernelInputError(f"split count must lie in [1, {MAX_SPLITS}], got {splits}")
     _merge_splits_kernel[(num_seqs, num_heads)](
         part, lse, out, splits,
         part.stride(0), part.stride(1), part.stride(2),

@@ -164,3 +164,62 @@ def test_demand_names_a_bad_rank_and_out_of_range_counts() -> None:
         demand_attention_batch(queries[None], k_cache, tables, -1, 5, 1)
     with pytest.raises(AssertionError, match=r"max_candidates must lie in \[1, 12\] .*, got 13"):
         demand_attention_batch(queries[None], k_cache, tables, 3, 13, 1)
+
+
+OPTIMIZED = """
+import torch
+from growpage.kernels import paged_decode_attention, store_kv
+
+assert False, "this line must be stripped by -O"
+q = torch.zeros(1, 2, 8)
+k_cache = torch.zeros(2, 4, 1, 16)                     # head dim 16 against q's 8
+lens, table = torch.tensor([3], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32)
+try:
+    paged_decode_attention(q, k_cache, k_cache.clone(), table, lens)
+except ValueError as exc:
+    print("refused:", exc)
+try:
+    store_kv(torch.zeros(1, 1, 16, dtype=torch.float64), torch.zeros(1, 1, 16), k_cache,
+             k_cache.clone(), torch.tensor([0]))
+except ValueError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_checks_survive_python_dash_o(tmp_path):
+    """Until 2026-12-01 the shape, dtype and stride checks were ``assert`` statements, which
+    ``python -O`` strips: a bad shape then reached a kernel that reads past its tensors."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "optimized.py"
+    script.write_text(OPTIMIZED)
+    proc = subprocess.run([sys.executable, "-O", str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines == ["refused: head dim: q has 8, the cache 16",
+                     "refused: key: fp32/fp16/bf16 expected, got torch.float64"], proc.stdout
+
+
+def test_no_wrapper_checks_by_assert():
+    """Every check in the kernel modules is raised (a parse of the sources: an ``assert`` there
+    would be gone under ``python -O``)."""
+    import ast
+    from pathlib import Path
+
+    import growpage.kernels as kernels
+
+    root = Path(kernels.__file__).parent
+    found = [f"{path.name}:{node.lineno}" for path in sorted(root.glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assert)]
+    assert found == []
+
+
+def test_kernel_input_error_is_a_value_error_and_an_assertion_error():
+    from growpage.kernels import KernelInputError
+
+    q, k_cache, v_cache, table, lens = decode_case()[:5]
+    for caught in (KernelInputError, ValueError, AssertionError):
+        with pytest.raises(caught, match="head dim"):
+            paged_decode_attention(q[..., :8].contiguous(), k_cache, v_cache, table, lens)
