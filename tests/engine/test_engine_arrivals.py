@@ -112,6 +112,17 @@ def test_a_late_request_that_cannot_run_fails_before_the_first_step(model):
     assert_all_returned(llm)
 
 
+def test_a_late_request_too_big_for_the_pool_fails_before_the_first_step(model):
+    llm = tiny_llm(model, kv_pages=8)   # fullkv: a request needs room for all its tokens
+    added = _watch_admissions(llm)
+    params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=100, ignore_eos=True)]
+    with pytest.raises(EngineError, match=r"cannot fit in the KV cache .*\(prompts\[1\]\)"):
+        llm.generate([prompt(5, 0), prompt(5, 1)], params, use_tqdm=False,
+                     arrival_times=[0.0, 30.0])
+    assert added == []   # refused up front, as when all arrive at once
+    assert_all_returned(llm)
+
+
 def test_stream_with_arrivals_gives_each_request_s_chunks_once_it_has_arrived(model):
     llm = tiny_llm(model)
     prompts = [prompt(7, i) for i in range(2)]
