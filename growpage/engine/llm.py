@@ -336,13 +336,13 @@ class LLM:
                 self.last_stats = self._summary()
             bar = _progress(work, use_tqdm)
             while pending or engine.has_unfinished():
+                admit(time.perf_counter())   # arrived since: while a stream's reader had seqs
                 if not engine.has_unfinished():   # idle until the next request arrives
                     assert arrivals is not None
                     wait = start + arrivals[pending[0]] - time.perf_counter()
                     if wait > 0:
                         time.sleep(wait)
                         engine.stats.on_idle(wait)
-                    admit(time.perf_counter())
                     continue
                 done = engine.step()
                 admit(time.perf_counter())

@@ -138,6 +138,34 @@ def test_stream_with_arrivals_gives_each_request_s_chunks_once_it_has_arrived(mo
     assert_all_returned(llm)
 
 
+def test_a_request_arriving_while_the_stream_s_reader_holds_a_chunk_joins_the_next_step(model):
+    llm = tiny_llm(model)
+    added = _watch_admissions(llm)
+    ends: list[float] = []   # when each step returned
+    step = llm.engine.step
+
+    def timed():
+        done = step()
+        ends.append(time.perf_counter())
+        return done
+
+    llm.engine.step = timed
+    short, long = SamplingParams(max_tokens=1), SamplingParams(max_tokens=30, ignore_eos=True)
+    chunks = llm.stream([prompt(6, 0), prompt(6, 1), prompt(6, 2)], [short, short, long],
+                        arrival_times=[0.0, 0.2, 0.0])
+    first = next(chunks)   # request 0 finished in the first step (the prefill)
+    assert first.index == 0 and len(ends) == 1
+    while time.perf_counter() < llm.engine.stats.start + 0.25:   # request 1 arrives meanwhile
+        time.sleep(0.05)
+    rest = list(chunks)
+    joined = [sum(end < when for end in ends) for when, rid, _ in added
+              if rid == rest[0].request_id]   # how many steps had run when it was added
+    # It had arrived before the second step began: it joins that one, not the third.
+    assert rest[0].index == 1 and joined == [1]
+    assert llm.last_stats.num_requests == 3
+    assert_all_returned(llm)
+
+
 def test_poisson_arrivals_are_seeded_exponential_gaps():
     times = poisson_arrivals(20000, 4.0, seed=3)
     assert times == poisson_arrivals(20000, 4.0, seed=3) != poisson_arrivals(20000, 4.0, seed=4)
