@@ -166,6 +166,39 @@ def test_a_request_arriving_while_the_stream_s_reader_holds_a_chunk_joins_the_ne
     assert_all_returned(llm)
 
 
+def test_idle_time_counts_what_the_engine_slept_not_what_it_asked_for(model, monkeypatch):
+    llm = tiny_llm(model)
+    sleep, slept = time.sleep, []
+
+    def oversleeping(seconds):   # a loaded machine wakes the engine late
+        begin = time.perf_counter()
+        sleep(seconds + 1.0)
+        slept.append(time.perf_counter() - begin)
+
+    monkeypatch.setattr(time, "sleep", oversleeping)
+    llm.generate([prompt(6, 0), prompt(6, 1)], SamplingParams(max_tokens=3, ignore_eos=True),
+                 use_tqdm=False, arrival_times=[0.0, 0.2])
+    assert len(slept) == 1 and llm.engine.stats.step_time >= slept[0]   # all of it idle
+    assert llm.last_stats.total_time_s >= slept[0]
+
+
+def test_an_arrival_ages_away_waits_in_short_sleeps(model, monkeypatch):
+    llm = tiny_llm(model)
+    asked: list[float] = []
+
+    def interrupted(seconds):   # time.sleep refuses ~300 years: OverflowError mid-run
+        asked.append(seconds)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt(6, 0), prompt(6, 1)], SamplingParams(max_tokens=3),
+                     use_tqdm=False, arrival_times=[0.0, 1e300])
+    assert len(asked) == 1 and 0 < asked[0] <= 60   # the first request served, then the wait
+    assert llm.last_stats is None and not llm._serving
+    assert_all_returned(llm)
+
+
 def test_poisson_arrivals_are_seeded_exponential_gaps():
     times = poisson_arrivals(20000, 4.0, seed=3)
     assert times == poisson_arrivals(20000, 4.0, seed=3) != poisson_arrivals(20000, 4.0, seed=4)
