@@ -89,6 +89,7 @@ def test_times_count_from_the_earliest_and_requests_join_in_arrival_order(model)
     ([0.0, 1.0, math.nan], "arrival_times[2] must be finite and >= 0, got nan"),
     ([0.0, -1.0, 1.0], "arrival_times[1] must be finite and >= 0, got -1.0"),
     ([0.0, math.inf, 1.0], "arrival_times[1] must be finite and >= 0, got inf"),
+    ([0.0, 10**400, 1.0], "arrival_times[1] must be finite and >= 0, got 1000000"),
 ])
 def test_bad_arrival_times_are_refused_before_anything_runs(model, times, words):
     llm = tiny_llm(model)
@@ -271,6 +272,8 @@ def test_cli_arrival_rate_and_jsonl_arrival_times(monkeypatch, capsys, tmp_path)
                                              "got True"),
     (['{"prompt": "a", "arrival_s": NaN}'], ":1: 'arrival_s' must be a number of seconds >= 0, "
                                             "got nan"),
+    (['{"prompt": "a", "arrival_s": 1' + "0" * 400 + "}"],
+     ":1: 'arrival_s' must be a number of seconds >= 0, got 1000000"),
 ])
 def test_cli_bad_arrival_times_in_a_prompt_file(monkeypatch, capsys, tmp_path, lines, words):
     monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: pytest.fail("engine built"))
