@@ -129,7 +129,7 @@ def arrival_offsets(arrival_times: object, n: int) -> list[float] | None:
     return [t - first for t in times]
 
 
-def as_seconds(value: numbers.Real) -> float:
+def as_seconds(value: float | numbers.Real) -> float:
     """``value`` as a float; inf for an int too large for one."""
     try:
         return float(value)
