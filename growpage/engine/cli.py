@@ -296,11 +296,13 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
     if not isinstance(prompt, str):
         raise EngineError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__} "
                           f"({line[:60]!r})")
+    from growpage.engine.inputs import as_seconds
+
     arrival = record.get("arrival_s")
     if arrival is not None and (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
-                                or not math.isfinite(arrival) or arrival < 0):
+                                or not math.isfinite(as_seconds(arrival)) or arrival < 0):
         raise EngineError(f"{where}: 'arrival_s' must be a number of seconds >= 0, got "
-                          f"{arrival!r}")
+                          f"{arrival!r:.40}")
     return prompt, None if arrival is None else float(arrival)
 
 

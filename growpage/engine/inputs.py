@@ -121,11 +121,20 @@ def arrival_offsets(arrival_times: object, n: int) -> list[float] | None:
         if not isinstance(t, numbers.Real) or isinstance(t, (bool, np.bool_)):
             raise EngineError(f"arrival_times[{i}] must be a number of seconds, got "
                               f"{type(t).__name__} {t!r:.40}")
-        if not (math.isfinite(t) and float(t) >= 0):
-            raise EngineError(f"arrival_times[{i}] must be finite and >= 0, got {t!r}")
-        times.append(float(t))
+        seconds = as_seconds(t)
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise EngineError(f"arrival_times[{i}] must be finite and >= 0, got {t!r:.40}")
+        times.append(seconds)
     first = min(times, default=0.0)
     return [t - first for t in times]
+
+
+def as_seconds(value: float | numbers.Real) -> float:
+    """``value`` as a float; inf for an int too large for one."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:

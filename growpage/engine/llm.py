@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from growpage.engine.attention import AttentionBackend
 
 _GROWPAGE_FIELDS = {f.name for f in attrs.fields(GrowPageConfig)}
+_MAX_IDLE_S = 60.0   # longest sleep waiting for an arrival (time.sleep refuses ~300 years)
 # One request of a call: prompt ids, params, forced continuation ids (score), prompt text.
 _Work = tuple[list[int], SamplingParams, list[int] | None, str | None]
 
@@ -336,13 +337,12 @@ class LLM:
                 self.last_stats = self._summary()
             bar = _progress(work, use_tqdm)
             while pending or engine.has_unfinished():
+                admit(time.perf_counter())   # arrived since: while a stream's reader had seqs
                 if not engine.has_unfinished():   # idle until the next request arrives
                     assert arrivals is not None
-                    wait = start + arrivals[pending[0]] - time.perf_counter()
-                    if wait > 0:
-                        time.sleep(wait)
-                        engine.stats.on_idle(wait)
-                    admit(time.perf_counter())
+                    idle = time.perf_counter()
+                    time.sleep(min(max(0.0, start + arrivals[pending[0]] - idle), _MAX_IDLE_S))
+                    engine.stats.on_idle(time.perf_counter() - idle)   # as slept: it may be late
                     continue
                 done = engine.step()
                 admit(time.perf_counter())

@@ -113,6 +113,7 @@ class LLMEngine:
                               f"[0, {vocab})")
         if params.stop and self.detokenize is None:
             raise EngineError("stop strings need a tokenizer")
+        self.scheduler.check_fits(request_id, len(prompt_token_ids), params)
 
     def _check_context(self, request_id: str, num_prompt: int,
                        forced_token_ids: list[int] | None) -> None:

@@ -28,6 +28,7 @@ import attrs
 
 from growpage.engine.config import EngineConfig, plural
 from growpage.engine.kv_manager import KVCacheManager
+from growpage.engine.sampling_params import SamplingParams
 from growpage.engine.sequence import FinishReason, Sequence, SequenceStatus
 from growpage.errors import EngineError
 
@@ -66,19 +67,24 @@ class Scheduler:
 
     # ---- queues ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq``; ``EngineError`` when it can never fit the KV cache.
+        """Queue ``seq``; ``EngineError`` when it can never fit the KV cache (``check_fits``)."""
+        self.check_fits(seq.request_id, seq.num_total_tokens, seq.params)
+        self.waiting.append(seq)
+
+    def check_fits(self, request_id: str, num_tokens: int, params: SamplingParams) -> None:
+        """``EngineError`` when a request of ``num_tokens`` tokens can never fit the KV cache.
 
         A policy that compresses when the pool is full needs room for the prompt and one more
         token; one that never compresses (``fallback_to_compress = False``: fullkv) needs room
         for every token it may generate, which the model's context bounds.
         """
-        need = seq.num_total_tokens
+        need = num_tokens
         watermark = ""
         if not getattr(self.kv.controller.policy, "fallback_to_compress", True):
             # Its KV at the end: every token but the last, which is never fed back. Growth the
             # policy decides leaves the pool's watermark free, even for a request alone (only
             # growth below min_capacity may take it).
-            need = min(need + seq.params.max_tokens, self.kv.model_config.max_position) - 1
+            need = min(need + params.max_tokens, self.kv.model_config.max_position) - 1
             reserve = self.kv.pool.watermark
             limit = max(self.kv.num_pages - reserve, self.kv.controller.config.min_capacity)
             fits = self.kv.pages_for(need) <= limit
@@ -88,11 +94,10 @@ class Scheduler:
             fits = self.kv.can_ever_fit(need)   # the prompt and the first decode step's token
         if not fits:
             raise EngineError(
-                f"request {seq.request_id!r}: {need} tokens (prompt {seq.num_total_tokens}) "
+                f"request {request_id!r}: {need} tokens (prompt {num_tokens}) "
                 f"cannot fit in the KV cache ({plural(self.kv.num_pages, 'page')} of "
                 f"{self.kv.page_size} tokens{watermark}); raise kv_pages, shorten the prompt "
                 "or lower max_tokens")
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -89,6 +89,7 @@ def test_times_count_from_the_earliest_and_requests_join_in_arrival_order(model)
     ([0.0, 1.0, math.nan], "arrival_times[2] must be finite and >= 0, got nan"),
     ([0.0, -1.0, 1.0], "arrival_times[1] must be finite and >= 0, got -1.0"),
     ([0.0, math.inf, 1.0], "arrival_times[1] must be finite and >= 0, got inf"),
+    ([0.0, 10**400, 1.0], "arrival_times[1] must be finite and >= 0, got 1000000"),
 ])
 def test_bad_arrival_times_are_refused_before_anything_runs(model, times, words):
     llm = tiny_llm(model)
@@ -112,6 +113,17 @@ def test_a_late_request_that_cannot_run_fails_before_the_first_step(model):
     assert_all_returned(llm)
 
 
+def test_a_late_request_too_big_for_the_pool_fails_before_the_first_step(model):
+    llm = tiny_llm(model, kv_pages=8)   # fullkv: a request needs room for all its tokens
+    added = _watch_admissions(llm)
+    params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=100, ignore_eos=True)]
+    with pytest.raises(EngineError, match=r"cannot fit in the KV cache .*\(prompts\[1\]\)"):
+        llm.generate([prompt(5, 0), prompt(5, 1)], params, use_tqdm=False,
+                     arrival_times=[0.0, 30.0])
+    assert added == []   # refused up front, as when all arrive at once
+    assert_all_returned(llm)
+
+
 def test_stream_with_arrivals_gives_each_request_s_chunks_once_it_has_arrived(model):
     llm = tiny_llm(model)
     prompts = [prompt(7, i) for i in range(2)]
@@ -124,6 +136,67 @@ def test_stream_with_arrivals_gives_each_request_s_chunks_once_it_has_arrived(mo
     indices = [c.index for c in chunks]
     assert indices == sorted(indices, reverse=True) and indices[0] == 1
     assert llm.last_stats.total_time_s >= 0.3
+    assert_all_returned(llm)
+
+
+def test_a_request_arriving_while_the_stream_s_reader_holds_a_chunk_joins_the_next_step(model):
+    llm = tiny_llm(model)
+    added = _watch_admissions(llm)
+    ends: list[float] = []   # when each step returned
+    step = llm.engine.step
+
+    def timed():
+        done = step()
+        ends.append(time.perf_counter())
+        return done
+
+    llm.engine.step = timed
+    short, long = SamplingParams(max_tokens=1), SamplingParams(max_tokens=30, ignore_eos=True)
+    chunks = llm.stream([prompt(6, 0), prompt(6, 1), prompt(6, 2)], [short, short, long],
+                        arrival_times=[0.0, 0.2, 0.0])
+    first = next(chunks)   # request 0 finished in the first step (the prefill)
+    assert first.index == 0 and len(ends) == 1
+    while time.perf_counter() < llm.engine.stats.start + 0.25:   # request 1 arrives meanwhile
+        time.sleep(0.05)
+    rest = list(chunks)
+    joined = [sum(end < when for end in ends) for when, rid, _ in added
+              if rid == rest[0].request_id]   # how many steps had run when it was added
+    # It had arrived before the second step began: it joins that one, not the third.
+    assert rest[0].index == 1 and joined == [1]
+    assert llm.last_stats.num_requests == 3
+    assert_all_returned(llm)
+
+
+def test_idle_time_counts_what_the_engine_slept_not_what_it_asked_for(model, monkeypatch):
+    llm = tiny_llm(model)
+    sleep, slept = time.sleep, []
+
+    def oversleeping(seconds):   # a loaded machine wakes the engine late
+        begin = time.perf_counter()
+        sleep(seconds + 1.0)
+        slept.append(time.perf_counter() - begin)
+
+    monkeypatch.setattr(time, "sleep", oversleeping)
+    llm.generate([prompt(6, 0), prompt(6, 1)], SamplingParams(max_tokens=3, ignore_eos=True),
+                 use_tqdm=False, arrival_times=[0.0, 0.2])
+    assert len(slept) == 1 and llm.engine.stats.step_time >= slept[0]   # all of it idle
+    assert llm.last_stats.total_time_s >= slept[0]
+
+
+def test_an_arrival_ages_away_waits_in_short_sleeps(model, monkeypatch):
+    llm = tiny_llm(model)
+    asked: list[float] = []
+
+    def interrupted(seconds):   # time.sleep refuses ~300 years: OverflowError mid-run
+        asked.append(seconds)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt(6, 0), prompt(6, 1)], SamplingParams(max_tokens=3),
+                     use_tqdm=False, arrival_times=[0.0, 1e300])
+    assert len(asked) == 1 and 0 < asked[0] <= 60   # the first request served, then the wait
+    assert llm.last_stats is None and not llm._serving
     assert_all_returned(llm)
 
 
@@ -199,6 +272,8 @@ def test_cli_arrival_rate_and_jsonl_arrival_times(monkeypatch, capsys, tmp_path)
                                              "got True"),
     (['{"prompt": "a", "arrival_s": NaN}'], ":1: 'arrival_s' must be a number of seconds >= 0, "
                                             "got nan"),
+    (['{"prompt": "a", "arrival_s": 1' + "0" * 400 + "}"],
+     ":1: 'arrival_s' must be a number of seconds >= 0, got 1000000"),
 ])
 def test_cli_bad_arrival_times_in_a_prompt_file(monkeypatch, capsys, tmp_path, lines, words):
     monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: pytest.fail("engine built"))
