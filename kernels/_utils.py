@@ -159,6 +159,17 @@ def check_written(t: torch.Tensor, name: str) -> None:
                     f"for shape {tuple(t.shape)} (an expanded view?)")
 
 
+def check_sums(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    """Per-slot H2O sums a kernel adds to or moves: fp32 of ``shape``, heads (the last
+    dimension) contiguous, each element once."""
+    if not (t.dtype == torch.float32 and tuple(t.shape) == shape):
+        raise KernelInputError(f"{name}: fp32 {list(shape)} expected, got {t.dtype} "
+                               f"{tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise KernelInputError(f"{name}: heads contiguous")
+    check_written(t, name)
+
+
 def check_index(t: torch.Tensor, ndim: int, name: str) -> None:
     if t.dim() != ndim:
         raise KernelInputError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")

@@ -35,7 +35,7 @@ from ._utils import (
     check_float,
     check_heads,
     check_index,
-    check_written,
+    check_sums,
     default_block_n,
     dot_in_fp32,
     index_checks_on,
@@ -196,13 +196,7 @@ def accumulate_attention(
     check_heads(num_heads, num_kv_heads)
     if block_n is not None:
         check_block(block_n)
-    if not (acc.dtype == torch.float32 and acc.shape == (num_pages * page_size, num_kv_heads)):
-        raise KernelInputError(
-            f"acc: fp32 [{num_pages * page_size}, {num_kv_heads}] expected, got {acc.dtype} "
-            f"{tuple(acc.shape)}")
-    if acc.stride(1) != 1:
-        raise KernelInputError("acc: heads contiguous")
-    check_written(acc, "acc")
+    check_sums(acc, (num_pages * page_size, num_kv_heads), "acc")
     check_index(block_tables, 2, "block_tables")
     check_index(context_lens, 1, "context_lens")
     if not (block_tables.shape[0] == context_lens.shape[0] == num_seqs):

@@ -39,6 +39,7 @@ from ._utils import (
     cdiv,
     check_device,
     check_index,
+    check_sums,
     check_values,
     check_written,
     default_block_n,
@@ -309,13 +310,7 @@ def compact_kv(
     check_written(kv_cache, "kv_cache")
     if accumulated is not None:
         expected = (num_layers, kv_cache.shape[2] * page_size, num_kv_heads)
-        if not (accumulated.dtype == torch.float32 and tuple(accumulated.shape) == expected):
-            raise KernelInputError(
-                f"accumulated: fp32 {expected} expected, got {accumulated.dtype} "
-                f"{tuple(accumulated.shape)}")
-        if accumulated.stride(2) != 1:
-            raise KernelInputError("accumulated: heads contiguous")
-        check_written(accumulated, "accumulated")
+        check_sums(accumulated, expected, "accumulated")
         check_device(kv_cache, accumulated)
     check_index(block_tables, 2, "block_tables")
     check_index(keep, 4, "keep")
