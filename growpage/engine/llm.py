@@ -193,11 +193,12 @@ class LLM:
                                         len(prompt_list))
         n = len(prompt_list)
         arrivals = arrival_offsets(arrival_times, n)
+        rank = {i: r for r, i in enumerate(_joining_order(n, arrivals))}   # ids go by joining
         work: list[_Work] = []
         for i, (prompt, prm) in enumerate(zip(prompt_list, params_list, strict=True)):
             ids, text = encode_prompt(prompt, self.tokenizer, chat, where("prompts", i, n))
             try:
-                self.engine.check_request(str(self._num_requests + i), ids, prm)
+                self.engine.check_request(str(self._num_requests + rank[i]), ids, prm)
             except EngineError as e:   # say which of the caller's prompts it was
                 raise EngineError(f"{e}{where('prompts', i, n)}") from None
             work.append((ids, prm, None, text))
@@ -314,8 +315,7 @@ class LLM:
         engine.stats.reset()
         start = engine.stats.start   # the clock of the run: the first arrival
         seqs: list[Sequence | None] = [None] * len(work)
-        pending = deque(range(len(work)) if arrivals is None
-                        else sorted(range(len(work)), key=arrivals.__getitem__))
+        pending = deque(_joining_order(len(work), arrivals))
         bar = None
         self._serving = True
 
@@ -407,6 +407,11 @@ def _attention_backend(config: EngineConfig) -> AttentionBackend:
     from growpage.engine.backends import make_attention_backend
 
     return make_attention_backend(config.attention_backend, config.device)
+
+
+def _joining_order(n: int, arrivals: list[float] | None) -> list[int]:
+    """The order in which ``n`` requests join: by arrival, equal times in prompt order."""
+    return list(range(n)) if arrivals is None else sorted(range(n), key=arrivals.__getitem__)
 
 
 def _check_chat(chat: object) -> None:

@@ -109,6 +109,10 @@ def test_a_late_request_that_cannot_run_fails_before_the_first_step(model):
     too_long = prompt(model.config.max_position, 7)
     with pytest.raises(EngineError, match=r"leaves no room to generate \(prompts\[1\]\)"):
         llm.generate([prompt(5, 0), too_long], use_tqdm=False, arrival_times=[0.0, 30.0])
+    # Named by the id it would have had: ids go in joining order (here prompts[1] joins first).
+    first = llm._num_requests
+    with pytest.raises(EngineError, match=rf"request '{first}': .* \(prompts\[1\]\)"):
+        llm.generate([prompt(5, 0), too_long], use_tqdm=False, arrival_times=[30.0, 0.0])
     assert added == []   # refused up front, not after 30 s of serving the first
     assert_all_returned(llm)
 
