@@ -167,10 +167,13 @@ def test_demand_names_a_bad_rank_and_out_of_range_counts() -> None:
 
 
 OPTIMIZED = """
+import sys
+
 import torch
 from growpage.kernels import paged_decode_attention, store_kv
 
 assert False, "this line must be stripped by -O"
+torch.set_default_device(sys.argv[1])                  # the tests' device: CPU or CUDA
 q = torch.zeros(1, 2, 8)
 k_cache = torch.zeros(2, 4, 1, 16)                     # head dim 16 against q's 8
 lens, table = torch.tensor([3], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32)
@@ -194,8 +197,8 @@ def test_checks_survive_python_dash_o(tmp_path):
 
     script = tmp_path / "optimized.py"
     script.write_text(OPTIMIZED)
-    proc = subprocess.run([sys.executable, "-O", str(script)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-O", str(script), str(DEVICE)], capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     assert lines == ["refused: head dim: q has 8, the cache 16",
