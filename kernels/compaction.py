@@ -38,6 +38,7 @@ from ._utils import (
     at,
     cdiv,
     check_device,
+    check_float,
     check_index,
     check_sums,
     check_values,
@@ -307,6 +308,7 @@ def compact_kv(
     num_layers, page_size, num_kv_heads, head_dim = (kv_cache.shape[1], *kv_cache.shape[3:])
     if kv_cache.stride(-1) != 1:
         raise KernelInputError("kv_cache: last dim contiguous")
+    check_float(kv_cache, "kv_cache")   # as the other wrappers: a KV cache is fp32/fp16/bf16
     check_written(kv_cache, "kv_cache")
     if accumulated is not None:
         expected = (num_layers, kv_cache.shape[2] * page_size, num_kv_heads)

@@ -139,6 +139,9 @@ def test_compact_kv_names_a_bad_rank_and_row_counts() -> None:
         compact_kv(kv_cache, tables[:1], keep)
     with pytest.raises(AssertionError, match=r"keep: expected \[R, L=1, Hkv=1, K\]"):
         compact_kv(kv_cache, tables, keep.expand(2, 2, 1, 2))
+    for dtype in (torch.float64, torch.int32):   # a KV cache, as every other wrapper's
+        with pytest.raises(ValueError, match=f"kv_cache: fp32/fp16/bf16 expected, got {dtype}"):
+            compact_kv(kv_cache.to(dtype), tables, keep)
     assert torch.equal(kv_cache, torch.zeros_like(kv_cache))
 
 
