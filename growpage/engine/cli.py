@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -296,14 +295,14 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
     if not isinstance(prompt, str):
         raise EngineError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__} "
                           f"({line[:60]!r})")
-    from growpage.engine.inputs import as_seconds
+    from growpage.engine.inputs import seconds_of
 
     arrival = record.get("arrival_s")
-    if arrival is not None and (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
-                                or not math.isfinite(as_seconds(arrival)) or arrival < 0):
+    seconds = None if arrival is None else seconds_of(arrival)
+    if arrival is not None and seconds is None:
         raise EngineError(f"{where}: 'arrival_s' must be a number of seconds >= 0, got "
                           f"{arrival!r:.40}")
-    return prompt, None if arrival is None else float(arrival)
+    return prompt, seconds
 
 
 def run_record(args: argparse.Namespace) -> int:

@@ -118,23 +118,32 @@ def arrival_offsets(arrival_times: object, n: int) -> list[float] | None:
         raise EngineError(f"arrival_times has {len(given)} values for {n} prompts")
     times = []
     for i, t in enumerate(given):
-        if not isinstance(t, numbers.Real) or isinstance(t, (bool, np.bool_)):
+        if not _is_real(t):
             raise EngineError(f"arrival_times[{i}] must be a number of seconds, got "
                               f"{type(t).__name__} {t!r:.40}")
-        seconds = as_seconds(t)
-        if not (math.isfinite(seconds) and seconds >= 0):
+        seconds = seconds_of(t)
+        if seconds is None:
             raise EngineError(f"arrival_times[{i}] must be finite and >= 0, got {t!r:.40}")
         times.append(seconds)
     first = min(times, default=0.0)
     return [t - first for t in times]
 
 
-def as_seconds(value: float | numbers.Real) -> float:
-    """``value`` as a float; inf for an int too large for one."""
+def _is_real(value: object) -> bool:
+    """A real number, not a bool (numpy scalars included)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def seconds_of(value: object) -> float | None:
+    """``value`` as seconds (a float): a real number, finite and >= 0 (an int too large for a
+    float is not finite); None for anything else."""
+    if not _is_real(value):
+        return None
     try:
-        return float(value)
+        seconds = float(value)  # type: ignore[arg-type]
     except OverflowError:
-        return math.inf
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
