@@ -67,8 +67,8 @@ class Scheduler:
 
     # ---- queues ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq``; ``EngineError`` when it can never fit the KV cache (``check_fits``)."""
-        self.check_fits(seq.request_id, seq.num_total_tokens, seq.params)
+        """Queue ``seq``, which its caller has checked with ``check_fits`` (as
+        ``LLMEngine.add_request`` does, through ``check_request``)."""
         self.waiting.append(seq)
 
     def check_fits(self, request_id: str, num_tokens: int, params: SamplingParams) -> None:
