@@ -38,12 +38,17 @@ def _integer(inst: object, attribute: attrs.Attribute, value: int) -> None:
                           f"{value!r}")
 
 
+# NOTE: the built-in policies are dict-based attrs classes (slots=False). An author's subclass
+# may set its own attributes in __init__; a slotted base's generated __getstate__ would drop
+# them from every copy and pickle (the conformance kit's fresh copies, a sweep's workers).
+
+
 def _grow_if(condition: bool) -> Decision:
     return Decision.GROW if condition else Decision.COMPRESS
 
 
 @register_policy
-@attrs.define
+@attrs.define(slots=False)
 class GrowPagePolicy(CapacityPolicy):
     """GrowPage (section 3.2): grow when Delta_t > tau, else Compress & Hold.
 
@@ -60,7 +65,7 @@ class GrowPagePolicy(CapacityPolicy):
 
 
 @register_policy
-@attrs.define
+@attrs.define(slots=False)
 class InversePolicy(GrowPagePolicy):
     """GrowPage-Inverse (appendix H.1): grow when Delta_t <= tau, compress otherwise."""
 
@@ -72,7 +77,7 @@ class InversePolicy(GrowPagePolicy):
 
 
 @register_policy
-@attrs.define
+@attrs.define(slots=False)
 class EntropyPolicy(CapacityPolicy):
     """Delta_t from attention entropy instead of the top-p working set (Table 2 ablation)."""
 
@@ -85,7 +90,7 @@ class EntropyPolicy(CapacityPolicy):
 
 
 @register_policy
-@attrs.define
+@attrs.define(slots=False)
 class ShrinkPolicy(CapacityPolicy):
     """GrowPage-Shrink (Eq. 13): shrink below ``shrink_below``, compress up to ``tau``, else grow.
 
@@ -108,7 +113,7 @@ class ShrinkPolicy(CapacityPolicy):
 
 
 @register_policy
-@attrs.define
+@attrs.define(slots=False)
 class FixedBudgetPolicy(CapacityPolicy):
     """Zipage-style fixed budget: grow up to ``budget_tokens`` of capacity, then always compress."""
 
@@ -120,7 +125,7 @@ class FixedBudgetPolicy(CapacityPolicy):
 
 
 @register_policy
-@attrs.define
+@attrs.define(slots=False)
 class FullKVPolicy(CapacityPolicy):
     """Full KV: always grow; when no page is free the request is preempted, never compressed
     (plain PagedAttention, as vLLM)."""
@@ -133,7 +138,7 @@ class FullKVPolicy(CapacityPolicy):
 
 
 @register_policy
-@attrs.define
+@attrs.define(slots=False)
 class RandomPolicy(CapacityPolicy):
     """GrowPage-Random (appendix H.1): grow with probability ``grow_prob``.
 
@@ -151,7 +156,7 @@ class RandomPolicy(CapacityPolicy):
 
 
 @register_policy
-@attrs.define
+@attrs.define(slots=False)
 class StreamingLLMPolicy(FixedBudgetPolicy):
     """Fixed budget with StreamingLLM selection: keep ``num_sinks`` first slots plus the most
     recent ones (attention sinks + sliding window)."""
@@ -167,7 +172,7 @@ class StreamingLLMPolicy(FixedBudgetPolicy):
 
 
 @register_policy
-@attrs.define
+@attrs.define(slots=False)
 class H2OPolicy(FixedBudgetPolicy):
     """Fixed budget with H2O selection: heavy hitters by accumulated attention + recent window.
 

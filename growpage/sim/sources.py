@@ -5,7 +5,10 @@
 * ``ScriptSource`` (*script* mode, scales to thousands of requests): see ``sim.scripted``. The
   requests are split by length into ``num_scripts`` groups; each group shares one synthetic
   trace long enough for its longest request, replayed once under the policy (only when the
-  policy reads an attention signal at all).
+  policy reads an attention signal at all) on a copy of it made before serving starts: the
+  served policy object is never called from inside its own ``decide`` (a script is replayed
+  when a policy first reads a signal), and no replay sees its state. A policy that cannot be
+  deep-copied (it holds a lock, a file) has every script replayed up front instead.
 
 Both own the shared ``PagePool`` (through their ``CapacityController``) and expose ``scale``:
 tokens per controller slot (1 in trace mode, the page size in script mode).
@@ -13,6 +16,7 @@ tokens per controller slot (1 in trace mode, the page size in script mode).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,7 +101,8 @@ class _Script:
 
 
 class ScriptBook:
-    """Signal logs of scripted replays, built on first use; ``lookup`` serves ``ScriptedPolicy``."""
+    """Signal logs of scripted replays, built on first use (up front for a policy that cannot
+    be deep-copied: see the module docstring); ``lookup`` serves ``ScriptedPolicy``."""
 
     def __init__(self, policy: CapacityPolicy, config: GrowPageConfig,
                  requests: Sequence[WorkloadRequest], num_scripts: int, seed: int,
@@ -105,8 +110,16 @@ class ScriptBook:
         self.policy, self.config, self.seed, self.spec = policy, config, seed, spec
         self.script_of: dict[object, int] = {}
         self.scripts: list[_Script] = []
+        self.replayer: CapacityPolicy | None = None
         if not requests:
             return
+        # NOTE: a script is built lazily, inside the served policy's decide (its first signal
+        # read): replayed on the served object itself, that would call it re-entrantly (a lock
+        # it holds deadlocks) and mix the replay's state into its own. A copy replays instead.
+        try:
+            self.replayer = copy.deepcopy(policy)
+        except Exception:  # noqa: BLE001 - whatever deepcopy raises: replay up front instead
+            pass
         totals = np.array([r.prompt_tokens + r.output_tokens for r in requests])
         groups = np.array_split(np.argsort(totals, kind="stable"), max(1, num_scripts))
         for g in (g for g in groups if len(g)):
@@ -117,6 +130,9 @@ class ScriptBook:
             for i in g:
                 self.script_of[requests[i].request_id] = len(self.scripts)
             self.scripts.append(_Script(prompt, gen))
+        if self.replayer is None:   # not from inside decide: the served object replays
+            for index in range(len(self.scripts)):
+                self._logs(index)
 
     def lookup(self, request_id: object, ordinal: int, key: tuple[Any, ...]) -> Any:
         index = self.script_of.get(request_id)
@@ -141,7 +157,7 @@ class ScriptBook:
             spec = attrs.evolve(self.spec, prompt_len=script.prompt_len, gen_len=script.gen_len,
                                 with_values=False)
             trace = synthetic_trace(spec, self.seed + index, request_id=f"script-{index}")
-            recorder = RecordingPolicy(self.policy)
+            recorder = RecordingPolicy(self.policy if self.replayer is None else self.replayer)
             replay_trace(trace, recorder, self.config, ReplayOptions(fidelity_queries=0))
             script.logs = recorder.logs.get(trace.request_id, [])
         return script.logs

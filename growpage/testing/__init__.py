@@ -1,6 +1,12 @@
 """Testing tools for policy authors: hypothesis strategies and the conformance kit."""
 
-from growpage.testing.conformance import RULES, PolicyConformanceError, check_case, check_policy
+from growpage.testing.conformance import (
+    RULES,
+    PolicyConformanceError,
+    PolicyConformanceWarning,
+    check_case,
+    check_policy,
+)
 from growpage.testing.serving import (
     ServingCase,
     check_serving,
@@ -9,6 +15,6 @@ from growpage.testing.serving import (
 )
 from growpage.testing.strategies import BoundaryCase, boundary_cases, boundary_contexts
 
-__all__ = ["RULES", "BoundaryCase", "PolicyConformanceError", "ServingCase", "boundary_cases",
-           "boundary_contexts", "check_case", "check_policy", "check_serving",
-           "check_serving_case", "serving_cases"]
+__all__ = ["RULES", "BoundaryCase", "PolicyConformanceError", "PolicyConformanceWarning",
+           "ServingCase", "boundary_cases", "boundary_contexts", "check_case", "check_policy",
+           "check_serving", "check_serving_case", "serving_cases"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 from growpage._argtypes import positive_int
 
@@ -44,7 +45,13 @@ def run(args: argparse.Namespace) -> int:
 
     from growpage.errors import policy_raised_at
     from growpage.policies.registry import parse_policy_params, resolve_policy
-    from growpage.testing import RULES, PolicyConformanceError, check_policy, check_serving
+    from growpage.testing import (
+        RULES,
+        PolicyConformanceError,
+        PolicyConformanceWarning,
+        check_policy,
+        check_serving,
+    )
 
     torch.set_num_threads(args.threads)
     policy = resolve_policy(args.policy, **parse_policy_params(args.param, "--param"))
@@ -56,11 +63,17 @@ def run(args: argparse.Namespace) -> int:
     if args.serving:
         steps.append((f"serves on {args.serving_examples} random workloads in the simulator",
                       lambda: check_serving(policy, max_examples=args.serving_examples)))
+    notes: list[str] = []
     for what, check in steps:
         print(f"  {what} ...", end=" ", flush=True)
         start = time.perf_counter()
         try:
-            check()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", PolicyConformanceWarning)
+                check()
+            notes += [str(w.message) for w in caught
+                      if issubclass(w.category, PolicyConformanceWarning)
+                      and str(w.message) not in notes]
         except PolicyConformanceError as exc:
             print("FAILED")
             print(f"\n{exc}")
@@ -71,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"ok ({time.perf_counter() - start:.1f} s)")
     skipped = "" if args.serving else " (serving rule skipped)"
     print(f"policy {policy.name!r} passes every rule checked{skipped}")
+    for note in notes:   # what the kit could not check (a policy it cannot copy)
+        print(f"note: {note}")
     if args.serving:
         from growpage.testing.serving import script_mode_problem
 

@@ -18,18 +18,24 @@ from hypothesis.errors import Flaky
 from growpage.core.capacity import selection_problem
 from growpage.core.context import changed_signals
 from growpage.core.decision import Decision
-from growpage.testing.history import check_history, check_order, copy_policy
+from growpage.testing.history import HISTORY, check_history, check_order
 from growpage.testing.rules import (
     RULES,
     PolicyConformanceError,
+    PolicyConformanceWarning,
     call_policy,
+    copy_policy,
     global_rngs_seeded,
     keeps_of,
 )
 from growpage.testing.strategies import BoundaryCase, boundary_cases, check_knob
 
-__all__ = ["RULES", "PolicyConformanceError", "check_case", "check_policy",
+__all__ = ["RULES", "PolicyConformanceError", "PolicyConformanceWarning", "check_case", "check_policy",
            "global_rngs_seeded", "raise_smallest_failure", "refuse_a_class"]
+
+
+#: ``check_case``'s ``pristine`` for a policy that cannot be copied (already warned about).
+NO_COPY = object()
 
 
 def _snapshot(ctx: Any) -> dict:   # the kit's contexts: a DenseKVView behind
@@ -89,8 +95,12 @@ def check_case(policy: object, case: BoundaryCase, pristine: object | None = Non
     """Check every rule on one boundary; raise ``PolicyConformanceError`` on the first broken.
 
     ``pristine``: a copy of the policy as it was built, before any call (``check_policy``
-    passes one); None copies ``policy`` as it is now."""
-    pristine = copy_policy(policy) if pristine is None else pristine
+    passes one); None copies ``policy`` as it is now; ``NO_COPY``: the policy cannot be
+    copied (the history check is left out)."""
+    if pristine is None:
+        pristine = copy_policy(policy, HISTORY)
+    elif pristine is NO_COPY:
+        pristine = None
     try:  # the two runs see different global RNG states: the context alone must decide
         with global_rngs_seeded(case.seed):
             decision, selections = _run(policy, case)
@@ -130,7 +140,9 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
     if getattr(policy, "needs_accumulated_attention", False):
         strategy_kwargs.setdefault("accumulated", True)
     failure: list[PolicyConformanceError] = []
-    pristine = copy_policy(policy)   # before any call: each example's history check copies it
+    # Before any call: each example's history check copies it.
+    pristine = copy_policy(policy, HISTORY)
+    pristine = NO_COPY if pristine is None else pristine
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck), print_blob=False,

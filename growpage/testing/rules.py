@@ -5,7 +5,9 @@ global RNGs around a call, and the ``keep`` counts a boundary's ``select`` is as
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,26 @@ class PolicyConformanceError(GrowPageError, AssertionError):
         if case is not None:
             msg += f"\n  example: {case}"
         super().__init__(msg)
+
+
+class PolicyConformanceWarning(UserWarning):
+    """The kit checked less than it would have: the policy cannot be deep-copied, so the parts
+    of ``deterministic`` and ``serves`` that run fresh copies of it were left out."""
+
+
+def copy_policy(policy: object, instead: str) -> object | None:
+    """A deep copy of ``policy``; None, with a ``PolicyConformanceWarning`` saying what the
+    kit does ``instead``, when ``copy.deepcopy`` fails (a policy holding a lock, an open
+    file...: not a broken rule, the simulator and the engine never copy a policy)."""
+    try:
+        return copy.deepcopy(policy)
+    except Exception as exc:  # noqa: BLE001 - whatever deepcopy raises, the answer is the same
+        name = getattr(policy, "name", type(policy).__name__)
+        warnings.warn(PolicyConformanceWarning(
+            f"policy {name!r} cannot be deep-copied ({type(exc).__name__}: {exc}): {instead}; "
+            "a __deepcopy__ that leaves out what cannot be copied has that checked too"),
+            stacklevel=3)
+        return None
 
 
 def call_policy(policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase,

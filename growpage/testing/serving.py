@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from growpage.testing.conformance import (
     raise_smallest_failure,
     refuse_a_class,
 )
+from growpage.testing.rules import PolicyConformanceWarning, copy_policy
 from growpage.testing.strategies import check_knob, check_sizes
 
 # Step times of round numbers: what is checked does not depend on them, only the order of events.
@@ -104,11 +106,19 @@ def serving_cases(max_requests: int = 5, max_prompt: int = 40, max_output: int =
         st.integers(0, max_slack), st.integers(1, max_num_seqs))
 
 
-def _serve(policy: CapacityPolicy, case: ServingCase, config: GrowPageConfig, pages: int
-           ) -> ServingResult:
+#: What is left out for a policy that cannot be deep-copied.
+SERVED_COPIES = "'serves' ran the policy object itself twice, not two fresh copies"
+
+
+def _fresh(policy: CapacityPolicy, copies: bool) -> CapacityPolicy:
+    return copy.deepcopy(policy) if copies else policy
+
+
+def _serve(policy: CapacityPolicy, case: ServingCase, config: GrowPageConfig, pages: int,
+           copies: bool) -> ServingResult:
     sim = SimConfig(num_kv_pages=pages, max_num_seqs=case.max_num_seqs, admission_reserve=0.0,
                     decisions="trace", record_events=True)
-    return simulate(list(case.requests), copy.deepcopy(policy), config, sim, COST)
+    return simulate(list(case.requests), _fresh(policy, copies), config, sim, COST)
 
 
 def _first_difference(a: list[tuple], b: list[tuple]) -> str:
@@ -118,9 +128,15 @@ def _first_difference(a: list[tuple], b: list[tuple]) -> str:
     return f"{len(a)} events then {len(b)}"
 
 
-def check_serving_case(policy: CapacityPolicy, case: ServingCase) -> None:
+def check_serving_case(policy: CapacityPolicy, case: ServingCase, copies: bool | None = None
+                       ) -> None:
     """Serve ``case`` twice under copies of ``policy``; raise ``PolicyConformanceError``
-    (rule ``serves``) on the first thing that goes wrong."""
+    (rule ``serves``) on the first thing that goes wrong.
+
+    ``copies``: whether ``policy`` can be deep-copied (None: try; one that cannot is served
+    itself, with a ``PolicyConformanceWarning``)."""
+    if copies is None:
+        copies = copy_policy(policy, SERVED_COPIES) is not None
     config = case.config()
     pages = case.num_kv_pages(config, policy.fallback_to_compress)
 
@@ -129,7 +145,7 @@ def check_serving_case(policy: CapacityPolicy, case: ServingCase) -> None:
 
     try:   # the two runs see different global RNG states, as check_policy's
         with global_rngs_seeded(0):
-            result = _serve(policy, case, config, pages)
+            result = _serve(policy, case, config, pages, copies)
     except GrowPageError as exc:
         raise fail(f"the run stopped: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:
@@ -147,9 +163,10 @@ def check_serving_case(policy: CapacityPolicy, case: ServingCase) -> None:
     if result.pool.num_free_pages != pages:
         raise fail(f"{pages - result.pool.num_free_pages} pages never came back to the pool")
     with global_rngs_seeded(1):
-        again = _serve(policy, case, config, pages)
+        again = _serve(policy, case, config, pages, copies)
     if again.events != result.events:
-        raise fail("a second run of a fresh copy of the policy gave other events (first "
+        run = "a fresh copy of the policy" if copies else "the same policy object"
+        raise fail(f"a second run of {run} gave other events (first "
                    f"difference: {_first_difference(result.events or [], again.events or [])}): "
                    "the policy depends on state outside its contexts (a global RNG, a counter)")
 
@@ -168,6 +185,7 @@ def check_serving(policy: CapacityPolicy, max_examples: int = 15, **strategy_kwa
         raise TypeError(f"check_serving takes a CapacityPolicy instance (the simulator and the "
                         f"engine run only those), got {policy!r}")
     failure: list[PolicyConformanceError] = []
+    copies = copy_policy(policy, SERVED_COPIES) is not None
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck), print_blob=False,
@@ -175,7 +193,7 @@ def check_serving(policy: CapacityPolicy, max_examples: int = 15, **strategy_kwa
     @given(serving_cases(**strategy_kwargs))
     def run(case: ServingCase) -> None:
         try:
-            check_serving_case(policy, case)
+            check_serving_case(policy, case, copies)
         except PolicyConformanceError as exc:
             failure[:] = [exc]
             raise
@@ -194,12 +212,15 @@ def script_mode_problem(policy: CapacityPolicy) -> str | None:
                              for i in range(5)), page_size=8, slack=1, max_num_seqs=4)
     config = case.config()
     tight = case.num_kv_pages(config, policy.fallback_to_compress)
+    with warnings.catch_warnings():   # check_serving has said so, if it cannot be copied
+        warnings.simplefilter("ignore", PolicyConformanceWarning)
+        copies = copy_policy(policy, SERVED_COPIES) is not None
     for pages in (tight, 4 * tight):
         sim = SimConfig(num_kv_pages=pages, max_num_seqs=case.max_num_seqs,
                         admission_reserve=0.0, decisions="script", num_scripts=2)
         try:
             with global_rngs_seeded(0):
-                simulate(list(case.requests), copy.deepcopy(policy), config, sim, COST)
+                simulate(list(case.requests), _fresh(policy, copies), config, sim, COST)
         except GrowPageError as exc:
             return f"{type(exc).__name__}: {exc}"
     return None

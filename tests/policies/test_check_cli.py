@@ -206,3 +206,36 @@ def test_a_crash_in_select_names_the_line_of_the_policy_that_raised(capsys, brok
     line = next(i for i, text in enumerate(BROKEN.splitlines(), 1)
                 if text.strip() == "return [0, 1, 2][keep]")
     assert f"\n  raised at {broken}:{line}, in select\n" in out
+
+
+LOCKED = textwrap.dedent("""
+    import threading
+
+    from growpage.policies import GrowPagePolicy
+
+
+    class GuardedGrowPage(GrowPagePolicy):
+        name = "guarded"
+
+        def __init__(self):
+            super().__init__()
+            self.lock = threading.Lock()
+
+        def decide(self, ctx):
+            with self.lock:
+                return super().decide(ctx)
+""")
+
+
+def test_what_the_kit_could_not_check_is_noted_after_a_pass(capsys, tmp_path):
+    path = tmp_path / "locked.py"
+    path.write_text(LOCKED)
+    assert main(["check", f"{path}:GuardedGrowPage", "--examples", "4",
+                 "--serving-examples", "3"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[-3] == "policy 'guarded' passes every rule checked"
+    assert lines[-2].startswith("note: policy 'guarded' cannot be deep-copied (TypeError: ")
+    assert "'deterministic' was not checked on fresh copies of it" in lines[-2]
+    assert lines[-1].startswith("note: policy 'guarded' cannot be deep-copied (TypeError: ")
+    assert "'serves' ran the policy object itself twice" in lines[-1]

@@ -3,6 +3,8 @@ and always reports a broken rule as ``PolicyConformanceError``."""
 
 import random
 import re
+import threading
+from typing import Any
 
 import attrs
 import numpy as np
@@ -12,7 +14,13 @@ import torch
 from growpage import CapacityController, CapacityPolicy, Decision, PagePool, RequestState
 from growpage.errors import PolicyError
 from growpage.policies import GrowPagePolicy
-from growpage.testing import BoundaryCase, PolicyConformanceError, check_policy
+from growpage.testing import (
+    BoundaryCase,
+    PolicyConformanceError,
+    PolicyConformanceWarning,
+    check_case,
+    check_policy,
+)
 
 
 @attrs.define
@@ -505,3 +513,25 @@ def test_check_policy_leaves_the_accelerators_seed_as_it_found_it():
     queued = tracker.get_calls()
     check_policy(GrowPagePolicy(), max_examples=3)
     assert tracker.get_calls() == queued
+
+
+@attrs.define
+class RemembersTheFirstSizeUnderALock(RemembersTheFirstSize):
+    """``RemembersTheFirstSize`` guarding its memo with a lock: ``copy.deepcopy`` fails."""
+
+    name = "first-size-locked"
+    lock: Any = attrs.field(factory=threading.Lock)
+
+
+def test_a_policy_that_cannot_be_copied_is_checked_without_copies_and_says_so():
+    """Until 2026-12 the history half of ``deterministic`` was left out without a word."""
+    with pytest.warns(PolicyConformanceWarning, match=r"policy 'first-size-locked' cannot be "
+                      r"deep-copied \(TypeError: .*\): 'deterministic' was not checked on "
+                      r"fresh copies of it") as caught:
+        check_policy(RemembersTheFirstSizeUnderALock(), max_examples=20)
+    assert len(caught) == 1   # once per check, not once per example
+    with pytest.warns(PolicyConformanceWarning):   # check_case alone copies it, and says so
+        check_case(RemembersTheFirstSizeUnderALock(), BoundaryCase(
+            num_layers=1, num_kv_heads=1, group_size=1, head_dim=4, page_size=4,
+            recent_window=0, num_pages=3, num_free_pages=0, gap=0, seed=0, sharpness=1.0,
+            track_accumulated=False))

@@ -1,5 +1,7 @@
 """Built-in policies, the registry and the conformance kit."""
 
+import copy
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -31,7 +33,7 @@ from growpage.policies import (
     registered_policies,
     resolve_policy,
 )
-from growpage.testing import BoundaryCase, PolicyConformanceError, check_policy
+from growpage.testing import BoundaryCase, PolicyConformanceError, check_policy, check_serving
 
 BUILTINS = [GrowPagePolicy(), FixedBudgetPolicy(budget_tokens=32), FullKVPolicy(),
             RandomPolicy(grow_prob=0.5, seed=3), InversePolicy(), ShrinkPolicy(min_capacity_tokens=8),
@@ -41,6 +43,42 @@ BUILTINS = [GrowPagePolicy(), FixedBudgetPolicy(budget_tokens=32), FullKVPolicy(
 @pytest.mark.parametrize("policy", BUILTINS, ids=lambda p: p.name)
 def test_builtin_policies_conform(policy):
     check_policy(policy, max_examples=25)
+
+
+@pytest.mark.parametrize("policy", BUILTINS, ids=lambda p: p.name)
+def test_a_subclass_s_own_attributes_survive_copies_and_pickles(policy):
+    """An author subclasses a built-in and sets an attribute in __init__: every copy the kit
+    makes (fresh copies per example) and every pickle (a sweep's worker) keeps it."""
+    base = type(policy)
+
+    def init(self, bias=0.25):
+        base.__init__(self, **attrs.asdict(policy, recurse=False))
+        self.bias = bias
+
+    sub = type(f"Biased{base.__name__}", (base,), {"__init__": init, "__module__": __name__})
+    globals()[sub.__name__] = sub   # picklable by reference, as a module-level class is
+    try:
+        made = sub(bias=0.5)
+        for copied in (copy.deepcopy(made), copy.copy(made), pickle.loads(pickle.dumps(made))):
+            assert copied.bias == 0.5
+            assert attrs.asdict(copied, recurse=False) == attrs.asdict(made, recurse=False)
+    finally:
+        del globals()[sub.__name__]
+
+
+def test_a_subclass_reading_its_own_attribute_passes_the_kit():
+    class Biased(GrowPagePolicy):
+        name = "biased"
+
+        def __init__(self, bias: float = 0.0) -> None:
+            super().__init__()
+            self.bias = bias
+
+        def decide(self, ctx):
+            return Decision.GROW if ctx.delta(self.p) > self.bias else Decision.COMPRESS
+
+    check_policy(Biased(0.1), max_examples=10)
+    check_serving(Biased(0.1), max_examples=4)
 
 
 def test_all_builtins_are_registered():

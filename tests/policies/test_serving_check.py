@@ -3,7 +3,9 @@ catches what only a served run shows."""
 
 from __future__ import annotations
 
+import copy
 import random
+import threading
 
 import attrs
 import pytest
@@ -15,11 +17,13 @@ from growpage.policies.registry import registered_policies
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.testing import (
     PolicyConformanceError,
+    PolicyConformanceWarning,
     ServingCase,
     check_serving,
     check_serving_case,
     serving_cases,
 )
+from growpage.testing.serving import script_mode_problem
 
 
 @pytest.mark.parametrize("name", sorted(registered_policies()))
@@ -127,3 +131,39 @@ def test_serving_cases_stay_within_their_knobs(case):
     assert 1 <= len(case.requests) <= 3 and case.page_size == 8
     assert all(1 <= r.prompt_tokens <= 10 and 1 <= r.output_tokens <= 5 for r in case.requests)
     assert len({r.request_id for r in case.requests}) == len(case.requests)
+
+
+class HoldsALock(CapacityPolicy):
+    """Memoizes its decisions under a lock: correct, served as is by the simulator and the
+    engine, but ``copy.deepcopy`` cannot copy it. ``leaky``: alternates per request instead,
+    a count that carries over from one run to the next."""
+
+    name = "holds-a-lock"
+
+    def __init__(self, leaky: bool = False) -> None:
+        self._lock = threading.Lock()
+        self.leaky, self.memo = leaky, {}
+
+    def decide(self, ctx):
+        with self._lock:
+            if self.leaky:
+                self.memo[ctx.request_id] = self.memo.get(ctx.request_id, 0) + 1
+                return Decision.GROW if self.memo[ctx.request_id] % 2 else Decision.COMPRESS
+            key = (ctx.request_id, ctx.position)
+            if key not in self.memo:
+                self.memo[key] = Decision.GROW if ctx.num_pages < 4 else Decision.COMPRESS
+            return self.memo[key]
+
+
+def test_a_policy_that_cannot_be_copied_is_served_itself_with_a_warning():
+    with pytest.raises(TypeError, match="pickle"):
+        copy.deepcopy(HoldsALock())
+    with pytest.warns(PolicyConformanceWarning, match=r"policy 'holds-a-lock' cannot be "
+                      r"deep-copied \(TypeError: .*pickle.*\): 'serves' ran the policy object "
+                      r"itself twice, not two fresh copies"):
+        check_serving(HoldsALock(), max_examples=4)
+    # What a run leaves behind still shows, named for what was served twice.
+    with pytest.warns(PolicyConformanceWarning), pytest.raises(PolicyConformanceError) as info:
+        check_serving(HoldsALock(leaky=True), max_examples=10)
+    assert "a second run of the same policy object gave other events" in str(info.value)
+    assert script_mode_problem(HoldsALock()) is None   # no crash on the copy either

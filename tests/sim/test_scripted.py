@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import attrs
 import pytest
 
@@ -152,3 +154,63 @@ def test_a_boundary_decided_again_after_a_preemption_reads_the_same_script_bound
         policy.decide(SimpleNamespace(request_id=rid, position=position, num_pages=2,
                                       num_free_pages=3, view=None))
     assert read == [("a", 0), ("a", 0), ("b", 0), ("a", 1), ("a", 1), ("a", 2)]
+
+
+class NotReentrant(CapacityPolicy):
+    """Notes the context it is deciding on, reads delta(), then checks the note: a policy
+    called again from inside its own decide() finds another request's context there."""
+
+    name = "not-reentrant"
+
+    def __init__(self) -> None:
+        self.deciding: object = None
+        self.calls = 0
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        assert self.deciding is None, "decide() was called from inside decide()"
+        self.deciding, self.calls = ctx.request_id, self.calls + 1
+        try:
+            return Decision.GROW if ctx.delta() > 0 else Decision.COMPRESS
+        finally:
+            self.deciding = None
+
+
+class HoldsALock(CapacityPolicy):
+    """Guards its decisions with a lock (not re-entrant): ``copy.deepcopy`` cannot copy it."""
+
+    name = "holds-a-lock"
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def decide(self, ctx: BoundaryContext) -> Decision:
+        with self.lock:
+            return Decision.GROW if ctx.delta() > 0 else Decision.COMPRESS
+
+
+REQUESTS = [WorkloadRequest(f"r{i}", 0.1 * i, 40, 400 + 200 * i) for i in range(4)]
+
+
+def test_scripts_replay_on_a_copy_so_the_served_policy_is_never_re_entered():
+    """Until 2026-12 a script was replayed on the served policy object, from inside its own
+    decide() (the first signal it read): NotReentrant's assert fired, and the replay's calls
+    were counted as the served policy's own."""
+    policy = NotReentrant()
+    m = simulate(REQUESTS, policy, CONFIG, SimConfig(num_kv_pages=40, num_scripts=2),
+                 COST).metrics
+    assert m.output_tokens == sum(r.output_tokens for r in REQUESTS)
+    assert m.fallbacks > 0 and m.forced_grows == 0   # a fallback: a GROW refused, compressed
+    assert policy.calls == m.grows + m.compresses > 10   # the served boundaries only
+
+
+def test_a_policy_that_cannot_be_copied_has_its_scripts_replayed_up_front():
+    """Replayed on the served object, but before serving starts, not from inside decide()
+    (where its lock, held, deadlocked the run until 2026-12)."""
+    book = ScriptBook(HoldsALock(), CONFIG, REQUESTS, 2, 0, SCRIPT_SPEC)
+    assert book.replayer is None and book.num_built == 2
+    result = simulate(REQUESTS, HoldsALock(), CONFIG, SimConfig(num_kv_pages=40, num_scripts=2),
+                      COST)
+    assert result.metrics.output_tokens == sum(r.output_tokens for r in REQUESTS)
+    assert result.metrics.grows + result.metrics.compresses > 10
+    lazy = ScriptBook(resolve_policy("growpage"), CONFIG, REQUESTS, 2, 0, SCRIPT_SPEC)
+    assert lazy.replayer is not None and lazy.num_built == 0   # a copyable one: on first use
