@@ -4,7 +4,8 @@
 
 runs ``check_policy`` (every rule of ``RULES`` but ``serves`` on random small boundaries) and
 then ``check_serving`` (rule ``serves``: small random workloads served by the simulator), and
-prints what passed. A broken rule ends the check with the rule, what went wrong and the
+prints what passed. ``--max-pages``, ``--page-sizes`` and ``--max-output`` make the contexts and
+requests longer, for a policy whose trouble starts past the defaults' 96-token contexts. A broken rule ends the check with the rule, what went wrong and the
 smallest example hypothesis found, and exit status 1 (a failed check, as pytest's); a policy
 that cannot be built is a usage error (status 2), as everywhere in ``growpage``.
 """
@@ -15,7 +16,7 @@ import argparse
 import time
 import warnings
 
-from growpage._argtypes import positive_int
+from growpage._argtypes import positive_int, size_list
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,12 +33,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="random boundaries for the per-boundary rules (default 40)")
     p.add_argument("--serving-examples", type=positive_int, default=15,
                    help="random workloads for the serving rule (default 15)")
+    p.add_argument("--max-pages", type=_at_least_two, default=6,
+                   help="largest context of the per-boundary rules, in pages (default 6; "
+                        "contexts reach max-pages x the largest page size tokens)")
+    p.add_argument("--page-sizes", type=_page_sizes, default=(4, 8, 16), metavar="SIZES",
+                   help="page sizes to draw, as 4,8,16 (the default) or 8-12; each >= 2, for "
+                        "both halves")
+    p.add_argument("--max-output", type=positive_int, default=120,
+                   help="longest output of a served request, in tokens (default 120)")
     p.add_argument("--no-serving", dest="serving", action="store_false",
                    help="skip the serving rule (the per-boundary rules only)")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch CPU threads (default 1: the kit's tensors are tiny, and on a "
                         "shared machine one thread is several times faster)")
     p.set_defaults(func=run)
+
+
+def _at_least_two(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:   # decisions start at min_capacity, 2 pages
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {value}")
+    return value
+
+
+def _page_sizes(text: str) -> tuple[int, ...]:
+    sizes = size_list(text)
+    if sizes[0] < 2:   # serving protects a recent window of at least one token inside a page
+        raise argparse.ArgumentTypeError(f"expected page sizes >= 2, got {text!r}")
+    return sizes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,11 +81,14 @@ def run(args: argparse.Namespace) -> int:
     per_boundary = [rule for rule in RULES if rule != "serves"]
     print(f"checking policy {policy.name!r} ({type(policy).__name__}); rules: "
           f"{', '.join(per_boundary)}{', serves' if args.serving else ''}")
+    sizes = tuple(args.page_sizes)
     steps = [(f"per-boundary rules on {args.examples} random boundaries",
-              lambda: check_policy(policy, max_examples=args.examples))]
+              lambda: check_policy(policy, max_examples=args.examples, max_pages=args.max_pages,
+                                   page_sizes=sizes))]
     if args.serving:
         steps.append((f"serves on {args.serving_examples} random workloads in the simulator",
-                      lambda: check_serving(policy, max_examples=args.serving_examples)))
+                      lambda: check_serving(policy, max_examples=args.serving_examples,
+                                            page_sizes=sizes, max_output=args.max_output)))
     notes: list[str] = []
     for what, check in steps:
         print(f"  {what} ...", end=" ", flush=True)

@@ -239,3 +239,52 @@ def test_what_the_kit_could_not_check_is_noted_after_a_pass(capsys, tmp_path):
     assert "'deterministic' was not checked on fresh copies of it" in lines[-2]
     assert lines[-1].startswith("note: policy 'guarded' cannot be deep-copied (TypeError: ")
     assert "'serves' ran the policy object itself twice" in lines[-1]
+
+
+LONG = textwrap.dedent("""
+    from growpage import CapacityPolicy, Decision
+
+
+    class BreaksPast200Tokens(CapacityPolicy):
+        '''Fine until its request passes position 200.'''
+
+        name = "breaks-past-200"
+
+        def decide(self, ctx):
+            if ctx.position > 200:
+                raise IndexError("ran off the end of a 200-entry table")
+            return Decision.GROW if ctx.num_pages < 4 else Decision.COMPRESS
+""")
+
+
+def test_longer_contexts_and_requests_on_request(capsys, tmp_path):
+    """The defaults' contexts (6 pages of at most 16 tokens) and requests (40 + 120 tokens)
+    never reach position 200 (160 at most); the knobs do, in each half."""
+    path = tmp_path / "long.py"
+    path.write_text(LONG)
+    policy = f"{path}:BreaksPast200Tokens"
+    assert main(["check", policy, "--examples", "20", "--serving-examples", "10"]) == 0
+    capsys.readouterr()
+    assert main(["check", policy, "--examples", "40", "--max-pages", "16", "--page-sizes",
+                 "16,32", "--no-serving"]) == 1
+    out = capsys.readouterr().out
+    assert "[no-crash]" in out and "IndexError: ran off the end" in out
+    assert "page_size=16" in out or "page_size=32" in out   # the sizes asked for
+    assert main(["check", policy, "--examples", "5", "--serving-examples", "20",
+                 "--max-output", "400"]) == 1
+    out = capsys.readouterr().out
+    assert "serves on 20 random workloads in the simulator ... FAILED" in out
+    assert "IndexError: ran off the end" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-pages", "1"], "--max-pages: expected an integer >= 2, got 1"),
+    (["--page-sizes", "1,4"], "--page-sizes: expected page sizes >= 2, got '1,4'"),
+    (["--page-sizes", "four"], "--page-sizes: expected whole numbers >= 1"),
+    (["--max-output", "0"], "--max-output: expected an integer >= 1, got 0"),
+])
+def test_bad_knobs_are_usage_errors(capsys, argv, says):
+    with pytest.raises(SystemExit) as info:
+        main(["check", "fixed", *argv])
+    assert info.value.code == 2
+    assert says in capsys.readouterr().err
