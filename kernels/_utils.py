@@ -380,8 +380,14 @@ def page_range(num_pages: int) -> str:
     return f"-1 (no page) or a page id in [0, {num_pages})"
 
 
-def check_context_lens(context_lens: torch.Tensor) -> None:
-    check_values(context_lens, "context_lens", 0, None, "a context length >= 0")
+def check_context_lens(context_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int
+                       ) -> None:
+    """Each context fits its row of the block table (the reference refuses a longer one; the
+    kernels, unchecked, clamp it to the table rather than read past it)."""
+    width = block_tables.shape[1]
+    check_values(context_lens, "context_lens", 0, width * page_size + 1,
+                 f"a context length in [0, {width * page_size}] (block_tables rows hold {width} "
+                 f"pages of {page_size} tokens)")
 
 
 def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int,

@@ -213,7 +213,7 @@ def accumulate_attention(
     else:
         check_device(q, k_cache, block_tables, context_lens, acc)
     if index_checks_on():
-        check_context_lens(context_lens)
+        check_context_lens(context_lens, block_tables, page_size)
         check_block_tables(block_tables, context_lens, page_size, num_pages)
         check_pages_owned(block_tables, context_lens, page_size)
     if num_seqs == 0:

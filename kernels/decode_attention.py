@@ -266,7 +266,7 @@ def paged_decode_attention(
     check_float(out, "out")
     check_device(q, out)
     if index_checks_on():
-        check_context_lens(context_lens)
+        check_context_lens(context_lens, block_tables, page_size)
         # Pages are only read (each row writes its own output row): rows may share a page.
         check_block_tables(block_tables, context_lens, page_size, num_pages)
         if has_ema:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from growpage.kernels import paged_decode_attention, reference, update_query_state
+from growpage.kernels import (
+    KernelInputError,
+    paged_decode_attention,
+    reference,
+    update_query_state,
+    without_index_checks,
+)
 from kernel_helpers import (
     DEVICE,
     DTYPE_IDS,
@@ -68,7 +74,8 @@ def test_decode_custom_scale_and_out_buffer() -> None:
 
 
 def test_decode_odd_head_dim_and_overlong_context() -> None:
-    """head_dim 24 (masked to a 32 block); context_lens beyond the table are clamped to it."""
+    """head_dim 24 (masked to a 32 block); unchecked, context_lens beyond the table are clamped
+    to it (the index checks refuse them)."""
     g = gen(9)
     k_cache = randn(6, 4, 2, 24, g=g)
     v_cache = randn(6, 4, 2, 24, g=g)
@@ -78,7 +85,10 @@ def test_decode_odd_head_dim_and_overlong_context() -> None:
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=2)
     assert_close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens),
                  torch.float32)
-    overlong = paged_decode_attention(q, k_cache, v_cache, tables, lens + 100)
+    with pytest.raises(KernelInputError, match=r"context_lens\[0\] = 107"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens + 100)
+    with without_index_checks():
+        overlong = paged_decode_attention(q, k_cache, v_cache, tables, lens + 100)
     assert_close(overlong, reference.paged_decode_attention(q, k_cache, v_cache, tables,
                                                             torch.full_like(lens, 8)),
                  torch.float32)

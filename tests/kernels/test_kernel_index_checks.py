@@ -88,7 +88,11 @@ DECODE_BAD = [
     pytest.param("block_tables", (1, 2), -2, r"block_tables\[1, 2\] = -2 \(within "
                  r"context_lens\[1\] = 9\)", id="page-below-minus-1"),
     pytest.param("context_lens", (1,), -1,
-                 r"context_lens\[1\] = -1: expected a context length >= 0", id="negative-length"),
+                 r"context_lens\[1\] = -1: expected a context length in \[0, 12\] "
+                 r"\(block_tables rows hold 3 pages of 4 tokens\)", id="negative-length"),
+    pytest.param("context_lens", (1,), 3 * PAGE + 1,
+                 r"context_lens\[1\] = 13: expected a context length in \[0, 12\]",
+                 id="longer-than-table"),
     pytest.param("slot_ids", (1,), SLOTS, r"slot_ids\[1\] = 3: expected -1 \(row skipped\) or "
                  r"a query-state slot in \[0, 3\)", id="slot-past-pool"),
     pytest.param("slot_ids", (0,), -2, r"slot_ids\[0\] = -2", id="slot-below-minus-1"),
@@ -127,13 +131,13 @@ def test_decode_refuses_a_page_id_an_int32_cast_would_hide() -> None:
 
 def test_decode_accepts_the_edges_it_handles() -> None:
     """The last page id; -1 inside a context (skipped); garbage past a context and in an empty
-    row (never read); a context longer than its table (clamped); EMA slots -1 and M - 1."""
+    row (never read); a context that fills its whole table; EMA slots -1 and M - 1."""
     g = gen(21)
     q = randn(3, 2, D, g=g)
     k_cache, v_cache = randn(NUM_PAGES, PAGE, 1, D, g=g), randn(NUM_PAGES, PAGE, 1, D, g=g)
     state = randn(SLOTS, 2, 2, D, g=g)
     tables = ints([[4, -1, 0, 99], [99, -7, 5, 1000], [1, 2, 3, 0]])
-    lens = ints([11, 0, 100])
+    lens = ints([11, 0, 16])
     slot_ids, is_first = ints([2, -1, 0]), ints([0, 1, 1])
     expected_state = state.clone()
     reference.update_query_state(q, expected_state, slot_ids, is_first)
@@ -210,8 +214,11 @@ def test_update_query_state_accepts_padding_and_the_last_slot() -> None:
                  r"context_lens\[0\] = 5\): expected -1 \(no page\) or a page id in \[0, 5\)",
                  id="page-past-pool"),
     pytest.param("tables", (1, 0), -3, r"block_tables\[1, 0\] = -3", id="page-below-minus-1"),
-    pytest.param("lens", (0,), -4, r"context_lens\[0\] = -4: expected a context length >= 0",
+    pytest.param("lens", (0,), -4, r"context_lens\[0\] = -4: expected a context length in "
+                 r"\[0, 12\] \(block_tables rows hold 3 pages of 4 tokens\)",
                  id="negative-length"),
+    pytest.param("lens", (1,), 100, r"context_lens\[1\] = 100: expected a context length in "
+                 r"\[0, 12\]", id="longer-than-table"),
     pytest.param("tables", (1, 2), 3, r"block_tables\[0, 0\] = block_tables\[1, 2\] = 3 "
                  r"\(within context_lens\[0\] = 5 and context_lens\[1\] = 9\): expected each "
                  r"page at most once over all rows' contexts", id="page-in-two-rows"),
@@ -230,15 +237,38 @@ def test_accumulate_refuses_a_bad_index(name: str, index: tuple, value: int, mat
 
 
 def test_accumulate_accepts_the_edges_it_handles() -> None:
-    """The last page id, a context longer than its table (clamped), garbage past a context and
-    in an empty row."""
+    """The last page id, a context that fills its whole table, garbage past a context and in
+    an empty row."""
     g = gen(27)
     q, k_cache = randn(3, 2, D, g=g), randn(NUM_PAGES, PAGE, 1, D, g=g)
     acc = randn(NUM_PAGES * PAGE, 1, g=g).abs()
     expected = acc.clone()
     tables = ints([[4, 0], [2, 99], [-7, 1000]])
-    accumulate_attention(q, k_cache, tables, ints([100, 3, 0]), acc)
+    accumulate_attention(q, k_cache, tables, ints([2 * PAGE, 3, 0]), acc)
     reference.accumulate_attention(q, k_cache, tables, ints([2 * PAGE, 3, 0]), expected)
+    torch.testing.assert_close(acc, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_unchecked_a_context_longer_than_its_table_is_clamped_not_read_past() -> None:
+    """The checks refuse it (until 2026-12 they let it through, clamped, where the torch
+    reference raises); without them, on a GPU, the kernels still read no table entry past the
+    row: they clamp the context to the table."""
+    from growpage.kernels import without_index_checks
+
+    g = gen(33)
+    q, k_cache = randn(2, 2, D, g=g), randn(NUM_PAGES, PAGE, 1, D, g=g)
+    v_cache = randn(NUM_PAGES, PAGE, 1, D, g=g)
+    tables, lens, full = ints([[4, 0], [2, 1]]), ints([100, 3]), ints([2 * PAGE, 3])
+    acc = randn(NUM_PAGES * PAGE, 1, g=g).abs()
+    expected = acc.clone()
+    refused(lambda: accumulate_attention(q, k_cache, tables, lens, acc),
+            r"context_lens\[0\] = 100: expected a context length in \[0, 8\]", acc)
+    with without_index_checks():
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=2)
+        accumulate_attention(q, k_cache, tables, lens, acc)
+    torch.testing.assert_close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables,
+                                                                     full), atol=ATOL, rtol=RTOL)
+    reference.accumulate_attention(q, k_cache, tables, full, expected)
     torch.testing.assert_close(acc, expected, atol=ATOL, rtol=RTOL)
 
 
