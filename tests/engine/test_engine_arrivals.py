@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -229,6 +230,24 @@ def test_poisson_arrivals_refuse_bad_arguments(kwargs, words):
     with pytest.raises(EngineError, match=r"poisson_arrivals: ") as err:
         poisson_arrivals(**kwargs)
     assert words in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    # An int too large for a float is not finite (it raised a bare OverflowError).
+    ({"n": 2, "rate_per_s": 10**400}, "rate_per_s must be a finite number > 0, got 1000000"),
+    # A rate so small that 1 / rate, or the sum of the gaps, passes the largest float: the
+    # times were inf, which generate refused only later, as arrival_times the caller never gave
+    # (the CLI after loading the model).
+    ({"n": 2, "rate_per_s": 1e-320}, "rate_per_s 1e-320 is too small for 2 arrivals"),
+    ({"n": 40, "rate_per_s": 1e-307}, "rate_per_s 1e-307 is too small for 40 arrivals"),
+])
+def test_poisson_arrivals_refuse_rates_whose_times_are_not_finite(kwargs, words):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no overflow warning on the way
+        with pytest.raises(EngineError, match=r"poisson_arrivals: ") as err:
+            poisson_arrivals(**kwargs)
+    assert words in str(err.value)
+    assert all(map(math.isfinite, poisson_arrivals(3, 1e-300)))   # small, but finite times
 
 
 class _Generate:
