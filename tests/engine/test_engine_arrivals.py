@@ -307,6 +307,25 @@ def test_cli_bad_arrival_times_in_a_prompt_file(monkeypatch, capsys, tmp_path, l
     assert err.startswith("growpage: error: ") and f"{path}{words}" in err
 
 
+@pytest.mark.parametrize("lines", [
+    ['{"prompt": "a", "arrival_s": null}', '{"prompt": "b", "arrival_s": null}'],
+    ['{"prompt": "a", "arrival_s": 1}', '{"prompt": "b", "arrival_s": null}'],
+    ['{"prompt": "a", "arrival_s": null}', '{"prompt": "b", "arrival_s": 1}'],
+])
+def test_cli_a_null_arrival_time_in_a_prompt_file_is_refused(monkeypatch, capsys, tmp_path,
+                                                             lines):
+    # What pandas writes for a missing (NaN) time. It read as no 'arrival_s' at all: a file of
+    # nulls ran all at once without a word, and beside numbers the error said the line lacked
+    # the field it has.
+    monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: pytest.fail("engine built"))
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert cli.main(["generate", "--prompts", str(path)]) == 2
+    err = capsys.readouterr().err
+    line = 1 + lines.index(next(ln for ln in lines if "null" in ln))
+    assert f"{path}:{line}: 'arrival_s' must be a number of seconds >= 0, got None" in err
+
+
 def test_cli_arrival_rate_with_a_file_s_own_times_is_an_error(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: pytest.fail("engine built"))
     path = tmp_path / "p.jsonl"
