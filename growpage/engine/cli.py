@@ -297,9 +297,13 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
                           f"({line[:60]!r})")
     from growpage.engine.inputs import seconds_of
 
-    arrival = record.get("arrival_s")
-    seconds = None if arrival is None else seconds_of(arrival)
-    if arrival is not None and seconds is None:
+    if "arrival_s" not in record:
+        return prompt, None
+    # NOTE: a null is refused as any other non-number, not read as no time: pandas writes a
+    # missing (NaN) time as null, and a file of nulls would run all at once without a word.
+    arrival = record["arrival_s"]
+    seconds = seconds_of(arrival)
+    if seconds is None:
         raise EngineError(f"{where}: 'arrival_s' must be a number of seconds >= 0, got "
                           f"{arrival!r:.40}")
     return prompt, seconds

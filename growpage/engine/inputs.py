@@ -152,11 +152,19 @@ def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     the simulator draws a workload's (``WorkloadSpec(arrival="poisson")``)."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
         raise EngineError(f"poisson_arrivals: n must be an int >= 0, got {n!r}")
-    if (isinstance(rate_per_s, bool) or not isinstance(rate_per_s, numbers.Real)
-            or not (math.isfinite(rate_per_s) and float(rate_per_s) > 0)):
+    rate = seconds_of(rate_per_s)   # a real number, finite (an int too large is not) and >= 0
+    if rate is None or rate <= 0:
         raise EngineError(f"poisson_arrivals: rate_per_s must be a finite number > 0, got "
-                          f"{rate_per_s!r}")
+                          f"{rate_per_s!r:.40}")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise EngineError(f"poisson_arrivals: seed must be an int >= 0, got {seed!r}")
-    gaps = np.random.default_rng(seed).exponential(1.0 / float(rate_per_s), int(n))
-    return [float(t) for t in np.cumsum(gaps)]
+    # NOTE: a rate near the smallest float has a mean gap (1 / rate), or a sum of gaps, past the
+    # largest float: inf times, which ``arrival_offsets`` would refuse later as arrival_times
+    # the caller never wrote. Refused here, without numpy's overflow warning.
+    with np.errstate(over="ignore"):
+        times = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, int(n)))
+    if n and not math.isfinite(times[-1]):
+        raise EngineError(f"poisson_arrivals: rate_per_s {rate_per_s!r:.40} is too small for "
+                          f"{n} arrivals: their times pass the largest float "
+                          f"({np.finfo(float).max:.3g} s)")
+    return [float(t) for t in times]

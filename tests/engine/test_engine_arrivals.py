@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -231,6 +232,24 @@ def test_poisson_arrivals_refuse_bad_arguments(kwargs, words):
     assert words in str(err.value)
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    # An int too large for a float is not finite (it raised a bare OverflowError).
+    ({"n": 2, "rate_per_s": 10**400}, "rate_per_s must be a finite number > 0, got 1000000"),
+    # A rate so small that 1 / rate, or the sum of the gaps, passes the largest float: the
+    # times were inf, which generate refused only later, as arrival_times the caller never gave
+    # (the CLI after loading the model).
+    ({"n": 2, "rate_per_s": 1e-320}, "rate_per_s 1e-320 is too small for 2 arrivals"),
+    ({"n": 40, "rate_per_s": 1e-307}, "rate_per_s 1e-307 is too small for 40 arrivals"),
+])
+def test_poisson_arrivals_refuse_rates_whose_times_are_not_finite(kwargs, words):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no overflow warning on the way
+        with pytest.raises(EngineError, match=r"poisson_arrivals: ") as err:
+            poisson_arrivals(**kwargs)
+    assert words in str(err.value)
+    assert all(map(math.isfinite, poisson_arrivals(3, 1e-300)))   # small, but finite times
+
+
 class _Generate:
     """Stands in for ``LLM``: keeps what ``generate`` was asked, answers nothing."""
 
@@ -286,6 +305,25 @@ def test_cli_bad_arrival_times_in_a_prompt_file(monkeypatch, capsys, tmp_path, l
     assert cli.main(["generate", "--prompts", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("growpage: error: ") and f"{path}{words}" in err
+
+
+@pytest.mark.parametrize("lines", [
+    ['{"prompt": "a", "arrival_s": null}', '{"prompt": "b", "arrival_s": null}'],
+    ['{"prompt": "a", "arrival_s": 1}', '{"prompt": "b", "arrival_s": null}'],
+    ['{"prompt": "a", "arrival_s": null}', '{"prompt": "b", "arrival_s": 1}'],
+])
+def test_cli_a_null_arrival_time_in_a_prompt_file_is_refused(monkeypatch, capsys, tmp_path,
+                                                             lines):
+    # What pandas writes for a missing (NaN) time. It read as no 'arrival_s' at all: a file of
+    # nulls ran all at once without a word, and beside numbers the error said the line lacked
+    # the field it has.
+    monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: pytest.fail("engine built"))
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert cli.main(["generate", "--prompts", str(path)]) == 2
+    err = capsys.readouterr().err
+    line = 1 + lines.index(next(ln for ln in lines if "null" in ln))
+    assert f"{path}:{line}: 'arrival_s' must be a number of seconds >= 0, got None" in err
 
 
 def test_cli_arrival_rate_with_a_file_s_own_times_is_an_error(monkeypatch, capsys, tmp_path):
