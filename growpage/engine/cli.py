@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="serve the prompts as Poisson arrivals at this many requests per "
                         "second over wall-clock time, the first at once (seeded by "
                         "--arrival-seed; default: all at once, or a JSONL file's 'arrival_s')")
-    g.add_argument("--arrival-seed", type=int, default=0,
+    g.add_argument("--arrival-seed", type=int, default=None, metavar="S",
                    help="seed of --arrival-rate's arrival times (default 0)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0,
@@ -146,13 +146,16 @@ def run_generate(args: argparse.Namespace) -> int:
 
     prompts, arrivals = (args.prompt, None) if args.prompts is None else read_prompt_file(
         args.prompts)
+    if args.arrival_seed is not None and args.arrival_rate is None:
+        raise ConfigError(f"--arrival-seed {args.arrival_seed} seeds --arrival-rate's arrival "
+                          "times: give --arrival-rate too")
     if args.arrival_rate is not None:
         if arrivals is not None:
             raise ConfigError(f"{args.prompts} gives its own arrival times ('arrival_s'): "
                               f"leave out --arrival-rate")
         from growpage.engine.inputs import poisson_arrivals
 
-        arrivals = poisson_arrivals(len(prompts), args.arrival_rate, args.arrival_seed)
+        arrivals = poisson_arrivals(len(prompts), args.arrival_rate, args.arrival_seed or 0)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from growpage.engine.config import plural
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError
 
@@ -115,7 +116,8 @@ def arrival_offsets(arrival_times: object, n: int) -> list[float] | None:
                           f"{type(arrival_times).__name__}")
     given = list(arrival_times)
     if len(given) != n:
-        raise EngineError(f"arrival_times has {len(given)} values for {n} prompts")
+        raise EngineError(f"arrival_times has {plural(len(given), 'value')} for "
+                          f"{plural(n, 'prompt')}")
     times = []
     for i, t in enumerate(given):
         if not _is_real(t):

@@ -176,6 +176,7 @@ class LLM:
         the simulator's serving setting (``growpage sim serve``); ``poisson_arrivals`` draws
         such times.
         """
+        self._check_idle()   # first: an open stream keeps its last_stats
         self.last_stats = None  # a call that fails leaves none, not the previous call's
         _check_chat(chat)
         work, arrivals = self._work(prompts, params, chat, arrival_times)
@@ -208,6 +209,7 @@ class LLM:
               chat: bool = False, use_tqdm: bool = False) -> list[ScoreOutput]:
         """Teacher-forced NLL of each continuation after its prompt under the policy (paper
         section 5.3): capacity decisions happen as in decoding, the next token is forced."""
+        self._check_idle()   # first: an open stream keeps its last_stats
         self.last_stats = None
         _check_chat(chat)
         prompt_list = as_prompt_list(prompts)

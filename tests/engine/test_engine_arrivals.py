@@ -83,6 +83,7 @@ def test_times_count_from_the_earliest_and_requests_join_in_arrival_order(model)
 
 @pytest.mark.parametrize("times, words", [
     ([0.0, 1.0], "arrival_times has 2 values for 3 prompts"),
+    ([0.0], "arrival_times has 1 value for 3 prompts"),
     ("012", "arrival_times must be a list of seconds, one per prompt, got str"),
     ({0: 0.0}, "got dict"),
     ([0.0, True, 1.0], "arrival_times[1] must be a number of seconds, got bool"),
@@ -275,6 +276,9 @@ def test_cli_arrival_rate_and_jsonl_arrival_times(monkeypatch, capsys, tmp_path)
     kwargs = _generate_kwargs(monkeypatch, capsys, ["--prompt", "a", "--prompt", "b",
                                                     "--arrival-rate", "2", "--arrival-seed", "5"])
     assert kwargs["arrival_times"] == poisson_arrivals(2, 2.0, seed=5)
+    kwargs = _generate_kwargs(monkeypatch, capsys, ["--prompt", "a", "--prompt", "b",
+                                                    "--arrival-rate", "2"])
+    assert kwargs["arrival_times"] == poisson_arrivals(2, 2.0, seed=0)   # the default seed
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a", "arrival_s": 1.5}\n\n{"prompt": "b", "arrival_s": 0}\n')
     kwargs = _generate_kwargs(monkeypatch, capsys, ["--prompts", str(path)])
@@ -335,3 +339,14 @@ def test_cli_arrival_rate_with_a_file_s_own_times_is_an_error(monkeypatch, capsy
         capsys.readouterr().err)
     assert cli.main(["generate", "--prompt", "a", "--arrival-rate", "0"]) == 2
     assert "rate_per_s must be a finite number > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_cli_an_arrival_seed_without_a_rate_is_refused(monkeypatch, capsys, tmp_path):
+    """Until 2026-12 it was ignored without a word, also beside a file's own times."""
+    monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: pytest.fail("model loaded"))
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "arrival_s": 1.5}\n')
+    for source in (["--prompt", "a"], ["--prompts", str(path)]):
+        assert cli.main(["generate", *source, "--arrival-seed", "3"]) == 2
+        assert ("--arrival-seed 3 seeds --arrival-rate's arrival times: give --arrival-rate "
+                "too") in capsys.readouterr().err

@@ -98,6 +98,22 @@ def test_leaving_a_stream_early_aborts_its_requests(model):
     assert [o.token_ids for o in outs] == [o.token_ids for o in again]
 
 
+def test_a_call_refused_inside_a_stream_keeps_the_stream_s_stats(model):
+    """Until 2026-12 generate and score cleared last_stats before finding the stream open."""
+    llm = _llm(model)
+    tried = 0
+    for _ in llm.stream(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True)):
+        if llm.last_stats is not None:   # set before the last chunks
+            for call in (lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False),
+                         lambda: llm.score(PROMPTS, PROMPTS)):
+                with pytest.raises(EngineError, match="stream open"):
+                    call()
+                tried += 1
+                assert llm.last_stats is not None
+    assert tried and llm.last_stats is not None
+    assert llm.last_stats.num_output_tokens == 3 * 8
+
+
 def test_a_bad_prompt_fails_before_anything_runs(model):
     llm = _llm(model)
     with pytest.raises(EngineError, match=r"prompts\[1\]"):
