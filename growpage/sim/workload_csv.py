@@ -17,7 +17,7 @@ raises ``WorkloadError`` naming the file, the line and the field.
 
 JSON Lines (``.jsonl``): one object per line with the same fields, e.g.
 ``{"arrival_s": 0.5, "prompt_tokens": 96, "output_tokens": 800}``; ``trace`` may be omitted or
-null, as may ``prefix`` and ``prefix_tokens`` (both or neither); token counts must be JSON integers; blank lines are skipped; any other key is an error.
+null, as may ``prefix`` and ``prefix_tokens`` (both or neither); token counts must be JSON integers; blank lines are skipped; any other key, or a key given twice, is an error.
 """
 
 from __future__ import annotations
@@ -247,6 +247,22 @@ def _checked(where: str, cls: type[WorkloadRequest], **fields: object) -> Worklo
         raise WorkloadError(f"{where}: {text.removeprefix(head)}") from None
 
 
+class _RepeatedKeys(Exception):
+    """A JSON object names a key more than once (``args[0]``: those keys, sorted)."""
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads``'s ``object_pairs_hook``: the object, or ``_RepeatedKeys``.
+
+    NOTE: plain ``json.loads`` keeps the last of a repeated key's values silently; a CSV
+    header refuses a repeated column, and a JSON Lines object refuses a repeated key alike."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise _RepeatedKeys(twice)
+    return dict(pairs)
+
+
 def parse_workload_jsonl(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
     """Parse JSON Lines text (see the module docstring); requests in arrival order."""
     out: list[WorkloadRequest] = []
@@ -257,9 +273,14 @@ def parse_workload_jsonl(text: str, source: str = "<workload>") -> list[Workload
             continue
         where = f"{source}, line {line}"
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw, object_pairs_hook=_object)
         except ValueError as e:
             raise WorkloadError(f"{where}: not valid JSON ({e})") from None
+        except _RepeatedKeys as e:
+            keys = e.args[0]
+            raise WorkloadError(f"{where}: {'keys' if len(keys) > 1 else 'key'} "
+                                f"{', '.join(map(repr, keys))} given twice (each key once)"
+                                ) from None
         out.append(_json_request(obj, len(out), where))
     if not out:
         raise WorkloadError(f"{source}: empty workload (no requests)")
