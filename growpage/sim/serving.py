@@ -94,7 +94,9 @@ class SimConfig:
             whose boundary its policy decided sits the next decode step out while its whole
             boundary (decision and action) runs beside it (unless nothing else would decode,
             or the policy never falls back to compressing); the step waits for the boundary's
-            price only where that is longer than the step.
+            price only where that is longer than the step. The synchronous boundaries (a
+            policy's that never compresses, a request's holding a shared page) are paid before
+            the step.
     """
 
     num_kv_pages: int = attrs.field(default=1500, validator=_positive)
@@ -232,8 +234,14 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             # Their whole boundaries ran beside the next step, which they sit out (engine's
             # async_decisions); the step waits only for boundary work longer than itself.
             # (When every request would sit out, the engine runs it all at once: below.)
+            # NOTE: the synchronous boundaries (a policy's that never compresses, a request's
+            # holding a shared page) ran while scheduling, before the step: paid first.
             run.boundary_seconds += decisions_s + compactions_s
-            num_steps, seconds = 1, max(_sit_out_step(run, sitting), decisions_s + compactions_s)
+            before_s = _synchronous_s(run)
+            if before_s > 0:
+                yield run.spend(env, before_s)
+            num_steps, seconds = 1, max(_sit_out_step(run, sitting),
+                                        decisions_s + compactions_s - before_s)
         elif (not late and run.async_compaction and compacted
               and len(compacted) < len(sched.running)):
             # Their compactions run beside the next step, which they sit out (engine's
@@ -277,6 +285,14 @@ def _resolve_boundaries(run: _Run, now: float
     decisions_s = run.cost.boundary_time(decided, 0)
     return (decisions_s, run.cost.boundary_time(decided, compactions) - decisions_s, compacted,
             late)
+
+
+def _synchronous_s(run: _Run) -> float:
+    """Seconds the cost model charges for the boundary work the last ``_resolve_boundaries``
+    ran at once, before the step (``Scheduler.synchronous_work``): with ``async_compaction``
+    its compactions were deferred, so that is its decisions alone."""
+    decided, compactions = run.scheduler.synchronous_work
+    return run.cost.boundary_time(decided, compactions)
 
 
 def _sit_out_step(run: _Run, compacted: list[SimRequest]) -> float:
