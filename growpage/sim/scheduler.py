@@ -25,6 +25,7 @@ import attrs
 
 from growpage.core.capacity import BoundaryOutcome, PendingCompaction
 from growpage.core.decision import Action
+from growpage.core.events import EventCounters
 from growpage.core.request import RequestState
 from growpage.errors import ConfigError
 from growpage.sim.prefix import PrefixCache
@@ -83,6 +84,9 @@ class Scheduler:
         self._tick = 0
         self._kv_offset = 0           # sum over running of (num_tokens - sync_step)
         self.prefilling: list[SimRequest] = []   # running, their prefill not done, in order
+        # Of the last resolve_boundaries: the decisions and compactions run at once, before
+        # the late boundaries and deferred compactions (which run beside the next step).
+        self.synchronous_work = (0, 0)
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def log(self, now: float, kind: str, request: SimRequest) -> None:
@@ -253,8 +257,11 @@ class Scheduler:
         ``async_compaction``) a compression is settled (its copy-on-write pages taken) but not
         run. Both kinds then run after all the others, in the order they were filed, as the
         engine's ``run_deferred`` does beside the step: a page two requests share is copied
-        by both, and stays cached.
+        by both, and stays cached. ``synchronous_work`` is then the decisions and compactions
+        that ran at once, before those (the engine's, while scheduling the step).
         """
+        events = self.controller.events
+        decided, compactions = _work(events)
         compacted, late = [], []
         deferred: list[tuple[SimRequest, bool]] = []   # (request, a late boundary?) in order
         for r in self._pop_due():
@@ -277,6 +284,8 @@ class Scheduler:
                 compacted.append(r)
                 if outcome.pending is not None:
                     deferred.append((r, False))
+        now_decided, now_compactions = _work(events)
+        self.synchronous_work = (now_decided - decided, now_compactions - compactions)
         for r, is_late in deferred:
             if not r.is_running:   # preempted for a later one (its compaction was cancelled)
                 continue
@@ -426,3 +435,9 @@ class Scheduler:
                 self._tick += 1
                 r.event_tick = self._tick
                 heapq.heappush(self._heap, (r.event_step, self._tick, r))
+
+
+def _work(events: EventCounters) -> tuple[int, int]:
+    """The decisions a policy made and the compactions run, so far."""
+    return (events.decided_grow + events.decided_compress + events.decided_shrink,
+            events.compress + events.shrink)

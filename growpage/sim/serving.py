@@ -94,7 +94,9 @@ class SimConfig:
             whose boundary its policy decided sits the next decode step out while its whole
             boundary (decision and action) runs beside it (unless nothing else would decode,
             or the policy never falls back to compressing); the step waits for the boundary's
-            price only where that is longer than the step.
+            price only where that is longer than the step. The synchronous boundaries (a
+            policy's that never compresses, a request's holding a shared page) are paid before
+            the step.
     """
 
     num_kv_pages: int = attrs.field(default=1500, validator=_positive)
@@ -113,12 +115,14 @@ class SimConfig:
 
 @attrs.define
 class ServingResult:
-    """A finished run: metrics, the requests, and the optional event log."""
+    """A finished run: metrics, the requests, the optional event log, and the pool over time
+    (``timeline``: see ``pool_timeline``)."""
 
     metrics: ServingMetrics
     requests: list[SimRequest]
     events: list[tuple] | None
     pool: PagePool
+    timeline: list[tuple[float, int, int]] | None = None
 
     def capacity_trajectories(self) -> dict[str, list[tuple[float, int]]]:
         """Per request: ``(time_s, pages)`` at every change of its page count."""
@@ -126,7 +130,13 @@ class ServingResult:
 
     def pool_timeline(self) -> list[tuple[float, int, int]]:
         """``(time_s, pages in use, resident requests)`` from time 0 and at every time either
-        changes, the sum of the requests' capacity trajectories (the last point: all gone)."""
+        changes (the last point: all gone). Pages in use are the pool's: a page shared through
+        the prefix cache counts once, however many requests hold it.
+
+        A result built without a recorded ``timeline`` sums the requests' capacity
+        trajectories instead, which counts a shared page once per holder."""
+        if self.timeline is not None:
+            return list(self.timeline)
         # A request's changes at one time apply in its own order: (time, request, index).
         changes = sorted((t, i, k, pages) for i, r in enumerate(self.requests)
                          for k, (t, pages) in enumerate(r.capacity))
@@ -162,12 +172,25 @@ class _Run:
     async_compaction: bool = False
     async_decisions: bool = False
     on_progress: Callable[[int], object] | None = None   # called with the finished count
+    # (time_s, pages in use, resident requests) at every change: ServingResult.pool_timeline.
+    # NOTE: the pool's count, not the sum of the requests' block tables, which counts a page
+    # shared through the prefix cache once per holder (and could exceed the pool).
+    timeline: list[tuple[float, int, int]] = attrs.Factory(lambda: [(0.0, 0, 0)])
 
     def spend(self, env: simpy.Environment, seconds: float) -> simpy.Timeout:
         self.resident_seconds += len(self.scheduler.running) * seconds
         if seconds > 0:   # a state held for no time (a free prefill) is not in pool_timeline()
             self.peak_pages = max(self.peak_pages, self.scheduler.pool.num_used_pages)
+            self.mark(env.now)
         return env.timeout(seconds)
+
+    def mark(self, now: float) -> None:
+        """Enter the pool's state from ``now`` on in ``timeline`` (when it changed)."""
+        point = (float(now), self.scheduler.pool.num_used_pages, len(self.scheduler.running))
+        if self.timeline[-1][0] == point[0]:
+            self.timeline[-1] = point
+        elif self.timeline[-1][1:] != point[1:]:
+            self.timeline.append(point)
 
 
 def arrivals(env: simpy.Environment, run: _Run, requests: Sequence[SimRequest]
@@ -199,6 +222,7 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             _report_progress(run, done)
             continue
         if not sched.running:
+            run.mark(env.now)   # the pool is empty until the next arrival
             run.idle = env.event()
             yield run.idle
             continue
@@ -210,8 +234,14 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             # Their whole boundaries ran beside the next step, which they sit out (engine's
             # async_decisions); the step waits only for boundary work longer than itself.
             # (When every request would sit out, the engine runs it all at once: below.)
+            # NOTE: the synchronous boundaries (a policy's that never compresses, a request's
+            # holding a shared page) ran while scheduling, before the step: paid first.
             run.boundary_seconds += decisions_s + compactions_s
-            num_steps, seconds = 1, max(_sit_out_step(run, sitting), decisions_s + compactions_s)
+            before_s = _synchronous_s(run)
+            if before_s > 0:
+                yield run.spend(env, before_s)
+            num_steps, seconds = 1, max(_sit_out_step(run, sitting),
+                                        decisions_s + compactions_s - before_s)
         elif (not late and run.async_compaction and compacted
               and len(compacted) < len(sched.running)):
             # Their compactions run beside the next step, which they sit out (engine's
@@ -255,6 +285,14 @@ def _resolve_boundaries(run: _Run, now: float
     decisions_s = run.cost.boundary_time(decided, 0)
     return (decisions_s, run.cost.boundary_time(decided, compactions) - decisions_s, compacted,
             late)
+
+
+def _synchronous_s(run: _Run) -> float:
+    """Seconds the cost model charges for the boundary work the last ``_resolve_boundaries``
+    ran at once, before the step (``Scheduler.synchronous_work``): with ``async_compaction``
+    its compactions were deferred, so that is its decisions alone."""
+    decided, compactions = run.scheduler.synchronous_work
+    return run.cost.boundary_time(decided, compactions)
 
 
 def _sit_out_step(run: _Run, compacted: list[SimRequest]) -> float:
@@ -392,9 +430,10 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
     env.process(arrivals(env, run, sim_requests))
     env.process(engine(env, run))
     env.run()
+    run.mark(env.now)   # all gone
     first = min((r.arrival_s for r in requests), default=0.0)
     metrics = compute_metrics(policy.name, sim_requests, source.controller.events, env.now - first,
                               run.resident_seconds, sched.num_preemptions, run.decode_steps,
                               run.prefill_steps, run.peak_pages, sched.pool.num_pages,
                               run.boundary_seconds, sched.prefix.hit_tokens)
-    return ServingResult(metrics, sim_requests, sched.events, sched.pool)
+    return ServingResult(metrics, sim_requests, sched.events, sched.pool, run.timeline)

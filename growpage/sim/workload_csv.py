@@ -7,7 +7,7 @@
     0.5,96,800,,system-a,64
     0.9,300,500,,,
 
-``arrival_s``: seconds (finite, >= 0); ``prompt_tokens`` / ``output_tokens``: integers in
+``arrival_s``: seconds (finite, in ``[0, MAX_ARRIVAL_S]``); ``prompt_tokens`` / ``output_tokens``: integers in
 ``[1, MAX_TOKENS]``; ``trace`` (optional column, may be empty): the request id of a trace in the
 trace set given to the simulator; ``prefix`` and ``prefix_tokens`` (optional columns, both
 given or both empty in a row): the requests naming one prefix begin with the same
@@ -17,7 +17,7 @@ raises ``WorkloadError`` naming the file, the line and the field.
 
 JSON Lines (``.jsonl``): one object per line with the same fields, e.g.
 ``{"arrival_s": 0.5, "prompt_tokens": 96, "output_tokens": 800}``; ``trace`` may be omitted or
-null, as may ``prefix`` and ``prefix_tokens`` (both or neither); token counts must be JSON integers; blank lines are skipped; any other key is an error.
+null, as may ``prefix`` and ``prefix_tokens`` (both or neither); token counts must be JSON integers; blank lines are skipped; any other key, or a key given twice, is an error.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ from growpage.errors import WorkloadError
 REQUIRED = ("arrival_s", "prompt_tokens", "output_tokens")
 OPTIONAL = ("trace", "prefix", "prefix_tokens")
 MAX_TOKENS = 1 << 20    # longest prompt or output accepted, tokens
+# NOTE: simulated time is float seconds from 0, so an arrival far from 0 leaves the clock too
+# coarse for a decode step (at 1.7e18 s, an epoch in nanoseconds, a 10 ms step does not move
+# it, and every latency came out 0); at 2^32 s (136 years) it still keeps a microsecond.
+MAX_ARRIVAL_S = 1 << 32
 MAX_FILE_BYTES = 1 << 28
 
 
@@ -59,6 +63,13 @@ def _check_arrival(inst: WorkloadRequest, attribute: attrs.Attribute, value: obj
             or not _finite(value) or value < 0):
         raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: arrival_s must be a finite "
                             f"number >= 0, got {value!r}")
+    if float(value) > MAX_ARRIVAL_S:
+        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: {_too_late(value)}")
+
+
+def _too_late(value: object) -> str:
+    return (f"arrival_s must be at most {MAX_ARRIVAL_S} (seconds from the workload's start; "
+            f"the simulated clock is too coarse beyond), got {value}")
 
 
 def _check_tokens(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
@@ -131,6 +142,8 @@ def _arrival(text: str, where: str) -> float:
         raise WorkloadError(f"{where}: arrival_s must be a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise WorkloadError(f"{where}: arrival_s must be finite and >= 0, got {text!r}")
+    if value > MAX_ARRIVAL_S:
+        raise WorkloadError(f"{where}: {_too_late(text.strip())}")
     return value
 
 
@@ -247,6 +260,22 @@ def _checked(where: str, cls: type[WorkloadRequest], **fields: object) -> Worklo
         raise WorkloadError(f"{where}: {text.removeprefix(head)}") from None
 
 
+class _RepeatedKeys(Exception):
+    """A JSON object names a key more than once (``args[0]``: those keys, sorted)."""
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads``'s ``object_pairs_hook``: the object, or ``_RepeatedKeys``.
+
+    NOTE: plain ``json.loads`` keeps the last of a repeated key's values silently; a CSV
+    header refuses a repeated column, and a JSON Lines object refuses a repeated key alike."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise _RepeatedKeys(twice)
+    return dict(pairs)
+
+
 def parse_workload_jsonl(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
     """Parse JSON Lines text (see the module docstring); requests in arrival order."""
     out: list[WorkloadRequest] = []
@@ -257,9 +286,14 @@ def parse_workload_jsonl(text: str, source: str = "<workload>") -> list[Workload
             continue
         where = f"{source}, line {line}"
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw, object_pairs_hook=_object)
         except ValueError as e:
             raise WorkloadError(f"{where}: not valid JSON ({e})") from None
+        except _RepeatedKeys as e:
+            keys = e.args[0]
+            raise WorkloadError(f"{where}: {'keys' if len(keys) > 1 else 'key'} "
+                                f"{', '.join(map(repr, keys))} given twice (each key once)"
+                                ) from None
         out.append(_json_request(obj, len(out), where))
     if not out:
         raise WorkloadError(f"{source}: empty workload (no requests)")

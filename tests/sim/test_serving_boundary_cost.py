@@ -11,6 +11,7 @@ import pytest
 
 from growpage import GrowPageConfig
 from growpage.errors import ConfigError
+from growpage.policies import resolve_policy
 from growpage.sim.costmodel import (
     CostModel,
     LinearCostModel,
@@ -19,6 +20,7 @@ from growpage.sim.costmodel import (
     with_boundary_costs,
 )
 from growpage.sim.serving import SimConfig, simulate
+from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
 
 COST = LinearCostModel(base_s=0.01, per_seq_s=0.001, per_kv_token_s=1e-5,
@@ -103,3 +105,33 @@ def test_serve_cli_charges_the_given_prices():
     bad = subprocess.run([sys.executable, "-m", "growpage.cli", "sim", "serve", "--workload",
                           "tiny", "--boundary-ms", "-1"], capture_output=True, text=True)
     assert bad.returncode != 0 and "--boundary-ms must be a finite number >= 0" in bad.stderr
+
+
+@pytest.mark.parametrize("decisions", ["script", "trace"])
+def test_a_synchronous_boundary_is_paid_before_the_step_beside_late_ones(decisions):
+    """async_decisions: a request holding a page shared through the prefix cache keeps its
+    boundary synchronous, so its price is paid before the step (as in the engine, where it
+    runs while scheduling), even when other requests' late boundaries run beside that step.
+
+    Pages of 4 tokens, decode steps of 1 s, every decided boundary compresses (fixed at 2
+    pages). At 4 s all three requests compress: s1 still shares the prefix's page with s2, so
+    its decision and compaction (0.1 s each) come first; z's and s2's, late, hide behind the
+    step s1 decodes alone. Every later boundary is late and hidden too: the run lasts 0.2 s
+    longer than when capacity control is free, and pays for all 9 decisions and 9
+    compactions in ``boundary_time_s``."""
+    config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
+    requests = [WorkloadRequest("s1", 0.0, 6, 12, prefix="p", prefix_tokens=4),
+                WorkloadRequest("z", 0.0, 6, 12),
+                WorkloadRequest("s2", 0.5, 6, 12, prefix="p", prefix_tokens=4)]
+    sim = SimConfig(num_kv_pages=40, admission_reserve=0.0, async_decisions=True,
+                    decisions=decisions)
+
+    def run(price: float):
+        cost = LinearCostModel(base_s=1.0, boundary_s=price, compaction_s=price)
+        return simulate(requests, resolve_policy("fixed", budget_tokens=8), config, sim,
+                        cost).metrics
+
+    free, paid = run(0.0), run(0.1)
+    assert (free.total_time_s, free.compresses, free.prefix_hit_tokens) == (16.0, 9, 4)
+    assert paid.total_time_s == pytest.approx(16.2)
+    assert paid.boundary_time_s == pytest.approx(0.1 * (9 + 9))

@@ -95,3 +95,36 @@ def test_sim_serve_writes_the_pool_plot(tmp_path, capsys):
                  "--recent-window", "4", "--out", str(out)]) == 0
     assert (out / "pool.png").stat().st_size > 0
     assert "pool.png" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("decisions", ["script", "trace"])
+def test_a_page_shared_through_the_prefix_cache_counts_once_in_the_timeline(decisions):
+    """Three requests beginning with the same 3 pages (a system prompt) hold them together: the
+    pool holds each once, so the timeline (and ``pool.png``) never counts more pages than the
+    pool's, and its peak is ``peak_pages``."""
+    config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
+    cost = LinearCostModel(base_s=1.0, per_prefill_token_s=0.5)
+    requests = [WorkloadRequest(f"r{i}", 10.0 * i, 16, 40, prefix="sys", prefix_tokens=12)
+                for i in range(3)]
+    sim = SimConfig(num_kv_pages=36, admission_reserve=0.0, decisions=decisions)
+    result = simulate(requests, "fullkv", config, sim, cost)
+    m, timeline = result.metrics, result.pool_timeline()
+    assert m.prefix_hit_tokens == 24   # r1 and r2 each took the 3 cached pages
+    assert all(0 <= used <= sim.num_kv_pages for _, used, _ in timeline)
+    assert max(used for _, used, _ in timeline) == m.peak_pages
+    assert timeline[-1][1:] == (0, 0)
+    assert _integral(timeline, 2) / m.total_time_s == pytest.approx(m.avg_resident, rel=1e-9)
+
+
+def test_the_pool_is_empty_while_the_engine_waits_for_an_arrival():
+    """r0 (prompt 4, 5 output tokens) finishes at 7 s; r1 arrives at 20 s: in between nothing
+    is resident and no page is in use."""
+    config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
+    cost = LinearCostModel(base_s=1.0, per_prefill_token_s=0.5)
+    requests = [WorkloadRequest("r0", 0.0, 4, 5), WorkloadRequest("r1", 20.0, 4, 5)]
+    result = simulate(requests, "fullkv", config,
+                      SimConfig(num_kv_pages=10, admission_reserve=0.0), cost)
+    assert result.pool_timeline() == [(0.0, 1, 1), (3.0, 2, 1), (7.0, 0, 0), (20.0, 1, 1),
+                                      (23.0, 2, 1), (27.0, 0, 0)]
+    assert _integral(result.pool_timeline(), 2) / result.metrics.total_time_s == pytest.approx(
+        result.metrics.avg_resident)

@@ -242,6 +242,24 @@ def test_a_bad_jsonl_workload_gets_a_workload_error(text, says):
     assert str(info.value).startswith("w.jsonl") and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("text, says", [
+    ('{"arrival_s": 5, "prompt_tokens": 10, "output_tokens": 5, "arrival_s": 0}',
+     "line 1: key 'arrival_s' given twice"),
+    ('\n{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5, "prompt_tokens": 10,\n',
+     "line 2: not valid JSON"),
+    ('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5}\n'
+     '{"prefix": "a", "prefix_tokens": 4, "arrival_s": 0, "prompt_tokens": 10, '
+     '"output_tokens": 5, "prefix": "b", "prefix_tokens": 4}',
+     "line 2: keys 'prefix', 'prefix_tokens' given twice"),
+])
+def test_a_jsonl_key_given_twice_is_refused(text, says):
+    """A CSV column given twice is an error; so is a JSON Lines key, whose last value json
+    would otherwise take silently (a request arriving at 0 s instead of 5 s)."""
+    with pytest.raises(WorkloadError, match=says) as info:
+        parse_workload_jsonl(text, "w.jsonl")
+    assert str(info.value).startswith("w.jsonl") and "\n" not in str(info.value)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.one_of(
     st.text(max_size=30),

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from growpage.errors import WorkloadError
 from growpage.sim.workload_csv import (
+    MAX_ARRIVAL_S,
     WorkloadRequest,
     load_workload_csv,
     parse_workload_csv,
@@ -260,3 +261,43 @@ def test_a_line_separator_inside_a_json_string_is_not_a_line_break():
 def test_a_negative_seed_is_a_workload_error():
     with pytest.raises(WorkloadError, match="seed must be an int >= 0, got -1"):
         resolve_workload("tiny", seed=-1)
+
+
+@pytest.mark.parametrize("arrival", ["1.7e12", "1733100000000", "1.7e18"])
+def test_an_arrival_beyond_the_clocks_resolution_is_refused_with_its_line(tmp_path, arrival):
+    """Simulated time is float seconds from 0: at 1.7e18 s (an epoch in nanoseconds) a decode
+    step of 10 ms does not move the clock, and every latency came out 0 s without a word;
+    at 1.7e12 s (milliseconds) they were off by a few tenths of a percent. The formats refuse
+    an arrival past 2^32 s (136 years; the clock keeps a microsecond there), naming the line."""
+    header = "arrival_s,prompt_tokens,output_tokens\n"
+    csv_path = tmp_path / "w.csv"
+    csv_path.write_text(header + "0,4,9\n" + f"{arrival},4,9\n")
+    with pytest.raises(WorkloadError, match=rf"w.csv, line 3: arrival_s must be at most "
+                                            rf"4294967296 .*, got {arrival}"):
+        load_workload_csv(csv_path)
+    with pytest.raises(WorkloadError, match=r"w.jsonl, line 1: arrival_s must be at most"):
+        parse_workload_jsonl(f'{{"arrival_s": {arrival}, "prompt_tokens": 4, '
+                             '"output_tokens": 9}', "w.jsonl")
+    with pytest.raises(WorkloadError, match=r"'r': arrival_s must be at most"):
+        WorkloadRequest("r", float(arrival), 4, 9)
+
+
+def test_an_arrival_at_the_bound_serves_as_at_time_0():
+    """Up to the bound (an epoch in seconds, say) the latencies are those of the same requests
+    arriving from 0 s, to a microsecond."""
+    from growpage import GrowPageConfig
+    from growpage.sim.costmodel import LinearCostModel
+    from growpage.sim.serving import SimConfig, simulate
+
+    assert WorkloadRequest("r", float(MAX_ARRIVAL_S), 4, 9).arrival_s == 2.0 ** 32
+    config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
+    cost = LinearCostModel(base_s=0.01, per_prefill_token_s=0.0005)
+    runs = []
+    for start in (0.0, float(MAX_ARRIVAL_S) - 0.5):
+        requests = [WorkloadRequest("a", start, 4, 9), WorkloadRequest("b", start + 0.5, 4, 9)]
+        runs.append(simulate(requests, "fullkv", config,
+                             SimConfig(num_kv_pages=10, admission_reserve=0.0), cost).metrics)
+    early, late = runs
+    for name in ("total_time_s", "ttft_s", "e2e_s", "e2e_p99_s"):
+        assert getattr(late, name) == pytest.approx(getattr(early, name), abs=1e-6)
+    assert late.tpot_ms == pytest.approx(early.tpot_ms, abs=1e-3)
