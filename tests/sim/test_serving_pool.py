@@ -16,6 +16,10 @@ from growpage.sim.serving import ServingResult, SimConfig, simulate
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import WORKLOADS
 
+# Pages of 4 tokens; a prefill step of 4 tokens takes 3 s, a decode step 1 s.
+GOLDEN_CONFIG = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
+GOLDEN_COST = LinearCostModel(base_s=1.0, per_prefill_token_s=0.5)
+
 
 def test_timeline_of_a_hand_derived_scenario():
     # Pages of 4 tokens, a prefill step of 4 tokens takes 3 s, a decode step 1 s (the golden
@@ -23,11 +27,9 @@ def test_timeline_of_a_hand_derived_scenario():
     # admitted at 0 with one page, takes its 2nd page at 3 s (its first decode step) and its 3rd
     # at 10 s, and finishes at 14 s; r1 (prompt 4, 5 output tokens, arrives 4.5 s) is admitted at
     # 5 s, takes its 2nd page at 8 s and finishes at 12 s.
-    config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
-    cost = LinearCostModel(base_s=1.0, per_prefill_token_s=0.5)
     requests = [WorkloadRequest("r0", 0.0, 4, 9), WorkloadRequest("r1", 4.5, 4, 5)]
-    result = simulate(requests, "fullkv", config,
-                      SimConfig(num_kv_pages=10, admission_reserve=0.0), cost)
+    result = simulate(requests, "fullkv", GOLDEN_CONFIG,
+                      SimConfig(num_kv_pages=10, admission_reserve=0.0), GOLDEN_COST)
     assert result.pool_timeline() == [(0.0, 1, 1), (3.0, 2, 1), (5.0, 3, 2), (8.0, 4, 2),
                                       (10.0, 5, 2), (12.0, 3, 1), (14.0, 0, 0)]
 
@@ -102,12 +104,10 @@ def test_a_page_shared_through_the_prefix_cache_counts_once_in_the_timeline(deci
     """Three requests beginning with the same 3 pages (a system prompt) hold them together: the
     pool holds each once, so the timeline (and ``pool.png``) never counts more pages than the
     pool's, and its peak is ``peak_pages``."""
-    config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
-    cost = LinearCostModel(base_s=1.0, per_prefill_token_s=0.5)
     requests = [WorkloadRequest(f"r{i}", 10.0 * i, 16, 40, prefix="sys", prefix_tokens=12)
                 for i in range(3)]
     sim = SimConfig(num_kv_pages=36, admission_reserve=0.0, decisions=decisions)
-    result = simulate(requests, "fullkv", config, sim, cost)
+    result = simulate(requests, "fullkv", GOLDEN_CONFIG, sim, GOLDEN_COST)
     m, timeline = result.metrics, result.pool_timeline()
     assert m.prefix_hit_tokens == 24   # r1 and r2 each took the 3 cached pages
     assert all(0 <= used <= sim.num_kv_pages for _, used, _ in timeline)
@@ -119,11 +119,9 @@ def test_a_page_shared_through_the_prefix_cache_counts_once_in_the_timeline(deci
 def test_the_pool_is_empty_while_the_engine_waits_for_an_arrival():
     """r0 (prompt 4, 5 output tokens) finishes at 7 s; r1 arrives at 20 s: in between nothing
     is resident and no page is in use."""
-    config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
-    cost = LinearCostModel(base_s=1.0, per_prefill_token_s=0.5)
     requests = [WorkloadRequest("r0", 0.0, 4, 5), WorkloadRequest("r1", 20.0, 4, 5)]
-    result = simulate(requests, "fullkv", config,
-                      SimConfig(num_kv_pages=10, admission_reserve=0.0), cost)
+    result = simulate(requests, "fullkv", GOLDEN_CONFIG,
+                      SimConfig(num_kv_pages=10, admission_reserve=0.0), GOLDEN_COST)
     assert result.pool_timeline() == [(0.0, 1, 1), (3.0, 2, 1), (7.0, 0, 0), (20.0, 1, 1),
                                       (23.0, 2, 1), (27.0, 0, 0)]
     assert _integral(result.pool_timeline(), 2) / result.metrics.total_time_s == pytest.approx(
