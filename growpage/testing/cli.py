@@ -5,9 +5,10 @@
 runs ``check_policy`` (every rule of ``RULES`` but ``serves`` on random small boundaries) and
 then ``check_serving`` (rule ``serves``: small random workloads served by the simulator), and
 prints what passed. ``--max-pages``, ``--page-sizes`` and ``--max-output`` make the contexts and
-requests longer, for a policy whose trouble starts past the defaults' 96-token contexts. A broken rule ends the check with the rule, what went wrong and the
-smallest example hypothesis found, and exit status 1 (a failed check, as pytest's); a policy
-that cannot be built is a usage error (status 2), as everywhere in ``growpage``.
+requests longer, for a policy whose trouble starts past the defaults' 96-token contexts. A
+broken rule ends the check with the rule, what went wrong and the smallest example hypothesis
+found, and exit status 1 (a failed check, as pytest's); a policy that cannot be built is a usage
+error (status 2), as everywhere in ``growpage``.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ from growpage.testing.rules import (
 )
 from growpage.testing.strategies import BoundaryCase, boundary_cases, check_knob
 
-__all__ = ["RULES", "PolicyConformanceError", "PolicyConformanceWarning", "check_case", "check_policy",
-           "global_rngs_seeded", "raise_smallest_failure", "refuse_a_class"]
+__all__ = ["RULES", "PolicyConformanceError", "PolicyConformanceWarning", "check_case",
+           "check_policy", "global_rngs_seeded", "raise_smallest_failure", "refuse_a_class"]
 
 
 #: ``check_case``'s ``pristine`` for a policy that cannot be copied (already warned about).

@@ -57,7 +57,7 @@ class PolicyConformanceWarning(UserWarning):
 def copy_policy(policy: object, instead: str) -> object | None:
     """A deep copy of ``policy``; None, with a ``PolicyConformanceWarning`` saying what the
     kit does ``instead``, when ``copy.deepcopy`` fails (a policy holding a lock, an open
-    file...: not a broken rule, the simulator and the engine never copy a policy)."""
+    file...: not a broken rule, the simulator and the engine serve such a policy)."""
     try:
         return copy.deepcopy(policy)
     except Exception as exc:  # noqa: BLE001 - whatever deepcopy raises, the answer is the same
