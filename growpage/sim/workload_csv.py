@@ -7,17 +7,19 @@
     0.5,96,800,,system-a,64
     0.9,300,500,,,
 
-``arrival_s``: seconds (finite, in ``[0, MAX_ARRIVAL_S]``); ``prompt_tokens`` / ``output_tokens``: integers in
-``[1, MAX_TOKENS]``; ``trace`` (optional column, may be empty): the request id of a trace in the
-trace set given to the simulator; ``prefix`` and ``prefix_tokens`` (optional columns, both
-given or both empty in a row): the requests naming one prefix begin with the same
-``prefix_tokens`` prompt tokens (``1 <= prefix_tokens <= prompt_tokens``), which the
-simulator's prefix cache shares (``sim.prefix``). Rows are returned in arrival order (stable). Every problem
-raises ``WorkloadError`` naming the file, the line and the field.
+``arrival_s``: seconds (finite, in ``[0, MAX_ARRIVAL_S]``); ``prompt_tokens`` /
+``output_tokens``: integers in ``[1, MAX_TOKENS]``; ``trace`` (optional column, may be empty):
+the request id of a trace in the trace set given to the simulator; ``prefix`` and
+``prefix_tokens`` (optional columns, both given or both empty in a row): the requests naming
+one prefix begin with the same ``prefix_tokens`` prompt tokens (``1 <= prefix_tokens <=
+prompt_tokens``), which the simulator's prefix cache shares (``sim.prefix``). Rows are returned
+in arrival order (stable). Every problem raises ``WorkloadError`` naming the file, the line and
+the field.
 
 JSON Lines (``.jsonl``): one object per line with the same fields, e.g.
 ``{"arrival_s": 0.5, "prompt_tokens": 96, "output_tokens": 800}``; ``trace`` may be omitted or
-null, as may ``prefix`` and ``prefix_tokens`` (both or neither); token counts must be JSON integers; blank lines are skipped; any other key, or a key given twice, is an error.
+null, as may ``prefix`` and ``prefix_tokens`` (both or neither); token counts must be JSON
+integers; blank lines are skipped; any other key, or a key given twice, is an error.
 """
 
 from __future__ import annotations
