@@ -173,7 +173,7 @@ def fit_warnings(rows: np.ndarray, kind: str = "linear") -> list[str]:
                           f"{' or '.join(map(repr, FITS))})")
     if kind == "piecewise":
         return _piecewise_warnings(rows)
-    warnings = []
+    warnings, varied = [], []
     for i, (column, coef) in enumerate(zip(COLUMNS[:3], STEP_COEFFICIENTS[1:], strict=True)):
         value = float(rows[0, i])
         if (rows[:, i] == value).all():
@@ -181,12 +181,16 @@ def fit_warnings(rows: np.ndarray, kind: str = "linear") -> list[str]:
                     "cannot be told apart from base_s (only their sum is fitted)")
             warnings.append(f"{column} is {value:g} in every measurement, so {coef} {what}; "
                             f"measure steps with other {column}")
-    if not warnings:
-        x = _design_linear(rows)
-        if np.linalg.matrix_rank(x / np.abs(x).max(axis=0)) < x.shape[1]:
-            warnings.append(f"{', '.join(COLUMNS[:3])} depend linearly on each other in these "
-                            "measurements, so their coefficients are not fitted separately; "
-                            "vary them independently")
+        else:
+            varied.append(i)
+    # NOTE: the dependency check leaves out the constant columns (warned of above), not the
+    # whole check: decode steps at one context each (kv_tokens proportional to num_seqs) with
+    # prefill_tokens 0 throughout cannot split per_seq_s from per_kv_token_s either.
+    x = _design_linear(rows)[:, [0, *(i + 1 for i in varied)]]
+    if np.linalg.matrix_rank(x / np.abs(x).max(axis=0)) < x.shape[1]:
+        warnings.append(f"{', '.join(COLUMNS[i] for i in varied)} depend linearly on each other "
+                        "in these measurements, so their coefficients are not fitted "
+                        "separately; vary them independently")
     return warnings
 
 

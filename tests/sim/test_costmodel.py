@@ -230,3 +230,21 @@ def test_describe_works_for_a_cost_model_that_is_not_an_attrs_class():
     assert linear["kind"] == "LinearCostModel" and linear["base_s"] == 0.01
     roofline = load_cost_model("a100-qwen3-8b").describe()
     assert roofline["kind"] == "RooflineCostModel" and roofline["hardware"]["name"]
+
+
+def test_calibrate_warns_of_dependent_columns_beside_a_constant_one():
+    # Decode steps at one context each: kv_tokens = 100 * num_seqs, and prefill_tokens is 0
+    # throughout. The fit cannot split the cost between per_seq_s and per_kv_token_s (it put it
+    # all on per_seq_s, pricing KV as free), yet only the constant column was warned of: the
+    # dependency check ran only when no column was constant.
+    rows = np.array([[1, 100, 0, 0.011], [2, 200, 0, 0.012], [4, 400, 0, 0.014],
+                     [8, 800, 0, 0.018]])
+    assert fit_warnings(rows) == [
+        "prefill_tokens is 0 in every measurement, so per_prefill_token_s is fitted as 0 (free "
+        "in the simulator); measure steps with other prefill_tokens",
+        "num_seqs, kv_tokens depend linearly on each other in these measurements, so their "
+        "coefficients are not fitted separately; vary them independently"]
+    # A constant column of another value is warned of alone: the others are independent.
+    rows[:, 1] = [100, 900, 300, 50]
+    rows[:, 2] = 7
+    assert [w.split(" is ")[0] for w in fit_warnings(rows)] == ["prefill_tokens"]
