@@ -402,6 +402,14 @@ def _model_path(text: str) -> Path:
     return path
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one existing file (through links and ``..`` too)."""
+    try:
+        return a.samefile(b)
+    except OSError:   # one is missing: writing ``a`` cannot clobber ``b``
+        return False
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     from growpage.sim.calibrate import (
         FITS,
@@ -412,6 +420,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
 
     out = _model_path(args.out)
+    if args.measurements and _same_file(out, Path(args.measurements)):
+        raise ConfigError(f"--out {args.out}: is the measurements file {args.measurements}; "
+                          "give another name for the model")
     engine_only = [flag for flag, value in (("--boundary-policy", args.boundary_policy),
                                             ("--batch-sizes", args.batch_sizes),
                                             ("--contexts", args.contexts)) if value is not None]

@@ -248,3 +248,19 @@ def test_calibrate_warns_of_dependent_columns_beside_a_constant_one():
     rows[:, 1] = [100, 900, 300, 50]
     rows[:, 2] = 7
     assert [w.split(" is ")[0] for w in fit_warnings(rows)] == ["prefill_tokens"]
+
+
+@pytest.mark.parametrize("same", ["m.csv", "./m.csv", "link.csv"])
+def test_calibrate_refuses_to_write_the_model_over_its_measurements(tmp_path, monkeypatch,
+                                                                   capsys, same):
+    # --out naming the measurements file (a slip of the shell's history) wrote the model over
+    # the measurements, which were then lost.
+    monkeypatch.chdir(tmp_path)
+    text = ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+            "4,900,8,0.03\n8,800,0,0.05\n")
+    (tmp_path / "m.csv").write_text(text)
+    (tmp_path / "link.csv").symlink_to(tmp_path / "m.csv")
+    assert main(["calibrate", "--measurements", "m.csv", "--out", same]) == 2
+    assert (f"--out {same}: is the measurements file m.csv; give another name for the model"
+            in capsys.readouterr().err)
+    assert (tmp_path / "m.csv").read_text() == text
