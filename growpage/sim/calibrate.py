@@ -41,6 +41,8 @@ def _row(d: Any, where: str) -> list[float]:
         raise ConfigError(f"{where}: measurement fields must be numbers, got {d!r:.200}") from None
     if not all(math.isfinite(x) and x >= 0 for x in row):
         raise ConfigError(f"{where}: measurement fields must be finite and >= 0, got {d!r:.200}")
+    if row[3] == 0:   # NOTE: a step takes time; 0 is a timer gone wrong or seconds rounded away
+        raise ConfigError(f"{where}: step_s must be > 0 (seconds a step took), got {row[3]!r}")
     return row
 
 

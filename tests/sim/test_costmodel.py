@@ -264,3 +264,21 @@ def test_calibrate_refuses_to_write_the_model_over_its_measurements(tmp_path, mo
     assert (f"--out {same}: is the measurements file m.csv; give another name for the model"
             in capsys.readouterr().err)
     assert (tmp_path / "m.csv").read_text() == text
+
+
+def test_a_step_measured_at_0_seconds_is_a_config_error(tmp_path, monkeypatch):
+    # A step takes time: step_s 0 is a measurement gone wrong (or seconds rounded to 0). All
+    # such rows fitted a model that priced every step at 0 s, which calibrate wrote without a
+    # word and sim serve then refused; some of them pulled the fit down unseen.
+    path = tmp_path / "m.csv"
+    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.000\n"
+                    "4,900,8,0.03\n8,800,0,0.05\n")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{path}, measurement 1: step_s must be > 0 (seconds a step took), got 0.0")):
+        load_measurements(path)
+    import growpage.engine.profile as profile
+
+    monkeypatch.setattr(profile, "measure_step_times", lambda **kw: [
+        {"num_seqs": 1, "kv_tokens": 100, "prefill_tokens": 0, "step_s": 0}])
+    with pytest.raises(ConfigError, match="row 0: step_s must be > 0"):
+        measure_engine()
