@@ -30,9 +30,25 @@ COLUMNS = ("num_seqs", "kv_tokens", "prefill_tokens", "step_s")
 ENGINE_PROFILER = "growpage.engine.profile"
 
 
+def _fields_problem(d: Any) -> str:
+    """What is wrong with a measurement's fields (not a mapping, or which fields)."""
+    if not isinstance(d, dict):
+        return f"got {d!r:.80}"
+    extra = [k for k in d if k not in COLUMNS]
+    lacks = [c for c in COLUMNS if c not in d]
+    problems = [f"lacks {', '.join(lacks)}"] if lacks else []
+    if None in extra:   # csv.DictReader's key for a row's values past the header's
+        extra.remove(None)
+        problems.append("more values than the header")
+    if extra:
+        problems.append(f"has {', '.join(map(repr, extra))}")
+    return "; ".join(problems)
+
+
 def _row(d: Any, where: str) -> list[float]:
     if not isinstance(d, dict) or set(d) != set(COLUMNS):
-        raise ConfigError(f"{where}: a measurement needs exactly the fields {', '.join(COLUMNS)}")
+        raise ConfigError(f"{where}: a measurement needs exactly the fields {', '.join(COLUMNS)} "
+                          f"({_fields_problem(d)})")
     try:
         if any(isinstance(d[c], bool) for c in COLUMNS):
             raise TypeError("a bool is not a measurement")
@@ -50,7 +66,9 @@ def load_measurements(path: str | os.PathLike) -> np.ndarray:
     """``[n, 4]`` float64 rows (``COLUMNS``) from a CSV or JSON file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        # NOTE: utf-8-sig drops the byte order mark spreadsheets write before "CSV UTF-8" (it
+        # would be read as part of the first field's name); a file without one reads as UTF-8.
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read measurements ({e})") from None
     if path.suffix == ".json":

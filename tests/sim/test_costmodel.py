@@ -282,3 +282,28 @@ def test_a_step_measured_at_0_seconds_is_a_config_error(tmp_path, monkeypatch):
         {"num_seqs": 1, "kv_tokens": 100, "prefill_tokens": 0, "step_s": 0}])
     with pytest.raises(ConfigError, match="row 0: step_s must be > 0"):
         measure_engine()
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".json"])
+def test_measurements_written_with_a_byte_order_mark_are_read(tmp_path, suffix):
+    # Spreadsheets write "CSV UTF-8" with a byte order mark: the first field was read as
+    # "\ufeffnum_seqs", and the file refused as lacking num_seqs, a field its header shows.
+    rows = [(1, 100, 0, 0.01), (2, 200, 0, 0.02), (4, 900, 8, 0.03), (8, 800, 0, 0.05)]
+    if suffix == ".csv":
+        text = "\r\n".join(["num_seqs,kv_tokens,prefill_tokens,step_s"]
+                           + [",".join(map(str, r)) for r in rows]) + "\r\n"
+    else:
+        text = json.dumps([dict(zip(("num_seqs", "kv_tokens", "prefill_tokens", "step_s"), r,
+                                    strict=True)) for r in rows])
+    path = tmp_path / f"m{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_measurements(path).tolist() == [list(map(float, r)) for r in rows]
+
+
+def test_measurements_with_other_fields_are_refused_naming_them(tmp_path):
+    path = tmp_path / "m.csv"
+    path.write_text("num_seqs, kv_tokens,prefill_tokens,seconds\n1,100,0,0.01\n")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{path}, measurement 0: a measurement needs exactly the fields num_seqs, kv_tokens, "
+            "prefill_tokens, step_s (lacks kv_tokens, step_s; has ' kv_tokens', 'seconds')")):
+        load_measurements(path)
