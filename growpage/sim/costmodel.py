@@ -424,7 +424,8 @@ def load_cost_model(spec: str) -> CostModel:
     if spec in PRESETS:
         hardware, model = PRESETS[spec]
         return RooflineCostModel(hardware=hardware, model=model)
-    if Path(spec).suffix == ".json" or Path(spec).exists():
+    # NOTE: not an empty name, which Path reads as "." (the current directory) and exists.
+    if spec and (Path(spec).suffix == ".json" or Path(spec).exists()):
         kind = _read_model(spec).get("kind")
         if not isinstance(kind, str) or kind not in FITTED_KINDS:
             raise ConfigError(f"{spec}: unknown cost model kind {kind!r} (expected "

@@ -307,3 +307,15 @@ def test_measurements_with_other_fields_are_refused_naming_them(tmp_path):
             f"{path}, measurement 0: a measurement needs exactly the fields num_seqs, kv_tokens, "
             "prefill_tokens, step_s (lacks kv_tokens, step_s; has ' kv_tokens', 'seconds')")):
         load_measurements(path)
+
+
+@pytest.mark.parametrize("spec", ["", "  "])
+def test_an_empty_cost_model_spec_is_refused_as_such(capsys, spec):
+    # "" named the current directory (Path("") is "."): the error read ": cannot read a cost
+    # model ([Errno 21] Is a directory: '.')".
+    message = (f"unknown cost model {spec!r}: give a preset (a100-qwen3-8b, a100-r1-llama-8b) "
+               "or a JSON file written by `growpage calibrate`")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_cost_model(spec)
+    assert main(["sim", "serve", "--workload", "tiny", "--cost", spec]) == 2
+    assert message in capsys.readouterr().err
