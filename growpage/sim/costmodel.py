@@ -66,6 +66,14 @@ def _boolean(inst: object, attribute: attrs.Attribute, value: bool) -> None:
                           f"got {value!r}")
 
 
+def _plain_number(value: Any) -> Any:
+    """A numpy integer or float scalar as ``int`` or ``float`` (anything else, a numpy bool
+    included, is left for the validator)."""
+    if isinstance(value, np.integer):
+        return int(value)
+    return float(value) if isinstance(value, np.floating) else value
+
+
 def _plain_bool(value: Any) -> Any:
     return bool(value) if isinstance(value, np.bool_) else value
 
@@ -153,10 +161,14 @@ STEP_COEFFICIENTS = ("base_s", "per_seq_s", "per_kv_token_s", "per_prefill_token
 class _FittedCostModel(CostModel):
     """What the fitted models share: per-token costs, capacity-control prices, ``padded_kv``."""
 
-    per_kv_token_s: float = attrs.field(default=0.0, validator=_non_negative)
-    per_prefill_token_s: float = attrs.field(default=0.0, validator=_non_negative)
-    boundary_s: float = attrs.field(default=0.0, validator=_non_negative)    # per decision
-    compaction_s: float = attrs.field(default=0.0, validator=_non_negative)  # per compaction
+    per_kv_token_s: float = attrs.field(default=0.0, converter=_plain_number,
+                                        validator=_non_negative)
+    per_prefill_token_s: float = attrs.field(default=0.0, converter=_plain_number,
+                                             validator=_non_negative)
+    boundary_s: float = attrs.field(default=0.0, converter=_plain_number,     # per decision
+                                    validator=_non_negative)
+    compaction_s: float = attrs.field(default=0.0, converter=_plain_number,   # per compaction
+                                      validator=_non_negative)
     padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=_boolean)
 
 
@@ -164,8 +176,8 @@ class _FittedCostModel(CostModel):
 class LinearCostModel(_FittedCostModel):
     """Linear step time (seconds); coefficients in seconds per unit."""
 
-    base_s: float = attrs.field(default=0.0, validator=_non_negative)
-    per_seq_s: float = attrs.field(default=0.0, validator=_non_negative)
+    base_s: float = attrs.field(default=0.0, converter=_plain_number, validator=_non_negative)
+    per_seq_s: float = attrs.field(default=0.0, converter=_plain_number, validator=_non_negative)
     name: str = "linear"
 
     def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
@@ -344,11 +356,15 @@ class RooflineCostModel(CostModel):
 
     hardware: HardwareSpec
     model: ModelSpec
-    mfu: float = attrs.field(default=0.5, validator=_unit)   # achieved share of peak FLOP/s
-    mbu: float = attrs.field(default=0.8, validator=_unit)   # achieved share of peak bandwidth
-    overhead_s: float = attrs.field(default=0.002, validator=_non_negative)  # per step, seconds
-    boundary_s: float = attrs.field(default=0.0, validator=_non_negative)    # per decision
-    compaction_s: float = attrs.field(default=0.0, validator=_non_negative)  # per compaction
+    # achieved shares of peak FLOP/s and of peak bandwidth
+    mfu: float = attrs.field(default=0.5, converter=_plain_number, validator=_unit)
+    mbu: float = attrs.field(default=0.8, converter=_plain_number, validator=_unit)
+    overhead_s: float = attrs.field(default=0.002, converter=_plain_number,   # per step
+                                    validator=_non_negative)
+    boundary_s: float = attrs.field(default=0.0, converter=_plain_number,     # per decision
+                                    validator=_non_negative)
+    compaction_s: float = attrs.field(default=0.0, converter=_plain_number,   # per compaction
+                                      validator=_non_negative)
     name: str = "roofline"
 
     def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0

@@ -319,3 +319,26 @@ def test_an_empty_cost_model_spec_is_refused_as_such(capsys, spec):
         load_cost_model(spec)
     assert main(["sim", "serve", "--workload", "tiny", "--cost", spec]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_numpy_scalars_are_taken_as_plain_numbers():
+    # A price computed with numpy (np.float32, np.int64: not float or int subclasses) was
+    # refused as "must be a finite number >= 0, got np.float32(0.002)", which it is; the
+    # piecewise model's lists took numpy values all along.
+    from growpage.sim.costmodel import with_boundary_costs
+
+    linear = LinearCostModel(base_s=np.float32(0.5), per_seq_s=np.int64(0),
+                             per_kv_token_s=np.float64(1e-6))
+    assert (linear.base_s, linear.per_seq_s) == (0.5, 0)
+    assert type(linear.base_s) is float and type(linear.per_seq_s) is int
+    priced = with_boundary_costs(linear, np.float32(0.25), np.int32(1))
+    assert priced.boundary_time(2, 1) == pytest.approx(1.5)
+    roofline = RooflineCostModel(hardware=A100_80GB, model=QWEN3_8B, mfu=np.float32(0.5),
+                                 overhead_s=np.float32(0.25))
+    assert type(roofline.mfu) is float and roofline.overhead_s == 0.25
+    piecewise = PiecewiseCostModel(batch_sizes=(1,), batch_s=(0.1,),
+                                   per_kv_token_s=np.float32(0.5))
+    assert piecewise.per_kv_token_s == 0.5
+    for bad in (np.float32("nan"), np.float64(-1.0), np.True_):
+        with pytest.raises(ConfigError, match="base_s must be a finite number >= 0"):
+            LinearCostModel(base_s=bad)
