@@ -135,6 +135,18 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+def _checked(rows: Any) -> np.ndarray:
+    """``rows`` as a ``[n, 4]`` float64 array (n >= 1) of measurements, each checked as a file's
+    (``_row``): the fits take arrays from callers other than ``load_measurements``."""
+    array = np.asarray(rows, dtype=np.float64)
+    if array.ndim != 2 or array.shape[1] != len(COLUMNS) or not len(array):
+        raise ConfigError(f"measurements must be rows of {', '.join(COLUMNS)}, got an array of "
+                          f"shape {array.shape}")
+    for i, row in enumerate(array.tolist()):
+        _row(dict(zip(COLUMNS, row, strict=True)), f"measurement {i}")
+    return array
+
+
 def _design_linear(rows: np.ndarray) -> np.ndarray:
     return np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1], rows[:, 2]])
 
@@ -146,6 +158,7 @@ def fit_linear(rows: np.ndarray, padded_kv: bool = False) -> LinearCostModel:
     (``CostModel.padded_kv``); the fit is the same (measure uniform contexts), the simulator
     then prices ragged batches by their longest sequence.
     """
+    rows = _checked(rows)
     base, per_seq, per_kv, per_prefill = (float(c) for c in nnls(_design_linear(rows),
                                                                   rows[:, 3]))
     return LinearCostModel(base_s=base, per_seq_s=per_seq, per_kv_token_s=per_kv,
@@ -168,6 +181,7 @@ def fit_piecewise(rows: np.ndarray, padded_kv: bool = False) -> PiecewiseCostMod
     """Least-squares fit of ``PiecewiseCostModel``: one fixed cost per batch size measured
     (``num_seqs`` 0 for prefill-only steps) and a shared cost per KV token and per prompt
     token, all non-negative (``nnls``); ``padded_kv`` as ``fit_linear``'s."""
+    rows = _checked(rows)
     sizes, x = _design_piecewise(rows)
     coef = nnls(x, rows[:, 3])
     return PiecewiseCostModel(batch_sizes=tuple(sizes),
@@ -191,6 +205,7 @@ def fit_warnings(rows: np.ndarray, kind: str = "linear") -> list[str]:
     if kind not in FITS:
         raise ConfigError(f"unknown cost model kind {kind!r} (expected "
                           f"{' or '.join(map(repr, FITS))})")
+    rows = _checked(rows)
     if kind == "piecewise":
         return _piecewise_warnings(rows)
     warnings, varied = [], []

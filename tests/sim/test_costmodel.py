@@ -11,6 +11,7 @@ import pytest
 from growpage.cli import main
 from growpage.errors import ConfigError
 from growpage.sim.calibrate import (
+    COLUMNS,
     fit_linear,
     fit_warnings,
     load_measurements,
@@ -342,3 +343,27 @@ def test_numpy_scalars_are_taken_as_plain_numbers():
     for bad in (np.float32("nan"), np.float64(-1.0), np.True_):
         with pytest.raises(ConfigError, match="base_s must be a finite number >= 0"):
             LinearCostModel(base_s=bad)
+
+
+@pytest.mark.parametrize("fit", ["linear", "piecewise"])
+def test_fits_refuse_rows_that_are_not_measurements(fit):
+    # fit_linear and fit_piecewise took any array: a negative or zero step time was fitted
+    # unseen (four rows with one at -1 s fitted a linear model that priced every step at 0 s),
+    # no rows fitted a free model, and NaN failed deep in nnls without naming the row.
+    from growpage.sim.calibrate import FITS
+
+    good = [[1, 100, 0, 0.01], [2, 200, 0, 0.02], [4, 900, 8, 0.03], [8, 800, 0, 0.05]]
+    for bad, match in ((-1.0, "measurement 2: measurement fields must be finite and >= 0"),
+                       (0.0, "measurement 2: step_s must be > 0"),
+                       (float("nan"), "measurement 2: measurement fields must be finite")):
+        rows = np.array(good)
+        rows[2, 3] = bad
+        with pytest.raises(ConfigError, match=match):
+            FITS[fit](rows)
+        with pytest.raises(ConfigError, match=match):
+            fit_warnings(rows, fit)
+    for shape in ((0, 4), (4, 3), (4,)):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"measurements must be rows of {', '.join(COLUMNS)}, got an array of shape "
+                f"{shape}")):
+            FITS[fit](np.zeros(shape))
