@@ -5,9 +5,9 @@ Measurements are rows of ``num_seqs, kv_tokens, prefill_tokens, step_s`` (a deco
 ``num_seqs`` sequences reading ``kv_tokens`` KV tokens in total, plus ``prefill_tokens`` prompt
 tokens; ``step_s`` seconds), from a CSV file with that header or a JSON list of objects.
 
-``measure_engine`` asks the engine for such rows. It needs
-``growpage.engine.profile.measure_step_times(**options) -> list[dict]``; until the engine offers
-it, it raises ``EngineError`` and ``growpage calibrate --measurements FILE`` is the way.
+``measure_engine`` times the local engine's steps for such rows
+(``growpage.engine.profile.measure_step_times(**options) -> list[dict]``); ``growpage calibrate
+--measurements FILE`` fits rows measured elsewhere (another engine, another machine).
 """
 
 from __future__ import annotations

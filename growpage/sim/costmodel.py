@@ -197,8 +197,13 @@ class LinearCostModel(_FittedCostModel):
 
 
 def _save(cost: attrs.AttrsInstance, kind: str, path: str | os.PathLike) -> Path:
+    """Write the model as JSON; readers see the old file or the new one, never half of one (a
+    failed write, a full disk, leaves the old model in place)."""
+    from growpage.core.traces import atomic_write
+
     path = Path(path)
-    path.write_text(json.dumps({"kind": kind, **attrs.asdict(cost)}, indent=1) + "\n")
+    text = json.dumps({"kind": kind, **attrs.asdict(cost)}, indent=1) + "\n"
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
     return path
 
 

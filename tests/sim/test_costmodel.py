@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -367,3 +369,26 @@ def test_fits_refuse_rows_that_are_not_measurements(fit):
                 f"measurements must be rows of {', '.join(COLUMNS)}, got an array of shape "
                 f"{shape}")):
             FITS[fit](np.zeros(shape))
+
+
+@pytest.mark.parametrize("model", [
+    LinearCostModel(base_s=0.01, per_seq_s=0.001),
+    PiecewiseCostModel(batch_sizes=(1, 4), batch_s=(0.01, 0.02), per_kv_token_s=1e-6)],
+    ids=["linear", "piecewise"])
+def test_a_save_that_fails_leaves_the_old_model(tmp_path, monkeypatch, model):
+    """Until 2026-12 save truncated the file, then wrote: a full disk lost the old model."""
+    path = model.save(tmp_path / "model.json")
+    before = path.read_text()
+    real = Path.write_text
+
+    def half_then_full(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        attrs.evolve(model).save(path)
+    monkeypatch.undo()
+    assert path.read_text() == before
+    assert type(model).load(path) == model
+    assert [p.name for p in tmp_path.iterdir()] == ["model.json"]   # no temporary left behind
