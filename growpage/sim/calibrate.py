@@ -78,9 +78,16 @@ def load_measurements(path: str | os.PathLike) -> np.ndarray:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(items, list):
             raise ConfigError(f"{path}: expected a JSON list of measurements")
+        where = [f"{path}, measurement {i}" for i in range(len(items))]   # list positions
     else:
-        items = list(csv.DictReader(text.splitlines()))
-    rows = [_row(d, f"{path}, measurement {i}") for i, d in enumerate(items)]
+        reader = csv.DictReader(text.splitlines())
+        items, where = [], []
+        for d in reader:
+            items.append(d)
+            # NOTE: counted from 0 as everywhere (fit_piecewise's errors too), with the line
+            # an editor shows: measurement 0 is line 2, under the header.
+            where.append(f"{path}, measurement {len(where)} (line {reader.line_num})")
+    rows = [_row(d, at) for d, at in zip(items, where, strict=True)]
     if len(rows) < 4:
         raise ConfigError(f"{path}: need at least 4 measurements to fit a cost model, got "
                           f"{len(rows)}")

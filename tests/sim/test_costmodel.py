@@ -277,7 +277,8 @@ def test_a_step_measured_at_0_seconds_is_a_config_error(tmp_path, monkeypatch):
     path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.000\n"
                     "4,900,8,0.03\n8,800,0,0.05\n")
     with pytest.raises(ConfigError, match=re.escape(
-            f"{path}, measurement 1: step_s must be > 0 (seconds a step took), got 0.0")):
+            f"{path}, measurement 1 (line 3): step_s must be > 0 (seconds a step took), "
+            "got 0.0")):
         load_measurements(path)
     import growpage.engine.profile as profile
 
@@ -307,8 +308,8 @@ def test_measurements_with_other_fields_are_refused_naming_them(tmp_path):
     path = tmp_path / "m.csv"
     path.write_text("num_seqs, kv_tokens,prefill_tokens,seconds\n1,100,0,0.01\n")
     with pytest.raises(ConfigError, match=re.escape(
-            f"{path}, measurement 0: a measurement needs exactly the fields num_seqs, kv_tokens, "
-            "prefill_tokens, step_s (lacks kv_tokens, step_s; has ' kv_tokens', 'seconds')")):
+            f"{path}, measurement 0 (line 2): a measurement needs exactly the fields num_seqs, "
+            "kv_tokens, prefill_tokens, step_s (lacks kv_tokens, step_s; has ' kv_tokens', 'seconds')")):
         load_measurements(path)
 
 
@@ -392,3 +393,13 @@ def test_a_save_that_fails_leaves_the_old_model(tmp_path, monkeypatch, model):
     assert path.read_text() == before
     assert type(model).load(path) == model
     assert [p.name for p in tmp_path.iterdir()] == ["model.json"]   # no temporary left behind
+
+
+def test_a_csv_measurement_is_named_with_its_line(tmp_path):
+    """Measurements count from 0, as fit_piecewise names them; a CSV's also give the line an
+    editor shows, blank lines counted (until 2026-12 "measurement 2" of this file was all)."""
+    path = tmp_path / "m.csv"
+    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n\n"
+                    "2,200,0,0.02\n4,-900,8,0.03\n8,800,0,0.05\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}, measurement 2 (line 5): ")):
+        load_measurements(path)
