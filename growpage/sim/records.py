@@ -18,7 +18,8 @@ class BoundaryRecord:
         decision: the policy's primary decision, None when growth was forced.
         fallback: GROW was refused and COMPRESS ran.
         pages_before, pages_after, tokens_after: request state around the boundary.
-        delta: Delta_t (Eq. 8) when the policy computed it (or signals were requested).
+        delta: Delta_t (Eq. 8) when the policy computed it (or signals were requested); None
+            at a forced growth, which asks the policy nothing.
         mass_mean, mass_min: retained attention mass of the next page's sampled queries,
             mean / min over layers and KV heads (None when fidelity is off).
         output_error: mean |o - o_hat|_2 of those queries (None without values).

@@ -144,7 +144,10 @@ class _Probe:
     def _counterfactual_inputs(self, state: RequestState
                                ) -> tuple[float | None, torch.Tensor | None]:
         """Delta_t and the policy's compress selection (as positions), before anything changes."""
-        if state.num_pages < self.config.min_capacity:
+        # NOTE: the controller's own test for a forced growth: below min_capacity, or before
+        # any decode query (a prompt ending on a page boundary), where Delta_t of the empty
+        # query state would read 0.0 and land in signal_quality's buckets as a decision.
+        if state.num_pages < self.config.min_capacity or not self.view.has_query_state:
             return None, None   # forced growth: no decision to evaluate
         ctx = BoundaryContext(state.request_id, state.num_tokens, state.position, state.num_pages,
                               self.controller.pool.num_free_pages, self.config, self.view)

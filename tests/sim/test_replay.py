@@ -16,6 +16,7 @@ from growpage.policies import FixedBudgetPolicy, resolve_policy
 from growpage.sim.ema import ema_snapshots
 from growpage.sim.fidelity import FutureAttention
 from growpage.sim.replay import ReplayOptions, replay_trace
+from growpage.sim.signal import signal_quality
 from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
 from growpage.sim.traceview import TraceView
 
@@ -283,3 +284,22 @@ def test_a_boundary_before_the_first_decode_step_of_a_residency_has_no_query_sta
     view.prepare_boundary(prompt + 42)
     assert view.has_query_state
     torch.testing.assert_close(view.current_query, random_trace.queries[:, prompt + 41].float())
+
+
+def test_signals_skip_a_growth_forced_before_the_first_decode_query():
+    """A prompt that fills two pages exactly: the first boundary comes before any decode query,
+    so the controller grows without asking the policy. Its record used to carry the Delta_t of
+    an empty query state (0.0) and a counterfactual advantage, which signal_quality then
+    counted in the [0, 0.005) bucket as if the policy had decided there."""
+    spec = attrs.evolve(SWITCH, schedule="random", mean_regime_len=128.0, prompt_len=2 * B,
+                        gen_len=6 * B)
+    result = replay_trace(synthetic_trace(spec, seed=4), "growpage", CONFIG,
+                          ReplayOptions(fidelity_queries=4, signals=True))
+    first = result.records[0]
+    assert (first.position, first.decision, first.action) == (2 * B, None, "grow")
+    assert (first.delta, first.advantage, first.advantage_error) == (None, None, None)
+    assert first.mass_mean == 1.0                   # fidelity is still measured there
+    decided = [r for r in result.records if r.decision is not None]
+    assert decided and all(r.delta is not None and r.advantage is not None for r in decided)
+    counted = sum(b.count for b in signal_quality(result.records).buckets)
+    assert counted == len(decided)
