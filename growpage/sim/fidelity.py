@@ -95,21 +95,29 @@ class FutureAttention:
         """``[L, Hkv, Q]`` float64 mean over the query group of ``|o - o_hat|_2``, or None
         without values.
 
+        NOTE: ``o_hat`` is the kept tokens' output divided by their own mass, both summed over
+        the kept tokens. Taking them as ``o`` and ``1`` less the dropped tokens' share cancels
+        to float32 rounding noise when the dropped tokens held nearly all the mass (an attention
+        sink dropped): ``o_hat`` came out thousands of times too large.
+
         NOTE: the outputs are divided by a power of two near their largest entry (exact) before
         ``o - o_hat`` and its norm, and the norm multiplied back in float64: with values as
         large as fp32 or bf16 hold (~1e20 squared, or ``o - o_hat`` itself past 3.4e38) a
         finite trace still gets a finite error, and other traces the same one as unscaled."""
         if self.values is None:
             return None
-        drop = self.dropped(resident)
-        lost = self._lost_per_head(drop).unsqueeze(-1)                      # [L, Hkv, G*Q, 1]
-        full = torch.matmul(self.probs, self.values)                        # [L, Hkv, G*Q, d]
-        lost_out = torch.matmul(self.probs * drop.unsqueeze(-2), self.values)
+        kept_probs = self.probs * (1.0 - self.dropped(resident)).unsqueeze(-2)
+        kept = kept_probs.sum(dim=-1, keepdim=True)                         # [L, Hkv, G*Q, 1]
+        # o is normalized the same way (its mass is 1 up to rounding), so that a set that
+        # drops nothing gets o_hat == o exactly: an error of exactly 0.
+        full = torch.matmul(self.probs, self.values) / self.probs.sum(dim=-1, keepdim=True)
+        # A query's own token is always kept, so ``kept`` is 0 only where it underflowed;
+        # its output is then 0 too and ``o_hat`` reads 0.
+        approx = (torch.matmul(kept_probs, self.values)
+                  / kept.clamp_min(torch.finfo(kept.dtype).tiny))
         scale = _power_of_two_above(torch.maximum(full.abs().amax(dim=-1, keepdim=True),
-                                                  lost_out.abs().amax(dim=-1, keepdim=True)))
-        full, lost_out = full / scale, lost_out / scale
-        approx = (full - lost_out) / (1.0 - lost).clamp_min(1e-12)
-        err = (full - approx).norm(dim=-1).double() * scale.squeeze(-1).double()
+                                                  approx.abs().amax(dim=-1, keepdim=True)))
+        err = (full / scale - approx / scale).norm(dim=-1).double() * scale.squeeze(-1).double()
         return self._group_mean(err)
 
     def working_set_ratio(self, p: float) -> float:

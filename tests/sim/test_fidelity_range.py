@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from growpage import GrowPageConfig
+from growpage.core.rope import rope_at
 from growpage.core.traces import Trace
 from growpage.policies import resolve_policy
 from growpage.sim.fidelity import FutureAttention
@@ -82,3 +83,40 @@ def test_replay_of_a_trace_with_huge_values_reports_a_finite_output_error(trace)
     assert [attrs.astuple(r)[:7] for r in huge.records] == [
         attrs.astuple(r)[:7] for r in normal.records]
     assert huge.mass_mean == normal.mass_mean
+
+
+def test_output_error_when_the_dropped_tokens_held_almost_all_the_mass():
+    """One anchor token takes all but ~1e-8 of the attention and is dropped: the retained
+    output is the renormalized average of the tokens left, and its error is at most
+    2 max|v| (Theorem 3.1). It used to be computed as (o - lost output) / (1 - lost mass) in
+    float32, where both differences cancel to rounding noise: errors of thousands."""
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                         prompt_len=40, gen_len=48, schedule="concentrated",
+                         concentration=22.0, num_anchors=1)
+    trace = synthetic_trace(spec, seed=0)
+    assert trace.values is not None
+    t = 64
+    anchors = (trace.keys[0, :t, 0].abs().amax(-1) > 10).nonzero().flatten()
+    assert len(anchors) >= 1
+    keep = torch.tensor([p for p in range(t) if p not in anchors.tolist()])
+    view = TraceView(trace, CONFIG)
+    view.write_until(t)
+    view.compact(keep.expand(1, 1, -1), [], [])
+    future = FutureAttention.compute(view, t, t + B, 4)
+    err = future.output_error(view.positions())
+    assert err is not None
+    h = trace.header
+    expected = torch.zeros(1, 1, future.num_queries, dtype=torch.float64)
+    kept_mass = []
+    for qi, p in enumerate(future.positions.tolist()):
+        q = rope_at(h.rope, trace.queries[0, p].double(), p)                # [Hq, d]
+        k, v = trace.keys[0, : p + 1, 0].double(), trace.values[0, : p + 1, 0].double()
+        attn = (q @ k.T * h.softmax_scale).softmax(-1)                     # [Hq, p + 1]
+        kept = torch.ones(p + 1, dtype=torch.bool)
+        kept[anchors] = False
+        approx = (attn * kept) @ v / (attn * kept).sum(-1, keepdim=True)
+        expected[0, 0, qi] = (attn @ v - approx).norm(dim=-1).mean()
+        kept_mass.append(float((attn * kept).sum(-1).max()))
+    assert max(kept_mass) < 1e-6                          # the case in point
+    assert float(err.max()) <= 2 * float(trace.values.abs().max())
+    torch.testing.assert_close(err, expected, rtol=1e-3, atol=0.0)
