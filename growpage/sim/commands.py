@@ -173,8 +173,12 @@ def _source(args: argparse.Namespace) -> dict[str, Any]:
     """What a replay read: the trace set, or the synthetic traces' settings."""
     if args.traces:
         return {"traces": args.traces}
-    return {"synthetic": args.synthetic, "gen_len": args.gen_len, "schedule": args.schedule,
-            "seed": args.seed}
+    # NOTE: the values the traces were drawn with, defaults included (None in ``args`` only
+    # marks a flag left out, which ``_replay_traces`` needs to know).
+    return {"synthetic": args.synthetic,
+            "gen_len": REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
+            "schedule": REPLAY_SCHEDULE if args.schedule is None else args.schedule,
+            "seed": 0 if args.seed is None else args.seed}
 
 
 def _signal_table(q: Any) -> str:

@@ -596,3 +596,16 @@ def test_results_name_the_traces_they_came_from(capsys, tmp_path):
     assert json.loads((tmp_path / "v" / "metrics.json").read_text())["traces"] == str(
         tmp_path / "set")
     capsys.readouterr()
+
+
+def test_replay_json_records_the_synthetic_settings_it_used(capsys, tmp_path):
+    """Left to their defaults, --gen-len, --schedule and --seed used to be recorded as null in
+    replay.json's source: the file did not say which traces the numbers came from."""
+    from growpage.cli import main
+    from growpage.sim.commands import REPLAY_GEN_LEN, REPLAY_SCHEDULE
+
+    small = ["--page-size", "16", "--recent-window", "4", "--fidelity-queries", "0"]
+    assert main(["sim", "replay", "--synthetic", "1", *small, "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "replay.json").read_text())["source"] == {
+        "synthetic": 1, "gen_len": REPLAY_GEN_LEN, "schedule": REPLAY_SCHEDULE, "seed": 0}
+    capsys.readouterr()
