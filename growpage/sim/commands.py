@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -182,8 +183,14 @@ def _source(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _signal_table(q: Any) -> str:
-    head = (f"Delta_t vs future demand change: Spearman rho = {q.spearman:.3f}, sign "
-            f"agreement = {q.sign_agreement:.1%} over {q.num_boundaries} boundaries")
+    # NaN (null in the JSON): fewer than two paired boundaries, or one side constant.
+    n = q.num_boundaries
+    rho = (f"Spearman rho = {q.spearman:.3f}" if not math.isnan(q.spearman) else
+           f"Spearman rho = n/a ({'too few boundaries' if n < 2 else 'a constant signal'})")
+    agree = ("" if math.isnan(q.sign_agreement)
+             else f", sign agreement = {q.sign_agreement:.1%}")
+    head = (f"Delta_t vs future demand change: {rho}{agree} over {n} "
+            f"boundar{'y' if n == 1 else 'ies'}")
     rows = [{"bucket": f"[{b.low:g}, {b.high:g})", "count": b.count, "adv": b.mean_advantage,
              "adv_err": b.mean_advantage_error} for b in q.buckets]
     return head + "\n" + reports.format_table(rows, [

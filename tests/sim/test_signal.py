@@ -54,3 +54,24 @@ def test_signal_quality_sign_agreement_and_buckets():
     assert counts[(0.0, 0.005)] == (1, 0.05)
     assert counts[(0.05, math.inf)] == (2, pytest.approx(0.25))
     assert sum(b.count for b in q.buckets) == 5
+
+
+def test_the_printed_signal_line_says_why_rho_is_missing():
+    """Until 2026-12 it printed 'Spearman rho = nan, sign agreement = nan%'."""
+    from growpage.sim.commands import _signal_table
+    from growpage.sim.signal import SignalQuality
+
+    def head(q: SignalQuality) -> str:
+        return _signal_table(q).splitlines()[0]
+
+    nan = float("nan")
+    assert head(SignalQuality(1, nan, nan, ())) == (
+        "Delta_t vs future demand change: Spearman rho = n/a (too few boundaries) over 1 boundary")
+    assert head(SignalQuality(0, nan, nan, ())).endswith("n/a (too few boundaries) over 0 "
+                                                         "boundaries")
+    assert head(SignalQuality(7, nan, 0.0, ())) == (
+        "Delta_t vs future demand change: Spearman rho = n/a (a constant signal), sign "
+        "agreement = 0.0% over 7 boundaries")
+    assert head(SignalQuality(62, 0.121, 0.516, ())) == (
+        "Delta_t vs future demand change: Spearman rho = 0.121, sign agreement = 51.6% over 62 "
+        "boundaries")
