@@ -47,6 +47,7 @@ class FutureAttention:
     positions: torch.Tensor
     probs: torch.Tensor
     values: torch.Tensor | None
+    _full: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
 
     @classmethod
     def compute(cls, view: TraceView, boundary: int, end: int, num_queries: int
@@ -108,9 +109,7 @@ class FutureAttention:
             return None
         kept_probs = self.probs * (1.0 - self.dropped(resident)).unsqueeze(-2)
         kept = kept_probs.sum(dim=-1, keepdim=True)                         # [L, Hkv, G*Q, 1]
-        # o is normalized the same way (its mass is 1 up to rounding), so that a set that
-        # drops nothing gets o_hat == o exactly: an error of exactly 0.
-        full = torch.matmul(self.probs, self.values) / self.probs.sum(dim=-1, keepdim=True)
+        full = self._full_output()
         # A query's own token is always kept, so ``kept`` is 0 only where it underflowed;
         # its output is then 0 too and ``o_hat`` reads 0.
         approx = (torch.matmul(kept_probs, self.values)
@@ -119,6 +118,16 @@ class FutureAttention:
                                                   approx.abs().amax(dim=-1, keepdim=True)))
         err = (full / scale - approx / scale).norm(dim=-1).double() * scale.squeeze(-1).double()
         return self._group_mean(err)
+
+    def _full_output(self) -> torch.Tensor:
+        """``[L, Hkv, G*Q, d]`` full-KV output, once per boundary (every retained set scored
+        against it). Normalized as ``o_hat`` is (its mass is 1 up to rounding), so that a set
+        that drops nothing gets ``o_hat == o`` exactly: an error of exactly 0."""
+        if self._full is None:
+            assert self.values is not None   # output_error's
+            self._full = (torch.matmul(self.probs, self.values)
+                          / self.probs.sum(dim=-1, keepdim=True))
+        return self._full
 
     def working_set_ratio(self, p: float) -> float:
         """Mean top-p working-set ratio (Eq. 7) of the sampled queries over their full history."""

@@ -68,6 +68,7 @@ def test_output_error_of_normal_values_is_as_before(trace):
     assert err is not None
     torch.testing.assert_close(err.double(), expected.double(), rtol=1e-6, atol=0.0)
     assert float(future.output_error(torch.arange(64 + B).expand(2, 2, -1)).abs().max()) == 0.0
+    assert float(future.output_error(torch.arange(64).expand(2, 2, -1)).abs().max()) == 0.0
 
 
 def test_replay_of_a_trace_with_huge_values_reports_a_finite_output_error(trace):
