@@ -49,6 +49,16 @@ def _positive_ints(inst: object, attribute: attrs.Attribute, value: tuple[int, .
                           f"got {value!r}")
 
 
+def _int_at_least(low: int) -> Any:
+    def check(inst: object, attribute: attrs.Attribute, value: object) -> None:
+        if value is None and attribute.name == "baseline_budget":
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"RealTraceSettings.{attribute.name} must be an integer >= {low}, "
+                              f"got {value!r}")
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class RealTraceSettings:
     """Settings of ``analyze``.
@@ -63,14 +73,14 @@ class RealTraceSettings:
         seed: seed of the bootstrap and of ``random``.
     """
 
-    page_size: int = 64
-    fidelity_queries: int = 8
+    page_size: int = attrs.field(default=64, validator=_int_at_least(1))
+    fidelity_queries: int = attrs.field(default=8, validator=_int_at_least(1))
     budgets: tuple[int, ...] = attrs.field(default=(256, 512, 768), converter=int_tuple,
                                            validator=_positive_ints)
-    baseline_budget: int | None = None
-    shrink_min_tokens: int = 256
-    bootstrap: int = 1000
-    seed: int = 0
+    baseline_budget: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    shrink_min_tokens: int = attrs.field(default=256, validator=_int_at_least(1))
+    bootstrap: int = attrs.field(default=1000, validator=_int_at_least(0))
+    seed: int = attrs.field(default=0, validator=_int_at_least(0))
 
     def config(self) -> GrowPageConfig:
         """The paper's defaults, with the recent window scaled to small pages (b // 4 <= 16)."""

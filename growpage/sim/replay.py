@@ -36,6 +36,12 @@ def _non_negative(inst: object, attribute: attrs.Attribute, value: object) -> No
         raise ConfigError(f"ReplayOptions.{attribute.name} must be an int >= 0, got {value!r}")
 
 
+def _flag(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    # NOTE: only True or False: a string such as "false" would read as on.
+    if not isinstance(value, bool):
+        raise ConfigError(f"ReplayOptions.{attribute.name} must be True or False, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class ReplayOptions:
     """What a replay measures besides decisions.
@@ -50,9 +56,9 @@ class ReplayOptions:
     """
 
     fidelity_queries: int = attrs.field(default=8, validator=_non_negative)
-    output_error: bool = True
-    signals: bool = False
-    release: bool = True
+    output_error: bool = attrs.field(default=True, validator=_flag)
+    signals: bool = attrs.field(default=False, validator=_flag)
+    release: bool = attrs.field(default=True, validator=_flag)
 
     def __attrs_post_init__(self) -> None:
         if self.signals and not self.fidelity_queries:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import attrs
 import pytest
@@ -148,6 +149,25 @@ def test_replay_options_are_validated():
         ReplayOptions(fidelity_queries=-1)
     with pytest.raises(ConfigError, match="signals"):
         ReplayOptions(fidelity_queries=0, signals=True)
+    # Flags are True or False: "false" read as on until 2026-12.
+    for field, value in (("output_error", "false"), ("signals", 1), ("release", None)):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"ReplayOptions.{field} must be True or False, got {value!r}")):
+            ReplayOptions(**{field: value})
+
+
+@pytest.mark.parametrize(("field", "value", "low"), [
+    ("page_size", 0, 1), ("fidelity_queries", 0, 1), ("baseline_budget", -5, 1),
+    ("shrink_min_tokens", 2.5, 1), ("bootstrap", -1, 0), ("seed", True, 0)])
+def test_real_trace_settings_are_validated(field, value, low):
+    """Until 2026-12 only the budgets were checked: bootstrap -1 meant none, a page size of 0
+    failed deep inside the analysis."""
+    from growpage.sim.realtrace import RealTraceSettings
+
+    with pytest.raises(ConfigError, match=re.escape(
+            f"RealTraceSettings.{field} must be an integer >= {low}, got {value!r}")):
+        RealTraceSettings(**{field: value})
+    assert RealTraceSettings(baseline_budget=None).baseline_budget is None
 
 
 def test_accumulated_attention_matches_token_by_token_h2o(random_trace):
