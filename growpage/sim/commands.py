@@ -120,10 +120,17 @@ def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace
         return len(traces), traces.read
     _deep_check(args)   # refuses --check-traces without --traces
     _at_least("--synthetic", args.synthetic, 1)
-    spec = SyntheticSpec(gen_len=REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
-                         schedule=REPLAY_SCHEDULE if args.schedule is None else args.schedule)
-    seed = 0 if args.seed is None else args.seed
-    return args.synthetic, lambda i: synthetic_trace(spec, seed + i, f"synthetic-{i}")
+    drawn = _synthetic_settings(args)
+    spec = SyntheticSpec(gen_len=drawn["gen_len"], schedule=drawn["schedule"])
+    return args.synthetic, lambda i: synthetic_trace(spec, drawn["seed"] + i, f"synthetic-{i}")
+
+
+def _synthetic_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings ``replay --synthetic`` draws its traces with, defaults filled in (None in
+    ``args`` only marks a flag left out)."""
+    return {"gen_len": REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
+            "schedule": REPLAY_SCHEDULE if args.schedule is None else args.schedule,
+            "seed": 0 if args.seed is None else args.seed}
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -174,12 +181,7 @@ def _source(args: argparse.Namespace) -> dict[str, Any]:
     """What a replay read: the trace set, or the synthetic traces' settings."""
     if args.traces:
         return {"traces": args.traces}
-    # NOTE: the values the traces were drawn with, defaults included (None in ``args`` only
-    # marks a flag left out, which ``_replay_traces`` needs to know).
-    return {"synthetic": args.synthetic,
-            "gen_len": REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
-            "schedule": REPLAY_SCHEDULE if args.schedule is None else args.schedule,
-            "seed": 0 if args.seed is None else args.seed}
+    return {"synthetic": args.synthetic, **_synthetic_settings(args)}
 
 
 def _signal_table(q: Any) -> str:

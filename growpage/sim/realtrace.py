@@ -51,8 +51,6 @@ def _positive_ints(inst: object, attribute: attrs.Attribute, value: tuple[int, .
 
 def _int_at_least(low: int) -> Any:
     def check(inst: object, attribute: attrs.Attribute, value: object) -> None:
-        if value is None and attribute.name == "baseline_budget":
-            return
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"RealTraceSettings.{attribute.name} must be an integer >= {low}, "
                               f"got {value!r}")
@@ -77,7 +75,8 @@ class RealTraceSettings:
     fidelity_queries: int = attrs.field(default=8, validator=_int_at_least(1))
     budgets: tuple[int, ...] = attrs.field(default=(256, 512, 768), converter=int_tuple,
                                            validator=_positive_ints)
-    baseline_budget: int | None = attrs.field(default=None, validator=_int_at_least(1))
+    baseline_budget: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_int_at_least(1)))
     shrink_min_tokens: int = attrs.field(default=256, validator=_int_at_least(1))
     bootstrap: int = attrs.field(default=1000, validator=_int_at_least(0))
     seed: int = attrs.field(default=0, validator=_int_at_least(0))
