@@ -38,7 +38,7 @@ import torch
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=256)
 SMOLLM = dict(num_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
-WIDE = dict(num_heads=16, num_kv_heads=2, head_dim=256, page_size=16)   # Gemma-like heads
+WIDE = dict(num_heads=16, num_kv_heads=2, head_dim=256, page_size=16)  # Gemma-like heads
 NARROW = dict(num_heads=14, num_kv_heads=2, head_dim=64, page_size=32)  # Qwen2.5-0.5B-like
 
 # Kernels that move KV rows, what their PTX must show for the 16-byte aligned caches compiled
@@ -68,10 +68,13 @@ def vector_bytes(c: dict) -> int:
     itemsize = min(_ITEMSIZE[d] for d in c["dtype"].split(",") if d in _ITEMSIZE)
     return min(16, elements * itemsize // (32 * c["num_warps"]))
 
+
 # ld.global[.nc][.v2|.v4].b16, st.global.v4.b32, cp.async.cg.shared.global [a], [b], 16 ...
 _ACCESS = re.compile(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
-_CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.[\w:]+)*\s+\[[^\]]*\],\s*"
-                       r"\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
+_CP_ASYNC = re.compile(
+    r"\bcp\.async\.c[ag]\.shared\.global(?:\.[\w:]+)*\s+\[[^\]]*\],\s*"
+    r"\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)"
+)
 
 
 def global_accesses(ptx: str) -> dict[str, int]:
@@ -105,8 +108,9 @@ def resource_usage(cubin: bytes) -> dict[str, int] | None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
-        text = subprocess.run([tool, "--dump-resource-usage", str(path)], capture_output=True,
-                              text=True, check=True).stdout
+        text = subprocess.run(
+            [tool, "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
+        ).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
     if found is None:
         return None
@@ -117,11 +121,18 @@ def resource_usage(cubin: bytes) -> dict[str, int] | None:
 def _variant(fn, args: tuple, kwargs: dict) -> dict:
     """A compiled launch's tensor dtypes and constexpr values, for the report."""
     params = list(fn.params)
-    constexprs = {p.name: (args[i] if i < len(args) else kwargs.get(p.name, p.default))
-                  for i, p in enumerate(params) if getattr(p, "is_constexpr", False)}
+    constexprs = {
+        p.name: (args[i] if i < len(args) else kwargs.get(p.name, p.default))
+        for i, p in enumerate(params)
+        if getattr(p, "is_constexpr", False)
+    }
     dtypes = sorted({str(a.dtype).replace("torch.", "") for a in args if hasattr(a, "dtype")})
-    return {"dtype": ",".join(dtypes), "constexprs": {k: v for k, v in constexprs.items()
-                                           if isinstance(v, (bool, int, float, str))}}
+    return {
+        "dtype": ",".join(dtypes),
+        "constexprs": {
+            k: v for k, v in constexprs.items() if isinstance(v, (bool, int, float, str))
+        },
+    }
 
 
 def compile_mode() -> bool:
@@ -161,36 +172,56 @@ def install_fake_driver(arch: int, compiled: list[dict]) -> None:
         def launch(*args: object, **kwargs: object) -> None:
             start = time.perf_counter()
             kernel = JITFunction.run(self, *args, grid=grid, warmup=True, **kwargs)
-            compiled.append({"kernel": self.fn.__name__, "arch": arch,
-                             "seconds": time.perf_counter() - start,
-                             **_variant(self, args, kwargs),
-                             "num_warps": kernel.metadata.num_warps,
-                             "num_stages": kernel.metadata.num_stages,
-                             "shared": kernel.metadata.shared,
-                             **global_accesses(kernel.asm["ptx"]),
-                             **(resource_usage(kernel.asm["cubin"]) or {})})
+            compiled.append(
+                {
+                    "kernel": self.fn.__name__,
+                    "arch": arch,
+                    "seconds": time.perf_counter() - start,
+                    **_variant(self, args, kwargs),
+                    "num_warps": kernel.metadata.num_warps,
+                    "num_stages": kernel.metadata.num_stages,
+                    "shared": kernel.metadata.shared,
+                    **global_accesses(kernel.asm["ptx"]),
+                    **(resource_usage(kernel.asm["cubin"]) or {}),
+                }
+            )
+
         return launch
 
     driver.set_active(CompileOnlyDriver())
     JITFunction.__getitem__ = compile_only  # type: ignore[method-assign]
     torch.cuda.get_device_properties = lambda _: type(  # type: ignore[assignment,misc]
-        "Props", (), {"multi_processor_count": 132})
+        "Props", (), {"multi_processor_count": 132}
+    )
 
 
 def compile_all(quick: bool) -> None:
     import growpage.kernels as K
 
-    for name in ("decode_attention", "kv_store", "compaction", "demand", "query_state",
-                 "boundary_queries", "accumulate"):
+    for name in (
+        "decode_attention",
+        "kv_store",
+        "compaction",
+        "demand",
+        "query_state",
+        "boundary_queries",
+        "accumulate",
+    ):
         module = sys.modules[f"growpage.kernels.{name}"]
         module.check_device = lambda *_: None  # type: ignore[attr-defined]  # CPU tensors
     every = {"decode", "store", "compact", "accumulate", "demand", "queries"}
     if quick:  # bf16 at both shapes, and fp32 where its default tile differs
-        cases = [(LLAMA, torch.bfloat16, every), (LLAMA, torch.float32, {"decode", "accumulate"}),
-                 (SMOLLM, torch.bfloat16, every)]
+        cases = [
+            (LLAMA, torch.bfloat16, every),
+            (LLAMA, torch.float32, {"decode", "accumulate"}),
+            (SMOLLM, torch.bfloat16, every),
+        ]
     else:
-        cases = [(s, d, every) for s in (LLAMA, SMOLLM, WIDE, NARROW)
-                 for d in (torch.bfloat16, torch.float16, torch.float32)]
+        cases = [
+            (s, d, every)
+            for s in (LLAMA, SMOLLM, WIDE, NARROW)
+            for d in (torch.bfloat16, torch.float16, torch.float32)
+        ]
     for sh, dtype, which in cases:
         hq, hkv, dim, page = sh["num_heads"], sh["num_kv_heads"], sh["head_dim"], sh["page_size"]
         k_cache = torch.empty(8, page, hkv, dim, dtype=dtype)
@@ -220,15 +251,29 @@ def compile_all(quick: bool) -> None:
         if "demand" in which:
             K.demand_attention(torch.empty(2, 2, hq, dim), kv_cache[0], tables[0], 100)
         if "queries" in which:
-            K.boundary_queries(torch.empty(2, 4, 2, hq, dim), torch.empty(2, 4, hq, dim), 1,
-                               100, torch.empty(dim // 2))
+            K.boundary_queries(
+                torch.empty(2, 4, 2, hq, dim),
+                torch.empty(2, 4, hq, dim),
+                1,
+                100,
+                torch.empty(dim // 2),
+            )
     if not quick:  # the launch configs gpu_check sweeps
         k_cache = torch.empty(8, 256, 8, 128, dtype=torch.bfloat16)
         q = torch.empty(4, 32, 128, dtype=torch.bfloat16)
         for block_n in (32, 64, 128):
             for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
-                K.paged_decode_attention(q, k_cache, k_cache, tables, lens, num_splits=1,
-                                         block_n=block_n, num_warps=warps, num_stages=stages)
+                K.paged_decode_attention(
+                    q,
+                    k_cache,
+                    k_cache,
+                    tables,
+                    lens,
+                    num_splits=1,
+                    block_n=block_n,
+                    num_warps=warps,
+                    num_stages=stages,
+                )
 
 
 def problems(compiled: list[dict]) -> list[str]:
@@ -236,14 +281,18 @@ def problems(compiled: list[dict]) -> list[str]:
     and scalar KV access in ``VECTOR_KERNELS`` (one line each, naming the variant)."""
     out = []
     for c in compiled:
-        name = (f"sm_{c['arch']} {c['kernel']} {c['dtype']} warps={c['num_warps']} "
-                f"{_short(c['constexprs'])}")
+        name = (
+            f"sm_{c['arch']} {c['kernel']} {c['dtype']} warps={c['num_warps']} "
+            f"{_short(c['constexprs'])}"
+        )
         limit = SHARED_LIMIT.get(c["arch"], 99 * 1024)
         if c["shared"] > limit:
             out.append(f"{name}: {c['shared']} B of shared memory, over the {limit} B limit")
         if c.get("spill_bytes"):
-            out.append(f"{name}: spills {c['spill_bytes']} B a thread to local memory "
-                       f"({c['registers']} registers)")
+            out.append(
+                f"{name}: spills {c['spill_bytes']} B a thread to local memory "
+                f"({c['registers']} registers)"
+            )
         if c["kernel"] not in VECTOR_KERNELS:
             continue
         rule, _ = VECTOR_KERNELS[c["kernel"]]
@@ -251,10 +300,12 @@ def problems(compiled: list[dict]) -> list[str]:
         want = vector_bytes(c)
         for kind in kinds:
             if c[f"narrow_{kind}s"] or c[f"widest_{kind}"] < want:
-                out.append(f"{name}: KV {kind}s not vectorized ({c[f'narrow_{kind}s']} "
-                           f"{kind}s narrower than 4 B, widest {c[f'widest_{kind}']} B of the "
-                           f"{want} B the tile allows: a stride that lost its divisibility by "
-                           "16, or more threads than the tile has 16-byte pieces?)")
+                out.append(
+                    f"{name}: KV {kind}s not vectorized ({c[f'narrow_{kind}s']} "
+                    f"{kind}s narrower than 4 B, widest {c[f'widest_{kind}']} B of the "
+                    f"{want} B the tile allows: a stride that lost its divisibility by "
+                    "16, or more threads than the tile has 16-byte pieces?)"
+                )
     return out
 
 
@@ -265,14 +316,19 @@ def _short(constexprs: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="SM versions")
-    p.add_argument("--quick", action="store_true",
-                   help="the default launch of each kernel, bf16 at both shapes, fp32 decode")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the default launch of each kernel, bf16 at both shapes, fp32 decode",
+    )
     p.add_argument("--json", type=Path, help="write every compiled variant here")
     args = p.parse_args(argv)
     compiled: list[dict] = []
     if not compile_mode():
-        print("[aot_compile] growpage.kernels was imported under the interpreter: run this "
-              "script in a process of its own")
+        print(
+            "[aot_compile] growpage.kernels was imported under the interpreter: run this "
+            "script in a process of its own"
+        )
         return 3
     for arch in args.arch:
         try:
@@ -285,14 +341,18 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             print(f"[aot_compile] sm_{arch}: compile FAILED after {len(compiled)} kernels: {exc!r}")
             return 1
-    print("| arch | kernel | dtype | warps | stages | shared B | registers | spill B | "
-          "widest load B | widest store B | narrow loads | narrow stores | s |")
+    print(
+        "| arch | kernel | dtype | warps | stages | shared B | registers | spill B | "
+        "widest load B | widest store B | narrow loads | narrow stores | s |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in compiled:
-        print(f"| sm_{c['arch']} | {c['kernel']} | {c['dtype']} | {c['num_warps']} | "
-              f"{c['num_stages']} | {c['shared']} | {c.get('registers', 'n/a')} | "
-              f"{c.get('spill_bytes', 'n/a')} | {c['widest_load']} | {c['widest_store']} | "
-              f"{c['narrow_loads']} | {c['narrow_stores']} | {c['seconds']:.2f} |")
+        print(
+            f"| sm_{c['arch']} | {c['kernel']} | {c['dtype']} | {c['num_warps']} | "
+            f"{c['num_stages']} | {c['shared']} | {c.get('registers', 'n/a')} | "
+            f"{c.get('spill_bytes', 'n/a')} | {c['widest_load']} | {c['widest_store']} | "
+            f"{c['narrow_loads']} | {c['narrow_stores']} | {c['seconds']:.2f} |"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(compiled, indent=1))
@@ -303,8 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[aot_compile] {len(found)} problem(s):")
         print("\n".join(f"  {line}" for line in found))
         return 1
-    print(f"[aot_compile] OK: {len(compiled)} kernel launches compiled for sm_{args.arch}: no "
-          "spills, shared memory within the limit, KV moved in 16-byte vectors")
+    print(
+        f"[aot_compile] OK: {len(compiled)} kernel launches compiled for sm_{args.arch}: no "
+        "spills, shared memory within the limit, KV moved in 16-byte vectors"
+    )
     return 0
 
 

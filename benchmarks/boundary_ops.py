@@ -61,10 +61,32 @@ from growpage.engine.loader import build_model, meta_shapes  # noqa: E402
 from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 
-VIEW_OPS = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "permute",
-            "expand", "transpose", "t", "alias", "detach", "as_strided", "unbind", "split",
-            "lift_fresh", "_reshape_alias", "reshape", "flatten", "unflatten", "empty",
-            "empty_like", "empty_strided", "new_empty"}
+VIEW_OPS = {
+    "view",
+    "_unsafe_view",
+    "select",
+    "slice",
+    "unsqueeze",
+    "squeeze",
+    "permute",
+    "expand",
+    "transpose",
+    "t",
+    "alias",
+    "detach",
+    "as_strided",
+    "unbind",
+    "split",
+    "lift_fresh",
+    "_reshape_alias",
+    "reshape",
+    "flatten",
+    "unflatten",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+}
 SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero"}
 
 
@@ -124,6 +146,7 @@ def _counting_triton_launches(counter: _Counter):
 
     originals = {cls: cls.run for cls in (interpreter.InterpretedFunction, jit.JITFunction)}
     for cls, original in originals.items():
+
         def run(self, *args, _original=original, **kwargs):
             if kwargs.get("warmup"):
                 return _original(self, *args, **kwargs)
@@ -142,15 +165,28 @@ def _counting_triton_launches(counter: _Counter):
 
 def tiny_model(seed: int = 0) -> CausalLM:
     """A random 4-layer GQA model (6 query heads on 2 KV heads, head dim 32)."""
-    cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=96, intermediate_size=128,
-                      num_layers=4, num_q_heads=6, num_kv_heads=2, head_dim=32,
-                      rope=RopeConfig(head_dim=32), bos_token_id=1, eos_token_ids=(2,),
-                      name="tiny-random")
+    cfg = ModelConfig(
+        arch="llama",
+        vocab_size=256,
+        hidden_size=96,
+        intermediate_size=128,
+        num_layers=4,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        rope=RopeConfig(head_dim=32),
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="tiny-random",
+    )
     gen = torch.Generator().manual_seed(seed)
     shapes = meta_shapes(cfg)
-    sd = {name: (1.0 + 0.1 * torch.randn(shape, generator=gen)) if name.endswith("norm.weight")
-          else torch.randn(shape, generator=gen) * (1.5 / shape[-1] ** 0.5)
-          for name, shape in shapes.items()}
+    sd = {
+        name: (1.0 + 0.1 * torch.randn(shape, generator=gen))
+        if name.endswith("norm.weight")
+        else torch.randn(shape, generator=gen) * (1.5 / shape[-1] ** 0.5)
+        for name, shape in shapes.items()
+    }
     return build_model(cfg, sd)
 
 
@@ -185,11 +221,20 @@ def _measure(args: argparse.Namespace) -> dict:
         phases: dict | None = {} if args.phases else None
         with stubbed_launches():
             rows, _ = _run(args, None, phases)
-        return {"path": args.path, "policy": args.policy, "model": args.model,
-                "device": args.device, "host_only": True, "top_ops": [],
-                "rows": {kind: {"boundaries": r["boundaries"], "ms": r["ms"]}
-                         for kind, r in rows.items() if kind != "shared steps"},
-                **({"phases": phases} if phases else {})}
+        return {
+            "path": args.path,
+            "policy": args.policy,
+            "model": args.model,
+            "device": args.device,
+            "host_only": True,
+            "top_ops": [],
+            "rows": {
+                kind: {"boundaries": r["boundaries"], "ms": r["ms"]}
+                for kind, r in rows.items()
+                if kind != "shared steps"
+            },
+            **({"phases": phases} if phases else {}),
+        }
     counter = _Counter()
     with _counting_triton_launches(counter):
         counted_rows, names = _run(args, counter)
@@ -197,24 +242,42 @@ def _measure(args: argparse.Namespace) -> dict:
     for kind, row in counted_rows.items():
         if kind != "shared steps":
             row["ms"] = timed_rows[kind]["ms"]
-    report = {"path": args.path, "policy": args.policy, "model": args.model, "host_only": False,
-              "device": args.device, "rows": counted_rows, "top_ops": names.most_common(args.top)}
+    report = {
+        "path": args.path,
+        "policy": args.policy,
+        "model": args.model,
+        "host_only": False,
+        "device": args.device,
+        "rows": counted_rows,
+        "top_ops": names.most_common(args.top),
+    }
     if args.phases:  # a third run: the phase timers (and their syncs) stay out of the ms above
         _run(args, None, report.setdefault("phases", {}))
     return report
 
 
-def _run(args: argparse.Namespace, counter: _Counter | None, phases: dict | None = None
-         ) -> tuple[dict[str, dict], collections.Counter]:
+def _run(
+    args: argparse.Namespace, counter: _Counter | None, phases: dict | None = None
+) -> tuple[dict[str, dict], collections.Counter]:
     """One generation; per outcome the mean counts (``counter``) or host time (None).
     ``phases``: filled with the run's boundary phases (synced per phase on CUDA)."""
-    model = tiny_model() if args.model == "tiny" else (None if args.model == "smollm2"
-                                                         else args.model)
-    llm = LLM(model, policy=args.policy, page_size=args.page_size, kv_pages=args.kv_pages,
-              max_num_seqs=args.requests, min_capacity=2, enable_prefix_caching=False,
-              device=args.device, boundary_kernels=args.path == "triton",
-              # The synchronous boundary path, whole inside make_room, on every device.
-              cuda_graphs=False, async_compaction=False)
+    model = (
+        tiny_model() if args.model == "tiny" else (None if args.model == "smollm2" else args.model)
+    )
+    llm = LLM(
+        model,
+        policy=args.policy,
+        page_size=args.page_size,
+        kv_pages=args.kv_pages,
+        max_num_seqs=args.requests,
+        min_capacity=2,
+        enable_prefix_caching=False,
+        device=args.device,
+        boundary_kernels=args.path == "triton",
+        # The synchronous boundary path, whole inside make_room, on every device.
+        cuda_graphs=False,
+        async_compaction=False,
+    )
     kv = llm.engine.kv
     make_room, prepare = kv.make_room, kv.prepare_boundaries
     buckets: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -253,12 +316,15 @@ def _run(args: argparse.Namespace, counter: _Counter | None, phases: dict | None
     kv.prepare_boundaries = prepared  # type: ignore[method-assign]
     rng = random.Random(0)
     lo, hi = args.prompt_len
-    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(lo, hi))]
-               for _ in range(args.requests)]
-    with (profile_boundaries(llm, sync=True) if phases is not None
-          else contextlib.nullcontext()) as profile:
-        llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
-                     use_tqdm=False)
+    prompts = [
+        [rng.randrange(3, 256) for _ in range(rng.randint(lo, hi))] for _ in range(args.requests)
+    ]
+    with (
+        profile_boundaries(llm, sync=True) if phases is not None else contextlib.nullcontext()
+    ) as profile:
+        llm.generate(
+            prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True), use_tqdm=False
+        )
     if phases is not None:
         phases.update(profile.as_dict(), markdown=profile.markdown())
     rows = {}
@@ -266,9 +332,11 @@ def _run(args: argparse.Namespace, counter: _Counter | None, phases: dict | None
         rows["shared steps"] = _shared_summary(list(shared_steps.values()))
     for kind, c in sorted(buckets.items()):
         n = c["n"]
-        rows[kind] = {"boundaries": n, **{k: round(c[k] / n, 2) for k in
-                                          ("ops", "views", "launches", "syncs", "h2d")},
-                      "ms": round(1000 * seconds[kind] / n, 3)}
+        rows[kind] = {
+            "boundaries": n,
+            **{k: round(c[k] / n, 2) for k in ("ops", "views", "launches", "syncs", "h2d")},
+            "ms": round(1000 * seconds[kind] / n, 3),
+        }
     return rows, (counter.names if counter is not None else collections.Counter())
 
 
@@ -276,10 +344,20 @@ def _shared_summary(steps: list[collections.Counter]) -> dict:
     """Per step with a shared batch: decided boundaries, compressions and the host syncs of all
     of them together (one for every Delta_t of the step, one per compression's check)."""
     decided = [sum(c[k] for k in c if k in ("decided grow", "compress", "shrink")) for c in steps]
-    return {"steps": len(steps), "boundaries": sum(decided),
-            "per_step": [{"decided": d, "compress": c["compress"] + c["shrink"],
-                          "syncs": c["syncs"], "launches": c["launches"], "ops": c["ops"]}
-                         for d, c in zip(decided, steps, strict=True)]}
+    return {
+        "steps": len(steps),
+        "boundaries": sum(decided),
+        "per_step": [
+            {
+                "decided": d,
+                "compress": c["compress"] + c["shrink"],
+                "syncs": c["syncs"],
+                "launches": c["launches"],
+                "ops": c["ops"],
+            }
+            for d, c in zip(decided, steps, strict=True)
+        ],
+    }
 
 
 def _prompt_len(text: str) -> tuple[int, int]:
@@ -297,20 +375,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-pages", type=int, default=30)
-    p.add_argument("--prompt-len", type=_prompt_len, default=(20, 59), metavar="LO-HI",
-                   help="prompt lengths drawn from LO..HI (equal lengths put the requests' "
-                        "boundaries in the same steps)")
+    p.add_argument(
+        "--prompt-len",
+        type=_prompt_len,
+        default=(20, 59),
+        metavar="LO-HI",
+        help="prompt lengths drawn from LO..HI (equal lengths put the requests' "
+        "boundaries in the same steps)",
+    )
     p.add_argument("--top", type=int, default=0, help="also list the N most called operators")
-    p.add_argument("--host-only", action="store_true",
-                   help="time the boundaries with Triton launches stubbed out (host cost only)")
-    p.add_argument("--phases", action="store_true",
-                   help="also time each boundary phase, the device synced per phase on CUDA "
-                        "(growpage.engine.boundary_profile), in a run of its own (with "
-                        "--host-only: in the same run)")
-    p.add_argument("--pad", action=argparse.BooleanOptionalAction, default=None,
-                   help="sort a step's members of different candidate counts together, "
-                        "zero-padded (BoundaryBatch.pad); default: as the device does (a GPU "
-                        "pads, a CPU does not)")
+    p.add_argument(
+        "--host-only",
+        action="store_true",
+        help="time the boundaries with Triton launches stubbed out (host cost only)",
+    )
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each boundary phase, the device synced per phase on CUDA "
+        "(growpage.engine.boundary_profile), in a run of its own (with "
+        "--host-only: in the same run)",
+    )
+    p.add_argument(
+        "--pad",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sort a step's members of different candidate counts together, "
+        "zero-padded (BoundaryBatch.pad); default: as the device does (a GPU "
+        "pads, a CPU does not)",
+    )
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -319,25 +412,36 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = measure(args)
     host = ", launches stubbed: ms is host time" if report["host_only"] else ""
-    print(f"{report['policy']} on the {report['path']} path ({report['model']} model, "
-          f"{report['device']}{host}); per boundary:")
-    print("| outcome | boundaries | ops | views | Triton launches | syncs | host->device | "
-          "ms (this machine) |")
+    print(
+        f"{report['policy']} on the {report['path']} path ({report['model']} model, "
+        f"{report['device']}{host}); per boundary:"
+    )
+    print(
+        "| outcome | boundaries | ops | views | Triton launches | syncs | host->device | "
+        "ms (this machine) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for kind, r in report["rows"].items():
         if kind == "shared steps":
             continue
-        counts = " | ".join(str(r.get(k, "-")) for k in ("ops", "views", "launches", "syncs",
-                                                          "h2d"))
+        counts = " | ".join(
+            str(r.get(k, "-")) for k in ("ops", "views", "launches", "syncs", "h2d")
+        )
         print(f"| {kind} | {r['boundaries']} | {counts} | {r['ms']} |")
     shared = report["rows"].get("shared steps")
     if shared:
-        print(f"\n{shared['steps']} steps held {shared['boundaries']} decided boundaries between "
-              "them (a shared BoundaryBatch); per step:")
-        print("| decided | compressions | syncs | Triton launches | ops |\n|---:|---:|---:|---:|---:|")
+        print(
+            f"\n{shared['steps']} steps held {shared['boundaries']} decided boundaries between "
+            "them (a shared BoundaryBatch); per step:"
+        )
+        print(
+            "| decided | compressions | syncs | Triton launches | ops |\n|---:|---:|---:|---:|---:|"
+        )
         for row in shared["per_step"]:
-            print(f"| {row['decided']} | {row['compress']} | {row['syncs']} | "
-                  f"{row['launches']} | {row['ops']} |")
+            print(
+                f"| {row['decided']} | {row['compress']} | {row['syncs']} | "
+                f"{row['launches']} | {row['ops']} |"
+            )
     for name, n in report["top_ops"]:
         print(f"{n:6d}  {name}")
     if "phases" in report:

@@ -59,14 +59,25 @@ from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 def narrow_smollm2(layers: int = 30, seed: int = 0) -> CausalLM:
     """SmolLM2-135M's attention shapes (9 q heads, 3 KV heads, head dim 64) on a hidden size of
     64: the host work of every layer, almost none of the arithmetic."""
-    cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=64,
-                      num_layers=layers, num_q_heads=9, num_kv_heads=3, head_dim=64,
-                      rope=RopeConfig(head_dim=64), bos_token_id=1, eos_token_ids=(2,),
-                      name="narrow-smollm2")
+    cfg = ModelConfig(
+        arch="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=layers,
+        num_q_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope=RopeConfig(head_dim=64),
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="narrow-smollm2",
+    )
     gen = torch.Generator().manual_seed(seed)
     shapes = meta_shapes(cfg)
-    return build_model(cfg, {name: torch.randn(shape, generator=gen) * 0.1
-                             for name, shape in shapes.items()})
+    return build_model(
+        cfg, {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in shapes.items()}
+    )
 
 
 def gpu_check_pool(prompt_lengths: list[int], max_tokens: int, page: int) -> int:
@@ -79,29 +90,47 @@ def run(args: argparse.Namespace) -> dict:
     model = narrow_smollm2(args.layers)
     rng = random.Random(0)
     lo, _, hi = args.prompt_len.partition("-")
-    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(int(lo), int(hi or lo)))]
-               for _ in range(args.requests)]
+    prompts = [
+        [rng.randrange(3, 256) for _ in range(rng.randint(int(lo), int(hi or lo)))]
+        for _ in range(args.requests)
+    ]
     kv_pages = gpu_check_pool([len(p) for p in prompts], args.max_tokens, args.page_size)
-    report: dict = {"requests": args.requests, "max_tokens": args.max_tokens,
-                    "page_size": args.page_size, "kv_pages": kv_pages, "layers": args.layers,
-                    "rows": {}}
+    report: dict = {
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "page_size": args.page_size,
+        "kv_pages": kv_pages,
+        "layers": args.layers,
+        "rows": {},
+    }
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     # (policy, shared BoundaryBatch per step, deferred: "" | "async" | "async-decisions")
     runs = [(policy, True, "") for policy in args.policies]
     if args.alone:
         runs += [(policy, False, "") for policy in args.policies if policy != "fullkv"]
-    for flag, deferred in ((args.async_compaction, "async"),
-                           (args.async_decisions, "async-decisions")):
+    for flag, deferred in (
+        (args.async_compaction, "async"),
+        (args.async_decisions, "async-decisions"),
+    ):
         if flag:
             runs += [(policy, True, deferred) for policy in args.policies if policy != "fullkv"]
     for policy, shared, deferred in runs:
         # No index-value checks: the interpreter always runs them, a GPU by default does not.
         with stubbed_launches(), without_index_checks():
-            llm = LLM(model, policy=policy, page_size=args.page_size, kv_pages=kv_pages,
-                      max_num_seqs=args.requests, device="cpu", attention_backend="triton",
-                      boundary_kernels=True, min_capacity=4, enable_prefix_caching=False,
-                      async_compaction=bool(deferred),
-                      async_decisions=deferred == "async-decisions")
+            llm = LLM(
+                model,
+                policy=policy,
+                page_size=args.page_size,
+                kv_pages=kv_pages,
+                max_num_seqs=args.requests,
+                device="cpu",
+                attention_backend="triton",
+                boundary_kernels=True,
+                min_capacity=4,
+                enable_prefix_caching=False,
+                async_compaction=bool(deferred),
+                async_decisions=deferred == "async-decisions",
+            )
             if not shared:  # every boundary on its own: no BoundaryBatch per step
                 kv = llm.engine.kv
                 kv.prepare_boundaries = lambda seqs, kv=kv: kv.end_boundaries()
@@ -111,24 +140,29 @@ def run(args: argparse.Namespace) -> dict:
         kv = llm.engine.kv
         name = policy + ("" if shared else " (alone)") + (f"+{deferred}" if deferred else "")
         report["rows"][name] = {
-            "total_s": st.total_time_s, "boundary_s": st.boundary_time_s,
+            "total_s": st.total_time_s,
+            "boundary_s": st.boundary_time_s,
             "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
-            "deferred_s": kv.deferred_seconds, "deferred_compactions": kv.deferred_compactions,
+            "deferred_s": kv.deferred_seconds,
+            "deferred_compactions": kv.deferred_compactions,
             "deferred_decisions": kv.deferred_decisions,
             "decision_pct": 100 * (st.boundary_time_s - kv.deferred_seconds) / st.total_time_s,
             "steps": st.num_steps,
             "decided": phases.decided,
-            "ms_per_decided": (1000 * st.boundary_time_s / phases.decided if phases.decided
-                               else None),
-            "events": dict(st.events), "phases": phases.as_dict(),
+            "ms_per_decided": (
+                1000 * st.boundary_time_s / phases.decided if phases.decided else None
+            ),
+            "events": dict(st.events),
+            "phases": phases.as_dict(),
             "shared_steps": llm.engine.kv.shared_steps,
             "shared_boundaries": llm.engine.kv.shared_boundaries,
-            "phases_markdown": phases.markdown()}
+            "phases_markdown": phases.markdown(),
+        }
     return report
 
 
 def _ms(ms: float | None) -> str:
-    return "n/a" if ms is None else f"{ms:.3f}"   # None: no boundary was decided
+    return "n/a" if ms is None else f"{ms:.3f}"  # None: no boundary was decided
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -139,19 +173,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--policies", nargs="+", default=["fullkv", "growpage"])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--prompt-len", default="80-159", metavar="LO-HI",
-                   help="prompt lengths drawn from LO..HI tokens (default 80-159; the GPU "
-                        "check's SmolLM2 chat prompts are 45-75)")
-    p.add_argument("--alone", action="store_true",
-                   help="also run each policy with every boundary on its own (no shared "
-                        "BoundaryBatch per step), in the same process, for a ratio")
-    p.add_argument("--async-compaction", action="store_true",
-                   help="also run each policy with compressions deferred to beside the forward "
-                        "(LLM(async_compaction=True)); 'decision %%' is the share left when the "
-                        "deferred work is hidden")
-    p.add_argument("--async-decisions", action="store_true",
-                   help="also run each policy with whole boundaries decided beside the forward "
-                        "(LLM(async_decisions=True), beyond the paper)")
+    p.add_argument(
+        "--prompt-len",
+        default="80-159",
+        metavar="LO-HI",
+        help="prompt lengths drawn from LO..HI tokens (default 80-159; the GPU "
+        "check's SmolLM2 chat prompts are 45-75)",
+    )
+    p.add_argument(
+        "--alone",
+        action="store_true",
+        help="also run each policy with every boundary on its own (no shared "
+        "BoundaryBatch per step), in the same process, for a ratio",
+    )
+    p.add_argument(
+        "--async-compaction",
+        action="store_true",
+        help="also run each policy with compressions deferred to beside the forward "
+        "(LLM(async_compaction=True)); 'decision %%' is the share left when the "
+        "deferred work is hidden",
+    )
+    p.add_argument(
+        "--async-decisions",
+        action="store_true",
+        help="also run each policy with whole boundaries decided beside the forward "
+        "(LLM(async_decisions=True), beyond the paper)",
+    )
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -160,15 +207,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     report = run(args)
-    print(f"{args.requests} requests x {args.max_tokens} tokens, {report['kv_pages']} pages x "
-          f"{args.page_size}, {args.layers} layers, launches stubbed (host time only):\n")
-    print("| policy | run s | steps | boundary s | boundary % | decision % | decided | "
-          "ms per decided |")
+    print(
+        f"{args.requests} requests x {args.max_tokens} tokens, {report['kv_pages']} pages x "
+        f"{args.page_size}, {args.layers} layers, launches stubbed (host time only):\n"
+    )
+    print(
+        "| policy | run s | steps | boundary s | boundary % | decision % | decided | "
+        "ms per decided |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for policy, r in report["rows"].items():
-        print(f"| {policy} | {r['total_s']:.2f} | {r['steps']} | {r['boundary_s']:.3f} | "
-              f"{r['boundary_pct']:.2f} | {r['decision_pct']:.2f} | {r['decided']} | "
-              f"{_ms(r['ms_per_decided'])} |")
+        print(
+            f"| {policy} | {r['total_s']:.2f} | {r['steps']} | {r['boundary_s']:.3f} | "
+            f"{r['boundary_pct']:.2f} | {r['decision_pct']:.2f} | {r['decided']} | "
+            f"{_ms(r['ms_per_decided'])} |"
+        )
     for policy, r in report["rows"].items():
         if r["decided"]:
             print(f"\n{policy}: {r['phases_markdown']}")

@@ -30,9 +30,11 @@ def reasoning_ids(tokenizer, n: int) -> list[int]:
     step = 0
     while len(ids) < n:
         step += 1
-        line = (f"Step {step}: let x_{step} = {step * step} − {step} = {step * step - step}; "
-                f"so the sum ∑ so far is {step * (step + 1) // 2}, which is ≥ {step}. "
-                "Check: naïve bound ✓.\n")
+        line = (
+            f"Step {step}: let x_{step} = {step * step} − {step} = {step * step - step}; "
+            f"so the sum ∑ so far is {step * (step + 1) // 2}, which is ≥ {step}. "
+            "Check: naïve bound ✓.\n"
+        )
         ids += tokenizer.encode(line, add_special_tokens=False)
     return ids[:n]
 
@@ -54,16 +56,26 @@ def time_both(decode, ids: list[int]) -> dict:
     if det.text + det.pending != full:
         raise AssertionError(f"the two ways gave different text after {len(ids)} tokens")
     n = len(ids)
-    return {"tokens": n, "full_ms_per_token": 1000 * full_s / n,
-            "incremental_ms_per_token": 1000 * incr_s / n, "full_s": full_s,
-            "incremental_s": incr_s, "speedup": full_s / incr_s}
+    return {
+        "tokens": n,
+        "full_ms_per_token": 1000 * full_s / n,
+        "incremental_ms_per_token": 1000 * incr_s / n,
+        "full_s": full_s,
+        "incremental_s": incr_s,
+        "speedup": full_s / incr_s,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1000, 4000],
-                   help="output lengths to generate token by token (default 1000 4000; the full "
-                        "decodes take about n^2 / 4 microseconds)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[1000, 4000],
+        help="output lengths to generate token by token (default 1000 4000; the full "
+        "decodes take about n^2 / 4 microseconds)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args(argv)
     if any(n < 1 for n in args.tokens):
@@ -78,13 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer()
     rows = [time_both(tokenizer.decode, reasoning_ids(tokenizer, n)) for n in args.tokens]
     print("SmolLM2 tokenizer, text kept up to date after every token:\n")
-    print("| tokens | full decode ms/token | incremental ms/token | full s | incremental s "
-          "| speedup |")
+    print(
+        "| tokens | full decode ms/token | incremental ms/token | full s | incremental s "
+        "| speedup |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['full_ms_per_token']:.3f} | "
-              f"{r['incremental_ms_per_token']:.4f} | {r['full_s']:.2f} | "
-              f"{r['incremental_s']:.3f} | {r['speedup']:.0f}x |")
+        print(
+            f"| {r['tokens']} | {r['full_ms_per_token']:.3f} | "
+            f"{r['incremental_ms_per_token']:.4f} | {r['full_s']:.2f} | "
+            f"{r['incremental_s']:.3f} | {r['speedup']:.0f}x |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

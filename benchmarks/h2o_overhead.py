@@ -74,21 +74,30 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = tiny_model() if args.model == "tiny" else (None if args.model == "smollm2"
-                                                         else args.model)
-    kwargs = dict(page_size=args.page_size, kv_pages=args.kv_pages,
-                  max_num_seqs=args.requests, device=args.device,
-                  attention_backend=args.backend, enable_prefix_caching=False, warmup=True)
+    model = (
+        tiny_model() if args.model == "tiny" else (None if args.model == "smollm2" else args.model)
+    )
+    kwargs = dict(
+        page_size=args.page_size,
+        kv_pages=args.kv_pages,
+        max_num_seqs=args.requests,
+        device=args.device,
+        attention_backend=args.backend,
+        enable_prefix_caching=False,
+        warmup=True,
+    )
     plain = LLM(model, policy=GrowPagePolicy(), **kwargs)
-    recording = LLM(plain.model, policy=RecordingGrowPage(), tokenizer=plain.tokenizer,
-                    **kwargs)
+    recording = LLM(plain.model, policy=RecordingGrowPage(), tokenizer=plain.tokenizer, **kwargs)
     vocab = plain.model.config.vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
-               for _ in range(args.requests)]
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)
+    ]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    rows: dict[str, dict[str, list[float]]] = {"plain": {"decode": [], "prefill": []},
-                                               "recording": {"decode": [], "prefill": []}}
+    rows: dict[str, dict[str, list[float]]] = {
+        "plain": {"decode": [], "prefill": []},
+        "recording": {"decode": [], "prefill": []},
+    }
     for _ in range(args.repeats):
         tokens = []
         for name, llm in (("plain", plain), ("recording", recording)):
@@ -102,11 +111,15 @@ def main(argv: list[str] | None = None) -> dict:
             for kind in times:
                 rows[name][kind].append(1e3 * sum(times[kind]) / max(len(times[kind]), 1))
         assert tokens[0] == tokens[1], "recording the sums changed the output"
-    report = {name: {kind: statistics.median(v) for kind, v in kinds.items()}
-              for name, kinds in rows.items()}
-    print(f"model {args.model}, backend {args.backend}, {args.requests} requests x "
-          f"{args.prompt_len} + {args.max_tokens} tokens, torch threads "
-          f"{torch.get_num_threads()}; median of {args.repeats} runs, ms per step:")
+    report = {
+        name: {kind: statistics.median(v) for kind, v in kinds.items()}
+        for name, kinds in rows.items()
+    }
+    print(
+        f"model {args.model}, backend {args.backend}, {args.requests} requests x "
+        f"{args.prompt_len} + {args.max_tokens} tokens, torch threads "
+        f"{torch.get_num_threads()}; median of {args.repeats} runs, ms per step:"
+    )
     for kind in ("decode", "prefill"):
         a, b = report["plain"][kind], report["recording"][kind]
         print(f"  {kind:8s} plain {a:8.2f}   recording {b:8.2f}   ({100 * (b / a - 1):+.1f}%)")

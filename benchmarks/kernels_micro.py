@@ -1,6 +1,6 @@
 """pytest-benchmark micro-benchmarks of the kernels (tiny shapes on CPU, Llama-8B-like on GPU).
 
-    pytest benchmarks/kernels_micro.py --benchmark-only
+pytest benchmarks/kernels_micro.py --benchmark-only
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def synced(fn: Callable[[], object]) -> Callable[[], None]:
         fn()
         if ON_CUDA:
             torch.cuda.synchronize()
+
     return run
 
 
@@ -54,10 +55,12 @@ def decode_inputs():
 
 
 def ema_args(batch: int, num_heads: int, dim: int) -> dict:
-    return dict(q_pre=torch.randn(batch, num_heads, dim, dtype=DTYPE, device=DEVICE),
-                query_state=torch.zeros(batch, 2, num_heads, dim, device=DEVICE),
-                slot_ids=torch.arange(batch, dtype=torch.int32, device=DEVICE),
-                is_first=torch.zeros(batch, dtype=torch.int32, device=DEVICE))
+    return dict(
+        q_pre=torch.randn(batch, num_heads, dim, dtype=DTYPE, device=DEVICE),
+        query_state=torch.zeros(batch, 2, num_heads, dim, device=DEVICE),
+        slot_ids=torch.arange(batch, dtype=torch.int32, device=DEVICE),
+        is_first=torch.zeros(batch, dtype=torch.int32, device=DEVICE),
+    )
 
 
 def test_decode(benchmark, decode_inputs) -> None:
@@ -106,5 +109,7 @@ def test_demand_attention(benchmark, boundary_inputs) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit("kernels_micro.py: pytest-benchmark tests, not a script; run "
-                     "pytest benchmarks/kernels_micro.py --benchmark-only")
+    raise SystemExit(
+        "kernels_micro.py: pytest-benchmark tests, not a script; run "
+        "pytest benchmarks/kernels_micro.py --benchmark-only"
+    )

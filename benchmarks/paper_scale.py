@@ -50,7 +50,7 @@ from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
 
 ROOT = Path(__file__).resolve().parent.parent
-PAPER_BUDGET = 3442   # tokens: GrowPage's average KV budget in Fig. 5 (Qwen3-8B, mixed workload)
+PAPER_BUDGET = 3442  # tokens: GrowPage's average KV budget in Fig. 5 (Qwen3-8B, mixed workload)
 # Fig. 5 / section 5.2: GrowPage 2213 tok/s at C = 121; Zipage-4096 1690 at C = 100; GrowPage
 # has "nearly 1.9x" the throughput and "1.8x" the resident requests of Zipage-8192, whose
 # numbers below are derived from those ratios (the text gives no absolute values).
@@ -78,11 +78,18 @@ def token_budget(result: ServingResult) -> float:
     return sum(r.budget_tokens for r in result.requests) / max(decoded, 1)
 
 
-def serve(setup: Setup, policy: str, params: dict | None = None,
-          demand: SyntheticSpec | None = None) -> tuple[dict, ServingResult]:
+def serve(
+    setup: Setup, policy: str, params: dict | None = None, demand: SyntheticSpec | None = None
+) -> tuple[dict, ServingResult]:
     """One simulated run: a flat row of metrics (``token_budget`` included) and the result."""
-    result = simulate(setup.requests, resolve_policy(policy, **(params or {})), setup.config,
-                      setup.sim, setup.cost, demand=demand or setup.demand)
+    result = simulate(
+        setup.requests,
+        resolve_policy(policy, **(params or {})),
+        setup.config,
+        setup.sim,
+        setup.cost,
+        demand=demand or setup.demand,
+    )
     row = {**result.metrics.as_dict(), "token_budget": token_budget(result)}
     return row, result
 
@@ -99,13 +106,25 @@ class SearchResult:
     history: tuple[tuple[float, float], ...]
 
     def as_dict(self) -> dict:
-        return {"value": self.value, "budget": self.budget, "target": self.target,
-                "within": self.within, "history": [list(h) for h in self.history]}
+        return {
+            "value": self.value,
+            "budget": self.budget,
+            "target": self.target,
+            "within": self.within,
+            "history": [list(h) for h in self.history],
+        }
 
 
-def search(budget_at: Callable[[float], float], target: float, lo: float, hi: float,
-           start: float, tolerance: float = 0.025, max_evals: int = 5,
-           decreasing: bool = True) -> SearchResult:
+def search(
+    budget_at: Callable[[float], float],
+    target: float,
+    lo: float,
+    hi: float,
+    start: float,
+    tolerance: float = 0.025,
+    max_evals: int = 5,
+    decreasing: bool = True,
+) -> SearchResult:
     """Find ``x`` in ``[lo, hi]`` with ``|budget_at(x) - target| <= tolerance * target``.
 
     ``budget_at`` is assumed monotone (``decreasing`` in x by default) but may be noisy. The
@@ -126,23 +145,23 @@ def search(budget_at: Callable[[float], float], target: float, lo: float, hi: fl
     def done() -> bool:
         return abs(history[-1][1] - target) <= tolerance * target or len(history) >= max_evals
 
-    def above(y: float) -> bool:   # True when x must grow to approach the target
+    def above(y: float) -> bool:  # True when x must grow to approach the target
         return (y > target) == decreasing
 
     y = evaluate(start)
     if done():
         return _best(history, target, tolerance)
     end = hi if above(y) else lo
-    if end == start:                              # the target lies outside the range
+    if end == start:  # the target lies outside the range
         return _best(history, target, tolerance)
     y_end = evaluate(end)
-    if done() or above(y_end) == above(y):        # found, or the target lies outside
+    if done() or above(y_end) == above(y):  # found, or the target lies outside
         return _best(history, target, tolerance)
     (x_lo, y_lo), (x_hi, y_hi) = sorted([(start, y), (end, y_end)])
     while not done():
         u_lo, u_hi = math.log(x_lo), math.log(x_hi)
         t = 0.5 if y_hi == y_lo else (target - y_lo) / (y_hi - y_lo)
-        x = math.exp(u_lo + min(max(t, 0.2), 0.8) * (u_hi - u_lo))   # inside the bracket
+        x = math.exp(u_lo + min(max(t, 0.2), 0.8) * (u_hi - u_lo))  # inside the bracket
         y = evaluate(x)
         if above(y):
             x_lo, y_lo = x, y
@@ -156,9 +175,17 @@ def _best(history: list[tuple[float, float]], target: float, tolerance: float) -
     return SearchResult(x, y, target, abs(y - target) <= tolerance * target, tuple(history))
 
 
-def calibrate_demand(setup: Setup, knob: str, lo: float, hi: float, target: float,
-                     tolerance: float, max_evals: int, decreasing: bool = True,
-                     progress: bool = True) -> tuple[SearchResult, dict, dict]:
+def calibrate_demand(
+    setup: Setup,
+    knob: str,
+    lo: float,
+    hi: float,
+    target: float,
+    tolerance: float,
+    max_evals: int,
+    decreasing: bool = True,
+    progress: bool = True,
+) -> tuple[SearchResult, dict, dict]:
     """Search ``knob`` of the scripts' spec for GrowPage's token budget ``target``.
 
     Returns the search, the chosen spec (as a dict) and GrowPage's row at the chosen value.
@@ -175,8 +202,9 @@ def calibrate_demand(setup: Setup, knob: str, lo: float, hi: float, target: floa
         return row["token_budget"]
 
     start = float(getattr(setup.demand, knob))
-    found = search(budget_at, target, lo, hi, min(max(start, lo), hi), tolerance, max_evals,
-                   decreasing)
+    found = search(
+        budget_at, target, lo, hi, min(max(start, lo), hi), tolerance, max_evals, decreasing
+    )
     bar.close()
     chosen = attrs.evolve(setup.demand, **{knob: _typed(setup.demand, knob, found.value)})
     return found, attrs.asdict(chosen), rows[found.value]
@@ -194,58 +222,78 @@ def ratios(rows: dict[str, dict]) -> dict[str, dict]:
     for name in ("fixed-4096", "fixed-8192"):
         if name in rows:
             f, pf = rows[name], PAPER[name]
-            out[name] = {k: {"sim": g[k] / f[k], "paper": pg[k] / pf[k]}
-                         for k in ("avg_resident", "tps")}
+            out[name] = {
+                k: {"sim": g[k] / f[k], "paper": pg[k] / pf[k]} for k in ("avg_resident", "tps")
+            }
     return out
 
 
 def markdown(rows: dict[str, dict], found: SearchResult, knob: str, meta: dict) -> str:
-    lines = ["| point | C (sim) | C (paper) | TPS (sim) | TPS (paper) | budget / token | "
-             "budget / request | grow % | fallback | preempt |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| point | C (sim) | C (paper) | TPS (sim) | TPS (paper) | budget / token | "
+        "budget / request | grow % | fallback | preempt |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in rows.items():
         p = PAPER.get(name)
         mark = "~" if p and p["derived"] else ""
         pc = f"{mark}{p['avg_resident']:.0f}" if p else "-"
         pt = f"{mark}{p['tps']:.0f}" if p else "-"
-        lines.append(f"| {name} | {r['avg_resident']:.1f} | {pc} | {r['tps']:.0f} | {pt} | "
-                     f"{r['token_budget']:.0f} | {r['avg_kv_budget']:.0f} | "
-                     f"{r['grow_ratio']:.1%} | {r['fallbacks']} | {r['preemptions']} |")
-    ratio_lines = ["| growpage / | C (sim) | C (paper) | TPS (sim) | TPS (paper) |",
-                   "|---|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {name} | {r['avg_resident']:.1f} | {pc} | {r['tps']:.0f} | {pt} | "
+            f"{r['token_budget']:.0f} | {r['avg_kv_budget']:.0f} | "
+            f"{r['grow_ratio']:.1%} | {r['fallbacks']} | {r['preemptions']} |"
+        )
+    ratio_lines = [
+        "| growpage / | C (sim) | C (paper) | TPS (sim) | TPS (paper) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, r in ratios(rows).items():
-        ratio_lines.append(f"| {name} | {r['avg_resident']['sim']:.2f} | "
-                           f"{r['avg_resident']['paper']:.2f} | {r['tps']['sim']:.2f} | "
-                           f"{r['tps']['paper']:.2f} |")
+        ratio_lines.append(
+            f"| {name} | {r['avg_resident']['sim']:.2f} | "
+            f"{r['avg_resident']['paper']:.2f} | {r['tps']['sim']:.2f} | "
+            f"{r['tps']['paper']:.2f} |"
+        )
     hist = ", ".join(f"{x:.0f} -> {y:.0f}" for x, y in found.history)
     pool = meta["num_kv_pages"] * meta["page_size"]
     g = rows["growpage"]
     # Every running request decodes one token per step, so budget per token x C is the
     # time-averaged KV capacity held: it cannot exceed the pool.
     held, paper_held = g["token_budget"] * g["avg_resident"], PAPER_BUDGET * 121.0
-    return "\n".join([
-        "# Paper-scale serving in the simulator (paper Fig. 5)", "",
-        f"Command: `{meta['command']}`", "",
-        f"Machine: {meta['machine']}; measured {meta['date']}; whole run {meta['wall_s']:.0f} s.",
-        "",
-        f"Workload `{meta['workload']}`: {meta['num_requests']} requests, "
-        f"{meta['output_tokens'] / 1e6:.1f} M output tokens, all at t = 0. Cost model "
-        f"`{meta['cost']}`; {meta['num_kv_pages']} KV pages of {meta['page_size']} tokens, "
-        f"max_num_seqs {meta['max_num_seqs']}, script-mode decisions ({meta['num_scripts']} "
-        "scripts).", "",
-        f"Synthetic demand calibrated on `{knob}`: target budget {found.target:.0f} tokens "
-        f"per decoded token, tolerance {meta['tolerance']:.1%}; runs ({knob} -> budget): "
-        f"{hist}. Chosen {knob} = {found.value:.0f} (budget {found.budget:.0f}, "
-        f"{'within' if found.within else 'NOT within'} tolerance).", "",
-        *lines, "",
-        "`~`: derived from the paper's ratios (GrowPage has 1.9x the TPS and 1.8x the C of "
-        "Zipage-8192). Budget / token: capacity averaged over decoded tokens (the engine's "
-        "definition, the one calibrated); budget / request: the simulator's `avg_kv_budget`.", "",
-        *ratio_lines, "",
-        f"Budget per token x C is the KV capacity held on average: GrowPage here "
-        f"{held / 1e3:.0f}k tokens of a {pool / 1e3:.0f}k-token pool; the paper's "
-        f"{PAPER_BUDGET} x 121 = {paper_held / 1e3:.0f}k tokens would not fit this pool, so "
-        "the paper's budget is probably not a per-token average over a pool of this size.", ""])
+    return "\n".join(
+        [
+            "# Paper-scale serving in the simulator (paper Fig. 5)",
+            "",
+            f"Command: `{meta['command']}`",
+            "",
+            f"Machine: {meta['machine']}; measured {meta['date']}; whole run {meta['wall_s']:.0f} s.",
+            "",
+            f"Workload `{meta['workload']}`: {meta['num_requests']} requests, "
+            f"{meta['output_tokens'] / 1e6:.1f} M output tokens, all at t = 0. Cost model "
+            f"`{meta['cost']}`; {meta['num_kv_pages']} KV pages of {meta['page_size']} tokens, "
+            f"max_num_seqs {meta['max_num_seqs']}, script-mode decisions ({meta['num_scripts']} "
+            "scripts).",
+            "",
+            f"Synthetic demand calibrated on `{knob}`: target budget {found.target:.0f} tokens "
+            f"per decoded token, tolerance {meta['tolerance']:.1%}; runs ({knob} -> budget): "
+            f"{hist}. Chosen {knob} = {found.value:.0f} (budget {found.budget:.0f}, "
+            f"{'within' if found.within else 'NOT within'} tolerance).",
+            "",
+            *lines,
+            "",
+            "`~`: derived from the paper's ratios (GrowPage has 1.9x the TPS and 1.8x the C of "
+            "Zipage-8192). Budget / token: capacity averaged over decoded tokens (the engine's "
+            "definition, the one calibrated); budget / request: the simulator's `avg_kv_budget`.",
+            "",
+            *ratio_lines,
+            "",
+            f"Budget per token x C is the KV capacity held on average: GrowPage here "
+            f"{held / 1e3:.0f}k tokens of a {pool / 1e3:.0f}k-token pool; the paper's "
+            f"{PAPER_BUDGET} x 121 = {paper_held / 1e3:.0f}k tokens would not fit this pool, so "
+            "the paper's budget is probably not a per-token average over a pool of this size.",
+            "",
+        ]
+    )
 
 
 def plot_bars(rows: dict[str, dict], path: Path) -> None:
@@ -257,15 +305,25 @@ def plot_bars(rows: dict[str, dict], path: Path) -> None:
     names = [n for n in ("growpage", "fixed-4096", "fixed-8192") if n in rows]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     width = 0.38
-    for ax, key, label in zip(axes, ("avg_resident", "tps"), ("resident requests C",
-                                                             "throughput (tokens/s)"),
-                              strict=True):
+    for ax, key, label in zip(
+        axes, ("avg_resident", "tps"), ("resident requests C", "throughput (tokens/s)"), strict=True
+    ):
         xs = range(len(names))
-        ax.bar([x - width / 2 for x in xs], [rows[n][key] for n in names], width,
-               label="simulator", color="tab:blue")
-        ax.bar([x + width / 2 for x in xs], [PAPER[n][key] for n in names], width,
-               label="paper (Fig. 5)", color="tab:gray",
-               hatch=None)
+        ax.bar(
+            [x - width / 2 for x in xs],
+            [rows[n][key] for n in names],
+            width,
+            label="simulator",
+            color="tab:blue",
+        )
+        ax.bar(
+            [x + width / 2 for x in xs],
+            [PAPER[n][key] for n in names],
+            width,
+            label="paper (Fig. 5)",
+            color="tab:gray",
+            hatch=None,
+        )
         for x, n in zip(xs, names, strict=True):
             if PAPER[n]["derived"]:
                 ax.text(x + width / 2, PAPER[n][key], "~", ha="center", va="bottom")
@@ -289,8 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--num-scripts", type=int, default=8)
     ap.add_argument("--knob", default="mean_regime_len", help="SyntheticSpec field searched")
     ap.add_argument("--range", default="256,4096", help="LO,HI of the knob")
-    ap.add_argument("--increasing", action="store_true",
-                    help="the budget rises with the knob (default: falls)")
+    ap.add_argument(
+        "--increasing", action="store_true", help="the budget rises with the knob (default: falls)"
+    )
     ap.add_argument("--target", type=float, default=PAPER_BUDGET)
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--max-evals", type=int, default=4)
@@ -298,37 +357,78 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "results" / "paper_scale"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    start, started, machine = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M"), describe_machine()
+    start, started, machine = (
+        time.perf_counter(),
+        time.strftime("%Y-%m-%d %H:%M"),
+        describe_machine(),
+    )
     config = GrowPageConfig(page_size=args.page_size)
     cost = load_cost_model(args.cost)
     pages = cost.kv_pages(args.page_size) if isinstance(cost, RooflineCostModel) else 1500
-    sim = SimConfig(num_kv_pages=pages, max_num_seqs=args.max_num_seqs,
-                    num_scripts=args.num_scripts, seed=args.seed)
-    setup = Setup(requests=resolve_workload(args.workload, args.seed), config=config, sim=sim,
-                  cost=cost)
+    sim = SimConfig(
+        num_kv_pages=pages,
+        max_num_seqs=args.max_num_seqs,
+        num_scripts=args.num_scripts,
+        seed=args.seed,
+    )
+    setup = Setup(
+        requests=resolve_workload(args.workload, args.seed), config=config, sim=sim, cost=cost
+    )
     lo, hi = (float(x) for x in args.range.split(","))
-    found, chosen, growpage_row = calibrate_demand(setup, args.knob, lo, hi, args.target,
-                                                   args.tolerance, args.max_evals,
-                                                   decreasing=not args.increasing)
+    found, chosen, growpage_row = calibrate_demand(
+        setup,
+        args.knob,
+        lo,
+        hi,
+        args.target,
+        args.tolerance,
+        args.max_evals,
+        decreasing=not args.increasing,
+    )
     rows = {"growpage": growpage_row}
-    for name, policy, params in tqdm([("fixed-4096", "fixed", {"budget_tokens": 4096}),
-                                      ("fixed-8192", "fixed", {"budget_tokens": 8192}),
-                                      ("fullkv", "fullkv", {})], desc="baselines", unit="run"):
+    for name, policy, params in tqdm(
+        [
+            ("fixed-4096", "fixed", {"budget_tokens": 4096}),
+            ("fixed-8192", "fixed", {"budget_tokens": 8192}),
+            ("fullkv", "fullkv", {}),
+        ],
+        desc="baselines",
+        unit="run",
+    ):
         rows[name], _ = serve(setup, policy, params)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python " + " ".join(["benchmarks/paper_scale.py", *sys.argv[1:]]),
-            "machine": machine, "date": started, "wall_s": time.perf_counter() - start,
-            "workload": args.workload, "num_requests": len(setup.requests),
-            "output_tokens": sum(r.output_tokens for r in setup.requests), "cost": args.cost,
-            "num_kv_pages": pages, "page_size": args.page_size,
-            "max_num_seqs": args.max_num_seqs, "num_scripts": args.num_scripts,
-            "tolerance": args.tolerance}
+    meta = {
+        "command": "python " + " ".join(["benchmarks/paper_scale.py", *sys.argv[1:]]),
+        "machine": machine,
+        "date": started,
+        "wall_s": time.perf_counter() - start,
+        "workload": args.workload,
+        "num_requests": len(setup.requests),
+        "output_tokens": sum(r.output_tokens for r in setup.requests),
+        "cost": args.cost,
+        "num_kv_pages": pages,
+        "page_size": args.page_size,
+        "max_num_seqs": args.max_num_seqs,
+        "num_scripts": args.num_scripts,
+        "tolerance": args.tolerance,
+    }
     report = markdown(rows, found, args.knob, meta)
     (out / "report.md").write_text(report)
-    (out / "paper_scale.json").write_text(json.dumps(
-        {"meta": meta, "search": {"knob": args.knob, **found.as_dict()}, "demand": chosen,
-         "rows": rows, "paper": PAPER, "ratios": ratios(rows)}, indent=1) + "\n")
+    (out / "paper_scale.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "search": {"knob": args.knob, **found.as_dict()},
+                "demand": chosen,
+                "rows": rows,
+                "paper": PAPER,
+                "ratios": ratios(rows),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     plot_bars(rows, out / "bars.png")
     print(report)
     print(f"results in {out}/ (report.md, paper_scale.json, bars.png)")

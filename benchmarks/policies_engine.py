@@ -68,22 +68,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, help="override the preset")
     p.add_argument("--retrieval", type=int, help="retrieval items (override the preset)")
     p.add_argument("--stretch", type=int, help="generated tokens before the questions")
-    p.add_argument("--pool-fraction", type=float, default=0.4,
-                   help="KV pool as a fraction of what fullkv needs to hold every request")
+    p.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.4,
+        help="KV pool as a fraction of what fullkv needs to hold every request",
+    )
     p.add_argument("--min-capacity", type=int, default=4, help="pages every request may hold")
-    p.add_argument("--policies", nargs="*", default=None,
-                   help="subset of: fullkv growpage fixed random inverse shrink (default all)")
+    p.add_argument(
+        "--policies",
+        nargs="*",
+        default=None,
+        help="subset of: fullkv growpage fixed random inverse shrink (default all)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timing-passes", type=int, default=1,
-                   help="time every row this many times, in rotated order, and report the "
-                   "median TPS (runs one after another drift: one pass is noisy to +-20%%)")
+    p.add_argument(
+        "--timing-passes",
+        type=int,
+        default=1,
+        help="time every row this many times, in rotated order, and report the "
+        "median TPS (runs one after another drift: one pass is noisy to +-20%%)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--out", default=None,
-                   help="output folder (default: results/policies_engine/<preset>-<device>)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: results/policies_engine/<preset>-<device>)",
+    )
     args = p.parse_args(argv)
     if args.out is None:
-        args.out = str(ROOT / "results" / "policies_engine"
-                       / f"{args.preset}-{args.device.replace(':', '')}")
+        args.out = str(
+            ROOT / "results" / "policies_engine" / f"{args.preset}-{args.device.replace(':', '')}"
+        )
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -101,9 +117,16 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.base = LLM(args.model, policy="fullkv", page_size=args.page_size, kv_pages=8,
-                        device=args.device, dtype=args.dtype,
-                        attention_backend=args.attention_backend, seed=args.seed)
+        self.base = LLM(
+            args.model,
+            policy="fullkv",
+            page_size=args.page_size,
+            kv_pages=8,
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            seed=args.seed,
+        )
         self.tok = self.base.tokenizer
         self.encode = lambda text: self.tok.encode(text, add_special_tokens=False)
         self.prompts = reasoning_prompts(args.num_requests)
@@ -111,18 +134,34 @@ class Bench:
         b = args.page_size
         lengths = [len(self.tok.encode_chat(p)) + args.max_tokens for p in self.prompts]
         self.full_pages = sum(math.ceil((n + 1) / b) for n in lengths)
-        longest = max(lengths + [len(self.tok.encode_chat(it.prompt)) + len(
-            retrieval_continuation(self.encode, [0] * args.stretch, it)[0]) for it in self.items])
-        self.kv_pages = max(math.ceil(args.pool_fraction * self.full_pages),
-                            math.ceil((longest + 1) / b) + 1)
+        longest = max(
+            lengths
+            + [
+                len(self.tok.encode_chat(it.prompt))
+                + len(retrieval_continuation(self.encode, [0] * args.stretch, it)[0])
+                for it in self.items
+            ]
+        )
+        self.kv_pages = max(
+            math.ceil(args.pool_fraction * self.full_pages), math.ceil((longest + 1) / b) + 1
+        )
 
     def llm(self, policy: str, **policy_kwargs) -> LLM:
         a = self.args
-        return LLM(self.base.model, policy=policy, policy_kwargs=policy_kwargs,
-                   tokenizer=self.tok, page_size=a.page_size, kv_pages=self.kv_pages,
-                   max_num_seqs=max(a.num_requests, a.retrieval, 1),
-                   min_capacity=a.min_capacity, device=a.device, dtype=a.dtype,
-                   attention_backend=a.attention_backend, seed=a.seed)
+        return LLM(
+            self.base.model,
+            policy=policy,
+            policy_kwargs=policy_kwargs,
+            tokenizer=self.tok,
+            page_size=a.page_size,
+            kv_pages=self.kv_pages,
+            max_num_seqs=max(a.num_requests, a.retrieval, 1),
+            min_capacity=a.min_capacity,
+            device=a.device,
+            dtype=a.dtype,
+            attention_backend=a.attention_backend,
+            seed=a.seed,
+        )
 
     def references(self) -> tuple[dict, list[list[int]], list[list[int]], list[list[tuple]]]:
         """fullkv's greedy continuations, its generate stats, and the retrieval continuations."""
@@ -136,7 +175,7 @@ class Bench:
             stretch = SamplingParams(max_tokens=max(self.args.stretch, 1), ignore_eos=True)
             routs = llm.generate([it.prompt for it in self.items], stretch, chat=True)
             for it, o in zip(self.items, routs, strict=True):
-                ids, sp = retrieval_continuation(self.encode, o.token_ids[:self.args.stretch], it)
+                ids, sp = retrieval_continuation(self.encode, o.token_ids[: self.args.stretch], it)
                 rconts.append(ids)
                 spans.append(sp)
         self.sample_text = outs[0].text[:400]
@@ -148,20 +187,28 @@ class Bench:
         scores = llm.score(self.prompts, conts, chat=True, use_tqdm=True)
         row = row_from_stats(llm.last_stats)
         tokens = sum(len(s.token_nlls) for s in scores)
-        row.update(label=label, policy=policy, kwargs=kwargs,
-                   nll=sum(s.nll for s in scores) / tokens,
-                   trajectories=[s.trajectory for s in scores[:4]],
-                   prompt_lens=[len(s.prompt_token_ids) for s in scores[:4]])
+        row.update(
+            label=label,
+            policy=policy,
+            kwargs=kwargs,
+            nll=sum(s.nll for s in scores) / tokens,
+            trajectories=[s.trajectory for s in scores[:4]],
+            prompt_lens=[len(s.prompt_token_ids) for s in scores[:4]],
+        )
         if self.items:
             rscores = llm.score([it.prompt for it in self.items], rconts, chat=True)
-            hits = [s.greedy_match(a, b) for s, sp in zip(rscores, spans, strict=True)
-                    for a, b in sp]
-            answer_nlls = [sum(s.token_nlls[a:b]) for s, sp in zip(rscores, spans, strict=True)
-                           for a, b in sp]
-            row.update(retrieval_acc=sum(hits) / len(hits),
-                       retrieval_budget=llm.last_stats.avg_kv_budget,
-                       retrieval_nll=sum(answer_nlls) / len(answer_nlls),
-                       retrieval_questions=len(hits))
+            hits = [
+                s.greedy_match(a, b) for s, sp in zip(rscores, spans, strict=True) for a, b in sp
+            ]
+            answer_nlls = [
+                sum(s.token_nlls[a:b]) for s, sp in zip(rscores, spans, strict=True) for a, b in sp
+            ]
+            row.update(
+                retrieval_acc=sum(hits) / len(hits),
+                retrieval_budget=llm.last_stats.avg_kv_budget,
+                retrieval_nll=sum(answer_nlls) / len(answer_nlls),
+                retrieval_questions=len(hits),
+            )
         row["wall_s"] = time.perf_counter() - start
         del llm
         gc.collect()
@@ -179,14 +226,23 @@ class Bench:
 
 def row_from_stats(st) -> dict:
     e = st.events
-    return dict(tps=st.tps, tpot_ms=1000 * st.tpot_s, total_s=st.total_time_s,
-                avg_resident=st.avg_resident, avg_budget=st.avg_kv_budget,
-                grow=e.get("grow", 0), compress=e.get("compress", 0), shrink=e.get("shrink", 0),
-                fallback=e.get("fallback", 0), preemptions=st.num_preemptions,
-                decided_grow=e.get("decided_grow", 0),
-                decided_compress=e.get("decided_compress", 0),
-                boundary_s=st.boundary_time_s, output_tokens=st.num_output_tokens,
-                max_pages_used=st.max_pages_used)
+    return dict(
+        tps=st.tps,
+        tpot_ms=1000 * st.tpot_s,
+        total_s=st.total_time_s,
+        avg_resident=st.avg_resident,
+        avg_budget=st.avg_kv_budget,
+        grow=e.get("grow", 0),
+        compress=e.get("compress", 0),
+        shrink=e.get("shrink", 0),
+        fallback=e.get("fallback", 0),
+        preemptions=st.num_preemptions,
+        decided_grow=e.get("decided_grow", 0),
+        decided_compress=e.get("decided_compress", 0),
+        boundary_s=st.boundary_time_s,
+        output_tokens=st.num_output_tokens,
+        max_pages_used=st.max_pages_used,
+    )
 
 
 ALL_POLICIES = ["fullkv", "growpage", "fixed", "random", "inverse", "shrink"]
@@ -202,8 +258,9 @@ def policy_order(wanted: list[str] | None) -> list[str]:
     return [p for p in ALL_POLICIES if p in need]
 
 
-def plan(args: argparse.Namespace, name: str, growpage_row: dict | None
-         ) -> list[tuple[str, str, dict]]:
+def plan(
+    args: argparse.Namespace, name: str, growpage_row: dict | None
+) -> list[tuple[str, str, dict]]:
     """The (label, policy, kwargs) runs of one policy; fixed and random match growpage's run."""
     b = args.page_size
     if name in ("fullkv", "growpage", "inverse"):
@@ -213,8 +270,10 @@ def plan(args: argparse.Namespace, name: str, growpage_row: dict | None
     assert growpage_row is not None, "growpage runs before the policies matched to it"
     if name == "fixed":
         matched = max(args.min_capacity, round(growpage_row["avg_budget"] / b)) * b
-        return [(f"fixed-{matched}", "fixed", {"budget_tokens": matched}),
-                (f"fixed-{2 * matched}", "fixed", {"budget_tokens": 2 * matched})]
+        return [
+            (f"fixed-{matched}", "fixed", {"budget_tokens": matched}),
+            (f"fixed-{2 * matched}", "fixed", {"budget_tokens": 2 * matched}),
+        ]
     decided = growpage_row["decided_grow"] + growpage_row["decided_compress"]
     q = growpage_row["decided_grow"] / decided if decided else 0.5
     return [(f"random (q={q:.2f})", "random", {"grow_prob": round(q, 3), "seed": args.seed})]
@@ -224,13 +283,19 @@ def run(args: argparse.Namespace, on_row=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     bench = Bench(args)
-    print(f"[policies_engine] {args.num_requests} requests x {args.max_tokens} tokens, "
-          f"{len(bench.items)} retrieval items x {args.stretch}; pool {bench.kv_pages} pages of "
-          f"{args.page_size} ({bench.full_pages} needed for all at full length)", flush=True)
+    print(
+        f"[policies_engine] {args.num_requests} requests x {args.max_tokens} tokens, "
+        f"{len(bench.items)} retrieval items x {args.stretch}; pool {bench.kv_pages} pages of "
+        f"{args.page_size} ({bench.full_pages} needed for all at full length)",
+        flush=True,
+    )
     t0 = time.perf_counter()
     gen_row, conts, rconts, spans = bench.references()
-    print(f"[policies_engine] references in {time.perf_counter() - t0:.0f} s; "
-          f"fullkv generate: {gen_row['tps']:.1f} tok/s", flush=True)
+    print(
+        f"[policies_engine] references in {time.perf_counter() - t0:.0f} s; "
+        f"fullkv generate: {gen_row['tps']:.1f} tok/s",
+        flush=True,
+    )
     rows: list[dict] = []
     done_growpage = None
     for name in policy_order(args.policies):
@@ -238,8 +303,11 @@ def run(args: argparse.Namespace, on_row=None) -> dict:
             print(f"[policies_engine] {label} ...", flush=True)
             row = bench.run_policy(label, policy, kwargs, conts, rconts, spans)
             rows.append(row)
-            print(f"[policies_engine] {label}: {row['tps']:.1f} tok/s, C {row['avg_resident']:.1f}"
-                  f", nll {row['nll']:.4f}, {row['wall_s']:.0f} s", flush=True)
+            print(
+                f"[policies_engine] {label}: {row['tps']:.1f} tok/s, C {row['avg_resident']:.1f}"
+                f", nll {row['nll']:.4f}, {row['wall_s']:.0f} s",
+                flush=True,
+            )
             if policy == "growpage":
                 done_growpage = row
             if on_row is not None:  # partial results survive a run cut short
@@ -265,28 +333,40 @@ def timing_passes(bench: Bench, rows: list[dict], conts, passes: int) -> None:
             again = bench.time_again(row, conts)
             for key in ("grow", "compress", "shrink", "fallback", "preemptions"):
                 if again[key] != row[key]:
-                    raise RuntimeError(f"{row['label']}: pass {k + 1} gave {key} {again[key]}, "
-                                       f"the first {row[key]}: the runs are not deterministic")
+                    raise RuntimeError(
+                        f"{row['label']}: pass {k + 1} gave {key} {again[key]}, "
+                        f"the first {row[key]}: the runs are not deterministic"
+                    )
             for key in TIMED:
                 row[f"{key}_passes"].append(again[key])
-            print(f"[policies_engine] pass {k + 1}, {row['label']}: {again['tps']:.1f} tok/s",
-                  flush=True)
+            print(
+                f"[policies_engine] pass {k + 1}, {row['label']}: {again['tps']:.1f} tok/s",
+                flush=True,
+            )
     for row in rows:
         for key in TIMED:
             row[key] = statistics.median(row[f"{key}_passes"])
 
 
-def finish(args: argparse.Namespace, bench: Bench, gen_row: dict, rows: list[dict],
-           t0: float) -> dict:
+def finish(
+    args: argparse.Namespace, bench: Bench, gen_row: dict, rows: list[dict], t0: float
+) -> dict:
     base = next((r for r in rows if r["policy"] == "fullkv"), None)
     for r in rows:
         if base is not None:
             r["tps_vs_fullkv"] = r["tps"] / base["tps"] if base["tps"] else float("nan")
             r["nll_increase_pct"] = 100 * (r["nll"] / base["nll"] - 1) if base["nll"] else 0.0
-    return {"args": vars(args), "kv_pages": bench.kv_pages, "full_pages": bench.full_pages,
-            "machine": machine(args), "fullkv_generate": gen_row, "rows": rows,
-            "targets": targets(rows), "sample_text": bench.sample_text,
-            "wall_s": time.perf_counter() - t0}
+    return {
+        "args": vars(args),
+        "kv_pages": bench.kv_pages,
+        "full_pages": bench.full_pages,
+        "machine": machine(args),
+        "fullkv_generate": gen_row,
+        "rows": rows,
+        "targets": targets(rows),
+        "sample_text": bench.sample_text,
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def targets(rows: list[dict]) -> dict:
@@ -298,8 +378,9 @@ def targets(rows: list[dict]) -> dict:
     if g and f:
         out["growpage_tps_vs_fullkv"] = g["tps"] / f["tps"]
         out["growpage_nll_increase_pct"] = 100 * (g["nll"] / f["nll"] - 1)
-        out["tps_and_quality_met"] = (out["growpage_tps_vs_fullkv"] >= 1.5
-                                      and out["growpage_nll_increase_pct"] <= 2.0)
+        out["tps_and_quality_met"] = (
+            out["growpage_tps_vs_fullkv"] >= 1.5 and out["growpage_nll_increase_pct"] <= 2.0
+        )
     if g and fixed:
         m = fixed[0]  # the budget matched to growpage's average
         out["matched_fixed"] = m["label"]
@@ -323,34 +404,65 @@ def machine(args: argparse.Namespace) -> str:
 def to_markdown(r: dict) -> str:
     a = r["args"]
     has_ret = any("retrieval_acc" in x for x in r["rows"])
-    head = ("| policy | TPS | x fullkv | TPOT ms | total s | C | avg budget | grow | compress | "
-            "shrink | fallback | preempt | boundary s | NLL | NLL +% |"
-            + (" retrieval acc @ budget |" if has_ret else ""))
-    lines = [f"Engine policy table: {a['num_requests']} requests x {a['max_tokens']} tokens "
-             f"(teacher-forced fullkv greedy continuations), pool {r['kv_pages']} pages x "
-             f"{a['page_size']} tokens ({r['full_pages']} for all at full length), min capacity "
-             f"{a['min_capacity']} pages, seed {a['seed']}; {r['machine']}.", "",
-             head, "|" + "---|" * (head.count("|") - 1)]
+    head = (
+        "| policy | TPS | x fullkv | TPOT ms | total s | C | avg budget | grow | compress | "
+        "shrink | fallback | preempt | boundary s | NLL | NLL +% |"
+        + (" retrieval acc @ budget |" if has_ret else "")
+    )
+    lines = [
+        f"Engine policy table: {a['num_requests']} requests x {a['max_tokens']} tokens "
+        f"(teacher-forced fullkv greedy continuations), pool {r['kv_pages']} pages x "
+        f"{a['page_size']} tokens ({r['full_pages']} for all at full length), min capacity "
+        f"{a['min_capacity']} pages, seed {a['seed']}; {r['machine']}.",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
     for x in r["rows"]:
-        cells = [x["label"], f"{x['tps']:.1f}", f"{x.get('tps_vs_fullkv', float('nan')):.2f}",
-                 f"{x['tpot_ms']:.1f}", f"{x['total_s']:.1f}", f"{x['avg_resident']:.1f}",
-                 f"{x['avg_budget']:.0f}", str(x["grow"]), str(x["compress"]), str(x["shrink"]),
-                 str(x["fallback"]), str(x["preemptions"]), f"{x['boundary_s']:.2f}",
-                 f"{x['nll']:.4f}", f"{x.get('nll_increase_pct', 0.0):+.2f}"]
+        cells = [
+            x["label"],
+            f"{x['tps']:.1f}",
+            f"{x.get('tps_vs_fullkv', float('nan')):.2f}",
+            f"{x['tpot_ms']:.1f}",
+            f"{x['total_s']:.1f}",
+            f"{x['avg_resident']:.1f}",
+            f"{x['avg_budget']:.0f}",
+            str(x["grow"]),
+            str(x["compress"]),
+            str(x["shrink"]),
+            str(x["fallback"]),
+            str(x["preemptions"]),
+            f"{x['boundary_s']:.2f}",
+            f"{x['nll']:.4f}",
+            f"{x.get('nll_increase_pct', 0.0):+.2f}",
+        ]
         if has_ret:
-            cells.append(f"{x.get('retrieval_acc', float('nan')):.3f} "
-                         f"@ {x.get('retrieval_budget', float('nan')):.0f}")
+            cells.append(
+                f"{x.get('retrieval_acc', float('nan')):.3f} "
+                f"@ {x.get('retrieval_budget', float('nan')):.0f}"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     g = r["fullkv_generate"]
     passes = a.get("timing_passes", 1)
-    lines += ["", (f"TPS, TPOT and total s: the median of {passes} passes per row, each pass in "
-                   "another order." if passes > 1 else
-                   "TPS, TPOT and total s: one pass, the rows one after another; differences "
-                   "under ~20% may be the order (`--timing-passes 3` takes the median of three).")]
-    lines += ["", f"fullkv *generating* the same workload (not forced): {g['tps']:.1f} tok/s, "
-              f"C {g['avg_resident']:.1f}, {g['preemptions']} preemptions.",
-              "", f"Targets: `{json.dumps(r['targets'])}`", "",
-              f"Wall time {r['wall_s']:.0f} s."]
+    lines += [
+        "",
+        (
+            f"TPS, TPOT and total s: the median of {passes} passes per row, each pass in "
+            "another order."
+            if passes > 1
+            else "TPS, TPOT and total s: one pass, the rows one after another; differences "
+            "under ~20% may be the order (`--timing-passes 3` takes the median of three)."
+        ),
+    ]
+    lines += [
+        "",
+        f"fullkv *generating* the same workload (not forced): {g['tps']:.1f} tok/s, "
+        f"C {g['avg_resident']:.1f}, {g['preemptions']} preemptions.",
+        "",
+        f"Targets: `{json.dumps(r['targets'])}`",
+        "",
+        f"Wall time {r['wall_s']:.0f} s.",
+    ]
     return "\n".join(lines)
 
 
@@ -358,8 +470,10 @@ def plots(r: dict, out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    return [plot_quality(r["rows"], out / "pareto.png"),
-            plot_trajectories(r["rows"], r["args"]["page_size"], out / "trajectories.png")]
+    return [
+        plot_quality(r["rows"], out / "pareto.png"),
+        plot_trajectories(r["rows"], r["args"]["page_size"], out / "trajectories.png"),
+    ]
 
 
 def plot_quality(rows: list[dict], path: Path) -> Path:
@@ -395,13 +509,22 @@ def plot_trajectories(rows: list[dict], page_size: int, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    drawn = [x for x in rows
-             if x["policy"] in ("growpage", "fixed", "fullkv") and x["trajectories"]]
+    drawn = [
+        x for x in rows if x["policy"] in ("growpage", "fixed", "fullkv") and x["trajectories"]
+    ]
     for x, (style, marker, width) in zip(drawn, itertools.cycle(TRAJECTORY_STYLES)):
         traj, plen = x["trajectories"][0], x["prompt_lens"][0]
-        ax.step([p - plen for p, _, _ in traj], [n * page_size for _, n, _ in traj],
-                where="post", label=x["label"], linestyle=style, linewidth=width, marker=marker,
-                markersize=2 + 2 * width, markerfacecolor="none")
+        ax.step(
+            [p - plen for p, _, _ in traj],
+            [n * page_size for _, n, _ in traj],
+            where="post",
+            label=x["label"],
+            linestyle=style,
+            linewidth=width,
+            marker=marker,
+            markersize=2 + 2 * width,
+            markerfacecolor="none",
+        )
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("KV capacity (tokens)")
     ax.set_title("Capacity trajectory of request 0")

@@ -41,12 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, policy=args.policy, page_size=args.page_size, device=args.device,
-              kv_pages=args.kv_pages or args.requests * (-(-(args.max_tokens + 160)
-                                                          // args.page_size)),
-              max_num_seqs=args.requests, min_capacity=4,
-              # The synchronous boundary path, whole inside make_room, on every device.
-              cuda_graphs=False, async_compaction=False)
+    llm = LLM(
+        args.model,
+        policy=args.policy,
+        page_size=args.page_size,
+        device=args.device,
+        kv_pages=args.kv_pages or args.requests * (-(-(args.max_tokens + 160) // args.page_size)),
+        max_num_seqs=args.requests,
+        min_capacity=4,
+        # The synchronous boundary path, whole inside make_room, on every device.
+        cuda_graphs=False,
+        async_compaction=False,
+    )
     profiler = cProfile.Profile()
     make_room = llm.engine.kv.make_room
 
@@ -63,12 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     st = llm.last_stats
     e = st.events
     decided = e.get("decided_grow", 0) + e.get("decided_compress", 0) + e.get("decided_shrink", 0)
-    print(f"{args.policy} on {args.device}: {st.num_output_tokens} tokens in "
-          f"{st.total_time_s:.2f} s ({st.tps:.1f} tok/s); boundary time {st.boundary_time_s:.3f}"
-          f" s = {100 * st.boundary_time_s / st.total_time_s:.2f}% of the run")
-    print(f"boundaries {e.get('boundaries', 0)}, decided {decided}, compress "
-          f"{e.get('compress', 0)}: " + (f"{1000 * st.boundary_time_s / decided:.2f}" if decided
-                                         else "n/a") + " ms per decided boundary")
+    print(
+        f"{args.policy} on {args.device}: {st.num_output_tokens} tokens in "
+        f"{st.total_time_s:.2f} s ({st.tps:.1f} tok/s); boundary time {st.boundary_time_s:.3f}"
+        f" s = {100 * st.boundary_time_s / st.total_time_s:.2f}% of the run"
+    )
+    print(
+        f"boundaries {e.get('boundaries', 0)}, decided {decided}, compress "
+        f"{e.get('compress', 0)}: "
+        + (f"{1000 * st.boundary_time_s / decided:.2f}" if decided else "n/a")
+        + " ms per decided boundary"
+    )
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(args.top)
     print(out.getvalue())

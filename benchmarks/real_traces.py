@@ -40,28 +40,52 @@ COMMIT_LAYERS = (19,)
 COMMIT_MAX_GENERATED = 1024
 
 
-def record(out: Path, num: int, max_tokens: int, layers: tuple[int, ...], seed: int,
-           temperature: float, top_p: float, page_size: int, model: str | None = None) -> float:
+def record(
+    out: Path,
+    num: int,
+    max_tokens: int,
+    layers: tuple[int, ...],
+    seed: int,
+    temperature: float,
+    top_p: float,
+    page_size: int,
+    model: str | None = None,
+) -> float:
     """Record ``num`` reasoning prompts (chat) into the trace set ``out``; returns wall seconds."""
     from growpage.engine.llm import LLM
     from growpage.eval.workload import reasoning_prompts
 
     pages_each = math.ceil((512 + max_tokens) / page_size)
-    llm = LLM(model, policy="fullkv", record_traces=out, record_layers=list(layers),
-              page_size=page_size, kv_pages=num * pages_each + 8, max_num_seqs=num, seed=seed)
+    llm = LLM(
+        model,
+        policy="fullkv",
+        record_traces=out,
+        record_layers=list(layers),
+        page_size=page_size,
+        kv_pages=num * pages_each + 8,
+        max_num_seqs=num,
+        seed=seed,
+    )
     params = sampling_params(num, max_tokens, seed, temperature, top_p)
     wall = record_with(llm, reasoning_prompts(num), params, out, chat=True)
     print(llm.last_stats.table())
     return wall
 
 
-def sampling_params(num: int, max_tokens: int, seed: int, temperature: float, top_p: float
-                    ) -> list:
+def sampling_params(num: int, max_tokens: int, seed: int, temperature: float, top_p: float) -> list:
     """Request ``i`` samples with seed ``seed + i`` and ignores end-of-sequence tokens."""
     from growpage.engine.sampling_params import SamplingParams
 
-    return [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                           seed=seed + i, ignore_eos=True) for i in range(num)]
+    return [
+        SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=seed + i,
+            ignore_eos=True,
+        )
+        for i in range(num)
+    ]
 
 
 def record_with(llm, prompts: list, params: list, out: Path, chat: bool) -> float:
@@ -71,12 +95,28 @@ def record_with(llm, prompts: list, params: list, out: Path, chat: bool) -> floa
     wall = time.perf_counter() - start
     eos = set(llm.engine.eos_token_ids)
     firsts = [next((i for i, t in enumerate(o.token_ids) if t in eos), None) for o in outs]
-    _annotate(out, {o.request_id: {"first_eos": f, "sampling": {
-        "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
-        "ignore_eos": p.ignore_eos, "max_tokens": p.max_tokens, "chat": chat,
-        "record_wall_s": round(wall, 1)}} for o, f, p in zip(outs, firsts, params, strict=True)})
-    print(f"recorded {len(outs)} traces, {sum(len(o.token_ids) for o in outs)} generated "
-          f"tokens in {wall:.0f} s into {out}")
+    _annotate(
+        out,
+        {
+            o.request_id: {
+                "first_eos": f,
+                "sampling": {
+                    "temperature": p.temperature,
+                    "top_p": p.top_p,
+                    "seed": p.seed,
+                    "ignore_eos": p.ignore_eos,
+                    "max_tokens": p.max_tokens,
+                    "chat": chat,
+                    "record_wall_s": round(wall, 1),
+                },
+            }
+            for o, f, p in zip(outs, firsts, params, strict=True)
+        },
+    )
+    print(
+        f"recorded {len(outs)} traces, {sum(len(o.token_ids) for o in outs)} generated "
+        f"tokens in {wall:.0f} s into {out}"
+    )
     print("first end of turn (generated token index):", firsts)
     return wall
 
@@ -98,8 +138,14 @@ def _annotate(directory: Path, per_request: dict[str, dict]) -> None:
         write_trace(path, trace, dtype=torch.float16)
 
 
-def shrink(source: Path, dest: Path, num: int, layers: tuple[int, ...], values: bool,
-           max_generated: int | None) -> int:
+def shrink(
+    source: Path,
+    dest: Path,
+    num: int,
+    layers: tuple[int, ...],
+    values: bool,
+    max_generated: int | None,
+) -> int:
     """Write the first ``num`` traces of ``source`` into ``dest`` cut down (``subset_trace``)."""
     from growpage.core.trace_set import TraceSet, read_trace_set
     from growpage.sim.realtrace import subset_trace
@@ -118,11 +164,18 @@ def shrink(source: Path, dest: Path, num: int, layers: tuple[int, ...], values: 
 
 
 # ---- report ----------------------------------------------------------------------------------
-TABLE_COLUMNS = [("policy", "policy", ""), ("avg_budget", "avg budget", ".0f"),
-                 ("mass_mean", "mass mean", ".4f"), ("mass_min", "mass min", ".4f"),
-                 ("output_error", "out err", ".4f"), ("grow_ratio", "grow %", ".1%"),
-                 ("grow", "grow", "d"), ("compress", "compress", "d"), ("shrink", "shrink", "d"),
-                 ("fallback", "fallback", "d")]
+TABLE_COLUMNS = [
+    ("policy", "policy", ""),
+    ("avg_budget", "avg budget", ".0f"),
+    ("mass_mean", "mass mean", ".4f"),
+    ("mass_min", "mass min", ".4f"),
+    ("output_error", "out err", ".4f"),
+    ("grow_ratio", "grow %", ".1%"),
+    ("grow", "grow", "d"),
+    ("compress", "compress", "d"),
+    ("shrink", "shrink", "d"),
+    ("fallback", "fallback", "d"),
+]
 
 
 def _interval(ci: list[float] | tuple[float, float] | None, fmt: str) -> str | None:
@@ -131,39 +184,58 @@ def _interval(ci: list[float] | tuple[float, float] | None, fmt: str) -> str | N
 
 def _bucket_rows(signal: dict) -> list[dict]:
     cis = signal.get("bucket_ci95") or [{} for _ in signal["buckets"]]
-    return [{"bucket": f"[{b['low']:g}, {b['high']:g})", "count": b["count"],
-             "adv": b["mean_advantage"],
-             "adv_ci": _interval(ci.get("mean_advantage"), ".4f"),
-             "adv_err": b["mean_advantage_error"],
-             "adv_err_ci": _interval(ci.get("mean_advantage_error"), ".4f")}
-            for b, ci in zip(signal["buckets"], cis, strict=True)]
+    return [
+        {
+            "bucket": f"[{b['low']:g}, {b['high']:g})",
+            "count": b["count"],
+            "adv": b["mean_advantage"],
+            "adv_ci": _interval(ci.get("mean_advantage"), ".4f"),
+            "adv_err": b["mean_advantage_error"],
+            "adv_err_ci": _interval(ci.get("mean_advantage_error"), ".4f"),
+        }
+        for b, ci in zip(signal["buckets"], cis, strict=True)
+    ]
 
 
-H2O_NOTE = ("`h2o` keeps the heavy hitters of the attention accumulated by every replayed "
-            "query (`TraceView(track_accumulated=True)`), with the fixed budget's decisions.")
+H2O_NOTE = (
+    "`h2o` keeps the heavy hitters of the attention accumulated by every replayed "
+    "query (`TraceView(track_accumulated=True)`), with the fixed budget's decisions."
+)
 
-BUCKET_COLUMNS = [("bucket", "Δt bucket", ""), ("count", "n", "d"),
-                  ("adv", "advantage (1 − mass)", ".4f"), ("adv_ci", "95% interval", ""),
-                  ("adv_err", "advantage (output error)", ".4f"),
-                  ("adv_err_ci", "95% interval", "")]
+BUCKET_COLUMNS = [
+    ("bucket", "Δt bucket", ""),
+    ("count", "n", "d"),
+    ("adv", "advantage (1 − mass)", ".4f"),
+    ("adv_ci", "95% interval", ""),
+    ("adv_err", "advantage (output error)", ".4f"),
+    ("adv_err_ci", "95% interval", ""),
+]
 
 
 def signal_text(label: str, sig: dict, page_size: int) -> str:
     n = sig["num_boundaries"]
     ci = sig.get("spearman_ci95")
-    ci_text = (f" (95% trace-bootstrap interval {ci[0]:.3f} to {ci[1]:.3f})"
-               if ci and n >= MIN_RHO_PAIRS else "")
-    return "\n".join([
-        f"**{label}, b = {page_size}**: {n} boundaries. "
-        f"Spearman ρ(Δt, future demand change) = {_rho(sig['spearman'], n)}{ci_text}; "
-        f"sign agreement = {sig['sign_agreement']:.1%}. "
-        f"Yardstick: the demand change of the page just finished predicts the next one with "
-        f"ρ = {_rho(sig['persistence_spearman'], sig['persistence_pairs'])} "
-        f"({sig['persistence_pairs']} pairs). "
-        f"ρ(Δt, growth advantage) = {_rho(sig['spearman_delta_advantage'], n)}. "
-        f"Δt mean {sig['delta_mean']:.4f}, std {sig['delta_std']:.4f}; future change std "
-        f"{sig['future_change_std']:.4f}."] + _split_text(sig.get("split"))
-        + _level_text(sig.get("levels")) + [""])
+    ci_text = (
+        f" (95% trace-bootstrap interval {ci[0]:.3f} to {ci[1]:.3f})"
+        if ci and n >= MIN_RHO_PAIRS
+        else ""
+    )
+    return "\n".join(
+        [
+            f"**{label}, b = {page_size}**: {n} boundaries. "
+            f"Spearman ρ(Δt, future demand change) = {_rho(sig['spearman'], n)}{ci_text}; "
+            f"sign agreement = {sig['sign_agreement']:.1%}. "
+            f"Yardstick: the demand change of the page just finished predicts the next one with "
+            f"ρ = {_rho(sig['persistence_spearman'], sig['persistence_pairs'])} "
+            f"({sig['persistence_pairs']} pairs). "
+            f"ρ(Δt, growth advantage) = {_rho(sig['spearman_delta_advantage'], n)}. "
+            f"Δt mean {sig['delta_mean']:.4f}, std {sig['delta_std']:.4f}; future change std "
+            f"{sig['future_change_std']:.4f}."
+        ]
+        + _split_text(sig.get("split"))
+        + _level_text(sig.get("levels"))
+        + [""]
+    )
 
 
 # A rank correlation over fewer pairs than this is not reported (over 2 it is always +-1).
@@ -178,25 +250,30 @@ def _level_text(levels: dict | None) -> list[str]:
     if not levels:
         return []
     n = levels["num_boundaries"]
-    return [f"Levels: ρ(Δt, demand of the page before) = "
-            f"{_rho(levels['spearman_current_level'], n)}, "
-            f"ρ(Δt, demand of the page after) = {_rho(levels['spearman_next_level'], n)}, "
-            f"ρ(demand before, its change) = "
-            f"{_rho(levels['spearman_current_level_vs_change'], n)} ({n} boundaries)."]
+    return [
+        f"Levels: ρ(Δt, demand of the page before) = "
+        f"{_rho(levels['spearman_current_level'], n)}, "
+        f"ρ(Δt, demand of the page after) = {_rho(levels['spearman_next_level'], n)}, "
+        f"ρ(demand before, its change) = "
+        f"{_rho(levels['spearman_current_level_vs_change'], n)} ({n} boundaries)."
+    ]
 
 
 def _split_text(split: dict | None) -> list[str]:
     if not split:
         return []
     parts = []
-    for key, name in (("before", "inside the model's own answer (next page ends before its "
-                                 "first end of turn)"),
-                      ("after", "past the first end of turn")):
+    for key, name in (
+        ("before", "inside the model's own answer (next page ends before its first end of turn)"),
+        ("after", "past the first end of turn"),
+    ):
         q = split[key]
         if q["num_boundaries"]:
-            parts.append(f"{name}: {q['num_boundaries']} boundaries, "
-                         f"ρ = {_rho(q['spearman'], q['num_boundaries'])}, "
-                         f"sign {q['sign_agreement']:.1%}")
+            parts.append(
+                f"{name}: {q['num_boundaries']} boundaries, "
+                f"ρ = {_rho(q['spearman'], q['num_boundaries'])}, "
+                f"sign {q['sign_agreement']:.1%}"
+            )
     return ["Split: " + "; ".join(parts) + "."] if parts else []
 
 
@@ -205,65 +282,115 @@ def describe_traces(traces: list) -> tuple[str, dict]:
     eos = [t.header.meta.get("first_eos") for t in traces]
     eos_known = [e for e in eos if e is not None]
     h = traces[0].header
-    info = {"num_traces": len(traces), "model": h.model, "layer_ids": list(h.layer_ids),
-            "has_values": h.has_values, "prompt_len": [t.prompt_len for t in traces],
-            "generated": gen, "first_eos": eos}
-    text = (f"{len(traces)} traces of `{h.model}`, recorded layers {list(h.layer_ids)} of "
-            f"{h.num_layers}, values {'yes' if h.has_values else 'no'}; prompts "
-            f"{min(info['prompt_len'])}–{max(info['prompt_len'])} tokens, "
-            f"{min(gen)}–{max(gen)} generated tokens per trace. ")
+    info = {
+        "num_traces": len(traces),
+        "model": h.model,
+        "layer_ids": list(h.layer_ids),
+        "has_values": h.has_values,
+        "prompt_len": [t.prompt_len for t in traces],
+        "generated": gen,
+        "first_eos": eos,
+    }
+    text = (
+        f"{len(traces)} traces of `{h.model}`, recorded layers {list(h.layer_ids)} of "
+        f"{h.num_layers}, values {'yes' if h.has_values else 'no'}; prompts "
+        f"{min(info['prompt_len'])}–{max(info['prompt_len'])} tokens, "
+        f"{min(gen)}–{max(gen)} generated tokens per trace. "
+    )
     if eos_known:
-        text += (f"First end of turn (ignored) after {min(eos_known)}–{max(eos_known)} "
-                 f"generated tokens (median {sorted(eos_known)[len(eos_known) // 2]}) in "
-                 f"{len(eos_known)} of {len(traces)} traces; the rest of each trace is the "
-                 f"model continuing past it.")
+        text += (
+            f"First end of turn (ignored) after {min(eos_known)}–{max(eos_known)} "
+            f"generated tokens (median {sorted(eos_known)[len(eos_known) // 2]}) in "
+            f"{len(eos_known)} of {len(traces)} traces; the rest of each trace is the "
+            f"model continuing past it."
+        )
     return text, info
 
 
-def write_report(out: Path, analysis, extra: dict, traces: list, command: str,
-                 wall_s: float) -> Path:
+def write_report(
+    out: Path, analysis, extra: dict, traces: list, command: str, wall_s: float
+) -> Path:
     from growpage.sim import plots, reports
 
     out.mkdir(parents=True, exist_ok=True)
     b = analysis.settings.page_size
     trace_text, trace_info = describe_traces(traces)
     _plot_signals(out, analysis, b)
-    lines = ["# Real SmolLM2 traces: the Δt signal and the policies", "",
-             f"Command: `{command}` ({wall_s:.0f} s wall). Machine: shared 2-core CPU box, "
-             f"torch {torch.__version__}, 1 thread.", "", trace_text, "",
-             f"Page size b = {b} (the traces are ~1.1k tokens; the paper uses 256 on 8k–15k "
-             f"token traces), recent window {analysis.settings.config().recent_window}, "
-             f"βS = 0.9, βL = 0.999, p = 0.99, τ = 0, {analysis.settings.fidelity_queries} "
-             f"sampled future queries per boundary. Δt is computed over the recorded layers "
-             f"only.", "", "## Signal quality (paper Fig. 6: ρ = 0.78, sign 80.3%)", ""]
+    lines = [
+        "# Real SmolLM2 traces: the Δt signal and the policies",
+        "",
+        f"Command: `{command}` ({wall_s:.0f} s wall). Machine: shared 2-core CPU box, "
+        f"torch {torch.__version__}, 1 thread.",
+        "",
+        trace_text,
+        "",
+        f"Page size b = {b} (the traces are ~1.1k tokens; the paper uses 256 on 8k–15k "
+        f"token traces), recent window {analysis.settings.config().recent_window}, "
+        f"βS = 0.9, βL = 0.999, p = 0.99, τ = 0, {analysis.settings.fidelity_queries} "
+        f"sampled future queries per boundary. Δt is computed over the recorded layers "
+        f"only.",
+        "",
+        "## Signal quality (paper Fig. 6: ρ = 0.78, sign 80.3%)",
+        "",
+    ]
     for label, sig in analysis.signals.items():
         lines.append(signal_text(label, sig, b))
     for size, sigs in extra.items():
         for label, sig in sigs.items():
             lines.append(signal_text(label, sig, size))
-    lines += ["![Δt vs future demand](scatter.png)", "",
-              "## Counterfactual growth advantage by Δt bucket (paper Fig. 7)", ""]
+    lines += [
+        "![Δt vs future demand](scatter.png)",
+        "",
+        "## Counterfactual growth advantage by Δt bucket (paper Fig. 7)",
+        "",
+    ]
     for label, sig in analysis.signals.items():
-        lines += [f"Boundaries of the `{label}` replay:", "",
-                  reports.markdown_table(_bucket_rows(sig), BUCKET_COLUMNS), ""]
-    lines += ["![growth advantage](advantage.png)", "", "## Policy table (paper appendix H)", "",
-              reports.markdown_table(analysis.rows, TABLE_COLUMNS), "", H2O_NOTE, "",
-              "![capacity](capacity.png)", "![capacity per policy](capacity-policies.png)", ""]
+        lines += [
+            f"Boundaries of the `{label}` replay:",
+            "",
+            reports.markdown_table(_bucket_rows(sig), BUCKET_COLUMNS),
+            "",
+        ]
+    lines += [
+        "![growth advantage](advantage.png)",
+        "",
+        "## Policy table (paper appendix H)",
+        "",
+        reports.markdown_table(analysis.rows, TABLE_COLUMNS),
+        "",
+        H2O_NOTE,
+        "",
+        "![capacity](capacity.png)",
+        "![capacity per policy](capacity-policies.png)",
+        "",
+    ]
     path = out / "report.md"
     path.write_text("\n".join(lines))
-    payload = {"command": command, "wall_s": wall_s, "trace_set": trace_info,
-               **analysis.as_dict(),
-               "extra_page_sizes": {str(k): v for k, v in extra.items()}}
+    payload = {
+        "command": command,
+        "wall_s": wall_s,
+        "trace_set": trace_info,
+        **analysis.as_dict(),
+        "extra_page_sizes": {str(k): v for k, v in extra.items()},
+    }
     reports.write_json(out / "real_traces.json", payload)
     first = analysis.results["growpage"]
-    plots.plot_capacity({r.request_id: r.trajectory for r in first[:8]}, out / "capacity.png",
-                        b, title=f"growpage capacity, real traces (b = {b})")
-    labels = ["fullkv"] + [row["policy"] for row in analysis.rows
-                           if row["policy"].startswith(("fixed", "random"))]
+    plots.plot_capacity(
+        {r.request_id: r.trajectory for r in first[:8]},
+        out / "capacity.png",
+        b,
+        title=f"growpage capacity, real traces (b = {b})",
+    )
+    labels = ["fullkv"] + [
+        row["policy"] for row in analysis.rows if row["policy"].startswith(("fixed", "random"))
+    ]
     labels += ["inverse", "entropy", "shrink", "growpage"]  # growpage drawn last, on top
-    plots.plot_capacity({lab: analysis.results[lab][0].trajectory for lab in labels
-                         if lab in analysis.results}, out / "capacity-policies.png", b,
-                        title=f"capacity per policy, trace {first[0].request_id}")
+    plots.plot_capacity(
+        {lab: analysis.results[lab][0].trajectory for lab in labels if lab in analysis.results},
+        out / "capacity-policies.png",
+        b,
+        title=f"capacity per policy, trace {first[0].request_id}",
+    )
     return path
 
 
@@ -271,9 +398,12 @@ def _plot_signals(out: Path, analysis, page_size: int) -> None:
     from growpage.sim.plots import plot_signal_scatter  # (chooses the Agg backend)
 
     sig = analysis.signals["growpage"]
-    plot_signal_scatter(sig["pairs"], out / "scatter.png",
-                        title=f"real SmolLM2 traces, growpage, b={page_size}: "
-                              f"rho={_rho(sig['spearman'], sig['num_boundaries'])}")
+    plot_signal_scatter(
+        sig["pairs"],
+        out / "scatter.png",
+        title=f"real SmolLM2 traces, growpage, b={page_size}: "
+        f"rho={_rho(sig['spearman'], sig['num_boundaries'])}",
+    )
     plot_advantage(analysis.signals, out / "advantage.png")
 
 
@@ -287,8 +417,12 @@ def _error_bars(ys: list[float], cis: list[dict], key: str) -> list[list[float]]
     spans = [ci.get(key) for ci in cis]
     if all(span is None for span in spans):
         return None
-    low = [0.0 if span is None else max(y - span[0], 0.0) for y, span in zip(ys, spans, strict=True)]
-    high = [0.0 if span is None else max(span[1] - y, 0.0) for y, span in zip(ys, spans, strict=True)]
+    low = [
+        0.0 if span is None else max(y - span[0], 0.0) for y, span in zip(ys, spans, strict=True)
+    ]
+    high = [
+        0.0 if span is None else max(span[1] - y, 0.0) for y, span in zip(ys, spans, strict=True)
+    ]
     return [low, high]
 
 
@@ -298,28 +432,38 @@ def plot_advantage(signals: dict[str, dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, name in ((axes[0], "mean_advantage", "1 - retained mass"),
-                          (axes[1], "mean_advantage_error", "output error")):
+    for ax, key, name in (
+        (axes[0], "mean_advantage", "1 - retained mass"),
+        (axes[1], "mean_advantage_error", "output error"),
+    ):
         for i, (label, s) in enumerate(signals.items()):
             buckets = s["buckets"]
             xs = [j + 0.4 * i for j in range(len(buckets))]
             ys = [bk[key] if bk[key] is not None else 0.0 for bk in buckets]
             yerr = _error_bars(ys, s.get("bucket_ci95") or [{} for _ in buckets], key)
-            bars = ax.bar(xs, ys, width=0.4, label=label, yerr=yerr,
-                          error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "black"})
+            bars = ax.bar(
+                xs,
+                ys,
+                width=0.4,
+                label=label,
+                yerr=yerr,
+                error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "black"},
+            )
             for bar, bk in zip(bars, buckets, strict=True):
                 bar.set_alpha(1.0 if bk["count"] >= FEW_BOUNDARIES else 0.35)
-            ax.bar_label(bars, labels=[str(bk["count"]) for bk in buckets], fontsize=6,
-                         padding=1)
+            ax.bar_label(bars, labels=[str(bk["count"]) for bk in buckets], fontsize=6, padding=1)
         ax.set_xticks([j + 0.2 for j in range(len(buckets))])
-        ax.set_xticklabels([f"[{bk['low']:g},{bk['high']:g})" for bk in buckets], rotation=45,
-                           fontsize=7)
+        ax.set_xticklabels(
+            [f"[{bk['low']:g},{bk['high']:g})" for bk in buckets], rotation=45, fontsize=7
+        )
         ax.set_xlabel("Delta_t bucket")
         ax.set_ylabel(f"growth advantage ({name})")
         whiskers = any(s.get("bucket_ci95") for s in signals.values())
-        ax.set_title(f"on each bar: boundaries n (pale: n < {FEW_BOUNDARIES})"
-                     + ("; whiskers: 95% trace-bootstrap interval" if whiskers else ""),
-                     fontsize=8)
+        ax.set_title(
+            f"on each bar: boundaries n (pale: n < {FEW_BOUNDARIES})"
+            + ("; whiskers: 95% trace-bootstrap interval" if whiskers else ""),
+            fontsize=8,
+        )
         ax.margins(y=0.08)
         ax.axhline(0, color="grey", lw=0.8)
         ax.legend(fontsize=8)
@@ -338,21 +482,24 @@ def run_analysis(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     traces = read_trace_set(args.traces).read_all(args.limit)
     budgets = tuple(int(x) for x in args.budgets.split(","))
-    settings = RealTraceSettings(page_size=args.page_size, budgets=budgets,
-                                 fidelity_queries=args.fidelity_queries,
-                                 bootstrap=args.bootstrap)
+    settings = RealTraceSettings(
+        page_size=args.page_size,
+        budgets=budgets,
+        fidelity_queries=args.fidelity_queries,
+        bootstrap=args.bootstrap,
+    )
     analysis = analyze(traces, settings, progress=True, table=not args.signals_only)
     extra = {}
     for size in (int(x) for x in args.signal_page_sizes.split(",") if x):
-        more = analyze(traces, attrs.evolve(settings, page_size=size), progress=True,
-                       table=False)
+        more = analyze(traces, attrs.evolve(settings, page_size=size), progress=True, table=False)
         extra[size] = more.signals
     wall = time.perf_counter() - start
     print(format_table(analysis.rows, TABLE_COLUMNS))
     for label, sig in analysis.signals.items():
         print(signal_text(label, sig, settings.page_size))
-    command = "python benchmarks/real_traces.py " + " ".join(sys.argv[1:] if args.argv is None
-                                                             else args.argv)
+    command = "python benchmarks/real_traces.py " + " ".join(
+        sys.argv[1:] if args.argv is None else args.argv
+    )
     path = write_report(args.out, analysis, extra, traces, command.strip(), wall)
     print(f"report: {path}")
     return 0
@@ -367,35 +514,63 @@ def default_out(traces: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--record", type=Path, default=None, metavar="DIR",
-                   help="record a new trace set into DIR and stop")
+    p.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="record a new trace set into DIR and stop",
+    )
     p.add_argument("--num", type=int, default=16, help="prompts to record (default 16)")
     p.add_argument("--max-tokens", type=int, default=1100)
     p.add_argument("--layers", default=",".join(map(str, RECORD_LAYERS)))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--shrink", type=Path, default=None, metavar="DIR",
-                   help="cut the trace set DIR down into --traces (the committed set) and stop")
+    p.add_argument(
+        "--shrink",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="cut the trace set DIR down into --traces (the committed set) and stop",
+    )
     p.add_argument("--shrink-num", type=int, default=COMMIT_NUM)
     p.add_argument("--shrink-layers", default=",".join(map(str, COMMIT_LAYERS)))
-    p.add_argument("--shrink-values", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep values (default on)")
+    p.add_argument(
+        "--shrink-values",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep values (default on)",
+    )
     p.add_argument("--shrink-max-generated", type=int, default=COMMIT_MAX_GENERATED)
-    p.add_argument("--traces", type=Path, default=COMMITTED,
-                   help=f"trace set to analyze (default {COMMITTED.relative_to(ROOT)})")
+    p.add_argument(
+        "--traces",
+        type=Path,
+        default=COMMITTED,
+        help=f"trace set to analyze (default {COMMITTED.relative_to(ROOT)})",
+    )
     p.add_argument("--limit", type=int, default=None, help="analyze only the first N traces")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--signal-page-sizes", default="32",
-                   help="further page sizes for the signal measurements only ('' for none)")
+    p.add_argument(
+        "--signal-page-sizes",
+        default="32",
+        help="further page sizes for the signal measurements only ('' for none)",
+    )
     p.add_argument("--budgets", default="256,512,768", help="fixed-budget points (tokens)")
-    p.add_argument("--signals-only", action="store_true",
-                   help="replay only growpage and fullkv (no policy table)")
+    p.add_argument(
+        "--signals-only",
+        action="store_true",
+        help="replay only growpage and fullkv (no policy table)",
+    )
     p.add_argument("--fidelity-queries", type=int, default=8)
     p.add_argument("--bootstrap", type=int, default=1000)
-    p.add_argument("--out", type=Path, default=None,
-                   help="report directory (default results/real_traces/committed for the "
-                        "committed set, results/real_traces for any other)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="report directory (default results/real_traces/committed for the "
+        "committed set, results/real_traces for any other)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)
     args.argv = argv
@@ -404,13 +579,27 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.record is not None:
         layers = tuple(int(x) for x in args.layers.split(",") if x)
-        record(args.record, args.num, args.max_tokens, layers, args.seed, args.temperature,
-               args.top_p, page_size=64)
+        record(
+            args.record,
+            args.num,
+            args.max_tokens,
+            layers,
+            args.seed,
+            args.temperature,
+            args.top_p,
+            page_size=64,
+        )
         return 0
     if args.shrink is not None:
         layers = tuple(int(x) for x in args.shrink_layers.split(",") if x)
-        shrink(args.shrink, args.traces, args.shrink_num, layers, args.shrink_values,
-               args.shrink_max_generated)
+        shrink(
+            args.shrink,
+            args.traces,
+            args.shrink_num,
+            layers,
+            args.shrink_values,
+            args.shrink_max_generated,
+        )
         return 0
     return run_analysis(args)
 

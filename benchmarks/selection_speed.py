@@ -30,8 +30,16 @@ from growpage.core import selection  # noqa: E402
 MODELS = (("smollm2-135m", 30, 3), ("llama-8b", 32, 8))
 
 
-def time_selection(layers: int, heads: int, tokens: int, page: int, recent: int,
-                   local_quota: int, repeats: int, seed: int = 0) -> dict:
+def time_selection(
+    layers: int,
+    heads: int,
+    tokens: int,
+    page: int,
+    recent: int,
+    local_quota: int,
+    repeats: int,
+    seed: int = 0,
+) -> dict:
     """Seconds per ``growpage_select`` (keep ``tokens - page``), keyed and argsort, interleaved;
     checks that both chose the same slots."""
     gen = torch.Generator().manual_seed(seed)
@@ -45,8 +53,9 @@ def time_selection(layers: int, heads: int, tokens: int, page: int, recent: int,
             for keyed in (True, False):
                 selection.keyed_top_k = keyed
                 start = time.perf_counter()
-                chosen[keyed] = selection.growpage_select(scores, tokens, recent, keep, page,
-                                                          local_quota)
+                chosen[keyed] = selection.growpage_select(
+                    scores, tokens, recent, keep, page, local_quota
+                )
                 seconds[keyed].append(time.perf_counter() - start)
     finally:
         selection.keyed_top_k = saved
@@ -54,14 +63,25 @@ def time_selection(layers: int, heads: int, tokens: int, page: int, recent: int,
         raise AssertionError(f"the two ways chose different slots at {layers}x{heads}x{tokens}")
     keyed_ms = 1000 * min(seconds[True][1:])
     sort_ms = 1000 * min(seconds[False][1:])
-    return {"layers": layers, "kv_heads": heads, "tokens": tokens, "keyed_ms": keyed_ms,
-            "argsort_ms": sort_ms, "speedup": sort_ms / keyed_ms}
+    return {
+        "layers": layers,
+        "kv_heads": heads,
+        "tokens": tokens,
+        "keyed_ms": keyed_ms,
+        "argsort_ms": sort_ms,
+        "speedup": sort_ms / keyed_ms,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192],
-                   help="resident tokens N at the boundary (default 512 2048 8192)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[512, 2048, 8192],
+        help="resident tokens N at the boundary (default 512 2048 8192)",
+    )
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--recent-window", type=int, default=16)
     p.add_argument("--local-quota", type=int, default=8)
@@ -71,8 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for n in args.tokens:
         if n < 2 * args.page_size or args.recent_window >= args.page_size:
-            p.error(f"--tokens {n}: need at least two pages of {args.page_size} and a recent "
-                    f"window ({args.recent_window}) below one page")
+            p.error(
+                f"--tokens {n}: need at least two pages of {args.page_size} and a recent "
+                f"window ({args.recent_window}) below one page"
+            )
     if args.repeats < 1 or args.threads < 1:
         p.error("--repeats and --threads must be >= 1")
     return args
@@ -81,17 +103,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [dict(model=name, **time_selection(layers, heads, n, args.page_size,
-                                              args.recent_window, args.local_quota,
-                                              args.repeats))
-            for name, layers, heads in MODELS for n in args.tokens]
-    print(f"growpage_select, keep N - {args.page_size}, recent {args.recent_window}, "
-          f"quota {args.local_quota}, best of {args.repeats}, {args.threads} thread(s):\n")
+    rows = [
+        dict(
+            model=name,
+            **time_selection(
+                layers, heads, n, args.page_size, args.recent_window, args.local_quota, args.repeats
+            ),
+        )
+        for name, layers, heads in MODELS
+        for n in args.tokens
+    ]
+    print(
+        f"growpage_select, keep N - {args.page_size}, recent {args.recent_window}, "
+        f"quota {args.local_quota}, best of {args.repeats}, {args.threads} thread(s):\n"
+    )
     print("| model | L x Hkv | N | keyed top-k ms | stable argsort ms | speedup |")
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['layers']} x {r['kv_heads']} | {r['tokens']} | "
-              f"{r['keyed_ms']:.3f} | {r['argsort_ms']:.3f} | {r['speedup']:.2f}x |")
+        print(
+            f"| {r['model']} | {r['layers']} x {r['kv_heads']} | {r['tokens']} | "
+            f"{r['keyed_ms']:.3f} | {r['argsort_ms']:.3f} | {r['speedup']:.2f}x |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

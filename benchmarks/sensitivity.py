@@ -71,18 +71,19 @@ from growpage.sim.workloads import resolve_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "data" / "traces" / "smollm2"
-TAUS = (-0.003, -0.002, -0.001, 0.0, 0.001, 0.002, 0.003)   # paper appendix D.1
-KLOC_AT_256 = (16, 32, 64, 128)                              # paper Table 4, pages of 256
+TAUS = (-0.003, -0.002, -0.001, 0.0, 0.001, 0.002, 0.003)  # paper appendix D.1
+KLOC_AT_256 = (16, 32, 64, 128)  # paper Table 4, pages of 256
 PAPER_PAGE = 256
-SERVE_PAGE = 256          # tokens per page of the serving side (results section 3)
-FIDELITY_QUERIES_SERVED = 4   # per boundary of the served points' synthetic traces (as a sweep)
+SERVE_PAGE = 256  # tokens per page of the serving side (results section 3)
+FIDELITY_QUERIES_SERVED = 4  # per boundary of the served points' synthetic traces (as a sweep)
 
 
 def scaled_kloc(at_256: int, page_size: int) -> int:
     """The paper's k_loc for 256-token pages at ``page_size`` (same share of a page)."""
     if (at_256 * page_size) % PAPER_PAGE:
-        raise ConfigError(f"k_loc {at_256} of {PAPER_PAGE} is no whole number of tokens at "
-                          f"pages of {page_size}")
+        raise ConfigError(
+            f"k_loc {at_256} of {PAPER_PAGE} is no whole number of tokens at pages of {page_size}"
+        )
     return at_256 * page_size // PAPER_PAGE
 
 
@@ -101,17 +102,25 @@ def interval_labels(edges: Sequence[float]) -> list[str]:
 
 def count_deltas(deltas: Sequence[float], edges: Sequence[float]) -> dict:
     """Counts of ``deltas`` per interval of ``interval_labels(edges)`` and of exact zeros."""
-    idx = np.searchsorted(np.asarray(edges, dtype=float), np.asarray(deltas, dtype=float),
-                          side="left")
+    idx = np.searchsorted(
+        np.asarray(edges, dtype=float), np.asarray(deltas, dtype=float), side="left"
+    )
     counts = np.bincount(idx, minlength=len(edges) + 1)
-    return {"delta_counts": [int(c) for c in counts],
-            "delta_zero": int(sum(d == 0 for d in deltas)), "decided": len(deltas)}
+    return {
+        "delta_counts": [int(c) for c in counts],
+        "delta_zero": int(sum(d == 0 for d in deltas)),
+        "decided": len(deltas),
+    }
 
 
 def decided_deltas(results: Sequence[ReplayResult]) -> list[float]:
     """Δt of every policy-decided boundary of ``results``."""
-    return [r.delta for res in results for r in res.records
-            if r.decision is not None and r.delta is not None]
+    return [
+        r.delta
+        for res in results
+        for r in res.records
+        if r.decision is not None and r.delta is not None
+    ]
 
 
 # ---- per-request replay of the real traces ---------------------------------------------------
@@ -134,19 +143,20 @@ class QuotaProbe(CapacityPolicy):
 
     def __init__(self, inner: CapacityPolicy) -> None:
         self.inner, self.name = inner, inner.name
-        self.changed_slots: list[float] = []   # per compression: share of kept slots changed
-        self.changed_heads: list[float] = []   # per compression: share of (layer, head) changed
+        self.changed_slots: list[float] = []  # per compression: share of kept slots changed
+        self.changed_heads: list[float] = []  # per compression: share of (layer, head) changed
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         return self.inner.decide(ctx)
 
     def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
         chosen = self.inner.select(ctx, keep)
-        plain = growpage_select(ctx.scores(), ctx.num_tokens, ctx.recent_window, keep,
-                                ctx.page_size, 0)
+        plain = growpage_select(
+            ctx.scores(), ctx.num_tokens, ctx.recent_window, keep, ctx.page_size, 0
+        )
         in_plain = torch.zeros(*plain.shape[:-1], ctx.num_tokens, dtype=torch.bool)
         in_plain.scatter_(-1, plain, True)
-        changed = keep - in_plain.gather(-1, chosen).sum(-1)          # [L, Hkv]
+        changed = keep - in_plain.gather(-1, chosen).sum(-1)  # [L, Hkv]
         historical = max(keep - ctx.recent_window, 1)
         self.changed_slots.append(float(changed.float().mean()) / historical)
         self.changed_heads.append(float((changed > 0).float().mean()))
@@ -157,8 +167,9 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def replay_row(setup: ReplaySetup, point: PolicyPoint, k_loc: int | None,
-               edges: Sequence[float]) -> tuple[dict, list[ReplayResult]]:
+def replay_row(
+    setup: ReplaySetup, point: PolicyPoint, k_loc: int | None, edges: Sequence[float]
+) -> tuple[dict, list[ReplayResult]]:
     """One point replayed over every trace: the policy-table row, Δt interval counts, and how
     much the local quota changed the compressions' selections (``QuotaProbe``)."""
     config = setup.config(k_loc)
@@ -168,11 +179,15 @@ def replay_row(setup: ReplaySetup, point: PolicyPoint, k_loc: int | None,
         probes.append(QuotaProbe(resolve_policy(point.policy, **point.params)))
         results.append(replay_trace(trace, probes[-1], config, options))
     row = table_row(point, results)
-    row.update(tau=point.params.get("tau", config.tau), k_loc=config.local_quota,
-               k_loc_share=page_share(config.local_quota, config.page_size),
-               page_size=config.page_size, **count_deltas(decided_deltas(results), edges),
-               quota_changed_slots=_mean([x for p in probes for x in p.changed_slots]),
-               quota_changed_heads=_mean([x for p in probes for x in p.changed_heads]))
+    row.update(
+        tau=point.params.get("tau", config.tau),
+        k_loc=config.local_quota,
+        k_loc_share=page_share(config.local_quota, config.page_size),
+        page_size=config.page_size,
+        **count_deltas(decided_deltas(results), edges),
+        quota_changed_slots=_mean([x for p in probes for x in p.changed_slots]),
+        quota_changed_heads=_mean([x for p in probes for x in p.changed_heads]),
+    )
     return row, results
 
 
@@ -182,8 +197,10 @@ def tau_point(tau: float) -> PolicyPoint:
 
 def kloc_points(budget: int) -> list[PolicyPoint]:
     """The D.2 policies: growpage (τ = 0) and a fixed budget."""
-    return [PolicyPoint("growpage", "growpage", {"tau": 0.0}),
-            PolicyPoint(f"fixed-{budget}", "fixed", {"budget_tokens": budget}, "fixed")]
+    return [
+        PolicyPoint("growpage", "growpage", {"tau": 0.0}),
+        PolicyPoint(f"fixed-{budget}", "fixed", {"budget_tokens": budget}, "fixed"),
+    ]
 
 
 # ---- serving ---------------------------------------------------------------------------------
@@ -226,20 +243,37 @@ def serve_row(setup: ServeSetup, tau: float, k_loc: int | None, edges: Sequence[
     sim = SimConfig(num_kv_pages=setup.num_kv_pages, seed=setup.seed)
     result = simulate(list(setup.requests), policy, config, sim, load_cost_model(setup.cost))
     spec = attrs.evolve(SCRIPT_SPEC, gen_len=setup.fidelity_gen_len)
-    replays = [replay_trace(synthetic_trace(spec, setup.seed + 1000 + i), GrowPagePolicy(tau=tau),
-                            config, ReplayOptions(fidelity_queries=FIDELITY_QUERIES_SERVED))
-               for i in range(setup.fidelity_traces)]
+    replays = [
+        replay_trace(
+            synthetic_trace(spec, setup.seed + 1000 + i),
+            GrowPagePolicy(tau=tau),
+            config,
+            ReplayOptions(fidelity_queries=FIDELITY_QUERIES_SERVED),
+        )
+        for i in range(setup.fidelity_traces)
+    ]
     fidelity = aggregate_replays(replays)
     m = result.metrics
-    return {"label": f"τ={tau:+.3f} k_loc={config.local_quota}", "tau": tau,
-            "k_loc": config.local_quota,
-            "k_loc_share": page_share(config.local_quota, config.page_size),
-            "tps": m.tps, "avg_resident": m.avg_resident, "avg_kv_budget": m.avg_kv_budget,
-            "grow_ratio": m.grow_ratio, "fallbacks": m.fallbacks, "preemptions": m.preemptions,
-            "tpot_ms": m.tpot_ms, "total_time_s": m.total_time_s,
-            **{f"fidelity_{k}": fidelity.get(k) for k in ("mass_mean", "mass_min",
-                                                          "output_error", "avg_budget")},
-            **count_deltas(policy.served, edges), "wall_s": time.perf_counter() - start}
+    return {
+        "label": f"τ={tau:+.3f} k_loc={config.local_quota}",
+        "tau": tau,
+        "k_loc": config.local_quota,
+        "k_loc_share": page_share(config.local_quota, config.page_size),
+        "tps": m.tps,
+        "avg_resident": m.avg_resident,
+        "avg_kv_budget": m.avg_kv_budget,
+        "grow_ratio": m.grow_ratio,
+        "fallbacks": m.fallbacks,
+        "preemptions": m.preemptions,
+        "tpot_ms": m.tpot_ms,
+        "total_time_s": m.total_time_s,
+        **{
+            f"fidelity_{k}": fidelity.get(k)
+            for k in ("mass_mean", "mass_min", "output_error", "avg_budget")
+        },
+        **count_deltas(policy.served, edges),
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 # ---- the two sweeps --------------------------------------------------------------------------
@@ -259,8 +293,9 @@ class _Points:
     one progress bar per point."""
 
     def __init__(self, total: int, progress: bool) -> None:
-        self.bar = tqdm(total=total, desc="sensitivity", unit="point", disable=not progress,
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total, desc="sensitivity", unit="point", disable=not progress, dynamic_ncols=True
+        )
         self.done: dict[tuple, object] = {}
 
     def run(self, key: tuple, label: str, fn, *args):
@@ -284,8 +319,9 @@ def count_points(plan: SweepPlan, replay: ReplaySetup, serve: ServeSetup | None)
     return n
 
 
-def run_sweeps(plan: SweepPlan, replay: ReplaySetup, serve: ServeSetup | None,
-               progress: bool = True) -> dict:
+def run_sweeps(
+    plan: SweepPlan, replay: ReplaySetup, serve: ServeSetup | None, progress: bool = True
+) -> dict:
     """Both sweeps; ``{"tau": {"replay", "serve"}, "kloc": {"replay", "serve"}}`` of rows."""
     edges = sorted(plan.taus)
     points = _Points(count_points(plan, replay, serve), progress)
@@ -293,24 +329,38 @@ def run_sweeps(plan: SweepPlan, replay: ReplaySetup, serve: ServeSetup | None,
 
     def replayed(point: PolicyPoint, k_loc: int) -> dict:
         key = ("replay", point.policy, json.dumps(point.params, sort_keys=True), k_loc)
-        row = points.run(key, f"{point.label} k_loc={k_loc}", replay_row, replay, point,
-                         k_loc, edges)[0]
-        return dict(row, policy=point.label)   # the shared τ = 0 point, named per table
+        row = points.run(
+            key, f"{point.label} k_loc={k_loc}", replay_row, replay, point, k_loc, edges
+        )[0]
+        return dict(row, policy=point.label)  # the shared τ = 0 point, named per table
 
     def served(tau: float, k_loc: int) -> dict:
-        return points.run(("serve", tau, k_loc), f"served τ={tau:+.3f} k_loc={k_loc}",
-                          serve_row, serve, tau, k_loc, edges)
+        return points.run(
+            ("serve", tau, k_loc),
+            f"served τ={tau:+.3f} k_loc={k_loc}",
+            serve_row,
+            serve,
+            tau,
+            k_loc,
+            edges,
+        )
 
     out: dict = {"edges": edges, "intervals": interval_labels(edges)}
     out["tau"] = {"replay": [replayed(tau_point(t), default) for t in plan.taus]}
-    out["kloc"] = {"replay": [replayed(p, scaled_kloc(v, replay.page_size))
-                              for p in kloc_points(plan.kloc_budget) for v in plan.kloc_at_256]}
+    out["kloc"] = {
+        "replay": [
+            replayed(p, scaled_kloc(v, replay.page_size))
+            for p in kloc_points(plan.kloc_budget)
+            for v in plan.kloc_at_256
+        ]
+    }
     if serve is not None:
         serve_default = serve.config().local_quota
         out["tau"]["serve"] = [served(t, serve_default) for t in plan.taus]
         if plan.serve_kloc:
-            out["kloc"]["serve"] = [served(0.0, scaled_kloc(v, SERVE_PAGE))
-                                    for v in plan.kloc_at_256]
+            out["kloc"]["serve"] = [
+                served(0.0, scaled_kloc(v, SERVE_PAGE)) for v in plan.kloc_at_256
+            ]
     points.bar.close()
     return out
 
@@ -318,26 +368,47 @@ def run_sweeps(plan: SweepPlan, replay: ReplaySetup, serve: ServeSetup | None,
 # ---- report ----------------------------------------------------------------------------------
 Column = tuple[str, str, str]
 TAU_REPLAY: list[Column] = [
-    ("tau", "τ", "+.3f"), ("avg_budget", "avg budget", ".0f"), ("grow_ratio", "grow %", ".1%"),
-    ("mass_mean", "mass mean", ".4f"), ("mass_min", "mass min", ".4f"),
-    ("output_error", "out err", ".4f"), ("decided", "decided", "d")]
+    ("tau", "τ", "+.3f"),
+    ("avg_budget", "avg budget", ".0f"),
+    ("grow_ratio", "grow %", ".1%"),
+    ("mass_mean", "mass mean", ".4f"),
+    ("mass_min", "mass min", ".4f"),
+    ("output_error", "out err", ".4f"),
+    ("decided", "decided", "d"),
+]
 TAU_SERVE: list[Column] = [
-    ("tau", "τ", "+.3f"), ("tps", "TPS", ".0f"), ("avg_resident", "C", ".1f"),
-    ("avg_kv_budget", "avg budget", ".0f"), ("grow_ratio", "grow %", ".1%"),
-    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d"),
+    ("tau", "τ", "+.3f"),
+    ("tps", "TPS", ".0f"),
+    ("avg_resident", "C", ".1f"),
+    ("avg_kv_budget", "avg budget", ".0f"),
+    ("grow_ratio", "grow %", ".1%"),
+    ("fallbacks", "fallback", "d"),
+    ("preemptions", "preempt", "d"),
     ("fidelity_mass_mean", "mass mean (synth.)", ".4f"),
-    ("fidelity_output_error", "out err (synth.)", ".4f")]
+    ("fidelity_output_error", "out err (synth.)", ".4f"),
+]
 KLOC_REPLAY: list[Column] = [
-    ("policy", "policy", ""), ("k_loc", "k_loc", "d"), ("k_loc_share", "k_loc / b", ""),
-    ("avg_budget", "avg budget", ".0f"), ("grow_ratio", "grow %", ".1%"),
-    ("mass_mean", "mass mean", ".4f"), ("mass_min", "mass min", ".4f"),
-    ("output_error", "out err", ".4f"), ("quota_changed_slots", "slots changed", ".2%"),
-    ("quota_changed_heads", "heads changed", ".1%")]
+    ("policy", "policy", ""),
+    ("k_loc", "k_loc", "d"),
+    ("k_loc_share", "k_loc / b", ""),
+    ("avg_budget", "avg budget", ".0f"),
+    ("grow_ratio", "grow %", ".1%"),
+    ("mass_mean", "mass mean", ".4f"),
+    ("mass_min", "mass min", ".4f"),
+    ("output_error", "out err", ".4f"),
+    ("quota_changed_slots", "slots changed", ".2%"),
+    ("quota_changed_heads", "heads changed", ".1%"),
+]
 KLOC_SERVE: list[Column] = [
-    ("k_loc", "k_loc", "d"), ("k_loc_share", "k_loc / b", ""), ("tps", "TPS", ".0f"),
-    ("avg_resident", "C", ".1f"), ("avg_kv_budget", "avg budget", ".0f"),
-    ("grow_ratio", "grow %", ".1%"), ("fidelity_mass_mean", "mass mean (synth.)", ".4f"),
-    ("fidelity_output_error", "out err (synth.)", ".4f")]
+    ("k_loc", "k_loc", "d"),
+    ("k_loc_share", "k_loc / b", ""),
+    ("tps", "TPS", ".0f"),
+    ("avg_resident", "C", ".1f"),
+    ("avg_kv_budget", "avg budget", ".0f"),
+    ("grow_ratio", "grow %", ".1%"),
+    ("fidelity_mass_mean", "mass mean (synth.)", ".4f"),
+    ("fidelity_output_error", "out err (synth.)", ".4f"),
+]
 
 
 def interval_table(rows: Sequence[dict], intervals: Sequence[str]) -> str:
@@ -352,19 +423,34 @@ def interval_table(rows: Sequence[dict], intervals: Sequence[str]) -> str:
 def tables(result: dict) -> list[tuple[str, str]]:
     """``(title, markdown table)`` of every measured part of ``result``."""
     intervals = result["intervals"]
-    parts = [("D.1 τ, real traces (per-request replay)", markdown_table(result["tau"]["replay"],
-                                                                    TAU_REPLAY)),
-             ("D.1 τ, real traces: decided boundaries by Δt interval",
-              interval_table(result["tau"]["replay"], intervals))]
+    parts = [
+        (
+            "D.1 τ, real traces (per-request replay)",
+            markdown_table(result["tau"]["replay"], TAU_REPLAY),
+        ),
+        (
+            "D.1 τ, real traces: decided boundaries by Δt interval",
+            interval_table(result["tau"]["replay"], intervals),
+        ),
+    ]
     if "serve" in result["tau"]:
-        parts += [("D.1 τ, served", markdown_table(result["tau"]["serve"], TAU_SERVE)),
-                  ("D.1 τ, served: decisions by Δt interval",
-                   interval_table(result["tau"]["serve"], intervals))]
-    parts.append(("D.2 k_loc, real traces (τ = 0)", markdown_table(result["kloc"]["replay"],
-                                                             KLOC_REPLAY)))
+        parts += [
+            ("D.1 τ, served", markdown_table(result["tau"]["serve"], TAU_SERVE)),
+            (
+                "D.1 τ, served: decisions by Δt interval",
+                interval_table(result["tau"]["serve"], intervals),
+            ),
+        ]
+    parts.append(
+        ("D.2 k_loc, real traces (τ = 0)", markdown_table(result["kloc"]["replay"], KLOC_REPLAY))
+    )
     if "serve" in result["kloc"]:
-        parts.append(("D.2 k_loc, served (growpage, τ = 0)", markdown_table(result["kloc"]["serve"],
-                                                                      KLOC_SERVE)))
+        parts.append(
+            (
+                "D.2 k_loc, served (growpage, τ = 0)",
+                markdown_table(result["kloc"]["serve"], KLOC_SERVE),
+            )
+        )
     return parts
 
 
@@ -373,30 +459,43 @@ NOTES = {
         "A decided boundary grows iff Δt > τ, so between neighbouring τ values only the "
         "boundaries whose Δt lies in the interval between them can decide differently (until "
         "the first one does, the two replays are the same). `Δt = 0`: exact ties, also "
-        "counted in their interval.", ""],
+        "counted in their interval.",
+        "",
+    ],
     "D.2 k_loc, real traces (τ = 0)": [
         "`slots changed`: share of the kept historical slots that the block-local quota put in "
         "place of the global top-k's own choice (k_loc = 0, same scores), mean over "
         "compressions; `heads changed`: share of (layer, KV head) selections with any such "
-        "slot.", ""]}
+        "slot.",
+        "",
+    ],
+}
 NOTES["decisions by Δt interval"] = NOTES["decided boundaries by Δt interval"]
 
 
 def write_report(out: Path, payload: dict) -> Path:
     """``report.md``, ``sensitivity.json`` and the plots under ``out``."""
     r = payload["settings"]
-    lines = ["# Hyperparameter sensitivity (paper appendix D)", "",
-             f"Command: `{payload['command']}` ({payload['wall_s']:.0f} s wall). Machine: "
-             f"{payload['machine']}.", "",
-             f"Real traces: {r['num_traces']} traces of `{r['traces']}`, pages of "
-             f"{r['page_size']} tokens, recent window {r['recent_window']}, "
-             f"{r['fidelity_queries']} sampled future queries per boundary, private pool. "
-             f"Default k_loc {r['default_kloc']} (b/4).", ""]
+    lines = [
+        "# Hyperparameter sensitivity (paper appendix D)",
+        "",
+        f"Command: `{payload['command']}` ({payload['wall_s']:.0f} s wall). Machine: "
+        f"{payload['machine']}.",
+        "",
+        f"Real traces: {r['num_traces']} traces of `{r['traces']}`, pages of "
+        f"{r['page_size']} tokens, recent window {r['recent_window']}, "
+        f"{r['fidelity_queries']} sampled future queries per boundary, private pool. "
+        f"Default k_loc {r['default_kloc']} (b/4).",
+        "",
+    ]
     if r.get("workload"):
-        lines += [f"Served: workload `{r['workload']}` ({r['num_requests']} requests), cost "
-                  f"model `{r['cost']}`, {r['num_kv_pages']} pages of {SERVE_PAGE} tokens, "
-                  f"script-mode decisions; fidelity of {r['fidelity_traces']} synthetic traces "
-                  f"of {r['fidelity_gen_len']} tokens.", ""]
+        lines += [
+            f"Served: workload `{r['workload']}` ({r['num_requests']} requests), cost "
+            f"model `{r['cost']}`, {r['num_kv_pages']} pages of {SERVE_PAGE} tokens, "
+            f"script-mode decisions; fidelity of {r['fidelity_traces']} synthetic traces "
+            f"of {r['fidelity_gen_len']} tokens.",
+            "",
+        ]
     for title, table in tables(payload["result"]):
         lines += [f"## {title}", "", table, ""] + NOTES.get(title.split(":")[-1].strip(), [])
     lines += ["![τ sweep](tau.png)", "", "![k_loc sweep](kloc.png)", ""]
@@ -436,26 +535,43 @@ def plot_tau(result: dict, path: Path) -> Path:
     from growpage.sim.plots import place_labels
 
     rows, serve = result["tau"]["replay"], result["tau"].get("serve")
-    fig, axes = plt.subplots(2 if serve else 1, 2, figsize=(11, 8 if serve else 4),
-                             squeeze=False)
+    fig, axes = plt.subplots(2 if serve else 1, 2, figsize=(11, 8 if serve else 4), squeeze=False)
     taus = [r["tau"] for r in rows]
-    _twin(axes[0][0], _tau_axis(axes[0][0], taus), [r["mass_mean"] for r in rows],
-          [r["output_error"] for r in rows], "attention mass kept (mean)", "output error")
-    _twin(axes[0][1], _tau_axis(axes[0][1], taus), [r["avg_budget"] for r in rows],
-          [100 * r["grow_ratio"] for r in rows], "average budget (tokens)", "grow %")
+    _twin(
+        axes[0][0],
+        _tau_axis(axes[0][0], taus),
+        [r["mass_mean"] for r in rows],
+        [r["output_error"] for r in rows],
+        "attention mass kept (mean)",
+        "output error",
+    )
+    _twin(
+        axes[0][1],
+        _tau_axis(axes[0][1], taus),
+        [r["avg_budget"] for r in rows],
+        [100 * r["grow_ratio"] for r in rows],
+        "average budget (tokens)",
+        "grow %",
+    )
     for ax in axes[0]:
         ax.set_title(f"{rows[0]['traces']} real SmolLM2 traces (replay)", fontsize=9)
     if serve:
         ax = axes[1][0]
-        _twin(ax, _tau_axis(ax, [r["tau"] for r in serve]), [r["tps"] for r in serve],
-              [r["avg_resident"] for r in serve], "TPS (simulated tokens/s)",
-              "C (resident requests)")
+        _twin(
+            ax,
+            _tau_axis(ax, [r["tau"] for r in serve]),
+            [r["tps"] for r in serve],
+            [r["avg_resident"] for r in serve],
+            "TPS (simulated tokens/s)",
+            "C (resident requests)",
+        )
         ax.set_title("served (script mode)", fontsize=9)
         _plot_tradeoff(axes[1][1], serve)
         fig.tight_layout()
         key = "fidelity_mass_mean" if _has_fidelity(serve) else "avg_kv_budget"
-        place_labels(axes[1][1], [(f"{r['tau']:+.3f}", r["tps"], r[key], "tab:blue")
-                                  for r in serve])
+        place_labels(
+            axes[1][1], [(f"{r['tau']:+.3f}", r["tps"], r[key], "tab:blue") for r in serve]
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -463,7 +579,7 @@ def plot_tau(result: dict, path: Path) -> Path:
 
 
 def _has_fidelity(rows: Sequence[dict]) -> bool:
-    return all(r["fidelity_mass_mean"] is not None for r in rows)   # not --fidelity-traces 0
+    return all(r["fidelity_mass_mean"] is not None for r in rows)  # not --fidelity-traces 0
 
 
 def _plot_tradeoff(ax, serve: Sequence[dict]) -> None:
@@ -495,8 +611,10 @@ def plot_kloc(result: dict, path: Path) -> Path:
     by_policy: dict[str, list[dict]] = {}
     for r in rows:
         by_policy.setdefault(r["policy"], []).append(r)
-    for ax, key, name in ((axes[0], "mass_mean", "attention mass kept (mean)"),
-                          (axes[1], "output_error", "output error")):
+    for ax, key, name in (
+        (axes[0], "mass_mean", "attention mass kept (mean)"),
+        (axes[1], "output_error", "output error"),
+    ):
         for label, members in by_policy.items():
             ax.plot(range(len(members)), [m[key] for m in members], "o-", label=label)
         shares = [m["k_loc_share"] for m in next(iter(by_policy.values()))]
@@ -508,8 +626,14 @@ def plot_kloc(result: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
     if serve:
         xs = range(len(serve))
-        _twin(axes[2], xs, [r["tps"] for r in serve], [r["fidelity_mass_mean"] for r in serve],
-              "TPS (simulated tokens/s)", "attention mass kept (synthetic)")
+        _twin(
+            axes[2],
+            xs,
+            [r["tps"] for r in serve],
+            [r["fidelity_mass_mean"] for r in serve],
+            "TPS (simulated tokens/s)",
+            "attention mass kept (synthetic)",
+        )
         axes[2].set_xticks(xs, [str(r["k_loc"]) for r in serve])
         axes[2].set_xlabel(f"k_loc (b = {SERVE_PAGE})")
         axes[2].set_title("served growpage (script mode)", fontsize=9)
@@ -530,42 +654,91 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--traces", type=Path, default=COMMITTED,
-                   help=f"real trace set (default {COMMITTED.relative_to(ROOT)})")
+    p.add_argument(
+        "--traces",
+        type=Path,
+        default=COMMITTED,
+        help=f"real trace set (default {COMMITTED.relative_to(ROOT)})",
+    )
     p.add_argument("--limit", type=int, default=None, help="replay only the first N traces")
-    p.add_argument("--page-size", type=int, default=64,
-                   help="tokens per page of the replays (default 64)")
-    p.add_argument("--fidelity-queries", type=int, default=8,
-                   help="future queries sampled per replayed boundary (default 8)")
-    p.add_argument("--taus", default=",".join(f"{t:g}" for t in TAUS),
-                   help="τ values, comma-separated; write --taus=-0.01,0 when the first is negative "
-                        "(default -0.003 to 0.003 step 0.001)")
-    p.add_argument("--kloc", default=",".join(map(str, KLOC_AT_256)),
-                   help="k_loc values for pages of 256 tokens (paper Table 4), scaled to each "
-                        "page size (default 16,32,64,128)")
-    p.add_argument("--kloc-budget", type=int, default=256,
-                   help="budget (tokens) of the fixed-budget policy of the k_loc sweep "
-                        "(default 256)")
-    p.add_argument("--workload", default="mixed",
-                   help="served workload: a name or a CSV/JSON Lines file (default mixed)")
-    p.add_argument("--cost", default="a100-qwen3-8b",
-                   help="cost model of the serving side (default a100-qwen3-8b)")
-    p.add_argument("--kv-pages", type=int, default=None,
-                   help="KV pages of 256 tokens (default: what the cost model's memory holds)")
-    p.add_argument("--fidelity-traces", type=int, default=4,
-                   help="synthetic traces replayed per served point (default 4)")
-    p.add_argument("--fidelity-gen-len", type=int, default=4096,
-                   help="generated tokens of each of those traces (default 4096)")
-    p.add_argument("--serve", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the serving side (default on)")
-    p.add_argument("--serve-kloc", action=argparse.BooleanOptionalAction, default=True,
-                   help="serve the k_loc points too (default on)")
+    p.add_argument(
+        "--page-size", type=int, default=64, help="tokens per page of the replays (default 64)"
+    )
+    p.add_argument(
+        "--fidelity-queries",
+        type=int,
+        default=8,
+        help="future queries sampled per replayed boundary (default 8)",
+    )
+    p.add_argument(
+        "--taus",
+        default=",".join(f"{t:g}" for t in TAUS),
+        help="τ values, comma-separated; write --taus=-0.01,0 when the first is negative "
+        "(default -0.003 to 0.003 step 0.001)",
+    )
+    p.add_argument(
+        "--kloc",
+        default=",".join(map(str, KLOC_AT_256)),
+        help="k_loc values for pages of 256 tokens (paper Table 4), scaled to each "
+        "page size (default 16,32,64,128)",
+    )
+    p.add_argument(
+        "--kloc-budget",
+        type=int,
+        default=256,
+        help="budget (tokens) of the fixed-budget policy of the k_loc sweep (default 256)",
+    )
+    p.add_argument(
+        "--workload",
+        default="mixed",
+        help="served workload: a name or a CSV/JSON Lines file (default mixed)",
+    )
+    p.add_argument(
+        "--cost",
+        default="a100-qwen3-8b",
+        help="cost model of the serving side (default a100-qwen3-8b)",
+    )
+    p.add_argument(
+        "--kv-pages",
+        type=int,
+        default=None,
+        help="KV pages of 256 tokens (default: what the cost model's memory holds)",
+    )
+    p.add_argument(
+        "--fidelity-traces",
+        type=int,
+        default=4,
+        help="synthetic traces replayed per served point (default 4)",
+    )
+    p.add_argument(
+        "--fidelity-gen-len",
+        type=int,
+        default=4096,
+        help="generated tokens of each of those traces (default 4096)",
+    )
+    p.add_argument(
+        "--serve",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the serving side (default on)",
+    )
+    p.add_argument(
+        "--serve-kloc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve the k_loc points too (default on)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload and synthetic seed (default 0)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "sensitivity",
-                   help="report directory (default results/sensitivity)")
-    p.add_argument("--json", action="store_true",
-                   help="print the results as JSON instead of markdown tables")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "results" / "sensitivity",
+        help="report directory (default results/sensitivity)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the results as JSON instead of markdown tables"
+    )
     args = p.parse_args(argv)
     _check_args(p, args)
     return args
@@ -573,7 +746,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
-        args.taus = [t + 0.0 for t in _floats(args.taus)]   # -0 is 0
+        args.taus = [t + 0.0 for t in _floats(args.taus)]  # -0 is 0
         args.kloc = _ints(args.kloc)
     except ValueError as e:
         p.error(f"--taus / --kloc: {e}")
@@ -588,13 +761,19 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for v in args.kloc:
         for b in (args.page_size, SERVE_PAGE):
             if not 0 <= v <= PAPER_PAGE or (v * b) % PAPER_PAGE:
-                p.error(f"--kloc {v}: need 0 <= k_loc <= {PAPER_PAGE} and a whole number of "
-                        f"tokens at pages of {b} ({v} x {b} / {PAPER_PAGE})")
-    for flag, value, low in (("--limit", args.limit, 1), ("--kloc-budget", args.kloc_budget, 1),
-                             ("--fidelity-queries", args.fidelity_queries, 1),
-                             ("--fidelity-traces", args.fidelity_traces, 0),
-                             ("--fidelity-gen-len", args.fidelity_gen_len, 1),
-                             ("--kv-pages", args.kv_pages, 1), ("--threads", args.threads, 1)):
+                p.error(
+                    f"--kloc {v}: need 0 <= k_loc <= {PAPER_PAGE} and a whole number of "
+                    f"tokens at pages of {b} ({v} x {b} / {PAPER_PAGE})"
+                )
+    for flag, value, low in (
+        ("--limit", args.limit, 1),
+        ("--kloc-budget", args.kloc_budget, 1),
+        ("--fidelity-queries", args.fidelity_queries, 1),
+        ("--fidelity-traces", args.fidelity_traces, 0),
+        ("--fidelity-gen-len", args.fidelity_gen_len, 1),
+        ("--kv-pages", args.kv_pages, 1),
+        ("--threads", args.threads, 1),
+    ):
         if value is not None and value < low:
             p.error(f"{flag} must be >= {low}, got {value}")
 
@@ -605,24 +784,43 @@ def serve_setup(args: argparse.Namespace) -> ServeSetup:
     if pages is None:
         pages = cost.kv_pages(SERVE_PAGE) if isinstance(cost, RooflineCostModel) else 1500
     requests = resolve_workload(args.workload, args.seed)
-    return ServeSetup(requests=requests, workload=args.workload, cost=args.cost,
-                      num_kv_pages=pages, fidelity_traces=args.fidelity_traces,
-                      fidelity_gen_len=args.fidelity_gen_len, seed=args.seed)
+    return ServeSetup(
+        requests=requests,
+        workload=args.workload,
+        cost=args.cost,
+        num_kv_pages=pages,
+        fidelity_traces=args.fidelity_traces,
+        fidelity_gen_len=args.fidelity_gen_len,
+        seed=args.seed,
+    )
 
 
 def settings_of(args: argparse.Namespace, replay: ReplaySetup, serve: ServeSetup | None) -> dict:
     config = replay.config()
-    out = {"traces": _shown(args.traces), "num_traces": len(replay.traces),
-           "trace_ids": [t.request_id for t in replay.traces], "page_size": replay.page_size,
-           "recent_window": config.recent_window, "default_kloc": config.local_quota,
-           "fidelity_queries": replay.fidelity_queries, "taus": args.taus,
-           "kloc_at_256": args.kloc, "kloc_budget": args.kloc_budget, "threads": args.threads}
+    out = {
+        "traces": _shown(args.traces),
+        "num_traces": len(replay.traces),
+        "trace_ids": [t.request_id for t in replay.traces],
+        "page_size": replay.page_size,
+        "recent_window": config.recent_window,
+        "default_kloc": config.local_quota,
+        "fidelity_queries": replay.fidelity_queries,
+        "taus": args.taus,
+        "kloc_at_256": args.kloc,
+        "kloc_budget": args.kloc_budget,
+        "threads": args.threads,
+    }
     if serve is not None:
-        out.update(workload=serve.workload, num_requests=len(serve.requests), cost=serve.cost,
-                   num_kv_pages=serve.num_kv_pages, fidelity_traces=serve.fidelity_traces,
-                   fidelity_gen_len=serve.fidelity_gen_len, seed=serve.seed)
+        out.update(
+            workload=serve.workload,
+            num_requests=len(serve.requests),
+            cost=serve.cost,
+            num_kv_pages=serve.num_kv_pages,
+            fidelity_traces=serve.fidelity_traces,
+            fidelity_gen_len=serve.fidelity_gen_len,
+            seed=serve.seed,
+        )
     return out
-
 
 
 def _shown(path: Path) -> str:
@@ -633,23 +831,36 @@ def _shown(path: Path) -> str:
     except ValueError:
         return str(path)
 
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    replay = ReplaySetup(traces=read_trace_set(args.traces).read_all(args.limit), page_size=args.page_size,
-                         fidelity_queries=args.fidelity_queries)
+    replay = ReplaySetup(
+        traces=read_trace_set(args.traces).read_all(args.limit),
+        page_size=args.page_size,
+        fidelity_queries=args.fidelity_queries,
+    )
     serve = serve_setup(args) if args.serve else None
-    out = make_output_dir(args.out)   # every input checked, before the long part
-    plan = SweepPlan(taus=args.taus, kloc_at_256=args.kloc, kloc_budget=args.kloc_budget,
-                     serve=args.serve, serve_kloc=args.serve_kloc)
+    out = make_output_dir(args.out)  # every input checked, before the long part
+    plan = SweepPlan(
+        taus=args.taus,
+        kloc_at_256=args.kloc,
+        kloc_budget=args.kloc_budget,
+        serve=args.serve,
+        serve_kloc=args.serve_kloc,
+    )
     result = run_sweeps(plan, replay, serve)
     wall = time.perf_counter() - start
     shown = sys.argv[1:] if argv is None else argv
-    payload = {"command": " ".join(["python benchmarks/sensitivity.py", *shown]),
-               "wall_s": wall, "machine": f"{os.cpu_count()} CPU cores (shared), torch "
-                                          f"{torch.__version__}, {args.threads} thread(s)",
-               "settings": settings_of(args, replay, serve), "result": result}
+    payload = {
+        "command": " ".join(["python benchmarks/sensitivity.py", *shown]),
+        "wall_s": wall,
+        "machine": f"{os.cpu_count()} CPU cores (shared), torch "
+        f"{torch.__version__}, {args.threads} thread(s)",
+        "settings": settings_of(args, replay, serve),
+        "result": result,
+    }
     path = write_report(out, payload)
     if args.json:
         print(json.dumps(json.loads((out / "sensitivity.json").read_text()), indent=1))

@@ -33,8 +33,9 @@ from growpage.sim.serving import SimConfig, simulate  # noqa: E402
 from growpage.sim.synthetic import SyntheticSpec, synthetic_trace  # noqa: E402
 from growpage.sim.workloads import resolve_workload  # noqa: E402
 
-SPEC_8K = SyntheticSpec(num_layers=6, num_q_heads=9, num_kv_heads=3, head_dim=64,
-                        prompt_len=256, gen_len=8192 - 256)
+SPEC_8K = SyntheticSpec(
+    num_layers=6, num_q_heads=9, num_kv_heads=3, head_dim=64, prompt_len=256, gen_len=8192 - 256
+)
 
 
 def best_of(repeat: int, fn):
@@ -53,20 +54,26 @@ def row(name: str, seconds: float, target: float | None, extra: str = "") -> Non
 
 
 def bench_replay(repeat: int) -> None:
-    synthetic_trace(attrs.evolve(SPEC_8K, gen_len=64), seed=0)   # warm-up
+    synthetic_trace(attrs.evolve(SPEC_8K, gen_len=64), seed=0)  # warm-up
     seconds, trace = best_of(repeat, lambda: synthetic_trace(SPEC_8K, seed=0))
     row("synthetic trace 8192 tok x 6 layers", seconds, 2.0)
     config = GrowPageConfig()
     for label, options, target in [
-            ("replay growpage, decisions only", ReplayOptions(fidelity_queries=0), 2.0),
-            ("replay growpage + fidelity (8 queries)", ReplayOptions(), 2.0),
-            ("replay growpage + fidelity + signals", ReplayOptions(signals=True), None)]:
-        seconds, result = best_of(repeat, lambda o=options: replay_trace(trace, "growpage",
-                                                                           config, o))
+        ("replay growpage, decisions only", ReplayOptions(fidelity_queries=0), 2.0),
+        ("replay growpage + fidelity (8 queries)", ReplayOptions(), 2.0),
+        ("replay growpage + fidelity + signals", ReplayOptions(signals=True), None),
+    ]:
+        seconds, result = best_of(
+            repeat, lambda o=options: replay_trace(trace, "growpage", config, o)
+        )
         s = result.summary()
         mass = "" if s["mass_mean"] is None else f"mass {s['mass_mean']:.3f}"
-        row(label, seconds, target, f"{s['boundaries']} boundaries, avg budget "
-            f"{s['avg_budget']:.0f} {mass}")
+        row(
+            label,
+            seconds,
+            target,
+            f"{s['boundaries']} boundaries, avg budget {s['avg_budget']:.0f} {mass}",
+        )
 
 
 def bench_serving(workload: str) -> None:
@@ -78,12 +85,18 @@ def bench_serving(workload: str) -> None:
     result = simulate(requests, "growpage", config, sim, cost)
     wall = time.perf_counter() - start
     m = result.metrics
-    row(f"serve '{workload}' ({len(requests)} req) growpage", wall, 60.0,
+    row(
+        f"serve '{workload}' ({len(requests)} req) growpage",
+        wall,
+        60.0,
         f"simulated {m.total_time_s:.0f} s = {m.total_time_s / 3600:.2f} h, "
-        f"ratio {m.total_time_s / wall:.0f}x")
-    print(f"{'':44s} TPS {m.tps:.0f}, C {m.avg_resident:.1f}, avg budget {m.avg_kv_budget:.0f}, "
-          f"grow ratio {m.grow_ratio:.1%}, fallbacks {m.fallbacks}, preemptions {m.preemptions}, "
-          f"{m.output_tokens} output tokens")
+        f"ratio {m.total_time_s / wall:.0f}x",
+    )
+    print(
+        f"{'':44s} TPS {m.tps:.0f}, C {m.avg_resident:.1f}, avg budget {m.avg_kv_budget:.0f}, "
+        f"grow ratio {m.grow_ratio:.1%}, fallbacks {m.fallbacks}, preemptions {m.preemptions}, "
+        f"{m.output_tokens} output tokens"
+    )
 
 
 def main() -> int:
@@ -93,8 +106,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="serve 'amc23' instead of 'mixed'")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch threads {torch.get_num_threads()}, load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+    print(
+        f"torch threads {torch.get_num_threads()}, load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+    )
     print(f"{'measurement':44s} {'time':>10s}  {'target':>9s}")
     bench_replay(args.repeat)
     bench_serving("amc23" if args.quick else "mixed")

@@ -49,22 +49,38 @@ def calls(device: torch.device) -> dict:
     table = tables[:1].to(torch.int32)
     # the engine's boundary table: pages, then (Nc, splits) of the estimation candidates,
     # then the request's query-state slot and position
-    packed = torch.cat([table, torch.tensor([[PAGE * (PAGES - 1), 1, 3, 600]], dtype=torch.int32,
-                                            device=table.device)], dim=1)
+    packed = torch.cat(
+        [
+            table,
+            torch.tensor([[PAGE * (PAGES - 1), 1, 3, 600]], dtype=torch.int32, device=table.device),
+        ],
+        dim=1,
+    )
     inv_freq = torch.ones(D // 2, device=device)
     queries = torch.randn(2, LAYERS, HQ, D, device=device)
     return {
         "paged_decode_attention (fused EMA), per layer": lambda: K.paged_decode_attention(
-            q, cache[0, 0], cache[1, 0], tables, lens, 0.125, q_pre=q, query_state=pool[0],
-            slot_ids=slots, is_first=first),
-        "store_kv, per layer": lambda: K.store_kv(k, k, cache[0, 0], cache[1, 0],
-                                                          new_slots),
+            q,
+            cache[0, 0],
+            cache[1, 0],
+            tables,
+            lens,
+            0.125,
+            q_pre=q,
+            query_state=pool[0],
+            slot_ids=slots,
+            is_first=first,
+        ),
+        "store_kv, per layer": lambda: K.store_kv(k, k, cache[0, 0], cache[1, 0], new_slots),
         "boundary_queries_batch (one request), per boundary": lambda: K.boundary_queries_batch(
-            pool, current, packed, PAGES + 2, inv_freq),
+            pool, current, packed, PAGES + 2, inv_freq
+        ),
         "demand_attention_batch (one request), per boundary": lambda: K.demand_attention_batch(
-            queries[None], cache[0], packed, PAGES, PAGE * (PAGES - 1), 1),
-        "compact_kv (direct), per boundary": lambda: K.compact_kv(cache, table, keep, table,
-                                                                  staged=False),
+            queries[None], cache[0], packed, PAGES, PAGE * (PAGES - 1), 1
+        ),
+        "compact_kv (direct), per boundary": lambda: K.compact_kv(
+            cache, table, keep, table, staged=False
+        ),
     }
 
 

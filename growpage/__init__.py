@@ -44,10 +44,31 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'growpage' has no attribute {name!r}")
 
+
 __all__ = [
-    "Action", "BoundaryContext", "BoundaryOutcome", "CapacityController", "CapacityPolicy",
-    "ConfigError", "Decision", "DenseKVView", "EngineError", "EventCounters", "GrowPageConfig",
-    "GrowPageError", "KVView", "LLM", "SamplingParams", "PagePool", "PolicyError", "PoolExhaustedError", "QueryState",
-    "RequestState", "SimulationError", "TraceError", "WorkloadError", "register_policy",
+    "Action",
+    "BoundaryContext",
+    "BoundaryOutcome",
+    "CapacityController",
+    "CapacityPolicy",
+    "ConfigError",
+    "Decision",
+    "DenseKVView",
+    "EngineError",
+    "EventCounters",
+    "GrowPageConfig",
+    "GrowPageError",
+    "KVView",
+    "LLM",
+    "SamplingParams",
+    "PagePool",
+    "PolicyError",
+    "PoolExhaustedError",
+    "QueryState",
+    "RequestState",
+    "SimulationError",
+    "TraceError",
+    "WorkloadError",
+    "register_policy",
     "resolve_policy",
 ]

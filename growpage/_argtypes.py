@@ -31,14 +31,17 @@ def size_list(text: str) -> tuple[int, ...]:
             first, last = int(lo), int(hi) if dash else int(lo)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected whole numbers >= 1 such as 1,2,4 or 1-16, got {text!r}") from None
+                f"expected whole numbers >= 1 such as 1,2,4 or 1-16, got {text!r}"
+            ) from None
         if first < 1 or last < first:
             raise argparse.ArgumentTypeError(
-                f"expected whole numbers >= 1 and ranges low-high, got {part.strip()!r}")
+                f"expected whole numbers >= 1 and ranges low-high, got {part.strip()!r}"
+            )
         if last - first + 1 + len(values) > MAX_SIZES:
             raise argparse.ArgumentTypeError(
                 f"{text!r} holds more than {MAX_SIZES} values, each a shape to measure; give "
-                "fewer (a list such as 128,512,2048 for contexts)")
+                "fewer (a list such as 128,512,2048 for contexts)"
+            )
         values.update(range(first, last + 1))
     return tuple(sorted(values))
 

@@ -12,8 +12,13 @@ import os
 import sys
 
 # Modules that contribute subcommands; a module that is not there yet is skipped.
-SUBCOMMAND_MODULES = ("growpage.demo", "growpage.policies.cli", "growpage.testing.cli",
-                      "growpage.engine.cli", "growpage.sim.cli")
+SUBCOMMAND_MODULES = (
+    "growpage.demo",
+    "growpage.policies.cli",
+    "growpage.testing.cli",
+    "growpage.engine.cli",
+    "growpage.sim.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from growpage.core.config import GrowPageConfig
 from growpage.policies import resolve_policy
 
-POLICIES: list[tuple[str, str, dict]] = [   # (label, policy, hyperparameters)
+POLICIES: list[tuple[str, str, dict]] = [  # (label, policy, hyperparameters)
     ("growpage", "growpage", {}),
     ("fullkv", "fullkv", {}),
     ("random", "random", {"grow_prob": 0.3}),
@@ -33,24 +33,32 @@ POLICIES: list[tuple[str, str, dict]] = [   # (label, policy, hyperparameters)
     ("fixed-2048", "fixed", {"budget_tokens": 2048}),
 ]
 SERVE_POLICIES = ["growpage", "fixed-1024", "fixed-2048", "fullkv"]
-SERVE_PAGES = 600      # KV pool of the serving run, pages (of --page-size tokens)
-SERVE_SEATS = 64       # max_num_seqs
-RECENT_WINDOW = 16     # protected recent tokens
+SERVE_PAGES = 600  # KV pool of the serving run, pages (of --page-size tokens)
+SERVE_SEATS = 64  # max_num_seqs
+RECENT_WINDOW = 16  # protected recent tokens
 
 
 CAPACITY_PLOT = ["growpage", "fixed-1024", "random", "inverse", "fullkv"]
 
 
-def replay_table(args: argparse.Namespace, config: GrowPageConfig
-                 ) -> tuple[list[dict], dict, list[tuple[int, int]]]:
+def replay_table(
+    args: argparse.Namespace, config: GrowPageConfig
+) -> tuple[list[dict], dict, list[tuple[int, int]]]:
     """Aggregate replay rows per policy; the trajectories and diffuse regimes of one trace."""
     from growpage.sim.replay import ReplayOptions, replay_trace
     from growpage.sim.reports import aggregate_replays
     from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
 
-    spec = SyntheticSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
-                         prompt_len=128, gen_len=args.gen_len, schedule="random",
-                         mean_regime_len=1024.0)
+    spec = SyntheticSpec(
+        num_layers=2,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        prompt_len=128,
+        gen_len=args.gen_len,
+        schedule="random",
+        mean_regime_len=1024.0,
+    )
     traces = [synthetic_trace(spec, args.seed + i) for i in range(args.traces)]
     rows, trajectories = [], {}
     # Plot the trace with the most regime switches.
@@ -59,8 +67,9 @@ def replay_table(args: argparse.Namespace, config: GrowPageConfig
     jobs = [(label, name, kw, t) for label, name, kw in POLICIES for t in traces]
     results: dict[str, list] = {}
     for label, name, kw, trace in tqdm(jobs, desc="replay", unit="run"):
-        result = replay_trace(trace, resolve_policy(name, **kw), config,
-                              ReplayOptions(fidelity_queries=8))
+        result = replay_trace(
+            trace, resolve_policy(name, **kw), config, ReplayOptions(fidelity_queries=8)
+        )
         results.setdefault(label, []).append(result)
     for label, name, _ in POLICIES:
         row = aggregate_replays(results[label], label)
@@ -70,8 +79,9 @@ def replay_table(args: argparse.Namespace, config: GrowPageConfig
     return rows, trajectories, diffuse
 
 
-def serving_table(args: argparse.Namespace, config: GrowPageConfig
-                  ) -> tuple[list[dict], dict[str, list[tuple[float, int, int]]]]:
+def serving_table(
+    args: argparse.Namespace, config: GrowPageConfig
+) -> tuple[list[dict], dict[str, list[tuple[float, int, int]]]]:
     """The serving table's rows, and each policy's ``pool_timeline()``."""
     from growpage.sim.costmodel import load_cost_model
     from growpage.sim.serving import SimConfig, simulate
@@ -104,45 +114,76 @@ def run(args: argparse.Namespace) -> int:
     if args.traces < 1:
         raise ConfigError(f"--traces must be >= 1, got {args.traces}")
     if args.page_size <= RECENT_WINDOW:
-        raise ConfigError(f"--page-size must be > {RECENT_WINDOW} (the demo protects the "
-                          f"{RECENT_WINDOW} most recent tokens), got {args.page_size}")
+        raise ConfigError(
+            f"--page-size must be > {RECENT_WINDOW} (the demo protects the "
+            f"{RECENT_WINDOW} most recent tokens), got {args.page_size}"
+        )
     out = make_output_dir(args.out)
     torch.set_num_threads(1)
     start = time.perf_counter()
     config = GrowPageConfig(page_size=args.page_size, recent_window=RECENT_WINDOW)
     rows, trajectories, diffuse = replay_table(args, config)
-    print(f"\nReplay: {args.traces} synthetic traces of {args.gen_len} generated tokens, "
-          f"page size {config.page_size}; fidelity = real attention of 8 sampled queries of "
-          "the next page (mass on retained tokens; 1 = nothing lost)")
+    print(
+        f"\nReplay: {args.traces} synthetic traces of {args.gen_len} generated tokens, "
+        f"page size {config.page_size}; fidelity = real attention of 8 sampled queries of "
+        "the next page (mass on retained tokens; 1 = nothing lost)"
+    )
     print(format_table(rows, REPLAY_COLUMNS))
     serve_rows, timelines = serving_table(args, config)
-    print(f"\nServing: 'small' workload (96 requests, all at t=0), {SERVE_PAGES} KV pages of "
-          f"{config.page_size} tokens, {SERVE_SEATS} seats, A100/Qwen3-8B roofline step times, "
-          "decisions scripted from synthetic traces")
+    print(
+        f"\nServing: 'small' workload (96 requests, all at t=0), {SERVE_PAGES} KV pages of "
+        f"{config.page_size} tokens, {SERVE_SEATS} seats, A100/Qwen3-8B roofline step times, "
+        "decisions scripted from synthetic traces"
+    )
     print(format_table(serve_rows, SERVING_COLUMNS))
-    pareto = plot_pareto([{**r, "label": r["policy"]} for r in rows], out / "pareto.png",
-                         "avg_budget", "mass_mean", "average KV budget (tokens)",
-                         "retained attention mass (next page)", "fidelity vs KV budget")
-    capacity = plot_capacity(trajectories, out / "capacity.png", config.page_size,
-                             title="capacity over one synthetic trace", shaded=diffuse,
-                             shaded_label="diffuse attention")
-    pool = plot_pool(timelines, out / "pool.png", SERVE_PAGES, SERVE_SEATS,
-                     title="KV pool while serving the 'small' workload")
-    write_json(out / "demo.json", {"replay": rows, "serving": serve_rows,
-                                   "config": attrs.asdict(config)})
-    print(f"\nPareto plot: {pareto}\nCapacity trajectories: {capacity}\nKV pool: {pool}\n"
-          f"Numbers: {out / 'demo.json'}   ({time.perf_counter() - start:.0f} s)")
+    pareto = plot_pareto(
+        [{**r, "label": r["policy"]} for r in rows],
+        out / "pareto.png",
+        "avg_budget",
+        "mass_mean",
+        "average KV budget (tokens)",
+        "retained attention mass (next page)",
+        "fidelity vs KV budget",
+    )
+    capacity = plot_capacity(
+        trajectories,
+        out / "capacity.png",
+        config.page_size,
+        title="capacity over one synthetic trace",
+        shaded=diffuse,
+        shaded_label="diffuse attention",
+    )
+    pool = plot_pool(
+        timelines,
+        out / "pool.png",
+        SERVE_PAGES,
+        SERVE_SEATS,
+        title="KV pool while serving the 'small' workload",
+    )
+    write_json(
+        out / "demo.json", {"replay": rows, "serving": serve_rows, "config": attrs.asdict(config)}
+    )
+    print(
+        f"\nPareto plot: {pareto}\nCapacity trajectories: {capacity}\nKV pool: {pool}\n"
+        f"Numbers: {out / 'demo.json'}   ({time.perf_counter() - start:.0f} s)"
+    )
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="compare policies in the simulator (about a minute)")
     p.add_argument("--traces", type=int, default=3, help="synthetic traces to replay (default 3)")
-    p.add_argument("--gen-len", type=int, default=3072,
-                   help="generated tokens per trace (default 3072)")
+    p.add_argument(
+        "--gen-len", type=int, default=3072, help="generated tokens per trace (default 3072)"
+    )
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the synthetic traces and the serving workload (default 0)")
-    p.add_argument("--out", default="results/demo",
-                   help="where plots and numbers go (default results/demo)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the synthetic traces and the serving workload (default 0)",
+    )
+    p.add_argument(
+        "--out", default="results/demo", help="where plots and numbers go (default results/demo)"
+    )
     p.set_defaults(func=run)

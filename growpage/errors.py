@@ -48,8 +48,11 @@ def raised_at(exc: BaseException, skip: tuple[str, ...] = ()) -> str:
     root = exc
     while root.__cause__ is not None:
         root = root.__cause__
-    frames = [f for f in traceback.extract_tb(root.__traceback__)
-              if not skip or not (f.filename.startswith(skip) or f.filename.startswith("<"))]
+    frames = [
+        f
+        for f in traceback.extract_tb(root.__traceback__)
+        if not skip or not (f.filename.startswith(skip) or f.filename.startswith("<"))
+    ]
     return f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
 
 

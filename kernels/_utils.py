@@ -61,8 +61,12 @@ TILE_BYTES = 64 * 128 * 2
 TILE_BYTES_FP32 = 16 * 128 * 4
 
 
-def default_block_n(head_dim: int, dtype: torch.dtype, tile_bytes: int = TILE_BYTES,
-                    fp32_tile_bytes: int = TILE_BYTES_FP32) -> int:
+def default_block_n(
+    head_dim: int,
+    dtype: torch.dtype,
+    tile_bytes: int = TILE_BYTES,
+    fp32_tile_bytes: int = TILE_BYTES_FP32,
+) -> int:
     """The context tile of a compiled launch whose caller gave none: the largest power of two in
     ``[MIN_DOT_DIM, 64]`` whose ``BLOCK_N x BLOCK_D`` tile fits the budget of the cache's dtype
     (``tile_bytes``; ``fp32_tile_bytes`` for fp32), which a kernel that needs fewer registers
@@ -137,7 +141,8 @@ def check_block(block_n: int, name: str = "block_n", dot: bool = True) -> None:
 def check_heads(num_heads: int, num_kv_heads: int) -> None:
     if not (num_kv_heads > 0 and num_heads % num_kv_heads == 0):
         raise KernelInputError(
-            f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads (GQA)")
+            f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads (GQA)"
+        )
 
 
 def check_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -145,7 +150,8 @@ def check_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if not (k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()):
         raise KernelInputError(
             f"v_cache: expected k_cache's shape {tuple(k_cache.shape)} and strides "
-            f"{k_cache.stride()}, got {tuple(v_cache.shape)} and {v_cache.stride()}")
+            f"{k_cache.stride()}, got {tuple(v_cache.shape)} and {v_cache.stride()}"
+        )
 
 
 def check_written(t: torch.Tensor, name: str) -> None:
@@ -156,15 +162,17 @@ def check_written(t: torch.Tensor, name: str) -> None:
             if not (stride != 0 or size < 2):
                 raise KernelInputError(
                     f"{name}: written, so no element may alias another, got strides {t.stride()} "
-                    f"for shape {tuple(t.shape)} (an expanded view?)")
+                    f"for shape {tuple(t.shape)} (an expanded view?)"
+                )
 
 
 def check_sums(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
     """Per-slot H2O sums a kernel adds to or moves: fp32 of ``shape``, heads (the last
     dimension) contiguous, each element once."""
     if not (t.dtype == torch.float32 and tuple(t.shape) == shape):
-        raise KernelInputError(f"{name}: fp32 {list(shape)} expected, got {t.dtype} "
-                               f"{tuple(t.shape)}")
+        raise KernelInputError(
+            f"{name}: fp32 {list(shape)} expected, got {t.dtype} {tuple(t.shape)}"
+        )
     if t.stride(-1) != 1:
         raise KernelInputError(f"{name}: heads contiguous")
     check_written(t, name)
@@ -314,8 +322,9 @@ def unravel(flat: int, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
 SCAN_ON_HOST = 256
 
 
-def first_repeat(t: torch.Tensor, where: torch.Tensor | None = None
-                 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def first_repeat(
+    t: torch.Tensor, where: torch.Tensor | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The first entry of ``t`` (row-major) whose value >= 0 an earlier entry holds, as the
     indices ``(earlier, later)`` of the two; None when the values >= 0 are distinct. ``where``,
     a bool mask of ``t``'s shape, limits the search to its True entries."""
@@ -380,30 +389,46 @@ def page_range(num_pages: int) -> str:
     return f"-1 (no page) or a page id in [0, {num_pages})"
 
 
-def check_context_lens(context_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int
-                       ) -> None:
+def check_context_lens(
+    context_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int
+) -> None:
     """Each context fits its row of the block table (the reference refuses a longer one; the
     kernels, unchecked, clamp it to the table rather than read past it)."""
     width = block_tables.shape[1]
-    check_values(context_lens, "context_lens", 0, width * page_size + 1,
-                 f"a context length in [0, {width * page_size}] (block_tables rows hold {width} "
-                 f"pages of {page_size} tokens)")
+    check_values(
+        context_lens,
+        "context_lens",
+        0,
+        width * page_size + 1,
+        f"a context length in [0, {width * page_size}] (block_tables rows hold {width} "
+        f"pages of {page_size} tokens)",
+    )
 
 
-def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int,
-                       num_pages: int) -> None:
+def check_block_tables(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, num_pages: int
+) -> None:
     """The table entries a paged kernel reads: row ``b``'s first ``cdiv(min(context_lens[b],
     width * page_size), page_size)`` columns, each -1 (skipped) or a page id. Entries past a
     row's context are never read and may hold anything. ``context_lens`` checked first."""
+
     def note(index: tuple[int, ...]) -> str:
         return f"within context_lens[{index[0]}] = {int(context_lens[index[0]])}"
 
-    check_values(block_tables, "block_tables", -1, num_pages, page_range(num_pages),
-                 where=lambda: pages_read(block_tables, context_lens, page_size), note=note)
+    check_values(
+        block_tables,
+        "block_tables",
+        -1,
+        num_pages,
+        page_range(num_pages),
+        where=lambda: pages_read(block_tables, context_lens, page_size),
+        note=note,
+    )
 
 
-def pages_read(block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int
-               ) -> torch.Tensor:
+def pages_read(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int
+) -> torch.Tensor:
     """Bool ``[B, width]``: the table entries a paged kernel reads (row ``b``'s first
     ``cdiv(min(context_lens[b], width * page_size), page_size)`` columns)."""
     width = block_tables.shape[1]

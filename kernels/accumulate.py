@@ -51,9 +51,10 @@ _LOG2E = tl.constexpr(LOG2E)  # a global a kernel may read
 # Per-step quantities (table width, context lengths), the index tensors' addresses and the
 # layer view's address stay out of the compile key: an engine compiles one variant. See
 # ``growpage.kernels.variants``.
-@triton.jit(do_not_specialize=["max_tokens", "stride_btb", "stride_lb"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "lse_ptr",
-                                            "acc_ptr"])
+@triton.jit(
+    do_not_specialize=["max_tokens", "stride_btb", "stride_lb"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "lse_ptr", "acc_ptr"],
+)
 def _accumulate_kernel(
     q_ptr,  # [B, Hq, D] post-RoPE query
     k_cache_ptr,  # [num_pages, PAGE_SIZE, Hkv, D]
@@ -63,8 +64,11 @@ def _accumulate_kernel(
     acc_ptr,  # [num_pages * PAGE_SIZE, Hkv] fp32 sums of this layer, updated in place
     max_tokens,  # max_pages * PAGE_SIZE: longer context_lens are clamped
     qk_scale,  # sm_scale * log2(e)
-    stride_qb, stride_qh,
-    stride_cp, stride_ct, stride_ch,
+    stride_qb,
+    stride_qh,
+    stride_cp,
+    stride_ct,
+    stride_ch,
     stride_btb,
     stride_lb,
     stride_as,
@@ -84,8 +88,11 @@ def _accumulate_kernel(
     offs_h = kv_head * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     q = q.to(tl.float32) if DOT_FP32 else q.to(k_cache_ptr.dtype.element_ty)
     context_len = tl.minimum(tl.load(context_lens_ptr + b), max_tokens)
     head_off = kv_head * stride_ch
@@ -96,9 +103,24 @@ def _accumulate_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         for n0 in range(0, context_len, BLOCK_N):
-            s, _, _ = _logits(q, k_cache_ptr, block_tables_ptr, b, n0, context_len, head_off,
-                              offs_d, mask_d, qk_scale, stride_btb, stride_cp, stride_ct,
-                              PAGE_SIZE, BLOCK_N, DOT_FP32)
+            s, _, _ = _logits(
+                q,
+                k_cache_ptr,
+                block_tables_ptr,
+                b,
+                n0,
+                context_len,
+                head_off,
+                offs_d,
+                mask_d,
+                qk_scale,
+                stride_btb,
+                stride_cp,
+                stride_ct,
+                PAGE_SIZE,
+                BLOCK_N,
+                DOT_FP32,
+            )
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -106,9 +128,24 @@ def _accumulate_kernel(
         lse = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))
 
     for n0 in range(0, context_len, BLOCK_N):
-        s, offs_n, slot = _logits(q, k_cache_ptr, block_tables_ptr, b, n0, context_len,
-                                  head_off, offs_d, mask_d, qk_scale, stride_btb, stride_cp,
-                                  stride_ct, PAGE_SIZE, BLOCK_N, DOT_FP32)
+        s, offs_n, slot = _logits(
+            q,
+            k_cache_ptr,
+            block_tables_ptr,
+            b,
+            n0,
+            context_len,
+            head_off,
+            offs_d,
+            mask_d,
+            qk_scale,
+            stride_btb,
+            stride_cp,
+            stride_ct,
+            PAGE_SIZE,
+            BLOCK_N,
+            DOT_FP32,
+        )
         p = tl.where(mask_h[:, None], tl.exp2(s - lse[:, None]), 0.0)  # masked slots: 0
         mean = tl.sum(p, 0) / GROUP
         mask_n = slot >= 0
@@ -119,9 +156,24 @@ def _accumulate_kernel(
 
 
 @triton.jit
-def _logits(q, k_cache_ptr, block_tables_ptr, b, n0, context_len, head_off, offs_d, mask_d,
-            qk_scale, stride_btb, stride_cp, stride_ct,
-            PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+def _logits(
+    q,
+    k_cache_ptr,
+    block_tables_ptr,
+    b,
+    n0,
+    context_len,
+    head_off,
+    offs_d,
+    mask_d,
+    qk_scale,
+    stride_btb,
+    stride_cp,
+    stride_ct,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """Scaled log2-domain logits ``[BLOCK_H, BLOCK_N]`` of tile ``n0`` (-inf off the context),
     the tile's token indices and flat slots (-1 off the context)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -129,8 +181,11 @@ def _logits(q, k_cache_ptr, block_tables_ptr, b, n0, context_len, head_off, offs
     page = tl.load(block_tables_ptr + b * stride_btb + offs_n // PAGE_SIZE, mask=mask_n, other=-1)
     mask_n = mask_n & (page >= 0)
     tok_off = page.to(tl.int64) * stride_cp + (offs_n % PAGE_SIZE) * stride_ct + head_off
-    k = tl.load(k_cache_ptr + tok_off[:, None] + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    k = tl.load(
+        k_cache_ptr + tok_off[:, None] + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     if DOT_FP32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -140,20 +195,25 @@ def _logits(q, k_cache_ptr, block_tables_ptr, b, n0, context_len, head_off, offs
     return s, offs_n, slot
 
 
-def check_pages_owned(block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int
-                      ) -> None:
+def check_pages_owned(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int
+) -> None:
     """No page in two rows' contexts, nor twice in one: each row's programs read, add to and
     write back the sums of its pages' slots (no atomics), so a page read by two rows, or in two
     tiles of one, has two writers and loses one's addition."""
+
     def note(first: tuple[int, ...], second: tuple[int, ...]) -> str:
         rows = dict.fromkeys((first[0], second[0]))
-        return "within " + " and ".join(f"context_lens[{b}] = {int(context_lens[b])}"
-                                        for b in rows)
+        return "within " + " and ".join(f"context_lens[{b}] = {int(context_lens[b])}" for b in rows)
 
-    check_distinct(block_tables, "block_tables",
-                   "each page at most once over all rows' contexts (its slots' sums are "
-                   "added to; -1 may repeat)",
-                   where=lambda: pages_read(block_tables, context_lens, page_size), note=note)
+    check_distinct(
+        block_tables,
+        "block_tables",
+        "each page at most once over all rows' contexts (its slots' sums are "
+        "added to; -1 may repeat)",
+        where=lambda: pages_read(block_tables, context_lens, page_size),
+        note=note,
+    )
 
 
 def accumulate_attention(
@@ -184,7 +244,8 @@ def accumulate_attention(
     if not (q.dim() == 3 and k_cache.dim() == 4):
         raise KernelInputError(
             f"q [B, Hq, d] and k_cache [num_pages, page_size, Hkv, d] expected, got shapes "
-            f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
+            f"{tuple(q.shape)} and {tuple(k_cache.shape)}"
+        )
     num_seqs, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, d_cache = k_cache.shape
     check_float(q, "q")
@@ -202,11 +263,13 @@ def accumulate_attention(
     if not (block_tables.shape[0] == context_lens.shape[0] == num_seqs):
         raise KernelInputError(
             f"block_tables {tuple(block_tables.shape)} and context_lens "
-            f"{tuple(context_lens.shape)} need one row per query ({num_seqs})")
+            f"{tuple(context_lens.shape)} need one row per query ({num_seqs})"
+        )
     if lse is not None:
         if not (lse.shape == (num_seqs, num_heads) and lse.dtype == torch.float32):
             raise KernelInputError(
-                f"lse: fp32 {(num_seqs, num_heads)} expected, got {lse.dtype} {tuple(lse.shape)}")
+                f"lse: fp32 {(num_seqs, num_heads)} expected, got {lse.dtype} {tuple(lse.shape)}"
+            )
         if lse.stride(1) != 1:
             raise KernelInputError("lse: last dim contiguous")
         check_device(q, k_cache, block_tables, context_lens, acc, lse)
@@ -222,17 +285,29 @@ def accumulate_attention(
     scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
     block_n = block_n or default_block_n(head_dim, k_cache.dtype)
     _accumulate_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, block_tables, context_lens, lse if lse is not None else acc, acc,
-        block_tables.shape[1] * page_size, scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k_cache,
+        block_tables,
+        context_lens,
+        lse if lse is not None else acc,
+        acc,
+        block_tables.shape[1] * page_size,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         lse.stride(0) if lse is not None else 0,
         acc.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
         BLOCK_H=max(MIN_DOT_DIM, next_pow2(group)),
         BLOCK_N=block_n,
         BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)),
-        HAS_LSE=lse is not None, DOT_FP32=dot_in_fp32(k_cache.dtype),
+        HAS_LSE=lse is not None,
+        DOT_FP32=dot_in_fp32(k_cache.dtype),
         num_warps=num_warps or tile_warps(block_n, head_dim, k_cache.dtype),
     )

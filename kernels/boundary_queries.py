@@ -49,8 +49,10 @@ _TILE_ELEMS = 4096
 
 # Per-call quantities (the meta column and row stride, the layer strides, which follow the
 # pool's slot count) must not pick the compiled variant.
-@triton.jit(do_not_specialize=["meta_col", "stride_mr", "stride_sl", "stride_cl", "stride_or"],
-            do_not_specialize_on_alignment=["meta_ptr"])
+@triton.jit(
+    do_not_specialize=["meta_col", "stride_mr", "stride_sl", "stride_cl", "stride_or"],
+    do_not_specialize_on_alignment=["meta_ptr"],
+)
 def _boundary_queries_kernel(
     summ_ptr,  # [L, M, 2, Hq, D] fp32 query-state pool (pre-RoPE summaries)
     cur_ptr,  # [L, M, Hq, D] fp32 current (last) query of each slot
@@ -60,9 +62,17 @@ def _boundary_queries_kernel(
     meta_col,
     stride_mr,
     eps,
-    stride_sl, stride_sm, stride_sv, stride_sh,
-    stride_cl, stride_cm, stride_ch,
-    stride_or, stride_ov, stride_ol, stride_oh,
+    stride_sl,
+    stride_sm,
+    stride_sv,
+    stride_sh,
+    stride_cl,
+    stride_cm,
+    stride_ch,
+    stride_or,
+    stride_ov,
+    stride_ol,
+    stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -89,8 +99,15 @@ def _boundary_queries_kernel(
     cos = tl.cos(angles)[None, :]
     sin = (tl.sin(angles) * sign)[None, :]
 
-    cur = tl.load(cur_ptr + layer * stride_cl + slot * stride_cm + offs_h[:, None] * stride_ch
-                  + offs_d[None, :], mask=mask, other=0.0)
+    cur = tl.load(
+        cur_ptr
+        + layer * stride_cl
+        + slot * stride_cm
+        + offs_h[:, None] * stride_ch
+        + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
     rms_q = tl.sqrt(tl.sum(cur * cur, 1) / HEAD_DIM)  # [BLOCK_H]
 
     rows = offs_h[:, None] * stride_sh
@@ -103,14 +120,17 @@ def _boundary_queries_kernel(
         scale = (rms_q / tl.maximum(rms_s, eps))[:, None]
         calibrated = x * scale
         out = calibrated * cos + (x_partner * scale) * sin
-        tl.store(out_base + v * stride_ov + offs_h[:, None] * stride_oh + offs_d[None, :], out,
-                 mask=mask)
+        tl.store(
+            out_base + v * stride_ov + offs_h[:, None] * stride_oh + offs_d[None, :], out, mask=mask
+        )
 
 
-def _check_args(summaries: torch.Tensor, current: torch.Tensor, inv_freq: torch.Tensor
-                ) -> None:
-    for name, t, ndim in (("summaries", summaries, 5), ("current", current, 4),
-                          ("inv_freq", inv_freq, 1)):
+def _check_args(summaries: torch.Tensor, current: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    for name, t, ndim in (
+        ("summaries", summaries, 5),
+        ("current", current, 4),
+        ("inv_freq", inv_freq, 1),
+    ):
         if t.dim() != ndim:
             raise KernelInputError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
         if t.dtype != torch.float32:
@@ -119,20 +139,31 @@ def _check_args(summaries: torch.Tensor, current: torch.Tensor, inv_freq: torch.
             raise KernelInputError(f"{name}: last dimension must be contiguous")
     num_layers, num_slots, num_views, num_heads, head_dim = summaries.shape
     if num_views != NUM_VIEWS:
-        raise KernelInputError(f"summaries: expected [L, M, 2, Hq, d], got shape {tuple(summaries.shape)}")
+        raise KernelInputError(
+            f"summaries: expected [L, M, 2, Hq, d], got shape {tuple(summaries.shape)}"
+        )
     if current.shape != (num_layers, num_slots, num_heads, head_dim):
-        raise KernelInputError(f"current: expected shape {(num_layers, num_slots, num_heads, head_dim)} "
-                         f"([L, M, Hq, d] of summaries), got {tuple(current.shape)}")
+        raise KernelInputError(
+            f"current: expected shape {(num_layers, num_slots, num_heads, head_dim)} "
+            f"([L, M, Hq, d] of summaries), got {tuple(current.shape)}"
+        )
     if head_dim == 0 or head_dim % 2:
         raise KernelInputError(f"head dim must be even and > 0, got {head_dim}")
     if inv_freq.shape[0] != head_dim // 2:
-        raise KernelInputError(f"inv_freq: expected length d/2 = {head_dim // 2}, "
-                         f"got {inv_freq.shape[0]}")
+        raise KernelInputError(
+            f"inv_freq: expected length d/2 = {head_dim // 2}, got {inv_freq.shape[0]}"
+        )
     check_device(summaries, current, inv_freq)
 
 
-def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, position: int,
-                     inv_freq: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+def boundary_queries(
+    summaries: torch.Tensor,
+    current: torch.Tensor,
+    slot: int,
+    position: int,
+    inv_freq: torch.Tensor,
+    eps: float = 1e-12,
+) -> torch.Tensor:
     """Calibrated (Eq. 12), RoPE-aligned query summaries of one request at a boundary.
 
     Args:
@@ -164,9 +195,14 @@ def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, 
     return _boundary_queries_batch(summaries, current, meta, 0, inv_freq, eps, False)[0]
 
 
-def boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta: torch.Tensor,
-                           meta_col: int, inv_freq: torch.Tensor, eps: float = 1e-12
-                           ) -> torch.Tensor:
+def boundary_queries_batch(
+    summaries: torch.Tensor,
+    current: torch.Tensor,
+    meta: torch.Tensor,
+    meta_col: int,
+    inv_freq: torch.Tensor,
+    eps: float = 1e-12,
+) -> torch.Tensor:
     """``boundary_queries`` of R requests in one launch.
 
     Args:
@@ -183,22 +219,43 @@ def boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta:
 
 def check_meta(meta: torch.Tensor, meta_col: int, num_slots: int) -> None:
     """Each request's query-state slot in ``[0, num_slots)`` and position ``>= 0``."""
-    check_values(meta[:, meta_col], "meta", 0, num_slots,
-                 f"a query-state slot in [0, {num_slots})",
-                 label=lambda i: at("meta", (i[0], meta_col)), exc=ValueError)
-    check_values(meta[:, meta_col + 1], "meta", 0, None, "a position >= 0",
-                 label=lambda i: at("meta", (i[0], meta_col + 1)), exc=ValueError)
+    check_values(
+        meta[:, meta_col],
+        "meta",
+        0,
+        num_slots,
+        f"a query-state slot in [0, {num_slots})",
+        label=lambda i: at("meta", (i[0], meta_col)),
+        exc=ValueError,
+    )
+    check_values(
+        meta[:, meta_col + 1],
+        "meta",
+        0,
+        None,
+        "a position >= 0",
+        label=lambda i: at("meta", (i[0], meta_col + 1)),
+        exc=ValueError,
+    )
 
 
-def _boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta: torch.Tensor,
-                            meta_col: int, inv_freq: torch.Tensor, eps: float, check: bool
-                            ) -> torch.Tensor:
+def _boundary_queries_batch(
+    summaries: torch.Tensor,
+    current: torch.Tensor,
+    meta: torch.Tensor,
+    meta_col: int,
+    inv_freq: torch.Tensor,
+    eps: float,
+    check: bool,
+) -> torch.Tensor:
     """``check``: read ``meta``'s values (``boundary_queries`` checked its slot and position on
     the host)."""
     _check_args(summaries, current, inv_freq)
     if not (meta.dim() == 2 and meta.dtype == torch.int32 and meta.stride(-1) == 1):
-        raise KernelInputError(f"meta: expected a row-contiguous [R, W] int32 tensor, got "
-                               f"{meta.dtype} {tuple(meta.shape)}")
+        raise KernelInputError(
+            f"meta: expected a row-contiguous [R, W] int32 tensor, got "
+            f"{meta.dtype} {tuple(meta.shape)}"
+        )
     if meta_col < 0:
         raise KernelInputError(f"meta_col must be >= 0, got {meta_col}")
     if meta.shape[1] < meta_col + 2:
@@ -210,15 +267,34 @@ def _boundary_queries_batch(summaries: torch.Tensor, current: torch.Tensor, meta
         check_meta(meta, meta_col, summaries.shape[1])
     num_layers, _, _, num_heads, head_dim = summaries.shape
     num_req = meta.shape[0]
-    out = torch.empty(num_req, NUM_VIEWS, num_layers, num_heads, head_dim, dtype=torch.float32,
-                      device=summaries.device)
+    out = torch.empty(
+        num_req,
+        NUM_VIEWS,
+        num_layers,
+        num_heads,
+        head_dim,
+        dtype=torch.float32,
+        device=summaries.device,
+    )
     if out.numel() == 0:
         return out
     block_d = next_pow2(head_dim)
     block_h = min(next_pow2(num_heads), max(1, _TILE_ELEMS // block_d))
     _boundary_queries_kernel[(num_layers, cdiv(num_heads, block_h), num_req)](
-        summaries, current, inv_freq, out, meta, meta_col, meta.stride(0), float(eps),
-        *summaries.stride()[:4], *current.stride()[:3], *out.stride()[:4],
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+        summaries,
+        current,
+        inv_freq,
+        out,
+        meta,
+        meta_col,
+        meta.stride(0),
+        float(eps),
+        *summaries.stride()[:4],
+        *current.stride()[:3],
+        *out.stride()[:4],
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
     )
     return out

@@ -58,11 +58,29 @@ from ._utils import (
 # chunk start), the cache strides that follow the pool size and the tables' addresses stay out
 # of the compile key: the engine compiles the three routes (direct, stage-out, stage-in) once.
 # See ``growpage.kernels.variants``.
-@triton.jit(do_not_specialize=["num_keep", "layer0", "src_tokens", "dst_tokens", "stride_ckv", "stride_cl", "stride_sbt",
-                               "stride_dbt", "stride_kr", "stride_kl", "stride_kh", "stride_sr",
-                               "stride_sl", "stride_sh", "stride_skv", "stride_qr", "stride_ql",
-                               "stride_qh"],
-            do_not_specialize_on_alignment=["src_bt_ptr", "dst_bt_ptr", "keep_ptr"])
+@triton.jit(
+    do_not_specialize=[
+        "num_keep",
+        "layer0",
+        "src_tokens",
+        "dst_tokens",
+        "stride_ckv",
+        "stride_cl",
+        "stride_sbt",
+        "stride_dbt",
+        "stride_kr",
+        "stride_kl",
+        "stride_kh",
+        "stride_sr",
+        "stride_sl",
+        "stride_sh",
+        "stride_skv",
+        "stride_qr",
+        "stride_ql",
+        "stride_qh",
+    ],
+    do_not_specialize_on_alignment=["src_bt_ptr", "dst_bt_ptr", "keep_ptr"],
+)
 def _compact_kernel(
     cache_ptr,  # [2, L, num_pages, PAGE_SIZE, Hkv, D] KV cache (all layers)
     src_bt_ptr,  # [R, max_pages] int source block tables, -1 padded
@@ -75,12 +93,26 @@ def _compact_kernel(
     layer0,  # first layer of this launch's layer chunk
     src_tokens,  # source table width * PAGE_SIZE: later positions are skipped (no OOB table reads)
     dst_tokens,  # destination table width * PAGE_SIZE: likewise
-    stride_ckv, stride_cl, stride_cp, stride_ct, stride_ch,
-    stride_sbt, stride_dbt,
-    stride_kr, stride_kl, stride_kh,
-    stride_sr, stride_sl, stride_sh, stride_skv, stride_sk,
-    stride_al, stride_as,
-    stride_qr, stride_ql, stride_qh,
+    stride_ckv,
+    stride_cl,
+    stride_cp,
+    stride_ct,
+    stride_ch,
+    stride_sbt,
+    stride_dbt,
+    stride_kr,
+    stride_kl,
+    stride_kh,
+    stride_sr,
+    stride_sl,
+    stride_sh,
+    stride_skv,
+    stride_sk,
+    stride_al,
+    stride_as,
+    stride_qr,
+    stride_ql,
+    stride_qh,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -158,12 +190,14 @@ def is_direct_safe(block_tables: torch.Tensor, dst_block_tables: torch.Tensor) -
     same_page = (dst == src) & (dst >= 0)  # [R, dst_idx, src_idx]
     n_dst, n_src = same_page.shape[1:]
     diag = torch.eye(n_dst, n_src, dtype=torch.bool, device=same_page.device)
-    return ~(same_page & ~diag).flatten(1).any(dim=1) & ~_shared_with_writers(block_tables,
-                                                                             dst_block_tables)
+    return ~(same_page & ~diag).flatten(1).any(dim=1) & ~_shared_with_writers(
+        block_tables, dst_block_tables
+    )
 
 
-def _shared_with_writers(block_tables: torch.Tensor, dst_block_tables: torch.Tensor
-                         ) -> torch.Tensor:
+def _shared_with_writers(
+    block_tables: torch.Tensor, dst_block_tables: torch.Tensor
+) -> torch.Tensor:
     """Per request (``[R]`` bool): one of its pages is a destination page of another request,
     or one of its destination pages is a page of another."""
     num_reqs, device = block_tables.shape[0], block_tables.device
@@ -171,11 +205,15 @@ def _shared_with_writers(block_tables: torch.Tensor, dst_block_tables: torch.Ten
         return torch.zeros(num_reqs, dtype=torch.bool, device=device)
     rows = torch.arange(num_reqs, device=device)
     pages = torch.cat([block_tables.flatten(), dst_block_tables.flatten()]).long()
-    owner = torch.cat([rows.repeat_interleave(block_tables.shape[1]),
-                       rows.repeat_interleave(dst_block_tables.shape[1])])
+    owner = torch.cat(
+        [
+            rows.repeat_interleave(block_tables.shape[1]),
+            rows.repeat_interleave(dst_block_tables.shape[1]),
+        ]
+    )
     # NOTE: 0/1 integers, not bools: CUDA's scatter_reduce has no bool kernel.
     written = torch.zeros_like(pages)
-    written[block_tables.numel():] = 1
+    written[block_tables.numel() :] = 1
     valid = pages >= 0
     pages, owner, written = pages[valid], owner[valid], written[valid]
     unique, index = torch.unique(pages, return_inverse=True)
@@ -183,12 +221,20 @@ def _shared_with_writers(block_tables: torch.Tensor, dst_block_tables: torch.Ten
     hi = torch.full_like(unique, -1).scatter_reduce(0, index, owner, "amax")
     hit = torch.zeros_like(unique).scatter_reduce(0, index, written, "amax")
     conflict = ((lo != hi) & (hit > 0)).long()[index]  # per table entry
-    return torch.zeros(num_reqs, dtype=torch.long, device=device).scatter_reduce(
-        0, owner, conflict, "amax") > 0
+    return (
+        torch.zeros(num_reqs, dtype=torch.long, device=device).scatter_reduce(
+            0, owner, conflict, "amax"
+        )
+        > 0
+    )
 
 
-def check_keep(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.Tensor,
-               dst_block_tables: torch.Tensor | None) -> None:
+def check_keep(
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    keep: torch.Tensor,
+    dst_block_tables: torch.Tensor | None,
+) -> None:
     """The values ``compact_kv`` relies on: each row of ``keep`` strictly ascending positions of
     the source table, then -1 padding; no kept entry past the destination table; and the page
     ids the kernel reads (the source pages of kept positions, the destination pages of kept
@@ -198,9 +244,14 @@ def check_keep(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.T
     dst_tables = block_tables if dst_block_tables is None else dst_block_tables
     src_width, dst_width = block_tables.shape[1], dst_tables.shape[1]
     src_tokens, dst_tokens = src_width * page_size, dst_width * page_size
-    check_values(keep, "keep", -1, src_tokens,
-                 f"-1 (padding) or a position of the source table, in [0, {src_tokens}) "
-                 f"(width {src_width} x page size {page_size})")
+    check_values(
+        keep,
+        "keep",
+        -1,
+        src_tokens,
+        f"-1 (padding) or a position of the source table, in [0, {src_tokens}) "
+        f"(width {src_width} x page size {page_size})",
+    )
     num_reqs, num_layers, num_heads, num_keep = keep.shape
     if num_keep > 1:
         prev, this = keep[..., :-1], keep[..., 1:]
@@ -210,12 +261,18 @@ def check_keep(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.T
             raise KernelInputError(
                 f"{at('keep', after)} = {int(keep[after])} after {at('keep', index)} = "
                 f"{int(keep[index])}: expected each row of keep strictly ascending, then -1 "
-                f"padding at its end")
+                f"padding at its end"
+            )
     if num_keep > dst_tokens:
-        check_values(keep[..., dst_tokens:], "keep", -1, 0,
-                     f"-1: entry j goes to position j of {dst_name}, which holds {dst_tokens} "
-                     f"(width {dst_width} x page size {page_size})",
-                     label=lambda i: at("keep", (*i[:3], i[3] + dst_tokens)))
+        check_values(
+            keep[..., dst_tokens:],
+            "keep",
+            -1,
+            0,
+            f"-1: entry j goes to position j of {dst_name}, which holds {dst_tokens} "
+            f"(width {dst_width} x page size {page_size})",
+            label=lambda i: at("keep", (*i[:3], i[3] + dst_tokens)),
+        )
     if values_in(block_tables, -1, num_pages) and values_in(dst_tables, -1, num_pages):
         return
     # Some table holds a bad page id: is it one the kernel reads?
@@ -226,20 +283,31 @@ def check_keep(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.T
     rows = torch.arange(num_reqs, device=keep.device)[:, None, None, None]
     entries = torch.arange(num_keep, device=keep.device)
     for table, name, column, what in (
-            (block_tables, "block_tables", torch.where(kept, keep // page_size, 0),
-             "the source page of"),
-            (dst_tables, dst_name, torch.where(kept, entries // page_size, 0),
-             "the destination page of")):
+        (
+            block_tables,
+            "block_tables",
+            torch.where(kept, keep // page_size, 0),
+            "the source page of",
+        ),
+        (
+            dst_tables,
+            dst_name,
+            torch.where(kept, entries // page_size, 0),
+            "the destination page of",
+        ),
+    ):
         page = table[rows, column].long()
         index = first_true(kept & ((page < -1) | (page >= num_pages)))
         if index is not None:
             raise KernelInputError(
                 f"{at(name, (index[0], int(column[index])))} = {int(page[index])} ({what} "
-                f"{at('keep', index)} = {int(keep[index])}): expected {page_range(num_pages)}")
+                f"{at('keep', index)} = {int(keep[index])}): expected {page_range(num_pages)}"
+            )
 
 
-def check_destinations(kv_cache: torch.Tensor, keep: torch.Tensor, dst_tables: torch.Tensor,
-                       name: str) -> None:
+def check_destinations(
+    kv_cache: torch.Tensor, keep: torch.Tensor, dst_tables: torch.Tensor, name: str
+) -> None:
     """No two kept entries written to one slot: entry ``j`` of row ``r`` (layer ``l``, KV head
     ``h``) goes to position ``j`` of destination row ``r``, so a page at two destination columns
     (of one row or two) that both receive entries of one (layer, KV head) has two writers, in
@@ -267,7 +335,8 @@ def check_destinations(kv_cache: torch.Tensor, keep: torch.Tensor, dst_tables: t
         f"{at(name, (r1, c1))} = {at(name, (r2, c2))} = {int(dst_tables[r1, c1])} (the "
         f"destination page of {at('keep', (r1, layer, head, c1 * page_size))} and "
         f"{at('keep', (r2, layer, head, c2 * page_size))}): expected each destination page at "
-        f"most once where the kept entries of one layer and KV head go (-1 may repeat)")
+        f"most once where the kept entries of one layer and KV head go (-1 may repeat)"
+    )
 
 
 def compact_kv(
@@ -304,11 +373,12 @@ def compact_kv(
     if not (kv_cache.dim() == 6 and kv_cache.shape[0] == 2):
         raise KernelInputError(
             f"kv_cache: expected [2, L, num_pages, page_size, Hkv, d], got shape "
-            f"{tuple(kv_cache.shape)}")
+            f"{tuple(kv_cache.shape)}"
+        )
     num_layers, page_size, num_kv_heads, head_dim = (kv_cache.shape[1], *kv_cache.shape[3:])
     if kv_cache.stride(-1) != 1:
         raise KernelInputError("kv_cache: last dim contiguous")
-    check_float(kv_cache, "kv_cache")   # as the other wrappers: a KV cache is fp32/fp16/bf16
+    check_float(kv_cache, "kv_cache")  # as the other wrappers: a KV cache is fp32/fp16/bf16
     check_written(kv_cache, "kv_cache")
     if accumulated is not None:
         expected = (num_layers, kv_cache.shape[2] * page_size, num_kv_heads)
@@ -320,27 +390,36 @@ def compact_kv(
     if keep.shape[1:3] != (num_layers, num_kv_heads):
         raise KernelInputError(
             f"keep: expected [R, L={num_layers}, Hkv={num_kv_heads}, K] (the cache's), got shape "
-            f"{tuple(keep.shape)}")
+            f"{tuple(keep.shape)}"
+        )
     if block_tables.shape[0] != num_reqs:
         raise KernelInputError(
-            f"block_tables: {block_tables.shape[0]} rows, keep has {num_reqs} requests")
+            f"block_tables: {block_tables.shape[0]} rows, keep has {num_reqs} requests"
+        )
     dst_tables = block_tables if dst_block_tables is None else dst_block_tables
     check_index(dst_tables, 2, "dst_block_tables")
     if dst_tables.shape[0] != num_reqs:
         raise KernelInputError(
-            f"dst_block_tables: {dst_tables.shape[0]} rows, keep has {num_reqs} requests")
+            f"dst_block_tables: {dst_tables.shape[0]} rows, keep has {num_reqs} requests"
+        )
     check_device(kv_cache, block_tables, dst_tables, keep)
     if index_checks_on():
         check_keep(kv_cache, block_tables, keep, dst_block_tables)
-        check_destinations(kv_cache, keep, dst_tables,
-                           "block_tables" if dst_block_tables is None else "dst_block_tables")
+        check_destinations(
+            kv_cache,
+            keep,
+            dst_tables,
+            "block_tables" if dst_block_tables is None else "dst_block_tables",
+        )
     if num_reqs == 0 or num_keep == 0:
         return
     if staged is None:
         staged = dst_block_tables is not None and not bool(
-            is_direct_safe(block_tables, dst_tables).all())
-    block_n = block_n or default_block_n(head_dim, kv_cache.dtype, tile_bytes=2 * TILE_BYTES,
-                                         fp32_tile_bytes=2 * TILE_BYTES)
+            is_direct_safe(block_tables, dst_tables).all()
+        )
+    block_n = block_n or default_block_n(
+        head_dim, kv_cache.dtype, tile_bytes=2 * TILE_BYTES, fp32_tile_bytes=2 * TILE_BYTES
+    )
 
     in_place = dst_block_tables is None or dst_block_tables is block_tables
 
@@ -348,21 +427,39 @@ def compact_kv(
     acc = accumulated if accumulated is not None else kv_cache  # unused without sums
     cache_align = stride_align(*kv_cache.stride()[:2])
 
-    def launch(stage: torch.Tensor, acc_stage: torch.Tensor, layer0: int, num: int, read: bool,
-               write: bool) -> None:
+    def launch(
+        stage: torch.Tensor, acc_stage: torch.Tensor, layer0: int, num: int, read: bool, write: bool
+    ) -> None:
         _compact_kernel[(num_reqs, num, num_kv_heads)](
-            kv_cache, block_tables, dst_tables, keep, stage, acc, acc_stage, num_keep, layer0,
-            block_tables.shape[1] * page_size, dst_tables.shape[1] * page_size,
-            *kv_cache.stride()[:2], *kv_cache.stride()[2:5],
-            block_tables.stride(0), dst_tables.stride(0),
+            kv_cache,
+            block_tables,
+            dst_tables,
+            keep,
+            stage,
+            acc,
+            acc_stage,
+            num_keep,
+            layer0,
+            block_tables.shape[1] * page_size,
+            dst_tables.shape[1] * page_size,
+            *kv_cache.stride()[:2],
+            *kv_cache.stride()[2:5],
+            block_tables.stride(0),
+            dst_tables.stride(0),
             *keep.stride()[:3],
             *stage.stride()[:5],
             *(acc.stride()[:2] if has_acc else (0, 0)),
             *(acc_stage.stride()[:3] if has_acc else (0, 0, 0)),
-            PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_N=block_n,
-            BLOCK_D=next_pow2(head_dim), READ_STAGE=read, WRITE_STAGE=write,
-            IN_PLACE=in_place and not (read or write), HAS_ACC=has_acc,
-            CACHE_ALIGN=cache_align, STAGE_ALIGN=stride_align(*stage.stride()[:4]),
+            PAGE_SIZE=page_size,
+            HEAD_DIM=head_dim,
+            BLOCK_N=block_n,
+            BLOCK_D=next_pow2(head_dim),
+            READ_STAGE=read,
+            WRITE_STAGE=write,
+            IN_PLACE=in_place and not (read or write),
+            HAS_ACC=has_acc,
+            CACHE_ALIGN=cache_align,
+            STAGE_ALIGN=stride_align(*stage.stride()[:4]),
             num_stages=1,  # NOTE: no software pipelining: loads must not slide past the barrier
         )
 
@@ -373,8 +470,9 @@ def compact_kv(
     # The kept axis padded to a multiple of STRIDE_ALIGN: every stage stride is then one, so the
     # stage's loads and stores are vector ones whatever the kept count (one compiled variant).
     width = cdiv(num_keep, STRIDE_ALIGN) * STRIDE_ALIGN
-    per_layer = num_reqs * num_kv_heads * width * (2 * head_dim * kv_cache.element_size()
-                                                   + 4 * has_acc)
+    per_layer = (
+        num_reqs * num_kv_heads * width * (2 * head_dim * kv_cache.element_size() + 4 * has_acc)
+    )
     chunk = max(1, min(num_layers, max_stage_bytes // per_layer))
     stage = kv_cache.new_empty(num_reqs, chunk, num_kv_heads, 2, width, head_dim)
     acc_stage = acc.new_empty(num_reqs, chunk, num_kv_heads, num_keep) if has_acc else acc

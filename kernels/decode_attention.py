@@ -60,10 +60,25 @@ from .split_k import LOG2E, MAX_SPLITS, default_num_splits, merge_splits
 # Per-step quantities (split count, table width, strides of the split scratch) and the
 # addresses of the per-step index tensors stay out of the compile key, so a run compiles two
 # variants (one split, several) and no more: see ``growpage.kernels.variants``.
-@triton.jit(do_not_specialize=["num_splits", "max_tokens", "stride_btb", "stride_ob", "stride_oh",
-                               "stride_os", "stride_lb", "stride_lh"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr",
-                                            "slot_ids_ptr", "is_first_ptr", "lse_ptr"])
+@triton.jit(
+    do_not_specialize=[
+        "num_splits",
+        "max_tokens",
+        "stride_btb",
+        "stride_ob",
+        "stride_oh",
+        "stride_os",
+        "stride_lb",
+        "stride_lh",
+    ],
+    do_not_specialize_on_alignment=[
+        "block_tables_ptr",
+        "context_lens_ptr",
+        "slot_ids_ptr",
+        "is_first_ptr",
+        "lse_ptr",
+    ],
+)
 def _decode_attention_kernel(
     q_ptr,  # [B, Hq, D] post-RoPE query
     k_cache_ptr,  # [num_pages, PAGE_SIZE, Hkv, D]
@@ -81,13 +96,22 @@ def _decode_attention_kernel(
     qk_scale,  # sm_scale * log2(e)
     beta_short,
     beta_long,
-    stride_qb, stride_qh,
-    stride_pqb, stride_pqh,
-    stride_cp, stride_ct, stride_ch,
+    stride_qb,
+    stride_qh,
+    stride_pqb,
+    stride_pqh,
+    stride_cp,
+    stride_ct,
+    stride_ch,
     stride_btb,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,
-    stride_sm, stride_sv, stride_sh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_sm,
+    stride_sv,
+    stride_sh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -108,12 +132,30 @@ def _decode_attention_kernel(
 
     if HAS_EMA:
         if split == 0:
-            _ema_update(q_pre_ptr, state_ptr, slot_ids_ptr, is_first_ptr, b, offs_h, mask_h,
-                        offs_d, mask_d, beta_short, beta_long,
-                        stride_pqb, stride_pqh, stride_sm, stride_sv, stride_sh)
+            _ema_update(
+                q_pre_ptr,
+                state_ptr,
+                slot_ids_ptr,
+                is_first_ptr,
+                b,
+                offs_h,
+                mask_h,
+                offs_d,
+                mask_d,
+                beta_short,
+                beta_long,
+                stride_pqb,
+                stride_pqh,
+                stride_sm,
+                stride_sv,
+                stride_sh,
+            )
 
-    q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
     else:
@@ -131,8 +173,9 @@ def _decode_attention_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        page = tl.load(block_tables_ptr + b * stride_btb + offs_n // PAGE_SIZE, mask=mask_n,
-                       other=-1)
+        page = tl.load(
+            block_tables_ptr + b * stride_btb + offs_n // PAGE_SIZE, mask=mask_n, other=-1
+        )
         mask_n = mask_n & (page >= 0)
         tok_off = page.to(tl.int64) * stride_cp + (offs_n % PAGE_SIZE) * stride_ct + head_off
         kv_mask = mask_n[:, None] & mask_d[None, :]
@@ -159,8 +202,13 @@ def _decode_attention_kernel(
     out = acc / tl.where(has_mass, l_i, 1.0)[:, None]  # empty context -> zeros, not NaN
     out_mask = mask_h[:, None] & mask_d[None, :]
     if SPLIT:
-        o_ptrs = (out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os
-                  + offs_d[None, :])
+        o_ptrs = (
+            out_ptr
+            + b * stride_ob
+            + offs_h[:, None] * stride_oh
+            + split * stride_os
+            + offs_d[None, :]
+        )
         tl.store(o_ptrs, out, mask=out_mask)
         lse = tl.where(has_mass, m_i + tl.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh + split, lse, mask=mask_h)
@@ -214,8 +262,8 @@ def paged_decode_attention(
         raise KernelInputError(f"q: expected [B, Hq, d], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
         raise KernelInputError(
-            f"k_cache: expected [num_pages, page_size, Hkv, d], got shape "
-            f"{tuple(k_cache.shape)}")
+            f"k_cache: expected [num_pages, page_size, Hkv, d], got shape {tuple(k_cache.shape)}"
+        )
     num_seqs, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, d_cache = k_cache.shape
     check_float(q, "q")
@@ -235,7 +283,8 @@ def paged_decode_attention(
     if not (block_tables.shape[0] == context_lens.shape[0] == num_seqs):
         raise KernelInputError(
             f"block_tables {tuple(block_tables.shape)} and context_lens "
-            f"{tuple(context_lens.shape)} need one row per query ({num_seqs})")
+            f"{tuple(context_lens.shape)} need one row per query ({num_seqs})"
+        )
     check_device(q, k_cache, v_cache, block_tables, context_lens)
     # NOTE: everything is checked before the launch: the fused EMA writes the query state.
     if num_splits is not None:
@@ -262,7 +311,8 @@ def paged_decode_attention(
         check_written(out, "out")
     if not (out.shape == q.shape and out.stride(-1) == 1):
         raise KernelInputError(
-            f"out: expected {tuple(q.shape)} with a contiguous last dim, got {tuple(out.shape)}")
+            f"out: expected {tuple(q.shape)} with a contiguous last dim, got {tuple(out.shape)}"
+        )
     check_float(out, "out")
     check_device(q, out)
     if index_checks_on():
@@ -281,8 +331,9 @@ def paged_decode_attention(
     if splits is None:
         splits = default_num_splits(num_seqs, num_kv_heads, max_context, q.device, block_n)
     if splits > 1:
-        part = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32,
-                           device=q.device)
+        part = torch.empty(
+            num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device
+        )
         lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
         dst, dst_strides = part, (part.stride(0), part.stride(1), part.stride(2))
     else:
@@ -290,20 +341,45 @@ def paged_decode_attention(
         dst, dst_strides = out, (out.stride(0), out.stride(1), 0)
     scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
     _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, dst, lse,
-        q_pre, query_state, slot_ids, is_first,
-        block_tables.shape[1] * page_size, splits, scale, float(beta_short), float(beta_long),
-        q.stride(0), q.stride(1), q_pre.stride(0), q_pre.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        dst,
+        lse,
+        q_pre,
+        query_state,
+        slot_ids,
+        is_first,
+        block_tables.shape[1] * page_size,
+        splits,
+        scale,
+        float(beta_short),
+        float(beta_long),
+        q.stride(0),
+        q.stride(1),
+        q_pre.stride(0),
+        q_pre.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         *dst_strides,
-        lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
+        lse.stride(0) if splits > 1 else 0,
+        lse.stride(1) if splits > 1 else 0,
         *(query_state.stride()[:3] if has_ema else (0, 0, 0)),
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT=splits > 1,
-        BLOCK_H=max(MIN_DOT_DIM, next_pow2(group)), BLOCK_N=block_n,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        SPLIT=splits > 1,
+        BLOCK_H=max(MIN_DOT_DIM, next_pow2(group)),
+        BLOCK_N=block_n,
         BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)),
-        HAS_EMA=has_ema, DOT_FP32=dot_in_fp32(k_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_EMA=has_ema,
+        DOT_FP32=dot_in_fp32(k_cache.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if splits > 1:
         merge_splits(part, lse, out)

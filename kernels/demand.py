@@ -58,9 +58,26 @@ MAX_SPLITS = 16
 # Per-boundary quantities (request count, layer count, table width and meta column, scratch
 # strides that follow the candidate counts, table address) and the cache's layer stride (it
 # follows the pool size) stay out of the compile key: see ``growpage.kernels.variants``.
-_PER_CALL = ["num_layers", "meta_col", "stride_tr", "stride_kl", "stride_qr", "stride_lr",
-             "stride_lv", "stride_ll", "stride_lh", "stride_mr", "stride_mv", "stride_ml",
-             "stride_mh", "stride_or", "stride_ov", "stride_ol", "stride_oh", "max_candidates"]
+_PER_CALL = [
+    "num_layers",
+    "meta_col",
+    "stride_tr",
+    "stride_kl",
+    "stride_qr",
+    "stride_lr",
+    "stride_lv",
+    "stride_ll",
+    "stride_lh",
+    "stride_mr",
+    "stride_mv",
+    "stride_ml",
+    "stride_mh",
+    "stride_or",
+    "stride_ov",
+    "stride_ol",
+    "stride_oh",
+    "max_candidates",
+]
 
 
 @triton.jit(do_not_specialize=_PER_CALL[:13], do_not_specialize_on_alignment=["table_ptr"])
@@ -75,10 +92,22 @@ def _demand_logits_kernel(
     meta_col,
     qk_scale,  # sm_scale * log2(e)
     stride_tr,
-    stride_kl, stride_kp, stride_kt, stride_kh,
-    stride_qr, stride_qv, stride_ql, stride_qh,
-    stride_lr, stride_lv, stride_ll, stride_lh,
-    stride_mr, stride_mv, stride_ml, stride_mh,
+    stride_kl,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_qr,
+    stride_qv,
+    stride_ql,
+    stride_qh,
+    stride_lr,
+    stride_lv,
+    stride_ll,
+    stride_lh,
+    stride_mr,
+    stride_mv,
+    stride_ml,
+    stride_mh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -109,13 +138,25 @@ def _demand_logits_kernel(
     head = kv_head * GROUP + rows % GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + request * stride_qr + view[:, None] * stride_qv + layer * stride_ql
-                + head[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        q_ptr
+        + request * stride_qr
+        + view[:, None] * stride_qv
+        + layer * stride_ql
+        + head[:, None] * stride_qh
+        + offs_d[None, :],
+        mask=mask_r[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     q = q.to(tl.float32)
     k_base = k_cache_ptr + layer.to(tl.int64) * stride_kl + kv_head * stride_kh
-    l_rows = (logits_ptr + request.to(tl.int64) * stride_lr + view * stride_lv
-              + layer * stride_ll + head * stride_lh)  # [BLOCK_R]
+    l_rows = (
+        logits_ptr
+        + request.to(tl.int64) * stride_lr
+        + view * stride_lv
+        + layer * stride_ll
+        + head * stride_lh
+    )  # [BLOCK_R]
 
     # A split past this request's count gets an empty range (its statistics are never read).
     chunk = tl.cdiv(tl.cdiv(num_candidates, num_splits), BLOCK_N) * BLOCK_N
@@ -129,12 +170,16 @@ def _demand_logits_kernel(
         page = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=-1)
         mask_n = mask_n & (page >= 0)
         k_off = page.to(tl.int64) * stride_kp + (offs_n % PAGE_SIZE) * stride_kt
-        k = tl.load(k_base + k_off[:, None] + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        k = tl.load(
+            k_base + k_off[:, None] + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
         s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
-        tl.store(l_rows[:, None] + offs_n[None, :], s,
-                 mask=mask_r[:, None] & (offs_n < end)[None, :])
+        tl.store(
+            l_rows[:, None] + offs_n[None, :], s, mask=mask_r[:, None] & (offs_n < end)[None, :]
+        )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -154,9 +199,18 @@ def _demand_normalize_kernel(
     num_layers,
     meta_col,
     stride_tr,
-    stride_lr, stride_lv, stride_ll, stride_lh,
-    stride_mr, stride_mv, stride_ml, stride_mh,
-    stride_or, stride_ov, stride_ol, stride_oh,
+    stride_lr,
+    stride_lv,
+    stride_ll,
+    stride_lh,
+    stride_mr,
+    stride_mv,
+    stride_ml,
+    stride_mh,
+    stride_or,
+    stride_ov,
+    stride_ol,
+    stride_oh,
     max_candidates,
     GROUP: tl.constexpr,
     NUM_VIEWS: tl.constexpr,
@@ -182,8 +236,9 @@ def _demand_normalize_kernel(
     view = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     offs_s = tl.arange(0, BLOCK_S)
-    stat = (request * stride_mr + view * stride_mv + layer * stride_ml
-            + head * stride_mh)[:, None] + offs_s[None, :]
+    stat = (request * stride_mr + view * stride_mv + layer * stride_ml + head * stride_mh)[
+        :, None
+    ] + offs_s[None, :]
     stat_mask = mask_r[:, None] & (offs_s < num_splits)[None, :]
     m_s = tl.load(max_ptr + stat, mask=stat_mask, other=float("-inf"))
     l_s = tl.load(sum_ptr + stat, mask=stat_mask, other=0.0)
@@ -191,10 +246,18 @@ def _demand_normalize_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(l_s * tl.exp2(m_s - m[:, None]), 1)
     lse = m + tl.log2(tl.where(total > 0.0, total, 1.0))
-    logits = tl.load(logits_ptr + (request.to(tl.int64) * stride_lr + view * stride_lv
-                                   + layer * stride_ll + head * stride_lh)[:, None]
-                     + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :],
-                     other=float("-inf"))
+    logits = tl.load(
+        logits_ptr
+        + (
+            request.to(tl.int64) * stride_lr
+            + view * stride_lv
+            + layer * stride_ll
+            + head * stride_lh
+        )[:, None]
+        + offs_n[None, :],
+        mask=mask_r[:, None] & mask_n[None, :],
+        other=float("-inf"),
+    )
     p = tl.exp2(logits - lse[:, None]) / GROUP  # 0 past this request's candidates
     out = out_ptr + request.to(tl.int64) * stride_or + layer * stride_ol + kv_head * stride_oh
     for v in tl.static_range(NUM_VIEWS):
@@ -202,8 +265,13 @@ def _demand_normalize_kernel(
         tl.store(out + v * stride_ov + offs_n, mean, mask=offs_n < max_candidates)
 
 
-def demand_splits(num_candidates: int, num_layers: int, num_kv_heads: int,
-                  device: torch.device, block_n: int | None = None) -> int:
+def demand_splits(
+    num_candidates: int,
+    num_layers: int,
+    num_kv_heads: int,
+    device: torch.device,
+    block_n: int | None = None,
+) -> int:
     """Candidate splits of one request's demand attention: enough programs to fill the device
     twice over, at least 4 blocks of candidates per split, at most ``MAX_SPLITS``. A request
     gets the same count alone or in a batch, so its distributions are the same bits."""
@@ -242,16 +310,27 @@ def demand_attention(
     if not (0 < num_candidates <= most):
         raise KernelInputError(
             f"num_candidates must lie in [1, {most}] (block_table width {block_table.shape[0]} x "
-            f"page size {page_size}), got {num_candidates}")
+            f"page size {page_size}), got {num_candidates}"
+        )
     if num_splits is None:
-        num_splits = demand_splits(num_candidates, num_layers, num_kv_heads, queries.device,
-                                   block_n)
+        num_splits = demand_splits(
+            num_candidates, num_layers, num_kv_heads, queries.device, block_n
+        )
     if not (1 <= num_splits <= MAX_SPLITS):
         raise KernelInputError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
     meta = torch.tensor([num_candidates, num_splits], dtype=torch.int32)
     table = torch.cat([block_table.to(torch.int32), meta.to(block_table.device)])[None]
-    return _demand_attention_batch(queries[None], k_cache, table, block_table.shape[0],
-                                   num_candidates, num_splits, sm_scale, block_n, block_table)[0]
+    return _demand_attention_batch(
+        queries[None],
+        k_cache,
+        table,
+        block_table.shape[0],
+        num_candidates,
+        num_splits,
+        sm_scale,
+        block_n,
+        block_table,
+    )[0]
 
 
 def demand_attention_batch(
@@ -281,8 +360,9 @@ def demand_attention_batch(
         ``[R, V, L, Hkv, max_candidates]`` fp32: row r holds request r's distributions over its
         Nc_r candidates, then zeros.
     """
-    return _demand_attention_batch(queries, k_cache, tables, meta_col, max_candidates,
-                                   max_splits, sm_scale, block_n, None)
+    return _demand_attention_batch(
+        queries, k_cache, tables, meta_col, max_candidates, max_splits, sm_scale, block_n, None
+    )
 
 
 def check_demand_ranks(queries: torch.Tensor, ndim: int, k_cache: torch.Tensor) -> None:
@@ -292,23 +372,40 @@ def check_demand_ranks(queries: torch.Tensor, ndim: int, k_cache: torch.Tensor) 
     if k_cache.dim() != 5:
         raise KernelInputError(
             f"k_cache: expected [L, num_pages, page_size, Hkv, d] (all layers' keys), got shape "
-            f"{tuple(k_cache.shape)}")
+            f"{tuple(k_cache.shape)}"
+        )
 
 
-def check_demand_tables(tables: torch.Tensor, meta_col: int, page_size: int, num_pages: int,
-                        max_candidates: int, max_splits: int) -> None:
+def check_demand_tables(
+    tables: torch.Tensor,
+    meta_col: int,
+    page_size: int,
+    num_pages: int,
+    max_candidates: int,
+    max_splits: int,
+) -> None:
     """Each row's candidate count in ``[0, min(max_candidates, meta_col * page_size)]``, its
     split count in ``[1, max_splits]``, and the pages of its candidates -1 or in the cache
     (columns past a row's candidates are not read and may hold anything)."""
     most = min(max_candidates, meta_col * page_size)
     counts = tables[:, meta_col]
-    check_values(counts, "tables", 0, most + 1,
-                 f"a candidate count in [0, {most}] (max_candidates {max_candidates}; "
-                 f"meta_col {meta_col} x page size {page_size})",
-                 label=lambda i: at("tables", (i[0], meta_col)))
-    check_values(tables[:, meta_col + 1], "tables", 1, max_splits + 1,
-                 f"a split count in [1, {max_splits}] (max_splits)",
-                 label=lambda i: at("tables", (i[0], meta_col + 1)))
+    check_values(
+        counts,
+        "tables",
+        0,
+        most + 1,
+        f"a candidate count in [0, {most}] (max_candidates {max_candidates}; "
+        f"meta_col {meta_col} x page size {page_size})",
+        label=lambda i: at("tables", (i[0], meta_col)),
+    )
+    check_values(
+        tables[:, meta_col + 1],
+        "tables",
+        1,
+        max_splits + 1,
+        f"a split count in [1, {max_splits}] (max_splits)",
+        label=lambda i: at("tables", (i[0], meta_col + 1)),
+    )
 
     def read() -> torch.Tensor:
         columns = torch.arange(meta_col, device=tables.device)
@@ -317,14 +414,22 @@ def check_demand_tables(tables: torch.Tensor, meta_col: int, page_size: int, num
     def note(index: tuple[int, ...]) -> str:
         return f"a page of row {index[0]}'s {int(counts[index[0]])} candidates"
 
-    check_values(tables[:, :meta_col], "tables", -1, num_pages, page_range(num_pages),
-                 where=read, note=note)
+    check_values(
+        tables[:, :meta_col], "tables", -1, num_pages, page_range(num_pages), where=read, note=note
+    )
 
 
-def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor,
-                            meta_col: int, max_candidates: int, max_splits: int,
-                            sm_scale: float | None, block_n: int | None,
-                            block_table: torch.Tensor | None) -> torch.Tensor:
+def _demand_attention_batch(
+    queries: torch.Tensor,
+    k_cache: torch.Tensor,
+    tables: torch.Tensor,
+    meta_col: int,
+    max_candidates: int,
+    max_splits: int,
+    sm_scale: float | None,
+    block_n: int | None,
+    block_table: torch.Tensor | None,
+) -> torch.Tensor:
     """``block_table``: ``demand_attention``'s, whose pages fill the one row of ``tables`` and
     whose candidate and split counts were checked on the host: its values are checked instead
     of the table's (before the cast to int32, which could wrap a large page id)."""
@@ -334,7 +439,8 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
     if not (k_cache.shape[0] == num_layers and d_cache == head_dim):
         raise KernelInputError(
             f"queries {tuple(queries.shape)} vs k_cache {tuple(k_cache.shape)}: expected the same "
-            f"layer count L and head dim d")
+            f"layer count L and head dim d"
+        )
     check_heads(num_heads, num_kv_heads)
     check_float(k_cache, "k_cache")
     check_float(queries, "queries")
@@ -349,11 +455,13 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
         raise KernelInputError(f"meta_col must be >= 0, got {meta_col}")
     if not (tables.shape[0] == num_req and tables.shape[1] >= meta_col + 2):
         raise KernelInputError(
-            f"tables: expected [{num_req}, >= {meta_col + 2}], got {tuple(tables.shape)}")
+            f"tables: expected [{num_req}, >= {meta_col + 2}], got {tuple(tables.shape)}"
+        )
     if not (0 < max_candidates <= meta_col * page_size):
         raise KernelInputError(
             f"max_candidates must lie in [1, {meta_col * page_size}] (meta_col {meta_col} x page "
-            f"size {page_size}), got {max_candidates}")
+            f"size {page_size}), got {max_candidates}"
+        )
     if not (1 <= max_splits <= MAX_SPLITS):
         raise KernelInputError(f"max_splits must lie in [1, {MAX_SPLITS}], got {max_splits}")
     check_device(queries, k_cache, tables)
@@ -362,11 +470,15 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
     if index_checks_on():
         num_pages = k_cache.shape[1]
         if block_table is None:
-            check_demand_tables(tables, meta_col, page_size, num_pages, max_candidates,
-                                max_splits)
+            check_demand_tables(tables, meta_col, page_size, num_pages, max_candidates, max_splits)
         else:
-            check_values(block_table[:cdiv(max_candidates, page_size)], "block_table", -1,
-                         num_pages, page_range(num_pages))
+            check_values(
+                block_table[: cdiv(max_candidates, page_size)],
+                "block_table",
+                -1,
+                num_pages,
+                page_range(num_pages),
+            )
     group = num_heads // num_kv_heads
     device = queries.device
     # fp32 caches keep the bf16 tile's key count (2x its bytes): no spill at head dim 128
@@ -384,21 +496,53 @@ def _demand_attention_batch(queries: torch.Tensor, k_cache: torch.Tensor, tables
     precision = "ieee" if k_cache.dtype == torch.float32 or is_interpreter() else "tf32x3"
     block_r = max(MIN_DOT_DIM, next_pow2(num_views * group))
     _demand_logits_kernel[(num_req * num_layers, num_kv_heads, max_splits)](
-        queries, k_cache, tables, logits, row_max, row_sum, num_layers, meta_col, scale,
-        tables.stride(0), *k_cache.stride()[:4], *queries.stride()[:4], *logits.stride()[:4],
+        queries,
+        k_cache,
+        tables,
+        logits,
+        row_max,
+        row_sum,
+        num_layers,
+        meta_col,
+        scale,
+        tables.stride(0),
+        *k_cache.stride()[:4],
+        *queries.stride()[:4],
+        *logits.stride()[:4],
         *row_max.stride()[:4],
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_VIEWS=num_views,
-        BLOCK_R=block_r, BLOCK_N=block_n,
-        BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)), DOT_PRECISION=precision,
-        CACHE_ALIGN=stride_align(k_cache.stride(0)), SCRATCH_ALIGN=scratch_align,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        NUM_VIEWS=num_views,
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        BLOCK_D=max(MIN_DOT_DIM, next_pow2(head_dim)),
+        DOT_PRECISION=precision,
+        CACHE_ALIGN=stride_align(k_cache.stride(0)),
+        SCRATCH_ALIGN=scratch_align,
     )
     norm_block = 64 if is_interpreter() else 256
-    _demand_normalize_kernel[(num_req * num_layers, num_kv_heads,
-                              cdiv(max_candidates, norm_block))](
-        tables, logits, row_max, row_sum, out, num_layers, meta_col, tables.stride(0),
-        *logits.stride()[:4], *row_max.stride()[:4], *out.stride()[:4], max_candidates,
-        GROUP=group, NUM_VIEWS=num_views, BLOCK_R=block_r, BLOCK_S=MAX_SPLITS,
-        BLOCK_N=norm_block, SCRATCH_ALIGN=scratch_align,
+    _demand_normalize_kernel[
+        (num_req * num_layers, num_kv_heads, cdiv(max_candidates, norm_block))
+    ](
+        tables,
+        logits,
+        row_max,
+        row_sum,
+        out,
+        num_layers,
+        meta_col,
+        tables.stride(0),
+        *logits.stride()[:4],
+        *row_max.stride()[:4],
+        *out.stride()[:4],
+        max_candidates,
+        GROUP=group,
+        NUM_VIEWS=num_views,
+        BLOCK_R=block_r,
+        BLOCK_S=MAX_SPLITS,
+        BLOCK_N=norm_block,
+        SCRATCH_ALIGN=scratch_align,
     )
     return out
 
@@ -426,9 +570,14 @@ class DemandSignals(NamedTuple):
     scores: torch.Tensor  # [L, Hkv, Nc] fp32 max over views (selection importance)
 
 
-def estimate_demand(queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-                    num_candidates: int, p: float = 0.99,
-                    sm_scale: float | None = None) -> DemandSignals:
+def estimate_demand(
+    queries: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_candidates: int,
+    p: float = 0.99,
+    sm_scale: float | None = None,
+) -> DemandSignals:
     """``demand_attention`` plus the top-p sizes, Δt and scores, without a host sync.
     ``p > 0`` (``ValueError`` otherwise, NaN included, before any launch)."""
     if not p > 0.0:

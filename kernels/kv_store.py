@@ -32,9 +32,13 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_pages, PAGE_SIZE, Hkv, D]
     v_cache_ptr,  # [num_pages, PAGE_SIZE, Hkv, D] (same strides as k_cache)
     slot_mapping_ptr,  # [N] int, -1 = skip
-    stride_kn, stride_kh,
-    stride_vn, stride_vh,
-    stride_cp, stride_ct, stride_ch,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_cp,
+    stride_ct,
+    stride_ch,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -47,10 +51,12 @@ def _store_kv_kernel(
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(key_ptr + n * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :],
-                    mask=mask)
-        v = tl.load(value_ptr + n * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :],
-                    mask=mask)
+        k = tl.load(
+            key_ptr + n * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask
+        )
+        v = tl.load(
+            value_ptr + n * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
+        )
         dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_ct
         dst_offs = dst + offs_h[:, None] * stride_ch + offs_d[None, :]
         tl.store(k_cache_ptr + dst_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -96,22 +102,41 @@ def store_kv(
     check_device(key, value, k_cache, v_cache, slot_mapping)
     if index_checks_on():
         num_slots = k_cache.shape[0] * k_cache.shape[1]
-        check_values(slot_mapping, "slot_mapping", -1, num_slots,
-                     f"-1 (token skipped) or a cache slot in [0, {num_slots}) "
-                     f"({k_cache.shape[0]} pages x page size {k_cache.shape[1]})")
+        check_values(
+            slot_mapping,
+            "slot_mapping",
+            -1,
+            num_slots,
+            f"-1 (token skipped) or a cache slot in [0, {num_slots}) "
+            f"({k_cache.shape[0]} pages x page size {k_cache.shape[1]})",
+        )
         # One program per token writes its slot: two tokens of one slot race (either's key and
         # value, or a mix of the two, stays).
-        check_distinct(slot_mapping, "slot_mapping",
-                       "each cache slot written by one token at most (only -1, token skipped, "
-                       "may repeat)")
+        check_distinct(
+            slot_mapping,
+            "slot_mapping",
+            "each cache slot written by one token at most (only -1, token skipped, may repeat)",
+        )
     if num_tokens == 0:
         return
     block_h, block_d = max(2, next_pow2(num_kv_heads)), next_pow2(head_dim)
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
         num_warps=vector_warps(block_h * block_d, k_cache.element_size()),
     )

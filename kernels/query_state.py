@@ -54,8 +54,11 @@ def _ema_update(
     if slot >= 0:
         first = tl.load(is_first_ptr + b)
         mask = mask_h[:, None] & mask_d[None, :]
-        q = tl.load(q_pre_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(
+            q_pre_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+            mask=mask,
+            other=0.0,
+        ).to(tl.float32)
         s_ptrs = state_ptr + slot * stride_sm + offs_h[:, None] * stride_sh + offs_d[None, :]
         old_s = tl.load(s_ptrs, mask=mask, other=0.0)
         old_l = tl.load(s_ptrs + stride_sv, mask=mask, other=0.0)
@@ -88,13 +91,29 @@ def _update_query_state_kernel(
     b = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    _ema_update(q_pre_ptr, state_ptr, slot_ids_ptr, is_first_ptr, b,
-                offs_h, offs_h < NUM_HEADS, offs_d, offs_d < HEAD_DIM, beta_short, beta_long,
-                stride_qb, stride_qh, stride_sm, stride_sv, stride_sh)
+    _ema_update(
+        q_pre_ptr,
+        state_ptr,
+        slot_ids_ptr,
+        is_first_ptr,
+        b,
+        offs_h,
+        offs_h < NUM_HEADS,
+        offs_d,
+        offs_d < HEAD_DIM,
+        beta_short,
+        beta_long,
+        stride_qb,
+        stride_qh,
+        stride_sm,
+        stride_sv,
+        stride_sh,
+    )
 
 
-def check_query_state_args(q_pre: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
-                           is_first: torch.Tensor) -> None:
+def check_query_state_args(
+    q_pre: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor, is_first: torch.Tensor
+) -> None:
     if not (q_pre.dim() == 3 and q_pre.stride(-1) == 1):
         raise KernelInputError("q_pre: [B, Hq, d], last dim contiguous")
     check_float(q_pre, "q_pre")
@@ -108,7 +127,8 @@ def check_query_state_args(q_pre: torch.Tensor, state: torch.Tensor, slot_ids: t
     check_index(slot_ids, 1, "slot_ids")
     if not (is_first.dim() == 1 and is_first.dtype in (torch.int32, torch.int64, torch.bool)):
         raise KernelInputError(
-            f"is_first: [B] int32/int64/bool expected, got {is_first.dtype} {tuple(is_first.shape)}")
+            f"is_first: [B] int32/int64/bool expected, got {is_first.dtype} {tuple(is_first.shape)}"
+        )
     # NOTE: the kernels read is_first[b] at offset b; a bool one is converted (a dense copy).
     if not (is_first.dtype == torch.bool or is_first.stride(0) == 1):
         raise KernelInputError(f"is_first: must be contiguous, got stride {is_first.stride(0)}")
@@ -121,11 +141,18 @@ def check_slot_ids(slot_ids: torch.Tensor, num_slots: int) -> None:
     """Each row's query-state slot: -1 (row skipped) or a slot of the pool, and no slot used
     by two rows: each row's program reads, updates and writes its slot's summaries, so two rows
     of one slot race (either's update, or a mix, stays, never both)."""
-    check_values(slot_ids, "slot_ids", -1, num_slots,
-                 f"-1 (row skipped) or a query-state slot in [0, {num_slots})")
-    check_distinct(slot_ids, "slot_ids",
-                   "each query-state slot updated by one row at most (only -1, row skipped, "
-                   "may repeat)")
+    check_values(
+        slot_ids,
+        "slot_ids",
+        -1,
+        num_slots,
+        f"-1 (row skipped) or a query-state slot in [0, {num_slots})",
+    )
+    check_distinct(
+        slot_ids,
+        "slot_ids",
+        "each query-state slot updated by one row at most (only -1, row skipped, may repeat)",
+    )
 
 
 def update_query_state(
@@ -154,8 +181,19 @@ def update_query_state(
     if num_seqs == 0:
         return
     _update_query_state_kernel[(num_seqs,)](
-        q_pre, state, slot_ids, is_first, float(beta_short), float(beta_long),
-        q_pre.stride(0), q_pre.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_H=max(2, next_pow2(num_heads)), BLOCK_D=next_pow2(head_dim),
+        q_pre,
+        state,
+        slot_ids,
+        is_first,
+        float(beta_short),
+        float(beta_long),
+        q_pre.stride(0),
+        q_pre.stride(1),
+        state.stride(0),
+        state.stride(1),
+        state.stride(2),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(2, next_pow2(num_heads)),
+        BLOCK_D=next_pow2(head_dim),
     )

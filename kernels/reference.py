@@ -26,9 +26,14 @@ def flat_cache(cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(-1, *cache.shape[2:])
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           sm_scale: float | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
     """``q [B, Hq, d]`` -> ``[B, Hq, d]``, one request and one head at a time."""
     num_seqs, num_heads, head_dim = q.shape
     group, scale, rows = _paged_rows(q, k_cache, block_tables, context_lens, sm_scale)
@@ -41,9 +46,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.to(q.dtype)
 
 
-def update_query_state(q_pre: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
-                       is_first: torch.Tensor, beta_short: float = BETA_SHORT,
-                       beta_long: float = BETA_LONG) -> None:
+def update_query_state(
+    q_pre: torch.Tensor,
+    state: torch.Tensor,
+    slot_ids: torch.Tensor,
+    is_first: torch.Tensor,
+    beta_short: float = BETA_SHORT,
+    beta_long: float = BETA_LONG,
+) -> None:
     """Eq. 6 in place on ``state [M, 2, Hq, d]``; first step sets both EMAs to ``q_pre``."""
     for b in range(q_pre.shape[0]):
         slot = int(slot_ids[b])
@@ -58,8 +68,13 @@ def update_query_state(q_pre: torch.Tensor, state: torch.Tensor, slot_ids: torch
             state[slot, 1] = beta_long * state[slot, 1] + (1 - beta_long) * q
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write ``key/value [N, Hkv, d]`` at ``slot_mapping [N]``; slot -1 is skipped."""
     for i in range(key.shape[0]):
         slot = int(slot_mapping[i])
@@ -70,9 +85,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         v_cache[page, off] = value[i]
 
 
-def compact_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.Tensor,
-               dst_block_tables: torch.Tensor | None = None,
-               accumulated: torch.Tensor | None = None) -> None:
+def compact_kv(
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    keep: torch.Tensor,
+    dst_block_tables: torch.Tensor | None = None,
+    accumulated: torch.Tensor | None = None,
+) -> None:
     """Gather ``keep [R, L, Hkv, K]`` logical positions into logical ``0..K-1`` of the dst tables.
 
     Reads everything before writing anything, so any overlap of source and destination is fine.
@@ -100,8 +119,13 @@ def compact_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, keep: torch.T
             accumulated[layer, dst, h] = sums
 
 
-def demand_attention(queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-                     num_candidates: int, sm_scale: float | None = None) -> torch.Tensor:
+def demand_attention(
+    queries: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_candidates: int,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
     """Per-KV-head attention over the first ``num_candidates`` tokens of one request.
 
     Args:
@@ -140,8 +164,14 @@ def working_set_sizes(attention: torch.Tensor, p: float) -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.int64).reshape(attention.shape[:-1]).to(attention.device)
 
 
-def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, position: int,
-                     inv_freq: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+def boundary_queries(
+    summaries: torch.Tensor,
+    current: torch.Tensor,
+    slot: int,
+    position: int,
+    inv_freq: torch.Tensor,
+    eps: float = 1e-12,
+) -> torch.Tensor:
     """``[2, L, Hq, d]``: per view ``rope_at(cfg, rms_calibrate(s, cur), position)`` of ``slot``.
 
     ``rope_at`` math spelled out with ``inv_freq`` in place of the config (same fp32 angles).
@@ -154,9 +184,14 @@ def boundary_queries(summaries: torch.Tensor, current: torch.Tensor, slot: int, 
     return torch.stack(views)
 
 
-def accumulate_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, acc: torch.Tensor,
-                         sm_scale: float | None = None) -> None:
+def accumulate_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    acc: torch.Tensor,
+    sm_scale: float | None = None,
+) -> None:
     """Add ``q [B, Hq, d]``'s softmax over each row's context, averaged over each KV head's
     query heads, into ``acc [num_slots, Hkv]``; the row's last slot is set, not added."""
     num_heads = q.shape[1]
@@ -168,9 +203,13 @@ def accumulate_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: t
             acc[slots, h // group] += weights / group
 
 
-def _paged_rows(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
-                context_lens: torch.Tensor, sm_scale: float | None
-                ) -> tuple[int, float, list[tuple[int, torch.Tensor, torch.Tensor]]]:
+def _paged_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    sm_scale: float | None,
+) -> tuple[int, float, list[tuple[int, torch.Tensor, torch.Tensor]]]:
     """``(group, scale, rows)``: per request with a context, ``(b, slots [n], keys [n, Hkv, d]
     fp32)`` read through its block table."""
     num_seqs, num_heads, head_dim = q.shape

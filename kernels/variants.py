@@ -68,14 +68,22 @@ def _params(kernel) -> tuple[_Param, ...]:
     # JITFunction keeps the lists as attributes; InterpretedFunction in its constructor kwargs.
     options = getattr(kernel, "kwargs", {}) or {}
     no_spec = getattr(kernel, "do_not_specialize", None) or options.get("do_not_specialize") or ()
-    no_align = (getattr(kernel, "do_not_specialize_on_alignment", None)
-                or options.get("do_not_specialize_on_alignment") or ())
+    no_align = (
+        getattr(kernel, "do_not_specialize_on_alignment", None)
+        or options.get("do_not_specialize_on_alignment")
+        or ()
+    )
     params = []
     for i, p in enumerate(inspect.signature(kernel.fn).parameters.values()):
-        params.append(_Param(
-            p.name, "constexpr" in str(p.annotation),
-            not (i in no_spec or p.name in no_spec), not (i in no_align or p.name in no_align),
-            p.default))
+        params.append(
+            _Param(
+                p.name,
+                "constexpr" in str(p.annotation),
+                not (i in no_spec or p.name in no_spec),
+                not (i in no_align or p.name in no_align),
+                p.default,
+            )
+        )
     kernel._growpage_params = tuple(params)
     return kernel._growpage_params
 

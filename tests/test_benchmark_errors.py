@@ -12,14 +12,22 @@ from benchmark_scripts import BENCHMARKS
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine whose torch sees no GPU")
-@pytest.mark.parametrize("script, args", [
-    ("policies_engine", ["--preset", "full", "--device", "cuda"]),  # the library's ConfigError
-    ("wrapper_host", ["--calls", "1", "--device", "cuda"]),  # was torch's AssertionError
-    ("gpu_check", []),
-])
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        ("policies_engine", ["--preset", "full", "--device", "cuda"]),  # the library's ConfigError
+        ("wrapper_host", ["--calls", "1", "--device", "cuda"]),  # was torch's AssertionError
+        ("gpu_check", []),
+    ],
+)
 def test_gpu_run_without_cuda_says_so_in_one_line(script, args, tmp_path):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{script}.py"), *args],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{script}.py"), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     [line] = proc.stderr.splitlines()
@@ -27,11 +35,21 @@ def test_gpu_run_without_cuda_says_so_in_one_line(script, args, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing written
 
 
-@pytest.mark.parametrize("name, says", [("gpu_bench", "run python benchmarks/gpu_check.py"),
-                                        ("kernels_micro", "run pytest benchmarks/kernels_micro.py")])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("gpu_bench", "run python benchmarks/gpu_check.py"),
+        ("kernels_micro", "run pytest benchmarks/kernels_micro.py"),
+    ],
+)
 def test_a_module_that_is_no_script_says_what_to_run(name, says, tmp_path):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--help"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{name}.py"), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and proc.stdout == ""
     [line] = proc.stderr.splitlines()
     assert line.startswith(f"{name}.py: ") and says in line

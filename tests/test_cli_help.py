@@ -19,17 +19,22 @@ def _options(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
 
 def _states_default(action: argparse.Action) -> bool:
     if action.default in (None, False, [], argparse.SUPPRESS) or isinstance(
-            action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-        return True                       # nothing worth stating
+        action, (argparse._StoreTrueAction, argparse._StoreFalseAction)
+    ):
+        return True  # nothing worth stating
     return "default" in action.help
 
 
 def test_every_option_of_every_command_has_help_and_states_its_default():
     options = list(_options(build_parser()))
     assert {"generate", "record", "sim replay", "sim serve", "sim sweep", "calibrate"} <= {
-        command for command, _ in options}
+        command for command, _ in options
+    }
     bare = [f"{command} {a.option_strings[0]}" for command, a in options if not a.help]
     assert bare == []
-    silent = [f"{command} {a.option_strings[0]} (default {a.default!r})"
-              for command, a in options if not _states_default(a)]
+    silent = [
+        f"{command} {a.option_strings[0]} (default {a.default!r})"
+        for command, a in options
+        if not _states_default(a)
+    ]
     assert silent == []

@@ -64,8 +64,7 @@ def test_engine_guide_examples_run(capsys) -> None:
 
     # The profiling example, with the names it takes from the surrounding text.
     # Long enough (EOS ignored) to cross a few page boundaries of 64.
-    scope.update(prompts=["Count to ten."], params=SamplingParams(max_tokens=200,
-                                                                   ignore_eos=True))
+    scope.update(prompts=["Count to ten."], params=SamplingParams(max_tokens=200, ignore_eos=True))
     exec(compile(profile, "docs/engine.md profile", "exec"), scope)
     phases = scope["phases"]
     assert phases.boundaries >= 3 and phases.decided >= 1
@@ -84,22 +83,25 @@ def test_engine_guide_lists_every_event_counter() -> None:
 
 def test_engine_guide_names_the_files_of_a_hf_directory() -> None:
     text = " ".join((ROOT / "docs/engine.md").read_text().split())
-    assert ("A Hugging Face directory needs `config.json`, the `*.safetensors` weights and "
-            "`tokenizer.json`") in text
+    assert (
+        "A Hugging Face directory needs `config.json`, the `*.safetensors` weights and "
+        "`tokenizer.json`"
+    ) in text
 
 
 def test_trace_format_examples_run(tmp_path) -> None:
     reading, sets = blocks("docs/trace-format.md")
     from growpage.core.traces import write_trace
 
-    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8,
-                         prompt_len=4, gen_len=12)
+    spec = SyntheticSpec(
+        num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, prompt_len=4, gen_len=12
+    )
     trace = synthetic_trace(spec, seed=0, request_id="req-0")
     write_trace(tmp_path / "req.safetensors", trace)
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        scope: dict = {}   # each snippet imports what it uses, as a reader's script would
+        scope: dict = {}  # each snippet imports what it uses, as a reader's script would
         exec(compile(reading, "docs/trace-format.md reading", "exec"), scope)
         assert (tmp_path / "out.safetensors").is_file()
         exec(compile(sets, "docs/trace-format.md sets", "exec"), scope)
@@ -115,7 +117,7 @@ def section(doc: str, heading: str) -> str:
     text = (ROOT / doc).read_text()
     start = text.index(f"\n{heading}\n")
     end = text.find("\n#", start + len(heading) + 2)
-    return text[start:end if end >= 0 else len(text)]
+    return text[start : end if end >= 0 else len(text)]
 
 
 def names(text: str) -> set[str]:
@@ -138,7 +140,7 @@ def test_engine_guide_documents_every_llm_keyword_and_output_field() -> None:
     stats = section("docs/engine.md", "## Statistics (`EngineStats`)")
     assert {f.name for f in attrs.fields(EngineStats)} <= names(stats)
     text = (ROOT / "docs/engine.md").read_text()
-    usage = text[text.index("A `RequestOutput` holds"):]
+    usage = text[text.index("A `RequestOutput` holds") :]
     assert {f.name for f in attrs.fields(RequestOutput)} <= names(usage.split("\n\n")[0])
 
 
@@ -160,8 +162,11 @@ def cli_options(command: str) -> set[str]:
 
 def test_engine_guide_cli_synopsis_matches_the_parsers() -> None:
     text = (ROOT / "docs/engine.md").read_text()
-    synopsis = text[text.index("growpage generate --prompt"):text.index("```", text.index(
-        "growpage generate --prompt"))]
+    synopsis = text[
+        text.index("growpage generate --prompt") : text.index(
+            "```", text.index("growpage generate --prompt")
+        )
+    ]
     generate, record = synopsis.split("growpage record")
     for command, block in (("generate", generate), ("record", record)):
         shown = set(re.findall(r"--[a-z][a-z-]*", block))
@@ -209,15 +214,19 @@ def test_trace_format_tables_match_the_code() -> None:
     assert set(documented) == set(fields)
     for name, default in fields.items():
         shown = documented[name].strip('`"')
-        assert shown in (repr(default), str(default), str(default).lower(),
-                         default if isinstance(default, str) else None), (name, shown)
+        assert shown in (
+            repr(default),
+            str(default),
+            str(default).lower(),
+            default if isinstance(default, str) else None,
+        ), (name, shown)
 
 
 def test_readme_names_the_demos_policies() -> None:
     from growpage.demo import POLICIES
 
     text = " ".join((ROOT / "README.md").read_text().split())
-    sentence = text[text.index("The demo replays"):text.index("(fidelity vs KV budget)")]
+    sentence = text[text.index("The demo replays") : text.index("(fidelity vs KV budget)")]
     assert names(sentence) == {name for _, name, _ in POLICIES}
 
 
@@ -240,8 +249,11 @@ def test_engine_guide_defaults_are_the_codes() -> None:
     from growpage.engine.sampling_params import SamplingParams
 
     llm_table, sampling_table = section("docs/engine.md", "## Parameters").split("`generate(")
-    llm = {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()
-           if p.kind is p.KEYWORD_ONLY}
+    llm = {
+        name: p.default
+        for name, p in inspect.signature(LLM.__init__).parameters.items()
+        if p.kind is p.KEYWORD_ONLY
+    }
     sampling = {f.name: f.default for f in attrs.fields(SamplingParams)}
     for table, actual in ((llm_table, llm), (sampling_table, sampling)):
         documented = documented_defaults(table)
@@ -277,9 +289,14 @@ def test_simulator_guide_lists_every_serving_metric() -> None:
 
     from growpage.sim.metrics import ServingMetrics
 
-    table = section("docs/simulator.md", "### Metrics (`ServingMetrics`, paper Tables 7-9 and Fig. 5)")
-    documented = names(table) | {f"{k}_p{q}_{u}" for k, u in (("ttft", "s"), ("tpot", "ms"),
-                                                              ("e2e", "s")) for q in (50, 90, 99)}
+    table = section(
+        "docs/simulator.md", "### Metrics (`ServingMetrics`, paper Tables 7-9 and Fig. 5)"
+    )
+    documented = names(table) | {
+        f"{k}_p{q}_{u}"
+        for k, u in (("ttft", "s"), ("tpot", "ms"), ("e2e", "s"))
+        for q in (50, 90, 99)
+    }
     assert {f.name for f in attrs.fields(ServingMetrics)} <= documented
 
 
@@ -290,8 +307,7 @@ def test_policy_guide_run_example_replays_the_guides_policy(tmp_path, capsys) ->
     (tmp_path / "my_policy.py").write_text(policy_code)
     from growpage.policies.registry import resolve_policy
 
-    scope: dict = {"policy": resolve_policy(f"{tmp_path}/my_policy.py:CappedGrowPage",
-                                            max_pages=8)}
+    scope: dict = {"policy": resolve_policy(f"{tmp_path}/my_policy.py:CappedGrowPage", max_pages=8)}
     exec(compile(run, "docs/policy-guide.md run", "exec"), scope)
     result = scope["result"]
     assert result.policy == "capped-growpage" and result.max_pages <= 8

@@ -25,7 +25,7 @@ SAMPLES = Path(__file__).resolve().parent / "typing_samples"
 AUTHOR = SAMPLES / "policy_author.py"
 MISTAKES = SAMPLES / "policy_mistakes.py"
 PYPROJECT = ROOT / "pyproject.toml"
-CACHE = ROOT / ".mypy_cache"   # mypy's default, so that `python -m mypy` shares it
+CACHE = ROOT / ".mypy_cache"  # mypy's default, so that `python -m mypy` shares it
 TIMEOUT_S = 900
 ERROR = re.compile(r"^(?P<path>.+?):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$", re.M)
 EXPECTED = re.compile(r"# error: (?P<code>[a-z-]+)\s*$")
@@ -33,8 +33,15 @@ EXPECTED = re.compile(r"# error: (?P<code>[a-z-]+)\s*$")
 
 def _mypy(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
     try:
-        done = subprocess.run([sys.executable, "-m", "mypy", *args], cwd=cwd, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=TIMEOUT_S)
+        done = subprocess.run(
+            [sys.executable, "-m", "mypy", *args],
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"mypy ran over {TIMEOUT_S} s: {exc.output}")
     return done.stdout
@@ -43,8 +50,15 @@ def _mypy(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
 def _checked(output: str, num_files: int | None = None) -> bool:
     """Whether mypy got as far as its summary line (not a crash or a bad option)."""
     files = r"\d+" if num_files is None else str(num_files)
-    return re.search(rf"^(Success: no issues found in {files} source files?|Found \d+ errors? in "
-                     rf"\d+ files? \(checked {files} source files?\))$", output, re.M) is not None
+    return (
+        re.search(
+            rf"^(Success: no issues found in {files} source files?|Found \d+ errors? in "
+            rf"\d+ files? \(checked {files} source files?\))$",
+            output,
+            re.M,
+        )
+        is not None
+    )
 
 
 def _errors(output: str, cwd: Path = ROOT) -> dict[Path, set[tuple[int, str]]]:
@@ -58,8 +72,7 @@ def _errors(output: str, cwd: Path = ROOT) -> dict[Path, set[tuple[int, str]]]:
 def checked() -> str:
     """mypy's output on the package, the kernels and the samples, with the project's
     configuration."""
-    return _mypy([*PACKAGES, str(AUTHOR.relative_to(ROOT)), str(MISTAKES.relative_to(ROOT))],
-                 ROOT)
+    return _mypy([*PACKAGES, str(AUTHOR.relative_to(ROOT)), str(MISTAKES.relative_to(ROOT))], ROOT)
 
 
 def test_the_package_is_mypy_clean(checked: str) -> None:
@@ -68,8 +81,7 @@ def test_the_package_is_mypy_clean(checked: str) -> None:
     assert errors == {}, f"mypy:\n{checked}"
 
 
-def test_the_kernels_are_checked_from_their_own_directory(monkeypatch: pytest.MonkeyPatch
-                                                         ) -> None:
+def test_the_kernels_are_checked_from_their_own_directory(monkeypatch: pytest.MonkeyPatch) -> None:
     """``python -m mypy`` checks what this module checks, and that includes every module of
     kernels/, as the package ``kernels``: never through growpage/kernels, a symlink that some
     checkouts have and a fresh clone does not."""
@@ -81,8 +93,10 @@ def test_the_kernels_are_checked_from_their_own_directory(monkeypatch: pytest.Mo
     _, options = process_options(["--config-file", str(PYPROJECT)], require_targets=False)
     assert options.files == PACKAGES
     modules = {source.module for source in create_source_list(PACKAGES, options)}
-    kernels = {"kernels" if path.stem == "__init__" else f"kernels.{path.stem}"
-               for path in (ROOT / "kernels").glob("*.py")}
+    kernels = {
+        "kernels" if path.stem == "__init__" else f"kernels.{path.stem}"
+        for path in (ROOT / "kernels").glob("*.py")
+    }
     assert len(kernels) >= 10 and kernels <= modules, sorted(kernels - modules)
     assert not [m for m in modules if m.startswith("growpage.kernels")]
 
@@ -93,8 +107,11 @@ def test_a_typed_policy_passes_the_strict_checks(checked: str) -> None:
 
 
 def test_policy_mistakes_are_refused(checked: str) -> None:
-    expected = {(i, m["code"]) for i, line in enumerate(MISTAKES.read_text().splitlines(), 1)
-                if (m := EXPECTED.search(line))}
+    expected = {
+        (i, m["code"])
+        for i, line in enumerate(MISTAKES.read_text().splitlines(), 1)
+        if (m := EXPECTED.search(line))
+    }
     assert len(expected) >= 3
     assert _errors(checked).get(MISTAKES) == expected, f"mypy:\n{checked}"
 
@@ -122,9 +139,13 @@ def test_every_function_of_the_package_must_be_annotated(monkeypatch: pytest.Mon
     monkeypatch.setenv("MYPY_CONFIG_FILE_DIR", "")  # mypy sets it; restored after the test
     _, project = process_options(["--config-file", str(PYPROJECT)], require_targets=False)
     package = ROOT / "growpage"
-    modules = [".".join(("growpage", *path.relative_to(package).with_suffix("").parts))
-               .removesuffix(".__init__") for path in sorted(package.rglob("*.py"))
-               if path.relative_to(package).parts[0] != "kernels"]
+    modules = [
+        ".".join(("growpage", *path.relative_to(package).with_suffix("").parts)).removesuffix(
+            ".__init__"
+        )
+        for path in sorted(package.rglob("*.py"))
+        if path.relative_to(package).parts[0] != "kernels"
+    ]
     assert "growpage" in modules and "growpage.engine.llm" in modules
     for module in modules:
         options = project.clone_for_module(module)
@@ -137,13 +158,15 @@ def test_growpage_imports_as_a_typed_package(checked: str, tmp_path: Path) -> No
     assert (ROOT / "growpage" / "py.typed").is_file()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    output = _mypy(["--config-file", str(PYPROJECT), "--cache-dir", str(CACHE), str(AUTHOR)],
-                   tmp_path, env)
+    output = _mypy(
+        ["--config-file", str(PYPROJECT), "--cache-dir", str(CACHE), str(AUTHOR)], tmp_path, env
+    )
     assert _checked(output, 1) and "Success" in output, f"mypy:\n{output}"
 
 
-def test_a_policy_author_runs_mypy_strict_in_their_own_directory(checked: str,
-                                                                   tmp_path: Path) -> None:
+def test_a_policy_author_runs_mypy_strict_in_their_own_directory(
+    checked: str, tmp_path: Path
+) -> None:
     """What the policy guide promises, as its reader does it: ``mypy --strict`` on their own
     files, in their own directory, with the environment ``make install`` built (no PYTHONPATH,
     no project configuration). The editable install's import hook is invisible to mypy; the
@@ -152,15 +175,20 @@ def test_a_policy_author_runs_mypy_strict_in_their_own_directory(checked: str,
     for sample in (AUTHOR, MISTAKES):
         (tmp_path / sample.name).write_text(sample.read_text())
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
-    output = _mypy(["--strict", "--cache-dir", str(CACHE), AUTHOR.name, MISTAKES.name],
-                   tmp_path, env)
+    output = _mypy(
+        ["--strict", "--cache-dir", str(CACHE), AUTHOR.name, MISTAKES.name], tmp_path, env
+    )
     assert "Cannot find implementation or library stub" not in output, (
-        f"mypy cannot find growpage from outside the checkout (run `make install`):\n{output}")
+        f"mypy cannot find growpage from outside the checkout (run `make install`):\n{output}"
+    )
     assert _checked(output, 2), f"mypy:\n{output}"
     errors = _errors(output, tmp_path)
     assert tmp_path / AUTHOR.name not in errors, f"mypy:\n{output}"
-    expected = {(i, m["code"]) for i, line in enumerate(MISTAKES.read_text().splitlines(), 1)
-                if (m := EXPECTED.search(line))}
+    expected = {
+        (i, m["code"])
+        for i, line in enumerate(MISTAKES.read_text().splitlines(), 1)
+        if (m := EXPECTED.search(line))
+    }
     assert errors.get(tmp_path / MISTAKES.name) == expected, f"mypy:\n{output}"
 
 

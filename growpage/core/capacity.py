@@ -39,7 +39,7 @@ class BoundaryOutcome:
 
     decision: Decision | None  # the policy's answer; None when growth was forced
     action: Action
-    fallback: bool = False     # GROW was refused and COMPRESS ran instead
+    fallback: bool = False  # GROW was refused and COMPRESS ran instead
     pages_before: int = 0
     pages_after: int = 0
     tokens_after: int = 0
@@ -74,10 +74,10 @@ class PendingCompaction:
     fallback: bool
     delta: float | None
     tokens_after: int
-    target: list[int]          # the block table after the action
-    released: list[int]        # pages to free once compacted
-    fresh: list[int]           # copy-on-write pages allocated for ``target``
-    source: list[int]          # the block table now
+    target: list[int]  # the block table after the action
+    released: list[int]  # pages to free once compacted
+    fresh: list[int]  # copy-on-write pages allocated for ``target``
+    source: list[int]  # the block table now
     done: bool = False
 
     def run(self) -> BoundaryOutcome:
@@ -85,8 +85,10 @@ class PendingCompaction:
         self._check_open()
         if self.state.block_table != self.source or self.state.num_tokens != self.ctx.num_tokens:
             self.cancel()
-            raise ValueError(f"request {self.state.request_id!r} changed while its compaction "
-                             "was pending (run or cancel it before the request moves on)")
+            raise ValueError(
+                f"request {self.state.request_id!r} changed while its compaction "
+                "was pending (run or cancel it before the request moves on)"
+            )
         self.done = True
         return self.controller._execute(self)
 
@@ -98,8 +100,10 @@ class PendingCompaction:
 
     def _check_open(self) -> None:
         if self.done:
-            raise ValueError(f"the pending compaction of request {self.state.request_id!r} "
-                             "already ran or was cancelled")
+            raise ValueError(
+                f"the pending compaction of request {self.state.request_id!r} "
+                "already ran or was cancelled"
+            )
 
 
 class CapacityController:
@@ -107,8 +111,9 @@ class CapacityController:
 
     def __init__(self, policy: CapacityPolicy, pool: PagePool, config: GrowPageConfig) -> None:
         if pool.page_size != config.page_size:
-            raise ValueError(f"pool page size {pool.page_size} != config page size "
-                             f"{config.page_size}")
+            raise ValueError(
+                f"pool page size {pool.page_size} != config page size {config.page_size}"
+            )
         self.policy = policy
         self.pool = pool
         self.config = config
@@ -119,8 +124,11 @@ class CapacityController:
 
     def will_decide(self, state: RequestState, view: KVView) -> bool:
         """Whether the policy decides ``state``'s boundary (at one, not forced to grow)."""
-        return (self.needs_decision(state) and state.num_pages >= self.config.min_capacity
-                and view.has_query_state)
+        return (
+            self.needs_decision(state)
+            and state.num_pages >= self.config.min_capacity
+            and view.has_query_state
+        )
 
     def prepare(self, items: Iterable[tuple[RequestState, KVView]]) -> BoundaryBatch:
         """One ``BoundaryBatch`` of the requests among ``items`` whose boundary the policy will
@@ -132,11 +140,23 @@ class CapacityController:
         return batch
 
     def _context(self, state: RequestState, view: KVView) -> BoundaryContext:
-        return BoundaryContext(state.request_id, state.num_tokens, state.position,
-                               state.num_pages, self.pool.num_free_pages, self.config, view)
+        return BoundaryContext(
+            state.request_id,
+            state.num_tokens,
+            state.position,
+            state.num_pages,
+            self.pool.num_free_pages,
+            self.config,
+            view,
+        )
 
-    def on_boundary(self, state: RequestState, view: KVView,
-                    batch: BoundaryBatch | None = None, defer: bool = False) -> BoundaryOutcome:
+    def on_boundary(
+        self,
+        state: RequestState,
+        view: KVView,
+        batch: BoundaryBatch | None = None,
+        defer: bool = False,
+    ) -> BoundaryOutcome:
         """Make room for one more token of ``state``; see ``BoundaryOutcome``.
 
         ``batch``: from ``prepare`` in this step; when it holds a context for ``state`` that
@@ -147,17 +167,25 @@ class CapacityController:
         ctx = batch.take(state.request_id) if batch is not None else None
         if ctx is not None:
             if (ctx.num_tokens, ctx.position, ctx.num_pages) != (
-                    state.num_tokens, state.position, state.num_pages):
-                raise ValueError(f"request {state.request_id!r} changed since its boundary "
-                                 "batch was prepared (prepare and decide in the same step)")
+                state.num_tokens,
+                state.position,
+                state.num_pages,
+            ):
+                raise ValueError(
+                    f"request {state.request_id!r} changed since its boundary "
+                    "batch was prepared (prepare and decide in the same step)"
+                )
             view = ctx.view
         b = self.config.page_size
         if state.num_tokens != state.num_pages * b:
-            raise ValueError(f"request {state.request_id!r} is not at a capacity boundary "
-                             f"({state.num_tokens} tokens in {state.num_pages} pages of {b})")
+            raise ValueError(
+                f"request {state.request_id!r} is not at a capacity boundary "
+                f"({state.num_tokens} tokens in {state.num_pages} pages of {b})"
+            )
         if view.num_tokens != state.num_tokens:
-            raise ValueError(f"KV view holds {view.num_tokens} tokens, request state "
-                             f"{state.num_tokens}")
+            raise ValueError(
+                f"KV view holds {view.num_tokens} tokens, request state {state.num_tokens}"
+            )
         self._count(state, "boundaries")
         if state.num_pages < self.config.min_capacity or not view.has_query_state:
             return self._forced_grow(state)
@@ -166,9 +194,11 @@ class CapacityController:
         ctx.num_free_pages = self.pool.num_free_pages  # now, not when the batch was prepared
         decision = _call(self.policy, "decide", ctx)
         if not isinstance(decision, Decision):
-            raise PolicyError(f"policy {_name(self.policy)} returned {decision!r} from decide(); "
-                              f"expected a growpage.Decision (request {ctx.request_id!r} at "
-                              f"position {ctx.position})")
+            raise PolicyError(
+                f"policy {_name(self.policy)} returned {decision!r} from decide(); "
+                f"expected a growpage.Decision (request {ctx.request_id!r} at "
+                f"position {ctx.position})"
+            )
         self._count(state, f"decided_{decision.value}")
         delta = ctx.computed_delta()
         if decision is Decision.GROW:
@@ -177,12 +207,10 @@ class CapacityController:
             if not getattr(self.policy, "fallback_to_compress", True):
                 return self._preempt(state, decision, delta)
             self._count(state, "fallback")
-            return self._compress(state, view, ctx, decision, Action.COMPRESS, True, delta,
-                                  defer)
+            return self._compress(state, view, ctx, decision, Action.COMPRESS, True, delta, defer)
         if decision is Decision.SHRINK and state.num_pages - 1 < self.config.min_capacity:
             self._count(state, "shrink_refused")
-            return self._compress(state, view, ctx, decision, Action.COMPRESS, False, delta,
-                                  defer)
+            return self._compress(state, view, ctx, decision, Action.COMPRESS, False, delta, defer)
         action = Action.SHRINK if decision is Decision.SHRINK else Action.COMPRESS
         return self._compress(state, view, ctx, decision, action, False, delta, defer)
 
@@ -193,22 +221,32 @@ class CapacityController:
         self._count(state, "forced_grow")
         return self._grow(state, None, None)
 
-    def _grow(self, state: RequestState, decision: Decision | None, delta: float | None
-              ) -> BoundaryOutcome:
+    def _grow(
+        self, state: RequestState, decision: Decision | None, delta: float | None
+    ) -> BoundaryOutcome:
         before = state.num_pages
         state.block_table.extend(self.pool.allocate(1))
         self._count(state, "grow")
         return self._done(state, decision, Action.GROW, False, before, delta)
 
-    def _compress(self, state: RequestState, view: KVView, ctx: BoundaryContext,
-                  decision: Decision, action: Action, fallback: bool, delta: float | None,
-                  defer: bool = False) -> BoundaryOutcome:
+    def _compress(
+        self,
+        state: RequestState,
+        view: KVView,
+        ctx: BoundaryContext,
+        decision: Decision,
+        action: Action,
+        fallback: bool,
+        delta: float | None,
+        defer: bool = False,
+    ) -> BoundaryOutcome:
         """Settle the pages of a compression (copy-on-write pages for shared ones: preempt
         when there are none), then run it, or with ``defer`` hand it back pending."""
         b, before = self.config.page_size, state.num_pages
         drop = 2 if action is Action.SHRINK else 1
-        dst, released = _target_pages(list(state.block_table), self.pool,
-                                      shrink=action is Action.SHRINK)
+        dst, released = _target_pages(
+            list(state.block_table), self.pool, shrink=action is Action.SHRINK
+        )
         shared_slots = [i for i, page in enumerate(dst) if self.pool.is_shared(page)]
         if not self.pool.can_allocate(len(shared_slots)):
             return self._preempt(state, decision, delta)
@@ -216,13 +254,26 @@ class CapacityController:
         for i, page in zip(shared_slots, fresh, strict=True):
             released.append(dst[i])
             dst[i] = page
-        pending = PendingCompaction(self, state, view, ctx, decision, action, fallback, delta,
-                                    (before - drop) * b, dst, released, fresh,
-                                    list(state.block_table))
+        pending = PendingCompaction(
+            self,
+            state,
+            view,
+            ctx,
+            decision,
+            action,
+            fallback,
+            delta,
+            (before - drop) * b,
+            dst,
+            released,
+            fresh,
+            list(state.block_table),
+        )
         if not defer:
             return pending.run()
-        return BoundaryOutcome(decision, action, fallback, before, len(dst),
-                               pending.tokens_after, delta, pending)
+        return BoundaryOutcome(
+            decision, action, fallback, before, len(dst), pending.tokens_after, delta, pending
+        )
 
     def _execute(self, p: PendingCompaction) -> BoundaryOutcome:
         """Selection and compaction of a settled compression; all or nothing."""
@@ -243,17 +294,33 @@ class CapacityController:
             self._count(state, "cow_pages", len(p.fresh))
         return self._done(state, p.decision, p.action, p.fallback, before, p.delta)
 
-    def _preempt(self, state: RequestState, decision: Decision | None, delta: float | None
-                 ) -> BoundaryOutcome:
+    def _preempt(
+        self, state: RequestState, decision: Decision | None, delta: float | None
+    ) -> BoundaryOutcome:
         self._count(state, "preempt_needed")
-        return BoundaryOutcome(decision, Action.PREEMPT, False, state.num_pages,
-                               state.num_pages, state.num_tokens, delta)
+        return BoundaryOutcome(
+            decision,
+            Action.PREEMPT,
+            False,
+            state.num_pages,
+            state.num_pages,
+            state.num_tokens,
+            delta,
+        )
 
-    def _done(self, state: RequestState, decision: Decision | None, action: Action,
-              fallback: bool, before: int, delta: float | None) -> BoundaryOutcome:
+    def _done(
+        self,
+        state: RequestState,
+        decision: Decision | None,
+        action: Action,
+        fallback: bool,
+        before: int,
+        delta: float | None,
+    ) -> BoundaryOutcome:
         state.trajectory.append((state.position, state.num_pages, action.value))
-        return BoundaryOutcome(decision, action, fallback, before, state.num_pages,
-                               state.num_tokens, delta)
+        return BoundaryOutcome(
+            decision, action, fallback, before, state.num_pages, state.num_tokens, delta
+        )
 
     # ---- helpers --------------------------------------------------------------------------
     def checked_selection(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
@@ -265,8 +332,10 @@ class CapacityController:
         indices = _call(self.policy, "select", ctx, keep)
         problem, ordered = _check_selection(indices, ctx, keep)
         if problem:
-            raise PolicyError(f"policy {_name(self.policy)} select(): {problem} "
-                              f"(request {ctx.request_id!r} at position {ctx.position})")
+            raise PolicyError(
+                f"policy {_name(self.policy)} select(): {problem} "
+                f"(request {ctx.request_id!r} at position {ctx.position})"
+            )
         assert ordered is not None  # no problem: the checked selection comes back
         return ordered
 
@@ -280,22 +349,26 @@ def selection_problem(indices: object, ctx: BoundaryContext, keep: int) -> str |
     return _check_selection(indices, ctx, keep)[0]
 
 
-def _check_selection(indices: object, ctx: BoundaryContext, keep: int
-                     ) -> tuple[str | None, torch.Tensor | None]:
+def _check_selection(
+    indices: object, ctx: BoundaryContext, keep: int
+) -> tuple[str | None, torch.Tensor | None]:
     """``(problem, indices sorted ascending)``; one host sync when the selection is valid and
     ascending, as the contract asks (an unordered one is sorted here, at a second sync)."""
     num_layers, num_kv = ctx.shape
     expected = (num_layers, num_kv, keep)
     if not isinstance(indices, torch.Tensor):
-        return (f"returned {type(indices).__name__}, expected a torch.Tensor of shape "
-                f"{expected}"), None
+        return (
+            f"returned {type(indices).__name__}, expected a torch.Tensor of shape {expected}"
+        ), None
     if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
         return (f"returned dtype {indices.dtype}, expected an integer tensor (torch.long)"), None
     if torch.iinfo(indices.dtype).bits < 32:
         # NOTE: refused even when the slots fit: small contexts (the kit's) would pass and a
         # real one (thousands of slots) would not, or would wrap around.
-        return (f"returned dtype {indices.dtype}, too narrow for slot indices (at most "
-                f"{torch.iinfo(indices.dtype).max}); return torch.long or torch.int32"), None
+        return (
+            f"returned dtype {indices.dtype}, too narrow for slot indices (at most "
+            f"{torch.iinfo(indices.dtype).max}); return torch.long or torch.int32"
+        ), None
     if tuple(indices.shape) != expected:
         return f"wrong shape {tuple(indices.shape)}, expected {expected} (exact kept count)", None
     slots = indices.to(torch.long)
@@ -312,20 +385,26 @@ def _check_selection(indices: object, ctx: BoundaryContext, keep: int
     outside = (ordered < 0) | (ordered >= n)
     if bool(outside.any()):
         layer, head, i = _first(outside)
-        return (f"slot index out of range [0, {n}): {int(ordered[layer, head, i])} in layer "
-                f"{layer}, KV head {head}"), None
+        return (
+            f"slot index out of range [0, {n}): {int(ordered[layer, head, i])} in layer "
+            f"{layer}, KV head {head}"
+        ), None
     repeated = ordered[..., 1:] == ordered[..., :-1]
     if bool(repeated.any()):
         layer, head, i = _first(repeated)
-        return (f"duplicate slot indices within a layer/KV head: slot "
-                f"{int(ordered[layer, head, i])} twice in layer {layer}, KV head {head}"), None
+        return (
+            f"duplicate slot indices within a layer/KV head: slot "
+            f"{int(ordered[layer, head, i])} twice in layer {layer}, KV head {head}"
+        ), None
     # Sorted, unique and in range, a row lacks the window iff its last `recent` slots are not
     # the window (and recent > 0, else nothing is wrong and this is not reached).
     window = torch.arange(n - recent, n, device=ordered.device)
     layer, head, _ = _first(ordered[..., -recent:] != window)
     missing = int(window[~torch.isin(window, ordered[layer, head])][0])
-    return (f"protected recent window (last {recent} slots) not fully kept: slot {missing} "
-            f"missing in layer {layer}, KV head {head}"), None
+    return (
+        f"protected recent window (last {recent} slots) not fully kept: slot {missing} "
+        f"missing in layer {layer}, KV head {head}"
+    ), None
 
 
 def _first(flags: torch.Tensor) -> tuple[int, ...]:
@@ -370,9 +449,13 @@ def _call(policy: object, method: str, ctx: BoundaryContext, *args: object) -> A
             raise
         # A bad argument to a context method (``attention("longterm")``, ``delta(p=1.5)``) is
         # the policy's bug: name the policy and the boundary as for any other exception.
-        raise PolicyError(f"policy {_name(policy)} {method}() raised ConfigError: {exc} "
-                          f"(request {ctx.request_id!r} at position {ctx.position})") from exc
+        raise PolicyError(
+            f"policy {_name(policy)} {method}() raised ConfigError: {exc} "
+            f"(request {ctx.request_id!r} at position {ctx.position})"
+        ) from exc
     except Exception as exc:
-        raise PolicyError(f"policy {_name(policy)} {method}() raised {type(exc).__name__}: "
-                          f"{exc} (request {ctx.request_id!r} at position {ctx.position})"
-                          f"{missing_sums_hint(ctx)}") from exc
+        raise PolicyError(
+            f"policy {_name(policy)} {method}() raised {type(exc).__name__}: "
+            f"{exc} (request {ctx.request_id!r} at position {ctx.position})"
+            f"{missing_sums_hint(ctx)}"
+        ) from exc

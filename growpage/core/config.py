@@ -23,13 +23,19 @@ def _beta(inst: object, attribute: attrs.Attribute, value: float) -> None:
 
 
 def _positive_int(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    _check(isinstance(value, int) and value > 0, attribute.name,
-           f"must be a positive integer, got {value!r}")
+    _check(
+        isinstance(value, int) and value > 0,
+        attribute.name,
+        f"must be a positive integer, got {value!r}",
+    )
 
 
 def _non_negative_int(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    _check(isinstance(value, int) and value >= 0, attribute.name,
-           f"must be a non-negative integer, got {value!r}")
+    _check(
+        isinstance(value, int) and value >= 0,
+        attribute.name,
+        f"must be a non-negative integer, got {value!r}",
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -59,17 +65,32 @@ class GrowPageConfig:
     watermark: int = attrs.field(default=0, validator=_non_negative_int)
 
     def __attrs_post_init__(self) -> None:
-        _check(self.recent_window < self.page_size, "recent_window",
-               f"must be smaller than page_size ({self.page_size}), got {self.recent_window}")
-        _check(self.min_capacity >= 2, "min_capacity",
-               f"must be at least 2 pages (a boundary needs a historical page), got {self.min_capacity}")
-        _check(self.beta_short < self.beta_long, "beta_short",
-               f"must be smaller than beta_long ({self.beta_long}), got {self.beta_short}")
-        _check(isinstance(self.tau, (int, float)) and -1.0 <= self.tau <= 1.0, "tau",
-               f"must be a number in [-1, 1] (delta is a difference of ratios), got {self.tau!r}")
+        _check(
+            self.recent_window < self.page_size,
+            "recent_window",
+            f"must be smaller than page_size ({self.page_size}), got {self.recent_window}",
+        )
+        _check(
+            self.min_capacity >= 2,
+            "min_capacity",
+            f"must be at least 2 pages (a boundary needs a historical page), got {self.min_capacity}",
+        )
+        _check(
+            self.beta_short < self.beta_long,
+            "beta_short",
+            f"must be smaller than beta_long ({self.beta_long}), got {self.beta_short}",
+        )
+        _check(
+            isinstance(self.tau, (int, float)) and -1.0 <= self.tau <= 1.0,
+            "tau",
+            f"must be a number in [-1, 1] (delta is a difference of ratios), got {self.tau!r}",
+        )
         if self.k_loc is not None:
-            _check(isinstance(self.k_loc, int) and 0 <= self.k_loc <= self.page_size, "k_loc",
-                   f"must be an integer in [0, page_size={self.page_size}] or None, got {self.k_loc!r}")
+            _check(
+                isinstance(self.k_loc, int) and 0 <= self.k_loc <= self.page_size,
+                "k_loc",
+                f"must be an integer in [0, page_size={self.page_size}] or None, got {self.k_loc!r}",
+            )
 
     @property
     def local_quota(self) -> int:

@@ -43,8 +43,16 @@ class BoundaryContext:
             None.
     """
 
-    def __init__(self, request_id: Hashable, num_tokens: int, position: int, num_pages: int,
-                 num_free_pages: int, config: GrowPageConfig, view: KVView) -> None:
+    def __init__(
+        self,
+        request_id: Hashable,
+        num_tokens: int,
+        position: int,
+        num_pages: int,
+        num_free_pages: int,
+        config: GrowPageConfig,
+        view: KVView,
+    ) -> None:
         self.request_id = request_id
         self.num_tokens = num_tokens
         self.position = position
@@ -54,9 +62,9 @@ class BoundaryContext:
         self.view = view
         #: The ``BoundaryBatch`` this context shares its top-p sizes and Delta_t with, if any.
         self.batch: BoundaryBatch | None = None
-        self._counts: dict[float, torch.Tensor] = {}   # p -> [2, L, Hkv] top-p sizes (int64)
-        self._ratios: dict[float, torch.Tensor] = {}   # p -> [2, L, Hkv]
-        self._deltas: dict[float, float] = {}          # p -> Delta_t (one host sync each)
+        self._counts: dict[float, torch.Tensor] = {}  # p -> [2, L, Hkv] top-p sizes (int64)
+        self._ratios: dict[float, torch.Tensor] = {}  # p -> [2, L, Hkv]
+        self._deltas: dict[float, float] = {}  # p -> Delta_t (one host sync each)
         self._read_missing_sums = False  # accumulated_attention() answered None: for errors
 
     # ---- plain facts ----------------------------------------------------------------------
@@ -142,8 +150,10 @@ class BoundaryContext:
         if p is None:
             return self.config.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
-            raise ConfigError(f"BoundaryContext.{method}(p): the coverage must be a number in "
-                              f"(0, 1] or None (config.top_p), got {p!r}")
+            raise ConfigError(
+                f"BoundaryContext.{method}(p): the coverage must be a number in "
+                f"(0, 1] or None (config.top_p), got {p!r}"
+            )
         return float(p)
 
     def _size_pair(self, p: float) -> torch.Tensor:
@@ -170,8 +180,9 @@ class BoundaryContext:
             self.batch.fill(key, self, deltas=True)
         if key not in self._deltas:
             sizes = self._size_pair(key)
-            self._deltas[key] = demand.demand_trends(sizes[None],
-                                                     [self.num_estimation_candidates])[0]
+            self._deltas[key] = demand.demand_trends(sizes[None], [self.num_estimation_candidates])[
+                0
+            ]
         return self._deltas[key]
 
     def computed_delta(self) -> float | None:
@@ -180,8 +191,10 @@ class BoundaryContext:
 
     def entropy_delta(self) -> float:
         """Delta_t with the entropy ratio instead of the top-p working set (Table 2 ablation)."""
-        return demand.demand_trend(demand.entropy_ratio(self.attention("short")),
-                                   demand.entropy_ratio(self.attention("long")))
+        return demand.demand_trend(
+            demand.entropy_ratio(self.attention("short")),
+            demand.entropy_ratio(self.attention("long")),
+        )
 
     def scores(self) -> torch.Tensor:
         """Importance s = max(a^S, a^L) (Eq. 9) of the selection candidates, ``[L, Hkv, N - R]``.
@@ -209,8 +222,10 @@ def missing_sums_hint(ctx: BoundaryContext) -> str:
     """For an error raised by a policy: a hint when it read sums the view does not record."""
     if not getattr(ctx, "_read_missing_sums", False):  # a context of another class: none
         return ""
-    return (" -- accumulated_attention() was None here: a policy that reads it sets "
-            "needs_accumulated_attention = True")
+    return (
+        " -- accumulated_attention() was None here: a policy that reads it sets "
+        "needs_accumulated_attention = True"
+    )
 
 
 class BoundaryBatch:
@@ -252,8 +267,11 @@ class BoundaryBatch:
     def fill(self, p: float, asking: BoundaryContext, deltas: bool) -> None:
         """Top-p sizes (and with ``deltas`` Delta_t) at ``p`` of every live member lacking them."""
         cache = "_deltas" if deltas else "_counts"
-        todo = [c for c in self._contexts
-                if p not in getattr(c, cache) and (c is asking or _still_at_boundary(c))]
+        todo = [
+            c
+            for c in self._contexts
+            if p not in getattr(c, cache) and (c is asking or _still_at_boundary(c))
+        ]
         groups = self._groups(todo)
         stacked = []
         for group in groups:
@@ -280,8 +298,11 @@ class BoundaryBatch:
         for c in sorted(todo, key=lambda c: c.num_estimation_candidates):
             n = c.num_estimation_candidates
             rows = 2 * c.view.num_layers * c.view.num_kv_heads
-            if (groups and (pad or n == widest)
-                    and (len(groups[-1]) + 1) * max(widest, n) * rows <= self.max_elements):
+            if (
+                groups
+                and (pad or n == widest)
+                and (len(groups[-1]) + 1) * max(widest, n) * rows <= self.max_elements
+            ):
                 groups[-1].append(c)
             else:
                 groups.append([c])
@@ -293,13 +314,15 @@ def _attention_of(contexts: list[BoundaryContext]) -> list[torch.Tensor] | torch
     """The estimation attention of ``contexts``: through their views' batched fast path when it
     answers (queries and attention of all in one call, the attention zero-padded
     ``[R, 2, L, Hkv, N_max]``), else each its own."""
-    fresh = all("_queries" not in vars(c) and "_estimation_attention" not in vars(c)
-                for c in contexts)
+    fresh = all(
+        "_queries" not in vars(c) and "_estimation_attention" not in vars(c) for c in contexts
+    )
     view_class = type(contexts[0].view)
     if fresh and len(contexts) > 1 and all(type(c.view) is view_class for c in contexts):
         counts = [c.num_estimation_candidates for c in contexts]
-        signals = view_class.batch_boundary_signals([c.view for c in contexts],
-                                                    [c.position for c in contexts], counts)
+        signals = view_class.batch_boundary_signals(
+            [c.view for c in contexts], [c.position for c in contexts], counts
+        )
         if signals is not None:
             queries, padded = signals
             for i, (c, n) in enumerate(zip(contexts, counts, strict=True)):
@@ -315,8 +338,12 @@ def _still_at_boundary(ctx: BoundaryContext) -> bool:
 
 
 # Cached signals a policy can reach (``attention()`` returns a view of the first) by name.
-_CACHED_TENSORS = {"_estimation_attention": "attention()", "_selection_attention": "scores()",
-                   "_queries": "the rotated query summaries", "_logits": "the summary logits"}
+_CACHED_TENSORS = {
+    "_estimation_attention": "attention()",
+    "_selection_attention": "scores()",
+    "_queries": "the rotated query summaries",
+    "_logits": "the summary logits",
+}
 
 
 def changed_signals(ctx: BoundaryContext, fresh: BoundaryContext) -> list[str]:
@@ -324,25 +351,40 @@ def changed_signals(ctx: BoundaryContext, fresh: BoundaryContext) -> list[str]:
     boundary: a policy modified in place a tensor the context returned (``attention()``,
     ``working_set_ratio()``), so the context now answers differently. Used by the conformance
     kit's ``no-mutation`` rule; computes on ``fresh`` only what ``ctx`` computed."""
-    changed = [label for name, label in _CACHED_TENSORS.items()
-               if name in vars(ctx) and not _same(vars(ctx)[name], getattr(fresh, name))]
-    changed += [f"top-p sizes (p={p})" for p, sizes in ctx._counts.items()
-                if not _same(sizes, fresh._size_pair(p))]
-    changed += [f"working_set_ratio(p={p})" for p, ratios in ctx._ratios.items()
-                if not _same(ratios, fresh._ratio_pair(p))]
-    changed += [f"delta(p={p})" for p, delta in ctx._deltas.items()
-                if not _same(torch.tensor(delta), torch.tensor(fresh.delta(p)))]
+    changed = [
+        label
+        for name, label in _CACHED_TENSORS.items()
+        if name in vars(ctx) and not _same(vars(ctx)[name], getattr(fresh, name))
+    ]
+    changed += [
+        f"top-p sizes (p={p})"
+        for p, sizes in ctx._counts.items()
+        if not _same(sizes, fresh._size_pair(p))
+    ]
+    changed += [
+        f"working_set_ratio(p={p})"
+        for p, ratios in ctx._ratios.items()
+        if not _same(ratios, fresh._ratio_pair(p))
+    ]
+    changed += [
+        f"delta(p={p})"
+        for p, delta in ctx._deltas.items()
+        if not _same(torch.tensor(delta), torch.tensor(fresh.delta(p)))
+    ]
     return changed
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0.0, atol=0.0,
-                                                     equal_nan=True).all())
+    return a.shape == b.shape and bool(
+        torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all()
+    )
 
 
 def _view_index(view: str, method: str) -> int:
     try:
         return VIEWS.index(view)
     except ValueError:
-        raise ConfigError(f"BoundaryContext.{method}(view): the attention view must be 'short' "
-                          f"or 'long', got {view!r}") from None
+        raise ConfigError(
+            f"BoundaryContext.{method}(view): the attention view must be 'short' "
+            f"or 'long', got {view!r}"
+        ) from None

@@ -8,9 +8,9 @@ import enum
 class Decision(enum.Enum):
     """A policy's answer at a capacity boundary (docs/architecture.md, "Capacity semantics")."""
 
-    GROW = "grow"          # append one page from the pool
+    GROW = "grow"  # append one page from the pool
     COMPRESS = "compress"  # Compress & Hold: keep (P-1)*b tokens in the same P pages
-    SHRINK = "shrink"      # keep (P-2)*b tokens and release one page
+    SHRINK = "shrink"  # keep (P-2)*b tokens and release one page
 
 
 class Action(enum.Enum):

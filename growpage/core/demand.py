@@ -43,8 +43,9 @@ def worst_case_error(mass: torch.Tensor | float, v_max: float) -> torch.Tensor |
     return 2.0 * v_max * (1.0 - mass)
 
 
-def renormalized_output(attn: torch.Tensor, values: torch.Tensor, keep_mask: torch.Tensor
-                        ) -> torch.Tensor:
+def renormalized_output(
+    attn: torch.Tensor, values: torch.Tensor, keep_mask: torch.Tensor
+) -> torch.Tensor:
     """Output of attention restricted to a subset and renormalized (Eq. 3).
 
     ``attn [..., N]``, ``values [..., N, d]``, ``keep_mask [..., N]`` -> ``[..., d]``.
@@ -83,15 +84,22 @@ def working_set_counts(attns: list[torch.Tensor] | torch.Tensor, p: float) -> to
         raise ValueError("working_set_counts needs at least one distribution")
     lead = attns[0].shape[:-1]
     if any(a.shape[:-1] != lead or a.shape[-1] < 1 for a in attns):
-        raise ValueError("distributions must share their leading shape and hold >= 1 candidate, "
-                         f"got {[tuple(a.shape) for a in attns]}")
+        raise ValueError(
+            "distributions must share their leading shape and hold >= 1 candidate, "
+            f"got {[tuple(a.shape) for a in attns]}"
+        )
     if len(attns) == 1:
         padded = attns[0].float().unsqueeze(0)
     elif len({a.shape[-1] for a in attns}) == 1:
         padded = torch.stack([a.float() for a in attns])
     else:  # [R, N_max, ...] through pad_sequence, then candidates contiguous in the last dim
-        padded = torch.nn.utils.rnn.pad_sequence([a.float().movedim(-1, 0) for a in attns],
-                                                 batch_first=True).movedim(1, -1).contiguous()
+        padded = (
+            torch.nn.utils.rnn.pad_sequence(
+                [a.float().movedim(-1, 0) for a in attns], batch_first=True
+            )
+            .movedim(1, -1)
+            .contiguous()
+        )
     return _sorted_coverage(padded, p)
 
 
@@ -106,8 +114,9 @@ def _sorted_coverage(attn: torch.Tensor, p: float) -> torch.Tensor:
     return (cum < target).sum(dim=-1) + 1
 
 
-def demand_trends(counts: torch.Tensor | list[torch.Tensor], num_candidates: list[int]
-                  ) -> list[float]:
+def demand_trends(
+    counts: torch.Tensor | list[torch.Tensor], num_candidates: list[int]
+) -> list[float]:
     """Delta_t (Eq. 8) of each request from its top-p sizes ``counts [R, 2, ...]`` (short,
     long; or a list of such groups, in order) over its ``num_candidates[r]`` estimation
     candidates; one host sync for all.
@@ -146,8 +155,9 @@ def ema_update(summary: torch.Tensor, query: torch.Tensor, beta: float) -> torch
     return summary.mul_(beta).add_(query.to(summary.dtype), alpha=1.0 - beta)
 
 
-def update_query_summaries(summaries: torch.Tensor, query: torch.Tensor, beta_short: float,
-                           beta_long: float, first: bool) -> None:
+def update_query_summaries(
+    summaries: torch.Tensor, query: torch.Tensor, beta_short: float, beta_long: float, first: bool
+) -> None:
     """Update the short/long summaries in place from one decode query (Eq. 6, appendix E.1).
 
     Args:

@@ -14,14 +14,14 @@ class EventCounters:
     decided_grow: int = 0
     decided_compress: int = 0
     decided_shrink: int = 0
-    forced_grow: int = 0      # growth below min_capacity (no policy call)
-    grow: int = 0             # executed growths, forced ones included
+    forced_grow: int = 0  # growth below min_capacity (no policy call)
+    grow: int = 0  # executed growths, forced ones included
     compress: int = 0
     shrink: int = 0
-    fallback: int = 0         # GROW refused by the pool, COMPRESS executed instead
-    shrink_refused: int = 0   # SHRINK below min_capacity, COMPRESS executed instead
-    preempt_needed: int = 0   # nothing could make room; the caller must preempt
-    cow_pages: int = 0        # shared pages replaced by private copies before compaction
+    fallback: int = 0  # GROW refused by the pool, COMPRESS executed instead
+    shrink_refused: int = 0  # SHRINK below min_capacity, COMPRESS executed instead
+    preempt_needed: int = 0  # nothing could make room; the caller must preempt
+    cow_pages: int = 0  # shared pages replaced by private copies before compaction
 
     def merge(self, other: EventCounters) -> None:
         for field in attrs.fields(EventCounters):

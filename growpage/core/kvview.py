@@ -85,8 +85,7 @@ class KVView(abc.ABC):
         """
         return None
 
-    def summary_attention(self, queries: torch.Tensor, num_candidates: int
-                          ) -> torch.Tensor | None:
+    def summary_attention(self, queries: torch.Tensor, num_candidates: int) -> torch.Tensor | None:
         """Optional fast path: attention of ``queries [V, L, Hq, d]`` (calibrated, rotated)
         over slots ``0..num_candidates-1``, ``[V, L, Hkv, num_candidates]`` fp32 (softmax per
         query head, then the mean over each KV head's group), computed without ``keys()``.
@@ -97,9 +96,9 @@ class KVView(abc.ABC):
         return None
 
     @staticmethod
-    def batch_boundary_signals(views: list[KVView], positions: list[int],
-                               num_candidates: list[int]
-                               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def batch_boundary_signals(
+        views: list[KVView], positions: list[int], num_candidates: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Optional fast path: ``boundary_queries`` and ``summary_attention`` of several
         requests' views (of one class) at once: ``[R, 2, L, Hq, d]`` queries rotated to
         ``positions[r]`` and ``[R, 2, L, Hkv, max(num_candidates)]`` fp32 attention, request r's
@@ -123,16 +122,26 @@ class KVView(abc.ABC):
 class DenseKVView(KVView):
     """A KV view over dense tensors with room for ``capacity`` slots."""
 
-    def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 rope: RopeConfig, capacity: int, softmax_scale: float | None = None,
-                 device: str | torch.device = "cpu", track_accumulated: bool = False) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope: RopeConfig,
+        capacity: int,
+        softmax_scale: float | None = None,
+        device: str | torch.device = "cpu",
+        track_accumulated: bool = False,
+    ) -> None:
         if num_q_heads % num_kv_heads:
-            raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of "
-                             f"num_kv_heads ({num_kv_heads})")
+            raise ValueError(
+                f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
         self.num_layers, self.num_q_heads = num_layers, num_q_heads
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.rope = rope
-        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         self._device = torch.device(device)
         shape = (num_layers, num_kv_heads, capacity)
         self._keys = torch.zeros(*shape, head_dim, device=self._device)
@@ -165,10 +174,10 @@ class DenseKVView(KVView):
         n = keys.shape[2]
         while self._n + n > self.capacity:
             self._grow_storage(max(self.capacity, n))
-        self._keys[:, :, self._n:self._n + n] = keys.to(self._keys.dtype)
-        self._positions[:, :, self._n:self._n + n] = positions.to(self._positions.device)
+        self._keys[:, :, self._n : self._n + n] = keys.to(self._keys.dtype)
+        self._positions[:, :, self._n : self._n + n] = positions.to(self._positions.device)
         if self._acc is not None:
-            self._acc[:, :, self._n:self._n + n] = 0
+            self._acc[:, :, self._n : self._n + n] = 0
         self._n += n
 
     def add_attention(self, attn: torch.Tensor) -> None:
@@ -206,7 +215,9 @@ class DenseKVView(KVView):
     def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
         k = keep.shape[-1]
         idx = keep.to(self._device)
-        kept_keys = torch.gather(self.keys(), 2, idx.unsqueeze(-1).expand(-1, -1, -1, self.head_dim))
+        kept_keys = torch.gather(
+            self.keys(), 2, idx.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
+        )
         self._keys[:, :, :k] = kept_keys
         self._positions[:, :, :k] = torch.gather(self.positions(), 2, idx)
         if self._acc is not None:

@@ -75,7 +75,8 @@ class PagePool:
         if not self.can_allocate(num, respect_watermark):
             reserve = self.watermark if respect_watermark else 0
             raise PoolExhaustedError(
-                f"need {num} page(s), {len(self._free)} free ({reserve} held back by the watermark)")
+                f"need {num} page(s), {len(self._free)} free ({reserve} held back by the watermark)"
+            )
         pages = []
         for _ in range(num):
             page, _ = self._free.popitem(last=False)
@@ -126,8 +127,9 @@ class PagePool:
         return new
 
     # ---- prefix cache -------------------------------------------------------------------
-    def register(self, page: int, page_hash: int, token_ids: Sequence[int], *,
-                 parent: int | None) -> bool:
+    def register(
+        self, page: int, page_hash: int, token_ids: Sequence[int], *, parent: int | None
+    ) -> bool:
         """Record that held ``page`` holds the full prefix page ``token_ids`` hashed ``page_hash``.
 
         ``parent`` is the cached page holding the previous page of the same prefix (None for a
@@ -139,7 +141,7 @@ class PagePool:
         if len(token_ids) != self.page_size:
             raise ValueError(f"only full pages are cached ({len(token_ids)} != {self.page_size})")
         if self.lookup(page_hash, token_ids, parent) == page:
-            return True   # a prefix hit's page, registered by its new holder: already so
+            return True  # a prefix hit's page, registered by its new holder: already so
         self._forget(page)
         if page_hash in self._page_of or (parent is not None and parent not in self._hash_of):
             return False
@@ -156,7 +158,7 @@ class PagePool:
         cached now. Stops at the first page that cannot be cached."""
         prev_hash, parent, b = None, None, self.page_size
         for i, page in enumerate(pages[: len(token_ids) // b]):
-            chunk = token_ids[i * b:(i + 1) * b]
+            chunk = token_ids[i * b : (i + 1) * b]
             prev_hash = chain_hash(prev_hash, chunk)
             if self.lookup(prev_hash, chunk, parent) == page:
                 parent = page
@@ -166,8 +168,14 @@ class PagePool:
             parent = page
         return min(len(pages), len(token_ids) // b)
 
-    def extend_chain(self, page: int, token_ids: Sequence[int], prev_hash: int | None,
-                     parent: int | None, first: bool) -> tuple[int, int | None]:
+    def extend_chain(
+        self,
+        page: int,
+        token_ids: Sequence[int],
+        prev_hash: int | None,
+        parent: int | None,
+        first: bool,
+    ) -> tuple[int, int | None]:
         """Enter held ``page``, the full page ``token_ids`` after a prefix of chain hash
         ``prev_hash`` whose cached page is ``parent`` (``first``: no prefix before it).
 
@@ -181,8 +189,9 @@ class PagePool:
         self.register(page, page_hash, token_ids, parent=parent)
         return page_hash, self.lookup(page_hash, token_ids, parent)
 
-    def lookup(self, page_hash: int, token_ids: Sequence[int], parent: int | None = None
-               ) -> int | None:
+    def lookup(
+        self, page_hash: int, token_ids: Sequence[int], parent: int | None = None
+    ) -> int | None:
         """The cached page holding exactly ``token_ids`` after ``parent`` under ``page_hash``."""
         page = self._page_of.get(page_hash)
         if page is None or self._tokens_of[page] != tuple(token_ids):
@@ -210,7 +219,7 @@ class PagePool:
         prev: int | None = None
         b = self.page_size
         for start in range(0, len(token_ids) - b + 1, b):
-            chunk = token_ids[start:start + b]
+            chunk = token_ids[start : start + b]
             prev = chain_hash(prev, chunk)
             page = self.lookup(prev, chunk, pages[-1] if pages else None)
             if page is None:
@@ -257,5 +266,6 @@ class PagePool:
         assert len(self._page_of) == len(self._hash_of) == len(self._tokens_of)
         assert self._parent_of.keys() == self._hash_of.keys()
         for page, parent in self._parent_of.items():
-            assert parent is None or page in self._children.get(parent, ()), \
+            assert parent is None or page in self._children.get(parent, ()), (
                 f"cached page {page} lost its link to parent {parent}"
+            )

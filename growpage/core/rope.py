@@ -33,16 +33,22 @@ class RopeConfig:
     def __attrs_post_init__(self) -> None:
         # NOTE: a zero scaling factor or equal frequency factors divide by zero in
         # inv_frequencies, which would turn every rotated query and key into NaN.
-        positive = {"scaling_factor": self.scaling_factor, "low_freq_factor": self.low_freq_factor,
-                    "high_freq_factor": self.high_freq_factor,
-                    "original_max_position": self.original_max_position}
+        positive = {
+            "scaling_factor": self.scaling_factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position": self.original_max_position,
+        }
         for name, value in positive.items():
-            if value is not None and not (isinstance(value, (int, float))
-                                          and not isinstance(value, bool) and value > 0):
+            if value is not None and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            ):
                 raise ValueError(f"RopeConfig.{name} must be a number > 0, got {value!r}")
         if self.scaling_factor is not None and self.low_freq_factor == self.high_freq_factor:
-            raise ValueError(f"RopeConfig: low_freq_factor and high_freq_factor must differ "
-                             f"(both {self.low_freq_factor}) when scaling_factor is set")
+            raise ValueError(
+                f"RopeConfig: low_freq_factor and high_freq_factor must differ "
+                f"(both {self.low_freq_factor}) when scaling_factor is set"
+            )
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
@@ -54,7 +60,9 @@ class RopeConfig:
 
 def inv_frequencies(cfg: RopeConfig) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` in fp32, with Llama-3 scaling when configured."""
-    inv = 1.0 / (cfg.theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    inv = 1.0 / (
+        cfg.theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    )
     if cfg.scaling_factor is not None:
         low_wavelen = cfg.original_max_position / cfg.low_freq_factor
         high_wavelen = cfg.original_max_position / cfg.high_freq_factor
@@ -81,8 +89,9 @@ def inv_frequencies_on(cfg: RopeConfig, device: torch.device) -> torch.Tensor:
     return inv
 
 
-def cos_sin(cfg: RopeConfig, positions: torch.Tensor, device: torch.device | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    cfg: RopeConfig, positions: torch.Tensor, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` of shape ``[*positions.shape, head_dim]`` (fp32)."""
     inv = inv_frequencies_on(cfg, device if device is not None else positions.device)
     angles = positions.to(inv.device, torch.float32).unsqueeze(-1) * inv

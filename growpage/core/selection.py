@@ -21,8 +21,9 @@ def importance(attn_short: torch.Tensor, attn_long: torch.Tensor) -> torch.Tenso
     return torch.maximum(attn_short, attn_long)
 
 
-def with_protected(chosen: torch.Tensor, num_tokens: int, recent: int,
-                   chosen_sorted: bool = False) -> torch.Tensor:
+def with_protected(
+    chosen: torch.Tensor, num_tokens: int, recent: int, chosen_sorted: bool = False
+) -> torch.Tensor:
     """Append the protected recent window to chosen historical slots and sort.
 
     ``chosen [L, Hkv, k]`` (slots < num_tokens - recent) -> ``[L, Hkv, k + recent]`` ascending.
@@ -107,8 +108,9 @@ def top_slots(scores: torch.Tensor, k: int) -> torch.Tensor:
     return slots.expand(scores.shape).masked_select(kept).view(*scores.shape[:-1], k)
 
 
-def growpage_select(scores: torch.Tensor, num_tokens: int, recent: int, keep: int, block: int,
-                    k_loc: int) -> torch.Tensor:
+def growpage_select(
+    scores: torch.Tensor, num_tokens: int, recent: int, keep: int, block: int, k_loc: int
+) -> torch.Tensor:
     """Full GrowPage selection: block-local quota + global top-k + protected recent window.
 
     Args:

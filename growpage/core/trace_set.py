@@ -41,7 +41,7 @@ INDEX_NAME = "index.json"
 class TraceEntry:
     """One line of a trace set's index: where a trace is and what it holds."""
 
-    file: str                  # file name inside the set's directory
+    file: str  # file name inside the set's directory
     request_id: str
     prompt_len: int
     num_tokens: int
@@ -49,19 +49,31 @@ class TraceEntry:
 
     @classmethod
     def from_json(cls, d: Any) -> TraceEntry:
-        if not isinstance(d, dict) or set(d) - {"tags"} != {"file", "request_id", "prompt_len",
-                                                            "num_tokens"}:
-            raise TraceError(f"index entry {d!r} must have exactly file, request_id, "
-                             "prompt_len, num_tokens and optional tags")
-        ok = (isinstance(d["file"], str) and isinstance(d["request_id"], str)
-              and isinstance(d.get("tags", []), list)
-              and all(isinstance(t, str) for t in d.get("tags", []))
-              and Path(d["file"]).name == d["file"] and d["file"] not in ("", ".", ".."))
+        if not isinstance(d, dict) or set(d) - {"tags"} != {
+            "file",
+            "request_id",
+            "prompt_len",
+            "num_tokens",
+        }:
+            raise TraceError(
+                f"index entry {d!r} must have exactly file, request_id, "
+                "prompt_len, num_tokens and optional tags"
+            )
+        ok = (
+            isinstance(d["file"], str)
+            and isinstance(d["request_id"], str)
+            and isinstance(d.get("tags", []), list)
+            and all(isinstance(t, str) for t in d.get("tags", []))
+            and Path(d["file"]).name == d["file"]
+            and d["file"] not in ("", ".", "..")
+        )
         if not ok:
             raise TraceError(f"index entry {d!r} has a bad file name, request_id or tags")
         checked_int("prompt_len", d["prompt_len"], low=1, what="index entry field")
-        if checked_int("num_tokens", d["num_tokens"], low=1, what="index entry field") < d[
-                "prompt_len"]:
+        if (
+            checked_int("num_tokens", d["num_tokens"], low=1, what="index entry field")
+            < d["prompt_len"]
+        ):
             raise TraceError(f"index entry {d['request_id']!r}: prompt_len > num_tokens")
         return cls(**d)
 
@@ -80,20 +92,29 @@ class TraceSet:
         if self._index_path.is_file():
             self._entries = self._load_index()
         elif create and (not self.directory.exists() or self.directory.is_dir()):
-            orphans = (sorted(p.name for p in self.directory.glob("*.safetensors")
-                              if TRACE_FILE.fullmatch(p.name))
-                       if self.directory.is_dir() else [])
-            if orphans:   # a set that lost its index: starting a new one would overwrite them
-                raise TraceError(f"{directory}: holds trace files ({', '.join(orphans[:3])}"
-                                 f"{', ...' if len(orphans) > 3 else ''}) but no {INDEX_NAME}; "
-                                 "record into an empty directory, or restore the index")
+            orphans = (
+                sorted(
+                    p.name
+                    for p in self.directory.glob("*.safetensors")
+                    if TRACE_FILE.fullmatch(p.name)
+                )
+                if self.directory.is_dir()
+                else []
+            )
+            if orphans:  # a set that lost its index: starting a new one would overwrite them
+                raise TraceError(
+                    f"{directory}: holds trace files ({', '.join(orphans[:3])}"
+                    f"{', ...' if len(orphans) > 3 else ''}) but no {INDEX_NAME}; "
+                    "record into an empty directory, or restore the index"
+                )
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._entries = []
                 self._save_index()
             except OSError as e:
-                raise TraceError(f"{directory}: cannot create a trace set "
-                                 f"({e.strerror or e})") from None
+                raise TraceError(
+                    f"{directory}: cannot create a trace set ({e.strerror or e})"
+                ) from None
         elif not self.directory.exists():
             raise TraceError(f"{directory}: no such directory (not a trace set)")
         elif not self.directory.is_dir():
@@ -111,13 +132,19 @@ class TraceSet:
     def __iter__(self) -> Iterator[Trace]:
         return (self.read(e) for e in self._entries)
 
-    def read(self, entry: TraceEntry | int | str, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.float32) -> Trace:
+    def read(
+        self,
+        entry: TraceEntry | int | str,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Trace:
         """Read one trace by entry, position or request id; checks it against the index."""
         if isinstance(entry, int) and not isinstance(entry, bool):
             if not 0 <= entry < len(self._entries):
-                raise TraceError(f"{self._index_path}: no trace at position {entry} (the set "
-                                 f"holds {len(self._entries)})")
+                raise TraceError(
+                    f"{self._index_path}: no trace at position {entry} (the set "
+                    f"holds {len(self._entries)})"
+                )
             entry = self._entries[entry]
         elif isinstance(entry, str):
             found = [e for e in self._entries if e.request_id == entry]
@@ -125,15 +152,21 @@ class TraceSet:
                 raise TraceError(f"{self._index_path}: no request {entry!r}")
             entry = found[0]
         elif not isinstance(entry, TraceEntry):
-            raise TypeError(f"TraceSet.read takes a TraceEntry, a position or a request id, "
-                            f"got {entry!r}")
+            raise TypeError(
+                f"TraceSet.read takes a TraceEntry, a position or a request id, got {entry!r}"
+            )
         path = self.directory / entry.file
         trace = read_trace(path, device=device, dtype=dtype)
         self._check_entry(entry, trace.header, path)
         return trace
 
-    def read_all(self, limit: int | None = None, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> list[Trace]:
+    def read_all(
+        self,
+        limit: int | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> list[Trace]:
         """The first ``limit`` traces (all when None), in index order. A set holding none is a
         ``TraceError``: whoever asks for the traces of a set has nothing to do without one."""
         if not self._entries:
@@ -154,31 +187,38 @@ class TraceSet:
         data is found before the work too; ``progress`` shows a progress bar over that pass.
         """
         headers = []
-        for entry in self._entries:   # all headers first: a missing file is found at once
+        for entry in self._entries:  # all headers first: a missing file is found at once
             path = self.directory / entry.file
             headers.append(read_trace_header(path))
             self._check_entry(entry, headers[-1], path)
         if deep:
-            for entry in tqdm(self._entries, desc="check traces", unit="trace",
-                              disable=not progress):
-                self.read(entry)   # validates, and is dropped before the next one is read
+            for entry in tqdm(
+                self._entries, desc="check traces", unit="trace", disable=not progress
+            ):
+                self.read(entry)  # validates, and is dropped before the next one is read
         return headers
 
     def _check_entry(self, entry: TraceEntry, header: TraceHeader, path: Path) -> None:
         got = (header.request_id, header.prompt_len, header.num_tokens)
         if got != (entry.request_id, entry.prompt_len, entry.num_tokens):
-            raise TraceError(f"{path}: (request_id, prompt_len, num_tokens) = {got} disagrees "
-                             f"with {self._index_path}")
+            raise TraceError(
+                f"{path}: (request_id, prompt_len, num_tokens) = {got} disagrees "
+                f"with {self._index_path}"
+            )
 
-    def write(self, trace: Trace, *, tags: Iterable[str] = (),
-              dtype: torch.dtype = torch.float16) -> TraceEntry:
+    def write(
+        self, trace: Trace, *, tags: Iterable[str] = (), dtype: torch.dtype = torch.float16
+    ) -> TraceEntry:
         """Append ``trace`` to the set; request ids must be unique, ``tags`` a list of
         strings. The file gets a name no file in the directory has."""
         rid = trace.request_id
         if any(e.request_id == rid for e in self._entries):
             raise TraceError(f"{self._index_path}: request id {rid!r} is already in the set")
-        given = (None if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Iterable)
-                 else tuple(tags))   # once: a generator is read here only
+        given = (
+            None
+            if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Iterable)
+            else tuple(tags)
+        )  # once: a generator is read here only
         if given is None or not all(isinstance(t, str) for t in given):
             raise TraceError(f"tags must be a list of strings, got {tags!r:.80}")
         tags = given
@@ -186,10 +226,16 @@ class TraceSet:
         taken = {e.file for e in self._entries}
         number = len(self._entries)
         while (name := f"{number:06d}-{slug}.safetensors") in taken or (
-                self.directory / name).exists():
-            number += 1   # an entry removed by hand, or a file the index does not list
-        entry = TraceEntry(file=name, request_id=rid, prompt_len=trace.prompt_len,
-                           num_tokens=trace.num_tokens, tags=tuple(tags))
+            self.directory / name
+        ).exists():
+            number += 1  # an entry removed by hand, or a file the index does not list
+        entry = TraceEntry(
+            file=name,
+            request_id=rid,
+            prompt_len=trace.prompt_len,
+            num_tokens=trace.num_tokens,
+            tags=tuple(tags),
+        )
         write_trace(self.directory / entry.file, trace, dtype=dtype)
         self._entries.append(entry)
         try:
@@ -207,8 +253,9 @@ class TraceSet:
         if not isinstance(d, dict) or d.get("format") != SET_FORMAT_NAME:
             raise TraceError(f"{self._index_path}: not a '{SET_FORMAT_NAME}' index")
         if d.get("version") != FORMAT_VERSION or not isinstance(d.get("traces"), list):
-            raise TraceError(f"{self._index_path}: unsupported version {d.get('version')!r} "
-                             "or no 'traces' list")
+            raise TraceError(
+                f"{self._index_path}: unsupported version {d.get('version')!r} or no 'traces' list"
+            )
         try:
             entries = [TraceEntry.from_json(e) for e in d["traces"]]
         except TraceError as e:
@@ -219,8 +266,11 @@ class TraceSet:
         return entries
 
     def _save_index(self) -> None:
-        d = {"format": SET_FORMAT_NAME, "version": FORMAT_VERSION,
-             "traces": [{**attrs.asdict(e), "tags": list(e.tags)} for e in self._entries]}
+        d = {
+            "format": SET_FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "traces": [{**attrs.asdict(e), "tags": list(e.tags)} for e in self._entries],
+        }
         atomic_write(self._index_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=1)))
 
 

@@ -57,33 +57,43 @@ def _check_header(h: TraceHeader) -> None:
         raise TraceError(f"header field 'meta' must be a dict, got {type(h.meta).__name__}")
     ids = [checked_int("layer_ids", i) for i in h.layer_ids]
     if not ids or ids != sorted(set(ids)) or ids[-1] >= h.num_layers:
-        raise TraceError(f"header field 'layer_ids' must be non-empty, strictly increasing and "
-                         f"< num_layers={h.num_layers}, got {list(h.layer_ids)}")
+        raise TraceError(
+            f"header field 'layer_ids' must be non-empty, strictly increasing and "
+            f"< num_layers={h.num_layers}, got {list(h.layer_ids)}"
+        )
     if h.num_q_heads % h.num_kv_heads:
-        raise TraceError(f"num_q_heads={h.num_q_heads} is not a multiple of "
-                         f"num_kv_heads={h.num_kv_heads}")
+        raise TraceError(
+            f"num_q_heads={h.num_q_heads} is not a multiple of num_kv_heads={h.num_kv_heads}"
+        )
     if not isinstance(h.rope, RopeConfig):
         raise TraceError(f"header field 'rope' must be a RopeConfig, got {h.rope!r}")
     if h.head_dim % 2 or h.rope.head_dim != h.head_dim:
-        raise TraceError(f"head_dim={h.head_dim} must be even and equal rope.head_dim="
-                         f"{h.rope.head_dim}")
+        raise TraceError(
+            f"head_dim={h.head_dim} must be even and equal rope.head_dim={h.rope.head_dim}"
+        )
     scale = h.softmax_scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not 0 < scale < float("inf")
+    ):
         raise TraceError(f"header field 'softmax_scale' must be a finite float > 0, got {scale!r}")
     for t in h.token_ids:
         checked_int("token_ids", t)
     if not h.token_ids:
         raise TraceError("header field 'token_ids' is empty")
     if h.prompt_len > len(h.token_ids):
-        raise TraceError(f"prompt_len={h.prompt_len} exceeds the number of tokens "
-                         f"{len(h.token_ids)}")
+        raise TraceError(
+            f"prompt_len={h.prompt_len} exceeds the number of tokens {len(h.token_ids)}"
+        )
 
 
 def _id_tuple(values: Iterable[int]) -> tuple[int, ...]:
     """``layer_ids`` / ``token_ids`` as a tuple (each id is checked with the header)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise TraceError(f"header ids (layer_ids, token_ids) must be lists of integers, got "
-                         f"{values!r:.80}")
+        raise TraceError(
+            f"header ids (layer_ids, token_ids) must be lists of integers, got {values!r:.80}"
+        )
     return int_tuple(values)
 
 
@@ -93,7 +103,7 @@ class TraceHeader:
 
     request_id: str
     model: str
-    num_layers: int                                   # layers of the model
+    num_layers: int  # layers of the model
     layer_ids: tuple[int, ...] = attrs.field(converter=_id_tuple)  # recorded model layers
     num_q_heads: int
     num_kv_heads: int
@@ -103,7 +113,7 @@ class TraceHeader:
     prompt_len: int
     token_ids: tuple[int, ...] = attrs.field(converter=_id_tuple)  # prompt + generated, length T
     has_values: bool = True
-    meta: dict = attrs.field(factory=dict, hash=False)        # free-form, JSON-serializable
+    meta: dict = attrs.field(factory=dict, hash=False)  # free-form, JSON-serializable
 
     def __attrs_post_init__(self) -> None:
         _check_header(self)
@@ -118,8 +128,9 @@ class TraceHeader:
 
     def to_json(self) -> dict:
         d = attrs.asdict(self, recurse=False)
-        d.update(layer_ids=list(self.layer_ids), token_ids=list(self.token_ids),
-                 rope=self.rope.to_dict())
+        d.update(
+            layer_ids=list(self.layer_ids), token_ids=list(self.token_ids), rope=self.rope.to_dict()
+        )
         return d
 
     @classmethod
@@ -136,13 +147,17 @@ class TraceHeader:
             raise TraceError("header field 'rope' must be an object")
         try:
             rope = RopeConfig.from_dict(d["rope"])
-            rope_ok = all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                          and math.isfinite(v) for v in attrs.astuple(rope) if v is not None)
+            rope_ok = all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                for v in attrs.astuple(rope)
+                if v is not None
+            )
         except (TypeError, ValueError) as e:
             raise TraceError(f"header field 'rope' is invalid: {e}") from None
         if not rope_ok or not isinstance(rope.head_dim, int):
-            raise TraceError(f"header field 'rope' has non-numeric or non-finite values: "
-                         f"{d['rope']!r}")
+            raise TraceError(
+                f"header field 'rope' has non-numeric or non-finite values: {d['rope']!r}"
+            )
         return cls(**{**d, "rope": rope})
 
 
@@ -184,11 +199,16 @@ def check_trace_tensors(trace: Trace, where: str) -> None:
     """Raise ``TraceError`` (prefixed with ``where``) unless the tensors fit the header."""
     h = trace.header
     L, T, d = h.num_recorded_layers, h.num_tokens, h.head_dim
-    expected = {"queries": (L, T, h.num_q_heads, d), "keys": (L, T, h.num_kv_heads, d),
-                "values": (L, T, h.num_kv_heads, d)}
+    expected = {
+        "queries": (L, T, h.num_q_heads, d),
+        "keys": (L, T, h.num_kv_heads, d),
+        "values": (L, T, h.num_kv_heads, d),
+    }
     if (trace.values is not None) != h.has_values:
-        raise TraceError(f"{where}: has_values={h.has_values} but values are "
-                         f"{'present' if trace.values is not None else 'missing'}")
+        raise TraceError(
+            f"{where}: has_values={h.has_values} but values are "
+            f"{'present' if trace.values is not None else 'missing'}"
+        )
     for name, shape in expected.items():
         x = getattr(trace, name)
         if x is None:
@@ -196,17 +216,21 @@ def check_trace_tensors(trace: Trace, where: str) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TraceError(f"{where}: {name} must be a floating-point tensor")
         if tuple(x.shape) != shape:
-            raise TraceError(f"{where}: {name} have shape {tuple(x.shape)}, header expects "
-                             f"{shape} [recorded layers, tokens, heads, head_dim]")
+            raise TraceError(
+                f"{where}: {name} have shape {tuple(x.shape)}, header expects "
+                f"{shape} [recorded layers, tokens, heads, head_dim]"
+            )
         if not bool(torch.isfinite(x).all()):
             raise TraceError(f"{where}: {name} have non-finite values (NaN or inf)")
     # |q . k| * softmax_scale <= |q| |k| * softmax_scale: past this bound a replay's attention
     # logits could overflow float32 and every attention signal turn into NaN.
     bound = h.softmax_scale * _largest_norm(trace.queries) * _largest_norm(trace.keys)
     if not bound <= LOGIT_BOUND:
-        raise TraceError(f"{where}: queries and keys this large (|q| |k| softmax_scale up to "
-                         f"{bound:.3g}) would overflow attention in float32; check "
-                         "softmax_scale and the recorded tensors")
+        raise TraceError(
+            f"{where}: queries and keys this large (|q| |k| softmax_scale up to "
+            f"{bound:.3g}) would overflow attention in float32; check "
+            "softmax_scale and the recorded tensors"
+        )
 
 
 #: Largest attention logit bound a trace may reach (float32 overflows at 3.4e38).
@@ -221,8 +245,7 @@ def _largest_norm(x: torch.Tensor) -> float:
 def _tensor_names(h: TraceHeader) -> list[tuple[str, str, int]]:
     """``(tensor name, Trace attribute, layer index)`` for every tensor a file must hold."""
     kinds = [("q", "queries"), ("k", "keys")] + ([("v", "values")] if h.has_values else [])
-    return [(f"layer.{lid}.{s}", attr, i)
-            for i, lid in enumerate(h.layer_ids) for s, attr in kinds]
+    return [(f"layer.{lid}.{s}", attr, i) for i, lid in enumerate(h.layer_ids) for s, attr in kinds]
 
 
 def write_trace(path: str | os.PathLike, trace: Trace, dtype: torch.dtype = torch.float16) -> Path:
@@ -232,8 +255,12 @@ def write_trace(path: str | os.PathLike, trace: Trace, dtype: torch.dtype = torc
     if dtype not in names:
         raise TraceError(f"{path}: storage dtype must be float16 or bfloat16, got {dtype}")
     check_trace_tensors(trace, str(path))
-    header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "dtype": names[dtype],
-              **trace.header.to_json()}
+    header = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "dtype": names[dtype],
+        **trace.header.to_json(),
+    }
     try:
         text = json.dumps(header, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -294,8 +321,9 @@ def _parse_header(metadata: dict[str, str] | None, path: Path) -> tuple[TraceHea
     version, dtype = d.pop("version", None), d.pop("dtype", None)
     d.pop("format")
     if version != FORMAT_VERSION or isinstance(version, bool):
-        raise TraceError(f"{path}: unsupported format version {version!r} "
-                         f"(this reader knows {FORMAT_VERSION})")
+        raise TraceError(
+            f"{path}: unsupported format version {version!r} (this reader knows {FORMAT_VERSION})"
+        )
     if not isinstance(dtype, str) or dtype not in STORAGE_DTYPES:
         raise TraceError(f"{path}: header dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
     try:
@@ -305,7 +333,7 @@ def _parse_header(metadata: dict[str, str] | None, path: Path) -> tuple[TraceHea
 
 
 def _open(path: Path) -> Any:
-    if path.exists() and not path.is_file():   # a FIFO or device would block or never end
+    if path.exists() and not path.is_file():  # a FIFO or device would block or never end
         raise TraceError(f"{path}: not a regular file (a trace is a safetensors file)")
     try:
         return safe_open(str(path), framework="pt", device="cpu")
@@ -322,8 +350,9 @@ def read_trace_header(path: str | os.PathLike) -> TraceHeader:
         return _parse_header(f.metadata(), path)[0]
 
 
-def read_trace(path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> Trace:
+def read_trace(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Trace:
     """Read and fully validate one trace file; tensors land on ``device`` as ``dtype``."""
     path = Path(path)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -335,26 +364,36 @@ def read_trace(path: str | os.PathLike, device: str | torch.device = "cpu",
         missing = [n for n, _, _ in names if n not in present]
         extra = sorted(present - {n for n, _, _ in names})
         if missing or extra:
-            raise TraceError(f"{path}: tensors missing {missing[:4]} / unexpected {extra[:4]} "
-                             f"for layer_ids {list(header.layer_ids)}, has_values="
-                             f"{header.has_values}")
+            raise TraceError(
+                f"{path}: tensors missing {missing[:4]} / unexpected {extra[:4]} "
+                f"for layer_ids {list(header.layer_ids)}, has_values="
+                f"{header.has_values}"
+            )
         out: dict[str, torch.Tensor] = {}
-        heads = {"queries": header.num_q_heads, "keys": header.num_kv_heads,
-                 "values": header.num_kv_heads}
+        heads = {
+            "queries": header.num_q_heads,
+            "keys": header.num_kv_heads,
+            "values": header.num_kv_heads,
+        }
         for name, attr, i in names:
             x = _load_tensor(f, name, path)
             shape = (header.num_tokens, heads[attr], header.head_dim)
             if x.dim() and x.shape[0] != header.num_tokens:
-                raise TraceError(f"{path}: tensor {name} holds {x.shape[0]} tokens but "
-                                 f"token_ids has {header.num_tokens}")
+                raise TraceError(
+                    f"{path}: tensor {name} holds {x.shape[0]} tokens but "
+                    f"token_ids has {header.num_tokens}"
+                )
             if x.dtype != stored or tuple(x.shape) != shape:
-                raise TraceError(f"{path}: tensor {name} is {x.dtype} {tuple(x.shape)}, header "
-                                 f"says {stored} {shape} [tokens, heads, head_dim]")
+                raise TraceError(
+                    f"{path}: tensor {name} is {x.dtype} {tuple(x.shape)}, header "
+                    f"says {stored} {shape} [tokens, heads, head_dim]"
+                )
             if not torch.isfinite(x).all():
                 raise TraceError(f"{path}: tensor {name} has non-finite values")
             if attr not in out:
-                out[attr] = torch.empty((header.num_recorded_layers, *shape), dtype=dtype,
-                                        device=device)
+                out[attr] = torch.empty(
+                    (header.num_recorded_layers, *shape), dtype=dtype, device=device
+                )
             out[attr][i].copy_(x)
     try:
         return Trace(header=header, **out)

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"LLM": "growpage.engine.llm", "SamplingParams": "growpage.engine.sampling_params",
-         "EngineConfig": "growpage.engine.config", "poisson_arrivals": "growpage.engine.inputs"}
+_LAZY = {
+    "LLM": "growpage.engine.llm",
+    "SamplingParams": "growpage.engine.sampling_params",
+    "EngineConfig": "growpage.engine.config",
+    "poisson_arrivals": "growpage.engine.inputs",
+}
 
 __all__ = list(_LAZY)
 

@@ -30,8 +30,9 @@ from growpage.errors import EngineError
 PREFILL_CHUNK = 256  # queries per softmax block in prefill: bounds the [n, Hq, c] temporary
 
 
-def allocate_sums(num_layers: int, num_slots: int, num_kv_heads: int,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
+def allocate_sums(
+    num_layers: int, num_slots: int, num_kv_heads: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Zero-filled ``[L, num_slots, Hkv]`` fp32 sums."""
     return torch.zeros(num_layers, num_slots, num_kv_heads, dtype=torch.float32, device=device)
 
@@ -45,10 +46,15 @@ def layer_index(kv_cache: torch.Tensor, layer_cache: torch.Tensor) -> int:
     """Index ``i`` such that ``layer_cache`` is the view ``kv_cache[:, i]``."""
     offset = layer_cache.data_ptr() - kv_cache.data_ptr()
     layer, rest = divmod(offset, kv_cache.stride(1) * kv_cache.element_size())
-    if rest or not 0 <= layer < kv_cache.shape[1] or layer_cache.stride() != (
-            kv_cache.stride(0), *kv_cache.stride()[2:]):
-        raise EngineError("the layer cache is not a view kv_cache[:, i] of the step's kv_cache "
-                          "(bind the same cache to the model)")
+    if (
+        rest
+        or not 0 <= layer < kv_cache.shape[1]
+        or layer_cache.stride() != (kv_cache.stride(0), *kv_cache.stride()[2:])
+    ):
+        raise EngineError(
+            "the layer cache is not a view kv_cache[:, i] of the step's kv_cache "
+            "(bind the same cache to the model)"
+        )
     return layer
 
 
@@ -67,11 +73,16 @@ class AttentionAccumulation:
 
     def __attrs_post_init__(self) -> None:
         _, layers, pages, page_size, heads, _ = self.kv_cache.shape
-        if self.sums.dtype != torch.float32 or self.sums.shape != (layers, pages * page_size,
-                                                                   heads):
-            raise EngineError(f"AttentionAccumulation.sums must be fp32 "
-                              f"[{layers}, {pages * page_size}, {heads}], got "
-                              f"{self.sums.dtype} {tuple(self.sums.shape)}")
+        if self.sums.dtype != torch.float32 or self.sums.shape != (
+            layers,
+            pages * page_size,
+            heads,
+        ):
+            raise EngineError(
+                f"AttentionAccumulation.sums must be fp32 "
+                f"[{layers}, {pages * page_size}, {heads}], got "
+                f"{self.sums.dtype} {tuple(self.sums.shape)}"
+            )
 
     def layer(self, layer_cache: torch.Tensor) -> torch.Tensor:
         """The ``[num_slots, Hkv]`` sums of the layer whose cache view is ``layer_cache``."""
@@ -84,8 +95,9 @@ def table_slots(table: torch.Tensor, num_slots: int, page_size: int) -> torch.Te
     return table.long()[idx // page_size] * page_size + idx % page_size
 
 
-def group_attention(q: torch.Tensor, k: torch.Tensor, scale: float,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
+def group_attention(
+    q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Softmax weights of ``q [..., Hq, n, d]`` over ``k [..., Hkv, S, d]``, averaged over
     each KV head's query heads: ``[..., Hkv, n, S]`` fp32. ``mask`` (additive, -inf = hidden)
     broadcasts against ``[..., Hkv, G, n, S]``."""
@@ -93,8 +105,7 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, scale: float,
     num_kv, num_keys = k.shape[-3], k.shape[-2]
     group = num_q // num_kv
     qg = (q.float() * scale).reshape(*lead, num_kv, group * n, d)  # one batched GEMM per head
-    logits = torch.matmul(qg, k.float().transpose(-1, -2)).view(*lead, num_kv, group, n,
-                                                                num_keys)
+    logits = torch.matmul(qg, k.float().transpose(-1, -2)).view(*lead, num_kv, group, n, num_keys)
     if mask is not None:
         logits = logits + mask
     return logits.softmax(dim=-1).mean(dim=-3)
@@ -114,8 +125,7 @@ class DecodeIndex:
     own: torch.Tensor
 
     @classmethod
-    def of(cls, slots: torch.Tensor, context_lens: torch.Tensor, num_kv_heads: int
-           ) -> DecodeIndex:
+    def of(cls, slots: torch.Tensor, context_lens: torch.Tensor, num_kv_heads: int) -> DecodeIndex:
         """From ``slots [B, S]`` (flat cache slot of each row's slot s, anything past the
         context) and ``context_lens [B]``."""
         heads = torch.arange(num_kv_heads, device=slots.device)
@@ -134,8 +144,9 @@ def add_decode(sums: torch.Tensor, weights: torch.Tensor, index: DecodeIndex) ->
     sums.view(-1).index_add_(0, index.flat, weights.flatten())
 
 
-def prefill_sums(q: torch.Tensor, k: torch.Tensor, scale: float,
-                 chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+def prefill_sums(
+    q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = PREFILL_CHUNK
+) -> torch.Tensor:
     """Summed group-mean softmax weights ``[c, Hkv]`` of ``q [n, Hq, d]``, the queries of the
     last n of ``k [c, Hkv, d]``'s slots (causal: query i sees slots ``0..c-n+i``)."""
     n, c = q.shape[0], k.shape[0]
@@ -146,13 +157,15 @@ def prefill_sums(q: torch.Tensor, k: torch.Tensor, scale: float,
         hi = min(lo + chunk, n)
         rows = torch.arange(c - n + lo, c - n + hi, device=k.device)
         hidden = torch.zeros(hi - lo, c, device=k.device).masked_fill_(
-            cols[None, :] > rows[:, None], float("-inf"))
+            cols[None, :] > rows[:, None], float("-inf")
+        )
         total += group_attention(q[lo:hi].transpose(0, 1), kt, scale, hidden).sum(dim=1)
     return total.T
 
 
-def add_prefill(sums: torch.Tensor, q: torch.Tensor, k: torch.Tensor, slots: torch.Tensor,
-                scale: float) -> None:
+def add_prefill(
+    sums: torch.Tensor, q: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, scale: float
+) -> None:
     """Add one sequence's prefill chunk: ``q [n, Hq, d]`` over ``k [c, Hkv, d]`` held in
     ``slots [c]``; the chunk's own n slots are set, the c - n before them added to."""
     total = prefill_sums(q, k, scale)

@@ -28,25 +28,32 @@ from growpage.engine.host_memory import available_memory
 from growpage.errors import EngineError
 
 
-def allocate_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
+def allocate_kv_cache(
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """Zero-filled cache ``[2, num_layers, num_pages, page_size, num_kv_heads, head_dim]``;
     ``EngineError`` saying how many bytes were asked when the device cannot hold it."""
     shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
     try:
         return torch.zeros(shape, dtype=dtype, device=device)
     except RuntimeError as exc:  # torch.OutOfMemoryError included
-        num_bytes = num_pages * kv_cache_bytes(num_layers, page_size, num_kv_heads, head_dim,
-                                               dtype)
+        num_bytes = num_pages * kv_cache_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype)
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise EngineError(f"cannot allocate the KV cache: {_size(num_bytes)} for {num_pages} "
-                          f"pages on {device} ({reason}); lower kv_pages or kv_cache_memory"
-                          ) from None
+        raise EngineError(
+            f"cannot allocate the KV cache: {_size(num_bytes)} for {num_pages} "
+            f"pages on {device} ({reason}); lower kv_pages or kv_cache_memory"
+        ) from None
 
 
-def check_kv_cache_fits(num_bytes: int, num_pages: int, device: torch.device | str,
-                        root: str | Path = "/") -> None:
+def check_kv_cache_fits(
+    num_bytes: int, num_pages: int, device: torch.device | str, root: str | Path = "/"
+) -> None:
     """``EngineError`` naming the limit hit when a cache of ``num_bytes`` is more than the
     host's available memory or the room left under its cgroup (container) memory limit
     (``growpage.engine.host_memory``; ``root`` lets a test give a fake /proc and /sys).
@@ -58,24 +65,28 @@ def check_kv_cache_fits(num_bytes: int, num_pages: int, device: torch.device | s
         return
     available = available_memory(root)
     if available is not None and num_bytes > available.num_bytes:
-        raise EngineError(f"the KV cache would take {_size(num_bytes)} for {num_pages} pages, "
-                          f"but the host has {_size(available.num_bytes)} available "
-                          f"({available.source}); lower kv_pages or kv_cache_memory")
+        raise EngineError(
+            f"the KV cache would take {_size(num_bytes)} for {num_pages} pages, "
+            f"but the host has {_size(available.num_bytes)} available "
+            f"({available.source}); lower kv_pages or kv_cache_memory"
+        )
 
 
 def _size(num_bytes: int) -> str:
     return f"{num_bytes} bytes ({num_bytes / 2**30:.2f} GiB)"
 
 
-def kv_cache_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> int:
+def kv_cache_bytes(
+    num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """Bytes one page takes across all layers (keys and values)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
 
 
-def gather_pages(layer_cache: torch.Tensor, block_tables: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_pages(
+    layer_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of each sequence in slot order.
 
     Args:
@@ -107,9 +118,15 @@ class AttentionBackend(abc.ABC):
     #: price it so with ``padded_kv``; ``growpage calibrate`` reads it).
     pads_decode: bool = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer_cache: torch.Tensor | None, ctx: StepContext, scale: float
-                ) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor | None,
+        ctx: StepContext,
+        scale: float,
+    ) -> torch.Tensor:
         """Store ``k, v [T, Hkv, d]`` at ``ctx.slot_mapping`` and attend with ``q [T, Hq, d]``.
 
         Returns ``[T, Hq, d]`` in ``q``'s dtype.
@@ -123,14 +140,25 @@ class AttentionBackend(abc.ABC):
         return self.decode(q, layer_cache, ctx, scale)
 
     @abc.abstractmethod
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """Write ``k, v [T, Hkv, d]`` into ``layer_cache`` at flat slots ``[T]`` (-1 skipped)."""
 
     @abc.abstractmethod
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer_cache: torch.Tensor | None, ctx: StepContext, scale: float
-                ) -> torch.Tensor:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor | None,
+        ctx: StepContext,
+        scale: float,
+    ) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its slots.
 
         Without ``ctx.block_tables`` the keys are the new ``k, v`` only; with them, each
@@ -139,8 +167,9 @@ class AttentionBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def decode(self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext,
-               scale: float) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext, scale: float
+    ) -> torch.Tensor:
         """One query per sequence over its first ``context_lens[b]`` slots.
 
         ``q [B, Hq, d] -> [B, Hq, d]``.
@@ -151,10 +180,15 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend in plain torch (CPU or GPU); softmax in fp32."""
 
     name = "torch"
-    pads_decode = True   # gathers whole block tables; the paged backend, up to the longest
+    pads_decode = True  # gathers whole block tables; the paged backend, up to the longest
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         num_heads, head_dim = layer_cache.shape[-2:]
         slots = slot_mapping.long()
         keep = slots >= 0
@@ -163,9 +197,15 @@ class TorchAttentionBackend(AttentionBackend):
         layer_cache[0].view(-1, num_heads, head_dim).index_copy_(0, slots, k.to(layer_cache.dtype))
         layer_cache[1].view(-1, num_heads, head_dim).index_copy_(0, slots, v.to(layer_cache.dtype))
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer_cache: torch.Tensor | None, ctx: StepContext, scale: float
-                ) -> torch.Tensor:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor | None,
+        ctx: StepContext,
+        scale: float,
+    ) -> torch.Tensor:
         assert ctx.cu_seqlens_q is not None and ctx.context_lens is not None
         cached: tuple[torch.Tensor, torch.Tensor] | None = None  # (layer cache, block tables)
         if ctx.block_tables is not None:
@@ -191,13 +231,17 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = _causal_attention(q[start:end], kb, vb, scale)
             if accumulate is not None:
                 sums, slot_mapping = accumulate
-                slots = (table_slots(cached[1][b], ctx_lens[b], cached[0].shape[2])
-                         if cached is not None else slot_mapping[start:end])
+                slots = (
+                    table_slots(cached[1][b], ctx_lens[b], cached[0].shape[2])
+                    if cached is not None
+                    else slot_mapping[start:end]
+                )
                 add_prefill(sums, q[start:end], kb, slots, scale)
         return out
 
-    def decode(self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext,
-               scale: float) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext, scale: float
+    ) -> torch.Tensor:
         assert ctx.block_tables is not None and ctx.context_lens is not None
         k, v = gather_pages(layer_cache, ctx.block_tables)  # [B, S, Hkv, d]
         batch, num_q_heads, head_dim = q.shape
@@ -211,26 +255,30 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.einsum("bhgs,bshd->bhgd", probs, v.float())
         if ctx.accumulation is not None:
             page_size = layer_cache.shape[2]
-            slots = torch.stack([table_slots(t.clamp(min=0), k.shape[1], page_size)
-                                 for t in ctx.block_tables])
+            slots = torch.stack(
+                [table_slots(t.clamp(min=0), k.shape[1], page_size) for t in ctx.block_tables]
+            )
             index = DecodeIndex.of(slots, ctx.context_lens.to(q.device), num_kv_heads)
             add_decode(ctx.accumulation.layer(layer_cache), probs.mean(dim=2), index)
         return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                      ) -> torch.Tensor:
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """``q [n, Hq, d]`` over ``k, v [c, Hkv, d]`` (c >= n); the n queries are the last n slots."""
     n, c = q.shape[0], k.shape[0]
     qt = q.float().transpose(0, 1).unsqueeze(0)  # [1, Hq, n, d]
     kt = k.float().transpose(0, 1).unsqueeze(0)
     vt = v.float().transpose(0, 1).unsqueeze(0)
     if c == n:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
+        )
     else:
         rows = torch.arange(n, device=q.device)[:, None] + (c - n)
         mask = torch.arange(c, device=q.device)[None, :] <= rows  # [n, c], True = attend
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True
+        )
     return out[0].transpose(0, 1).to(q.dtype)

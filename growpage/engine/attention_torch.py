@@ -38,8 +38,13 @@ class PagedTorchBackend(TorchAttentionBackend):
         self._store_slots = torch.empty(0, dtype=torch.long)
         self._store_keep: torch.Tensor | None = None
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """As the reference, with the slot check done once per step (per ``slot_mapping``)."""
         if slot_mapping is not self._store_src:
             slots = slot_mapping.long()
@@ -51,11 +56,13 @@ class PagedTorchBackend(TorchAttentionBackend):
             k, v = k[self._store_keep], v[self._store_keep]
         num_heads, head_dim = layer_cache.shape[-2:]
         for cache, new in ((layer_cache[0], k), (layer_cache[1], v)):
-            cache.view(-1, num_heads, head_dim).index_copy_(0, self._store_slots,
-                                                            new.to(layer_cache.dtype))
+            cache.view(-1, num_heads, head_dim).index_copy_(
+                0, self._store_slots, new.to(layer_cache.dtype)
+            )
 
-    def _metadata(self, ctx: StepContext, page_size: int, dtype: torch.dtype,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _metadata(
+        self, ctx: StepContext, page_size: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat slots ``[B * S]`` and additive mask ``[B, 1, 1, S]`` of this step (cached)."""
         if ctx is not self._ctx or self._mask.dtype != dtype:
             assert ctx.block_tables is not None and ctx.context_lens is not None
@@ -68,13 +75,15 @@ class PagedTorchBackend(TorchAttentionBackend):
             self._slots = slots.reshape(-1)
             padding = pos[None, :] >= lens[:, None]
             self._mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill_(
-                padding, float("-inf"))[:, None, None, :]
+                padding, float("-inf")
+            )[:, None, None, :]
             self._sums_index = None  # H2O sums: built on first use in the step
             self._ctx = ctx
         return self._slots, self._mask
 
-    def decode(self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext,
-               scale: float) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext, scale: float
+    ) -> torch.Tensor:
         """``q [B, Hq, d]`` over each sequence's first ``context_lens[b]`` slots -> ``[B, Hq, d]``."""
         assert ctx.context_lens is not None
         _, _, page_size, num_kv_heads, head_dim = layer_cache.shape
@@ -82,16 +91,29 @@ class PagedTorchBackend(TorchAttentionBackend):
         slots, mask = self._metadata(ctx, page_size, dtype, q.device)
         batch, num_q_heads, _ = q.shape
         num_slots = mask.shape[-1]
-        k, v = (layer_cache[i].view(-1, num_kv_heads, head_dim).index_select(0, slots)
-                .view(batch, num_slots, num_kv_heads, head_dim).transpose(1, 2) for i in (0, 1))
+        k, v = (
+            layer_cache[i]
+            .view(-1, num_kv_heads, head_dim)
+            .index_select(0, slots)
+            .view(batch, num_slots, num_kv_heads, head_dim)
+            .transpose(1, 2)
+            for i in (0, 1)
+        )
         out = F.scaled_dot_product_attention(
-            q.to(dtype).view(batch, num_q_heads, 1, head_dim), k.to(dtype), v.to(dtype),
-            attn_mask=mask, scale=scale, enable_gqa=True)
+            q.to(dtype).view(batch, num_q_heads, 1, head_dim),
+            k.to(dtype),
+            v.to(dtype),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
         if ctx.accumulation is not None:  # H2O sums: the weights again, explicitly
             if self._sums_index is None:
-                self._sums_index = DecodeIndex.of(slots.view(batch, num_slots),
-                                                  ctx.context_lens.to(q.device), num_kv_heads)
-            weights = group_attention(q.view(batch, num_q_heads, 1, head_dim), k, scale,
-                                      mask.float()[:, :, None])  # [B, Hkv, 1, S]
+                self._sums_index = DecodeIndex.of(
+                    slots.view(batch, num_slots), ctx.context_lens.to(q.device), num_kv_heads
+                )
+            weights = group_attention(
+                q.view(batch, num_q_heads, 1, head_dim), k, scale, mask.float()[:, :, None]
+            )  # [B, Hkv, 1, S]
             add_decode(ctx.accumulation.layer(layer_cache), weights, self._sums_index)
         return out.view(batch, num_q_heads, head_dim).to(q.dtype)

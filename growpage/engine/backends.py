@@ -27,25 +27,29 @@ from growpage.engine.context import StepCapture
 from growpage.errors import EngineError
 
 BACKEND_NAMES = ("auto", "torch", "triton")
-INTERPRETER_WARNING = ("attention_backend='triton' on the CPU runs Triton's interpreter "
-                       "(TRITON_INTERPRET=1): correct but tens of times slower than 'torch'; "
-                       "meant for tests")
+INTERPRETER_WARNING = (
+    "attention_backend='triton' on the CPU runs Triton's interpreter "
+    "(TRITON_INTERPRET=1): correct but tens of times slower than 'torch'; "
+    "meant for tests"
+)
 BETA_SHORT = 0.9  # same defaults as growpage.kernels (not imported: that pulls in Triton)
 BETA_LONG = 0.999
 
 
-def _check_pool(instance: QueryStateFusion, attribute: attrs.Attribute, pool: torch.Tensor
-                ) -> None:
+def _check_pool(instance: QueryStateFusion, attribute: attrs.Attribute, pool: torch.Tensor) -> None:
     if pool.dim() != 5 or pool.shape[2] != 2 or pool.dtype != torch.float32:
-        raise EngineError(f"QueryStateFusion.pool must be fp32 [L, M, 2, Hq, d], got "
-                          f"{pool.dtype} {tuple(pool.shape)}")
+        raise EngineError(
+            f"QueryStateFusion.pool must be fp32 [L, M, 2, Hq, d], got "
+            f"{pool.dtype} {tuple(pool.shape)}"
+        )
 
 
-def _check_rows(instance: QueryStateFusion, attribute: attrs.Attribute, rows: torch.Tensor
-                ) -> None:
+def _check_rows(instance: QueryStateFusion, attribute: attrs.Attribute, rows: torch.Tensor) -> None:
     if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64, torch.bool):
-        raise EngineError(f"QueryStateFusion.{attribute.name} must be a 1-D int/bool tensor, "
-                          f"got {rows.dtype} {tuple(rows.shape)}")
+        raise EngineError(
+            f"QueryStateFusion.{attribute.name} must be a 1-D int/bool tensor, "
+            f"got {rows.dtype} {tuple(rows.shape)}"
+        )
 
 
 def _check_beta(instance: QueryStateFusion, attribute: attrs.Attribute, beta: float) -> None:
@@ -76,11 +80,15 @@ class QueryStateFusion:
 
     def __attrs_post_init__(self) -> None:
         if self.slot_ids.shape != self.is_first.shape:
-            raise EngineError(f"QueryStateFusion: slot_ids {tuple(self.slot_ids.shape)} and "
-                              f"is_first {tuple(self.is_first.shape)} differ")
+            raise EngineError(
+                f"QueryStateFusion: slot_ids {tuple(self.slot_ids.shape)} and "
+                f"is_first {tuple(self.is_first.shape)} differ"
+            )
         if self.kv_cache.dim() != 6 or self.kv_cache.shape[1] != self.pool.shape[0]:
-            raise EngineError(f"QueryStateFusion: kv_cache {tuple(self.kv_cache.shape)} does not "
-                              f"match the pool's {self.pool.shape[0]} layers")
+            raise EngineError(
+                f"QueryStateFusion: kv_cache {tuple(self.kv_cache.shape)} does not "
+                f"match the pool's {self.pool.shape[0]} layers"
+            )
 
     def layer_of(self, layer_cache: torch.Tensor) -> int:
         """Index ``i`` such that ``layer_cache`` is ``kv_cache[:, i]``."""
@@ -90,11 +98,15 @@ class QueryStateFusion:
         """This step's pre-RoPE query ``[B, Hq, d]`` of ``layer``, as the model recorded it."""
         q_pre = None if capture is None else capture.queries.get(layer)
         if q_pre is None:
-            raise EngineError(f"query-state update needs the pre-RoPE query of layer {layer}: "
-                              "set ctx.capture = StepCapture() (all layers) on decode steps")
+            raise EngineError(
+                f"query-state update needs the pre-RoPE query of layer {layer}: "
+                "set ctx.capture = StepCapture() (all layers) on decode steps"
+            )
         if q_pre.shape[0] != self.slot_ids.shape[0]:
-            raise EngineError(f"query-state update: {q_pre.shape[0]} queries in layer {layer} "
-                              f"for {self.slot_ids.shape[0]} slot ids (stale capture?)")
+            raise EngineError(
+                f"query-state update: {q_pre.shape[0]} queries in layer {layer} "
+                f"for {self.slot_ids.shape[0]} slot ids (stale capture?)"
+            )
         return q_pre
 
 
@@ -110,8 +122,10 @@ def make_attention_backend(name: str, device: torch.device | str) -> AttentionBa
     """
     choice = name.strip().lower() if isinstance(name, str) else None
     if choice not in BACKEND_NAMES:
-        raise EngineError(f"unknown attention backend {name!r}: expected one of "
-                          f"{', '.join(repr(n) for n in BACKEND_NAMES)}")
+        raise EngineError(
+            f"unknown attention backend {name!r}: expected one of "
+            f"{', '.join(repr(n) for n in BACKEND_NAMES)}"
+        )
     try:
         device = torch.device(device)
     except RuntimeError as exc:
@@ -125,16 +139,20 @@ def make_attention_backend(name: str, device: torch.device | str) -> AttentionBa
 
 def _triton_backend(device: torch.device) -> AttentionBackend:
     if device.type not in ("cuda", "cpu"):
-        raise EngineError(f"the triton attention backend runs on cuda (or on cpu under "
-                          f"TRITON_INTERPRET=1), not on {device.type}")
+        raise EngineError(
+            f"the triton attention backend runs on cuda (or on cpu under "
+            f"TRITON_INTERPRET=1), not on {device.type}"
+        )
     try:
         from growpage.engine.triton_backend import TritonAttentionBackend
         from growpage.kernels._utils import is_interpreter
     except ImportError as exc:
         raise EngineError(f"the triton attention backend needs triton: {exc}") from exc
     if device.type == "cpu" and not is_interpreter():
-        raise EngineError("the triton attention backend on cpu needs TRITON_INTERPRET=1 (set "
-                          "before growpage.kernels is first imported); use 'torch' on cpu")
+        raise EngineError(
+            "the triton attention backend on cpu needs TRITON_INTERPRET=1 (set "
+            "before growpage.kernels is first imported); use 'torch' on cpu"
+        )
     if device.type == "cpu":  # shown once per process by the default warning filter
         warnings.warn(INTERPRETER_WARNING, UserWarning, stacklevel=1)
     return TritonAttentionBackend()

@@ -45,8 +45,8 @@ class BoundaryPhases:
         self.sync = sync
         self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.calls: Counter[str] = Counter()
-        self.boundaries = 0   # make_room calls that reached the controller
-        self.decided = 0      # of those, boundaries where the policy decided
+        self.boundaries = 0  # make_room calls that reached the controller
+        self.decided = 0  # of those, boundaries where the policy decided
         self._stack: list[list[float]] = []  # [start, time spent in children]
 
     def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,19 +87,31 @@ class BoundaryPhases:
         return {phase: round(1000 * s / self.decided, 4) for phase, s in self.seconds.items()}
 
     def as_dict(self) -> dict:
-        return {"boundaries": self.boundaries, "decided": self.decided, "sync": self.sync,
-                "total_s": round(self.total_s, 6), "ms_per_decided": self.per_decided_ms(),
-                "calls": {phase: self.calls[phase] for phase in PHASES}}
+        return {
+            "boundaries": self.boundaries,
+            "decided": self.decided,
+            "sync": self.sync,
+            "total_s": round(self.total_s, 6),
+            "ms_per_decided": self.per_decided_ms(),
+            "calls": {phase: self.calls[phase] for phase in PHASES},
+        }
 
     def markdown(self) -> str:
         """A table of ms per decided boundary and share of boundary time, by phase."""
         total = self.total_s or 1.0
         per = self.per_decided_ms()
-        lines = [f"Boundary phases ({self.decided} decided of {self.boundaries} boundaries"
-                 f"{', device synced per phase' if self.sync else ''}):", "",
-                 "| phase | calls | ms per decided boundary | share |", "|---|---:|---:|---:|"]
-        lines += [f"| {p} | {self.calls[p]} | {'n/a' if per[p] is None else f'{per[p]:.3f}'} | "
-                  f"{100 * self.seconds[p] / total:.1f}% |" for p in PHASES]
+        lines = [
+            f"Boundary phases ({self.decided} decided of {self.boundaries} boundaries"
+            f"{', device synced per phase' if self.sync else ''}):",
+            "",
+            "| phase | calls | ms per decided boundary | share |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {p} | {self.calls[p]} | {'n/a' if per[p] is None else f'{per[p]:.3f}'} | "
+            f"{100 * self.seconds[p] / total:.1f}% |"
+            for p in PHASES
+        ]
         return "\n".join(lines)
 
 
@@ -168,8 +180,9 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     # Instance-level wrappers already there (a benchmark's counters) are put back afterwards.
-    own = {name: kv.__dict__.get(name)
-           for name in ("make_room", "prepare_boundaries", "run_deferred")}
+    own = {
+        name: kv.__dict__.get(name) for name in ("make_room", "prepare_boundaries", "run_deferred")
+    }
     policy = controller.policy
     timed_policy = _TimedPolicy(policy, phases)
     decide = timed_policy.decide

@@ -19,96 +19,203 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    g = subparsers.add_parser("generate", help="generate text with the paged engine and print "
-                              "engine statistics")
+    g = subparsers.add_parser(
+        "generate", help="generate text with the paged engine and print engine statistics"
+    )
     source = g.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", action="append", default=None,
-                        help="a prompt text (repeat it for several, served as one batch)")
-    source.add_argument("--prompts", type=path_arg, default=None,
-                        help="text file, one prompt per line (or JSONL with a 'prompt' field "
-                             "and, on every line or none, an 'arrival_s' field: seconds)")
+    source.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="a prompt text (repeat it for several, served as one batch)",
+    )
+    source.add_argument(
+        "--prompts",
+        type=path_arg,
+        default=None,
+        help="text file, one prompt per line (or JSONL with a 'prompt' field "
+        "and, on every line or none, an 'arrival_s' field: seconds)",
+    )
     _common(g, default_policy="growpage", default_max_tokens=256)
-    g.add_argument("--arrival-rate", type=float, default=None, metavar="REQ_PER_S",
-                   help="serve the prompts as Poisson arrivals at this many requests per "
-                        "second over wall-clock time, the first at once (seeded by "
-                        "--arrival-seed; default: all at once, or a JSONL file's 'arrival_s')")
-    g.add_argument("--arrival-seed", type=int, default=None, metavar="S",
-                   help="seed of --arrival-rate's arrival times (default 0)")
+    g.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=None,
+        metavar="REQ_PER_S",
+        help="serve the prompts as Poisson arrivals at this many requests per "
+        "second over wall-clock time, the first at once (seeded by "
+        "--arrival-seed; default: all at once, or a JSONL file's 'arrival_s')",
+    )
+    g.add_argument(
+        "--arrival-seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="seed of --arrival-rate's arrival times (default 0)",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling mass in (0, 1] (default 1: the whole distribution)")
-    g.add_argument("--seed", type=int, default=None,
-                   help="seed of the requests' sampling (default: none; a run is reproducible "
-                   "anyway, the engine's generator starting from seed 0)")
-    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay decode steps as CUDA graphs (default: on CUDA with the Triton "
-                   "backend)")
-    g.add_argument("--async-compaction", action=argparse.BooleanOptionalAction, default=None,
-                   help="compress beside the decode step (paper E.3; default: with CUDA graphs)")
-    g.add_argument("--async-decisions", action="store_true",
-                   help="decide whole boundaries beside the decode step (beyond the paper)")
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar over requests, or over the tokens of a single prompt "
-                   "(default: with more than one prompt, on a terminal)")
-    g.add_argument("--stream", action="store_true",
-                   help="print the answer as it is generated (a single prompt)")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop string: the answer ends before it (repeatable; default none)")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="generate --max-tokens tokens whatever the model's end token says "
-                        "(default: stop at it)")
-    g.add_argument("--out", type=path_arg, default=None, metavar="DIR",
-                   help="also write outputs.jsonl (one line per prompt: text, tokens, finish "
-                        "reason, latencies, capacity events), stats.json (the engine "
-                        "statistics and the settings) and pool.png (KV pages in use and running "
-                        "requests over the run) into DIR (default: print only)")
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling mass in (0, 1] (default 1: the whole distribution)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the requests' sampling (default: none; a run is reproducible "
+        "anyway, the engine's generator starting from seed 0)",
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode steps as CUDA graphs (default: on CUDA with the Triton backend)",
+    )
+    g.add_argument(
+        "--async-compaction",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compress beside the decode step (paper E.3; default: with CUDA graphs)",
+    )
+    g.add_argument(
+        "--async-decisions",
+        action="store_true",
+        help="decide whole boundaries beside the decode step (beyond the paper)",
+    )
+    g.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar over requests, or over the tokens of a single prompt "
+        "(default: with more than one prompt, on a terminal)",
+    )
+    g.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the answer as it is generated (a single prompt)",
+    )
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop string: the answer ends before it (repeatable; default none)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate --max-tokens tokens whatever the model's end token says "
+        "(default: stop at it)",
+    )
+    g.add_argument(
+        "--out",
+        type=path_arg,
+        default=None,
+        metavar="DIR",
+        help="also write outputs.jsonl (one line per prompt: text, tokens, finish "
+        "reason, latencies, capacity events), stats.json (the engine "
+        "statistics and the settings) and pool.png (KV pages in use and running "
+        "requests over the run) into DIR (default: print only)",
+    )
     g.set_defaults(func=run_generate)
 
-    r = subparsers.add_parser("record", help="record full-KV traces (fullkv policy) of prompts "
-                              "into a trace set for the simulator")
-    r.add_argument("--prompts", required=True, type=path_arg,
-                   help="text file, one prompt per line (or JSONL with a 'prompt' field)")
+    r = subparsers.add_parser(
+        "record",
+        help="record full-KV traces (fullkv policy) of prompts into a trace set for the simulator",
+    )
+    r.add_argument(
+        "--prompts",
+        required=True,
+        type=path_arg,
+        help="text file, one prompt per line (or JSONL with a 'prompt' field)",
+    )
     r.add_argument("--out", required=True, type=path_arg, help="trace-set directory")
-    r.add_argument("--layers", default=None,
-                   help="comma-separated model layers to record (default: all)")
-    r.add_argument("--no-values", dest="values", action="store_false",
-                   help="do not record values")
-    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="progress bar over requests, or over the tokens of a single prompt "
-                   "(default on)")
+    r.add_argument(
+        "--layers", default=None, help="comma-separated model layers to record (default: all)"
+    )
+    r.add_argument("--no-values", dest="values", action="store_false", help="do not record values")
+    r.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="progress bar over requests, or over the tokens of a single prompt (default on)",
+    )
     _common(r, default_policy=None, default_max_tokens=512)
     r.set_defaults(func=run_record)
 
 
-def _common(p: argparse.ArgumentParser, default_policy: str | None,
-            default_max_tokens: int) -> None:
-    p.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+def _common(
+    p: argparse.ArgumentParser, default_policy: str | None, default_max_tokens: int
+) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)",
+    )
     if default_policy is not None:
-        p.add_argument("--policy", default=default_policy,
-                       help="policy name, 'module:Class' or 'file.py:Class' (default growpage)")
-        p.add_argument("--param", "--policy-arg", dest="policy_arg", action="append",
-                       default=[], metavar="KEY=VALUE",
-                       help="policy hyperparameter, e.g. tau=0.01 (repeatable; read as the "
-                            "simulator's --param)")
-    p.add_argument("--max-tokens", type=positive_int, default=default_max_tokens,
-                   help=f"most tokens to generate per prompt (default {default_max_tokens})")
-    p.add_argument("--kv-pages", type=int, default=None,
-                   help="KV cache pages (default: 512 MiB worth)")
-    p.add_argument("--page-size", type=int, default=64,
-                   help="tokens per KV page (default 64 for short CPU runs; the paper uses 256)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's, one per core; on a machine other "
-                        "jobs share, 1 or 2 avoids oversubscription)")
-    p.add_argument("--recent-window", type=int, default=None,
-                   help="protected recent tokens (default 16, or page size / 4 for pages of 16 "
-                        "tokens or fewer, as the simulator's)")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="apply the model's chat template (default on)")
-    p.add_argument("--device", default="auto",
-                   help="'cpu', 'cuda' or 'cuda:N' (default auto: cuda when torch sees a GPU)")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
-                   help="auto (default): Triton on CUDA, torch on CPU")
+        p.add_argument(
+            "--policy",
+            default=default_policy,
+            help="policy name, 'module:Class' or 'file.py:Class' (default growpage)",
+        )
+        p.add_argument(
+            "--param",
+            "--policy-arg",
+            dest="policy_arg",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="policy hyperparameter, e.g. tau=0.01 (repeatable; read as the "
+            "simulator's --param)",
+        )
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=default_max_tokens,
+        help=f"most tokens to generate per prompt (default {default_max_tokens})",
+    )
+    p.add_argument(
+        "--kv-pages", type=int, default=None, help="KV cache pages (default: 512 MiB worth)"
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=64,
+        help="tokens per KV page (default 64 for short CPU runs; the paper uses 256)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's, one per core; on a machine other "
+        "jobs share, 1 or 2 avoids oversubscription)",
+    )
+    p.add_argument(
+        "--recent-window",
+        type=int,
+        default=None,
+        help="protected recent tokens (default 16, or page size / 4 for pages of 16 "
+        "tokens or fewer, as the simulator's)",
+    )
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="apply the model's chat template (default on)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="'cpu', 'cuda' or 'cuda:N' (default auto: cuda when torch sees a GPU)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="auto (default): Triton on CUDA, torch on CPU",
+    )
 
 
 def _build_llm(**kwargs: Any) -> LLM:
@@ -128,57 +235,82 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
 
     window = {} if args.recent_window is None else {"recent_window": args.recent_window}
-    return {"model": args.model, "kv_pages": args.kv_pages, "page_size": args.page_size,
-            "device": resolve_device(args.device), "attention_backend": args.attention_backend,
-            **window}
+    return {
+        "model": args.model,
+        "kv_pages": args.kv_pages,
+        "page_size": args.page_size,
+        "device": resolve_device(args.device),
+        "attention_backend": args.attention_backend,
+        **window,
+    }
 
 
 def _layers(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise EngineError(f"--layers: expected comma-separated layer numbers, got {text!r}") \
-            from None
+        raise EngineError(
+            f"--layers: expected comma-separated layer numbers, got {text!r}"
+        ) from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from growpage.engine.sampling_params import SamplingParams
 
-    prompts, arrivals = (args.prompt, None) if args.prompts is None else read_prompt_file(
-        args.prompts)
+    prompts, arrivals = (
+        (args.prompt, None) if args.prompts is None else read_prompt_file(args.prompts)
+    )
     if args.arrival_seed is not None and args.arrival_rate is None:
-        raise ConfigError(f"--arrival-seed {args.arrival_seed} seeds --arrival-rate's arrival "
-                          "times: give --arrival-rate too")
+        raise ConfigError(
+            f"--arrival-seed {args.arrival_seed} seeds --arrival-rate's arrival "
+            "times: give --arrival-rate too"
+        )
     if args.arrival_rate is not None:
         if arrivals is not None:
-            raise ConfigError(f"{args.prompts} gives its own arrival times ('arrival_s'): "
-                              f"leave out --arrival-rate")
+            raise ConfigError(
+                f"{args.prompts} gives its own arrival times ('arrival_s'): "
+                f"leave out --arrival-rate"
+            )
         from growpage.engine.inputs import poisson_arrivals
 
         arrivals = poisson_arrivals(len(prompts), args.arrival_rate, args.arrival_seed or 0)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
-                            ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     if args.stream and len(prompts) != 1:
-        raise ConfigError(f"--stream prints one answer as it comes: give a single prompt "
-                          f"(got {len(prompts)})")
+        raise ConfigError(
+            f"--stream prints one answer as it comes: give a single prompt (got {len(prompts)})"
+        )
     if args.out is not None:
         _make_out_dir(args.out, "an output directory")
-    extra = {name: getattr(args, name) for name in ("cuda_graphs", "async_compaction")
-             if getattr(args, name) is not None}
+    extra = {
+        name: getattr(args, name)
+        for name in ("cuda_graphs", "async_compaction")
+        if getattr(args, name) is not None
+    }
     if args.async_decisions:
         extra["async_decisions"] = True
-    llm = _build_llm(policy=args.policy,
-                     policy_kwargs=parse_policy_params(args.policy_arg, "--param"),
-                     **_engine_kwargs(args), **extra)
+    llm = _build_llm(
+        policy=args.policy,
+        policy_kwargs=parse_policy_params(args.policy_arg, "--param"),
+        **_engine_kwargs(args),
+        **extra,
+    )
     if args.stream:
-        out = _print_stream(llm.stream(prompts, params, chat=args.chat,
-                                       use_tqdm=bool(args.progress)))
+        out = _print_stream(
+            llm.stream(prompts, params, chat=args.chat, use_tqdm=bool(args.progress))
+        )
         _print_finish(out)
         outs = [out]
     else:
-        outs = llm.generate(prompts, params, chat=args.chat, use_tqdm=args.progress,
-                            arrival_times=arrivals)
+        outs = llm.generate(
+            prompts, params, chat=args.chat, use_tqdm=args.progress, arrival_times=arrivals
+        )
         for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
             if len(outs) > 1:
                 print(f"### {i + 1}/{len(outs)}: {_clip(prompt)}")
@@ -192,8 +324,9 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_generate_results(args: argparse.Namespace, outs: list[RequestOutput],
-                            stats: EngineStats, max_num_seqs: int) -> None:
+def _write_generate_results(
+    args: argparse.Namespace, outs: list[RequestOutput], stats: EngineStats, max_num_seqs: int
+) -> None:
     """``outputs.jsonl`` (one line per prompt, in prompt order), ``stats.json`` and
     ``pool.png`` (the KV pool over the run's steps)."""
     import attrs
@@ -203,15 +336,24 @@ def _write_generate_results(args: argparse.Namespace, outs: list[RequestOutput],
             # ``prompt`` is the text given (not the chat-templated one); its ids are templated.
             row = {"index": i, **attrs.asdict(out), "num_output_tokens": len(out.token_ids)}
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("func", "prompt") and not callable(v)}
+    settings = {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k not in ("func", "prompt") and not callable(v)
+    }
     payload = {"stats": attrs.asdict(stats), "settings": settings}
-    (args.out / "stats.json").write_text(json.dumps(payload, indent=2, ensure_ascii=False)
-                                         + "\n", encoding="utf-8")
+    (args.out / "stats.json").write_text(
+        json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     from growpage.sim.plots import plot_pool
 
-    plot_pool({stats.policy: stats.pool_timeline}, args.out / "pool.png", stats.num_pages,
-              max_num_seqs, title=f"KV pool under {stats.policy}")
+    plot_pool(
+        {stats.policy: stats.pool_timeline},
+        args.out / "pool.png",
+        stats.num_pages,
+        max_num_seqs,
+        title=f"KV pool under {stats.policy}",
+    )
     print(f"results in {args.out}/ (outputs.jsonl, stats.json, pool.png)")
 
 
@@ -238,7 +380,7 @@ def _print_stream(chunks: Iterator[StreamChunk]) -> RequestOutput:
 
 def _clip(text: str, width: int = 70) -> str:
     line = " ".join(text.split())
-    return line if len(line) <= width else line[:width - 3] + "..."
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -257,8 +399,9 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[float] | None]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise EngineError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte "
-                          f"{exc.start})") from None
+        raise EngineError(
+            f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
     except OSError as exc:
         raise EngineError(f"prompt file {path}: cannot read it ({exc.strerror})") from None
     prompts: list[str] = []
@@ -269,11 +412,13 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[float] | None]:
         if path.suffix == ".jsonl":
             prompt, arrival = _jsonl_prompt(line, f"{path}:{number}")
             if arrivals and (arrival is None) != (arrivals[0] is None):
-                raise EngineError(f"{path}:{number}: 'arrival_s' must be on every line or on "
-                                  f"none (line {number} " + ("lacks it" if arrival is None
-                                                             else "has it") + ", the first "
-                                  "prompt's line " + ("has it)" if arrival is None
-                                                      else "does not)"))
+                raise EngineError(
+                    f"{path}:{number}: 'arrival_s' must be on every line or on "
+                    f"none (line {number} "
+                    + ("lacks it" if arrival is None else "has it")
+                    + ", the first "
+                    "prompt's line " + ("has it)" if arrival is None else "does not)")
+                )
             prompts.append(prompt)
             arrivals.append(arrival)
         else:
@@ -292,12 +437,15 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
         raise EngineError(f"{where}: bad JSONL line {line[:60]!r} (not JSON: {exc})") from None
     if not isinstance(record, dict) or "prompt" not in record:
         what = "no 'prompt' key" if isinstance(record, dict) else "not a JSON object"
-        raise EngineError(f"{where}: bad JSONL line {line[:60]!r} ({what}; each line holds "
-                          f"an object such as {{\"prompt\": \"...\"}})")
+        raise EngineError(
+            f"{where}: bad JSONL line {line[:60]!r} ({what}; each line holds "
+            f'an object such as {{"prompt": "..."}})'
+        )
     prompt = record["prompt"]
     if not isinstance(prompt, str):
-        raise EngineError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__} "
-                          f"({line[:60]!r})")
+        raise EngineError(
+            f"{where}: 'prompt' must be a string, got {type(prompt).__name__} ({line[:60]!r})"
+        )
     from growpage.engine.inputs import seconds_of
 
     if "arrival_s" not in record:
@@ -307,8 +455,9 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
     arrival = record["arrival_s"]
     seconds = seconds_of(arrival)
     if seconds is None:
-        raise EngineError(f"{where}: 'arrival_s' must be a number of seconds >= 0, got "
-                          f"{arrival!r:.40}")
+        raise EngineError(
+            f"{where}: 'arrival_s' must be a number of seconds >= 0, got {arrival!r:.40}"
+        )
     return prompt, seconds
 
 
@@ -319,16 +468,26 @@ def run_record(args: argparse.Namespace) -> int:
     layers = None if args.layers is None else _layers(args.layers)
     _make_out_dir(args.out, "a trace-set directory")
     before = _num_traces(args.out)
-    llm = _build_llm(policy="fullkv", record_traces=args.out, record_layers=layers,
-                     record_values=args.values, **_engine_kwargs(args))
-    outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens), chat=args.chat,
-                        use_tqdm=args.progress)
+    llm = _build_llm(
+        policy="fullkv",
+        record_traces=args.out,
+        record_layers=layers,
+        record_values=args.values,
+        **_engine_kwargs(args),
+    )
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=args.max_tokens), chat=args.chat, use_tqdm=args.progress
+    )
     tokens = sum(len(o.token_ids) for o in outs)
-    print(f"recorded {plural(len(outs), 'trace')} ({plural(tokens, 'generated token')}) into "
-          f"{args.out}")
+    print(
+        f"recorded {plural(len(outs), 'trace')} ({plural(tokens, 'generated token')}) into "
+        f"{args.out}"
+    )
     if before:
-        print(f"  added to the {plural(before, 'trace')} already there: the set now holds "
-              f"{_num_traces(args.out)}; a request id already in it got a -N suffix")
+        print(
+            f"  added to the {plural(before, 'trace')} already there: the set now holds "
+            f"{_num_traces(args.out)}; a request id already in it got a -N suffix"
+        )
     stats = llm.last_stats
     assert stats is not None, "a finished generate call leaves its stats"
     print(stats.table())

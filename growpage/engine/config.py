@@ -13,8 +13,14 @@ from growpage.core.config import GrowPageConfig
 from growpage.engine.sampling_params import SEED_RANGE
 from growpage.errors import ConfigError
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 BACKENDS = ("auto", "torch", "triton")
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20  # bytes, when neither kv_pages nor a budget is given
 
@@ -22,25 +28,30 @@ DEFAULT_KV_CACHE_MEMORY = 512 * 2**20  # bytes, when neither kv_pages nor a budg
 def _to_dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
         if value not in (*DTYPES.values(), torch.float64):
-            raise ConfigError(f"EngineConfig.dtype: {value} is not supported (one of "
-                              "torch.float32, torch.bfloat16, torch.float16, torch.float64)")
+            raise ConfigError(
+                f"EngineConfig.dtype: {value} is not supported (one of "
+                "torch.float32, torch.bfloat16, torch.float16, torch.float64)"
+            )
         return value
     if not isinstance(value, str) or value not in DTYPES:
-        raise ConfigError(f"EngineConfig.dtype: unknown dtype {value!r} "
-                          f"(one of {', '.join(DTYPES)})")
+        raise ConfigError(
+            f"EngineConfig.dtype: unknown dtype {value!r} (one of {', '.join(DTYPES)})"
+        )
     return DTYPES[value]
 
 
 def _optional_positive(inst: object, attribute: attrs.Attribute, value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ConfigError(f"EngineConfig.{attribute.name} must be a positive integer or None, "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"EngineConfig.{attribute.name} must be a positive integer or None, got {value!r}"
+        )
 
 
 def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"EngineConfig.{attribute.name} must be a positive integer, "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"EngineConfig.{attribute.name} must be a positive integer, got {value!r}"
+        )
 
 
 def resolve_device(name: str) -> str:
@@ -56,20 +67,26 @@ def check_device(value: str) -> torch.device:
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise ConfigError(f"EngineConfig.device: {value!r} is not a torch device "
-                          "(use 'cpu', 'cuda' or 'cuda:N')") from None
+        raise ConfigError(
+            f"EngineConfig.device: {value!r} is not a torch device (use 'cpu', 'cuda' or 'cuda:N')"
+        ) from None
     if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"EngineConfig.device: {value!r} is not supported (the engine runs "
-                          "on 'cpu' or 'cuda[:N]')")
+        raise ConfigError(
+            f"EngineConfig.device: {value!r} is not supported (the engine runs "
+            "on 'cpu' or 'cuda[:N]')"
+        )
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
-            raise ConfigError(f"EngineConfig.device: {value!r} asked for, but torch sees no "
-                              f"CUDA device ({build}; torch {torch.__version__})")
+            raise ConfigError(
+                f"EngineConfig.device: {value!r} asked for, but torch sees no "
+                f"CUDA device ({build}; torch {torch.__version__})"
+            )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ConfigError(f"EngineConfig.device: {value!r} asked for, but torch sees "
-                              f"{count} CUDA device(s)")
+            raise ConfigError(
+                f"EngineConfig.device: {value!r} asked for, but torch sees {count} CUDA device(s)"
+            )
     return device
 
 
@@ -81,12 +98,15 @@ def plural(num: int, noun: str) -> str:
 def _layers(value: Iterable[int] | None) -> tuple[int, ...] | None:
     if value is None:
         return None
-    items = None if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) else list(
-        value)   # once: a generator is read here only
-    if items is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
-                                for i in items):
-        raise ConfigError(f"EngineConfig.record_layers must be a list of layer indices or "
-                          f"None, got {value!r:.80}")
+    items = (
+        None if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) else list(value)
+    )  # once: a generator is read here only
+    if items is None or not all(
+        isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in items
+    ):
+        raise ConfigError(
+            f"EngineConfig.record_layers must be a list of layer indices or None, got {value!r:.80}"
+        )
     return tuple(sorted({int(i) for i in items}))
 
 
@@ -97,8 +117,7 @@ def _plain_bool(value: object) -> object:
 
 def _flag(inst: object, attribute: attrs.Attribute, value: bool) -> None:
     if not isinstance(value, bool):
-        raise ConfigError(f"EngineConfig.{attribute.name} must be True or False, got "
-                          f"{value!r:.80}")
+        raise ConfigError(f"EngineConfig.{attribute.name} must be True or False, got {value!r:.80}")
 
 
 @attrs.frozen(kw_only=True)
@@ -153,8 +172,7 @@ class EngineConfig:
     kv_cache_memory: int | None = attrs.field(default=None, validator=_optional_positive)
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive)
-    enable_prefix_caching: bool = attrs.field(default=True, converter=_plain_bool,
-                                              validator=_flag)
+    enable_prefix_caching: bool = attrs.field(default=True, converter=_plain_bool, validator=_flag)
     dtype: torch.dtype = attrs.field(default=torch.float32, converter=_to_dtype)
     device: str = attrs.field(default="cpu", converter=str)
     attention_backend: str = attrs.field(default="auto")
@@ -171,8 +189,10 @@ class EngineConfig:
     @attention_backend.validator
     def _backend(self, attribute: attrs.Attribute, value: str) -> None:
         if value not in BACKENDS:
-            raise ConfigError(f"EngineConfig.attention_backend must be one of "
-                              f"{', '.join(BACKENDS)}, got {value!r}")
+            raise ConfigError(
+                f"EngineConfig.attention_backend must be one of "
+                f"{', '.join(BACKENDS)}, got {value!r}"
+            )
 
     @cuda_graphs.validator
     @async_compaction.validator
@@ -180,21 +200,23 @@ class EngineConfig:
     @warmup.validator
     def _flag_or_auto(self, attribute: attrs.Attribute, value: bool | None) -> None:
         if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"EngineConfig.{attribute.name} must be True, False or None "
-                              f"(automatic), got {value!r}")
+            raise ConfigError(
+                f"EngineConfig.{attribute.name} must be True, False or None "
+                f"(automatic), got {value!r}"
+            )
 
     @async_decisions.validator
     def _late(self, attribute: attrs.Attribute, value: bool) -> None:
         if not isinstance(value, bool):
-            raise ConfigError(f"EngineConfig.async_decisions must be True or False, "
-                              f"got {value!r}")
+            raise ConfigError(f"EngineConfig.async_decisions must be True or False, got {value!r}")
 
     @seed.validator
     def _seed(self, attribute: attrs.Attribute, value: int) -> None:
         low, high = SEED_RANGE
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
-            raise ConfigError(f"EngineConfig.seed must be an integer in [-2**63, 2**64), "
-                              f"got {value!r}")
+            raise ConfigError(
+                f"EngineConfig.seed must be an integer in [-2**63, 2**64), got {value!r}"
+            )
 
     @device.validator
     def _device(self, attribute: attrs.Attribute, value: str) -> None:
@@ -204,25 +226,33 @@ class EngineConfig:
         # NOTE: every request grows to min_capacity pages before its policy may compress.
         least = self.growpage.min_capacity
         if self.kv_pages is not None and self.kv_cache_memory is not None:
-            raise ConfigError(f"EngineConfig: give kv_pages ({self.kv_pages}) or "
-                              f"kv_cache_memory ({self.kv_cache_memory} bytes), not both: they "
-                              "are two ways to size the same KV cache")
+            raise ConfigError(
+                f"EngineConfig: give kv_pages ({self.kv_pages}) or "
+                f"kv_cache_memory ({self.kv_cache_memory} bytes), not both: they "
+                "are two ways to size the same KV cache"
+            )
         if self.kv_pages is not None and self.kv_pages < least:
-            raise ConfigError(f"EngineConfig.kv_pages: {plural(self.kv_pages, 'page')} cannot "
-                              f"hold one request, which grows to min_capacity = {least} pages "
-                              f"before its policy may compress; give at least {least}")
+            raise ConfigError(
+                f"EngineConfig.kv_pages: {plural(self.kv_pages, 'page')} cannot "
+                f"hold one request, which grows to min_capacity = {least} pages "
+                f"before its policy may compress; give at least {least}"
+            )
         if self.cuda_graphs:
             self._check_cuda_graphs()
 
     def _check_cuda_graphs(self) -> None:
         """What ``LLMEngine`` would refuse after loading the model, refused before it."""
         if torch.device(self.device).type != "cuda" or self.attention_backend == "torch":
-            raise ConfigError(f"EngineConfig.cuda_graphs needs a CUDA device and "
-                              f"attention_backend='triton' (device {self.device!r}, backend "
-                              f"{self.attention_backend!r})")
+            raise ConfigError(
+                f"EngineConfig.cuda_graphs needs a CUDA device and "
+                f"attention_backend='triton' (device {self.device!r}, backend "
+                f"{self.attention_backend!r})"
+            )
         if self.record_traces is not None:
-            raise ConfigError("EngineConfig.cuda_graphs cannot record traces (the recorder "
-                              "reads each step's keys and values); turn one of them off")
+            raise ConfigError(
+                "EngineConfig.cuda_graphs cannot record traces (the recorder "
+                "reads each step's keys and values); turn one of them off"
+            )
 
     def resolved(self, graphs_can_run: bool) -> EngineConfig:
         """This config with ``cuda_graphs`` and ``async_compaction`` decided (True or False):
@@ -246,7 +276,9 @@ class EngineConfig:
         pages = budget // bytes_per_page
         least = self.growpage.min_capacity
         if pages < least:
-            raise ConfigError(f"EngineConfig.kv_cache_memory: {budget} bytes hold "
-                              f"{plural(pages, 'page')} of {bytes_per_page} bytes; need at least "
-                              f"min_capacity = {least}")
+            raise ConfigError(
+                f"EngineConfig.kv_cache_memory: {budget} bytes hold "
+                f"{plural(pages, 'page')} of {bytes_per_page} bytes; need at least "
+                f"min_capacity = {least}"
+            )
         return int(pages)

@@ -43,8 +43,9 @@ class StepCapture:
     def wants(self, layer_idx: int) -> bool:
         return self.layers is None or layer_idx in self.layers
 
-    def record(self, layer_idx: int, q_pre_rope: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> None:
+    def record(
+        self, layer_idx: int, q_pre_rope: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         if not self.wants(layer_idx):
             return
         self.queries[layer_idx] = q_pre_rope.detach()
@@ -97,11 +98,14 @@ class StepContext:
         return self.cu_seqlens_q[1:].long() - 1
 
 
-def prefill_context(seq_lens: list[int], slot_mapping: torch.Tensor | None = None,
-                    block_tables: torch.Tensor | None = None,
-                    context_lens: list[int] | None = None,
-                    capture: StepCapture | None = None,
-                    accumulation: AttentionAccumulation | None = None) -> StepContext:
+def prefill_context(
+    seq_lens: list[int],
+    slot_mapping: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
+    context_lens: list[int] | None = None,
+    capture: StepCapture | None = None,
+    accumulation: AttentionAccumulation | None = None,
+) -> StepContext:
     """Build a prefill context for sequences of ``seq_lens`` new tokens.
 
     ``context_lens`` defaults to ``seq_lens`` (no cached prefix). Without ``slot_mapping`` the
@@ -111,17 +115,26 @@ def prefill_context(seq_lens: list[int], slot_mapping: torch.Tensor | None = Non
     cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0)
     return StepContext(
-        is_prefill=True, slot_mapping=slot_mapping, block_tables=block_tables,
-        context_lens=torch.tensor(ctx_lens, dtype=torch.int64), cu_seqlens_q=cu,
-        max_seqlen_q=max(seq_lens, default=0), max_seqlen_k=max(ctx_lens, default=0),
-        capture=capture, accumulation=accumulation,
+        is_prefill=True,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        context_lens=torch.tensor(ctx_lens, dtype=torch.int64),
+        cu_seqlens_q=cu,
+        max_seqlen_q=max(seq_lens, default=0),
+        max_seqlen_k=max(ctx_lens, default=0),
+        capture=capture,
+        accumulation=accumulation,
     )
 
 
-def decode_context(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, capture: StepCapture | None = None,
-                   max_seqlen_k: int | None = None,
-                   accumulation: AttentionAccumulation | None = None) -> StepContext:
+def decode_context(
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    capture: StepCapture | None = None,
+    max_seqlen_k: int | None = None,
+    accumulation: AttentionAccumulation | None = None,
+) -> StepContext:
     """Build a decode context: one new token per sequence, ``context_lens`` includes it.
 
     Pass ``max_seqlen_k`` when the lengths are known on the host: reading it from a device
@@ -130,8 +143,13 @@ def decode_context(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
     if max_seqlen_k is None:
         max_seqlen_k = int(context_lens.max()) if context_lens.numel() else 0
     return StepContext(
-        is_prefill=False, slot_mapping=slot_mapping, block_tables=block_tables,
-        context_lens=context_lens, max_seqlen_q=1, max_seqlen_k=max_seqlen_k, capture=capture,
+        is_prefill=False,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        max_seqlen_q=1,
+        max_seqlen_k=max_seqlen_k,
+        capture=capture,
         accumulation=accumulation,
     )
 

@@ -65,13 +65,16 @@ class DecodeGraphs:
         if capture and not kv.cache.is_cuda:
             raise RuntimeError("CUDA graphs need the KV cache on a CUDA device")
         if not runner.fuses_query_state:
-            raise RuntimeError("CUDA graphs need an attention backend that fuses the query-state "
-                               "update (the Triton backend)")
+            raise RuntimeError(
+                "CUDA graphs need an attention backend that fuses the query-state "
+                "update (the Triton backend)"
+            )
         self.runner, self.capture = runner, capture
         self.buckets = batch_buckets(max_batch)
         self.page_size = kv.page_size
-        self.max_width = min(kv.num_pages,
-                             math.ceil((model.config.max_position + 1) / kv.page_size))
+        self.max_width = min(
+            kv.num_pages, math.ceil((model.config.max_position + 1) / kv.page_size)
+        )
         device, rows = kv.cache.device, self.buckets[-1]
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
@@ -99,8 +102,10 @@ class DecodeGraphs:
         return min(1 << max(num_pages - 1, 0).bit_length(), self.max_width)
 
     def fits(self, seqs: list[Sequence]) -> bool:
-        return (self.bucket(len(seqs)) is not None
-                and max((s.state.num_pages for s in seqs), default=0) <= self.max_width)
+        return (
+            self.bucket(len(seqs)) is not None
+            and max((s.state.num_pages for s in seqs), default=0) <= self.max_width
+        )
 
     def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, StepContext]:
         """The decode forward of ``seqs`` (call ``fits`` first): hidden states ``[B, hidden]``
@@ -128,30 +133,44 @@ class DecodeGraphs:
         rows, pad = DecodeRows.of(self.runner.kv, seqs), bucket - len(seqs)
         tables = [s.state.block_table + [-1] * (width - s.state.num_pages) for s in seqs]
         for dst, values, padding in (
-                (self.ids, rows.ids, 0), (self.positions, rows.positions, 0),
-                (self.slots, rows.slots, -1), (self.lens, rows.lens, 0),
-                (self.slot_ids, rows.query_slots, -1), (self.first, rows.first, 0),
-                (self._table(width), tables, [-1] * width)):
+            (self.ids, rows.ids, 0),
+            (self.positions, rows.positions, 0),
+            (self.slots, rows.slots, -1),
+            (self.lens, rows.lens, 0),
+            (self.slot_ids, rows.query_slots, -1),
+            (self.first, rows.first, 0),
+            (self._table(width), tables, [-1] * width),
+        ):
             copy_into(dst, values + [padding] * pad)
 
     def _table(self, width: int) -> torch.Tensor:
         table = self._tables.get(width)
         if table is None:
             table = self._tables[width] = torch.full(
-                (self.buckets[-1], width), -1, dtype=torch.long, device=self.ids.device)
+                (self.buckets[-1], width), -1, dtype=torch.long, device=self.ids.device
+            )
         return table
 
     def _context(self, bucket: int, width: int) -> StepContext:
         from growpage.engine.model_runner import FusedStepContext
 
         kv = self.runner.kv
-        ctx = decode_context(self.slots[:bucket], self._table(width)[:bucket],
-                             self.lens[:bucket], StepCapture(),
-                             max_seqlen_k=width * self.page_size,
-                             accumulation=self.runner.accumulation)
-        fusion = QueryStateFusion(kv.query_pool.summaries, self.slot_ids[:bucket],
-                                  self.first[:bucket], kv.cache, kv.query_pool.beta_short,
-                                  kv.query_pool.beta_long)
+        ctx = decode_context(
+            self.slots[:bucket],
+            self._table(width)[:bucket],
+            self.lens[:bucket],
+            StepCapture(),
+            max_seqlen_k=width * self.page_size,
+            accumulation=self.runner.accumulation,
+        )
+        fusion = QueryStateFusion(
+            kv.query_pool.summaries,
+            self.slot_ids[:bucket],
+            self.first[:bucket],
+            kv.cache,
+            kv.query_pool.beta_short,
+            kv.query_pool.beta_long,
+        )
         return FusedStepContext(**attrs.asdict(ctx, recurse=False), query_state=fusion)
 
     def _forward(self, ctx: StepContext, bucket: int) -> torch.Tensor:
@@ -175,4 +194,3 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             hidden = self._forward(ctx, bucket)
         return _Entry(bucket, width, ctx, graph, hidden)
-

@@ -23,7 +23,7 @@ import torch
 from growpage.engine.gguf_file import QUANT_SIZES
 
 BLOCK = 32
-F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8   # gguf.GGMLQuantizationType values
+F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8  # gguf.GGMLQuantizationType values
 _BLOCK_BYTES = {q: QUANT_SIZES[q][1] for q in (Q4_0, Q4_1, Q8_0)}  # 18, 20, 34
 
 
@@ -40,20 +40,19 @@ def dequantize(raw: np.ndarray, qtype: int) -> torch.Tensor:
     size = _BLOCK_BYTES[qtype]
     lead, row_bytes = raw.shape[:-1], raw.shape[-1]
     if row_bytes % size:
-        raise ValueError(f"a row of {row_bytes} bytes is not a whole number of "
-                         f"{size}-byte blocks")
+        raise ValueError(f"a row of {row_bytes} bytes is not a whole number of {size}-byte blocks")
     # A writable copy of the packed bytes (the file's memory map is read-only): small next to
     # the fp32 weights.
     blocks = torch.from_numpy(np.array(raw, copy=True).reshape(-1, size))
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float()       # [n, 1]
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
     w = torch.empty(blocks.shape[0], BLOCK)
     if qtype == Q8_0:
         w.copy_(blocks[:, 2:].view(torch.int8))
         w.mul_(d)
     else:
-        packed = blocks[:, size - 16:]
-        w[:, :16] = packed & 0x0F   # weights 0-15: the low nibbles
-        w[:, 16:] = packed >> 4     # weights 16-31: the high nibbles
+        packed = blocks[:, size - 16 :]
+        w[:, :16] = packed & 0x0F  # weights 0-15: the low nibbles
+        w[:, 16:] = packed >> 4  # weights 16-31: the high nibbles
         if qtype == Q4_0:
             w.sub_(8).mul_(d)
         else:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 _INCOMPLETE = "\ufffd"
-_FOLD = 256   # settled pieces kept apart before they are joined to the text
+_FOLD = 256  # settled pieces kept apart before they are joined to the text
 
 
 class IncrementalDetokenizer:
@@ -43,19 +43,28 @@ class IncrementalDetokenizer:
     only its last ``n`` characters.
     """
 
-    __slots__ = ("_decode", "pending", "num_chars", "_head", "_pieces", "_start", "_read",
-                 "_start_text", "_seen")
+    __slots__ = (
+        "_decode",
+        "pending",
+        "num_chars",
+        "_head",
+        "_pieces",
+        "_start",
+        "_read",
+        "_start_text",
+        "_seen",
+    )
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self._decode = decode
         self.pending = ""
-        self.num_chars = 0       # len(text)
-        self._head = ""          # text = _head + "".join(_pieces)
+        self.num_chars = 0  # len(text)
+        self._head = ""  # text = _head + "".join(_pieces)
         self._pieces: list[str] = []
-        self._start = 0          # where the next window starts
-        self._read = 0           # ids before it are in ``text``; ids[_start:_read] are context
-        self._start_text = ""    # decode(ids[_start:_read]), the context's own text
-        self._seen: list[int] = []   # the window's ids, to check that they did not change
+        self._start = 0  # where the next window starts
+        self._read = 0  # ids before it are in ``text``; ids[_start:_read] are context
+        self._start_text = ""  # decode(ids[_start:_read]), the context's own text
+        self._seen: list[int] = []  # the window's ids, to check that they did not change
 
     @property
     def text(self) -> str:
@@ -87,18 +96,20 @@ class IncrementalDetokenizer:
         """Take the ids (all of them, not only the new ones); return the newly settled text."""
         n = len(ids)
         known = self._start + len(self._seen)
-        if n < known or list(ids[self._start:known]) != self._seen:
-            raise ValueError("IncrementalDetokenizer.update: ids must extend the ids given "
-                             f"before ({known} ids known, got {n} that differ or are fewer)")
+        if n < known or list(ids[self._start : known]) != self._seen:
+            raise ValueError(
+                "IncrementalDetokenizer.update: ids must extend the ids given "
+                f"before ({known} ids known, got {n} that differ or are fewer)"
+            )
         if n == known:
             return ""
-        window = list(ids[self._start:])
+        window = list(ids[self._start :])
         self._seen = window
         text = self._decode(window)
-        new = text[len(self._start_text):]
+        new = text[len(self._start_text) :]
         if text.endswith(_INCOMPLETE):
             self.pending = new
-            return ""   # wait for the rest of the character
+            return ""  # wait for the rest of the character
         self._pieces.append(new)
         self.num_chars += len(new)
         if len(self._pieces) >= _FOLD:
@@ -106,7 +117,7 @@ class IncrementalDetokenizer:
         self.pending = ""
         # The next window starts with the ids settled now: the context its text is measured from.
         self._start, self._read = self._read, n
-        self._seen = list(ids[self._start:n])
+        self._seen = list(ids[self._start : n])
         self._start_text = self._decode(self._seen)
         return new
 

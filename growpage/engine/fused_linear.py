@@ -18,16 +18,22 @@ class FusedLinear(nn.Linear):
     ``load_state_dict`` concatenates the parts back (any loader, ``assign=True`` too).
     """
 
-    def __init__(self, parent: nn.Module, name: str, in_features: int,
-                 parts: dict[str, int], bias: bool) -> None:
+    def __init__(
+        self, parent: nn.Module, name: str, in_features: int, parts: dict[str, int], bias: bool
+    ) -> None:
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.name, self.parts = name, dict(parts)
         # partials, not bound methods: torch marks the hooks it registers with an attribute
         parent.register_state_dict_post_hook(functools.partial(FusedLinear._split_state, self))
         parent.register_load_state_dict_pre_hook(functools.partial(FusedLinear._merge_state, self))
 
-    def _split_state(self, parent: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str,
-                     local_metadata: dict[str, Any]) -> None:
+    def _split_state(
+        self,
+        parent: nn.Module,
+        state_dict: dict[str, torch.Tensor],
+        prefix: str,
+        local_metadata: dict[str, Any],
+    ) -> None:
         items = list(state_dict.items())
         state_dict.clear()
         for key, value in items:  # the parts take the fused entry's place: HF order
@@ -38,10 +44,12 @@ class FusedLinear(nn.Linear):
             for part, t in zip(self.parts, value.split(list(self.parts.values())), strict=True):
                 state_dict[f"{prefix}{part}.{suffix}"] = t
 
-    def _merge_state(self, parent: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str,
-                     *args: object) -> None:
+    def _merge_state(
+        self, parent: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *args: object
+    ) -> None:
         for suffix in ("weight", "bias"):
             keys = [f"{prefix}{part}.{suffix}" for part in self.parts]
             if all(k in state_dict for k in keys):  # else strict loading reports the gap
                 state_dict[f"{prefix}{self.name}.{suffix}"] = torch.cat(
-                    [state_dict.pop(k) for k in keys])
+                    [state_dict.pop(k) for k in keys]
+                )

@@ -31,21 +31,67 @@ from growpage.errors import EngineError
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # Metadata value types: id -> (struct format, size) for the scalars; 7 bool, 8 string, 9 array.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 10: "<Q", 11: "<q",
-            12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 10: "<u8",
-          11: "<i8", 12: "<f8", 7: "<u1"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_NUMPY = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+    7: "<u1",
+}
 BOOL, STRING, ARRAY = 7, 8, 9
 _U64 = struct.Struct("<Q")
 # Tensor type -> (items per block, bytes per block), as ggml defines them (the gguf package's
 # GGML_QUANT_SIZES, which a test compares); other types are looked up there.
-QUANT_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
-               8: (32, 34), 9: (32, 40), 10: (256, 84), 11: (256, 110), 12: (256, 144),
-               13: (256, 176), 14: (256, 210), 15: (256, 292), 24: (1, 1), 25: (1, 2),
-               26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
+QUANT_SIZES = {
+    0: (1, 4),
+    1: (1, 2),
+    2: (32, 18),
+    3: (32, 20),
+    6: (32, 22),
+    7: (32, 24),
+    8: (32, 34),
+    9: (32, 40),
+    10: (256, 84),
+    11: (256, 110),
+    12: (256, 144),
+    13: (256, 176),
+    14: (256, 210),
+    15: (256, 292),
+    24: (1, 1),
+    25: (1, 2),
+    26: (1, 4),
+    27: (1, 8),
+    28: (1, 8),
+    30: (1, 2),
+}
 # Tensor types stored as plain numpy items; every other type is handed over as raw bytes.
-_PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64,
-          28: np.float64}
+_PLAIN = {
+    0: np.float32,
+    1: np.float16,
+    24: np.int8,
+    25: np.int16,
+    26: np.int32,
+    27: np.int64,
+    28: np.float64,
+}
 
 
 def _quant_size(kind: int, name: str, path: Path) -> tuple[int, int]:
@@ -67,8 +113,8 @@ def _bad(path: Path, problem: str) -> EngineError:
 class GGUFTensor(NamedTuple):
     name: str
     shape: tuple[int, ...]  # GGUF order: ne0 (the contiguous dimension) first
-    type: int               # a ``gguf.GGMLQuantizationType`` value
-    offset: int             # absolute byte offset of the data in the file
+    type: int  # a ``gguf.GGMLQuantizationType`` value
+    offset: int  # absolute byte offset of the data in the file
     num_bytes: int
 
 
@@ -78,9 +124,10 @@ class _Cursor:
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
-            raise _bad(self.path, f"truncated at byte {self.pos} (needs {n} more of "
-                                  f"{len(self.buf)})")
-        out = self.buf[self.pos:self.pos + n]
+            raise _bad(
+                self.path, f"truncated at byte {self.pos} (needs {n} more of {len(self.buf)})"
+            )
+        out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
 
@@ -127,7 +174,7 @@ class _Cursor:
                 if pos + n > end:
                     pos -= 8
                     break
-                out.append(str(buf[pos:pos + n], "utf-8"))
+                out.append(str(buf[pos : pos + n], "utf-8"))
                 pos += n
         except UnicodeDecodeError as exc:  # at the string's end, as ``string`` says it
             raise _bad(self.path, f"invalid UTF-8 string at byte {pos + n}") from exc
@@ -172,8 +219,9 @@ class GGUFFile:
             block, size = _quant_size(kind, name, self.path)
             count = math.prod(shape)
             if shape and shape[0] % block:
-                raise _bad(self.path, f"tensor {name!r} rows of {shape[0]} are not whole "
-                                      f"blocks of {block}")
+                raise _bad(
+                    self.path, f"tensor {name!r} rows of {shape[0]} are not whole blocks of {block}"
+                )
             tensor = GGUFTensor(name, shape, kind, start + offset, count // block * size)
             if tensor.offset + tensor.num_bytes > len(self._map):
                 raise _bad(self.path, f"tensor {name!r} runs past the end of the file")
@@ -189,7 +237,7 @@ class GGUFFile:
         """The tensor's stored data, read-only: ``[..., ne1, ne0]`` items for plain types,
         ``[..., ne1, bytes per row]`` uint8 for quantized ones (``gguf.quants.dequantize``'s
         input)."""
-        data = np.asarray(self._map[tensor.offset:tensor.offset + tensor.num_bytes])
+        data = np.asarray(self._map[tensor.offset : tensor.offset + tensor.num_bytes])
         dims = tuple(reversed(tensor.shape))
         if tensor.type in _PLAIN:
             return data.view(_PLAIN[tensor.type]).reshape(dims)

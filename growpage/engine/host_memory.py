@@ -23,6 +23,7 @@ NO_LIMIT_BYTES = 2**60  # cgroup v1 writes "unlimited" as about 2**63 rounded to
 
 class MemoryFigure(NamedTuple):
     """Bytes a new allocation may take, and the limit that says so (for error messages)."""
+
     num_bytes: int
     source: str
 
@@ -69,16 +70,20 @@ def _cgroup_v2(root: Path) -> list[MemoryFigure | None]:
     path = _cgroup_paths(root)[0]
     if path is None:
         return []
-    return [_room(root, directory, "memory.max", "memory.current", "cgroup v2")
-            for directory in _ancestors("sys/fs/cgroup", path)]
+    return [
+        _room(root, directory, "memory.max", "memory.current", "cgroup v2")
+        for directory in _ancestors("sys/fs/cgroup", path)
+    ]
 
 
 def _cgroup_v1(root: Path) -> list[MemoryFigure | None]:
     path = _cgroup_paths(root)[1]
     if path is None:
         return []
-    return [_room(root, directory, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                  "cgroup v1") for directory in _ancestors("sys/fs/cgroup/memory", path)]
+    return [
+        _room(root, directory, "memory.limit_in_bytes", "memory.usage_in_bytes", "cgroup v1")
+        for directory in _ancestors("sys/fs/cgroup/memory", path)
+    ]
 
 
 def _ancestors(mount: str, path: str) -> list[str]:
@@ -87,14 +92,16 @@ def _ancestors(mount: str, path: str) -> list[str]:
     return ["/".join([mount, *parts[:n]]) for n in range(len(parts), -1, -1)]
 
 
-def _room(root: Path, directory: str, limit_name: str, usage_name: str,
-          version: str) -> MemoryFigure | None:
+def _room(
+    root: Path, directory: str, limit_name: str, usage_name: str, version: str
+) -> MemoryFigure | None:
     limit, usage = (_read_int(root / directory / name) for name in (limit_name, usage_name))
     if limit is None or limit >= NO_LIMIT_BYTES or usage is None:
         return None
-    return MemoryFigure(max(limit - usage, 0),
-                        f"{version} limit: {limit_name} {limit} minus {usage_name} {usage} in "
-                        f"/{directory}")
+    return MemoryFigure(
+        max(limit - usage, 0),
+        f"{version} limit: {limit_name} {limit} minus {usage_name} {usage} in /{directory}",
+    )
 
 
 def _read_int(path: Path) -> int | None:

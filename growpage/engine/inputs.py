@@ -34,27 +34,32 @@ def as_prompt_list(prompts: Prompt | Seq[Prompt], name: str = "prompts") -> list
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, (bytes, bytearray)):
-        raise EngineError(f"{name} must be a string, a list of token ids or a list of those, "
-                          "got bytes (decode them to a string first)")
+        raise EngineError(
+            f"{name} must be a string, a list of token ids or a list of those, "
+            "got bytes (decode them to a string first)"
+        )
     if isinstance(prompts, ARRAYS):
         prompts = prompts.tolist()
     if not isinstance(prompts, Seq):
-        raise EngineError(f"{name} must be a string, a list of token ids or a list of those, "
-                          f"got {type(prompts).__name__}")
+        raise EngineError(
+            f"{name} must be a string, a list of token ids or a list of those, "
+            f"got {type(prompts).__name__}"
+        )
     items: list[Any] = list(prompts)
     if items and all(_is_token(t) for t in items):
         return [items]  # one token-id prompt
     return items
 
 
-def per_prompt_params(params: SamplingParams | Seq[SamplingParams], n: int
-                      ) -> list[SamplingParams]:
+def per_prompt_params(params: SamplingParams | Seq[SamplingParams], n: int) -> list[SamplingParams]:
     """``params`` for each of ``n`` prompts."""
     if isinstance(params, SamplingParams):
         return [params] * n
     if not isinstance(params, Seq) or isinstance(params, str):
-        raise EngineError(f"params must be a SamplingParams or a list of them (one per prompt), "
-                          f"got {type(params).__name__}")
+        raise EngineError(
+            f"params must be a SamplingParams or a list of them (one per prompt), "
+            f"got {type(params).__name__}"
+        )
     params = list(params)
     wrong = [type(p).__name__ for p in params if not isinstance(p, SamplingParams)]
     if wrong:
@@ -69,8 +74,9 @@ def where(name: str, index: int, count: int) -> str:
     return f" ({name}[{index}])" if count > 1 else ""
 
 
-def encode_prompt(prompt: Prompt, tokenizer: Any, chat: bool, at: str = "",
-                  what: str = "prompt") -> tuple[list[int], str | None]:
+def encode_prompt(
+    prompt: Prompt, tokenizer: Any, chat: bool, at: str = "", what: str = "prompt"
+) -> tuple[list[int], str | None]:
     """``(token ids, text or None)`` of one prompt (``chat``: through the chat template);
     ``at`` (from ``where``) ends each error message, ``what`` names the input in it."""
     if isinstance(prompt, str):
@@ -81,10 +87,15 @@ def encode_prompt(prompt: Prompt, tokenizer: Any, chat: bool, at: str = "",
         ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
         return ids, prompt
     if not isinstance(prompt, (Seq, *ARRAYS)) or isinstance(prompt, (bytes, bytearray)):
-        raise EngineError(f"a {what} is a string or a list of token ids, got "
-                          f"{type(prompt).__name__}{at}"
-                          + (" (decode bytes to a string first)" if isinstance(
-                              prompt, (bytes, bytearray)) else ""))
+        raise EngineError(
+            f"a {what} is a string or a list of token ids, got "
+            f"{type(prompt).__name__}{at}"
+            + (
+                " (decode bytes to a string first)"
+                if isinstance(prompt, (bytes, bytearray))
+                else ""
+            )
+        )
     ids = prompt.tolist() if isinstance(prompt, ARRAYS) else list(prompt)
     if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
         raise EngineError(f"a token-id {what} must be a list of ints{at}")
@@ -112,17 +123,21 @@ def arrival_offsets(arrival_times: object, n: int) -> list[float] | None:
     if isinstance(arrival_times, ARRAYS):
         arrival_times = arrival_times.tolist()
     if not isinstance(arrival_times, Seq) or isinstance(arrival_times, (str, bytes, bytearray)):
-        raise EngineError(f"arrival_times must be a list of seconds, one per prompt, got "
-                          f"{type(arrival_times).__name__}")
+        raise EngineError(
+            f"arrival_times must be a list of seconds, one per prompt, got "
+            f"{type(arrival_times).__name__}"
+        )
     given = list(arrival_times)
     if len(given) != n:
-        raise EngineError(f"arrival_times has {plural(len(given), 'value')} for "
-                          f"{plural(n, 'prompt')}")
+        raise EngineError(
+            f"arrival_times has {plural(len(given), 'value')} for {plural(n, 'prompt')}"
+        )
     times = []
     for i, t in enumerate(given):
         if not _is_real(t):
-            raise EngineError(f"arrival_times[{i}] must be a number of seconds, got "
-                              f"{type(t).__name__} {t!r:.40}")
+            raise EngineError(
+                f"arrival_times[{i}] must be a number of seconds, got {type(t).__name__} {t!r:.40}"
+            )
         seconds = seconds_of(t)
         if seconds is None:
             raise EngineError(f"arrival_times[{i}] must be finite and >= 0, got {t!r:.40}")
@@ -154,10 +169,11 @@ def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     the simulator draws a workload's (``WorkloadSpec(arrival="poisson")``)."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
         raise EngineError(f"poisson_arrivals: n must be an int >= 0, got {n!r}")
-    rate = seconds_of(rate_per_s)   # a real number, finite (an int too large is not) and >= 0
+    rate = seconds_of(rate_per_s)  # a real number, finite (an int too large is not) and >= 0
     if rate is None or rate <= 0:
-        raise EngineError(f"poisson_arrivals: rate_per_s must be a finite number > 0, got "
-                          f"{rate_per_s!r:.40}")
+        raise EngineError(
+            f"poisson_arrivals: rate_per_s must be a finite number > 0, got {rate_per_s!r:.40}"
+        )
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise EngineError(f"poisson_arrivals: seed must be an int >= 0, got {seed!r}")
     # NOTE: a rate near the smallest float has a mean gap (1 / rate), or a sum of gaps, past the
@@ -166,7 +182,9 @@ def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     with np.errstate(over="ignore"):
         times = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, int(n)))
     if n and not math.isfinite(times[-1]):
-        raise EngineError(f"poisson_arrivals: rate_per_s {rate_per_s!r:.40} is too small for "
-                          f"{n} arrivals: their times pass the largest float "
-                          f"({np.finfo(float).max:.3g} s)")
+        raise EngineError(
+            f"poisson_arrivals: rate_per_s {rate_per_s!r:.40} is too small for "
+            f"{n} arrivals: their times pass the largest float "
+            f"({np.finfo(float).max:.3g} s)"
+        )
     return [float(t) for t in times]

@@ -53,8 +53,9 @@ class LateBoundary:
         seq = self.seq
         outcome = self.kv.controller.on_boundary(seq.state, self.kv.view(seq), batch)
         if outcome.needs_preemption:  # decides_late rules it out; a broken rule is a bug
-            raise RuntimeError(f"request {seq.request_id!r}: a late boundary asked for a "
-                               "preemption")
+            raise RuntimeError(
+                f"request {seq.request_id!r}: a late boundary asked for a preemption"
+            )
         return outcome
 
     def cancel(self) -> None:
@@ -64,42 +65,63 @@ class LateBoundary:
 class KVCacheManager:
     """Pages, slots and capacity control of all sequences of one engine."""
 
-    def __init__(self, model_config: ModelConfig, config: EngineConfig,
-                 policy: CapacityPolicy) -> None:
+    def __init__(
+        self, model_config: ModelConfig, config: EngineConfig, policy: CapacityPolicy
+    ) -> None:
         c, gp = model_config, config.growpage
         self.model_config, self.config = model_config, config
         self.page_size = gp.page_size
         records_sums = bool(getattr(policy, "needs_accumulated_attention", False))
-        page_bytes = kv_cache_bytes(c.num_layers, gp.page_size, c.num_kv_heads, c.head_dim,
-                                    config.dtype)
+        page_bytes = kv_cache_bytes(
+            c.num_layers, gp.page_size, c.num_kv_heads, c.head_dim, config.dtype
+        )
         if records_sums:
             page_bytes += sum_bytes(c.num_layers, gp.page_size, c.num_kv_heads)
         self.num_pages = config.num_pages_for(page_bytes)
         check_kv_cache_fits(self.num_pages * page_bytes, self.num_pages, config.device)
-        self.cache = allocate_kv_cache(c.num_layers, self.num_pages, gp.page_size,
-                                       c.num_kv_heads, c.head_dim, config.dtype, config.device)
+        self.cache = allocate_kv_cache(
+            c.num_layers,
+            self.num_pages,
+            gp.page_size,
+            c.num_kv_heads,
+            c.head_dim,
+            config.dtype,
+            config.device,
+        )
         # H2O sums [L, slots, Hkv] fp32, only for a policy that reads them; their slots must
         # not be shared, so they turn prefix caching off.
-        self.accumulated = (allocate_sums(c.num_layers, self.num_pages * gp.page_size,
-                                          c.num_kv_heads, config.device)
-                            if records_sums else None)
+        self.accumulated = (
+            allocate_sums(
+                c.num_layers, self.num_pages * gp.page_size, c.num_kv_heads, config.device
+            )
+            if records_sums
+            else None
+        )
         self.prefix_caching = config.enable_prefix_caching and not records_sums
-        self.pool = PagePool(self.num_pages, gp.page_size, watermark=min(gp.watermark,
-                                                                         self.num_pages - 1))
-        self.query_pool = QueryStatePool(c.num_layers, config.max_num_seqs, c.num_q_heads,
-                                         c.head_dim, gp.beta_short, gp.beta_long, config.device)
+        self.pool = PagePool(
+            self.num_pages, gp.page_size, watermark=min(gp.watermark, self.num_pages - 1)
+        )
+        self.query_pool = QueryStatePool(
+            c.num_layers,
+            config.max_num_seqs,
+            c.num_q_heads,
+            c.head_dim,
+            gp.beta_short,
+            gp.beta_long,
+            config.device,
+        )
         self.controller = CapacityController(policy, self.pool, gp)
         self.prefix_hit_tokens = 0
         self.boundary_seconds = 0.0  # wall time spent in capacity control (running total)
         self._batch: BoundaryBatch | None = None  # this decode step's (prepare_boundaries)
-        self.shared_steps = 0       # decode steps whose decided boundaries shared a batch
+        self.shared_steps = 0  # decode steps whose decided boundaries shared a batch
         self.shared_boundaries = 0  # the boundaries prepared in those batches (running totals)
         # Asynchronous compaction: this step's deferred compressions (and with async_decisions
         # its late boundaries), in decision order.
         self._deferred: dict[int, tuple[Sequence, PendingCompaction | LateBoundary]] = {}
-        self.deferred_compactions = 0   # compressions run by run_deferred (running total)
-        self.deferred_decisions = 0     # late boundaries decided by run_deferred (running total)
-        self.deferred_seconds = 0.0     # their part of boundary_seconds (running total)
+        self.deferred_compactions = 0  # compressions run by run_deferred (running total)
+        self.deferred_decisions = 0  # late boundaries decided by run_deferred (running total)
+        self.deferred_seconds = 0.0  # their part of boundary_seconds (running total)
         self.deferred_stall_seconds = 0.0  # of that, what the step waited for (running total)
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._ready: torch.cuda.Event | None = None  # the step's boundary work, before forward
@@ -175,8 +197,12 @@ class KVCacheManager:
         while (seq.num_registered_pages + 1) * b <= seq.state.position:
             i = seq.num_registered_pages
             seq.last_page_hash, seq.last_cached_page = self.pool.extend_chain(
-                seq.state.block_table[i], tokens[i * b:(i + 1) * b], seq.last_page_hash,
-                seq.last_cached_page, first=i == 0)
+                seq.state.block_table[i],
+                tokens[i * b : (i + 1) * b],
+                seq.last_page_hash,
+                seq.last_cached_page,
+                first=i == 0,
+            )
             seq.num_registered_pages += 1
 
     # ---- slots ----------------------------------------------------------------------------
@@ -235,8 +261,9 @@ class KVCacheManager:
         try:
             if defer is None:
                 defer = bool(self.config.async_compaction)  # None: not resolved, off
-            outcome = self.controller.on_boundary(seq.state, self.view(seq), self._batch,
-                                                  defer=defer)
+            outcome = self.controller.on_boundary(
+                seq.state, self.view(seq), self._batch, defer=defer
+            )
             if outcome.pending is not None:
                 self._deferred[seq.seq_id] = (seq, outcome.pending)
             return outcome
@@ -254,9 +281,11 @@ class KVCacheManager:
         pages is shared (no copy-on-write; pages become shared only at admission, in prefill
         steps)."""
         state = seq.state
-        return (bool(getattr(self.controller.policy, "fallback_to_compress", True))
-                and not any(self.pool.is_shared(page) for page in state.block_table)
-                and self.controller.will_decide(state, self.view(seq)))
+        return (
+            bool(getattr(self.controller.policy, "fallback_to_compress", True))
+            and not any(self.pool.is_shared(page) for page in state.block_table)
+            and self.controller.will_decide(state, self.view(seq))
+        )
 
     def is_deferred(self, seq: Sequence) -> bool:
         """Whether ``seq`` has a compression or a late boundary pending (it sits this decode
@@ -321,8 +350,11 @@ class KVCacheManager:
                 streams[0].synchronize()
                 torch.cuda.current_stream().wait_stream(streams[0])
             elapsed = time.perf_counter() - start  # before waiting for the forward below
-            stall = elapsed if streams is None or forward_done is None else min(
-                _stall_seconds(forward_done, streams[1]), elapsed)
+            stall = (
+                elapsed
+                if streams is None or forward_done is None
+                else min(_stall_seconds(forward_done, streams[1]), elapsed)
+            )
             self.boundary_seconds += elapsed
             self.deferred_seconds += elapsed
             self.deferred_stall_seconds += stall
@@ -347,17 +379,24 @@ class KVCacheManager:
         if not self.cache.is_cuda:
             return None
         if self._streams is None:
-            self._streams = (torch.cuda.Stream(self.cache.device),
-                             torch.cuda.Stream(self.cache.device))
+            self._streams = (
+                torch.cuda.Stream(self.cache.device),
+                torch.cuda.Stream(self.cache.device),
+            )
         return self._streams
 
     def view(self, seq: Sequence, use_kernels: bool | None = None) -> EngineKVView:
         """``seq``'s KV view over the cache (``use_kernels`` None: the config's choice)."""
-        return EngineKVView(seq, self.cache, self.query_pool, self.model_config.rope,
-                            self.model_config.num_q_heads,
-                            use_kernels=self.config.boundary_kernels if use_kernels is None
-                            else use_kernels, accumulated=self.accumulated,
-                            recent_window=self.config.growpage.recent_window)
+        return EngineKVView(
+            seq,
+            self.cache,
+            self.query_pool,
+            self.model_config.rope,
+            self.model_config.num_q_heads,
+            use_kernels=self.config.boundary_kernels if use_kernels is None else use_kernels,
+            accumulated=self.accumulated,
+            recent_window=self.config.growpage.recent_window,
+        )
 
     def append_slot(self, seq: Sequence) -> int:
         """Take the next slot of ``seq`` for its next token (room must have been made)."""

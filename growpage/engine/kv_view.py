@@ -29,8 +29,9 @@ from growpage.engine.sequence import Sequence
 from growpage.engine.transfer import to_device
 
 
-def page_slots(pages: list[int], num_slots: int, page_size: int,
-               device: torch.device | str = "cpu") -> torch.Tensor:
+def page_slots(
+    pages: list[int], num_slots: int, page_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Flat cache slots ``[num_slots]`` of a request's slots ``0..num_slots-1``."""
     idx = torch.arange(num_slots, device=device)
     table = to_device(pages, torch.long, torch.device(device))  # queued: no host sync on CUDA
@@ -40,9 +41,17 @@ def page_slots(pages: list[int], num_slots: int, page_size: int,
 class EngineKVView(KVView):
     """KV view of ``seq`` over ``kv_cache [2, L, num_pages, page_size, Hkv, d]``."""
 
-    def __init__(self, seq: Sequence, kv_cache: torch.Tensor, query_pool: QueryStatePool,
-                 rope: RopeConfig, num_q_heads: int, use_kernels: bool | None = None,
-                 accumulated: torch.Tensor | None = None, recent_window: int = 0) -> None:
+    def __init__(
+        self,
+        seq: Sequence,
+        kv_cache: torch.Tensor,
+        query_pool: QueryStatePool,
+        rope: RopeConfig,
+        num_q_heads: int,
+        use_kernels: bool | None = None,
+        accumulated: torch.Tensor | None = None,
+        recent_window: int = 0,
+    ) -> None:
         """``use_kernels``: demand estimation and compaction with the Triton kernels of
         ``growpage.kernels`` (default: on CUDA; on CPU only under ``TRITON_INTERPRET=1``).
         ``accumulated``: the engine's H2O sums, when its policy reads them.
@@ -54,7 +63,7 @@ class EngineKVView(KVView):
         self.accumulated = accumulated
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_q_heads, self.rope = num_q_heads, rope
-        self.softmax_scale = head_dim ** -0.5
+        self.softmax_scale = head_dim**-0.5
         self.page_size = page_size
         self.recent_window = recent_window
 
@@ -76,8 +85,8 @@ class EngineKVView(KVView):
     @functools.cached_property
     def _keys(self) -> torch.Tensor:
         slots = self._slots(self.seq.state.block_table, self.num_tokens)
-        flat = self.kv_cache[0].flatten(1, 2)                 # [L, slots, Hkv, d]
-        return flat[:, slots].permute(0, 2, 1, 3)              # [L, Hkv, N, d]
+        flat = self.kv_cache[0].flatten(1, 2)  # [L, slots, Hkv, d]
+        return flat[:, slots].permute(0, 2, 1, 3)  # [L, Hkv, N, d]
 
     def keys(self) -> torch.Tensor:
         """Post-RoPE keys ``[L, Hkv, N, d]`` (a copy, in the cache dtype)."""
@@ -96,8 +105,9 @@ class EngineKVView(KVView):
         does not record them (its policy does not read them)."""
         if self.accumulated is None:
             return None
-        return gather_sums(self.accumulated, self._slots(self.seq.state.block_table,
-                                                         self.num_tokens))
+        return gather_sums(
+            self.accumulated, self._slots(self.seq.state.block_table, self.num_tokens)
+        )
 
     def _table(self, pages: list[int] | list[list[int]]) -> torch.Tensor:
         return to_device(pages, torch.int32, self.device)  # queued: no host sync on CUDA
@@ -106,8 +116,10 @@ class EngineKVView(KVView):
         """``[Nc, splits]`` of ``demand_attention_batch`` for ``num_candidates``."""
         from growpage.kernels import demand_splits
 
-        return [num_candidates, demand_splits(num_candidates, self.num_layers,
-                                              self.num_kv_heads, self.device)]
+        return [
+            num_candidates,
+            demand_splits(num_candidates, self.num_layers, self.num_kv_heads, self.device),
+        ]
 
     def _candidate_sets(self) -> tuple[int, int]:
         """Estimation and selection candidate counts at this boundary."""
@@ -130,8 +142,9 @@ class EngineKVView(KVView):
     def _demand_table(self) -> torch.Tensor:
         """``[1, P + 6]`` int32 on the device, copied once per boundary: the estimation and the
         selection candidates' counts, and the request's slot and position."""
-        return self._table([self._row(self.seq.state.num_pages, self._candidate_sets(),
-                                      self.seq.state.position)])
+        return self._table(
+            [self._row(self.seq.state.num_pages, self._candidate_sets(), self.seq.state.position)]
+        )
 
     def _inv_freq(self) -> torch.Tensor:
         from growpage.core.rope import inv_frequencies_on
@@ -149,11 +162,11 @@ class EngineKVView(KVView):
             table, col = self._demand_table, width + 4
         else:
             table, col = self._table([self._row(width, (), position)]), width
-        return boundary_queries_batch(self.query_pool.summaries, self.query_pool.current, table,
-                                      col, self._inv_freq())[0]
+        return boundary_queries_batch(
+            self.query_pool.summaries, self.query_pool.current, table, col, self._inv_freq()
+        )[0]
 
-    def summary_attention(self, queries: torch.Tensor, num_candidates: int
-                          ) -> torch.Tensor | None:
+    def summary_attention(self, queries: torch.Tensor, num_candidates: int) -> torch.Tensor | None:
         """With kernels: ``demand_attention_batch`` reads the keys through the block table (no
         gathered copy of the request's keys, two launches for all layers and heads)."""
         if not self.use_kernels or num_candidates < 1:
@@ -165,16 +178,24 @@ class EngineKVView(KVView):
         if num_candidates in (est, sel):
             table, col = self._demand_table, width + (0 if num_candidates == est else 2)
         else:
-            table, col = self._table([self._row(width, (num_candidates,),
-                                                self.seq.state.position)]), width
-        return demand_attention_batch(queries.float().contiguous()[None], self.kv_cache[0],
-                                      table, col, num_candidates, self._meta(num_candidates)[1],
-                                      self.softmax_scale)[0]
+            table, col = (
+                self._table([self._row(width, (num_candidates,), self.seq.state.position)]),
+                width,
+            )
+        return demand_attention_batch(
+            queries.float().contiguous()[None],
+            self.kv_cache[0],
+            table,
+            col,
+            num_candidates,
+            self._meta(num_candidates)[1],
+            self.softmax_scale,
+        )[0]
 
     @staticmethod
-    def batch_boundary_signals(views: list[KVView], positions: list[int],
-                               num_candidates: list[int]
-                               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def batch_boundary_signals(
+        views: list[KVView], positions: list[int], num_candidates: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """With kernels: every request's table in one copy, their calibrated, rotated
         summaries in one launch and their attention in two."""
         kernel_views = [v for v in views if isinstance(v, EngineKVView) and v.use_kernels]
@@ -184,14 +205,27 @@ class EngineKVView(KVView):
 
         first = kernel_views[0]
         width = max(v.seq.state.num_pages for v in kernel_views)
-        rows = [v._row(width, (n,), position)
-                for v, n, position in zip(kernel_views, num_candidates, positions, strict=True)]
+        rows = [
+            v._row(width, (n,), position)
+            for v, n, position in zip(kernel_views, num_candidates, positions, strict=True)
+        ]
         tables = first._table(rows)
-        queries = boundary_queries_batch(first.query_pool.summaries, first.query_pool.current,
-                                         tables, width + 2, first._inv_freq())
-        attention = demand_attention_batch(queries, first.kv_cache[0], tables, width,
-                                           max(num_candidates), max(row[width + 1] for row in rows),
-                                           first.softmax_scale)
+        queries = boundary_queries_batch(
+            first.query_pool.summaries,
+            first.query_pool.current,
+            tables,
+            width + 2,
+            first._inv_freq(),
+        )
+        attention = demand_attention_batch(
+            queries,
+            first.kv_cache[0],
+            tables,
+            width,
+            max(num_candidates),
+            max(row[width + 1] for row in rows),
+            first.softmax_scale,
+        )
         return queries, attention
 
     def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:
@@ -206,13 +240,18 @@ class EngineKVView(KVView):
             # (``compact_kv`` would otherwise check it on the device, with a sync).
             width = len(src_pages)
             tables = self._table([src_pages, dst_pages + [-1] * (width - len(dst_pages))])
-            compact_kv(self.kv_cache, tables[:1], keep[None], tables[1:],
-                       accumulated=self.accumulated,
-                       staged=not direct_copy_safe(src_pages, dst_pages))
+            compact_kv(
+                self.kv_cache,
+                tables[:1],
+                keep[None],
+                tables[1:],
+                accumulated=self.accumulated,
+                staged=not direct_copy_safe(src_pages, dst_pages),
+            )
             self._after_compaction(keep)
             return
-        src = self._slots(src_pages, self.num_tokens)[keep]        # [L, Hkv, K] flat slots
-        dst = self._slots(dst_pages, num_kept)                     # [K]
+        src = self._slots(src_pages, self.num_tokens)[keep]  # [L, Hkv, K] flat slots
+        dst = self._slots(dst_pages, num_kept)  # [K]
         heads = torch.arange(self.num_kv_heads, device=self.device)
         # Index into the cache flattened to [2, L, slots * Hkv, d]: all layers in one gather
         # and one scatter (a handful of kernel launches per boundary, not a few per layer).
@@ -220,7 +259,7 @@ class EngineKVView(KVView):
         dst_idx = (dst[None, :] * self.num_kv_heads + heads[:, None]).reshape(1, -1)
         layers = torch.arange(self.num_layers, device=self.device)[:, None]
         flat = self.kv_cache.view(2, self.num_layers, -1, self.head_dim)
-        kept = flat[:, layers, src_idx]                            # gather: a temporary copy
+        kept = flat[:, layers, src_idx]  # gather: a temporary copy
         flat[:, layers, dst_idx] = kept
         if self.accumulated is not None:  # [L, slots * Hkv]: the same flat indices
             sums = self.accumulated.view(self.num_layers, -1)

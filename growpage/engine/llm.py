@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from growpage.engine.attention import AttentionBackend
 
 _GROWPAGE_FIELDS = {f.name for f in attrs.fields(GrowPageConfig)}
-_MAX_IDLE_S = 60.0   # longest sleep waiting for an arrival (time.sleep refuses ~300 years)
+_MAX_IDLE_S = 60.0  # longest sleep waiting for an arrival (time.sleep refuses ~300 years)
 # One request of a call: prompt ids, params, forced continuation ids (score), prompt text.
 _Work = tuple[list[int], SamplingParams, list[int] | None, str | None]
 
@@ -59,9 +59,12 @@ def _close_keywords(unknown: set[str]) -> str:
     import inspect
 
     known = _GROWPAGE_FIELDS | set(inspect.signature(LLM.__init__).parameters) - {
-        "self", "growpage_fields"}
-    close = [match for name in sorted(unknown)
-             for match in difflib.get_close_matches(name, known, n=1)]
+        "self",
+        "growpage_fields",
+    }
+    close = [
+        match for name in sorted(unknown) for match in difflib.get_close_matches(name, known, n=1)
+    ]
     if close:
         return f"; did you mean {', '.join(map(repr, close))}?"
     return "; LLM takes its own keywords and GrowPageConfig's fields (docs/engine.md, Parameters)"
@@ -93,36 +96,54 @@ class LLM:
     None from the start of a call until the call returns, so a failed call leaves None.
     """
 
-    def __init__(self, model: str | Path | CausalLM | None = None,
-                 policy: str | CapacityPolicy = "growpage", policy_kwargs: dict | None = None,
-                 *, tokenizer: Any = None, config: GrowPageConfig | None = None,
-                 kv_pages: int | None = None, kv_cache_memory: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
-                 enable_prefix_caching: bool = True, dtype: str | torch.dtype = "float32",
-                 device: str = "cpu", attention_backend: str = "auto",
-                 boundary_kernels: bool | None = None, warmup: bool | None = None,
-                 cuda_graphs: bool | None = None, async_compaction: bool | None = None,
-                 async_decisions: bool = False,
-                 record_traces: str | Path | None = None,
-                 record_layers: Seq[int] | None = None, record_values: bool = True,
-                 seed: int = 0,
-                 **growpage_fields: Any) -> None:
+    def __init__(
+        self,
+        model: str | Path | CausalLM | None = None,
+        policy: str | CapacityPolicy = "growpage",
+        policy_kwargs: dict | None = None,
+        *,
+        tokenizer: Any = None,
+        config: GrowPageConfig | None = None,
+        kv_pages: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        enable_prefix_caching: bool = True,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        attention_backend: str = "auto",
+        boundary_kernels: bool | None = None,
+        warmup: bool | None = None,
+        cuda_graphs: bool | None = None,
+        async_compaction: bool | None = None,
+        async_decisions: bool = False,
+        record_traces: str | Path | None = None,
+        record_layers: Seq[int] | None = None,
+        record_values: bool = True,
+        seed: int = 0,
+        **growpage_fields: Any,
+    ) -> None:
         unknown = set(growpage_fields) - _GROWPAGE_FIELDS
         if unknown:
-            raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}"
-                            f"{_close_keywords(unknown)}")
+            raise TypeError(
+                f"LLM() got unexpected keyword argument(s) {sorted(unknown)}"
+                f"{_close_keywords(unknown)}"
+            )
         if config is not None and not isinstance(config, GrowPageConfig):
-            raise ConfigError(f"LLM(config=...) takes a GrowPageConfig, got "
-                              f"{type(config).__name__} {config!r:.80}")
+            raise ConfigError(
+                f"LLM(config=...) takes a GrowPageConfig, got "
+                f"{type(config).__name__} {config!r:.80}"
+            )
         if policy_kwargs is not None and not isinstance(policy_kwargs, Mapping):
-            raise ConfigError(f"LLM(policy_kwargs=...) takes a dict of the policy's "
-                              f"hyperparameters, got {type(policy_kwargs).__name__} "
-                              f"{policy_kwargs!r:.80}")
+            raise ConfigError(
+                f"LLM(policy_kwargs=...) takes a dict of the policy's "
+                f"hyperparameters, got {type(policy_kwargs).__name__} "
+                f"{policy_kwargs!r:.80}"
+            )
         base = config or GrowPageConfig()
         page_size = growpage_fields.get("page_size")
         if isinstance(page_size, int) and "recent_window" not in growpage_fields:
-            growpage_fields["recent_window"] = fitted_recent_window(base.recent_window,
-                                                                    page_size)
+            growpage_fields["recent_window"] = fitted_recent_window(base.recent_window, page_size)
         gp = base.replace(**growpage_fields)
         policy_obj = resolve_policy(policy, **(policy_kwargs or {}))
         if record_traces is not None and getattr(policy_obj, "name", "") != "fullkv":
@@ -130,19 +151,30 @@ class LLM:
         # Per-slot H2O sums cannot live in shared prompt pages (growpage.engine.accumulation).
         sums = bool(getattr(policy_obj, "needs_accumulated_attention", False))
         self.config = EngineConfig(
-            growpage=gp, kv_pages=kv_pages, kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            growpage=gp,
+            kv_pages=kv_pages,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             # A non-bool goes through as given, for the config to refuse.
-            enable_prefix_caching=(enable_prefix_caching and record_traces is None and not sums
-                                   if isinstance(enable_prefix_caching, bool)
-                                   else enable_prefix_caching),
-            dtype=dtype, device=resolve_device(device), attention_backend=attention_backend,
+            enable_prefix_caching=(
+                enable_prefix_caching and record_traces is None and not sums
+                if isinstance(enable_prefix_caching, bool)
+                else enable_prefix_caching
+            ),
+            dtype=dtype,
+            device=resolve_device(device),
+            attention_backend=attention_backend,
             boundary_kernels=boundary_kernels,
-            warmup=warmup, cuda_graphs=cuda_graphs, async_compaction=async_compaction,
+            warmup=warmup,
+            cuda_graphs=cuda_graphs,
+            async_compaction=async_compaction,
             async_decisions=async_decisions,
             record_traces=None if record_traces is None else str(record_traces),
             record_layers=record_layers,
-            record_values=record_values, seed=seed)
+            record_values=record_values,
+            seed=seed,
+        )
         self.model, self.tokenizer = _load(model, tokenizer, self.config)
         eos = set(self.model.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -152,16 +184,22 @@ class LLM:
         self.config = self.engine.config  # what the engine decided (CUDA graphs, async...)
         self.last_stats: EngineStats | None = None
         self._num_requests = 0
-        self._serving = False   # a call (or an open stream) is adding and stepping requests
+        self._serving = False  # a call (or an open stream) is adding and stepping requests
 
     @property
     def policy(self) -> CapacityPolicy:
         return self.engine.policy
 
     # ---- public API -----------------------------------------------------------------------
-    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams]
-                 | None = None, *, chat: bool = False, use_tqdm: bool | None = None,
-                 arrival_times: Seq[float] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+        use_tqdm: bool | None = None,
+        arrival_times: Seq[float] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids as a list or a tensor: ``[N]`` is one
         prompt, ``[B, N]`` B of them); outputs in prompt order.
 
@@ -176,40 +214,51 @@ class LLM:
         the simulator's serving setting (``growpage sim serve``); ``poisson_arrivals`` draws
         such times.
         """
-        self._check_idle()   # first: an open stream keeps its last_stats
+        self._check_idle()  # first: an open stream keeps its last_stats
         self.last_stats = None  # a call that fails leaves none, not the previous call's
         _check_chat(chat)
         work, arrivals = self._work(prompts, params, chat, arrival_times)
         seqs = self._run(work, use_tqdm, arrivals)
         return [self._request_output(s) for s in seqs]
 
-    def _work(self, prompts: Prompt | Seq[Prompt], params: SamplingParams
-              | Seq[SamplingParams] | None, chat: bool, arrival_times: object
-              ) -> tuple[list[_Work], list[float] | None]:
+    def _work(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None,
+        chat: bool,
+        arrival_times: object,
+    ) -> tuple[list[_Work], list[float] | None]:
         """The requests of a ``generate`` or ``stream`` call, checked as ``add_request`` would
         check them (before any runs: a request arriving late must not fail mid-run), and the
         arrival offsets."""
         prompt_list = as_prompt_list(prompts)
-        params_list = per_prompt_params(SamplingParams() if params is None else params,
-                                        len(prompt_list))
+        params_list = per_prompt_params(
+            SamplingParams() if params is None else params, len(prompt_list)
+        )
         n = len(prompt_list)
         arrivals = arrival_offsets(arrival_times, n)
-        rank = {i: r for r, i in enumerate(_joining_order(n, arrivals))}   # ids go by joining
+        rank = {i: r for r, i in enumerate(_joining_order(n, arrivals))}  # ids go by joining
         work: list[_Work] = []
         for i, (prompt, prm) in enumerate(zip(prompt_list, params_list, strict=True)):
             ids, text = encode_prompt(prompt, self.tokenizer, chat, where("prompts", i, n))
             try:
                 self.engine.check_request(str(self._num_requests + rank[i]), ids, prm)
-            except EngineError as e:   # say which of the caller's prompts it was
+            except EngineError as e:  # say which of the caller's prompts it was
                 raise EngineError(f"{e}{where('prompts', i, n)}") from None
             work.append((ids, prm, None, text))
         return work, arrivals
 
-    def score(self, prompts: Prompt | Seq[Prompt], continuations: Prompt | Seq[Prompt], *,
-              chat: bool = False, use_tqdm: bool = False) -> list[ScoreOutput]:
+    def score(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        continuations: Prompt | Seq[Prompt],
+        *,
+        chat: bool = False,
+        use_tqdm: bool = False,
+    ) -> list[ScoreOutput]:
         """Teacher-forced NLL of each continuation after its prompt under the policy (paper
         section 5.3): capacity decisions happen as in decoding, the next token is forced."""
-        self._check_idle()   # first: an open stream keeps its last_stats
+        self._check_idle()  # first: an open stream keeps its last_stats
         self.last_stats = None
         _check_chat(chat)
         prompt_list = as_prompt_list(prompts)
@@ -223,22 +272,35 @@ class LLM:
             forced = encode_continuation(c, self.tokenizer, where("continuations", i, n))
             vocab = self.model.config.vocab_size
             if any(not 0 <= t < vocab for t in forced):
-                raise EngineError(f"continuation token ids must lie in [0, {vocab})"
-                                  f"{where('continuations', i, n)}")
+                raise EngineError(
+                    f"continuation token ids must lie in [0, {vocab}){where('continuations', i, n)}"
+                )
             params = SamplingParams(max_tokens=len(forced), ignore_eos=True)
             work.append((ids, params, forced, text))
         seqs = self._run(work, use_tqdm)
-        return [ScoreOutput(request_id=s.request_id, prompt_token_ids=s.prompt_token_ids,
-                            continuation_token_ids=s.output_token_ids,
-                            token_nlls=[-lp for lp in s.token_logprobs],
-                            token_ranks=list(s.token_ranks),
-                            trajectory=list(s.state.trajectory), events=s.state.events.as_dict(),
-                            num_preemptions=s.num_preemptions) for s in seqs]
+        return [
+            ScoreOutput(
+                request_id=s.request_id,
+                prompt_token_ids=s.prompt_token_ids,
+                continuation_token_ids=s.output_token_ids,
+                token_nlls=[-lp for lp in s.token_logprobs],
+                token_ranks=list(s.token_ranks),
+                trajectory=list(s.state.trajectory),
+                events=s.state.events.as_dict(),
+                num_preemptions=s.num_preemptions,
+            )
+            for s in seqs
+        ]
 
-    def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams
-               | Seq[SamplingParams] | None = None, *, chat: bool = False,
-               use_tqdm: bool | None = False, arrival_times: Seq[float] | None = None
-               ) -> Iterator[StreamChunk]:
+    def stream(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+        use_tqdm: bool | None = False,
+        arrival_times: Seq[float] | None = None,
+    ) -> Iterator[StreamChunk]:
         """``generate``, yielding each request's new text after every engine step.
 
         A ``StreamChunk`` comes for each request that produced visible text in a step, and a
@@ -254,8 +316,9 @@ class LLM:
         work, arrivals = self._work(prompts, params, chat, arrival_times)
         return self._stream(work, use_tqdm, arrivals)
 
-    def _stream(self, work: list[_Work], use_tqdm: bool | None,
-                arrivals: list[float] | None) -> Iterator[StreamChunk]:
+    def _stream(
+        self, work: list[_Work], use_tqdm: bool | None, arrivals: list[float] | None
+    ) -> Iterator[StreamChunk]:
         shown = [_Shown() for _ in work]
         for seqs in self._serve(work, use_tqdm, arrivals):  # noqa: B007
             for i, seq in enumerate(seqs):
@@ -270,43 +333,52 @@ class LLM:
         if shown.done:
             return None
         ids = seq.output_token_ids
-        new_ids = ids[shown.num_tokens:]
+        new_ids = ids[shown.num_tokens :]
         output = self._request_output(seq) if seq.is_finished else None
-        if output is not None:   # the final text is one full decode: the shown text leads it
+        if output is not None:  # the final text is one full decode: the shown text leads it
             det = seq.detokenizer
-            shown_text = "" if det is None else det.text[:shown.num_chars]
-            new_text = (output.text[shown.num_chars:] if output.text.startswith(shown_text)
-                        else "")
+            shown_text = "" if det is None else det.text[: shown.num_chars]
+            new_text = output.text[shown.num_chars :] if output.text.startswith(shown_text) else ""
         elif self.tokenizer is None:
             new_text = ""
         else:
             det = self.engine.detokenizer(seq)
             stops = seq.params.stop
             hold = _stop_hold(det.tail(max(map(len, stops), default=1) - 1), stops)
-            new_text = det.tail(det.num_chars - shown.num_chars)[:max(
-                0, det.num_chars - hold - shown.num_chars)]
+            new_text = det.tail(det.num_chars - shown.num_chars)[
+                : max(0, det.num_chars - hold - shown.num_chars)
+            ]
         if output is None and not new_text:
-            return None   # the tokens are shown with the text they complete
+            return None  # the tokens are shown with the text they complete
         shown.num_tokens, shown.done = len(ids), output is not None
         shown.num_chars += len(new_text)
-        return StreamChunk(index=index, request_id=seq.request_id, text=new_text,
-                           token_ids=list(new_ids), output=output)
+        return StreamChunk(
+            index=index,
+            request_id=seq.request_id,
+            text=new_text,
+            token_ids=list(new_ids),
+            output=output,
+        )
 
     # ---- helpers --------------------------------------------------------------------------
     def _check_idle(self) -> None:
         if self._serving:
-            raise EngineError("this LLM has a stream open: read it to the end, or call its "
-                              "close(), before starting another call")
+            raise EngineError(
+                "this LLM has a stream open: read it to the end, or call its "
+                "close(), before starting another call"
+            )
 
-    def _run(self, work: list[_Work], use_tqdm: bool | None,
-             arrivals: list[float] | None = None) -> list[Sequence]:
+    def _run(
+        self, work: list[_Work], use_tqdm: bool | None, arrivals: list[float] | None = None
+    ) -> list[Sequence]:
         seqs: list[Sequence | None] = []
         for seqs in self._serve(work, use_tqdm, arrivals):  # noqa: B007
-            pass   # the last step's sequences are the result
-        return [s for s in seqs if s is not None]   # every one, once all have finished
+            pass  # the last step's sequences are the result
+        return [s for s in seqs if s is not None]  # every one, once all have finished
 
-    def _serve(self, work: list[_Work], use_tqdm: bool | None,
-               arrivals: list[float] | None = None) -> Iterator[list[Sequence | None]]:
+    def _serve(
+        self, work: list[_Work], use_tqdm: bool | None, arrivals: list[float] | None = None
+    ) -> Iterator[list[Sequence | None]]:
         """Add the requests, each at its arrival offset (seconds after the first; None: all at
         once), and step until all have arrived and finished, yielding them in ``work``'s order
         after each step (None for one that has not arrived yet); on any error, or a consumer
@@ -315,7 +387,7 @@ class LLM:
         self._check_idle()
         engine = self.engine
         engine.stats.reset()
-        start = engine.stats.start   # the clock of the run: the first arrival
+        start = engine.stats.start  # the clock of the run: the first arrival
         seqs: list[Sequence | None] = [None] * len(work)
         pending = deque(_joining_order(len(work), arrivals))
         bar = None
@@ -327,34 +399,42 @@ class LLM:
                 ids, params, forced, text = work[i]
                 try:
                     seqs[i] = engine.add_request(
-                        str(self._num_requests), ids, params, forced, text,
-                        arrival_time=start + (0.0 if arrivals is None else arrivals[i]))
-                except EngineError as e:   # say which of the caller's prompts it was
+                        str(self._num_requests),
+                        ids,
+                        params,
+                        forced,
+                        text,
+                        arrival_time=start + (0.0 if arrivals is None else arrivals[i]),
+                    )
+                except EngineError as e:  # say which of the caller's prompts it was
                     raise EngineError(f"{e}{where('prompts', i, len(work))}") from None
                 self._num_requests += 1
 
         try:
             admit(start)
-            if not work:   # nothing to run: an empty call's statistics, all zero
+            if not work:  # nothing to run: an empty call's statistics, all zero
                 self.last_stats = self._summary()
             bar = _progress(work, use_tqdm)
             while pending or engine.has_unfinished():
-                admit(time.perf_counter())   # arrived since: while a stream's reader had seqs
-                if not engine.has_unfinished():   # idle until the next request arrives
+                admit(time.perf_counter())  # arrived since: while a stream's reader had seqs
+                if not engine.has_unfinished():  # idle until the next request arrives
                     assert arrivals is not None
                     idle = time.perf_counter()
                     time.sleep(min(max(0.0, start + arrivals[pending[0]] - idle), _MAX_IDLE_S))
-                    engine.stats.on_idle(time.perf_counter() - idle)   # as slept: it may be late
+                    engine.stats.on_idle(time.perf_counter() - idle)  # as slept: it may be late
                     continue
                 done = engine.step()
                 admit(time.perf_counter())
                 if bar is not None:
-                    bar.update(len(done) if len(work) > 1 else
-                               (seqs[0].num_output_tokens if seqs[0] else 0) - bar.n)
+                    bar.update(
+                        len(done)
+                        if len(work) > 1
+                        else (seqs[0].num_output_tokens if seqs[0] else 0) - bar.n
+                    )
                 if not pending and not engine.has_unfinished():
                     self.last_stats = self._summary()
                 yield seqs
-        except BaseException:   # GeneratorExit included: the consumer stopped early
+        except BaseException:  # GeneratorExit included: the consumer stopped early
             engine.abort_all()
             raise
         finally:
@@ -364,28 +444,40 @@ class LLM:
 
     def _summary(self) -> EngineStats:
         engine = self.engine
-        return engine.stats.summary(getattr(engine.policy, "name", type(engine.policy).__name__),
-                                    self.config.page_size, engine.kv.num_pages)
+        return engine.stats.summary(
+            getattr(engine.policy, "name", type(engine.policy).__name__),
+            self.config.page_size,
+            engine.kv.num_pages,
+        )
 
     def _request_output(self, s: Sequence) -> RequestOutput:
         text = "" if self.tokenizer is None else self.tokenizer.decode(s.output_token_ids)
         if s.stop_text_len is not None:
-            text = text[:s.stop_text_len]
+            text = text[: s.stop_text_len]
         ttft = (s.first_token_time or s.arrival_time) - s.arrival_time
         n = s.num_output_tokens
         tpot = ((s.finish_time or 0) - (s.first_token_time or 0)) / (n - 1) if n > 1 else 0.0
         return RequestOutput(
-            request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
-            text=text, token_ids=list(s.output_token_ids),
+            request_id=s.request_id,
+            prompt=s.prompt,
+            prompt_token_ids=s.prompt_token_ids,
+            text=text,
+            token_ids=list(s.output_token_ids),
             finish_reason=s.finish_reason.value if s.finish_reason else "abort",
-            trajectory=list(s.state.trajectory), events=s.state.events.as_dict(),
-            num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens,
-            ttft_s=ttft, tpot_s=tpot, e2e_s=(s.finish_time or s.arrival_time) - s.arrival_time,
-            arrival_s=s.arrival_time - self.engine.stats.start)
+            trajectory=list(s.state.trajectory),
+            events=s.state.events.as_dict(),
+            num_preemptions=s.num_preemptions,
+            num_cached_tokens=s.num_cached_tokens,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            e2e_s=(s.finish_time or s.arrival_time) - s.arrival_time,
+            arrival_s=s.arrival_time - self.engine.stats.start,
+        )
 
 
-def _load(model: str | Path | CausalLM | None, tokenizer: Any, config: EngineConfig
-          ) -> tuple[CausalLM, Any]:
+def _load(
+    model: str | Path | CausalLM | None, tokenizer: Any, config: EngineConfig
+) -> tuple[CausalLM, Any]:
     """The model, with the engine's attention backend installed, and its tokenizer.
 
     NOTE: a ready ``CausalLM`` is moved to the engine's device and dtype in place and gets the
@@ -449,9 +541,11 @@ def _progress(work: list[_Work], enabled: bool | None) -> ProgressBar[NoReturn] 
         return None
     from tqdm.auto import tqdm
 
-    disable = None if enabled is None else False   # None: tqdm shows it on a terminal only
+    disable = None if enabled is None else False  # None: tqdm shows it on a terminal only
     if len(work) > 1:
-        return tqdm(total=len(work), desc="requests", unit="req", dynamic_ncols=True,
-                    disable=disable)
-    return tqdm(total=work[0][1].max_tokens, desc="tokens", unit="tok", dynamic_ncols=True,
-                disable=disable)
+        return tqdm(
+            total=len(work), desc="requests", unit="req", dynamic_ncols=True, disable=disable
+        )
+    return tqdm(
+        total=work[0][1].max_tokens, desc="tokens", unit="tok", dynamic_ncols=True, disable=disable
+    )

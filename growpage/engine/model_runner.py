@@ -63,9 +63,14 @@ class DecodeRows:
         for seq in seqs:
             i = seq.state.num_tokens - 1
             slots.append(seq.state.block_table[i // b] * b + i % b)
-        return cls([s.last_token_id for s in seqs], [s.state.position - 1 for s in seqs], slots,
-                   [s.state.num_tokens for s in seqs], query_slots(seqs),
-                   [s.num_decode_steps == 0 for s in seqs])
+        return cls(
+            [s.last_token_id for s in seqs],
+            [s.state.position - 1 for s in seqs],
+            slots,
+            [s.state.num_tokens for s in seqs],
+            query_slots(seqs),
+            [s.num_decode_steps == 0 for s in seqs],
+        )
 
 
 def query_slots(seqs: list[Sequence]) -> list[int]:
@@ -80,15 +85,17 @@ def query_slots(seqs: list[Sequence]) -> list[int]:
 class ModelRunner:
     """Runs the model over the paged cache of ``kv``."""
 
-    def __init__(self, model: CausalLM, kv: KVCacheManager,
-                 recorder: TraceRecorder | None = None) -> None:
+    def __init__(
+        self, model: CausalLM, kv: KVCacheManager, recorder: TraceRecorder | None = None
+    ) -> None:
         self.model, self.kv, self.recorder = model, kv, recorder
         self.device = kv.cache.device
         self.backend = model.backend
         self.fuses_query_state = bool(getattr(model.backend, "fuses_query_state", False))
         self.graphs: DecodeGraphs | None = None  # set by the engine with ``cuda_graphs``
-        self.accumulation = (None if kv.accumulated is None
-                             else AttentionAccumulation(kv.accumulated, kv.cache))
+        self.accumulation = (
+            None if kv.accumulated is None else AttentionAccumulation(kv.accumulated, kv.cache)
+        )
         model.bind_kv_cache(kv.cache)
 
     def claim_model(self) -> None:
@@ -102,7 +109,8 @@ class ModelRunner:
             raise EngineError(
                 f"the model is on {weight.device} in {weight.dtype}, this engine runs on "
                 f"{self.device} in {self.kv.cache.dtype}: another LLM moved the shared "
-                "CausalLM; give each device/dtype its own model")
+                "CausalLM; give each device/dtype its own model"
+            )
         model.set_backend(self.backend)
         model.bind_kv_cache(self.kv.cache)
 
@@ -112,8 +120,7 @@ class ModelRunner:
         ``[B', V]`` (fp32): every decoded sequence, and prefills that reached their end."""
         self.claim_model()
         capture = StepCapture(record_kv=self.recorder is not None)
-        if (not out.is_prefill and self.graphs is not None
-                and self.graphs.fits(list(out.seqs))):
+        if not out.is_prefill and self.graphs is not None and self.graphs.fits(list(out.seqs)):
             hidden, ctx = self.graphs.run(list(out.seqs))  # static buffers, bucket rows
             assert ctx.capture is not None  # a graph's context records every layer
             capture = ctx.capture
@@ -137,8 +144,9 @@ class ModelRunner:
             return [], hidden.new_zeros(0, 0)
         return seqs, self.model.compute_logits(hidden if rows is None else hidden[rows])
 
-    def _tensor(self, values: Seq[int] | torch.Tensor, dtype: torch.dtype = torch.long
-                ) -> torch.Tensor:
+    def _tensor(
+        self, values: Seq[int] | torch.Tensor, dtype: torch.dtype = torch.long
+    ) -> torch.Tensor:
         return to_device(values, dtype, self.device)  # queued: no host sync on CUDA
 
     def _slot_ids(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -149,8 +157,9 @@ class ModelRunner:
         """``[B]`` bool: the sequence's first decode step (its EMAs start from the query)."""
         return self._tensor([seq.num_decode_steps == 0 for seq in seqs], torch.bool)
 
-    def _prepare_prefill(self, out: SchedulerOutput, capture: StepCapture
-                         ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
+    def _prepare_prefill(
+        self, out: SchedulerOutput, capture: StepCapture
+    ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -164,31 +173,45 @@ class ModelRunner:
             slots += self.kv.slots(seq, start, n)  # no compaction before decoding: slot = position
         # Without a cached prefix the new keys are all there is: attend to them directly.
         tables = None if not any(starts) else self._tensor(self.kv.block_tables(list(out.seqs)))
-        ctx = prefill_context(list(out.num_new_tokens), self._tensor(slots), tables,
-                              [seq.state.num_tokens for seq in out.seqs],
-                              capture=capture if self.recorder is not None else None,
-                              accumulation=self.accumulation)
+        ctx = prefill_context(
+            list(out.num_new_tokens),
+            self._tensor(slots),
+            tables,
+            [seq.state.num_tokens for seq in out.seqs],
+            capture=capture if self.recorder is not None else None,
+            accumulation=self.accumulation,
+        )
         return ctx, self._tensor(ids), self._tensor(positions)
 
-    def _prepare_decode(self, out: SchedulerOutput, capture: StepCapture
-                        ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
+    def _prepare_decode(
+        self, out: SchedulerOutput, capture: StepCapture
+    ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
         seqs = list(out.seqs)
         rows = DecodeRows.of(self.kv, seqs)
-        ctx = decode_context(self._tensor(rows.slots), self._tensor(self.kv.block_tables(seqs)),
-                             self._tensor(rows.lens), capture,
-                             max_seqlen_k=max(rows.lens, default=0),
-                             accumulation=self.accumulation)
+        ctx = decode_context(
+            self._tensor(rows.slots),
+            self._tensor(self.kv.block_tables(seqs)),
+            self._tensor(rows.lens),
+            capture,
+            max_seqlen_k=max(rows.lens, default=0),
+            accumulation=self.accumulation,
+        )
         if self.fuses_query_state:  # the backend updates the EMAs inside decode attention
             pool = self.kv.query_pool
             fusion = QueryStateFusion(
-                pool.summaries, self._tensor(rows.query_slots),
+                pool.summaries,
+                self._tensor(rows.query_slots),
                 self._tensor(rows.first, torch.int32),  # int32: not converted in every layer
-                self.kv.cache, pool.beta_short, pool.beta_long)  # reused after the forward
+                self.kv.cache,
+                pool.beta_short,
+                pool.beta_long,
+            )  # reused after the forward
             ctx = FusedStepContext(**attrs.asdict(ctx, recurse=False), query_state=fusion)
         return ctx, self._tensor(rows.ids), self._tensor(rows.positions)
 
-    def _update_query_state(self, out: SchedulerOutput, capture: StepCapture,
-                            ctx: StepContext) -> None:
+    def _update_query_state(
+        self, out: SchedulerOutput, capture: StepCapture, ctx: StepContext
+    ) -> None:
         num_layers, batch = self.model.config.num_layers, len(out.seqs)
         # [L, B, Hq, d]; a CUDA-graph step has more rows (its bucket's padding): the first B.
         queries = torch.stack([capture.queries[i][:batch] for i in range(num_layers)])

@@ -157,26 +157,44 @@ class EngineStats:
 
     def rows(self) -> list[tuple[str, str]]:
         e = self.events
-        deferred = [("deferred work", f"{self.deferred_time_s:.2f} s of it, "
-                                      f"{self.deferred_waited_s:.2f} s waited for")
-                    ] if self.deferred_time_s > 0 else []
+        deferred = (
+            [
+                (
+                    "deferred work",
+                    f"{self.deferred_time_s:.2f} s of it, "
+                    f"{self.deferred_waited_s:.2f} s waited for",
+                )
+            ]
+            if self.deferred_time_s > 0
+            else []
+        )
         return [
-            ("policy", self.policy), ("requests", str(self.num_requests)),
+            ("policy", self.policy),
+            ("requests", str(self.num_requests)),
             ("prompt / output tokens", f"{self.num_prompt_tokens} / {self.num_output_tokens}"),
             ("total time", f"{self.total_time_s:.2f} s"),
             ("throughput (TPS)", f"{self.tps:.1f} tok/s"),
-            ("TPOT", f"{1000 * self.tpot_s:.1f} ms"), ("TTFT", f"{1000 * self.ttft_s:.1f} ms"),
+            ("TPOT", f"{1000 * self.tpot_s:.1f} ms"),
+            ("TTFT", f"{1000 * self.ttft_s:.1f} ms"),
             *self._percentile_rows(),
             ("avg resident requests C", f"{self.avg_resident:.2f}"),
             ("avg KV budget", f"{self.avg_kv_budget:.0f} tokens"),
-            ("KV pages used (max / total)", f"{self.max_pages_used} / {self.num_pages} "
-                                            f"x {self.page_size} tokens"),
-            ("grow / compress / shrink", f"{e.get('grow', 0)} / {e.get('compress', 0)} / "
-                                         f"{e.get('shrink', 0)}"),
-            ("boundary time", f"{self.boundary_time_s:.2f} s "
-                              f"({100 * self.boundary_time_s / max(self.total_time_s, 1e-9):.1f}%)"),
+            (
+                "KV pages used (max / total)",
+                f"{self.max_pages_used} / {self.num_pages} x {self.page_size} tokens",
+            ),
+            (
+                "grow / compress / shrink",
+                f"{e.get('grow', 0)} / {e.get('compress', 0)} / {e.get('shrink', 0)}",
+            ),
+            (
+                "boundary time",
+                f"{self.boundary_time_s:.2f} s "
+                f"({100 * self.boundary_time_s / max(self.total_time_s, 1e-9):.1f}%)",
+            ),
             *deferred,
-            ("fallbacks", str(e.get("fallback", 0))), ("preemptions", str(self.num_preemptions)),
+            ("fallbacks", str(e.get("fallback", 0))),
+            ("preemptions", str(self.num_preemptions)),
             ("prefix-cache hit tokens", str(self.prefix_hit_tokens)),
         ]
 
@@ -185,13 +203,16 @@ class EngineStats:
         qs = "/".join(f"p{q}" for q in PERCENTILES)
 
         def row(name: str, scale: float, fmt: str) -> str:
-            return " / ".join(format(scale * getattr(self, f"{name}_p{q}_s"), fmt)
-                              for q in PERCENTILES)
+            return " / ".join(
+                format(scale * getattr(self, f"{name}_p{q}_s"), fmt) for q in PERCENTILES
+            )
 
-        return [(f"TTFT {qs}", f"{row('ttft', 1000, '.1f')} ms"),
-                (f"TPOT {qs}", f"{row('tpot', 1000, '.1f')} ms"),
-                ("end to end (mean)", f"{self.e2e_s:.2f} s"),
-                (f"end to end {qs}", f"{row('e2e', 1, '.2f')} s")]
+        return [
+            (f"TTFT {qs}", f"{row('ttft', 1000, '.1f')} ms"),
+            (f"TPOT {qs}", f"{row('tpot', 1000, '.1f')} ms"),
+            ("end to end (mean)", f"{self.e2e_s:.2f} s"),
+            (f"end to end {qs}", f"{row('e2e', 1, '.2f')} s"),
+        ]
 
     def table(self) -> str:
         rows = self.rows()

@@ -27,8 +27,14 @@ if TYPE_CHECKING:
 PAGE_SIZE = 64  # tokens per page of the measurement cache
 
 
-def _timed(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
-           last: torch.Tensor, repeats: int) -> float:
+def _timed(
+    model: CausalLM,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    ctx: StepContext,
+    last: torch.Tensor,
+    repeats: int,
+) -> float:
     best = float("inf")
     with torch.inference_mode(), use_context(ctx):
         for _ in range(repeats + 1):  # the first run warms up
@@ -46,8 +52,12 @@ def _decode_row(model: CausalLM, num_seqs: int, context: int, repeats: int) -> d
     ctx = decode_context(slots, tables, lens)
     ids = torch.zeros(num_seqs, dtype=torch.long)
     step_s = _timed(model, ids, lens - 1, ctx, torch.arange(num_seqs), repeats)
-    return {"num_seqs": num_seqs, "kv_tokens": num_seqs * context, "prefill_tokens": 0,
-            "step_s": step_s}
+    return {
+        "num_seqs": num_seqs,
+        "kv_tokens": num_seqs * context,
+        "prefill_tokens": 0,
+        "step_s": step_s,
+    }
 
 
 def _prefill_row(model: CausalLM, shape: int | tuple[int, int], repeats: int) -> dict:
@@ -68,12 +78,14 @@ def _prefill_row(model: CausalLM, shape: int | tuple[int, int], repeats: int) ->
     return {"num_seqs": 0, "kv_tokens": 0, "prefill_tokens": tokens, "step_s": step_s}
 
 
-def measure_step_times(model: str | Path | CausalLM | None = None,
-                       batch_sizes: Sequence[int] = (1, 4, 16),
-                       contexts: Sequence[int] = (128, 512, 1024),
-                       prefills: Sequence[int | tuple[int, int]] = (64, 256, (16, 1024)),
-                       repeats: int = 2,
-                       progress: bool = True) -> list[dict]:
+def measure_step_times(
+    model: str | Path | CausalLM | None = None,
+    batch_sizes: Sequence[int] = (1, 4, 16),
+    contexts: Sequence[int] = (128, 512, 1024),
+    prefills: Sequence[int | tuple[int, int]] = (64, 256, (16, 1024)),
+    repeats: int = 2,
+    progress: bool = True,
+) -> list[dict]:
     """Time decode steps over ``batch_sizes x contexts`` and prefills of ``prefills`` tokens
     (an int: one sequence; ``(num_seqs, tokens)``: a batch of that many prompts, ``tokens`` in
     all, as a workload's admission step prefills them).
@@ -88,12 +100,22 @@ def measure_step_times(model: str | Path | CausalLM | None = None,
     most = max((p if isinstance(p, int) else p[1] for p in prefills), default=0)
     num_pages = max(max(batch_sizes) * -(-max(contexts) // PAGE_SIZE), -(-most // PAGE_SIZE))
     device = next(model.parameters()).device
-    model.bind_kv_cache(allocate_kv_cache(cfg.num_layers, num_pages, PAGE_SIZE, cfg.num_kv_heads,
-                                          cfg.head_dim, next(model.parameters()).dtype, device))
+    model.bind_kv_cache(
+        allocate_kv_cache(
+            cfg.num_layers,
+            num_pages,
+            PAGE_SIZE,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            next(model.parameters()).dtype,
+            device,
+        )
+    )
     decodes = [(b, c) for b in batch_sizes for c in contexts]
     rows = []
-    with tqdm(total=len(decodes) + len(prefills), desc="calibrate", unit="shape",
-              disable=not progress) as bar:
+    with tqdm(
+        total=len(decodes) + len(prefills), desc="calibrate", unit="shape", disable=not progress
+    ) as bar:
         for num_seqs, context in decodes:
             rows.append(_decode_row(model, num_seqs, context, repeats))
             bar.update()
@@ -108,15 +130,20 @@ def decode_pads_kv(model: CausalLM | None = None) -> bool:
     """Whether the decode steps ``measure_step_times`` times pad each sequence's KV to the
     longest in the batch (``AttentionBackend.pads_decode``): ``model``'s backend, or the one it
     loads (``auto`` on the CPU: torch, which pads)."""
-    backend = model.backend if isinstance(model, CausalLM) else make_attention_backend("auto",
-                                                                                        "cpu")
+    backend = (
+        model.backend if isinstance(model, CausalLM) else make_attention_backend("auto", "cpu")
+    )
     return bool(backend.pads_decode)
 
 
-def measure_boundary_costs(model: str | Path | CausalLM | None = None, num_requests: int = 6,
-                           max_tokens: int = 96, page_size: int = 16,
-                           policy: str | CapacityPolicy = "growpage", progress: bool = True
-                           ) -> dict[str, float]:
+def measure_boundary_costs(
+    model: str | Path | CausalLM | None = None,
+    num_requests: int = 6,
+    max_tokens: int = 96,
+    page_size: int = 16,
+    policy: str | CapacityPolicy = "growpage",
+    progress: bool = True,
+) -> dict[str, float]:
     """Seconds per capacity decision and per compaction on the local engine, for the
     simulator's cost model (``CostModel.boundary_time``).
 
@@ -135,17 +162,29 @@ def measure_boundary_costs(model: str | Path | CausalLM | None = None, num_reque
     from growpage.engine.sampling_params import SamplingParams
 
     rng = random.Random(0)
-    llm = LLM(model, policy=policy, page_size=page_size, max_num_seqs=num_requests,
-              kv_pages=max(num_requests * -(-(max_tokens + 48) // page_size) * 2 // 5, 8),
-              min_capacity=2, enable_prefix_caching=False, warmup=False)
+    llm = LLM(
+        model,
+        policy=policy,
+        page_size=page_size,
+        max_num_seqs=num_requests,
+        kv_pages=max(num_requests * -(-(max_tokens + 48) // page_size) * 2 // 5, 8),
+        min_capacity=2,
+        enable_prefix_caching=False,
+        warmup=False,
+    )
     vocab = llm.engine.model.config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(16, 48))]
-               for _ in range(num_requests)]
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(rng.randrange(16, 48))] for _ in range(num_requests)
+    ]
     with profile_boundaries(llm) as phases:
-        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                     use_tqdm=progress)
+        llm.generate(
+            prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=progress
+        )
     compacting = sum(phases.seconds[p] for p in ("select", "check", "compact"))
     compactions = phases.calls["compact"]
-    return {"boundary_s": (phases.total_s - compacting) / max(phases.decided, 1),
-            "compaction_s": compacting / compactions if compactions else 0.0,
-            "decided": phases.decided, "compactions": compactions}
+    return {
+        "boundary_s": (phases.total_s - compacting) / max(phases.decided, 1),
+        "compaction_s": compacting / compactions if compactions else 0.0,
+        "decided": phases.decided,
+        "compactions": compactions,
+    }

@@ -21,12 +21,22 @@ from growpage.errors import EngineError
 class QueryStatePool:
     """Fixed query-state storage for ``max_slots`` running requests."""
 
-    def __init__(self, num_layers: int, max_slots: int, num_q_heads: int, head_dim: int,
-                 beta_short: float, beta_long: float, device: torch.device | str = "cpu") -> None:
-        self.summaries = torch.zeros(num_layers, max_slots, 2, num_q_heads, head_dim,
-                                     dtype=torch.float32, device=device)
-        self.current = torch.zeros(num_layers, max_slots, num_q_heads, head_dim,
-                                   dtype=torch.float32, device=device)
+    def __init__(
+        self,
+        num_layers: int,
+        max_slots: int,
+        num_q_heads: int,
+        head_dim: int,
+        beta_short: float,
+        beta_long: float,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.summaries = torch.zeros(
+            num_layers, max_slots, 2, num_q_heads, head_dim, dtype=torch.float32, device=device
+        )
+        self.current = torch.zeros(
+            num_layers, max_slots, num_q_heads, head_dim, dtype=torch.float32, device=device
+        )
         self.beta_short, self.beta_long = beta_short, beta_long
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
 
@@ -51,8 +61,13 @@ class QueryStatePool:
             raise EngineError(f"query-state slot {slot} released twice or out of range")
         self._free.append(slot)
 
-    def update(self, slots: torch.Tensor, queries: torch.Tensor, first: torch.Tensor,
-               summaries: bool = True) -> None:
+    def update(
+        self,
+        slots: torch.Tensor,
+        queries: torch.Tensor,
+        first: torch.Tensor,
+        summaries: bool = True,
+    ) -> None:
         """Eq. 6 in place for a decode batch.
 
         Args:
@@ -66,7 +81,7 @@ class QueryStatePool:
         if not summaries:
             self.current[:, slots] = q
             return
-        old = self.summaries[:, slots]                                  # [L, B, 2, Hq, d]
+        old = self.summaries[:, slots]  # [L, B, 2, Hq, d]
         betas = torch.tensor([self.beta_short, self.beta_long], device=q.device)
         betas = betas.view(1, 1, 2, 1, 1)
         new = old * betas + q.unsqueeze(2) * (1 - betas)

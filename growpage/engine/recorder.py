@@ -27,14 +27,20 @@ KINDS = ("q", "k", "v")
 class TraceRecorder:
     """Accumulates per-layer q/k/v of running requests and writes finished ones to a set."""
 
-    def __init__(self, directory: str | Path, model_config: ModelConfig,
-                 layers: tuple[int, ...] | None = None, with_values: bool = True,
-                 meta: dict | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        model_config: ModelConfig,
+        layers: tuple[int, ...] | None = None,
+        with_values: bool = True,
+        meta: dict | None = None,
+    ) -> None:
         num_layers = model_config.num_layers
         self.layers = tuple(range(num_layers)) if layers is None else tuple(layers)
         if not self.layers or any(not 0 <= i < num_layers for i in self.layers):
-            raise EngineError(f"record_layers must be model layers in [0, {num_layers}), "
-                              f"got {list(self.layers)}")
+            raise EngineError(
+                f"record_layers must be model layers in [0, {num_layers}), got {list(self.layers)}"
+            )
         self.model_config, self.with_values = model_config, with_values
         self.meta = dict(meta or {})
         self.trace_set = TraceSet(directory, create=True)
@@ -48,12 +54,16 @@ class TraceRecorder:
             start = seq.state.position - n
             self._truncate(seq.seq_id, start)
             rows = self._rows.setdefault(seq.seq_id, {k: [] for k in KINDS})
-            for kind, source in zip(KINDS, (capture.queries, capture.keys, capture.values),
-                                    strict=True):
+            for kind, source in zip(
+                KINDS, (capture.queries, capture.keys, capture.values), strict=True
+            ):
                 if kind == "v" and not self.with_values:
                     continue
-                rows[kind].append(torch.stack([source[i][offset:offset + n] for i in self.layers])
-                                  .to("cpu", torch.float16))
+                rows[kind].append(
+                    torch.stack([source[i][offset : offset + n] for i in self.layers]).to(
+                        "cpu", torch.float16
+                    )
+                )
             self._counts[seq.seq_id] = start + n
             offset += n
 
@@ -62,8 +72,10 @@ class TraceRecorder:
         if start == count:
             return
         if start > count:
-            raise EngineError(f"trace recorder: sequence {seq_id} skipped positions "
-                              f"{count}..{start - 1} (prefix caching must be off)")
+            raise EngineError(
+                f"trace recorder: sequence {seq_id} skipped positions "
+                f"{count}..{start - 1} (prefix caching must be off)"
+            )
         rows = self._rows[seq_id]
         for kind, parts in rows.items():
             if parts:
@@ -94,16 +106,27 @@ class TraceRecorder:
         c = self.model_config
         request_id = self._free_id(seq.request_id)
         header = TraceHeader(
-            request_id=request_id, model=c.name or c.arch, num_layers=c.num_layers,
-            layer_ids=self.layers, num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim, rope=c.rope, softmax_scale=c.head_dim ** -0.5,
-            prompt_len=min(len(seq.prompt_token_ids), count), token_ids=tokens,
+            request_id=request_id,
+            model=c.name or c.arch,
+            num_layers=c.num_layers,
+            layer_ids=self.layers,
+            num_q_heads=c.num_q_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rope=c.rope,
+            softmax_scale=c.head_dim**-0.5,
+            prompt_len=min(len(seq.prompt_token_ids), count),
+            token_ids=tokens,
             has_values=self.with_values,
-            meta={**self.meta, **(extra_meta or {}),
-                  "last_token_id": seq.token_ids[count] if count < seq.num_total_tokens else None},
+            meta={
+                **self.meta,
+                **(extra_meta or {}),
+                "last_token_id": seq.token_ids[count] if count < seq.num_total_tokens else None,
+            },
         )
         tensors = {kind: torch.cat(parts, dim=1) for kind, parts in rows.items() if parts}
-        trace = Trace(header=header, queries=tensors["q"], keys=tensors["k"],
-                      values=tensors.get("v"))
+        trace = Trace(
+            header=header, queries=tensors["q"], keys=tensors["k"], values=tensors.get("v")
+        )
         entry = self.trace_set.write(trace)
         return self.trace_set.directory / entry.file

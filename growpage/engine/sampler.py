@@ -13,7 +13,7 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     if top_p >= 1.0:
         return probs
     sorted_probs, order = probs.sort(descending=True)
-    before = sorted_probs.cumsum(0) - sorted_probs   # mass strictly before each token
+    before = sorted_probs.cumsum(0) - sorted_probs  # mass strictly before each token
     sorted_probs[before >= top_p] = 0.0
     return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
 
@@ -35,8 +35,9 @@ class Sampler:
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
-    def sample(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]
-               ) -> list[int]:
+    def sample(
+        self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]
+    ) -> list[int]:
         """``logits [B, V]`` (fp32) -> one token id per row.
 
         Greedy picks are made where the logits are (on a GPU only ``B`` ids cross to the host,

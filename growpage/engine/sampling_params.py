@@ -17,8 +17,8 @@ def _check(cond: bool, field: str, msg: str) -> None:
         raise EngineError(f"SamplingParams.{field}: {msg}")
 
 
-SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes
-GREEDY_BELOW = 1e-5           # temperatures below it decode greedily (vLLM's threshold too)
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+GREEDY_BELOW = 1e-5  # temperatures below it decode greedily (vLLM's threshold too)
 
 
 def _as_tuple(value: Any, field: str, what: str) -> tuple:
@@ -33,17 +33,21 @@ def _stop_tuple(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, .
         return ()
     if isinstance(value, str):
         return (value,)
-    if isinstance(value, (bytes, Mapping)):   # a dict would give its keys
-        raise EngineError(f"SamplingParams.stop: must be a string or a list of strings, got "
-                          f"{value!r:.80}")
-    return tuple(str(s) if isinstance(s, np.str_) else s
-                 for s in _as_tuple(value, "stop", "a string or a list of strings"))
+    if isinstance(value, (bytes, Mapping)):  # a dict would give its keys
+        raise EngineError(
+            f"SamplingParams.stop: must be a string or a list of strings, got {value!r:.80}"
+        )
+    return tuple(
+        str(s) if isinstance(s, np.str_) else s
+        for s in _as_tuple(value, "stop", "a string or a list of strings")
+    )
 
 
 def _id_tuple(value: list[int] | tuple[int, ...]) -> tuple[int, ...]:
     if isinstance(value, (str, bytes, Mapping)):
-        raise EngineError(f"SamplingParams.stop_token_ids: must be a list of token ids, got "
-                          f"{value!r:.80}")
+        raise EngineError(
+            f"SamplingParams.stop_token_ids: must be a list of token ids, got {value!r:.80}"
+        )
     return tuple(_plain(v) for v in _as_tuple(value, "stop_token_ids", "a list of token ids"))
 
 
@@ -83,21 +87,42 @@ class SamplingParams:
 
     def __attrs_post_init__(self) -> None:
         t, p = self.temperature, self.top_p
-        _check(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-               and t >= 0, "temperature", f"must be a finite number >= 0, got {t!r}")
-        _check(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1,
-               "top_p", f"must lie in (0, 1], got {p!r}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-               f"must be a positive integer, got {self.max_tokens!r}")
+        _check(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0,
+            "temperature",
+            f"must be a finite number >= 0, got {t!r}",
+        )
+        _check(
+            isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1,
+            "top_p",
+            f"must lie in (0, 1], got {p!r}",
+        )
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be a positive integer, got {self.max_tokens!r}",
+        )
         low, high = SEED_RANGE
-        _check(self.seed is None or (_is_int(self.seed) and low <= self.seed < high), "seed",
-               f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
-               f"must be non-empty strings, got {self.stop!r}")
-        _check(all(_is_int(i) and i >= 0 for i in self.stop_token_ids), "stop_token_ids",
-               f"must be non-negative integers, got {self.stop_token_ids!r}")
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos",
-               f"must be True or False, got {self.ignore_eos!r}")
+        _check(
+            self.seed is None or (_is_int(self.seed) and low <= self.seed < high),
+            "seed",
+            f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            f"must be non-empty strings, got {self.stop!r}",
+        )
+        _check(
+            all(_is_int(i) and i >= 0 for i in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be non-negative integers, got {self.stop_token_ids!r}",
+        )
+        _check(
+            isinstance(self.ignore_eos, bool),
+            "ignore_eos",
+            f"must be True or False, got {self.ignore_eos!r}",
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -61,7 +61,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config, self.kv = config, kv
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []   # in admission order
+        self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self._preempted: list[Sequence] = []
 
@@ -91,13 +91,14 @@ class Scheduler:
             if reserve:
                 watermark = f", {reserve} of them kept free as the pool's watermark"
         else:
-            fits = self.kv.can_ever_fit(need)   # the prompt and the first decode step's token
+            fits = self.kv.can_ever_fit(need)  # the prompt and the first decode step's token
         if not fits:
             raise EngineError(
                 f"request {request_id!r}: {need} tokens (prompt {num_tokens}) "
                 f"cannot fit in the KV cache ({plural(self.kv.num_pages, 'page')} of "
                 f"{self.kv.page_size} tokens{watermark}); raise kv_pages, shorten the prompt "
-                "or lower max_tokens")
+                "or lower max_tokens"
+            )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -125,8 +126,10 @@ class Scheduler:
         self._preempted = []
         out = self._schedule_prefill() or self._schedule_decode()
         if out is None:
-            raise EngineError("the engine cannot make progress: every running request needs a "
-                              "KV page and none can be freed; raise kv_pages")
+            raise EngineError(
+                "the engine cannot make progress: every running request needs a "
+                "KV page and none can be freed; raise kv_pages"
+            )
         return out
 
     def _schedule_prefill(self) -> SchedulerOutput | None:
@@ -160,8 +163,11 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput | None:
         scheduled: list[Sequence] = []
-        ready = [seq for seq in self.running
-                 if seq.status is SequenceStatus.RUNNING and not seq.is_prefilling]
+        ready = [
+            seq
+            for seq in self.running
+            if seq.status is SequenceStatus.RUNNING and not seq.is_prefilling
+        ]
         self.kv.prepare_boundaries(ready)  # their boundary signals in one pass
         try:
             try:
@@ -184,8 +190,9 @@ class Scheduler:
             raise
         if not scheduled:
             return None
-        return SchedulerOutput(False, tuple(scheduled), (1,) * len(scheduled),
-                               tuple(self._preempted))
+        return SchedulerOutput(
+            False, tuple(scheduled), (1,) * len(scheduled), tuple(self._preempted)
+        )
 
     def unschedule(self, out: SchedulerOutput) -> None:
         """Undo what scheduling ``out`` advanced, for a step that failed before its tokens were

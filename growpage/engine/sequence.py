@@ -31,17 +31,24 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"        # an end token or a stop string
-    LENGTH = "length"    # max_tokens reached (or the model's maximum position)
-    ABORT = "abort"      # aborted by the caller or by an error elsewhere
+    STOP = "stop"  # an end token or a stop string
+    LENGTH = "length"  # max_tokens reached (or the model's maximum position)
+    ABORT = "abort"  # aborted by the caller or by an error elsewhere
 
 
 class Sequence:
     """A request's tokens and engine-side state."""
 
-    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, forced_token_ids: list[int] | None = None,
-                 prompt: str | None = None, arrival_time: float = 0.0) -> None:
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        forced_token_ids: list[int] | None = None,
+        prompt: str | None = None,
+        arrival_time: float = 0.0,
+    ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.prompt = prompt
@@ -50,18 +57,18 @@ class Sequence:
         self.params = params
         self.forced_token_ids = None if forced_token_ids is None else list(forced_token_ids)
         self.token_logprobs: list[float] = []  # log-probability of each forced token
-        self.token_ranks: list[int] = []       # its rank among all tokens (0 = greedy pick)
+        self.token_ranks: list[int] = []  # its rank among all tokens (0 = greedy pick)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_text_len: int | None = None  # text cut at a stop string
-        self.detokenizer: IncrementalDetokenizer | None = None   # output text, for stops/streams
-        self.stop_searched_len = 0      # settled output text already searched for stop strings
+        self.detokenizer: IncrementalDetokenizer | None = None  # output text, for stops/streams
+        self.stop_searched_len = 0  # settled output text already searched for stop strings
         self.state = RequestState(request_id)
         self.prefill_target = 0
         self.query_slot: int | None = None
-        self.num_decode_steps = 0       # in this residency; EMAs start at the first
-        self.num_cached_tokens = 0      # prefix-cache hit tokens of the last admission
-        self.num_registered_pages = 0   # leading pages entered in the prefix cache
+        self.num_decode_steps = 0  # in this residency; EMAs start at the first
+        self.num_cached_tokens = 0  # prefix-cache hit tokens of the last admission
+        self.num_registered_pages = 0  # leading pages entered in the prefix cache
         self.last_page_hash: int | None = None
         # the cached page holding its last registered prefix page (its own, or an equal one
         # cached before it); None when that prefix is not cached
@@ -122,8 +129,9 @@ class Sequence:
         self.kept_positions = None
         self.tail_start = 0
 
-    def slot_positions(self, num_layers: int, num_kv_heads: int,
-                       device: torch.device | str | None = None) -> torch.Tensor:
+    def slot_positions(
+        self, num_layers: int, num_kv_heads: int, device: torch.device | str | None = None
+    ) -> torch.Tensor:
         """Absolute position held by each resident slot, ``[L, Hkv, num_tokens]`` int64, on
         ``device`` (default: where ``kept_positions`` lives, else the CPU)."""
         n = self.state.num_tokens
@@ -136,5 +144,7 @@ class Sequence:
         return torch.cat([kept.to(device), tail.expand(num_layers, num_kv_heads, -1)], dim=-1)
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "
-                f"out={len(self.output_token_ids)}, pages={self.state.num_pages})")
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "
+            f"out={len(self.output_token_ids)}, pages={self.state.num_pages})"
+        )

@@ -19,8 +19,9 @@ class StatsCollector:
     ``reset``.
     """
 
-    def __init__(self, events: EventCounters,
-                 totals: Callable[[], dict[str, float]] = dict) -> None:
+    def __init__(
+        self, events: EventCounters, totals: Callable[[], dict[str, float]] = dict
+    ) -> None:
         self._events = events
         self._totals = totals
         self.reset()
@@ -31,16 +32,22 @@ class StatsCollector:
         self.events_at_start = self._events.as_dict()
         self.totals_at_start = self._totals()
         self.num_steps = 0
-        self.resident_time = 0.0      # sum of (running requests * step seconds)
+        self.resident_time = 0.0  # sum of (running requests * step seconds)
         self.step_time = 0.0
-        self.budget_tokens = 0        # sum over decode steps and requests of capacity (tokens)
+        self.budget_tokens = 0  # sum over decode steps and requests of capacity (tokens)
         self.budget_samples = 0
         self.max_pages_used = 0
         self.timeline: list[tuple[float, int, int]] = []
         self.finished: list[Sequence] = []
 
-    def on_step(self, seconds: float, num_running: int, decode_capacities: list[int],
-                pages_used: int, resident_after: int) -> None:
+    def on_step(
+        self,
+        seconds: float,
+        num_running: int,
+        decode_capacities: list[int],
+        pages_used: int,
+        resident_after: int,
+    ) -> None:
         """One step took ``seconds`` with ``num_running`` requests; ``pages_used`` and
         ``resident_after`` are the pool's and the batch's state when it ended."""
         self.timeline.append((time.perf_counter() - self.start, pages_used, resident_after))
@@ -63,32 +70,46 @@ class StatsCollector:
         total = time.perf_counter() - self.start
         seqs = self.finished
         num_out = sum(s.num_output_tokens for s in seqs)
-        tpots = [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
-                 for s in seqs if s.num_output_tokens > 1 and s.first_token_time is not None
-                 and s.finish_time is not None]
-        ttfts = [s.first_token_time - s.arrival_time for s in seqs
-                 if s.first_token_time is not None]
+        tpots = [
+            (s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
+            for s in seqs
+            if s.num_output_tokens > 1
+            and s.first_token_time is not None
+            and s.finish_time is not None
+        ]
+        ttfts = [
+            s.first_token_time - s.arrival_time for s in seqs if s.first_token_time is not None
+        ]
         e2es = [s.finish_time - s.arrival_time for s in seqs if s.finish_time is not None]
         now = self._events.as_dict()
         events = {k: v - self.events_at_start.get(k, 0) for k, v in now.items()}
         grown = {k: v - self.totals_at_start.get(k, 0) for k, v in self._totals().items()}
         return EngineStats(
-            policy=policy, page_size=page_size, num_pages=num_pages, num_requests=len(seqs),
+            policy=policy,
+            page_size=page_size,
+            num_pages=num_pages,
+            num_requests=len(seqs),
             num_prompt_tokens=sum(len(s.prompt_token_ids) for s in seqs),
-            num_output_tokens=num_out, num_steps=self.num_steps, total_time_s=total,
+            num_output_tokens=num_out,
+            num_steps=self.num_steps,
+            total_time_s=total,
             tps=num_out / total if total > 0 else 0.0,
             tpot_s=sum(tpots) / len(tpots) if tpots else 0.0,
             ttft_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
             e2e_s=sum(e2es) / len(e2es) if e2es else 0.0,
-            **percentile_fields({"ttft": ttfts, "tpot": tpots, "e2e": e2es},
-                                {"ttft": "s", "tpot": "s", "e2e": "s"}),
+            **percentile_fields(
+                {"ttft": ttfts, "tpot": tpots, "e2e": e2es}, {"ttft": "s", "tpot": "s", "e2e": "s"}
+            ),
             avg_resident=self.resident_time / self.step_time if self.step_time else 0.0,
-            avg_kv_budget=(self.budget_tokens / self.budget_samples
-                           if self.budget_samples else 0.0),
+            avg_kv_budget=(
+                self.budget_tokens / self.budget_samples if self.budget_samples else 0.0
+            ),
             max_pages_used=self.max_pages_used,
             num_preemptions=int(grown.get("num_preemptions", 0)),
-            prefix_hit_tokens=int(grown.get("prefix_hit_tokens", 0)), events=events,
+            prefix_hit_tokens=int(grown.get("prefix_hit_tokens", 0)),
+            events=events,
             boundary_time_s=grown.get("boundary_seconds", 0.0),
             deferred_time_s=grown.get("deferred_seconds", 0.0),
             deferred_waited_s=grown.get("deferred_stall_seconds", 0.0),
-            pool_timeline=list(self.timeline))
+            pool_timeline=list(self.timeline),
+        )

@@ -19,14 +19,22 @@ if TYPE_CHECKING:
 # GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
 _CONTROL, _USER_DEFINED = 3, 4
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp pre-tokenizer name -> regex splits applied in order before byte-level BPE.
 _PRE_SPLITS = {
-    "default": [_GPT2_SPLIT], "gpt2": [_GPT2_SPLIT], "smollm": [r"\p{N}", _GPT2_SPLIT],
-    "llama-bpe": [_LLAMA3_SPLIT], "llama3": [_LLAMA3_SPLIT], "qwen2": [_QWEN2_SPLIT],
+    "default": [_GPT2_SPLIT],
+    "gpt2": [_GPT2_SPLIT],
+    "smollm": [r"\p{N}", _GPT2_SPLIT],
+    "llama-bpe": [_LLAMA3_SPLIT],
+    "llama3": [_LLAMA3_SPLIT],
+    "qwen2": [_QWEN2_SPLIT],
 }
 
 
@@ -36,8 +44,13 @@ class Tokenizer:
     Attributes: ``bos_token_id``, ``eos_token_id`` (``None`` when unknown), ``vocab_size``.
     """
 
-    def __init__(self, backend: tokenizers.Tokenizer, bos_token_id: int | None,
-                 eos_token_id: int | None, chat_template: str | None) -> None:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None,
+    ) -> None:
         self._tok = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -63,8 +76,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]] | str,
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]] | str, add_generation_prompt: bool = True
+    ) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]`` or one user string)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -73,10 +87,13 @@ class Tokenizer:
         import jinja2.sandbox
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        special = {"bos_token": self._token_or_empty(self.bos_token_id),
-                   "eos_token": self._token_or_empty(self.eos_token_id)}
+        special = {
+            "bos_token": self._token_or_empty(self.bos_token_id),
+            "eos_token": self._token_or_empty(self.eos_token_id),
+        }
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special)
+            messages=messages, add_generation_prompt=add_generation_prompt, **special
+        )
 
     def encode_chat(self, messages: list[dict[str, str]] | str) -> list[int]:
         """Ids of the chat-formatted prompt, ready for generation (the template writes any
@@ -112,8 +129,10 @@ def tokenizer_from_gguf(path: str | Path, reader: GGUFFile | None = None) -> Tok
     merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
     types = gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
-        raise EngineError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
-                          f"{len(tokens)} tokens (one type per token expected)")
+        raise EngineError(
+            f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
+            f"{len(tokens)} tokens (one type per token expected)"
+        )
     pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
     if pre not in _PRE_SPLITS:
         raise EngineError(f"{path}: unknown pre-tokenizer {pre!r}")
@@ -121,22 +140,40 @@ def tokenizer_from_gguf(path: str | Path, reader: GGUFFile | None = None) -> Tok
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]]
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == _CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == _USER_DEFINED
+        ]
+    )
     bos = gguf_value(reader, "tokenizer.ggml.bos_token_id")
     if bos is not None and gguf_value(reader, "tokenizer.ggml.add_bos_token", False):
         if not 0 <= bos < len(tokens):
-            raise EngineError(f"{path}: BOS token id {bos} lies outside its vocabulary of "
-                              f"{len(tokens)} tokens")
+            raise EngineError(
+                f"{path}: BOS token id {bos} lies outside its vocabulary of {len(tokens)} tokens"
+            )
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
-            special_tokens=[(tokens[bos], bos)])
-    return Tokenizer(tok, bos, gguf_value(reader, "tokenizer.ggml.eos_token_id"),
-                     gguf_value(reader, "tokenizer.chat_template"))
+            single=f"{tokens[bos]} $A",
+            pair=f"{tokens[bos]} $A $B",
+            special_tokens=[(tokens[bos], bos)],
+        )
+    return Tokenizer(
+        tok,
+        bos,
+        gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+        gguf_value(reader, "tokenizer.chat_template"),
+    )
 
 
 def _tokenizer_from_hf_dir(path: Path) -> Tokenizer:

@@ -24,8 +24,9 @@ def copy_into(dst: torch.Tensor, values: Any) -> None:
 def to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` (nested lists of numbers, or a CPU tensor) as a ``dtype`` tensor on
     ``device``, without a host sync on CUDA."""
-    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values,
-                                                                                  dtype=dtype)
+    host = (
+        values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    )
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)

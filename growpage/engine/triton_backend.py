@@ -49,30 +49,60 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_n = block_n
         self._prefill = TorchAttentionBackend()
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         store_kv(k, v, layer_cache[0], layer_cache[1], slot_mapping)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer_cache: torch.Tensor | None, ctx: StepContext, scale: float
-                ) -> torch.Tensor:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor | None,
+        ctx: StepContext,
+        scale: float,
+    ) -> torch.Tensor:
         return self._prefill.prefill(q, k, v, layer_cache, ctx, scale)
 
-    def decode(self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext,
-               scale: float) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, layer_cache: torch.Tensor, ctx: StepContext, scale: float
+    ) -> torch.Tensor:
         assert ctx.block_tables is not None and ctx.context_lens is not None
         fusion: QueryStateFusion | None = getattr(ctx, "query_state", None)
         ema: dict = {}
         if fusion is not None:
             layer = fusion.layer_of(layer_cache)
-            ema = dict(q_pre=fusion.pre_rope_query(ctx.capture, layer),
-                       query_state=fusion.pool[layer], slot_ids=fusion.slot_ids,
-                       is_first=fusion.is_first, beta_short=fusion.beta_short,
-                       beta_long=fusion.beta_long)
-        out = paged_decode_attention(q, layer_cache[0], layer_cache[1], ctx.block_tables,
-                                     ctx.context_lens, scale, num_splits=self.num_splits,
-                                     block_n=self.block_n, **ema)
+            ema = dict(
+                q_pre=fusion.pre_rope_query(ctx.capture, layer),
+                query_state=fusion.pool[layer],
+                slot_ids=fusion.slot_ids,
+                is_first=fusion.is_first,
+                beta_short=fusion.beta_short,
+                beta_long=fusion.beta_long,
+            )
+        out = paged_decode_attention(
+            q,
+            layer_cache[0],
+            layer_cache[1],
+            ctx.block_tables,
+            ctx.context_lens,
+            scale,
+            num_splits=self.num_splits,
+            block_n=self.block_n,
+            **ema,
+        )
         if ctx.accumulation is not None:  # H2O sums: a second launch over the keys
-            accumulate_attention(q, layer_cache[0], ctx.block_tables, ctx.context_lens,
-                                 ctx.accumulation.layer(layer_cache), scale)
+            accumulate_attention(
+                q,
+                layer_cache[0],
+                ctx.block_tables,
+                ctx.context_lens,
+                ctx.accumulation.layer(layer_cache),
+                scale,
+            )
         return out

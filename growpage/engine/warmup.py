@@ -84,16 +84,25 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     start = time.perf_counter()
     b = engine.config.page_size
     gp = engine.config.growpage.replace(min_capacity=2, watermark=0)
-    config = attrs.evolve(engine.config, growpage=gp, kv_pages=4, kv_cache_memory=None,
-                          max_num_seqs=1, enable_prefix_caching=False, record_traces=None,
-                          warmup=False, cuda_graphs=False)
+    config = attrs.evolve(
+        engine.config,
+        growpage=gp,
+        kv_pages=4,
+        kv_cache_memory=None,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+        record_traces=None,
+        warmup=False,
+        cuda_graphs=False,
+    )
     backend = engine.model.backend
     # Decode kernels: the Triton backend (the one that fuses the query-state update).
     split_k = backend if decode and isinstance(backend, TritonAttentionBackend) else None
     saved_splits = None if split_k is None else split_k.num_splits
     try:
-        policy = (_CompressWithSums() if engine.kv.accumulated is not None
-                  else _CompressAtEveryBoundary())
+        policy = (
+            _CompressWithSums() if engine.kv.accumulated is not None else _CompressAtEveryBoundary()
+        )
         scratch = LLMEngine(engine.model, config, policy)
         with record_variants() as log:
             # Prompt 2b - 1: the first decode fills two pages, the second meets a boundary
@@ -101,7 +110,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
             length = max(1, min(2 * b - 1, engine.model.config.max_position - 6))
             prompt = [i % engine.model.config.vocab_size for i in range(3, 3 + length)]
             params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
-            for splits in ((1, 2) if decode else (None,)):
+            for splits in (1, 2) if decode else (None,):
                 if split_k is not None:
                     split_k.num_splits = splits
                 seq = scratch.add_request(f"warmup-{splits}", prompt, params)

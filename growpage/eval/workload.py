@@ -61,8 +61,7 @@ _REASONING = [
     "Explain the ratio step by step.",
     "Explain how a thermostat keeps a room at a steady temperature, step by step.",
     "Estimate how many minutes a person sleeps in one year. Explain each assumption.",
-    "Compare walking and cycling to work for a 5 km trip. Reason through time, cost and "
-    "health.",
+    "Compare walking and cycling to work for a 5 km trip. Reason through time, cost and health.",
     "A number doubled and then decreased by 8 gives 30. What is the number? Show each step.",
     "Explain why dividing by a fraction is the same as multiplying by its reciprocal, with an "
     "example.",
@@ -79,8 +78,7 @@ _REASONING = [
     "2000 and 2024.",
     "A snail climbs 3 metres up a 10 metre wall each day and slides back 2 metres each night. "
     "On which day does it reach the top? Reason it through.",
-    "Explain how compound interest works, and compute 1000 dollars at 5% for 3 years step by "
-    "step.",
+    "Explain how compound interest works, and compute 1000 dollars at 5% for 3 years step by step.",
     "Write out the steps to convert the binary number 101101 to decimal, and explain each one.",
     "Explain how you would find a lost item in a house, planning the search step by step.",
     "A runner runs 400 m laps in 92 seconds each. How long does 5 km take? Show the working.",
@@ -90,13 +88,34 @@ _REASONING = [
 ]
 assert len(_REASONING) == 48
 
-_OBJECTS = ["umbrella", "lantern", "notebook", "kettle", "compass", "scarf", "violin", "basket",
-            "helmet", "teapot", "blanket", "camera"]
-_COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "silver",
-           "brown"]
+_OBJECTS = [
+    "umbrella",
+    "lantern",
+    "notebook",
+    "kettle",
+    "compass",
+    "scarf",
+    "violin",
+    "basket",
+    "helmet",
+    "teapot",
+    "blanket",
+    "camera",
+]
+_COLORS = [
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "purple",
+    "orange",
+    "black",
+    "white",
+    "silver",
+    "brown",
+]
 _NAMES = ["Mira", "Jonas", "Priya", "Tomas", "Leila", "Oscar", "Ines", "Kenji", "Nadia", "Felix"]
-_CITIES = ["Lisbon", "Oslo", "Cairo", "Lima", "Hanoi", "Quito", "Dublin", "Perth", "Tunis",
-           "Riga"]
+_CITIES = ["Lisbon", "Oslo", "Cairo", "Lima", "Hanoi", "Quito", "Dublin", "Perth", "Tunis", "Riga"]
 _TASKS = [
     "Now explain in detail, step by step, how a library could organize its books so that "
     "visitors find them quickly.",
@@ -127,12 +146,15 @@ class RetrievalItem:
     questions: tuple[tuple[str, str, str], ...]
 
 
-def retrieval_items(n: int, seed: int = 0, num_facts: int = 6,
-                    num_questions: int = 2) -> list[RetrievalItem]:
+def retrieval_items(
+    n: int, seed: int = 0, num_facts: int = 6, num_questions: int = 2
+) -> list[RetrievalItem]:
     """``n`` retrieval prompts with ``num_facts`` facts each, ``num_questions`` of them asked."""
     if n < 1 or not 1 <= num_questions <= num_facts <= len(_OBJECTS):
-        raise ValueError(f"need n >= 1 and 1 <= num_questions <= num_facts <= {len(_OBJECTS)}; "
-                         f"got n={n}, num_facts={num_facts}, num_questions={num_questions}")
+        raise ValueError(
+            f"need n >= 1 and 1 <= num_questions <= num_facts <= {len(_OBJECTS)}; "
+            f"got n={n}, num_facts={num_facts}, num_questions={num_questions}"
+        )
     rng = random.Random(seed)
     items = []
     for i in range(n):
@@ -143,8 +165,11 @@ def retrieval_items(n: int, seed: int = 0, num_facts: int = 6,
             if kind == 0:
                 color = rng.choice(_COLORS)
                 facts.append(f"The {obj} in room {j + 2} is {color}.")
-                qa = (f"What color is the {obj} in room {j + 2}?",
-                      f"The {obj} in room {j + 2} is", f" {color}")
+                qa = (
+                    f"What color is the {obj} in room {j + 2}?",
+                    f"The {obj} in room {j + 2} is",
+                    f" {color}",
+                )
             elif kind == 1:
                 name = rng.choice(_NAMES)
                 facts.append(f"The {obj} belongs to {name}.")
@@ -155,14 +180,19 @@ def retrieval_items(n: int, seed: int = 0, num_facts: int = 6,
                 qa = (f"Where was the {obj} bought?", f"The {obj} was bought in", f" {city}")
             questions.append(qa)
         asked = rng.sample(questions, num_questions)
-        prompt = ("Remember these facts, you will be asked about them later.\n"
-                  + "\n".join(f"- {f}" for f in facts) + "\n\n" + _TASKS[i % len(_TASKS)])
+        prompt = (
+            "Remember these facts, you will be asked about them later.\n"
+            + "\n".join(f"- {f}" for f in facts)
+            + "\n\n"
+            + _TASKS[i % len(_TASKS)]
+        )
         items.append(RetrievalItem(prompt=prompt, questions=tuple(asked)))
     return items
 
 
-def retrieval_continuation(encode: Callable[[str], list[int]], stretch: Sequence[int],
-                           item: RetrievalItem) -> tuple[list[int], list[tuple[int, int]]]:
+def retrieval_continuation(
+    encode: Callable[[str], list[int]], stretch: Sequence[int], item: RetrievalItem
+) -> tuple[list[int], list[tuple[int, int]]]:
     """The forced continuation of ``item`` after a generated ``stretch`` of token ids.
 
     Returns the token ids (stretch, then each question and its answer) and, per question, the

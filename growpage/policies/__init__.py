@@ -16,7 +16,18 @@ from growpage.policies.builtin import (
 from growpage.policies.registry import register_policy, registered_policies, resolve_policy
 
 __all__ = [
-    "CapacityPolicy", "Decision", "EntropyPolicy", "FixedBudgetPolicy", "FullKVPolicy",
-    "GrowPagePolicy", "H2OPolicy", "InversePolicy", "RandomPolicy", "ShrinkPolicy",
-    "StreamingLLMPolicy", "register_policy", "registered_policies", "resolve_policy",
+    "CapacityPolicy",
+    "Decision",
+    "EntropyPolicy",
+    "FixedBudgetPolicy",
+    "FullKVPolicy",
+    "GrowPagePolicy",
+    "H2OPolicy",
+    "InversePolicy",
+    "RandomPolicy",
+    "ShrinkPolicy",
+    "StreamingLLMPolicy",
+    "register_policy",
+    "registered_policies",
+    "resolve_policy",
 ]

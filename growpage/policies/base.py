@@ -46,13 +46,19 @@ class CapacityPolicy(abc.ABC):
         with a block-local quota of ``ctx.config.local_quota`` per page plus global top-k
         (Eq. 10).
         """
-        return growpage_select(ctx.scores(), ctx.num_tokens, ctx.recent_window, keep,
-                               ctx.page_size, ctx.config.local_quota)
+        return growpage_select(
+            ctx.scores(),
+            ctx.num_tokens,
+            ctx.recent_window,
+            keep,
+            ctx.page_size,
+            ctx.config.local_quota,
+        )
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__ and getattr(cls, "name", "custom") == "custom":
-            cls.name = cls.__name__   # errors and reports name an unnamed policy by its class
+            cls.name = cls.__name__  # errors and reports name an unnamed policy by its class
 
     def __str__(self) -> str:
         return self.name

@@ -21,21 +21,26 @@ def _in_range(lo: float, hi: float) -> Callable[[object, attrs.Attribute, float 
         if value is None:
             return
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-            raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a number in "
-                              f"[{lo}, {hi}], got {value!r}")
+            raise ConfigError(
+                f"{type(inst).__name__}.{attribute.name} must be a number in "
+                f"[{lo}, {hi}], got {value!r}"
+            )
+
     return check
 
 
 def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a positive "
-                          f"integer, got {value!r}")
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} must be a positive integer, got {value!r}"
+        )
 
 
 def _integer(inst: object, attribute: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be an integer, got "
-                          f"{value!r}")
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} must be an integer, got {value!r}"
+        )
 
 
 # NOTE: the built-in policies are dict-based attrs classes (slots=False). An author's subclass
@@ -107,7 +112,10 @@ class ShrinkPolicy(CapacityPolicy):
         delta = ctx.delta()
         if delta > tau:
             return Decision.GROW
-        if delta < self.shrink_below and (ctx.num_pages - 1) * ctx.page_size >= self.min_capacity_tokens:
+        if (
+            delta < self.shrink_below
+            and (ctx.num_pages - 1) * ctx.page_size >= self.min_capacity_tokens
+        ):
             return Decision.SHRINK
         return Decision.COMPRESS
 
@@ -166,8 +174,9 @@ class StreamingLLMPolicy(FixedBudgetPolicy):
 
     def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
         sinks = min(self.num_sinks, keep - ctx.recent_window)
-        slots = torch.cat([torch.arange(sinks), torch.arange(ctx.num_tokens - keep + sinks,
-                                                             ctx.num_tokens)])
+        slots = torch.cat(
+            [torch.arange(sinks), torch.arange(ctx.num_tokens - keep + sinks, ctx.num_tokens)]
+        )
         return slots.to(ctx.device).expand(*ctx.shape, keep).clone()
 
 

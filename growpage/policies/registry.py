@@ -31,14 +31,21 @@ def register_policy(cls: type[PolicyT]) -> type[PolicyT]:
         raise PolicyError(f"register_policy takes a CapacityPolicy subclass, got {cls!r}")
     name = cls.__dict__.get("name", getattr(cls, "name", None))
     if not isinstance(name, str) or not name or ":" in name:
-        hint = (" (an annotated `name: str = ...` in an attrs class is a field, not the class's "
-                "name: write `name = \"...\"` without the annotation)"
-                if not isinstance(name, str) else "")
-        raise PolicyError(f"policy class {cls.__name__} has no usable name to register: "
-                          f"name is {name!r}, expected a non-empty string without ':'{hint}")
+        hint = (
+            " (an annotated `name: str = ...` in an attrs class is a field, not the class's "
+            'name: write `name = "..."` without the annotation)'
+            if not isinstance(name, str)
+            else ""
+        )
+        raise PolicyError(
+            f"policy class {cls.__name__} has no usable name to register: "
+            f"name is {name!r}, expected a non-empty string without ':'{hint}"
+        )
     if name in _REGISTRY and _qualified(_REGISTRY[name]) != _qualified(cls):
-        raise PolicyError(f"policy name {name!r} is already registered by "
-                          f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}")
+        raise PolicyError(
+            f"policy name {name!r} is already registered by "
+            f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}"
+        )
     _REGISTRY[name] = cls
     return cls
 
@@ -56,17 +63,20 @@ def registered_policies() -> dict[str, type[CapacityPolicy]]:
 def _load_class(spec: str) -> type:
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
-        raise PolicyError(f"policy {spec!r}: expected a registered name, "
-                          "'package.module:ClassName' or 'path/file.py:ClassName'")
+        raise PolicyError(
+            f"policy {spec!r}: expected a registered name, "
+            "'package.module:ClassName' or 'path/file.py:ClassName'"
+        )
     if target.endswith(".py"):
         module = _load_file(Path(target))
     else:
         try:
             module = importlib.import_module(target)
         except Exception as exc:  # noqa: BLE001 - whatever the module raised while importing
-            raise PolicyError(f"cannot import policy module {target!r}: "
-                              f"{type(exc).__name__}: {exc}{_file_hint(exc, target, attr)}"
-                              ) from exc
+            raise PolicyError(
+                f"cannot import policy module {target!r}: "
+                f"{type(exc).__name__}: {exc}{_file_hint(exc, target, attr)}"
+            ) from exc
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -121,8 +131,9 @@ def _load_file(path: Path) -> ModuleType:
     return module
 
 
-def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: Any
-                   ) -> CapacityPolicy:
+def resolve_policy(
+    spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: Any
+) -> CapacityPolicy:
     """A policy instance from an instance, a class, a registered name or an import spec.
 
     ``kwargs`` are passed to the class (its hyperparameters).
@@ -137,8 +148,10 @@ def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: 
         else:
             known = registered_policies()
             if spec not in known:
-                raise PolicyError(f"unknown policy {spec!r}; registered: {', '.join(known)} "
-                                  "(or give 'package.module:ClassName' / 'file.py:ClassName')")
+                raise PolicyError(
+                    f"unknown policy {spec!r}; registered: {', '.join(known)} "
+                    "(or give 'package.module:ClassName' / 'file.py:ClassName')"
+                )
             cls = known[spec]
     else:
         cls = spec
@@ -146,13 +159,15 @@ def resolve_policy(spec: str | CapacityPolicy | type[CapacityPolicy], **kwargs: 
         raise PolicyError(f"{spec!r} is not a CapacityPolicy subclass")
     try:
         return cls(**kwargs)
-    except GrowPageError as exc:   # the built-ins' validators: their message names the field
-        raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}"
-                          f"{_fields_hint(cls, kwargs)}") from exc
+    except GrowPageError as exc:  # the built-ins' validators: their message names the field
+        raise PolicyError(
+            f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}{_fields_hint(cls, kwargs)}"
+        ) from exc
     except Exception as exc:  # noqa: BLE001 - whatever a user's constructor raises
         hint = _fields_hint(cls, kwargs) if isinstance(exc, TypeError) else ""
-        raise PolicyError(f"cannot build policy {getattr(cls, 'name', cls)!r}: "
-                          f"{_constructor_error(exc)}{hint}") from exc
+        raise PolicyError(
+            f"cannot build policy {getattr(cls, 'name', cls)!r}: {_constructor_error(exc)}{hint}"
+        ) from exc
 
 
 def _constructor_error(exc: Exception) -> str:
@@ -191,14 +206,16 @@ def parse_policy_value(text: str) -> Any:
 def parse_policy_params(items: list[str], flag: str = "--param") -> dict[str, Any]:
     """``["key=value", ...]`` from a command line -> policy kwargs (``parse_policy_value``)."""
     out: dict[str, Any] = {}
-    given: dict[str, str] = {}   # each key's text as given, for the error naming both
+    given: dict[str, str] = {}  # each key's text as given, for the error naming both
     for item in items:
         key, eq, value = item.partition("=")
-        key = key.strip()   # "tau = 0.01", as spaces around the value are ignored
+        key = key.strip()  # "tau = 0.01", as spaces around the value are ignored
         if not eq or not key:
             raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
         if key in out:
-            raise ConfigError(f"{flag} {key} given twice ({given[key]!r} and {item!r}); "
-                              "give each hyperparameter once")
+            raise ConfigError(
+                f"{flag} {key} given twice ({given[key]!r} and {item!r}); "
+                "give each hyperparameter once"
+            )
         out[key], given[key] = parse_policy_value(value), item
     return out

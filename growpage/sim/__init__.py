@@ -23,8 +23,22 @@ from growpage.sim.signal import SignalQuality, signal_quality
 from growpage.sim.workloads import WORKLOADS, WorkloadRequest, WorkloadSpec, resolve_workload
 
 __all__ = [
-    "WORKLOADS", "BoundaryRecord", "CostModel", "LinearCostModel", "PiecewiseCostModel",
-    "ReplayOptions", "ReplayResult", "RooflineCostModel", "ServingResult", "SignalQuality", "SimConfig",
-    "WorkloadRequest", "WorkloadSpec", "load_cost_model", "replay_trace", "resolve_workload",
-    "signal_quality", "simulate",
+    "WORKLOADS",
+    "BoundaryRecord",
+    "CostModel",
+    "LinearCostModel",
+    "PiecewiseCostModel",
+    "ReplayOptions",
+    "ReplayResult",
+    "RooflineCostModel",
+    "ServingResult",
+    "SignalQuality",
+    "SimConfig",
+    "WorkloadRequest",
+    "WorkloadSpec",
+    "load_cost_model",
+    "replay_trace",
+    "resolve_workload",
+    "signal_quality",
+    "simulate",
 ]

@@ -37,7 +37,7 @@ def _fields_problem(d: Any) -> str:
     extra = [k for k in d if k not in COLUMNS]
     lacks = [c for c in COLUMNS if c not in d]
     problems = [f"lacks {', '.join(lacks)}"] if lacks else []
-    if None in extra:   # csv.DictReader's key for a row's values past the header's
+    if None in extra:  # csv.DictReader's key for a row's values past the header's
         extra.remove(None)
         problems.append("more values than the header")
     if extra:
@@ -47,8 +47,10 @@ def _fields_problem(d: Any) -> str:
 
 def _row(d: Any, where: str) -> list[float]:
     if not isinstance(d, dict) or set(d) != set(COLUMNS):
-        raise ConfigError(f"{where}: a measurement needs exactly the fields {', '.join(COLUMNS)} "
-                          f"({_fields_problem(d)})")
+        raise ConfigError(
+            f"{where}: a measurement needs exactly the fields {', '.join(COLUMNS)} "
+            f"({_fields_problem(d)})"
+        )
     try:
         if any(isinstance(d[c], bool) for c in COLUMNS):
             raise TypeError("a bool is not a measurement")
@@ -57,7 +59,7 @@ def _row(d: Any, where: str) -> list[float]:
         raise ConfigError(f"{where}: measurement fields must be numbers, got {d!r:.200}") from None
     if not all(math.isfinite(x) and x >= 0 for x in row):
         raise ConfigError(f"{where}: measurement fields must be finite and >= 0, got {d!r:.200}")
-    if row[3] == 0:   # NOTE: a step takes time; 0 is a timer gone wrong or seconds rounded away
+    if row[3] == 0:  # NOTE: a step takes time; 0 is a timer gone wrong or seconds rounded away
         raise ConfigError(f"{where}: step_s must be > 0 (seconds a step took), got {row[3]!r}")
     return row
 
@@ -78,7 +80,7 @@ def load_measurements(path: str | os.PathLike) -> np.ndarray:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(items, list):
             raise ConfigError(f"{path}: expected a JSON list of measurements")
-        where = [f"{path}, measurement {i}" for i in range(len(items))]   # list positions
+        where = [f"{path}, measurement {i}" for i in range(len(items))]  # list positions
     else:
         reader = csv.DictReader(text.splitlines())
         items, where = [], []
@@ -89,8 +91,9 @@ def load_measurements(path: str | os.PathLike) -> np.ndarray:
             where.append(f"{path}, measurement {len(where)} (line {reader.line_num})")
     rows = [_row(d, at) for d, at in zip(items, where, strict=True)]
     if len(rows) < 4:
-        raise ConfigError(f"{path}: need at least 4 measurements to fit a cost model, got "
-                          f"{len(rows)}")
+        raise ConfigError(
+            f"{path}: need at least 4 measurements to fit a cost model, got {len(rows)}"
+        )
     return np.array(rows)
 
 
@@ -103,30 +106,30 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.ndim != 2 or b.shape != a.shape[:1]:
-        raise ValueError(f"nnls needs a [m, n] matrix and an [m] vector, got {a.shape}, "
-                         f"{b.shape}")
+        raise ValueError(f"nnls needs a [m, n] matrix and an [m] vector, got {a.shape}, {b.shape}")
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise ValueError("nnls needs finite numbers (the input holds NaN or infinity)")
     peak = np.abs(a).max(axis=0, initial=0.0)
     usable = peak > 0
-    unit = a[:, usable] / peak[usable]          # in [-1, 1]: its norm cannot overflow
+    unit = a[:, usable] / peak[usable]  # in [-1, 1]: its norm cannot overflow
     norms = peak[usable] * np.linalg.norm(unit, axis=0)
     scaled = unit / np.linalg.norm(unit, axis=0)
     b_peak = float(np.abs(b).max(initial=0.0))
     if b_peak == 0.0 or not usable.any():
         return np.zeros(a.shape[1])
-    b_unit = b / b_peak                          # solve for b / b_peak, scale back at the end
+    b_unit = b / b_peak  # solve for b / b_peak, scale back at the end
     n = scaled.shape[1]
     x, passive = np.zeros(n), np.zeros(n, dtype=bool)
-    tol = 10 * np.finfo(np.float64).eps * max(scaled.shape) * max(
-        float(np.linalg.norm(b_unit)), 1.0)
+    tol = (
+        10 * np.finfo(np.float64).eps * max(scaled.shape) * max(float(np.linalg.norm(b_unit)), 1.0)
+    )
     for _ in range(3 * n + 1):
         gradient = scaled.T @ (b_unit - scaled @ x)
         free = ~passive & (gradient > tol)
         if not free.any():
             break
         passive[np.argmax(np.where(free, gradient, -np.inf))] = True
-        while True:   # solve on the passive set; step back while it leaves the feasible region
+        while True:  # solve on the passive set; step back while it leaves the feasible region
             z = np.zeros(n)
             z[passive] = np.linalg.lstsq(scaled[:, passive], b_unit, rcond=None)[0]
             bad = passive & (z <= tol)
@@ -147,8 +150,10 @@ def _checked(rows: Any) -> np.ndarray:
     (``_row``): the fits take arrays from callers other than ``load_measurements``."""
     array = np.asarray(rows, dtype=np.float64)
     if array.ndim != 2 or array.shape[1] != len(COLUMNS) or not len(array):
-        raise ConfigError(f"measurements must be rows of {', '.join(COLUMNS)}, got an array of "
-                          f"shape {array.shape}")
+        raise ConfigError(
+            f"measurements must be rows of {', '.join(COLUMNS)}, got an array of "
+            f"shape {array.shape}"
+        )
     for i, row in enumerate(array.tolist()):
         _row(dict(zip(COLUMNS, row, strict=True)), f"measurement {i}")
     return array
@@ -166,10 +171,14 @@ def fit_linear(rows: np.ndarray, padded_kv: bool = False) -> LinearCostModel:
     then prices ragged batches by their longest sequence.
     """
     rows = _checked(rows)
-    base, per_seq, per_kv, per_prefill = (float(c) for c in nnls(_design_linear(rows),
-                                                                  rows[:, 3]))
-    return LinearCostModel(base_s=base, per_seq_s=per_seq, per_kv_token_s=per_kv,
-                           per_prefill_token_s=per_prefill, padded_kv=padded_kv)
+    base, per_seq, per_kv, per_prefill = (float(c) for c in nnls(_design_linear(rows), rows[:, 3]))
+    return LinearCostModel(
+        base_s=base,
+        per_seq_s=per_seq,
+        per_kv_token_s=per_kv,
+        per_prefill_token_s=per_prefill,
+        padded_kv=padded_kv,
+    )
 
 
 def _design_piecewise(rows: np.ndarray) -> tuple[list[int], np.ndarray]:
@@ -177,10 +186,12 @@ def _design_piecewise(rows: np.ndarray) -> tuple[list[int], np.ndarray]:
     then kv_tokens and prefill_tokens."""
     for i, n in enumerate(rows[:, 0]):
         if float(n) != int(n):
-            raise ConfigError(f"measurement {i}: a piecewise cost model needs a whole number of "
-                              f"sequences (num_seqs), got {float(n):g}")
+            raise ConfigError(
+                f"measurement {i}: a piecewise cost model needs a whole number of "
+                f"sequences (num_seqs), got {float(n):g}"
+            )
     sizes = sorted({int(n) for n in rows[:, 0]})
-    indicators = (rows[:, 0][:, None] == np.array(sizes, dtype=np.float64)[None, :])
+    indicators = rows[:, 0][:, None] == np.array(sizes, dtype=np.float64)[None, :]
     return sizes, np.column_stack([indicators.astype(np.float64), rows[:, 1], rows[:, 2]])
 
 
@@ -191,15 +202,20 @@ def fit_piecewise(rows: np.ndarray, padded_kv: bool = False) -> PiecewiseCostMod
     rows = _checked(rows)
     sizes, x = _design_piecewise(rows)
     coef = nnls(x, rows[:, 3])
-    return PiecewiseCostModel(batch_sizes=tuple(sizes),
-                              batch_s=tuple(float(c) for c in coef[:len(sizes)]),
-                              per_kv_token_s=float(coef[-2]),
-                              per_prefill_token_s=float(coef[-1]), padded_kv=padded_kv)
+    return PiecewiseCostModel(
+        batch_sizes=tuple(sizes),
+        batch_s=tuple(float(c) for c in coef[: len(sizes)]),
+        per_kv_token_s=float(coef[-2]),
+        per_prefill_token_s=float(coef[-1]),
+        padded_kv=padded_kv,
+    )
 
 
 #: ``growpage calibrate --kind``: the fitting function of each fitted cost model.
 FITS: dict[str, Callable[..., LinearCostModel | PiecewiseCostModel]] = {
-    "linear": fit_linear, "piecewise": fit_piecewise}
+    "linear": fit_linear,
+    "piecewise": fit_piecewise,
+}
 
 
 def fit_warnings(rows: np.ndarray, kind: str = "linear") -> list[str]:
@@ -210,8 +226,9 @@ def fit_warnings(rows: np.ndarray, kind: str = "linear") -> list[str]:
     the per-token costs, which only differences within one batch size determine.
     """
     if kind not in FITS:
-        raise ConfigError(f"unknown cost model kind {kind!r} (expected "
-                          f"{' or '.join(map(repr, FITS))})")
+        raise ConfigError(
+            f"unknown cost model kind {kind!r} (expected {' or '.join(map(repr, FITS))})"
+        )
     rows = _checked(rows)
     if kind == "piecewise":
         return _piecewise_warnings(rows)
@@ -219,10 +236,15 @@ def fit_warnings(rows: np.ndarray, kind: str = "linear") -> list[str]:
     for i, (column, coef) in enumerate(zip(COLUMNS[:3], STEP_COEFFICIENTS[1:], strict=True)):
         value = float(rows[0, i])
         if (rows[:, i] == value).all():
-            what = ("is fitted as 0 (free in the simulator)" if value == 0 else
-                    "cannot be told apart from base_s (only their sum is fitted)")
-            warnings.append(f"{column} is {value:g} in every measurement, so {coef} {what}; "
-                            f"measure steps with other {column}")
+            what = (
+                "is fitted as 0 (free in the simulator)"
+                if value == 0
+                else "cannot be told apart from base_s (only their sum is fitted)"
+            )
+            warnings.append(
+                f"{column} is {value:g} in every measurement, so {coef} {what}; "
+                f"measure steps with other {column}"
+            )
         else:
             varied.append(i)
     # NOTE: the dependency check leaves out the constant columns (warned of above), not the
@@ -230,30 +252,42 @@ def fit_warnings(rows: np.ndarray, kind: str = "linear") -> list[str]:
     # prefill_tokens 0 throughout cannot split per_seq_s from per_kv_token_s either.
     x = _design_linear(rows)[:, [0, *(i + 1 for i in varied)]]
     if np.linalg.matrix_rank(x / np.abs(x).max(axis=0)) < x.shape[1]:
-        warnings.append(f"{', '.join(COLUMNS[i] for i in varied)} depend linearly on each other "
-                        "in these measurements, so their coefficients are not fitted "
-                        "separately; vary them independently")
+        warnings.append(
+            f"{', '.join(COLUMNS[i] for i in varied)} depend linearly on each other "
+            "in these measurements, so their coefficients are not fitted "
+            "separately; vary them independently"
+        )
     return warnings
 
 
 def _piecewise_warnings(rows: np.ndarray) -> list[str]:
     sizes, x = _design_piecewise(rows)
     warnings = []
-    for col, column, coef in ((1, "kv_tokens", "per_kv_token_s"),
-                              (2, "prefill_tokens", "per_prefill_token_s")):
+    for col, column, coef in (
+        (1, "kv_tokens", "per_kv_token_s"),
+        (2, "prefill_tokens", "per_prefill_token_s"),
+    ):
         if (rows[:, col] == 0).all():
-            warnings.append(f"{column} is 0 in every measurement, so {coef} is fitted as 0 "
-                            f"(free in the simulator); measure steps with other {column}")
+            warnings.append(
+                f"{column} is 0 in every measurement, so {coef} is fitted as 0 "
+                f"(free in the simulator); measure steps with other {column}"
+            )
         elif all(len(set(rows[rows[:, 0] == n, col])) == 1 for n in sizes):
-            warnings.append(f"{column} never changes within one num_seqs, so {coef} is not "
-                            "fitted (a piecewise model gives each num_seqs its own fixed cost); "
-                            f"measure each num_seqs at two or more {column}")
-    if not warnings and np.linalg.matrix_rank(x / np.maximum(np.abs(x).max(axis=0), 1e-300)
-                                              ) < x.shape[1]:
-        warnings.append(f"these {len(rows)} measurements do not determine every coefficient "
-                        f"({len(sizes)} fixed costs, one per num_seqs, and the costs per KV "
-                        "token and per prefill token): vary kv_tokens and prefill_tokens "
-                        "independently within the batch sizes")
+            warnings.append(
+                f"{column} never changes within one num_seqs, so {coef} is not "
+                "fitted (a piecewise model gives each num_seqs its own fixed cost); "
+                f"measure each num_seqs at two or more {column}"
+            )
+    if (
+        not warnings
+        and np.linalg.matrix_rank(x / np.maximum(np.abs(x).max(axis=0), 1e-300)) < x.shape[1]
+    ):
+        warnings.append(
+            f"these {len(rows)} measurements do not determine every coefficient "
+            f"({len(sizes)} fixed costs, one per num_seqs, and the costs per KV "
+            "token and per prefill token): vary kv_tokens and prefill_tokens "
+            "independently within the batch sizes"
+        )
     return warnings
 
 
@@ -264,9 +298,11 @@ def measure_engine(**options: Any) -> np.ndarray:
     except ModuleNotFoundError as e:
         if e.name not in (ENGINE_PROFILER, "growpage.engine"):
             raise
-        raise EngineError(f"the engine cannot be measured yet: {ENGINE_PROFILER}."
-                          "measure_step_times is missing; pass --measurements FILE with columns "
-                          f"{', '.join(COLUMNS)}") from None
+        raise EngineError(
+            f"the engine cannot be measured yet: {ENGINE_PROFILER}."
+            "measure_step_times is missing; pass --measurements FILE with columns "
+            f"{', '.join(COLUMNS)}"
+        ) from None
     items = profiler.measure_step_times(**options)
     return np.array([_row(d, f"{ENGINE_PROFILER} row {i}") for i, d in enumerate(items)])
 

@@ -35,15 +35,22 @@ from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
 
-REPLAY_GEN_LEN, REPLAY_SCHEDULE = 4096, "random"   # replay --synthetic's defaults (tokens)
-LONG_REQUEST_TOKENS = 1 << 16   # beyond this, replaying a synthetic trace takes a while
+REPLAY_GEN_LEN, REPLAY_SCHEDULE = 4096, "random"  # replay --synthetic's defaults (tokens)
+LONG_REQUEST_TOKENS = 1 << 16  # beyond this, replaying a synthetic trace takes a while
 SWEEP_COLUMNS: list[reports.Column] = [
-    ("label", "point", ""), ("tps", "TPS", ".0f"), ("avg_resident", "C", ".1f"),
-    ("avg_kv_budget", "avg budget", ".0f"), ("mass_mean", "mass mean", ".4f"),
-    ("output_error", "out err", ".4f"), ("grow_ratio", "grow %", ".1%"),
-    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d"),
-    ("tpot_ms", "TPOT ms", ".1f"), ("ttft_p99_s", "TTFT p99 s", reports.SIGNIFICANT),
-    ("e2e_p99_s", "E2E p99 s", reports.SIGNIFICANT)]
+    ("label", "point", ""),
+    ("tps", "TPS", ".0f"),
+    ("avg_resident", "C", ".1f"),
+    ("avg_kv_budget", "avg budget", ".0f"),
+    ("mass_mean", "mass mean", ".4f"),
+    ("output_error", "out err", ".4f"),
+    ("grow_ratio", "grow %", ".1%"),
+    ("fallbacks", "fallback", "d"),
+    ("preemptions", "preempt", "d"),
+    ("tpot_ms", "TPOT ms", ".1f"),
+    ("ttft_p99_s", "TTFT p99 s", reports.SIGNIFICANT),
+    ("e2e_p99_s", "E2E p99 s", reports.SIGNIFICANT),
+]
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
@@ -89,13 +96,18 @@ def _warn(text: str, kind: str = "warning") -> None:
 def _note_layer_subset(directory: str, headers: list[TraceHeader]) -> None:
     """Say so when a set's traces (``headers``) hold some of the model's layers only: every
     attention signal is then computed over those (the engine reads all of them)."""
-    counts = {(h.num_recorded_layers, h.num_layers) for h in headers
-              if h.num_recorded_layers < h.num_layers}
+    counts = {
+        (h.num_recorded_layers, h.num_layers)
+        for h in headers
+        if h.num_recorded_layers < h.num_layers
+    }
     if counts:
         held = ", ".join(f"{n} of {total}" for n, total in sorted(counts))
-        _warn(f"{directory}: traces hold {held} model layers; Delta_t, scores and "
-              "fidelity are computed over those layers only (the engine reads every layer)",
-              kind="note")
+        _warn(
+            f"{directory}: traces hold {held} model layers; Delta_t, scores and "
+            "fidelity are computed over those layers only (the engine reads every layer)",
+            kind="note",
+        )
 
 
 def _deep_check(args: argparse.Namespace) -> bool:
@@ -115,10 +127,11 @@ def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace
         if not len(traces):
             raise ConfigError(f"{args.traces}: the trace set is empty")
         # A broken file is found now, not after the traces before it.
-        _note_layer_subset(args.traces, traces.check(deep=_deep_check(args),
-                                                     progress=not args.json))
+        _note_layer_subset(
+            args.traces, traces.check(deep=_deep_check(args), progress=not args.json)
+        )
         return len(traces), traces.read
-    _deep_check(args)   # refuses --check-traces without --traces
+    _deep_check(args)  # refuses --check-traces without --traces
     _at_least("--synthetic", args.synthetic, 1)
     drawn = _synthetic_settings(args)
     spec = SyntheticSpec(gen_len=drawn["gen_len"], schedule=drawn["schedule"])
@@ -128,9 +141,11 @@ def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace
 def _synthetic_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The settings ``replay --synthetic`` draws its traces with, defaults filled in (None in
     ``args`` only marks a flag left out)."""
-    return {"gen_len": REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
-            "schedule": REPLAY_SCHEDULE if args.schedule is None else args.schedule,
-            "seed": 0 if args.seed is None else args.seed}
+    return {
+        "gen_len": REPLAY_GEN_LEN if args.gen_len is None else args.gen_len,
+        "schedule": REPLAY_SCHEDULE if args.schedule is None else args.schedule,
+        "seed": 0 if args.seed is None else args.seed,
+    }
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -138,18 +153,24 @@ def run_replay(args: argparse.Namespace) -> int:
     kwargs = parse_params(args.param)
     options = ReplayOptions(fidelity_queries=args.fidelity_queries, signals=args.signals)
     count, read = _replay_traces(args)
-    resolve_policy(args.policy, **kwargs)   # a bad name or hyperparameter fails before the work
+    resolve_policy(args.policy, **kwargs)  # a bad name or hyperparameter fails before the work
     out = _out_dir(args)
     results = []
     for i in tqdm(range(count), desc="replay", unit="trace", disable=args.json):
-        results.append(replay_trace(read(i), resolve_policy(args.policy, **kwargs), config,
-                                    options))
+        results.append(
+            replay_trace(read(i), resolve_policy(args.policy, **kwargs), config, options)
+        )
     rows = [r.summary() for r in results] + [reports.aggregate_replays(results, "ALL")]
     columns = [("request_id", "trace", "")] + reports.REPLAY_COLUMNS
     table = reports.format_table(rows, columns)
-    payload: dict[str, Any] = {"config": attrs.asdict(config), "policy": args.policy,
-                               "params": kwargs, "source": _source(args), "summary": rows[-1],
-                               "traces": [r.as_dict() for r in results]}
+    payload: dict[str, Any] = {
+        "config": attrs.asdict(config),
+        "policy": args.policy,
+        "params": kwargs,
+        "source": _source(args),
+        "summary": rows[-1],
+        "traces": [r.as_dict() for r in results],
+    }
     if args.signals:
         quality = signal_quality(rec for r in results for rec in r.records)
         payload["signals"] = quality.as_dict()
@@ -162,16 +183,29 @@ def run_replay(args: argparse.Namespace) -> int:
 
         # Each line runs from the prompt to the trace's last token (a replay stopped by a
         # full pool, to its last boundary): a trace with no boundary is a flat line.
-        plot_capacity({r.request_id: r.trajectory + ([] if r.preempted else
-                                                     [(r.num_tokens, r.final_pages)])
-                       for r in results[:12]}, out / "capacity.png",
-                      config.page_size, title=f"capacity under {args.policy}")
+        plot_capacity(
+            {
+                r.request_id: r.trajectory
+                + ([] if r.preempted else [(r.num_tokens, r.final_pages)])
+                for r in results[:12]
+            },
+            out / "capacity.png",
+            config.page_size,
+            title=f"capacity under {args.policy}",
+        )
         files = "replay.json, replay.csv, capacity.png"
         if args.signals:
-            pairs = [(rec.delta, rec.future_change) for r in results for rec in r.records
-                     if rec.delta is not None and rec.future_change is not None]
-            plot_signal_scatter(pairs, out / "signals.png",
-                                title=f"Delta_t vs future demand ({len(pairs)} boundaries)")
+            pairs = [
+                (rec.delta, rec.future_change)
+                for r in results
+                for rec in r.records
+                if rec.delta is not None and rec.future_change is not None
+            ]
+            plot_signal_scatter(
+                pairs,
+                out / "signals.png",
+                title=f"Delta_t vs future demand ({len(pairs)} boundaries)",
+            )
             files += ", signals.png"
         _note(args, f"results in {out}/ ({files})")
     return 0
@@ -187,17 +221,37 @@ def _source(args: argparse.Namespace) -> dict[str, Any]:
 def _signal_table(q: Any) -> str:
     # NaN (null in the JSON): fewer than two paired boundaries, or one side constant.
     n = q.num_boundaries
-    rho = (f"Spearman rho = {q.spearman:.3f}" if not math.isnan(q.spearman) else
-           f"Spearman rho = n/a ({'too few boundaries' if n < 2 else 'a constant signal'})")
-    agree = ("" if math.isnan(q.sign_agreement)
-             else f", sign agreement = {q.sign_agreement:.1%}")
-    head = (f"Delta_t vs future demand change: {rho}{agree} over {n} "
-            f"boundar{'y' if n == 1 else 'ies'}")
-    rows = [{"bucket": f"[{b.low:g}, {b.high:g})", "count": b.count, "adv": b.mean_advantage,
-             "adv_err": b.mean_advantage_error} for b in q.buckets]
-    return head + "\n" + reports.format_table(rows, [
-        ("bucket", "Delta_t bucket", ""), ("count", "n", "d"),
-        ("adv", "growth adv (mass)", ".4f"), ("adv_err", "growth adv (out err)", ".4f")])
+    rho = (
+        f"Spearman rho = {q.spearman:.3f}"
+        if not math.isnan(q.spearman)
+        else f"Spearman rho = n/a ({'too few boundaries' if n < 2 else 'a constant signal'})"
+    )
+    agree = "" if math.isnan(q.sign_agreement) else f", sign agreement = {q.sign_agreement:.1%}"
+    head = (
+        f"Delta_t vs future demand change: {rho}{agree} over {n} boundar{'y' if n == 1 else 'ies'}"
+    )
+    rows = [
+        {
+            "bucket": f"[{b.low:g}, {b.high:g})",
+            "count": b.count,
+            "adv": b.mean_advantage,
+            "adv_err": b.mean_advantage_error,
+        }
+        for b in q.buckets
+    ]
+    return (
+        head
+        + "\n"
+        + reports.format_table(
+            rows,
+            [
+                ("bucket", "Delta_t bucket", ""),
+                ("count", "n", "d"),
+                ("adv", "growth adv (mass)", ".4f"),
+                ("adv_err", "growth adv (out err)", ".4f"),
+            ],
+        )
+    )
 
 
 # ---- check-traces ----------------------------------------------------------------------------
@@ -209,15 +263,23 @@ def run_check_traces(args: argparse.Namespace) -> int:
     headers = traces.check(deep=args.deep, progress=args.progress and not args.json)
     tokens = sum(h.num_tokens for h in headers)
     checked = "headers and tensors" if args.deep else "headers (--deep: tensors too)"
-    _emit(args, f"{args.traces}: {len(headers)} traces, {tokens} tokens: {checked} ok",
-          {"traces": args.traces, "deep": args.deep, "num_traces": len(headers),
-           "num_tokens": tokens})
+    _emit(
+        args,
+        f"{args.traces}: {len(headers)} traces, {tokens} tokens: {checked} ok",
+        {
+            "traces": args.traces,
+            "deep": args.deep,
+            "num_traces": len(headers),
+            "num_tokens": tokens,
+        },
+    )
     return 0
 
 
 # ---- serve -----------------------------------------------------------------------------------
-def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float | None,
-                   warn: bool = True) -> tuple[SimConfig, CostModel, list[WorkloadRequest]]:
+def _serving_setup(
+    args: argparse.Namespace, config: GrowPageConfig, rate: float | None, warn: bool = True
+) -> tuple[SimConfig, CostModel, list[WorkloadRequest]]:
     """The simulator's settings, cost model and requests of ``args`` at arrival ``rate``;
     ``warn``: say what in them deserves a warning (a sweep's rates share all of it but the
     arrival times, so it warns once)."""
@@ -225,51 +287,75 @@ def _serving_setup(args: argparse.Namespace, config: GrowPageConfig, rate: float
     pages = args.kv_pages
     if pages is None:
         pages = cost.kv_pages(config.page_size) if isinstance(cost, RooflineCostModel) else 1500
-    sim = SimConfig(num_kv_pages=pages, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens,
-                    chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
-                    admission_reserve=args.admission_reserve, decisions=args.decisions,
-                    num_scripts=args.num_scripts, seed=args.seed,
-                    async_compaction=args.async_compaction,
-                    async_decisions=args.async_decisions)
+    sim = SimConfig(
+        num_kv_pages=pages,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunked_prefill=args.chunked_prefill,
+        prefix_caching=args.prefix_caching,
+        admission_reserve=args.admission_reserve,
+        decisions=args.decisions,
+        num_scripts=args.num_scripts,
+        seed=args.seed,
+        async_compaction=args.async_compaction,
+        async_decisions=args.async_decisions,
+    )
     if args.traces and args.decisions != "trace":
-        raise ConfigError("--traces is used only with --decisions trace (script mode draws "
-                          "synthetic traces)")
-    _deep_check(args)   # refuses --check-traces without --traces
+        raise ConfigError(
+            "--traces is used only with --decisions trace (script mode draws synthetic traces)"
+        )
+    _deep_check(args)  # refuses --check-traces without --traces
     if rate is not None and not (rate > 0 and rate != float("inf")):
-        raise ConfigError(f"--arrival-rate must be a finite number > 0 (requests per second), "
-                          f"got {rate}")
+        raise ConfigError(
+            f"--arrival-rate must be a finite number > 0 (requests per second), got {rate}"
+        )
     requests = resolve_workload(args.workload, args.seed, rate)
     if not args.traces and any(r.trace for r in requests):
-        _warn(f"{args.workload}: the trace column is ignored; it names traces of the set given "
-              "with --decisions trace --traces DIR")
-    batch = min(sim.max_num_seqs, len(requests))   # the most sequences a decode step can hold
+        _warn(
+            f"{args.workload}: the trace column is ignored; it names traces of the set given "
+            "with --decisions trace --traces DIR"
+        )
+    batch = min(sim.max_num_seqs, len(requests))  # the most sequences a decode step can hold
     if warn and isinstance(cost, PiecewiseCostModel) and batch > cost.batch_sizes[-1]:
-        _warn(f"{args.cost} measured decode steps of up to {cost.batch_sizes[-1]} sequences; "
-              f"steps of more (up to {batch}: --max-num-seqs {sim.max_num_seqs}, "
-              f"{len(requests)} requests) are priced by extrapolation "
-              f"({1e3 * cost.trend_s:.3g} ms per sequence more): calibrate with --batch-sizes "
-              f"up to {batch} to measure them")
+        _warn(
+            f"{args.cost} measured decode steps of up to {cost.batch_sizes[-1]} sequences; "
+            f"steps of more (up to {batch}: --max-num-seqs {sim.max_num_seqs}, "
+            f"{len(requests)} requests) are priced by extrapolation "
+            f"({1e3 * cost.trend_s:.3g} ms per sequence more): calibrate with --batch-sizes "
+            f"up to {batch} to measure them"
+        )
     longest = max(r.prompt_tokens + r.output_tokens for r in requests)
     if warn and longest > LONG_REQUEST_TOKENS and not args.traces:
-        _warn(f"{args.workload}: the longest request has {longest} tokens; a policy that reads "
-              "attention signals first replays a synthetic trace that long (script mode: once "
-              "per script; trace mode: once per request), and that time grows about as the "
-              "square of the length: ~30 s at 131072 tokens, half an hour or more at a million")
+        _warn(
+            f"{args.workload}: the longest request has {longest} tokens; a policy that reads "
+            "attention signals first replays a synthetic trace that long (script mode: once "
+            "per script; trace mode: once per request), and that time grows about as the "
+            "square of the length: ~30 s at 131072 tokens, half an hour or more at a million"
+        )
     return sim, cost, requests
 
 
-def _trace_requests(args: argparse.Namespace, requests: list[WorkloadRequest]
-                    ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
+def _trace_requests(
+    args: argparse.Namespace, requests: list[WorkloadRequest]
+) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
     """``traces_for`` over ``--traces``, saying once how many requests changed lengths."""
-    traced, trace_of = traces_for(requests, args.traces,
-                                  on_headers=lambda h: _note_layer_subset(args.traces, h),
-                                  deep=_deep_check(args), progress=not args.json)
-    changed = sum((a.prompt_tokens, a.output_tokens) != (b.prompt_tokens, b.output_tokens)
-                  for a, b in zip(requests, traced, strict=True))
+    traced, trace_of = traces_for(
+        requests,
+        args.traces,
+        on_headers=lambda h: _note_layer_subset(args.traces, h),
+        deep=_deep_check(args),
+        progress=not args.json,
+    )
+    changed = sum(
+        (a.prompt_tokens, a.output_tokens) != (b.prompt_tokens, b.output_tokens)
+        for a, b in zip(requests, traced, strict=True)
+    )
     if changed:
-        _warn(f"{changed} of {len(requests)} requests take their prompt and output lengths from "
-              f"their traces in {args.traces}, not from the workload", kind="note")
+        _warn(
+            f"{changed} of {len(requests)} requests take their prompt and output lengths from "
+            f"their traces in {args.traces}, not from the workload",
+            kind="note",
+        )
     return traced, trace_of
 
 
@@ -295,19 +381,39 @@ def run_serve(args: argparse.Namespace) -> int:
     policy = resolve_policy(args.policy, **kwargs)
     out = _out_dir(args)
     with tqdm(total=len(requests), desc="serve", unit="req", disable=args.json) as bar:
-        result = simulate(requests, policy, config, sim, cost, trace_of,
-                          on_progress=lambda n: bar.update(n - bar.n))
+        result = simulate(
+            requests,
+            policy,
+            config,
+            sim,
+            cost,
+            trace_of,
+            on_progress=lambda n: bar.update(n - bar.n),
+        )
     m = result.metrics.as_dict()
     table = reports.format_table([m], reports.SERVING_COLUMNS) + (
         f"\n{m['num_requests']} requests, {m['output_tokens']} output tokens, "
         f"{sim.num_kv_pages} KV pages (peak {m['peak_pages']}), cost model {args.cost}"
-        + (f", {m['prefix_hit_tokens']} prompt tokens from the prefix cache"
-           if m["prefix_hit_tokens"] else "")
-        + "\n\n" + reports.latency_table(m))
-    payload = {"metrics": m, "policy": args.policy, "params": kwargs, "sim": attrs.asdict(sim),
-               "config": attrs.asdict(config), "cost": args.cost, "cost_model": cost.describe(),
-               "workload": args.workload, "arrival_rate_per_s": args.arrival_rate,
-               "traces": args.traces}
+        + (
+            f", {m['prefix_hit_tokens']} prompt tokens from the prefix cache"
+            if m["prefix_hit_tokens"]
+            else ""
+        )
+        + "\n\n"
+        + reports.latency_table(m)
+    )
+    payload = {
+        "metrics": m,
+        "policy": args.policy,
+        "params": kwargs,
+        "sim": attrs.asdict(sim),
+        "config": attrs.asdict(config),
+        "cost": args.cost,
+        "cost_model": cost.describe(),
+        "workload": args.workload,
+        "arrival_rate_per_s": args.arrival_rate,
+        "traces": args.traces,
+    }
     _emit(args, table, payload)
     if out is not None:
         reports.write_json(out / "metrics.json", payload)
@@ -315,20 +421,38 @@ def run_serve(args: argparse.Namespace) -> int:
         from growpage.sim.plots import plot_capacity, plot_pool
 
         trajectories = dict(list(result.capacity_trajectories().items())[:12])
-        plot_capacity(trajectories, out / "capacity.png", config.page_size, xlabel="time (s)",
-                      title=f"per-request capacity under {policy.name}")
-        plot_pool({policy.name: result.pool_timeline()}, out / "pool.png", sim.num_kv_pages,
-                  sim.max_num_seqs, title=f"KV pool under {policy.name}")
+        plot_capacity(
+            trajectories,
+            out / "capacity.png",
+            config.page_size,
+            xlabel="time (s)",
+            title=f"per-request capacity under {policy.name}",
+        )
+        plot_pool(
+            {policy.name: result.pool_timeline()},
+            out / "pool.png",
+            sim.num_kv_pages,
+            sim.max_num_seqs,
+            title=f"KV pool under {policy.name}",
+        )
         _note(args, f"results in {out}/ (metrics.json, requests.csv, capacity.png, pool.png)")
     return 0
 
 
 def _request_row(r: Any) -> dict:
-    return {"request_id": r.request_id, "arrival_s": r.spec.arrival_s,
-            "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-            "avg_budget": r.avg_budget, "preemptions": r.preemptions,
-            "first_token_s": r.first_token_s, "finish_s": r.finish_s, "ttft_s": r.ttft_s,
-            "tpot_ms": r.tpot_ms, "e2e_s": r.e2e_s}
+    return {
+        "request_id": r.request_id,
+        "arrival_s": r.spec.arrival_s,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "avg_budget": r.avg_budget,
+        "preemptions": r.preemptions,
+        "first_token_s": r.first_token_s,
+        "finish_s": r.finish_s,
+        "ttft_s": r.ttft_s,
+        "tpot_ms": r.tpot_ms,
+        "e2e_s": r.e2e_s,
+    }
 
 
 # ---- sweep and calibrate ---------------------------------------------------------------------
@@ -341,30 +465,50 @@ def run_sweep(args: argparse.Namespace) -> int:
     rates = args.arrival_rate or [None]
     if len(set(rates)) != len(rates):
         raise ConfigError(f"--arrival-rate: a rate is given twice ({rates})")
-    setups = [_serving_setup(args, config, rate, warn=i == 0)   # all checked first
-              for i, rate in enumerate(rates)]
+    setups = [
+        _serving_setup(args, config, rate, warn=i == 0)  # all checked first
+        for i, rate in enumerate(rates)
+    ]
     points = parse_points(args.points)
     out = _out_dir(args)
     boundary_s, compaction_s = _boundary_prices(args)
     if args.traces:
-        _trace_requests(args, setups[0][2])   # a bad set or trace name fails before the work
+        _trace_requests(args, setups[0][2])  # a bad set or trace name fails before the work
     rows = []
     for rate, (sim, _, requests) in zip(rates, setups, strict=True):
-        settings = SweepSettings(requests=requests, config=config, sim=sim, cost=args.cost,
-                                 fidelity_traces=args.fidelity_traces, seed=args.seed,
-                                 boundary_s=boundary_s, compaction_s=compaction_s,
-                                 traces=args.traces, threads=args.threads)
+        settings = SweepSettings(
+            requests=requests,
+            config=config,
+            sim=sim,
+            cost=args.cost,
+            fidelity_traces=args.fidelity_traces,
+            seed=args.seed,
+            boundary_s=boundary_s,
+            compaction_s=compaction_s,
+            traces=args.traces,
+            threads=args.threads,
+        )
         part = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
         rows += part if rate is None else [_at_rate(row, rate) for row in part]
     done, failed = [r for r in rows if "error" not in r], [r for r in rows if "error" in r]
-    columns = SWEEP_COLUMNS if rates == [None] else (
-        SWEEP_COLUMNS[:1] + [("arrival_rate_per_s", "req/s", "g")] + SWEEP_COLUMNS[1:])
+    columns = (
+        SWEEP_COLUMNS
+        if rates == [None]
+        else (SWEEP_COLUMNS[:1] + [("arrival_rate_per_s", "req/s", "g")] + SWEEP_COLUMNS[1:])
+    )
     if done or args.json:
         _emit(args, reports.format_table(done, columns), {"points": done, "failed": failed})
     if out is not None:
-        reports.write_json(out / "sweep.json", {"workload": args.workload, "traces": args.traces,
-                                                "arrival_rate_per_s": args.arrival_rate,
-                                                "points": done, "failed": failed})
+        reports.write_json(
+            out / "sweep.json",
+            {
+                "workload": args.workload,
+                "traces": args.traces,
+                "arrival_rate_per_s": args.arrival_rate,
+                "points": done,
+                "failed": failed,
+            },
+        )
         reports.write_csv(out / "sweep.csv", done)
         if done:
             _plot_sweep(done, out / "pareto.png", args.workload)
@@ -377,20 +521,37 @@ def run_sweep(args: argparse.Namespace) -> int:
 def _at_rate(row: dict, rate: float) -> dict:
     """A sweep row of one arrival rate: the rate in its label, group and
     ``arrival_rate_per_s``."""
-    return {"label": f"{row['label']} @{rate:g}/s", "arrival_rate_per_s": rate,
-            **{k: v for k, v in row.items() if k != "label"},
-            "group": f"{row['group']} @{rate:g}/s"}
+    return {
+        "label": f"{row['label']} @{rate:g}/s",
+        "arrival_rate_per_s": rate,
+        **{k: v for k, v in row.items() if k != "label"},
+        "group": f"{row['group']} @{rate:g}/s",
+    }
 
 
 def _plot_sweep(rows: list[dict], path: Path, workload: str) -> None:
     from growpage.sim.plots import plot_pareto
 
     if any(r.get("mass_mean") is not None for r in rows):
-        plot_pareto(rows, path, "tps", "mass_mean", "throughput (tokens/s)",
-                    "retained attention mass", f"fidelity vs throughput ({workload})")
-    else:   # --fidelity-traces 0: no fidelity to plot, the KV budget instead
-        plot_pareto(rows, path, "tps", "avg_kv_budget", "throughput (tokens/s)",
-                    "average KV budget (tokens)", f"KV budget vs throughput ({workload})")
+        plot_pareto(
+            rows,
+            path,
+            "tps",
+            "mass_mean",
+            "throughput (tokens/s)",
+            "retained attention mass",
+            f"fidelity vs throughput ({workload})",
+        )
+    else:  # --fidelity-traces 0: no fidelity to plot, the KV budget instead
+        plot_pareto(
+            rows,
+            path,
+            "tps",
+            "avg_kv_budget",
+            "throughput (tokens/s)",
+            "average KV budget (tokens)",
+            f"KV budget vs throughput ({workload})",
+        )
 
 
 def _failures(failed: list[dict], total: int, out: Path | None) -> str:
@@ -398,7 +559,8 @@ def _failures(failed: list[dict], total: int, out: Path | None) -> str:
     head = f"{len(failed)} of {total} sweep points failed"
     if kept:
         head += f" ({kept} finished: their results are printed" + (
-            f" and written to {out}/)" if out is not None else ")")
+            f" and written to {out}/)" if out is not None else ")"
+        )
     return "\n".join([head + ":"] + [f"  {r['label']}: {r['error']}" for r in failed])
 
 
@@ -410,8 +572,9 @@ def _model_path(text: str) -> Path:
     except OSError as e:
         raise ConfigError(f"--out {path}: cannot create its folder ({e.strerror or e})") from None
     if path.is_dir():
-        raise ConfigError(f"--out {path}: is a directory; give a file name such as "
-                          f"{path / 'costmodel.json'}")
+        raise ConfigError(
+            f"--out {path}: is a directory; give a file name such as {path / 'costmodel.json'}"
+        )
     return path
 
 
@@ -419,7 +582,7 @@ def _same_file(a: Path, b: Path) -> bool:
     """Whether ``a`` and ``b`` name one existing file (through links and ``..`` too)."""
     try:
         return a.samefile(b)
-    except OSError:   # one is missing: writing ``a`` cannot clobber ``b``
+    except OSError:  # one is missing: writing ``a`` cannot clobber ``b``
         return False
 
 
@@ -434,30 +597,45 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     out = _model_path(args.out)
     if args.measurements and _same_file(out, Path(args.measurements)):
-        raise ConfigError(f"--out {args.out}: is the measurements file {args.measurements}; "
-                          "give another name for the model")
-    engine_only = [flag for flag, value in (("--boundary-policy", args.boundary_policy),
-                                            ("--batch-sizes", args.batch_sizes),
-                                            ("--contexts", args.contexts)) if value is not None]
+        raise ConfigError(
+            f"--out {args.out}: is the measurements file {args.measurements}; "
+            "give another name for the model"
+        )
+    engine_only = [
+        flag
+        for flag, value in (
+            ("--boundary-policy", args.boundary_policy),
+            ("--batch-sizes", args.batch_sizes),
+            ("--contexts", args.contexts),
+        )
+        if value is not None
+    ]
     if args.measurements and engine_only:
-        hint = (" (serve and sweep take --boundary-ms / --compaction-ms for prices measured "
-                "elsewhere)" if args.boundary_policy is not None else "")
-        raise ConfigError(f"{', '.join(engine_only)} set how the local engine is measured, "
-                          f"which --measurements does not run; drop one of them{hint}")
+        hint = (
+            " (serve and sweep take --boundary-ms / --compaction-ms for prices measured elsewhere)"
+            if args.boundary_policy is not None
+            else ""
+        )
+        raise ConfigError(
+            f"{', '.join(engine_only)} set how the local engine is measured, "
+            f"which --measurements does not run; drop one of them{hint}"
+        )
     if args.measurements:
         rows = load_measurements(args.measurements)
     else:
-        shapes = {"batch_sizes": args.batch_sizes or (
-            tuple(range(1, 17)) if args.kind == "piecewise" else (1, 4, 16))}
+        shapes = {
+            "batch_sizes": args.batch_sizes
+            or (tuple(range(1, 17)) if args.kind == "piecewise" else (1, 4, 16))
+        }
         if args.contexts:
             shapes["contexts"] = args.contexts
         rows = measure_engine(**shapes)
     padded = args.padded_kv
-    if padded is None:   # as the measured engine's attention does (--measurements: summed)
+    if padded is None:  # as the measured engine's attention does (--measurements: summed)
         padded = False if args.measurements else engine_pads_kv()
     try:
         model = FITS[args.kind](rows, padded_kv=padded)
-    except ConfigError as e:   # a measurement the kind cannot use: say which file holds it
+    except ConfigError as e:  # a measurement the kind cannot use: say which file holds it
         raise ConfigError(f"{args.measurements}, {e}" if args.measurements else str(e)) from None
     for text in fit_warnings(rows, args.kind):
         _warn(text)
@@ -466,8 +644,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
         costs = measure_boundary_costs(policy=args.boundary_policy or "growpage")
         model = with_boundary_costs(model, costs["boundary_s"], costs["compaction_s"])
-        print(f"capacity control: {costs['decided']} decisions, {costs['compactions']} "
-              "compactions measured")
+        print(
+            f"capacity control: {costs['decided']} decisions, {costs['compactions']} "
+            "compactions measured"
+        )
     predicted = model.step_time(rows[:, 0], rows[:, 1], rows[:, 2])
     rms = float(((predicted - rows[:, 3]) ** 2).mean() ** 0.5)
     try:
@@ -479,8 +659,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
         if key == "padded_kv":
             print(f"  {key:20s} {str(value).lower()}")
         elif key != "name":
-            shown = (", ".join(f"{v:.6g}" for v in value) if isinstance(value, (list, tuple))
-                     else f"{value:.6g}")
+            shown = (
+                ", ".join(f"{v:.6g}" for v in value)
+                if isinstance(value, (list, tuple))
+                else f"{value:.6g}"
+            )
             print(f"  {key:20s} {shown}")
     print(f"wrote {path}")
     return 0

@@ -56,14 +56,17 @@ def _finite_non_negative(value: object) -> bool:
 
 def _non_negative(inst: object, attribute: attrs.Attribute, value: float) -> None:
     if not _finite_non_negative(value):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a finite number >= 0, "
-                          f"got {value!r:.80}")
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} must be a finite number >= 0, "
+            f"got {value!r:.80}"
+        )
 
 
 def _boolean(inst: object, attribute: attrs.Attribute, value: bool) -> None:
     if not isinstance(value, bool):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be true or false, "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} must be true or false, got {value!r}"
+        )
 
 
 def _plain_number(value: Any) -> Any:
@@ -80,7 +83,9 @@ def _plain_bool(value: Any) -> Any:
 
 def _unit(inst: object, attribute: attrs.Attribute, value: float) -> None:
     if not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must lie in (0, 1], got {value!r}")
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} must lie in (0, 1], got {value!r}"
+        )
 
 
 class CostModel(abc.ABC):
@@ -93,8 +98,9 @@ class CostModel(abc.ABC):
     padded_kv: bool = False
 
     @abc.abstractmethod
-    def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
-                  ) -> ArrayLike:
+    def step_time(
+        self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
+    ) -> ArrayLike:
         """Seconds of one step (scalars or broadcastable numpy arrays)."""
 
     def decode_lines(self, num_seqs: int) -> tuple[float, list[tuple[float, float]]]:
@@ -138,8 +144,9 @@ class CostModel(abc.ABC):
         and the decision's cost is not modelled). ``growpage calibrate`` measures both on the
         local engine (``growpage.engine.profile.measure_boundary_costs``).
         """
-        return (decided * getattr(self, "boundary_s", 0.0)
-                + compactions * getattr(self, "compaction_s", 0.0))
+        return decided * getattr(self, "boundary_s", 0.0) + compactions * getattr(
+            self, "compaction_s", 0.0
+        )
 
     def describe(self) -> dict[str, Any]:
         """The model's kind (class name) and, for an attrs class, its fields."""
@@ -161,14 +168,22 @@ STEP_COEFFICIENTS = ("base_s", "per_seq_s", "per_kv_token_s", "per_prefill_token
 class _FittedCostModel(CostModel):
     """What the fitted models share: per-token costs, capacity-control prices, ``padded_kv``."""
 
-    per_kv_token_s: float = attrs.field(default=0.0, converter=_plain_number,
-                                        validator=_non_negative)
-    per_prefill_token_s: float = attrs.field(default=0.0, converter=_plain_number,
-                                             validator=_non_negative)
-    boundary_s: float = attrs.field(default=0.0, converter=_plain_number,     # per decision
-                                    validator=_non_negative)
-    compaction_s: float = attrs.field(default=0.0, converter=_plain_number,   # per compaction
-                                      validator=_non_negative)
+    per_kv_token_s: float = attrs.field(
+        default=0.0, converter=_plain_number, validator=_non_negative
+    )
+    per_prefill_token_s: float = attrs.field(
+        default=0.0, converter=_plain_number, validator=_non_negative
+    )
+    boundary_s: float = attrs.field(
+        default=0.0,
+        converter=_plain_number,  # per decision
+        validator=_non_negative,
+    )
+    compaction_s: float = attrs.field(
+        default=0.0,
+        converter=_plain_number,  # per compaction
+        validator=_non_negative,
+    )
     padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=_boolean)
 
 
@@ -180,10 +195,15 @@ class LinearCostModel(_FittedCostModel):
     per_seq_s: float = attrs.field(default=0.0, converter=_plain_number, validator=_non_negative)
     name: str = "linear"
 
-    def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
-                  ) -> ArrayLike:
-        return (self.base_s + self.per_seq_s * num_seqs + self.per_kv_token_s * kv_tokens
-                + self.per_prefill_token_s * prefill_tokens)
+    def step_time(
+        self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
+    ) -> ArrayLike:
+        return (
+            self.base_s
+            + self.per_seq_s * num_seqs
+            + self.per_kv_token_s * kv_tokens
+            + self.per_prefill_token_s * prefill_tokens
+        )
 
     def decode_lines(self, num_seqs: int) -> tuple[float, list[tuple[float, float]]]:
         return self.base_s + self.per_seq_s * num_seqs, [(0.0, self.per_kv_token_s)]
@@ -213,18 +233,19 @@ def _read_model(path: str | os.PathLike) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: cannot read a cost model ({e})") from None
     if not isinstance(d, dict):
-        raise ConfigError(f"{path}: not a cost model (expected a JSON object with a \"kind\")")
+        raise ConfigError(f'{path}: not a cost model (expected a JSON object with a "kind")')
     return d
 
 
 FittedT = TypeVar("FittedT", "LinearCostModel", "PiecewiseCostModel")
 
 
-def _load(cls: type[FittedT], kind: str, required: tuple[str, ...], path: str | os.PathLike
-          ) -> FittedT:
+def _load(
+    cls: type[FittedT], kind: str, required: tuple[str, ...], path: str | os.PathLike
+) -> FittedT:
     d = _read_model(path)
     if d.pop("kind", None) != kind:
-        raise ConfigError(f"{path}: not a {kind} cost model (expected \"kind\": \"{kind}\")")
+        raise ConfigError(f'{path}: not a {kind} cost model (expected "kind": "{kind}")')
     missing = [k for k in required if k not in d]
     if missing:
         raise ConfigError(f"{path}: cost model lacks {', '.join(missing)}")
@@ -232,30 +253,42 @@ def _load(cls: type[FittedT], kind: str, required: tuple[str, ...], path: str | 
         return cls(**d)
     except TypeError as e:
         raise ConfigError(f"{path}: bad cost model fields ({e})") from None
-    except ConfigError as e:   # a validator's message names the field, not the file
+    except ConfigError as e:  # a validator's message names the field, not the file
         raise ConfigError(f"{path}: {e}") from None
 
 
 def _batch_sizes(inst: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
-    if (not isinstance(value, tuple) or not value
-            or any(isinstance(b, bool) or not isinstance(b, int) or not _finite_non_negative(b)
-                   for b in value)
-            or any(value[i] >= value[i + 1] for i in range(len(value) - 1))):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be one or more "
-                          f"increasing whole numbers >= 0, got {value!r:.80}")
+    if (
+        not isinstance(value, tuple)
+        or not value
+        or any(
+            isinstance(b, bool) or not isinstance(b, int) or not _finite_non_negative(b)
+            for b in value
+        )
+        or any(value[i] >= value[i + 1] for i in range(len(value) - 1))
+    ):
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} must be one or more "
+            f"increasing whole numbers >= 0, got {value!r:.80}"
+        )
 
 
-def _batch_seconds(inst: PiecewiseCostModel, attribute: attrs.Attribute,
-                   value: tuple[float, ...]) -> None:
+def _batch_seconds(
+    inst: PiecewiseCostModel, attribute: attrs.Attribute, value: tuple[float, ...]
+) -> None:
     if not isinstance(value, tuple):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a list of seconds, "
-                          f"got {value!r:.80}")
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} must be a list of seconds, got {value!r:.80}"
+        )
     if len(value) != len(inst.batch_sizes):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} needs one value per batch "
-                          f"size ({len(inst.batch_sizes)}), got {len(value)}")
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} needs one value per batch "
+            f"size ({len(inst.batch_sizes)}), got {len(value)}"
+        )
     if not all(_finite_non_negative(x) for x in value):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be finite numbers "
-                          f">= 0, got {value!r:.80}")
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} must be finite numbers >= 0, got {value!r:.80}"
+        )
 
 
 def _plain_tuple(value: Any, kind: type, numpy_kind: type) -> Any:
@@ -264,8 +297,9 @@ def _plain_tuple(value: Any, kind: type, numpy_kind: type) -> Any:
     if not isinstance(value, (list, tuple, range, np.ndarray)):
         return value
     items = value.tolist() if isinstance(value, np.ndarray) else value
-    return tuple(kind(v) if isinstance(v, numpy_kind) and not isinstance(v, np.bool_) else v
-                 for v in items)
+    return tuple(
+        kind(v) if isinstance(v, numpy_kind) and not isinstance(v, np.bool_) else v for v in items
+    )
 
 
 def _int_tuple(value: Any) -> Any:
@@ -298,10 +332,8 @@ class PiecewiseCostModel(_FittedCostModel):
     unmeasured size is interpolated, which is what the linear model does everywhere).
     """
 
-    batch_sizes: tuple[int, ...] = attrs.field(converter=_int_tuple,
-                                               validator=_batch_sizes)
-    batch_s: tuple[float, ...] = attrs.field(converter=_float_tuple,
-                                             validator=_batch_seconds)
+    batch_sizes: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_batch_sizes)
+    batch_s: tuple[float, ...] = attrs.field(converter=_float_tuple, validator=_batch_seconds)
     name: str = "piecewise"
 
     @property
@@ -321,21 +353,29 @@ class PiecewiseCostModel(_FittedCostModel):
         """
         n = np.asarray(num_seqs, dtype=np.float64)
         decode = [(b, t) for b, t in zip(self.batch_sizes, self.batch_s, strict=True) if b >= 1]
-        if not decode:   # only prefill-only steps were measured
+        if not decode:  # only prefill-only steps were measured
             return np.broadcast_to(np.float64(self.batch_s[0]), n.shape)[()]
         sizes, seconds = (np.array(c, dtype=np.float64) for c in zip(*decode, strict=True))
         trend = self.trend_s
-        out = np.where(n < sizes[0], seconds[0] - trend * (sizes[0] - n),
-                       np.where(n > sizes[-1], seconds[-1] + trend * (n - sizes[-1]),
-                                np.interp(n, sizes, seconds)))
+        out = np.where(
+            n < sizes[0],
+            seconds[0] - trend * (sizes[0] - n),
+            np.where(
+                n > sizes[-1], seconds[-1] + trend * (n - sizes[-1]), np.interp(n, sizes, seconds)
+            ),
+        )
         if self.batch_sizes[0] == 0:
             out = np.where(n == 0, self.batch_s[0], out)
         return np.maximum(out, 0.0)[()]
 
-    def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
-                  ) -> ArrayLike:
-        return (self.batch_time(num_seqs) + self.per_kv_token_s * np.asarray(kv_tokens)
-                + self.per_prefill_token_s * np.asarray(prefill_tokens))[()]
+    def step_time(
+        self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
+    ) -> ArrayLike:
+        return (
+            self.batch_time(num_seqs)
+            + self.per_kv_token_s * np.asarray(kv_tokens)
+            + self.per_prefill_token_s * np.asarray(prefill_tokens)
+        )[()]
 
     def decode_lines(self, num_seqs: int) -> tuple[float, list[tuple[float, float]]]:
         return float(self.batch_time(num_seqs)), [(0.0, self.per_kv_token_s)]
@@ -345,8 +385,12 @@ class PiecewiseCostModel(_FittedCostModel):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PiecewiseCostModel:
-        return _load(cls, "piecewise", ("batch_sizes", "batch_s", "per_kv_token_s",
-                                         "per_prefill_token_s"), path)
+        return _load(
+            cls,
+            "piecewise",
+            ("batch_sizes", "batch_s", "per_kv_token_s", "per_prefill_token_s"),
+            path,
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -364,21 +408,33 @@ class RooflineCostModel(CostModel):
     # achieved shares of peak FLOP/s and of peak bandwidth
     mfu: float = attrs.field(default=0.5, converter=_plain_number, validator=_unit)
     mbu: float = attrs.field(default=0.8, converter=_plain_number, validator=_unit)
-    overhead_s: float = attrs.field(default=0.002, converter=_plain_number,   # per step
-                                    validator=_non_negative)
-    boundary_s: float = attrs.field(default=0.0, converter=_plain_number,     # per decision
-                                    validator=_non_negative)
-    compaction_s: float = attrs.field(default=0.0, converter=_plain_number,   # per compaction
-                                      validator=_non_negative)
+    overhead_s: float = attrs.field(
+        default=0.002,
+        converter=_plain_number,  # per step
+        validator=_non_negative,
+    )
+    boundary_s: float = attrs.field(
+        default=0.0,
+        converter=_plain_number,  # per decision
+        validator=_non_negative,
+    )
+    compaction_s: float = attrs.field(
+        default=0.0,
+        converter=_plain_number,  # per compaction
+        validator=_non_negative,
+    )
     name: str = "roofline"
 
-    def step_time(self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
-                  ) -> ArrayLike:
+    def step_time(
+        self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
+    ) -> ArrayLike:
         m, hw = self.model, self.hardware
         attn_flops_per_kv = 4.0 * m.num_layers * m.num_q_heads * m.head_dim
-        flops = (2.0 * m.num_params * (np.asarray(num_seqs) + prefill_tokens)
-                 + attn_flops_per_kv * kv_tokens)
-        num_bytes = (m.weight_bytes + m.kv_bytes_per_token * (np.asarray(kv_tokens) + prefill_tokens))
+        flops = (
+            2.0 * m.num_params * (np.asarray(num_seqs) + prefill_tokens)
+            + attn_flops_per_kv * kv_tokens
+        )
+        num_bytes = m.weight_bytes + m.kv_bytes_per_token * (np.asarray(kv_tokens) + prefill_tokens)
         compute_s = flops / (hw.peak_flops * self.mfu)
         memory_s = num_bytes / (hw.memory_bandwidth * self.mbu)
         return self.overhead_s + np.maximum(compute_s, memory_s)
@@ -386,8 +442,10 @@ class RooflineCostModel(CostModel):
     def decode_lines(self, num_seqs: int) -> tuple[float, list[tuple[float, float]]]:
         m, hw = self.model, self.hardware
         flops_rate, byte_rate = hw.peak_flops * self.mfu, hw.memory_bandwidth * self.mbu
-        compute = (2.0 * m.num_params * num_seqs / flops_rate,
-                   4.0 * m.num_layers * m.num_q_heads * m.head_dim / flops_rate)
+        compute = (
+            2.0 * m.num_params * num_seqs / flops_rate,
+            4.0 * m.num_layers * m.num_q_heads * m.head_dim / flops_rate,
+        )
         memory = (m.weight_bytes / byte_rate, m.kv_bytes_per_token / byte_rate)
         return self.overhead_s, [compute, memory]
 
@@ -410,25 +468,31 @@ def _sum_of_max(lines: list[tuple[float, float]], kv0: float, step: float, n: in
                     cuts.add(int(math.ceil(x)))
     total, bounds = 0.0, sorted(cuts)
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        mid = kv0 + step * (lo + hi - 1) / 2.0    # the max is one line on [lo, hi)
+        mid = kv0 + step * (lo + hi - 1) / 2.0  # the max is one line on [lo, hi)
         a, b = max(lines, key=lambda line: line[0] + line[1] * mid)
         count = hi - lo
         total += count * a + b * (count * kv0 + step * (lo + hi - 1) * count / 2.0)
     return total
 
 
-def with_boundary_costs(cost: CostModelT, boundary_s: float | None = None,
-                        compaction_s: float | None = None) -> CostModelT:
+def with_boundary_costs(
+    cost: CostModelT, boundary_s: float | None = None, compaction_s: float | None = None
+) -> CostModelT:
     """``cost`` with its capacity-control prices replaced where given (None keeps them)."""
-    changes = {k: v for k, v in (("boundary_s", boundary_s), ("compaction_s", compaction_s))
-               if v is not None}
+    changes = {
+        k: v
+        for k, v in (("boundary_s", boundary_s), ("compaction_s", compaction_s))
+        if v is not None
+    }
     if not changes:
         return cost
-    fields: dict[str, attrs.Attribute[Any]] = (attrs.fields_dict(type(cost)) if _is_attrs(cost)
-                                                else {})
+    fields: dict[str, attrs.Attribute[Any]] = (
+        attrs.fields_dict(type(cost)) if _is_attrs(cost) else {}
+    )
     if not all(f in fields for f in changes):
-        raise ConfigError(f"cost model {type(cost).__name__} has no boundary_s/compaction_s "
-                          "fields to set")
+        raise ConfigError(
+            f"cost model {type(cost).__name__} has no boundary_s/compaction_s fields to set"
+        )
     # An attrs instance (its fields were found above); mypy's attrs plugin cannot see that
     # from a check at run time, and refuses any type it cannot prove is an attrs class.
     return attrs.evolve(cost, **changes)  # type: ignore[misc]  # attrs class, checked above
@@ -436,7 +500,9 @@ def with_boundary_costs(cost: CostModelT, boundary_s: float | None = None,
 
 #: The fitted kinds a cost model's JSON file may hold (its ``"kind"``).
 FITTED_KINDS: dict[str, type[LinearCostModel] | type[PiecewiseCostModel]] = {
-    "linear": LinearCostModel, "piecewise": PiecewiseCostModel}
+    "linear": LinearCostModel,
+    "piecewise": PiecewiseCostModel,
+}
 
 
 def load_cost_model(spec: str) -> CostModel:
@@ -449,8 +515,12 @@ def load_cost_model(spec: str) -> CostModel:
     if spec and (Path(spec).suffix == ".json" or Path(spec).exists()):
         kind = _read_model(spec).get("kind")
         if not isinstance(kind, str) or kind not in FITTED_KINDS:
-            raise ConfigError(f"{spec}: unknown cost model kind {kind!r} (expected "
-                              f"{' or '.join(map(repr, FITTED_KINDS))})")
+            raise ConfigError(
+                f"{spec}: unknown cost model kind {kind!r} (expected "
+                f"{' or '.join(map(repr, FITTED_KINDS))})"
+            )
         return FITTED_KINDS[kind].load(spec)
-    raise ConfigError(f"unknown cost model {spec!r}: give a preset ({', '.join(PRESETS)}) or a "
-                      "JSON file written by `growpage calibrate`")
+    raise ConfigError(
+        f"unknown cost model {spec!r}: give a preset ({', '.join(PRESETS)}) or a "
+        "JSON file written by `growpage calibrate`"
+    )

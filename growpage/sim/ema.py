@@ -20,8 +20,9 @@ import torch
 BLOCK_TOKENS = 2048  # tokens weighted at once (bounds the temporary memory)
 
 
-def ema_snapshots(queries: torch.Tensor, first: int, positions: Sequence[int],
-                  betas: Sequence[float]) -> torch.Tensor:
+def ema_snapshots(
+    queries: torch.Tensor, first: int, positions: Sequence[int], betas: Sequence[float]
+) -> torch.Tensor:
     """EMA summaries of ``queries`` at ``positions``.
 
     Args:
@@ -46,8 +47,9 @@ def ema_snapshots(queries: torch.Tensor, first: int, positions: Sequence[int],
     return out
 
 
-def _snapshots_one(queries: torch.Tensor, first: int, grid: torch.Tensor, beta: float
-                   ) -> torch.Tensor:
+def _snapshots_one(
+    queries: torch.Tensor, first: int, grid: torch.Tensor, beta: float
+) -> torch.Tensor:
     """``[n, L, Hq, d]`` summaries of one decay at the ``grid`` positions."""
     num_layers, _, num_q, d = queries.shape
     n, last = grid.numel(), int(grid[-1])
@@ -55,13 +57,13 @@ def _snapshots_one(queries: torch.Tensor, first: int, grid: torch.Tensor, beta: 
     for start in range(first, last + 1, BLOCK_TOKENS):
         stop = min(start + BLOCK_TOKENS, last + 1)
         pos = torch.arange(start, stop)
-        chunk = torch.searchsorted(grid, pos)                     # snapshot each token feeds
+        chunk = torch.searchsorted(grid, pos)  # snapshot each token feeds
         age = (grid[chunk] - pos).double()
         weight = (1.0 - beta) * torch.pow(beta, age)
-        weight[pos == first] = beta ** float(grid[0] - first)     # the initializing query
+        weight[pos == first] = beta ** float(grid[0] - first)  # the initializing query
         block = queries[:, start:stop].float() * weight.float().view(1, -1, 1, 1)
         sums.index_add_(1, chunk, block)
-    decay = torch.pow(beta, grid.diff().double()).float()         # [n - 1]
+    decay = torch.pow(beta, grid.diff().double()).float()  # [n - 1]
     for k in range(1, n):
         sums[:, k].add_(sums[:, k - 1], alpha=float(decay[k - 1]))
     return sums.transpose(0, 1)

@@ -50,21 +50,20 @@ class FutureAttention:
     _full: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
 
     @classmethod
-    def compute(cls, view: TraceView, boundary: int, end: int, num_queries: int
-                ) -> FutureAttention:
+    def compute(cls, view: TraceView, boundary: int, end: int, num_queries: int) -> FutureAttention:
         trace = view.trace
         pos = sample_positions(boundary, end, num_queries)
         num_layers, num_kv = view.num_layers, view.num_kv_heads
-        cos, sin = cos_sin(trace.header.rope, pos)                          # [Q, d]
-        q = trace.queries[:, pos].float()                                   # [L, Q, Hq, d]
+        cos, sin = cos_sin(trace.header.rope, pos)  # [Q, d]
+        q = trace.queries[:, pos].float()  # [L, Q, Hq, d]
         q = apply_rope(q, cos[None, :, None], sin[None, :, None]) * view.softmax_scale
         q = q.permute(0, 2, 1, 3).reshape(num_layers, num_kv, -1, q.shape[-1])  # [L, Hkv, G*Q, d]
         k_len = int(pos[-1]) + 1
-        keys = view.keys_by_head[:, :, :k_len]                              # [L, Hkv, K, d]
-        probs = torch.matmul(q, keys.transpose(-1, -2))                     # [L, Hkv, G*Q, K]
-        future = torch.arange(k_len).view(1, -1) > pos.view(-1, 1)          # [Q, K]
+        keys = view.keys_by_head[:, :, :k_len]  # [L, Hkv, K, d]
+        probs = torch.matmul(q, keys.transpose(-1, -2))  # [L, Hkv, G*Q, K]
+        future = torch.arange(k_len).view(1, -1) > pos.view(-1, 1)  # [Q, K]
         probs.masked_fill_(future.repeat(q.shape[2] // len(pos), 1), float("-inf"))
-        probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()                 # softmax, in place
+        probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()  # softmax, in place
         probs.div_(probs.sum(dim=-1, keepdim=True))
         values = None if view.values_by_head is None else view.values_by_head[:, :, :k_len]
         return cls(boundary, pos, probs, values)
@@ -108,14 +107,18 @@ class FutureAttention:
         if self.values is None:
             return None
         kept_probs = self.probs * (1.0 - self.dropped(resident)).unsqueeze(-2)
-        kept = kept_probs.sum(dim=-1, keepdim=True)                         # [L, Hkv, G*Q, 1]
+        kept = kept_probs.sum(dim=-1, keepdim=True)  # [L, Hkv, G*Q, 1]
         full = self._full_output()
         # A query's own token is always kept, so ``kept`` is 0 only where it underflowed;
         # its output is then 0 too and ``o_hat`` reads 0.
-        approx = (torch.matmul(kept_probs, self.values)
-                  / kept.clamp_min(torch.finfo(kept.dtype).tiny))
-        scale = _power_of_two_above(torch.maximum(full.abs().amax(dim=-1, keepdim=True),
-                                                  approx.abs().amax(dim=-1, keepdim=True)))
+        approx = torch.matmul(kept_probs, self.values) / kept.clamp_min(
+            torch.finfo(kept.dtype).tiny
+        )
+        scale = _power_of_two_above(
+            torch.maximum(
+                full.abs().amax(dim=-1, keepdim=True), approx.abs().amax(dim=-1, keepdim=True)
+            )
+        )
         err = (full / scale - approx / scale).norm(dim=-1).double() * scale.squeeze(-1).double()
         return self._group_mean(err)
 
@@ -124,22 +127,23 @@ class FutureAttention:
         against it). Normalized as ``o_hat`` is (its mass is 1 up to rounding), so that a set
         that drops nothing gets ``o_hat == o`` exactly: an error of exactly 0."""
         if self._full is None:
-            assert self.values is not None   # output_error's
-            self._full = (torch.matmul(self.probs, self.values)
-                          / self.probs.sum(dim=-1, keepdim=True))
+            assert self.values is not None  # output_error's
+            self._full = torch.matmul(self.probs, self.values) / self.probs.sum(
+                dim=-1, keepdim=True
+            )
         return self._full
 
     def working_set_ratio(self, p: float) -> float:
         """Mean top-p working-set ratio (Eq. 7) of the sampled queries over their full history."""
         attn = self.probs.unflatten(2, (-1, self.num_queries)).mean(dim=2)  # [L, Hkv, Q, K]
-        counts = coverage_demand(attn, p).float()                           # [L, Hkv, Q]
+        counts = coverage_demand(attn, p).float()  # [L, Hkv, Q]
         return float((counts / (self.positions.float() + 1)).mean())
 
 
 def _power_of_two_above(x: torch.Tensor) -> torch.Tensor:
     """The power of two ``2^e`` with ``x < 2^e <= 2x`` for each ``x > 0`` (1 where ``x`` is 0):
     dividing by it is exact and brings ``x`` into ``[0.5, 1)``."""
-    exponent = torch.frexp(x).exponent                                      # x = m 2^e, m in [0.5, 1)
+    exponent = torch.frexp(x).exponent  # x = m 2^e, m in [0.5, 1)
     return torch.ldexp(torch.ones_like(x), exponent)
 
 
@@ -157,9 +161,14 @@ class Fidelity:
     output_error: float | None
 
     @classmethod
-    def of(cls, future: FutureAttention, resident: torch.Tensor, with_error: bool = True
-           ) -> Fidelity:
+    def of(
+        cls, future: FutureAttention, resident: torch.Tensor, with_error: bool = True
+    ) -> Fidelity:
         head_mass = 1.0 - future.lost_mass(resident).mean(dim=-1)
         err = future.output_error(resident) if with_error else None
-        return cls(head_mass, float(head_mass.mean()), float(head_mass.min()),
-                   None if err is None else float(err.mean()))
+        return cls(
+            head_mass,
+            float(head_mass.mean()),
+            float(head_mass.min()),
+            None if err is None else float(err.mean()),
+        )

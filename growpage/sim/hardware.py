@@ -14,9 +14,14 @@ GIB = 1024**3  # bytes
 
 
 def _positive(inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ConfigError(f"{type(inst).__name__}.{attribute.name} must be a finite number > 0, "
-                          f"got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} must be a finite number > 0, got {value!r}"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -24,19 +29,23 @@ class HardwareSpec:
     """One accelerator."""
 
     name: str
-    peak_flops: float = attrs.field(validator=_positive)        # dense bf16 FLOP/s
+    peak_flops: float = attrs.field(validator=_positive)  # dense bf16 FLOP/s
     memory_bandwidth: float = attrs.field(validator=_positive)  # bytes/s
-    memory_bytes: float = attrs.field(validator=_positive)      # bytes
-    memory_utilization: float = 0.9      # share of memory the engine may use (vLLM default 0.9)
-    activation_bytes: float = 4 * GIB    # bytes kept back for activations and workspace
+    memory_bytes: float = attrs.field(validator=_positive)  # bytes
+    memory_utilization: float = 0.9  # share of memory the engine may use (vLLM default 0.9)
+    activation_bytes: float = 4 * GIB  # bytes kept back for activations and workspace
 
     def kv_pages(self, model: ModelSpec, page_size: int) -> int:
         """KV pages of ``page_size`` tokens left after weights and activations."""
-        free = self.memory_bytes * self.memory_utilization - model.weight_bytes - self.activation_bytes
+        free = (
+            self.memory_bytes * self.memory_utilization - model.weight_bytes - self.activation_bytes
+        )
         pages = int(free // (model.kv_bytes_per_token * page_size))
         if pages < 1:
-            raise ConfigError(f"{model.name} does not fit on {self.name}: {free / GIB:.1f} GiB "
-                              "left for the KV cache")
+            raise ConfigError(
+                f"{model.name} does not fit on {self.name}: {free / GIB:.1f} GiB "
+                "left for the KV cache"
+            )
         return pages
 
 
@@ -50,8 +59,8 @@ class ModelSpec:
     num_q_heads: int = attrs.field(validator=_positive)
     num_kv_heads: int = attrs.field(validator=_positive)
     head_dim: int = attrs.field(validator=_positive)
-    bytes_per_param: float = 2.0   # bf16 weights
-    bytes_per_kv: float = 2.0      # bf16 KV cache
+    bytes_per_param: float = 2.0  # bf16 weights
+    bytes_per_kv: float = 2.0  # bf16 KV cache
 
     @property
     def weight_bytes(self) -> float:
@@ -63,12 +72,20 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_kv
 
 
-A100_80GB = HardwareSpec(name="A100-SXM4-80GB", peak_flops=312e12, memory_bandwidth=2.039e12,
-                         memory_bytes=80 * GIB)
-QWEN3_8B = ModelSpec(name="Qwen3-8B", num_params=8.19e9, num_layers=36, num_q_heads=32,
-                     num_kv_heads=8, head_dim=128)
-R1_LLAMA_8B = ModelSpec(name="DeepSeek-R1-Distill-Llama-8B", num_params=8.03e9, num_layers=32,
-                        num_q_heads=32, num_kv_heads=8, head_dim=128)
+A100_80GB = HardwareSpec(
+    name="A100-SXM4-80GB", peak_flops=312e12, memory_bandwidth=2.039e12, memory_bytes=80 * GIB
+)
+QWEN3_8B = ModelSpec(
+    name="Qwen3-8B", num_params=8.19e9, num_layers=36, num_q_heads=32, num_kv_heads=8, head_dim=128
+)
+R1_LLAMA_8B = ModelSpec(
+    name="DeepSeek-R1-Distill-Llama-8B",
+    num_params=8.03e9,
+    num_layers=32,
+    num_q_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+)
 
 PRESETS: dict[str, tuple[HardwareSpec, ModelSpec]] = {
     "a100-qwen3-8b": (A100_80GB, QWEN3_8B),

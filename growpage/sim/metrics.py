@@ -77,29 +77,57 @@ class ServingMetrics:
         return attrs.asdict(self)
 
 
-def compute_metrics(policy: str, requests: list[SimRequest], events: EventCounters,
-                    total_time_s: float, resident_seconds: float, num_preemptions: int,
-                    decode_steps: int, prefill_steps: int, peak_pages: int, num_pages: int,
-                    boundary_time_s: float = 0.0, prefix_hit_tokens: int = 0) -> ServingMetrics:
+def compute_metrics(
+    policy: str,
+    requests: list[SimRequest],
+    events: EventCounters,
+    total_time_s: float,
+    resident_seconds: float,
+    num_preemptions: int,
+    decode_steps: int,
+    prefill_steps: int,
+    peak_pages: int,
+    num_pages: int,
+    boundary_time_s: float = 0.0,
+    prefix_hit_tokens: int = 0,
+) -> ServingMetrics:
     """Metrics of a finished run; ``resident_seconds`` is the integral of the batch size."""
     out_tokens = sum(r.output_tokens for r in requests)
-    latencies = {"ttft": _known(r.ttft_s for r in requests),
-                 "tpot": _known(r.tpot_ms for r in requests),
-                 "e2e": _known(r.e2e_s for r in requests)}
+    latencies = {
+        "ttft": _known(r.ttft_s for r in requests),
+        "tpot": _known(r.tpot_ms for r in requests),
+        "e2e": _known(r.e2e_s for r in requests),
+    }
     budgets = _known(r.avg_budget for r in requests)  # requests that decoded at all
-    means = {name: sum(xs) / max(len(xs), 1)
-             for name, xs in {**latencies, "budget": budgets}.items()}
+    means = {
+        name: sum(xs) / max(len(xs), 1) for name, xs in {**latencies, "budget": budgets}.items()
+    }
     return ServingMetrics(
-        policy=policy, num_requests=len(requests), output_tokens=out_tokens,
-        total_time_s=total_time_s, tps=out_tokens / total_time_s if total_time_s else 0.0,
-        tpot_ms=means["tpot"], ttft_s=means["ttft"], e2e_s=means["e2e"],
+        policy=policy,
+        num_requests=len(requests),
+        output_tokens=out_tokens,
+        total_time_s=total_time_s,
+        tps=out_tokens / total_time_s if total_time_s else 0.0,
+        tpot_ms=means["tpot"],
+        ttft_s=means["ttft"],
+        e2e_s=means["e2e"],
         avg_resident=resident_seconds / total_time_s if total_time_s else 0.0,
-        avg_kv_budget=means["budget"], grow_ratio=events.grow_ratio,
-        grows=events.grow, forced_grows=events.forced_grow, compresses=events.compress,
-        shrinks=events.shrink, fallbacks=events.fallback, preemptions=num_preemptions,
-        decode_steps=decode_steps, prefill_steps=prefill_steps, peak_pages=peak_pages,
-        num_pages=num_pages, boundary_time_s=boundary_time_s, prefix_hit_tokens=prefix_hit_tokens,
-        **percentile_fields(latencies, {"ttft": "s", "tpot": "ms", "e2e": "s"}))
+        avg_kv_budget=means["budget"],
+        grow_ratio=events.grow_ratio,
+        grows=events.grow,
+        forced_grows=events.forced_grow,
+        compresses=events.compress,
+        shrinks=events.shrink,
+        fallbacks=events.fallback,
+        preemptions=num_preemptions,
+        decode_steps=decode_steps,
+        prefill_steps=prefill_steps,
+        peak_pages=peak_pages,
+        num_pages=num_pages,
+        boundary_time_s=boundary_time_s,
+        prefix_hit_tokens=prefix_hit_tokens,
+        **percentile_fields(latencies, {"ttft": "s", "tpot": "ms", "e2e": "s"}),
+    )
 
 
 def _known(values: Iterable[float | None]) -> list[float]:

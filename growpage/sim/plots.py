@@ -22,16 +22,21 @@ from matplotlib.typing import ColorType  # noqa: E402
 LINE_CROSSING = 20.0
 
 
-def plot_capacity(trajectories: Mapping[str, Sequence[tuple[float, int]]], path: str | os.PathLike,
-                  page_size: int, xlabel: str = "position (tokens)",
-                  title: str = "KV capacity",
-                  shaded: Sequence[tuple[float, float]] = (), shaded_label: str = "") -> Path:
+def plot_capacity(
+    trajectories: Mapping[str, Sequence[tuple[float, int]]],
+    path: str | os.PathLike,
+    page_size: int,
+    xlabel: str = "position (tokens)",
+    title: str = "KV capacity",
+    shaded: Sequence[tuple[float, float]] = (),
+    shaded_label: str = "",
+) -> Path:
     """Step plot of capacity (pages * page_size tokens) against position or time, one line each.
 
     ``shaded`` spans of x (e.g. diffuse-attention regimes) are drawn in the background.
     """
     fig, ax = plt.subplots(figsize=(7, 4))
-    if len(trajectories) > 10:   # the default cycle repeats after 10 colours
+    if len(trajectories) > 10:  # the default cycle repeats after 10 colours
         ax.set_prop_cycle(color=matplotlib.color_sequences["tab20"])
     for i, (lo, hi) in enumerate(shaded):
         ax.axvspan(lo, hi, color="0.9", label=shaded_label if i == 0 and shaded_label else None)
@@ -50,39 +55,57 @@ def plot_capacity(trajectories: Mapping[str, Sequence[tuple[float, int]]], path:
     return _save(fig, path)
 
 
-def plot_pool(timelines: Mapping[str, Sequence[tuple[float, int, int]]],
-              path: str | os.PathLike, num_pages: int, max_num_seqs: int,
-              title: str = "KV pool") -> Path:
+def plot_pool(
+    timelines: Mapping[str, Sequence[tuple[float, int, int]]],
+    path: str | os.PathLike,
+    num_pages: int,
+    max_num_seqs: int,
+    title: str = "KV pool",
+) -> Path:
     """Pages in use (against the pool's size) and resident requests over time, one line per
     run: two step plots sharing the time axis, from ``ServingResult.pool_timeline()``."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     most = 0
     for label, timeline in timelines.items():
         times = [t for t, _, _ in timeline]
-        line, = top.step(times, [u for _, u, _ in timeline], where="post", linewidth=1.2,
-                         label=label)
+        (line,) = top.step(
+            times, [u for _, u, _ in timeline], where="post", linewidth=1.2, label=label
+        )
         residents = [n for _, _, n in timeline]
-        bottom.step(times, residents, where="post", linewidth=1.2, color=line.get_color(),
-                    label=label)
+        bottom.step(
+            times, residents, where="post", linewidth=1.2, color=line.get_color(), label=label
+        )
         most = max(most, *residents)
     top.axhline(num_pages, color="0.4", linestyle="--", linewidth=1, label=f"pool ({num_pages})")
-    if max_num_seqs <= 2 * most:   # the cap, when it is in view
-        bottom.axhline(max_num_seqs, color="0.4", linestyle="--", linewidth=1,
-                       label=f"max_num_seqs ({max_num_seqs})")
+    if max_num_seqs <= 2 * most:  # the cap, when it is in view
+        bottom.axhline(
+            max_num_seqs,
+            color="0.4",
+            linestyle="--",
+            linewidth=1,
+            label=f"max_num_seqs ({max_num_seqs})",
+        )
     top.set_ylabel("KV pages in use")
     top.set_title(title)
     bottom.set_ylabel("resident requests")
     bottom.set_xlabel("time (s)")
     for ax in (top, bottom):
         ax.set_ylim(bottom=0)
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))   # pages and requests are counts
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # pages and requests are counts
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
     return _save(fig, path)
 
 
-def plot_pareto(points: Sequence[Mapping], path: str | os.PathLike, x: str, y: str,
-                xlabel: str, ylabel: str, title: str) -> Path:
+def plot_pareto(
+    points: Sequence[Mapping],
+    path: str | os.PathLike,
+    x: str,
+    y: str,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> Path:
     """Scatter of ``points[i][x]`` against ``points[i][y]``, labelled by ``points[i]["label"]``.
 
     Points sharing a ``"group"`` (e.g. fixed budgets) are joined in order of ``x``.
@@ -104,7 +127,7 @@ def plot_pareto(points: Sequence[Mapping], path: str | os.PathLike, x: str, y: s
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()   # the axes' final size, which the label placement measures
+    fig.tight_layout()  # the axes' final size, which the label placement measures
     place_labels(ax, labels)
     return _save(fig, path)
 
@@ -126,8 +149,9 @@ def place_labels(ax: Axes, labels: Sequence[tuple[str, float, float, ColorType]]
         taken.append(legend.get_window_extent(renderer))
     paths = [line.get_transform().transform_path(line.get_path()) for line in ax.get_lines()]
     scene = (ax.get_window_extent(renderer), taken, centres, [p for p in paths if len(p) > 1])
-    for (text, x, y, colour), centre in sorted(zip(labels, centres, strict=True),
-                                                key=lambda t: t[1]):
+    for (text, x, y, colour), centre in sorted(
+        zip(labels, centres, strict=True), key=lambda t: t[1]
+    ):
         probe = ax.annotate(text, (x, y), textcoords="offset points", xytext=(0, 0), fontsize=7)
         best: tuple[float, tuple[float, float, str, str], Bbox] | None = None
         for dx, dy, ha, va in _label_spots():
@@ -142,18 +166,36 @@ def place_labels(ax: Axes, labels: Sequence[tuple[str, float, float, ColorType]]
         assert best is not None
         _, (dx, dy, ha, va), box = best
         leader = dict(arrowstyle="-", color=colour, lw=0.5, shrinkA=0, shrinkB=3)
-        ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va,
-                    fontsize=7, color=colour, arrowprops=leader if abs(dy) > 4 else None)
+        ax.annotate(
+            text,
+            (x, y),
+            textcoords="offset points",
+            xytext=(dx, dy),
+            ha=ha,
+            va=va,
+            fontsize=7,
+            color=colour,
+            arrowprops=leader if abs(dy) > 4 else None,
+        )
         taken.append(box)
 
 
-def _spot_cost(box: Bbox, centre: tuple[float, float], has_leader: bool, frame: Bbox,
-               taken: Sequence[Bbox], centres: Sequence[tuple[float, float]],
-               paths: Sequence) -> float:
+def _spot_cost(
+    box: Bbox,
+    centre: tuple[float, float],
+    has_leader: bool,
+    frame: Bbox,
+    taken: Sequence[Bbox],
+    centres: Sequence[tuple[float, float]],
+    paths: Sequence,
+) -> float:
     """Pixels of ``box`` outside the axes (x10) or over what is ``taken``, plus ``LINE_CROSSING``
     per line it crosses and once more when, without a leader, another point is nearer to it."""
-    cost = (_outside(box, frame) + sum(_overlap(box, t) for t in taken)
-            + LINE_CROSSING * sum(p.intersects_bbox(box, filled=False) for p in paths))
+    cost = (
+        _outside(box, frame)
+        + sum(_overlap(box, t) for t in taken)
+        + LINE_CROSSING * sum(p.intersects_bbox(box, filled=False) for p in paths)
+    )
     if not has_leader and min(_distance(box, c) for c in centres) < _distance(box, centre):
         cost += LINE_CROSSING
     return cost
@@ -188,12 +230,14 @@ def _distance(box: Bbox, point: tuple[float, float]) -> float:
 def _outside(box: Bbox, frame: Bbox) -> float:
     """Area (pixels) of ``box`` outside ``frame``, weighted to lose against any overlap."""
     inside = max(0.0, min(box.x1, frame.x1) - max(box.x0, frame.x0)) * max(
-        0.0, min(box.y1, frame.y1) - max(box.y0, frame.y0))
+        0.0, min(box.y1, frame.y1) - max(box.y0, frame.y0)
+    )
     return 10 * (box.width * box.height - inside)
 
 
-def plot_signal_scatter(pairs: Sequence[tuple[float, float]], path: str | os.PathLike,
-                        title: str) -> Path:
+def plot_signal_scatter(
+    pairs: Sequence[tuple[float, float]], path: str | os.PathLike, title: str
+) -> Path:
     """Scatter of Delta_t against the future demand change at each boundary (paper Fig. 6)."""
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     if pairs:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from growpage.core.pages import PagePool
 from growpage.sim.requests import SimRequest
 
-_SPAN = 1 << 40   # ids per group or request: more units than any request has
+_SPAN = 1 << 40  # ids per group or request: more units than any request has
 
 
 class PrefixCache:
@@ -41,7 +41,7 @@ class PrefixCache:
     def __init__(self, pool: PagePool, scale: int, enabled: bool) -> None:
         self.pool, self.scale, self.enabled = pool, scale, enabled
         self.page_tokens = pool.page_size * scale
-        self.hit_tokens = 0                   # prompt tokens taken from the cache, in all
+        self.hit_tokens = 0  # prompt tokens taken from the cache, in all
         self._groups: dict[str, int] = {}
         self._requests: dict[str, int] = {}
 
@@ -93,6 +93,10 @@ class PrefixCache:
         while r.registered < full:
             i = r.registered
             r.last_hash, r.last_cached = self.pool.extend_chain(
-                r.state.block_table[i], ids[i * per_page:(i + 1) * per_page], r.last_hash,
-                r.last_cached, first=i == 0)
+                r.state.block_table[i],
+                ids[i * per_page : (i + 1) * per_page],
+                r.last_hash,
+                r.last_cached,
+                first=i == 0,
+            )
             r.registered += 1

@@ -45,15 +45,18 @@ from growpage.sim.traceview import TraceView
 
 def _positive_ints(inst: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
     if not value or any(not isinstance(v, int) or v <= 0 for v in value):
-        raise ConfigError(f"RealTraceSettings.{attribute.name} must be positive integers, "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"RealTraceSettings.{attribute.name} must be positive integers, got {value!r}"
+        )
 
 
 def _int_at_least(low: int) -> Any:
     def check(inst: object, attribute: attrs.Attribute, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(f"RealTraceSettings.{attribute.name} must be an integer >= {low}, "
-                              f"got {value!r}")
+            raise ConfigError(
+                f"RealTraceSettings.{attribute.name} must be an integer >= {low}, got {value!r}"
+            )
+
     return check
 
 
@@ -73,18 +76,19 @@ class RealTraceSettings:
 
     page_size: int = attrs.field(default=64, validator=_int_at_least(1))
     fidelity_queries: int = attrs.field(default=8, validator=_int_at_least(1))
-    budgets: tuple[int, ...] = attrs.field(default=(256, 512, 768), converter=int_tuple,
-                                           validator=_positive_ints)
+    budgets: tuple[int, ...] = attrs.field(
+        default=(256, 512, 768), converter=int_tuple, validator=_positive_ints
+    )
     baseline_budget: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_int_at_least(1)))
+        default=None, validator=attrs.validators.optional(_int_at_least(1))
+    )
     shrink_min_tokens: int = attrs.field(default=256, validator=_int_at_least(1))
     bootstrap: int = attrs.field(default=1000, validator=_int_at_least(0))
     seed: int = attrs.field(default=0, validator=_int_at_least(0))
 
     def config(self) -> GrowPageConfig:
         """The paper's defaults, with the recent window scaled to small pages (b // 4 <= 16)."""
-        return GrowPageConfig(page_size=self.page_size,
-                              recent_window=min(16, self.page_size // 4))
+        return GrowPageConfig(page_size=self.page_size, recent_window=min(16, self.page_size // 4))
 
     @property
     def middle_budget(self) -> int:
@@ -108,11 +112,16 @@ def policy_points(settings: RealTraceSettings, grow_prob: float) -> list[PolicyP
     """The appendix-H points besides ``growpage`` (``random`` at ``grow_prob``)."""
     mid = settings.middle_budget
     points = [PolicyPoint("fullkv", "fullkv", signals=True)]
-    points += [PolicyPoint(f"fixed-{b}", "fixed", {"budget_tokens": b}, "fixed")
-               for b in sorted(settings.budgets)]
     points += [
-        PolicyPoint(f"random (q={grow_prob:.2f})", "random",
-                    {"grow_prob": round(grow_prob, 4), "seed": settings.seed}),
+        PolicyPoint(f"fixed-{b}", "fixed", {"budget_tokens": b}, "fixed")
+        for b in sorted(settings.budgets)
+    ]
+    points += [
+        PolicyPoint(
+            f"random (q={grow_prob:.2f})",
+            "random",
+            {"grow_prob": round(grow_prob, 4), "seed": settings.seed},
+        ),
         PolicyPoint("inverse", "inverse"),
         PolicyPoint("shrink", "shrink", {"min_capacity_tokens": settings.shrink_min_tokens}),
         PolicyPoint("entropy", "entropy"),
@@ -122,8 +131,13 @@ def policy_points(settings: RealTraceSettings, grow_prob: float) -> list[PolicyP
     return points
 
 
-def replay_point(traces: Sequence[Trace], point: PolicyPoint, config: GrowPageConfig,
-                 fidelity_queries: int, bar: tqdm | None = None) -> list[ReplayResult]:
+def replay_point(
+    traces: Sequence[Trace],
+    point: PolicyPoint,
+    config: GrowPageConfig,
+    fidelity_queries: int,
+    bar: tqdm | None = None,
+) -> list[ReplayResult]:
     """Replay every trace under ``point``'s policy (``bar`` advances once per trace)."""
     options = ReplayOptions(fidelity_queries=fidelity_queries, signals=point.signals)
     results = []
@@ -145,24 +159,35 @@ def _signal_records(results: Sequence[ReplayResult]) -> list[list[BoundaryRecord
     return [[r for r in res.records if r.delta is not None] for res in results]
 
 
-def _persistence_pairs(per_trace: Sequence[Sequence[BoundaryRecord]], page_size: int
-                       ) -> list[tuple[float, float]]:
+def _persistence_pairs(
+    per_trace: Sequence[Sequence[BoundaryRecord]], page_size: int
+) -> list[tuple[float, float]]:
     """(demand change of the page just finished, of the next page) at consecutive boundaries."""
     pairs = []
     for records in per_trace:
         for a, b in zip(records[:-1], records[1:], strict=True):
-            if (b.position - a.position == page_size and a.future_change is not None
-                    and b.future_change is not None):
+            if (
+                b.position - a.position == page_size
+                and a.future_change is not None
+                and b.future_change is not None
+            ):
                 pairs.append((a.future_change, b.future_change))
     return pairs
 
 
-def _bootstrap_rho(per_trace: Sequence[Sequence[BoundaryRecord]], num: int, seed: int
-                   ) -> tuple[float, float] | None:
+def _bootstrap_rho(
+    per_trace: Sequence[Sequence[BoundaryRecord]], num: int, seed: int
+) -> tuple[float, float] | None:
     """95% interval of Spearman's rho, resampling whole traces (boundaries of one request are
     not independent)."""
-    pairs = [[(r.delta, r.future_change) for r in recs
-              if r.delta is not None and r.future_change is not None] for recs in per_trace]
+    pairs = [
+        [
+            (r.delta, r.future_change)
+            for r in recs
+            if r.delta is not None and r.future_change is not None
+        ]
+        for recs in per_trace
+    ]
     pairs = [p for p in pairs if p]
     if num <= 0 or len(pairs) < 2:
         return None
@@ -179,8 +204,9 @@ def _bootstrap_rho(per_trace: Sequence[Sequence[BoundaryRecord]], num: int, seed
     return float(lo), float(hi)
 
 
-def _bootstrap_buckets(per_trace: Sequence[Sequence[BoundaryRecord]], num: int, seed: int
-                       ) -> list[dict[str, tuple[float, float] | None]]:
+def _bootstrap_buckets(
+    per_trace: Sequence[Sequence[BoundaryRecord]], num: int, seed: int
+) -> list[dict[str, tuple[float, float] | None]]:
     """Per Delta_t bucket, the 95% interval of the mean growth advantage (retained mass and
     output error), resampling whole traces as ``_bootstrap_rho`` does.
 
@@ -191,7 +217,8 @@ def _bootstrap_buckets(per_trace: Sequence[Sequence[BoundaryRecord]], num: int, 
     num_buckets = len(signal_quality([]).buckets)
     keys = ("mean_advantage", "mean_advantage_error")
     empty: list[dict[str, tuple[float, float] | None]] = [
-        {k: None for k in keys} for _ in range(num_buckets)]
+        {k: None for k in keys} for _ in range(num_buckets)
+    ]
     if num <= 0 or len(per_trace) < 2:
         return empty
     contributing = np.zeros(num_buckets, dtype=int)
@@ -201,8 +228,7 @@ def _bootstrap_buckets(per_trace: Sequence[Sequence[BoundaryRecord]], num: int, 
     rng = np.random.default_rng(seed)
     draws: list[dict[str, list[float]]] = [{k: [] for k in keys} for _ in range(num_buckets)]
     for _ in range(num):
-        pooled = [r for i in rng.integers(0, len(per_trace), len(per_trace))
-                  for r in per_trace[i]]
+        pooled = [r for i in rng.integers(0, len(per_trace), len(per_trace)) for r in per_trace[i]]
         for j, bucket in enumerate(signal_quality(pooled).buckets):
             for k in keys:
                 value = getattr(bucket, k)
@@ -220,14 +246,18 @@ def _bootstrap_buckets(per_trace: Sequence[Sequence[BoundaryRecord]], num: int, 
 def _subset_quality(per_trace: Sequence[Sequence[BoundaryRecord]]) -> dict[str, Any]:
     records = [r for recs in per_trace for r in recs]
     q = signal_quality(records)
-    return {"num_boundaries": q.num_boundaries, "spearman": q.spearman,
-            "sign_agreement": q.sign_agreement,
-            "mean_advantage": [b.mean_advantage for b in q.buckets],
-            "counts": [b.count for b in q.buckets]}
+    return {
+        "num_boundaries": q.num_boundaries,
+        "spearman": q.spearman,
+        "sign_agreement": q.sign_agreement,
+        "mean_advantage": [b.mean_advantage for b in q.buckets],
+        "counts": [b.count for b in q.buckets],
+    }
 
 
-def split_at(results: Sequence[ReplayResult], cutoffs: Mapping[str, int], page_size: int
-             ) -> dict[str, dict[str, Any]]:
+def split_at(
+    results: Sequence[ReplayResult], cutoffs: Mapping[str, int], page_size: int
+) -> dict[str, dict[str, Any]]:
     """Signal quality of the boundaries whose next page ends before the request's cutoff
     (``before``: e.g. the model's own answer, up to its first end of turn) and of the rest."""
     per_trace = _signal_records(results)
@@ -241,22 +271,34 @@ def split_at(results: Sequence[ReplayResult], cutoffs: Mapping[str, int], page_s
     return {"before": _subset_quality(before), "after": _subset_quality(after)}
 
 
-def signal_summary(results: Sequence[ReplayResult], page_size: int, bootstrap: int = 0,
-                   seed: int = 0, cutoffs: Mapping[str, int] | None = None) -> dict[str, Any]:
+def signal_summary(
+    results: Sequence[ReplayResult],
+    page_size: int,
+    bootstrap: int = 0,
+    seed: int = 0,
+    cutoffs: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
     """Fig. 6 / 7 numbers of one replay set, plus context (interval, persistence, per trace,
     and with ``cutoffs`` the split of ``split_at``)."""
     per_trace = _signal_records(results)
     records = [r for recs in per_trace for r in recs]
     quality = signal_quality(records)
-    pairs = [(r.delta, r.future_change) for r in records
-             if r.delta is not None and r.future_change is not None]
-    adv = [(r.delta, r.advantage) for r in records
-           if r.delta is not None and r.advantage is not None]
+    pairs = [
+        (r.delta, r.future_change)
+        for r in records
+        if r.delta is not None and r.future_change is not None
+    ]
+    adv = [
+        (r.delta, r.advantage) for r in records if r.delta is not None and r.advantage is not None
+    ]
     persistence = _persistence_pairs(per_trace, page_size)
     per_trace_rho = []
     for recs in per_trace:
-        xy = [(r.delta, r.future_change) for r in recs
-              if r.delta is not None and r.future_change is not None]
+        xy = [
+            (r.delta, r.future_change)
+            for r in recs
+            if r.delta is not None and r.future_change is not None
+        ]
         per_trace_rho.append(spearman([x for x, _ in xy], [y for _, y in xy]))
     deltas, changes = np.array([x for x, _ in pairs]), np.array([y for _, y in pairs])
     return {
@@ -275,8 +317,12 @@ def signal_summary(results: Sequence[ReplayResult], page_size: int, bootstrap: i
     }
 
 
-def level_correlations(traces: Sequence[Trace], results: Sequence[ReplayResult],
-                       config: GrowPageConfig, num_queries: int) -> dict[str, Any]:
+def level_correlations(
+    traces: Sequence[Trace],
+    results: Sequence[ReplayResult],
+    config: GrowPageConfig,
+    num_queries: int,
+) -> dict[str, Any]:
     """Spearman rho of Delta_t with the demand *level* (mean top-p working-set ratio, full KV)
     of the page before each boundary and of the page after it.
 
@@ -297,17 +343,25 @@ def level_correlations(traces: Sequence[Trace], results: Sequence[ReplayResult],
             for out, (a, b) in ((current, (start, r.position)), (future, (r.position, end))):
                 attn = FutureAttention.compute(view, a, b, num_queries)
                 out.append(attn.working_set_ratio(config.top_p))
-    return {"num_boundaries": len(deltas), "spearman_current_level": spearman(deltas, current),
-            "spearman_next_level": spearman(deltas, future),
-            "spearman_current_level_vs_change": spearman(
-                current, [f - c for f, c in zip(future, current, strict=True)])}
+    return {
+        "num_boundaries": len(deltas),
+        "spearman_current_level": spearman(deltas, current),
+        "spearman_next_level": spearman(deltas, future),
+        "spearman_current_level_vs_change": spearman(
+            current, [f - c for f, c in zip(future, current, strict=True)]
+        ),
+    }
 
 
 def table_row(point: PolicyPoint, results: Sequence[ReplayResult]) -> dict[str, Any]:
     """One policy-table row: ``aggregate_replays`` plus the grow ratio and the point's params."""
     row = aggregate_replays(results, point.label)
-    row.update(policy_name=point.policy, params=dict(point.params), group=point.group,
-               grow_ratio=grow_ratio(results))
+    row.update(
+        policy_name=point.policy,
+        params=dict(point.params),
+        group=point.group,
+        grow_ratio=grow_ratio(results),
+    )
     return row
 
 
@@ -322,18 +376,26 @@ class RealTraceAnalysis:
     signals: dict[str, dict[str, Any]]
 
     def as_dict(self, with_records: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = {"settings": attrs.asdict(self.settings),
-                               "config": attrs.asdict(self.settings.config()),
-                               "traces": self.trace_ids, "table": self.rows,
-                               "signals": self.signals}
+        out: dict[str, Any] = {
+            "settings": attrs.asdict(self.settings),
+            "config": attrs.asdict(self.settings.config()),
+            "traces": self.trace_ids,
+            "table": self.rows,
+            "signals": self.signals,
+        }
         if with_records:
-            out["replays"] = {label: [r.as_dict() for r in res]
-                              for label, res in self.results.items()}
+            out["replays"] = {
+                label: [r.as_dict() for r in res] for label, res in self.results.items()
+            }
         return out
 
 
-def analyze(traces: Sequence[Trace], settings: RealTraceSettings | None = None,
-            progress: bool = True, table: bool = True) -> RealTraceAnalysis:
+def analyze(
+    traces: Sequence[Trace],
+    settings: RealTraceSettings | None = None,
+    progress: bool = True,
+    table: bool = True,
+) -> RealTraceAnalysis:
     """Replay ``traces`` under the appendix-H policies and measure the signal (module docstring).
 
     With ``table=False`` only ``growpage`` and ``fullkv`` are replayed (the signal sets).
@@ -344,8 +406,13 @@ def analyze(traces: Sequence[Trace], settings: RealTraceSettings | None = None,
         raise ConfigError("analyze needs at least one trace")
     gp_point = PolicyPoint("growpage", "growpage", signals=True)
     num_points = 1 + len(policy_points(settings, 0.0)) if table else 2
-    bar = tqdm(total=num_points * len(traces), desc=f"replay b={settings.page_size}",
-               unit="trace", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=num_points * len(traces),
+        desc=f"replay b={settings.page_size}",
+        unit="trace",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     bar.set_postfix_str("growpage")
     results = {"growpage": replay_point(traces, gp_point, config, settings.fidelity_queries, bar)}
     points = [gp_point] + policy_points(settings, grow_ratio(results["growpage"]))
@@ -353,46 +420,77 @@ def analyze(traces: Sequence[Trace], settings: RealTraceSettings | None = None,
         points = [p for p in points if p.signals]
     for point in points[1:]:
         bar.set_postfix_str(point.label)
-        results[point.label] = replay_point(traces, point, config, settings.fidelity_queries,
-                                            bar)
+        results[point.label] = replay_point(traces, point, config, settings.fidelity_queries, bar)
     bar.close()
     rows = [table_row(p, results[p.label]) for p in points]
-    cutoffs = {t.request_id: t.prompt_len + t.header.meta["first_eos"] for t in traces
-               if isinstance(t.header.meta.get("first_eos"), int)}
-    signals = {p.label: signal_summary(results[p.label], settings.page_size, settings.bootstrap,
-                                       settings.seed, cutoffs or None)
-               for p in points if p.signals}
+    cutoffs = {
+        t.request_id: t.prompt_len + t.header.meta["first_eos"]
+        for t in traces
+        if isinstance(t.header.meta.get("first_eos"), int)
+    }
+    signals = {
+        p.label: signal_summary(
+            results[p.label], settings.page_size, settings.bootstrap, settings.seed, cutoffs or None
+        )
+        for p in points
+        if p.signals
+    }
     for label, sig in signals.items():
-        sig["levels"] = level_correlations(traces, results[label], config,
-                                           settings.fidelity_queries)
+        sig["levels"] = level_correlations(
+            traces, results[label], config, settings.fidelity_queries
+        )
     return RealTraceAnalysis(settings, [t.request_id for t in traces], results, rows, signals)
 
 
-def subset_trace(trace: Trace, layer_ids: Sequence[int] | None = None, values: bool = True,
-                 max_generated: int | None = None) -> Trace:
+def subset_trace(
+    trace: Trace,
+    layer_ids: Sequence[int] | None = None,
+    values: bool = True,
+    max_generated: int | None = None,
+) -> Trace:
     """``trace`` restricted to some recorded layers, without values, and/or cut after
     ``max_generated`` generated tokens (to keep a committed trace set small)."""
     h = trace.header
     layer_ids = list(h.layer_ids if layer_ids is None else layer_ids)
     missing = sorted(set(layer_ids) - set(h.layer_ids))
     if missing:
-        raise ConfigError(f"{trace.request_id}: layers {missing} are not recorded "
-                          f"(recorded: {list(h.layer_ids)})")
+        raise ConfigError(
+            f"{trace.request_id}: layers {missing} are not recorded (recorded: {list(h.layer_ids)})"
+        )
     rows = [h.layer_ids.index(i) for i in sorted(layer_ids)]
     end = h.num_tokens if max_generated is None else min(h.num_tokens, h.prompt_len + max_generated)
     kept_values = trace.values if values else None
     meta = dict(h.meta)
     if end < h.num_tokens:
         meta["last_token_id"] = h.token_ids[end]
-    header = attrs.evolve(h, layer_ids=sorted(layer_ids), token_ids=list(h.token_ids[:end]),
-                          has_values=kept_values is not None, meta=meta)
+    header = attrs.evolve(
+        h,
+        layer_ids=sorted(layer_ids),
+        token_ids=list(h.token_ids[:end]),
+        has_values=kept_values is not None,
+        meta=meta,
+    )
 
     def pick(x: torch.Tensor) -> torch.Tensor:
         return x[rows, :end].clone()
 
-    return Trace(header=header, queries=pick(trace.queries), keys=pick(trace.keys),
-                 values=None if kept_values is None else pick(kept_values))
+    return Trace(
+        header=header,
+        queries=pick(trace.queries),
+        keys=pick(trace.keys),
+        values=None if kept_values is None else pick(kept_values),
+    )
 
 
-__all__ = ["PolicyPoint", "RealTraceAnalysis", "RealTraceSettings", "analyze", "grow_ratio",
-           "policy_points", "replay_point", "signal_summary", "subset_trace", "table_row"]
+__all__ = [
+    "PolicyPoint",
+    "RealTraceAnalysis",
+    "RealTraceSettings",
+    "analyze",
+    "grow_ratio",
+    "policy_points",
+    "replay_point",
+    "signal_summary",
+    "subset_trace",
+    "table_row",
+]

@@ -97,15 +97,28 @@ class ReplayResult:
 
     def summary(self) -> dict:
         """Scalar metrics, JSON-ready."""
-        return {"request_id": self.request_id, "policy": self.policy,
-                "num_tokens": self.num_tokens, "avg_budget": self.avg_budget,
-                "max_pages": self.max_pages, "mass_mean": self.mass_mean,
-                "mass_min": self.mass_min, "output_error": self.output_error,
-                "boundaries": len(self.records), "grow": self.events.get("grow", 0),
-                "compress": self.events.get("compress", 0),
-                "shrink": self.events.get("shrink", 0),
-                "fallback": self.events.get("fallback", 0), "preempted": self.preempted}
+        return {
+            "request_id": self.request_id,
+            "policy": self.policy,
+            "num_tokens": self.num_tokens,
+            "avg_budget": self.avg_budget,
+            "max_pages": self.max_pages,
+            "mass_mean": self.mass_mean,
+            "mass_min": self.mass_min,
+            "output_error": self.output_error,
+            "boundaries": len(self.records),
+            "grow": self.events.get("grow", 0),
+            "compress": self.events.get("compress", 0),
+            "shrink": self.events.get("shrink", 0),
+            "fallback": self.events.get("fallback", 0),
+            "preempted": self.preempted,
+        }
 
     def as_dict(self) -> dict:
-        return {**self.summary(), "page_size": self.page_size, "prompt_len": self.prompt_len,
-                "events": self.events, "records": [r.as_dict() for r in self.records]}
+        return {
+            **self.summary(),
+            "page_size": self.page_size,
+            "prompt_len": self.prompt_len,
+            "events": self.events,
+            "records": [r.as_dict() for r in self.records],
+        }

@@ -65,9 +65,13 @@ class ReplayOptions:
             raise ConfigError("ReplayOptions.signals needs fidelity_queries > 0")
 
 
-def replay_trace(trace: Trace, policy: str | CapacityPolicy, config: GrowPageConfig | None = None,
-                 options: ReplayOptions | None = None, pool: PagePool | None = None
-                 ) -> ReplayResult:
+def replay_trace(
+    trace: Trace,
+    policy: str | CapacityPolicy,
+    config: GrowPageConfig | None = None,
+    options: ReplayOptions | None = None,
+    pool: PagePool | None = None,
+) -> ReplayResult:
     """Replay ``trace`` under ``policy``; see the module docstring.
 
     ``pool`` defaults to a private pool large enough to hold the whole trace uncompressed; with
@@ -81,21 +85,30 @@ def replay_trace(trace: Trace, policy: str | CapacityPolicy, config: GrowPageCon
     if pool is None:
         pool = PagePool(math.ceil(total / b) + config.watermark + 2, b, watermark=config.watermark)
     controller = CapacityController(policy, pool, config)
-    view = TraceView(trace, config, track_accumulated=getattr(policy, "needs_accumulated_attention", False))
-    state = RequestState(trace.request_id, pool.allocate(math.ceil(prompt / b)),
-                         num_tokens=prompt, position=prompt)
+    view = TraceView(
+        trace, config, track_accumulated=getattr(policy, "needs_accumulated_attention", False)
+    )
+    state = RequestState(
+        trace.request_id, pool.allocate(math.ceil(prompt / b)), num_tokens=prompt, position=prompt
+    )
     try:
         result = _run(trace, policy, view, state, controller, options)
     except BaseException:
-        pool.free(state.block_table)   # a failing policy or view leaves the pool as it was
+        pool.free(state.block_table)  # a failing policy or view leaves the pool as it was
         raise
     if options.release:
         pool.free(state.block_table)
     return result
 
 
-def _run(trace: Trace, policy: CapacityPolicy, view: TraceView, state: RequestState,
-         controller: CapacityController, options: ReplayOptions) -> ReplayResult:
+def _run(
+    trace: Trace,
+    policy: CapacityPolicy,
+    view: TraceView,
+    state: RequestState,
+    controller: CapacityController,
+    options: ReplayOptions,
+) -> ReplayResult:
     b, total, prompt = controller.config.page_size, trace.num_tokens, trace.prompt_len
     view.write_until(prompt)
     probe = _Probe(view, controller, options)
@@ -115,20 +128,32 @@ def _run(trace: Trace, policy: CapacityPolicy, view: TraceView, state: RequestSt
         budget_tokens += n * state.num_pages * b
     decoded = state.position - prompt
     avg_budget = budget_tokens / decoded if decoded else float(state.num_pages * b)
-    return ReplayResult(trace.request_id, getattr(policy, "name", type(policy).__name__), b,
-                        prompt, total, records, state.events.as_dict(), avg_budget, max_pages,
-                        state.num_pages, probe.head_mass(), preempted)
+    return ReplayResult(
+        trace.request_id,
+        getattr(policy, "name", type(policy).__name__),
+        b,
+        prompt,
+        total,
+        records,
+        state.events.as_dict(),
+        avg_budget,
+        max_pages,
+        state.num_pages,
+        probe.head_mass(),
+        preempted,
+    )
 
 
 class _Probe:
     """Runs one boundary through the controller and measures it."""
 
-    def __init__(self, view: TraceView, controller: CapacityController,
-                 options: ReplayOptions) -> None:
+    def __init__(
+        self, view: TraceView, controller: CapacityController, options: ReplayOptions
+    ) -> None:
         self.view, self.controller, self.options = view, controller, options
         self.config = controller.config
         self._head_mass: list[torch.Tensor] = []
-        self._demand: dict[int, float] = {}   # window start -> mean working-set ratio
+        self._demand: dict[int, float] = {}  # window start -> mean working-set ratio
 
     def head_mass(self) -> torch.Tensor | None:
         return torch.stack(self._head_mass) if self._head_mass else None
@@ -137,7 +162,9 @@ class _Probe:
         view, t = self.view, state.position
         view.prepare_boundary(t)
         before = view.positions().clone() if self.options.signals else None
-        delta, alternative = self._counterfactual_inputs(state) if before is not None else (None, None)
+        delta, alternative = (
+            self._counterfactual_inputs(state) if before is not None else (None, None)
+        )
         outcome = self.controller.on_boundary(state, view)
         fields = _outcome_fields(t, outcome)
         if outcome.delta is not None:
@@ -147,29 +174,46 @@ class _Probe:
             fields.update(self._fidelity(t, state, before, alternative, delta))
         return BoundaryRecord(**fields)
 
-    def _counterfactual_inputs(self, state: RequestState
-                               ) -> tuple[float | None, torch.Tensor | None]:
+    def _counterfactual_inputs(
+        self, state: RequestState
+    ) -> tuple[float | None, torch.Tensor | None]:
         """Delta_t and the policy's compress selection (as positions), before anything changes."""
         # NOTE: the controller's own test for a forced growth: below min_capacity, or before
         # any decode query (a prompt ending on a page boundary), where Delta_t of the empty
         # query state would read 0.0 and land in signal_quality's buckets as a decision.
         if state.num_pages < self.config.min_capacity or not self.view.has_query_state:
-            return None, None   # forced growth: no decision to evaluate
-        ctx = BoundaryContext(state.request_id, state.num_tokens, state.position, state.num_pages,
-                              self.controller.pool.num_free_pages, self.config, self.view)
+            return None, None  # forced growth: no decision to evaluate
+        ctx = BoundaryContext(
+            state.request_id,
+            state.num_tokens,
+            state.position,
+            state.num_pages,
+            self.controller.pool.num_free_pages,
+            self.config,
+            self.view,
+        )
         keep = (state.num_pages - 1) * self.config.page_size
         slots = self.controller.checked_selection(ctx, keep)
         return ctx.delta(), torch.gather(self.view.positions(), 2, slots)
 
-    def _fidelity(self, t: int, state: RequestState, before: torch.Tensor | None,
-                  alternative: torch.Tensor | None, delta: float | None) -> dict:
+    def _fidelity(
+        self,
+        t: int,
+        state: RequestState,
+        before: torch.Tensor | None,
+        alternative: torch.Tensor | None,
+        delta: float | None,
+    ) -> dict:
         end = min(t + self.config.page_size, self.view.num_positions)
         future = FutureAttention.compute(self.view, t, end, self.options.fidelity_queries)
         with_error = self.options.output_error
         fid = Fidelity.of(future, self.view.positions(), with_error)
         self._head_mass.append(fid.head_mass)
-        out = {"mass_mean": fid.mass_mean, "mass_min": fid.mass_min,
-               "output_error": fid.output_error}
+        out = {
+            "mass_mean": fid.mass_mean,
+            "mass_min": fid.mass_min,
+            "output_error": fid.output_error,
+        }
         if before is None:
             return out
         self._demand[t] = future.working_set_ratio(self.config.top_p)
@@ -177,7 +221,10 @@ class _Probe:
         if current is not None:
             out["future_change"] = self._demand[t] - current
         if alternative is not None and delta is not None:
-            grow, compress = Fidelity.of(future, before, with_error), Fidelity.of(future, alternative, with_error)
+            grow, compress = (
+                Fidelity.of(future, before, with_error),
+                Fidelity.of(future, alternative, with_error),
+            )
             out["advantage"] = grow.mass_mean - compress.mass_mean
             if grow.output_error is not None and compress.output_error is not None:
                 out["advantage_error"] = compress.output_error - grow.output_error
@@ -195,7 +242,12 @@ class _Probe:
 
 
 def _outcome_fields(position: int, outcome: BoundaryOutcome) -> dict:
-    return {"position": position, "action": outcome.action.value,
-            "decision": None if outcome.decision is None else outcome.decision.value,
-            "fallback": outcome.fallback, "pages_before": outcome.pages_before,
-            "pages_after": outcome.pages_after, "tokens_after": outcome.tokens_after}
+    return {
+        "position": position,
+        "action": outcome.action.value,
+        "decision": None if outcome.decision is None else outcome.decision.value,
+        "fallback": outcome.fallback,
+        "pages_before": outcome.pages_before,
+        "pages_after": outcome.pages_after,
+        "tokens_after": outcome.tokens_after,
+    }

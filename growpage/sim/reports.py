@@ -12,22 +12,36 @@ from typing import Any
 
 from growpage.sim.records import ReplayResult
 
-Column = tuple[str, str, str]   # (key, header, format spec, or SIGNIFICANT)
-SIGNIFICANT = "sig"             # 3 significant digits, no exponent: 10800, 43.2, 0.0412
+Column = tuple[str, str, str]  # (key, header, format spec, or SIGNIFICANT)
+SIGNIFICANT = "sig"  # 3 significant digits, no exponent: 10800, 43.2, 0.0412
 
 REPLAY_COLUMNS: list[Column] = [
-    ("policy", "policy", ""), ("avg_budget", "avg budget", ".0f"),
-    ("mass_mean", "mass mean", ".4f"), ("mass_min", "mass min", ".4f"),
-    ("output_error", "out err", ".4f"), ("grow", "grow", "d"), ("compress", "compress", "d"),
-    ("shrink", "shrink", "d"), ("fallback", "fallback", "d")]
+    ("policy", "policy", ""),
+    ("avg_budget", "avg budget", ".0f"),
+    ("mass_mean", "mass mean", ".4f"),
+    ("mass_min", "mass min", ".4f"),
+    ("output_error", "out err", ".4f"),
+    ("grow", "grow", "d"),
+    ("compress", "compress", "d"),
+    ("shrink", "shrink", "d"),
+    ("fallback", "fallback", "d"),
+]
 
 SERVING_COLUMNS: list[Column] = [
-    ("policy", "policy", ""), ("tps", "TPS", ".0f"), ("tpot_ms", "TPOT ms", ".1f"),
-    ("total_time_s", "time s", SIGNIFICANT), ("avg_resident", "C", ".1f"),
-    ("avg_kv_budget", "avg budget", ".0f"), ("grow_ratio", "grow %", ".1%"),
-    ("grows", "grow", "d"), ("compresses", "compress", "d"), ("shrinks", "shrink", "d"),
-    ("fallbacks", "fallback", "d"), ("preemptions", "preempt", "d"),
-    ("boundary_time_s", "boundary s", SIGNIFICANT)]
+    ("policy", "policy", ""),
+    ("tps", "TPS", ".0f"),
+    ("tpot_ms", "TPOT ms", ".1f"),
+    ("total_time_s", "time s", SIGNIFICANT),
+    ("avg_resident", "C", ".1f"),
+    ("avg_kv_budget", "avg budget", ".0f"),
+    ("grow_ratio", "grow %", ".1%"),
+    ("grows", "grow", "d"),
+    ("compresses", "compress", "d"),
+    ("shrinks", "shrink", "d"),
+    ("fallbacks", "fallback", "d"),
+    ("preemptions", "preempt", "d"),
+    ("boundary_time_s", "boundary s", SIGNIFICANT),
+]
 
 
 LATENCIES = (("TTFT (s)", "ttft", "s"), ("TPOT (ms)", "tpot", "ms"), ("E2E (s)", "e2e", "s"))
@@ -38,9 +52,14 @@ def latency_table(metrics: dict, percentiles: Sequence[int] = (50, 90, 99)) -> s
     and the percentiles, one row per latency, 3 significant digits."""
     columns: list[Column] = [("latency", "latency", ""), ("mean", "mean", SIGNIFICANT)]
     columns += [(f"p{q}", f"p{q}", SIGNIFICANT) for q in percentiles]
-    rows = [{"latency": label, "mean": metrics[f"{key}_{unit}"],
-             **{f"p{q}": metrics[f"{key}_p{q}_{unit}"] for q in percentiles}}
-            for label, key, unit in LATENCIES]
+    rows = [
+        {
+            "latency": label,
+            "mean": metrics[f"{key}_{unit}"],
+            **{f"p{q}": metrics[f"{key}_p{q}_{unit}"] for q in percentiles},
+        }
+        for label, key, unit in LATENCIES
+    ]
     return format_table(rows, columns)
 
 
@@ -63,12 +82,15 @@ def _cell(value: Any, fmt: str) -> str:
     return str(value)
 
 
-def markdown_table(rows: Sequence[Mapping[str, Any]],
-                   columns: Sequence[tuple[str, str, str]]) -> str:
+def markdown_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, str]]
+) -> str:
     """A Markdown table of ``rows``: ``columns`` are ``(key, header, format)``; a column with a
     format is right-aligned, a missing or NaN value is ``-``."""
-    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
-             "|" + "|".join("---" if not f else "---:" for _, _, f in columns) + "|"]
+    lines = [
+        "| " + " | ".join(h for _, h, _ in columns) + " |",
+        "|" + "|".join("---" if not f else "---:" for _, _, f in columns) + "|",
+    ]
     lines += ["| " + " | ".join(_cell(r.get(k), f) for k, _, f in columns) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -78,8 +100,10 @@ def format_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
     cells = [[_cell(row.get(key), fmt) for key, _, fmt in columns] for row in rows]
     headers = [header for _, header, _ in columns]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
+    lines = [
+        "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
+        "  ".join("-" * w for w in widths),
+    ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(lines)
 
@@ -95,10 +119,14 @@ def aggregate_replays(results: Sequence[ReplayResult], label: str | None = None)
         return sum(xs) / len(xs) if xs else None
 
     mins = [s["mass_min"] for s in summaries if s["mass_min"] is not None]
-    row: dict[str, Any] = {"policy": label or summaries[0]["policy"], "traces": len(results),
-                           "avg_budget": mean("avg_budget"), "mass_mean": mean("mass_mean"),
-                           "mass_min": min(mins) if mins else None,
-                           "output_error": mean("output_error")}
+    row: dict[str, Any] = {
+        "policy": label or summaries[0]["policy"],
+        "traces": len(results),
+        "avg_budget": mean("avg_budget"),
+        "mass_mean": mean("mass_mean"),
+        "mass_min": min(mins) if mins else None,
+        "output_error": mean("output_error"),
+    }
     for key in ("boundaries", "grow", "compress", "shrink", "fallback"):
         row[key] = sum(s[key] for s in summaries)
     return row
@@ -145,6 +173,7 @@ def make_output_dir(path: str | Path, flag: str = "--out") -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"{flag} {out}: cannot create the output directory "
-                          f"({e.strerror or e})") from None
+        raise ConfigError(
+            f"{flag} {out}: cannot create the output directory ({e.strerror or e})"
+        ) from None
     return out

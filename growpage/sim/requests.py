@@ -21,11 +21,33 @@ class SimRequest:
         capacity: ``(time_s, pages)`` whenever its page count changes (0 = not resident).
     """
 
-    __slots__ = ("spec", "request_id", "prompt_tokens", "output_tokens", "state", "view",
-                 "num_tokens", "generated", "sync_step", "admit_step", "event_step",
-                 "event_tick", "admit_seq", "is_running", "resuming", "prefill_target",
-                 "prefill_left", "registered", "last_hash", "last_cached", "preemptions",
-                 "budget_tokens", "first_token_s", "finish_s", "capacity")
+    __slots__ = (
+        "spec",
+        "request_id",
+        "prompt_tokens",
+        "output_tokens",
+        "state",
+        "view",
+        "num_tokens",
+        "generated",
+        "sync_step",
+        "admit_step",
+        "event_step",
+        "event_tick",
+        "admit_seq",
+        "is_running",
+        "resuming",
+        "prefill_target",
+        "prefill_left",
+        "registered",
+        "last_hash",
+        "last_cached",
+        "preemptions",
+        "budget_tokens",
+        "first_token_s",
+        "finish_s",
+        "capacity",
+    )
 
     def __init__(self, spec: WorkloadRequest) -> None:
         self.spec = spec
@@ -37,11 +59,11 @@ class SimRequest:
         self.num_tokens = self.generated = self.sync_step = self.admit_step = 0
         self.event_step = self.event_tick = self.admit_seq = 0
         self.is_running = False
-        self.resuming = False   # preempted, waiting for its recompute
-        self.prefill_target = 0   # tokens its current prefill computes, cached ones included
-        self.prefill_left = 0     # of those, not computed yet (chunked prefill)
-        self.registered = 0       # prefix caching: leading pages entered (or tried) this time
-        self.last_hash: int | None = None    # chain hash of its last entered page
+        self.resuming = False  # preempted, waiting for its recompute
+        self.prefill_target = 0  # tokens its current prefill computes, cached ones included
+        self.prefill_left = 0  # of those, not computed yet (chunked prefill)
+        self.registered = 0  # prefix caching: leading pages entered (or tried) this time
+        self.last_hash: int | None = None  # chain hash of its last entered page
         self.last_cached: int | None = None  # the cached page of its prefix so far
         self.preemptions = 0
         self.budget_tokens = 0
@@ -86,5 +108,7 @@ class SimRequest:
         return 1e3 * (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
 
     def __repr__(self) -> str:
-        return (f"SimRequest({self.request_id!r}, tokens={self.num_tokens}, "
-                f"generated={self.generated}/{self.output_tokens}, pages={self.num_pages})")
+        return (
+            f"SimRequest({self.request_id!r}, tokens={self.num_tokens}, "
+            f"generated={self.generated}/{self.output_tokens}, pages={self.num_pages})"
+        )

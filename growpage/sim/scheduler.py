@@ -59,31 +59,39 @@ _LATE = _FiledLate()
 class Scheduler:
     """Owns the waiting queue, the running batch and (through the source) the page pool."""
 
-    def __init__(self, source: TraceSource | ScriptSource, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, admission_reserve: int = 0,
-                 record_events: bool = False, chunked_prefill: bool = True,
-                 prefix_caching: bool = True, defer_compactions: bool = False) -> None:
+    def __init__(
+        self,
+        source: TraceSource | ScriptSource,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        admission_reserve: int = 0,
+        record_events: bool = False,
+        chunked_prefill: bool = True,
+        prefix_caching: bool = True,
+        defer_compactions: bool = False,
+    ) -> None:
         self.source = source
         self.controller = source.controller
         self.pool = source.controller.pool
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.admission_reserve = admission_reserve   # pages left free for running requests
+        self.admission_reserve = admission_reserve  # pages left free for running requests
         self.chunked_prefill = chunked_prefill
         self.prefix = PrefixCache(self.pool, source.scale, prefix_caching)
-        self.defer_compactions = defer_compactions   # settle now, run after the others
+        self.defer_compactions = defer_compactions  # settle now, run after the others
         self._pending: dict[str, PendingCompaction] = {}
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.finished: list[SimRequest] = []
-        self.step = 0                 # decode steps done
+        self.step = 0  # decode steps done
         self.num_preemptions = 0
         self.events: list[tuple] | None = [] if record_events else None
         self._heap: list[tuple[int, int, SimRequest]] = []
         self._tick = 0
-        self._kv_offset = 0           # sum over running of (num_tokens - sync_step)
-        self.prefilling: list[SimRequest] = []   # running, their prefill not done, in order
+        self._kv_offset = 0  # sum over running of (num_tokens - sync_step)
+        self.prefilling: list[SimRequest] = []  # running, their prefill not done, in order
         # Of the last resolve_boundaries: the decisions and compactions run at once, before
         # the late boundaries and deferred compactions (which run beside the next step).
         self.synchronous_work = (0, 0)
@@ -135,8 +143,9 @@ class Scheduler:
         return max(behind) + self.step if behind else 0
 
     def next_event_step(self) -> int:
-        while self._heap and not (self._heap[0][2].is_running
-                                  and self._heap[0][2].event_tick == self._heap[0][1]):
+        while self._heap and not (
+            self._heap[0][2].is_running and self._heap[0][2].event_tick == self._heap[0][1]
+        ):
             heapq.heappop(self._heap)
         return self._heap[0][0] if self._heap else self.step
 
@@ -174,8 +183,10 @@ class Scheduler:
             if not fits:
                 if not self.running:
                     pages = math.ceil(self._prefill_need(r) / self.page_size)
-                    raise ConfigError(f"request {r.request_id!r} needs {pages} KV pages; the pool "
-                                      f"has {self.pool.num_pages}")
+                    raise ConfigError(
+                        f"request {r.request_id!r} needs {pages} KV pages; the pool "
+                        f"has {self.pool.num_pages}"
+                    )
                 break
             self.waiting.popleft()
             self._start(r, cached, now)
@@ -199,16 +210,18 @@ class Scheduler:
         the pool's watermark free unless nothing runs)."""
         need = self._prefill_need(r)
         cached = self.prefix.cached_pages(r, need)
-        take = (math.ceil(need / self.page_size) - len(cached)
-                + self.prefix.pages_to_take(cached))
+        take = math.ceil(need / self.page_size) - len(cached) + self.prefix.pages_to_take(cached)
         reserve = self.admission_reserve if self.running else 0
         fits = self.pool.can_allocate(take + reserve, respect_watermark=bool(self.running))
         return cached, need - len(cached) * self.page_size, fits
 
     def can_admit(self) -> bool:
         """Whether the head of the queue would be admitted now (nothing changes)."""
-        return (bool(self.waiting) and len(self.running) < self.max_num_seqs
-                and self._admission(self.waiting[0])[2])
+        return (
+            bool(self.waiting)
+            and len(self.running) < self.max_num_seqs
+            and self._admission(self.waiting[0])[2]
+        )
 
     def _start(self, r: SimRequest, cached: list[int], now: float) -> None:
         if r.view is None or r.resuming:
@@ -217,8 +230,7 @@ class Scheduler:
         r.prefill_target = self._prefill_need(r)
         new = math.ceil(r.prefill_target / self.page_size) - len(cached)
         self.prefix.take(r, cached)
-        r.state.block_table = cached + self.pool.allocate(new,
-                                                          respect_watermark=bool(self.running))
+        r.state.block_table = cached + self.pool.allocate(new, respect_watermark=bool(self.running))
         r.prefill_left = r.prefill_target - len(cached) * self.page_size
         self.prefix.register(r, len(cached) * self.page_size)
         self.prefilling.append(r)
@@ -243,8 +255,9 @@ class Scheduler:
         self._schedule_event(r)
 
     # ---- decode -----------------------------------------------------------------------------
-    def resolve_boundaries(self, now: float, late_decisions: bool = False
-                           ) -> tuple[list[SimRequest], list[SimRequest]]:
+    def resolve_boundaries(
+        self, now: float, late_decisions: bool = False
+    ) -> tuple[list[SimRequest], list[SimRequest]]:
         """Run the controller for every running request at a capacity boundary now; returns,
         of those still running, the ones whose KV was compacted (Compress & Hold, Shrink, a
         refused GROW) and, with ``late_decisions`` (the engine's ``async_decisions``), the
@@ -263,7 +276,7 @@ class Scheduler:
         events = self.controller.events
         decided, compactions = _work(events)
         compacted, late = [], []
-        deferred: list[tuple[SimRequest, bool]] = []   # (request, a late boundary?) in order
+        deferred: list[tuple[SimRequest, bool]] = []  # (request, a late boundary?) in order
         for r in self._pop_due():
             if not r.is_running:
                 continue
@@ -272,8 +285,9 @@ class Scheduler:
                 late.append(r)
                 deferred.append((r, True))
                 continue
-            outcome = self._boundary(r, now, defer=self.defer_compactions,
-                                     late_decisions=late_decisions)
+            outcome = self._boundary(
+                r, now, defer=self.defer_compactions, late_decisions=late_decisions
+            )
             if isinstance(outcome, _FiledLate):
                 # Its boundary had to preempt another request first, which left it holding no
                 # shared page: the engine's make_room, asked again, files it as a late one.
@@ -287,38 +301,45 @@ class Scheduler:
         now_decided, now_compactions = _work(events)
         self.synchronous_work = (now_decided - decided, now_compactions - compactions)
         for r, is_late in deferred:
-            if not r.is_running:   # preempted for a later one (its compaction was cancelled)
+            if not r.is_running:  # preempted for a later one (its compaction was cancelled)
                 continue
             if not is_late:
                 self._run_pending(r, now)
                 continue
-            outcome = self._boundary(r, now)   # never filed again: late_decisions is off
-            if isinstance(outcome, BoundaryOutcome) and outcome.action in (Action.COMPRESS,
-                                                                          Action.SHRINK):
+            outcome = self._boundary(r, now)  # never filed again: late_decisions is off
+            if isinstance(outcome, BoundaryOutcome) and outcome.action in (
+                Action.COMPRESS,
+                Action.SHRINK,
+            ):
                 compacted.append(r)
         return [r for r in compacted if r.is_running], [r for r in late if r.is_running]
 
     def _decides_late(self, r: SimRequest) -> bool:
         """``KVCacheManager.decides_late`` for ``r`` at its boundary now."""
-        return (bool(getattr(self.controller.policy, "fallback_to_compress", True))
-                and r.num_pages >= self.controller.config.min_capacity
-                and self.step > r.admit_step   # a query summary exists
-                and not (self.prefix.enabled
-                         and any(self.pool.is_shared(page) for page in r.state.block_table)))
+        return (
+            bool(getattr(self.controller.policy, "fallback_to_compress", True))
+            and r.num_pages >= self.controller.config.min_capacity
+            and self.step > r.admit_step  # a query summary exists
+            and not (
+                self.prefix.enabled
+                and any(self.pool.is_shared(page) for page in r.state.block_table)
+            )
+        )
 
     def sit_out(self, requests: list[SimRequest]) -> None:
         """``requests`` skip the next decode step (asynchronous compaction: their compaction
         runs beside it): they gain no token in it, and their next event comes a step later."""
         for r in requests:
-            r.sync_step += 1            # the next step does not count for it
+            r.sync_step += 1  # the next step does not count for it
             self._kv_offset -= 1
             r.event_step += 1
             self._tick += 1
-            r.event_tick = self._tick   # the entry pushed before is stale now
+            r.event_tick = self._tick  # the entry pushed before is stale now
             heapq.heappush(self._heap, (r.event_step, self._tick, r))
 
-    def _boundary(self, r: SimRequest, now: float, defer: bool = False,
-                  late_decisions: bool = False) -> BoundaryOutcome | _FiledLate | None:
+    def _boundary(
+        self, r: SimRequest, now: float, defer: bool = False, late_decisions: bool = False
+    ) -> BoundaryOutcome | _FiledLate | None:
         """One boundary of ``r``: its outcome, None when ``r`` itself was preempted. With
         ``defer`` a compression is only settled (its outcome's ``pending``; ``_run_pending``
         runs it). With ``late_decisions``, ``_LATE`` when a preemption for it left it deciding
@@ -332,8 +353,9 @@ class Scheduler:
             assert view is not None  # given when the request was admitted
             # No decode step since its admission: no query summary yet (a prompt that fills its
             # last page, or the first step after a recompute), so the controller grows.
-            self.source.prepare(view, state.num_tokens, state.position,
-                                decoded=self.step > r.admit_step)
+            self.source.prepare(
+                view, state.num_tokens, state.position, decoded=self.step > r.admit_step
+            )
             fallbacks = state.events.fallback
             outcome = self.controller.on_boundary(state, view, defer=defer)
             if state.events.fallback > fallbacks:
@@ -370,15 +392,19 @@ class Scheduler:
     def _alone_error(self, r: SimRequest) -> str:
         """Why ``r`` cannot go on even alone, and, for a policy that never compresses, the
         pool it needs."""
-        total = r.prompt_tokens + r.output_tokens   # its KV ends one token short of this
-        text = (f"request {r.request_id!r} ({r.prompt_tokens} prompt + {r.output_tokens} output "
-                f"tokens) cannot get a page even alone, holding {r.num_pages} pages after "
-                f"{r.generated + 1} output tokens: the pool ({self.pool.num_pages} pages of "
-                f"{self.page_size} tokens, watermark {self.pool.watermark}) is too small")
+        total = r.prompt_tokens + r.output_tokens  # its KV ends one token short of this
+        text = (
+            f"request {r.request_id!r} ({r.prompt_tokens} prompt + {r.output_tokens} output "
+            f"tokens) cannot get a page even alone, holding {r.num_pages} pages after "
+            f"{r.generated + 1} output tokens: the pool ({self.pool.num_pages} pages of "
+            f"{self.page_size} tokens, watermark {self.pool.watermark}) is too small"
+        )
         if not self.controller.policy.fallback_to_compress:
             need = math.ceil((total - 1) / self.page_size) + self.pool.watermark
-            text += (f"; policy {self.controller.policy.name!r} never compresses, so it needs "
-                     f"{need} pages (--kv-pages {need})")
+            text += (
+                f"; policy {self.controller.policy.name!r} never compresses, so it needs "
+                f"{need} pages (--kv-pages {need})"
+            )
         return text
 
     def preempt(self, r: SimRequest, now: float) -> None:
@@ -394,9 +420,9 @@ class Scheduler:
 
     def _release(self, r: SimRequest) -> None:
         pending = self._pending.pop(r.request_id, None)
-        if pending is not None:   # its settled compaction will not run: its pages go back
+        if pending is not None:  # its settled compaction will not run: its pages go back
             pending.cancel()
-        self.pool.free(reversed(r.state.block_table))   # tail first: cached heads stay longest
+        self.pool.free(reversed(r.state.block_table))  # tail first: cached heads stay longest
         r.state.block_table = []
         r.is_running = False
         self.running.remove(r)
@@ -431,7 +457,7 @@ class Scheduler:
             self._sync(r)
             if r.generated >= r.decode_tokens:
                 self._finish(r, now)
-            else:   # at a boundary: resolved before the next decode step
+            else:  # at a boundary: resolved before the next decode step
                 self._tick += 1
                 r.event_tick = self._tick
                 heapq.heappush(self._heap, (r.event_step, self._tick, r))
@@ -439,5 +465,7 @@ class Scheduler:
 
 def _work(events: EventCounters) -> tuple[int, int]:
     """The decisions a policy made and the compactions run, so far."""
-    return (events.decided_grow + events.decided_compress + events.decided_shrink,
-            events.compress + events.shrink)
+    return (
+        events.decided_grow + events.decided_compress + events.decided_shrink,
+        events.compress + events.shrink,
+    )

@@ -36,10 +36,17 @@ from growpage.core.rope import RopeConfig
 from growpage.errors import SimulationError
 from growpage.policies.base import CapacityPolicy
 
-SIGNALS = ("attention", "working_set_ratio", "delta", "entropy_delta", "scores",
-           "accumulated_attention", "positions")
+SIGNALS = (
+    "attention",
+    "working_set_ratio",
+    "delta",
+    "entropy_delta",
+    "scores",
+    "accumulated_attention",
+    "positions",
+)
 
-SignalLog = dict[tuple[Any, ...], Any]   # (method, *args) -> value, for one boundary
+SignalLog = dict[tuple[Any, ...], Any]  # (method, *args) -> value, for one boundary
 
 
 def signal_key(method: str, *args: Any) -> tuple[Any, ...]:
@@ -64,7 +71,7 @@ class CountingView(KVView):
 
     def __init__(self, num_tokens: int = 0) -> None:
         self.count = num_tokens
-        self.decoded = True   # set per boundary (ScriptSource.prepare)
+        self.decoded = True  # set per boundary (ScriptSource.prepare)
 
     @property
     def num_tokens(self) -> int:
@@ -75,9 +82,11 @@ class CountingView(KVView):
         return self.decoded
 
     def _no_content(self) -> torch.Tensor:
-        raise SimulationError("a script-mode request has no KV content (keys, positions, "
-                              "queries): a policy that reads ctx.view in decide() needs trace "
-                              "mode (SimConfig(decisions='trace'), --decisions trace)")
+        raise SimulationError(
+            "a script-mode request has no KV content (keys, positions, "
+            "queries): a policy that reads ctx.view in decide() needs trace "
+            "mode (SimConfig(decisions='trace'), --decisions trace)"
+        )
 
     def keys(self) -> torch.Tensor:
         return self._no_content()
@@ -110,6 +119,7 @@ class RecordingContext:
             logged = value.clone() if isinstance(value, torch.Tensor) else value
             self._log[signal_key(name, *bound.args)] = logged
             return value
+
         return record
 
 
@@ -124,7 +134,7 @@ class RecordingPolicy(CapacityPolicy):
         self.fallback_to_compress = inner.fallback_to_compress  # type: ignore[misc]  # see NOTE
         self.needs_accumulated_attention = inner.needs_accumulated_attention  # type: ignore[misc]  # see NOTE
         self.logs: dict[object, list[SignalLog]] = {}
-        self._read: set[tuple[Any, ...]] = set()   # every signal key read at any boundary
+        self._read: set[tuple[Any, ...]] = set()  # every signal key read at any boundary
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         log: SignalLog = {}
@@ -138,7 +148,7 @@ class RecordingPolicy(CapacityPolicy):
         for key in self._read - log.keys():
             try:
                 value = getattr(ctx, key[0])(*key[1:])
-            except Exception:   # not available here: a read in serving is then an error
+            except Exception:  # not available here: a read in serving is then an error
                 continue
             log[key] = value.clone() if isinstance(value, torch.Tensor) else value
         return decision
@@ -150,11 +160,19 @@ class RecordingPolicy(CapacityPolicy):
 class ScriptedContext(BoundaryContext):
     """A context with live facts (in tokens) and played-back signals."""
 
-    def __init__(self, ctx: BoundaryContext, config: GrowPageConfig,
-                 signal: Callable[[tuple[Any, ...]], Any]) -> None:
+    def __init__(
+        self, ctx: BoundaryContext, config: GrowPageConfig, signal: Callable[[tuple[Any, ...]], Any]
+    ) -> None:
         b = config.page_size
-        super().__init__(ctx.request_id, ctx.num_pages * b, ctx.position, ctx.num_pages,
-                         ctx.num_free_pages, config, ctx.view)
+        super().__init__(
+            ctx.request_id,
+            ctx.num_pages * b,
+            ctx.position,
+            ctx.num_pages,
+            ctx.num_free_pages,
+            config,
+            ctx.view,
+        )
         self._signal = signal
 
     def attention(self, view: str) -> torch.Tensor:
@@ -187,13 +205,17 @@ class ScriptedPolicy(CapacityPolicy):
     ``select`` keeps the last ``keep`` slots (there is no content to choose from).
     """
 
-    def __init__(self, inner: CapacityPolicy, config: GrowPageConfig,
-                 lookup: Callable[[object, int, tuple[Any, ...]], Any]) -> None:
+    def __init__(
+        self,
+        inner: CapacityPolicy,
+        config: GrowPageConfig,
+        lookup: Callable[[object, int, tuple[Any, ...]], Any],
+    ) -> None:
         self.inner, self.config, self.lookup = inner, config, lookup
         self.name = inner.name  # type: ignore[misc]  # as in RecordingPolicy
         self.fallback_to_compress = inner.fallback_to_compress  # type: ignore[misc]  # as in RecordingPolicy
         self.ordinals: dict[object, int] = {}
-        self._last: dict[object, tuple[int, int]] = {}   # request -> (position, ordinal)
+        self._last: dict[object, tuple[int, int]] = {}  # request -> (position, ordinal)
         self._keep: dict[tuple[int, int], torch.Tensor] = {}
 
     def decide(self, ctx: BoundaryContext) -> Decision:

@@ -138,8 +138,11 @@ class ServingResult:
         if self.timeline is not None:
             return list(self.timeline)
         # A request's changes at one time apply in its own order: (time, request, index).
-        changes = sorted((t, i, k, pages) for i, r in enumerate(self.requests)
-                         for k, (t, pages) in enumerate(r.capacity))
+        changes = sorted(
+            (t, i, k, pages)
+            for i, r in enumerate(self.requests)
+            for k, (t, pages) in enumerate(r.capacity)
+        )
         held = [0] * len(self.requests)
         used = resident = 0
         timeline = [(0.0, 0, 0)]
@@ -171,7 +174,7 @@ class _Run:
     boundary_seconds: float = 0.0
     async_compaction: bool = False
     async_decisions: bool = False
-    on_progress: Callable[[int], object] | None = None   # called with the finished count
+    on_progress: Callable[[int], object] | None = None  # called with the finished count
     # (time_s, pages in use, resident requests) at every change: ServingResult.pool_timeline.
     # NOTE: the pool's count, not the sum of the requests' block tables, which counts a page
     # shared through the prefix cache once per holder (and could exceed the pool).
@@ -179,7 +182,7 @@ class _Run:
 
     def spend(self, env: simpy.Environment, seconds: float) -> simpy.Timeout:
         self.resident_seconds += len(self.scheduler.running) * seconds
-        if seconds > 0:   # a state held for no time (a free prefill) is not in pool_timeline()
+        if seconds > 0:  # a state held for no time (a free prefill) is not in pool_timeline()
             self.peak_pages = max(self.peak_pages, self.scheduler.pool.num_used_pages)
             self.mark(env.now)
         return env.timeout(seconds)
@@ -193,8 +196,9 @@ class _Run:
             self.timeline.append(point)
 
 
-def arrivals(env: simpy.Environment, run: _Run, requests: Sequence[SimRequest]
-             ) -> Generator[simpy.Event, None, None]:
+def arrivals(
+    env: simpy.Environment, run: _Run, requests: Sequence[SimRequest]
+) -> Generator[simpy.Event, None, None]:
     """Move each request to the waiting queue at its arrival time (requests sorted by it)."""
     for i, r in enumerate(requests):
         if r.spec.arrival_s > env.now:
@@ -222,7 +226,7 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             _report_progress(run, done)
             continue
         if not sched.running:
-            run.mark(env.now)   # the pool is empty until the next arrival
+            run.mark(env.now)  # the pool is empty until the next arrival
             run.idle = env.event()
             yield run.idle
             continue
@@ -240,10 +244,13 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             before_s = _synchronous_s(run)
             if before_s > 0:
                 yield run.spend(env, before_s)
-            num_steps, seconds = 1, max(_sit_out_step(run, sitting),
-                                        decisions_s + compactions_s - before_s)
-        elif (not late and run.async_compaction and compacted
-              and len(compacted) < len(sched.running)):
+            num_steps, seconds = (
+                1,
+                max(_sit_out_step(run, sitting), decisions_s + compactions_s - before_s),
+            )
+        elif (
+            not late and run.async_compaction and compacted and len(compacted) < len(sched.running)
+        ):
             # Their compactions run beside the next step, which they sit out (engine's
             # async_compaction); the step waits only for compaction work longer than itself.
             run.boundary_seconds += decisions_s + compactions_s
@@ -272,8 +279,9 @@ def _report_progress(run: _Run, finished_before: int) -> None:
         run.on_progress(finished)
 
 
-def _resolve_boundaries(run: _Run, now: float
-                        ) -> tuple[float, float, list[SimRequest], list[SimRequest]]:
+def _resolve_boundaries(
+    run: _Run, now: float
+) -> tuple[float, float, list[SimRequest], list[SimRequest]]:
     """Resolve the boundaries due now: the seconds the cost model charges for their decisions
     and for their compactions, the running requests whose KV was compacted, and, with
     ``async_decisions``, those whose boundary was decided late (``Scheduler.resolve_boundaries``)."""
@@ -283,8 +291,12 @@ def _resolve_boundaries(run: _Run, now: float
     decided = _decided(events) - decided
     compactions = events.compress + events.shrink - compactions
     decisions_s = run.cost.boundary_time(decided, 0)
-    return (decisions_s, run.cost.boundary_time(decided, compactions) - decisions_s, compacted,
-            late)
+    return (
+        decisions_s,
+        run.cost.boundary_time(decided, compactions) - decisions_s,
+        compacted,
+        late,
+    )
 
 
 def _synchronous_s(run: _Run) -> float:
@@ -300,8 +312,11 @@ def _sit_out_step(run: _Run, compacted: list[SimRequest]) -> float:
     out (``Scheduler.sit_out``)."""
     sched = run.scheduler
     batch = len(sched.running) - len(compacted)
-    kv = (batch * (sched.longest_context(compacted) + 1) if run.cost.padded_kv
-          else sched.kv_tokens() - sum(r.num_tokens for r in compacted) + batch)
+    kv = (
+        batch * (sched.longest_context(compacted) + 1)
+        if run.cost.padded_kv
+        else sched.kv_tokens() - sum(r.num_tokens for r in compacted) + batch
+    )
     sched.sit_out(compacted)
     return run.cost.decode_time(batch, kv, 1)
 
@@ -324,7 +339,7 @@ def _segment(run: _Run, now: float) -> tuple[int, float]:
     # by ``batch`` per step, as the sum does.
     kv = batch * (sched.longest_context() + 1) if run.cost.padded_kv else sched.kv_tokens() + batch
     seconds = run.cost.decode_time(batch, kv, num_steps)
-    if run.next_arrival_s < now + seconds:   # stop after the step the arrival falls in
+    if run.next_arrival_s < now + seconds:  # stop after the step the arrival falls in
         ends = np.cumsum(run.cost.decode_times(batch, kv, num_steps))
         num_steps = int(np.searchsorted(ends, run.next_arrival_s - now)) + 1
         return num_steps, float(ends[num_steps - 1])
@@ -338,13 +353,19 @@ def _check_requests(requests: Sequence[WorkloadRequest]) -> None:
         if not isinstance(r, WorkloadRequest):
             raise WorkloadError(f"simulate() takes WorkloadRequests, got {r!r}")
         if r.request_id in seen:
-            raise WorkloadError(f"two requests have the id {r.request_id!r}: ids must be "
-                                "distinct (they name the requests in the results)")
+            raise WorkloadError(
+                f"two requests have the id {r.request_id!r}: ids must be "
+                "distinct (they name the requests in the results)"
+            )
         seen.add(r.request_id)
 
 
-def _check_fits(requests: Sequence[WorkloadRequest], policy: CapacityPolicy,
-                config: GrowPageConfig, sim: SimConfig) -> None:
+def _check_fits(
+    requests: Sequence[WorkloadRequest],
+    policy: CapacityPolicy,
+    config: GrowPageConfig,
+    sim: SimConfig,
+) -> None:
     """A ``ConfigError`` before the run (not when it gets there) for a request that cannot
     finish even alone in the pool, as the engine refuses it when it is added.
 
@@ -355,7 +376,7 @@ def _check_fits(requests: Sequence[WorkloadRequest], policy: CapacityPolicy,
     b, pages, reserve = config.page_size, sim.num_kv_pages, config.watermark
     compresses = bool(getattr(policy, "fallback_to_compress", True))
     for r in requests:
-        total = math.ceil((r.prompt_tokens + r.output_tokens - 1) / b)   # its KV at the end
+        total = math.ceil((r.prompt_tokens + r.output_tokens - 1) / b)  # its KV at the end
         forced = min(config.min_capacity, total)
         if compresses:
             # As the engine's Scheduler.add (KVCacheManager.can_ever_fit): the prompt and one
@@ -368,32 +389,50 @@ def _check_fits(requests: Sequence[WorkloadRequest], policy: CapacityPolicy,
             need = total
             if need <= max(pages - reserve, forced) and math.ceil(r.prompt_tokens / b) <= pages:
                 continue
-            why = (f"policy {policy.name!r} never compresses, so it needs {need} pages of {b} "
-                   f"tokens" + (f" and the watermark's {reserve}" if reserve else "")
-                   + f" (--kv-pages {need + reserve})")
-        raise ConfigError(f"request {r.request_id!r} ({r.prompt_tokens} prompt + "
-                          f"{r.output_tokens} output tokens) cannot finish even alone: {why}; "
-                          f"the pool has {pages}")
+            why = (
+                f"policy {policy.name!r} never compresses, so it needs {need} pages of {b} "
+                f"tokens"
+                + (f" and the watermark's {reserve}" if reserve else "")
+                + f" (--kv-pages {need + reserve})"
+            )
+        raise ConfigError(
+            f"request {r.request_id!r} ({r.prompt_tokens} prompt + "
+            f"{r.output_tokens} output tokens) cannot finish even alone: {why}; "
+            f"the pool has {pages}"
+        )
 
 
 def _check_types(config: object, sim: object, cost: object) -> None:
     """``simulate``'s settings are the objects it reads, or a ``ConfigError`` says which is not
     (a preset name or a ``PRESETS`` entry is not a cost model: ``load_cost_model`` makes one)."""
     for name, value, kind, hint in (
-            ("config", config, GrowPageConfig, ""), ("sim", sim, SimConfig, ""),
-            ("cost", cost, CostModel,
-             "; build one with LinearCostModel(...), RooflineCostModel(hardware, model) or "
-             "load_cost_model('a100-qwen3-8b') (a preset's name or a calibrated model's JSON)")):
+        ("config", config, GrowPageConfig, ""),
+        ("sim", sim, SimConfig, ""),
+        (
+            "cost",
+            cost,
+            CostModel,
+            "; build one with LinearCostModel(...), RooflineCostModel(hardware, model) or "
+            "load_cost_model('a100-qwen3-8b') (a preset's name or a calibrated model's JSON)",
+        ),
+    ):
         if not isinstance(value, kind):
-            raise ConfigError(f"simulate(): {name} must be a {kind.__name__}, got "
-                              f"{type(value).__name__} {value!r:.80}{hint}")
+            raise ConfigError(
+                f"simulate(): {name} must be a {kind.__name__}, got "
+                f"{type(value).__name__} {value!r:.80}{hint}"
+            )
 
 
-def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
-             config: GrowPageConfig, sim: SimConfig, cost: CostModel,
-             trace_of: Callable[[WorkloadRequest], Trace] | None = None,
-             on_progress: Callable[[int], object] | None = None,
-             demand: SyntheticSpec = SCRIPT_SPEC) -> ServingResult:
+def simulate(
+    requests: Sequence[WorkloadRequest],
+    policy: str | CapacityPolicy,
+    config: GrowPageConfig,
+    sim: SimConfig,
+    cost: CostModel,
+    trace_of: Callable[[WorkloadRequest], Trace] | None = None,
+    on_progress: Callable[[int], object] | None = None,
+    demand: SyntheticSpec = SCRIPT_SPEC,
+) -> ServingResult:
     """Serve ``requests`` under ``policy``; see the module docstring.
 
     ``trace_of`` gives each request's trace in trace mode (default: a synthetic trace drawn for
@@ -407,33 +446,62 @@ def simulate(requests: Sequence[WorkloadRequest], policy: str | CapacityPolicy,
     policy = resolve_policy(policy)
     _check_fits(requests, policy, config, sim)
     if not cost.decode_time(1, 1, 1) > 0:
-        raise ConfigError(f"cost model {cost.name!r} prices a decode step at 0 s: simulated time "
-                          "would not advance and throughput is undefined")
+        raise ConfigError(
+            f"cost model {cost.name!r} prices a decode step at 0 s: simulated time "
+            "would not advance and throughput is undefined"
+        )
     if sim.decisions == "trace":
         source: TraceSource | ScriptSource = TraceSource(
-            policy, config, sim.num_kv_pages, trace_of or synthetic_trace_of(demand, sim.seed))
+            policy, config, sim.num_kv_pages, trace_of or synthetic_trace_of(demand, sim.seed)
+        )
     else:
-        source = ScriptSource(policy, config, sim.num_kv_pages, requests, sim.num_scripts,
-                              sim.seed, demand)
+        source = ScriptSource(
+            policy, config, sim.num_kv_pages, requests, sim.num_scripts, sim.seed, demand
+        )
     reserve = int(sim.admission_reserve * sim.num_kv_pages)
     # As the engine (LLM()): a policy that reads H2O accumulated attention keeps per-slot sums,
     # which shared pages cannot hold, so it runs without prefix caching.
-    prefix_caching = sim.prefix_caching and not getattr(policy, "needs_accumulated_attention",
-                                                        False)
-    sched = Scheduler(source, config.page_size, sim.max_num_seqs, sim.max_num_batched_tokens,
-                      reserve, sim.record_events, sim.chunked_prefill, prefix_caching,
-                      sim.async_compaction)
+    prefix_caching = sim.prefix_caching and not getattr(
+        policy, "needs_accumulated_attention", False
+    )
+    sched = Scheduler(
+        source,
+        config.page_size,
+        sim.max_num_seqs,
+        sim.max_num_batched_tokens,
+        reserve,
+        sim.record_events,
+        sim.chunked_prefill,
+        prefix_caching,
+        sim.async_compaction,
+    )
     sim_requests = [SimRequest(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
     env = simpy.Environment()
-    run = _Run(sched, cost, len(sim_requests), async_compaction=sim.async_compaction,
-               async_decisions=sim.async_decisions, on_progress=on_progress)
+    run = _Run(
+        sched,
+        cost,
+        len(sim_requests),
+        async_compaction=sim.async_compaction,
+        async_decisions=sim.async_decisions,
+        on_progress=on_progress,
+    )
     env.process(arrivals(env, run, sim_requests))
     env.process(engine(env, run))
     env.run()
-    run.mark(env.now)   # all gone
+    run.mark(env.now)  # all gone
     first = min((r.arrival_s for r in requests), default=0.0)
-    metrics = compute_metrics(policy.name, sim_requests, source.controller.events, env.now - first,
-                              run.resident_seconds, sched.num_preemptions, run.decode_steps,
-                              run.prefill_steps, run.peak_pages, sched.pool.num_pages,
-                              run.boundary_seconds, sched.prefix.hit_tokens)
+    metrics = compute_metrics(
+        policy.name,
+        sim_requests,
+        source.controller.events,
+        env.now - first,
+        run.resident_seconds,
+        sched.num_preemptions,
+        run.decode_steps,
+        run.prefill_steps,
+        run.peak_pages,
+        sched.pool.num_pages,
+        run.boundary_seconds,
+        sched.prefix.hit_tokens,
+    )
     return ServingResult(metrics, sim_requests, sched.events, sched.pool, run.timeline)

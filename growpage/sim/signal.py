@@ -55,7 +55,7 @@ class BucketStat:
     low: float
     high: float
     count: int
-    mean_advantage: float | None        # retained-mass loss
+    mean_advantage: float | None  # retained-mass loss
     mean_advantage_error: float | None  # output-error loss
 
 
@@ -76,8 +76,9 @@ def _mean(xs: list[float]) -> float | None:
     return float(np.mean(xs)) if xs else None
 
 
-def signal_quality(records: Iterable[BoundaryRecord],
-                   edges: Sequence[float] = DELTA_EDGES) -> SignalQuality:
+def signal_quality(
+    records: Iterable[BoundaryRecord], edges: Sequence[float] = DELTA_EDGES
+) -> SignalQuality:
     """Signal quality of the records that carry Delta_t (pool them across traces freely)."""
     with_delta = [(r.delta, r) for r in records if r.delta is not None]
     paired = [(d, r.future_change) for d, r in with_delta if r.future_change is not None]
@@ -86,9 +87,18 @@ def signal_quality(records: Iterable[BoundaryRecord],
     agree = float(np.mean(np.sign(deltas) == np.sign(changes))) if paired else math.nan
     buckets = []
     for low, high in zip(edges[:-1], edges[1:], strict=True):
-        inside = [(r.advantage, r.advantage_error) for d, r in with_delta
-                  if low <= d < high and r.advantage is not None]
-        buckets.append(BucketStat(
-            low, high, len(inside), _mean([a for a, _ in inside]),
-            _mean([e for _, e in inside if e is not None])))
+        inside = [
+            (r.advantage, r.advantage_error)
+            for d, r in with_delta
+            if low <= d < high and r.advantage is not None
+        ]
+        buckets.append(
+            BucketStat(
+                low,
+                high,
+                len(inside),
+                _mean([a for a, _ in inside]),
+                _mean([e for _, e in inside if e is not None]),
+            )
+        )
     return SignalQuality(len(paired), spearman(deltas, changes), agree, tuple(buckets))

@@ -45,8 +45,9 @@ from growpage.sim.workload_csv import WorkloadRequest
 
 # Synthetic traces behind scripts and per-request traces: small heads (the regime dynamics, not
 # the head count, drive Delta_t), regimes of ~1k tokens.
-SCRIPT_SPEC = SyntheticSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32,
-                            mean_regime_len=1024.0)
+SCRIPT_SPEC = SyntheticSpec(
+    num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32, mean_regime_len=1024.0
+)
 
 
 class TraceSource:
@@ -54,16 +55,23 @@ class TraceSource:
 
     scale = 1
 
-    def __init__(self, policy: CapacityPolicy, config: GrowPageConfig, num_pages: int,
-                 trace_of: Callable[[WorkloadRequest], Trace]) -> None:
+    def __init__(
+        self,
+        policy: CapacityPolicy,
+        config: GrowPageConfig,
+        num_pages: int,
+        trace_of: Callable[[WorkloadRequest], Trace],
+    ) -> None:
         pool = PagePool(num_pages, config.page_size, watermark=config.watermark)
         self.controller = CapacityController(policy, pool, config)
         self.trace_of = trace_of
 
     def view_for(self, request: WorkloadRequest) -> KVView:
-        view = TraceView(self.trace_of(request), self.controller.config,
-                         track_accumulated=getattr(self.controller.policy,
-                                                   "needs_accumulated_attention", False))
+        view = TraceView(
+            self.trace_of(request),
+            self.controller.config,
+            track_accumulated=getattr(self.controller.policy, "needs_accumulated_attention", False),
+        )
         view.write_until(request.prompt_tokens)
         return view
 
@@ -75,9 +83,16 @@ class TraceSource:
 class ScriptSource:
     """Script mode: page-unit controller, signals played back from per-group scripts."""
 
-    def __init__(self, policy: CapacityPolicy, config: GrowPageConfig, num_pages: int,
-                 requests: Sequence[WorkloadRequest], num_scripts: int = 8, seed: int = 0,
-                 spec: SyntheticSpec = SCRIPT_SPEC) -> None:
+    def __init__(
+        self,
+        policy: CapacityPolicy,
+        config: GrowPageConfig,
+        num_pages: int,
+        requests: Sequence[WorkloadRequest],
+        num_scripts: int = 8,
+        seed: int = 0,
+        spec: SyntheticSpec = SCRIPT_SPEC,
+    ) -> None:
         self.scale = config.page_size
         self.book = ScriptBook(policy, config, requests, num_scripts, seed, spec)
         pool = PagePool(num_pages, 1, watermark=config.watermark)
@@ -104,9 +119,15 @@ class ScriptBook:
     """Signal logs of scripted replays, built on first use (up front for a policy that cannot
     be deep-copied: see the module docstring); ``lookup`` serves ``ScriptedPolicy``."""
 
-    def __init__(self, policy: CapacityPolicy, config: GrowPageConfig,
-                 requests: Sequence[WorkloadRequest], num_scripts: int, seed: int,
-                 spec: SyntheticSpec) -> None:
+    def __init__(
+        self,
+        policy: CapacityPolicy,
+        config: GrowPageConfig,
+        requests: Sequence[WorkloadRequest],
+        num_scripts: int,
+        seed: int,
+        spec: SyntheticSpec,
+    ) -> None:
         self.policy, self.config, self.seed, self.spec = policy, config, seed, spec
         self.script_of: dict[object, int] = {}
         self.scripts: list[_Script] = []
@@ -125,12 +146,12 @@ class ScriptBook:
         for g in (g for g in groups if len(g)):
             prompt = int(np.median([requests[i].prompt_tokens for i in g]))
             longest = int(totals[g].max())
-            gen = max(longest - prompt, 1) + 2 * config.page_size   # margin: never run out
+            gen = max(longest - prompt, 1) + 2 * config.page_size  # margin: never run out
             gen = max([gen] + [_script_len_for(requests[i], prompt, config) for i in g])
             for i in g:
                 self.script_of[requests[i].request_id] = len(self.scripts)
             self.scripts.append(_Script(prompt, gen))
-        if self.replayer is None:   # not from inside decide: the served object replays
+        if self.replayer is None:  # not from inside decide: the served object replays
             for index in range(len(self.scripts)):
                 self._logs(index)
 
@@ -140,22 +161,26 @@ class ScriptBook:
             raise SimulationError(f"request {request_id!r} has no script")
         logs = self._logs(index)
         if ordinal >= len(logs):
-            raise SimulationError(f"request {request_id!r} reached decided boundary {ordinal}, "
-                                  f"its script has {len(logs)}")
+            raise SimulationError(
+                f"request {request_id!r} reached decided boundary {ordinal}, "
+                f"its script has {len(logs)}"
+            )
         if key not in logs[ordinal]:
             raise SimulationError(
                 f"policy {self.policy.name!r} read {key[0]}({', '.join(map(repr, key[1:]))}) at "
                 f"decided boundary {ordinal} of request {request_id!r}, but its script run did "
                 "not (in script mode which signals a policy reads must not depend on the pool "
                 "state, nor on num_pages or capacity, which fallbacks change; use trace mode: "
-                "--decisions trace, SimConfig(decisions='trace'))")
+                "--decisions trace, SimConfig(decisions='trace'))"
+            )
         return logs[ordinal][key]
 
     def _logs(self, index: int) -> list[SignalLog]:
         script = self.scripts[index]
         if script.logs is None:
-            spec = attrs.evolve(self.spec, prompt_len=script.prompt_len, gen_len=script.gen_len,
-                                with_values=False)
+            spec = attrs.evolve(
+                self.spec, prompt_len=script.prompt_len, gen_len=script.gen_len, with_values=False
+            )
             trace = synthetic_trace(spec, self.seed + index, request_id=f"script-{index}")
             recorder = RecordingPolicy(self.policy if self.replayer is None else self.replayer)
             replay_trace(trace, recorder, self.config, ReplayOptions(fidelity_queries=0))
@@ -187,8 +212,9 @@ def _script_len_for(request: WorkloadRequest, prompt: int, config: GrowPageConfi
     return script_free + (boundaries + script_forced - forced + 1) * b
 
 
-def synthetic_trace_of(spec: SyntheticSpec = SCRIPT_SPEC, seed: int = 0
-                       ) -> Callable[[WorkloadRequest], Trace]:
+def synthetic_trace_of(
+    spec: SyntheticSpec = SCRIPT_SPEC, seed: int = 0
+) -> Callable[[WorkloadRequest], Trace]:
     """Trace mode without recorded traces: a synthetic trace drawn for each request's lengths."""
     index: dict[str, int] = {}
 
@@ -196,13 +222,18 @@ def synthetic_trace_of(spec: SyntheticSpec = SCRIPT_SPEC, seed: int = 0
         i = index.setdefault(request.request_id, len(index))
         s = attrs.evolve(spec, prompt_len=request.prompt_tokens, gen_len=request.output_tokens)
         return synthetic_trace(s, seed + i, request_id=request.request_id)
+
     return trace_of
 
 
-def traces_for(requests: Sequence[WorkloadRequest], directory: str,
-               on_headers: Callable[[list[TraceHeader]], None] | None = None, *,
-               deep: bool = False, progress: bool = False
-               ) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
+def traces_for(
+    requests: Sequence[WorkloadRequest],
+    directory: str,
+    on_headers: Callable[[list[TraceHeader]], None] | None = None,
+    *,
+    deep: bool = False,
+    progress: bool = False,
+) -> tuple[list[WorkloadRequest], Callable[[WorkloadRequest], Trace]]:
     """Trace mode over a trace set: each request takes its ``trace`` (or the set's entries in
     turn) and the lengths of that trace. A trace holds the KV of every token but the last
     output token (never fed back), so ``G`` generated positions make ``G + 1`` output tokens.
@@ -222,11 +253,18 @@ def traces_for(requests: Sequence[WorkloadRequest], directory: str,
         if entry is None:
             raise ConfigError(f"request {r.request_id}: trace {r.trace!r} is not in {directory}")
         if r.prefix is not None and r.prefix_tokens > entry.prompt_len:
-            raise ConfigError(f"request {r.request_id}: its shared prefix {r.prefix!r} of "
-                              f"{r.prefix_tokens} tokens is longer than the prompt of its trace "
-                              f"{entry.request_id!r} in {directory} ({entry.prompt_len} "
-                              "tokens), which the request takes in trace mode")
+            raise ConfigError(
+                f"request {r.request_id}: its shared prefix {r.prefix!r} of "
+                f"{r.prefix_tokens} tokens is longer than the prompt of its trace "
+                f"{entry.request_id!r} in {directory} ({entry.prompt_len} "
+                "tokens), which the request takes in trace mode"
+            )
         chosen[r.request_id] = entry
-        out.append(attrs.evolve(r, prompt_tokens=entry.prompt_len,
-                                output_tokens=entry.num_tokens - entry.prompt_len + 1))
+        out.append(
+            attrs.evolve(
+                r,
+                prompt_tokens=entry.prompt_len,
+                output_tokens=entry.num_tokens - entry.prompt_len + 1,
+            )
+        )
     return out, lambda request: traces.read(chosen[request.request_id])

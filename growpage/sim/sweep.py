@@ -66,8 +66,10 @@ def parse_points(specs: Sequence[str]) -> list[SweepPoint]:
             if not eq or not key or not values:
                 raise ConfigError(f"bad sweep spec {spec!r}: expected NAME@key=v1,v2;key2=v3")
             if key in grid:
-                raise ConfigError(f"bad sweep spec {spec!r}: key {key!r} given twice (list its "
-                                  f"values once: {key}=v1,v2)")
+                raise ConfigError(
+                    f"bad sweep spec {spec!r}: key {key!r} given twice (list its "
+                    f"values once: {key}=v1,v2)"
+                )
             grid[key] = [(key, parse_policy_value(v)) for v in values.split(",")]
         points += [SweepPoint(name, tuple(combo)) for combo in itertools.product(*grid.values())]
     return points
@@ -84,19 +86,23 @@ class SweepSettings:
     requests: tuple[WorkloadRequest, ...] = attrs.field(converter=_requests)
     config: GrowPageConfig
     sim: SimConfig
-    cost: str                         # preset name or linear model JSON path
-    fidelity_traces: int = 4          # synthetic traces replayed per point (0: no fidelity)
-    fidelity_gen_len: int = 4096      # tokens generated per fidelity trace
+    cost: str  # preset name or linear model JSON path
+    fidelity_traces: int = 4  # synthetic traces replayed per point (0: no fidelity)
+    fidelity_gen_len: int = 4096  # tokens generated per fidelity trace
     seed: int = 0
-    boundary_s: float | None = None   # capacity-control prices over the cost model's (None: its)
+    boundary_s: float | None = None  # capacity-control prices over the cost model's (None: its)
     compaction_s: float | None = None
-    traces: str | None = None         # trace set for decisions="trace" (None: synthetic traces)
-    threads: int = 1                  # torch CPU threads of each point's process
+    traces: str | None = None  # trace set for decisions="trace" (None: synthetic traces)
+    threads: int = 1  # torch CPU threads of each point's process
 
 
 def _identity(point: SweepPoint) -> dict:
-    return {"label": point.label, "group": point.policy, **dict(point.params),
-            "policy": point.policy}
+    return {
+        "label": point.label,
+        "group": point.policy,
+        **dict(point.params),
+        "policy": point.policy,
+    }
 
 
 def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
@@ -106,19 +112,36 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
     requests, trace_of = list(settings.requests), None
     if settings.traces and settings.sim.decisions == "trace":
         requests, trace_of = traces_for(requests, settings.traces)
-    serving = simulate(requests, resolve_policy(point.policy, **kwargs),
-                       settings.config, settings.sim,
-                       with_boundary_costs(load_cost_model(settings.cost), settings.boundary_s,
-                                           settings.compaction_s), trace_of)
-    replays = [replay_trace(trace, resolve_policy(point.policy, **kwargs), settings.config,
-                            ReplayOptions(fidelity_queries=4))
-               for trace in fidelity_traces(settings)]
+    serving = simulate(
+        requests,
+        resolve_policy(point.policy, **kwargs),
+        settings.config,
+        settings.sim,
+        with_boundary_costs(
+            load_cost_model(settings.cost), settings.boundary_s, settings.compaction_s
+        ),
+        trace_of,
+    )
+    replays = [
+        replay_trace(
+            trace,
+            resolve_policy(point.policy, **kwargs),
+            settings.config,
+            ReplayOptions(fidelity_queries=4),
+        )
+        for trace in fidelity_traces(settings)
+    ]
     fidelity = aggregate_replays(replays)
-    return {**_identity(point), **serving.metrics.as_dict(), "policy": point.policy,
-            "fidelity_source": fidelity_source(settings),
-            "mass_mean": fidelity.get("mass_mean"), "mass_min": fidelity.get("mass_min"),
-            "output_error": fidelity.get("output_error"),
-            "replay_avg_budget": fidelity.get("avg_budget")}
+    return {
+        **_identity(point),
+        **serving.metrics.as_dict(),
+        "policy": point.policy,
+        "fidelity_source": fidelity_source(settings),
+        "mass_mean": fidelity.get("mass_mean"),
+        "mass_min": fidelity.get("mass_min"),
+        "output_error": fidelity.get("output_error"),
+        "replay_avg_budget": fidelity.get("avg_budget"),
+    }
 
 
 def fidelity_traces(settings: SweepSettings) -> list[Trace]:
@@ -129,8 +152,9 @@ def fidelity_traces(settings: SweepSettings) -> list[Trace]:
     if settings.traces and settings.sim.decisions == "trace":
         return TraceSet(settings.traces).read_all(settings.fidelity_traces)
     spec = attrs.evolve(SCRIPT_SPEC, gen_len=settings.fidelity_gen_len)
-    return [synthetic_trace(spec, settings.seed + 1000 + i)
-            for i in range(settings.fidelity_traces)]
+    return [
+        synthetic_trace(spec, settings.seed + 1000 + i) for i in range(settings.fidelity_traces)
+    ]
 
 
 def fidelity_source(settings: SweepSettings) -> str:
@@ -140,8 +164,7 @@ def fidelity_source(settings: SweepSettings) -> str:
     if settings.traces and settings.sim.decisions == "trace":
         count = min(settings.fidelity_traces, len(TraceSet(settings.traces)))
         return f"traces {settings.traces} (first {count})"
-    return (f"{settings.fidelity_traces} synthetic traces of {settings.fidelity_gen_len} "
-            "tokens")
+    return f"{settings.fidelity_traces} synthetic traces of {settings.fidelity_gen_len} tokens"
 
 
 def _describe(exc: BaseException) -> str:
@@ -161,15 +184,17 @@ def try_point(point: SweepPoint, settings: SweepSettings) -> dict:
         return {**_identity(point), "error": _describe(exc)}
 
 
-def run_sweep(points: Sequence[SweepPoint], settings: SweepSettings, jobs: int = 2,
-              progress: bool = True) -> list[dict]:
+def run_sweep(
+    points: Sequence[SweepPoint], settings: SweepSettings, jobs: int = 2, progress: bool = True
+) -> list[dict]:
     """Run every point (in ``jobs`` processes); rows in the order of ``points``.
 
     A point that fails gives a row with ``error`` (``try_point``); the others run on."""
-    for p in points:   # fail fast on a bad policy name or hyperparameter
+    for p in points:  # fail fast on a bad policy name or hyperparameter
         resolve_policy(p.policy, **dict(p.params))
     rows: dict[int, dict] = {}
     with tqdm(total=len(points), desc="sweep", unit="point", disable=not progress) as bar:
+
         def finish(i: int, row: dict) -> None:
             rows[i] = row
             bar.update()

@@ -41,9 +41,9 @@ from growpage.core.traces import Trace, TraceHeader
 from growpage.errors import ConfigError
 
 SCHEDULES = ("random", "switch", "reverse_switch", "concentrated", "diffuse")
-VOCAB_SIZE = 49152          # token ids are drawn from [0, VOCAB_SIZE) (SmolLM2's vocabulary)
+VOCAB_SIZE = 49152  # token ids are drawn from [0, VOCAB_SIZE) (SmolLM2's vocabulary)
 QUERY_ANCHOR_FRACTION = 0.9  # share of a concentrated query's norm along its codebook direction
-QUERY_BASE_SHARE = 0.5       # share of the non-codebook query energy in a fixed per-head direction
+QUERY_BASE_SHARE = 0.5  # share of the non-codebook query energy in a fixed per-head direction
 
 
 def _check(ok: bool, attribute: attrs.Attribute, value: Any, what: str) -> None:
@@ -59,6 +59,7 @@ def _positive_int(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _one_of(choices: tuple[str, ...]) -> Callable[[Any, attrs.Attribute, Any], None]:
     def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         _check(value in choices, attribute, value, f"one of {', '.join(choices)}")
+
     return check
 
 
@@ -75,19 +76,19 @@ def _positive_float(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
 class SyntheticSpec:
     """Shape and regime parameters of a synthetic trace (docs/trace-format.md lists them)."""
 
-    num_layers: int = attrs.field(default=2, validator=_positive_int)      # recorded layers
+    num_layers: int = attrs.field(default=2, validator=_positive_int)  # recorded layers
     num_q_heads: int = attrs.field(default=4, validator=_positive_int)
     num_kv_heads: int = attrs.field(default=2, validator=_positive_int)
-    head_dim: int = attrs.field(default=64, validator=_positive_int)       # even, >= 8
-    prompt_len: int = attrs.field(default=64, validator=_positive_int)     # tokens
-    gen_len: int = attrs.field(default=448, validator=_positive_int)       # tokens
+    head_dim: int = attrs.field(default=64, validator=_positive_int)  # even, >= 8
+    prompt_len: int = attrs.field(default=64, validator=_positive_int)  # tokens
+    gen_len: int = attrs.field(default=448, validator=_positive_int)  # tokens
     rope_theta: float = attrs.field(default=10000.0, validator=_positive_float)
     schedule: str = attrs.field(default="random", validator=_one_of(SCHEDULES))
     mean_regime_len: float = attrs.field(default=512.0, validator=_positive_float)  # tokens
-    p_concentrated: float = attrs.field(default=0.5)   # "random": P(regime is concentrated)
+    p_concentrated: float = attrs.field(default=0.5)  # "random": P(regime is concentrated)
     concentration: float = attrs.field(default=16.0, validator=_positive_float)  # nats
-    diffuse_std: float = attrs.field(default=1.0, validator=_positive_float)     # nats
-    num_anchors: int = attrs.field(default=4, validator=_positive_int)   # per regime and head
+    diffuse_std: float = attrs.field(default=1.0, validator=_positive_float)  # nats
+    num_anchors: int = attrs.field(default=4, validator=_positive_int)  # per regime and head
     with_values: bool = attrs.field(default=True, validator=_bool)
     model: str = "synthetic"
 
@@ -100,8 +101,10 @@ class SyntheticSpec:
         if self.head_dim % 2 or self.head_dim < 8:
             raise ConfigError(f"SyntheticSpec.head_dim must be even and >= 8, got {self.head_dim}")
         if self.num_q_heads % self.num_kv_heads:
-            raise ConfigError(f"SyntheticSpec.num_q_heads={self.num_q_heads} must be a multiple "
-                              f"of num_kv_heads={self.num_kv_heads}")
+            raise ConfigError(
+                f"SyntheticSpec.num_q_heads={self.num_q_heads} must be a multiple "
+                f"of num_kv_heads={self.num_kv_heads}"
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -111,9 +114,12 @@ class SyntheticSpec:
 def regime_schedule(spec: SyntheticSpec, gen: torch.Generator) -> list[tuple[int, int, str]]:
     """``[(start, end, kind), ...]`` covering ``[0, T)``; the prompt is its own first segment."""
     p0, T, half = spec.prompt_len, spec.num_tokens, spec.prompt_len + spec.gen_len // 2
-    fixed = {"concentrated": [(p0, T, "concentrated")], "diffuse": [(p0, T, "diffuse")],
-             "switch": [(p0, half, "concentrated"), (half, T, "diffuse")],
-             "reverse_switch": [(p0, half, "diffuse"), (half, T, "concentrated")]}
+    fixed = {
+        "concentrated": [(p0, T, "concentrated")],
+        "diffuse": [(p0, T, "diffuse")],
+        "switch": [(p0, half, "concentrated"), (half, T, "diffuse")],
+        "reverse_switch": [(p0, half, "diffuse"), (half, T, "concentrated")],
+    }
     if spec.schedule in fixed:
         segments = [s for s in fixed[spec.schedule] if s[1] > s[0]]
     else:
@@ -126,8 +132,11 @@ def regime_schedule(spec: SyntheticSpec, gen: torch.Generator) -> list[tuple[int
             n *= 2
         kinds = (torch.rand(n, generator=gen) < spec.p_concentrated).tolist()
         starts = [p0] + ends[:-1]
-        segments = [(s, min(e, T), "concentrated" if c else "diffuse")
-                    for s, e, c in zip(starts, ends, kinds, strict=True) if s < T]
+        segments = [
+            (s, min(e, T), "concentrated" if c else "diffuse")
+            for s, e, c in zip(starts, ends, kinds, strict=True)
+            if s < T
+        ]
     return [(0, p0, "prompt"), *segments]
 
 
@@ -148,14 +157,14 @@ def synthetic_trace(spec: SyntheticSpec, seed: int, request_id: str | None = Non
     segments = regime_schedule(spec, gen)
     is_conc = torch.tensor([kind == "concentrated" for _, _, kind in segments])
     lengths = torch.tensor([e - s for s, e, _ in segments])
-    seg_of_token = torch.repeat_interleave(torch.arange(len(segments)), lengths)   # [T]
+    seg_of_token = torch.repeat_interleave(torch.arange(len(segments)), lengths)  # [T]
     cb = _codebook_dims(d)
     # Per (layer, KV head, segment): the codebook direction its concentrated queries follow.
     direction = torch.randint(len(cb), (L, Hkv, len(segments)), generator=gen)
-    scale, q_norm = d ** -0.5, math.sqrt(d)
+    scale, q_norm = d**-0.5, math.sqrt(d)
     alpha = QUERY_ANCHOR_FRACTION * q_norm
-    anchor = spec.concentration / (scale * alpha)     # anchor key magnitude A
-    key_std = spec.diffuse_std / (scale * q_norm)     # bulk logits ~ N(0, diffuse_std^2)
+    anchor = spec.concentration / (scale * alpha)  # anchor key magnitude A
+    key_std = spec.diffuse_std / (scale * q_norm)  # bulk logits ~ N(0, diffuse_std^2)
     keys = torch.randn(L, T, Hkv, d, generator=gen) * key_std
     _place_anchors(keys, segments, is_conc, direction, cb, anchor, spec.num_anchors, gen)
     queries = _queries(spec, seg_of_token, is_conc, direction, cb, alpha, gen)
@@ -163,44 +172,69 @@ def synthetic_trace(spec: SyntheticSpec, seed: int, request_id: str | None = Non
     rope = RopeConfig(head_dim=d, theta=float(spec.rope_theta))
     header = TraceHeader(
         request_id=request_id if request_id is not None else f"synthetic-{seed}",
-        model=spec.model, num_layers=L, layer_ids=range(L), num_q_heads=spec.num_q_heads,
-        num_kv_heads=Hkv, head_dim=d, rope=rope, softmax_scale=scale,
+        model=spec.model,
+        num_layers=L,
+        layer_ids=range(L),
+        num_q_heads=spec.num_q_heads,
+        num_kv_heads=Hkv,
+        head_dim=d,
+        rope=rope,
+        softmax_scale=scale,
         prompt_len=spec.prompt_len,
         token_ids=torch.randint(VOCAB_SIZE, (T,), generator=gen).tolist(),
         has_values=spec.with_values,
-        meta={"generator": "growpage.sim.synthetic", "seed": seed,
-              "spec": attrs.asdict(spec), "regimes": [list(s) for s in segments]})
+        meta={
+            "generator": "growpage.sim.synthetic",
+            "seed": seed,
+            "spec": attrs.asdict(spec),
+            "regimes": [list(s) for s in segments],
+        },
+    )
     return Trace(header=header, queries=queries, keys=keys, values=values)
 
 
-def _place_anchors(keys: torch.Tensor, segments: list[tuple[int, int, str]],
-                   is_conc: torch.Tensor, direction: torch.Tensor, cb: torch.Tensor,
-                   anchor: float, num_anchors: int, gen: torch.Generator) -> None:
+def _place_anchors(
+    keys: torch.Tensor,
+    segments: list[tuple[int, int, str]],
+    is_conc: torch.Tensor,
+    direction: torch.Tensor,
+    cb: torch.Tensor,
+    anchor: float,
+    num_anchors: int,
+    gen: torch.Generator,
+) -> None:
     """Set ``keys[l, pos, h, cb[dir]] = A`` for the anchors of every concentrated segment.
 
     Anchors of a segment starting at ``s`` are drawn uniformly from the history ``[0, s)``.
     """
     L, _, Hkv, _ = keys.shape
-    seg_ids = is_conc.nonzero().flatten()                     # [K]
+    seg_ids = is_conc.nonzero().flatten()  # [K]
     if seg_ids.numel() == 0:
         return
     starts = torch.tensor([segments[i][0] for i in seg_ids.tolist()], dtype=torch.float64)
     u = torch.rand(L, Hkv, len(seg_ids), num_anchors, generator=gen, dtype=torch.float64)
-    pos = (u * starts[None, None, :, None]).long()            # [L, Hkv, K, A]
+    pos = (u * starts[None, None, :, None]).long()  # [L, Hkv, K, A]
     dims = cb[direction[:, :, seg_ids]].unsqueeze(-1).expand_as(pos)
     layer = torch.arange(L).view(L, 1, 1, 1).expand_as(pos)
     head = torch.arange(Hkv).view(1, Hkv, 1, 1).expand_as(pos)
-    keys.index_put_((layer.flatten(), pos.flatten(), head.flatten(), dims.flatten()),
-                    torch.tensor(anchor))
+    keys.index_put_(
+        (layer.flatten(), pos.flatten(), head.flatten(), dims.flatten()), torch.tensor(anchor)
+    )
 
 
-def _queries(spec: SyntheticSpec, seg_of_token: torch.Tensor, is_conc: torch.Tensor,
-             direction: torch.Tensor, cb: torch.Tensor, alpha: float,
-             gen: torch.Generator) -> torch.Tensor:
+def _queries(
+    spec: SyntheticSpec,
+    seg_of_token: torch.Tensor,
+    is_conc: torch.Tensor,
+    direction: torch.Tensor,
+    cb: torch.Tensor,
+    alpha: float,
+    gen: torch.Generator,
+) -> torch.Tensor:
     """Pre-RoPE queries ``[L, T, Hq, d]``: ``RoPE(-t)`` of each token's post-RoPE target."""
     L, T, Hq, d = spec.num_layers, spec.num_tokens, spec.num_q_heads, spec.head_dim
     group = Hq // spec.num_kv_heads
-    conc = is_conc[seg_of_token]                                         # [T]
+    conc = is_conc[seg_of_token]  # [T]
     # Non-codebook dims: a fixed per-head base direction plus per-token noise, drawn pre-RoPE
     # (keys are isotropic there, so any such query gives diffuse logits). The base direction is
     # what EMAs of diffuse queries keep. Its norm fills the query up to sqrt(d).
@@ -216,14 +250,18 @@ def _queries(spec: SyntheticSpec, seg_of_token: torch.Tensor, is_conc: torch.Ten
     target *= conc.view(1, T, 1, 1)
     inv = inv_frequencies(RopeConfig(head_dim=d, theta=float(spec.rope_theta)))
     angles = -torch.arange(T, dtype=torch.float32).unsqueeze(-1) * inv[cb[: len(cb) // 2]]
-    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)            # [T, 1, M]
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [T, 1, M]
     q[..., cb] = apply_rope(target, angles.cos(), angles.sin())
     return q
 
 
-def write_synthetic_trace_set(directory: str | os.PathLike, spec: SyntheticSpec,
-                              output_lens: Sequence[int], seed: int = 0,
-                              dtype: torch.dtype = torch.float16) -> TraceSet:
+def write_synthetic_trace_set(
+    directory: str | os.PathLike,
+    spec: SyntheticSpec,
+    output_lens: Sequence[int],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float16,
+) -> TraceSet:
     """Write one synthetic request per entry of ``output_lens`` (its ``gen_len``) as a set.
 
     Request ``i`` uses seed ``seed + i`` and request id ``synthetic-{i}``; it is tagged

@@ -38,27 +38,36 @@ class TraceView(DenseKVView):
         written: number of positions appended so far.
     """
 
-    def __init__(self, trace: Trace, config: GrowPageConfig,
-                 track_accumulated: bool = False) -> None:
+    def __init__(
+        self, trace: Trace, config: GrowPageConfig, track_accumulated: bool = False
+    ) -> None:
         """``track_accumulated``: replay every query's attention over the resident slots into
         ``accumulated_attention()`` (H2O), catching up at each boundary."""
         h = trace.header
         b = config.page_size
-        super().__init__(h.num_recorded_layers, h.num_q_heads, h.num_kv_heads, h.head_dim,
-                         h.rope, capacity=min(trace.num_tokens, 4 * b),
-                         softmax_scale=h.softmax_scale, track_accumulated=track_accumulated)
+        super().__init__(
+            h.num_recorded_layers,
+            h.num_q_heads,
+            h.num_kv_heads,
+            h.head_dim,
+            h.rope,
+            capacity=min(trace.num_tokens, 4 * b),
+            softmax_scale=h.softmax_scale,
+            track_accumulated=track_accumulated,
+        )
         self.accumulated_until = 0  # queries of positions below this are accumulated
         self.trace = trace
         self.config = config
         self.keys_by_head = trace.keys.float().permute(0, 2, 1, 3).contiguous()
-        self.values_by_head = (None if trace.values is None
-                               else trace.values.float().permute(0, 2, 1, 3).contiguous())
+        self.values_by_head = (
+            None if trace.values is None else trace.values.float().permute(0, 2, 1, 3).contiguous()
+        )
         self.written = 0
         start = max(first_boundary(trace.prompt_len, b), trace.prompt_len)
         # A boundary at t reads the summaries after the update at t - 1 (docs/architecture.md).
         self._grid = [t - 1 for t in range(start, trace.num_tokens, b) if t > trace.prompt_len]
         self._grid_index = {p: i for i, p in enumerate(self._grid)}
-        self._emas: torch.Tensor | None = None   # [n, L, 2, Hq, d], computed on first use
+        self._emas: torch.Tensor | None = None  # [n, L, 2, Hq, d], computed on first use
 
     @property
     def num_positions(self) -> int:
@@ -67,10 +76,12 @@ class TraceView(DenseKVView):
     def write_until(self, position: int) -> None:
         """Append the keys of positions ``[written, position)``."""
         if position < self.written or position > self.trace.num_tokens:
-            raise ValueError(f"cannot write up to position {position} (written {self.written}, "
-                             f"trace has {self.trace.num_tokens})")
+            raise ValueError(
+                f"cannot write up to position {position} (written {self.written}, "
+                f"trace has {self.trace.num_tokens})"
+            )
         if position > self.written:
-            keys = self.keys_by_head[:, :, self.written:position]
+            keys = self.keys_by_head[:, :, self.written : position]
             self.extend(keys, torch.arange(self.written, position))
             self.written = position
 
@@ -81,8 +92,7 @@ class TraceView(DenseKVView):
         if index is None:
             return ema_snapshots(self.trace.queries, self.trace.prompt_len, [position], betas)[0]
         if self._emas is None:
-            self._emas = ema_snapshots(self.trace.queries, self.trace.prompt_len, self._grid,
-                                       betas)
+            self._emas = ema_snapshots(self.trace.queries, self.trace.prompt_len, self._grid, betas)
         return self._emas[index]
 
     def prepare_boundary(self, position: int, decoded: bool = True) -> None:
@@ -95,8 +105,10 @@ class TraceView(DenseKVView):
         (``decoded`` False): its recompute starts its query summaries again.
         """
         if position < self.trace.prompt_len:
-            raise ValueError(f"position {position} is inside the prompt "
-                             f"(prompt_len {self.trace.prompt_len}); no decisions in prefill")
+            raise ValueError(
+                f"position {position} is inside the prompt "
+                f"(prompt_len {self.trace.prompt_len}); no decisions in prefill"
+            )
         self.write_until(position)
         if self._acc is not None:
             self.accumulate_until(position)
@@ -113,7 +125,7 @@ class TraceView(DenseKVView):
         start = self.accumulated_until
         if position <= start:
             return
-        keys, slot_pos = self.keys().float(), self.positions()     # [L, Hkv, N, d], [L, Hkv, N]
+        keys, slot_pos = self.keys().float(), self.positions()  # [L, Hkv, N, d], [L, Hkv, N]
         group = self.num_q_heads // self.num_kv_heads
         for lo in range(start, position, chunk):
             hi = min(lo + chunk, position)

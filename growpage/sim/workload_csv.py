@@ -38,7 +38,7 @@ from growpage.errors import WorkloadError
 
 REQUIRED = ("arrival_s", "prompt_tokens", "output_tokens")
 OPTIONAL = ("trace", "prefix", "prefix_tokens")
-MAX_TOKENS = 1 << 20    # longest prompt or output accepted, tokens
+MAX_TOKENS = 1 << 20  # longest prompt or output accepted, tokens
 # NOTE: simulated time is float seconds from 0, so an arrival far from 0 leaves the clock too
 # coarse for a decode step (at 1.7e18 s, an epoch in nanoseconds, a 10 ms step does not move
 # it, and every latency came out 0); at 2^32 s (136 years) it still keeps a microsecond.
@@ -48,8 +48,9 @@ MAX_FILE_BYTES = 1 << 28
 
 def _check_id(inst: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, str) or not value:
-        raise WorkloadError(f"WorkloadRequest.{attribute.name} must be a non-empty string, "
-                            f"got {value!r}")
+        raise WorkloadError(
+            f"WorkloadRequest.{attribute.name} must be a non-empty string, got {value!r}"
+        )
 
 
 def _finite(value: numbers.Real | float) -> bool:
@@ -61,50 +62,74 @@ def _finite(value: numbers.Real | float) -> bool:
 
 
 def _check_arrival(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not _finite(value) or value < 0):
-        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: arrival_s must be a finite "
-                            f"number >= 0, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not _finite(value)
+        or value < 0
+    ):
+        raise WorkloadError(
+            f"WorkloadRequest {inst.request_id!r}: arrival_s must be a finite "
+            f"number >= 0, got {value!r}"
+        )
     if float(value) > MAX_ARRIVAL_S:
         raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: {_too_late(value)}")
 
 
 def _too_late(value: object) -> str:
-    return (f"arrival_s must be at most {MAX_ARRIVAL_S} (seconds from the workload's start; "
-            f"the simulated clock is too coarse beyond), got {value}")
+    return (
+        f"arrival_s must be at most {MAX_ARRIVAL_S} (seconds from the workload's start; "
+        f"the simulated clock is too coarse beyond), got {value}"
+    )
 
 
 def _check_tokens(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            or not 1 <= int(value) <= MAX_TOKENS):
-        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: {attribute.name} must be an "
-                            f"integer in [1, {MAX_TOKENS}], got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not 1 <= int(value) <= MAX_TOKENS
+    ):
+        raise WorkloadError(
+            f"WorkloadRequest {inst.request_id!r}: {attribute.name} must be an "
+            f"integer in [1, {MAX_TOKENS}], got {value!r}"
+        )
 
 
 def _check_optional_str(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
     if value is not None and not isinstance(value, str):
-        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: {attribute.name} must be a "
-                            f"string or None, got {value!r}")
+        raise WorkloadError(
+            f"WorkloadRequest {inst.request_id!r}: {attribute.name} must be a "
+            f"string or None, got {value!r}"
+        )
 
 
 def _check_kind(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, str):
-        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: kind must be a string, "
-                            f"got {value!r}")
+        raise WorkloadError(
+            f"WorkloadRequest {inst.request_id!r}: kind must be a string, got {value!r}"
+        )
 
 
 def _check_prefix(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            or not 0 <= int(value) <= inst.prompt_tokens):
-        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: prefix_tokens must be an "
-                            f"integer in [0, prompt_tokens = {inst.prompt_tokens}], got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not 0 <= int(value) <= inst.prompt_tokens
+    ):
+        raise WorkloadError(
+            f"WorkloadRequest {inst.request_id!r}: prefix_tokens must be an "
+            f"integer in [0, prompt_tokens = {inst.prompt_tokens}], got {value!r}"
+        )
     if (inst.prefix is None) != (value == 0):
-        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: prefix and prefix_tokens go "
-                            f"together (a shared prefix of >= 1 token, or none), got prefix="
-                            f"{inst.prefix!r}, prefix_tokens={value!r}")
+        raise WorkloadError(
+            f"WorkloadRequest {inst.request_id!r}: prefix and prefix_tokens go "
+            f"together (a shared prefix of >= 1 token, or none), got prefix="
+            f"{inst.prefix!r}, prefix_tokens={value!r}"
+        )
     if inst.prefix == "":
-        raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: prefix must be a non-empty "
-                            "string or None")
+        raise WorkloadError(
+            f"WorkloadRequest {inst.request_id!r}: prefix must be a non-empty string or None"
+        )
 
 
 @attrs.frozen
@@ -165,17 +190,22 @@ def _check_header(header: list[str], source: str) -> None:
     twice = sorted({c for c in header if header.count(c) > 1})
     if not (missing or unknown or twice):
         return
-    problems = [f"{what} {', '.join(map(repr, names))}" for what, names in
-                (("missing", missing), ("unknown column", unknown), ("repeated", twice)) if names]
+    problems = [
+        f"{what} {', '.join(map(repr, names))}"
+        for what, names in (("missing", missing), ("unknown column", unknown), ("repeated", twice))
+        if names
+    ]
     hint = "; the first line must be the header" if len(missing) == len(REQUIRED) else ""
-    raise WorkloadError(f"{source}: bad header ({'; '.join(problems)}{hint}): it must hold "
-                        f"{', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)}, each once")
+    raise WorkloadError(
+        f"{source}: bad header ({'; '.join(problems)}{hint}): it must hold "
+        f"{', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)}, each once"
+    )
 
 
 def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRequest]:
     """Parse CSV text (see the module docstring)."""
     reader = csv.reader(io.StringIO(text, newline=""))
-    rows: list[tuple[int, list[str]]] = []   # (line number in the file, cells); blank lines out
+    rows: list[tuple[int, list[str]]] = []  # (line number in the file, cells); blank lines out
     try:
         for row in reader:
             if any(cell.strip() for cell in row):
@@ -198,17 +228,25 @@ def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRe
         prefix = row[col["prefix"]].strip() if "prefix" in col else ""
         count = row[col["prefix_tokens"]].strip() if "prefix_tokens" in col else ""
         if bool(prefix) != bool(count):
-            raise WorkloadError(f"{where}: prefix and prefix_tokens are given together or not "
-                                f"at all, got prefix={prefix!r}, prefix_tokens={count!r}")
+            raise WorkloadError(
+                f"{where}: prefix and prefix_tokens are given together or not "
+                f"at all, got prefix={prefix!r}, prefix_tokens={count!r}"
+            )
         prompt = _int_field(row[col["prompt_tokens"]], "prompt_tokens", where)
-        out.append(_checked(where, WorkloadRequest, request_id=f"req-{i}",
-                            arrival_s=_arrival(row[col["arrival_s"]], where),
-                            prompt_tokens=prompt,
-                            output_tokens=_int_field(row[col["output_tokens"]], "output_tokens",
-                                                     where),
-                            trace=trace or None, kind="csv", prefix=prefix or None,
-                            prefix_tokens=_int_field(count, "prefix_tokens", where) if count
-                            else 0))
+        out.append(
+            _checked(
+                where,
+                WorkloadRequest,
+                request_id=f"req-{i}",
+                arrival_s=_arrival(row[col["arrival_s"]], where),
+                prompt_tokens=prompt,
+                output_tokens=_int_field(row[col["output_tokens"]], "output_tokens", where),
+                trace=trace or None,
+                kind="csv",
+                prefix=prefix or None,
+                prefix_tokens=_int_field(count, "prefix_tokens", where) if count else 0,
+            )
+        )
     return sorted(out, key=lambda r: r.arrival_s)
 
 
@@ -224,13 +262,21 @@ def _json_request(obj: object, i: int, where: str) -> WorkloadRequest:
     missing = [k for k in REQUIRED if k not in obj]
     unknown = [k for k in obj if k not in REQUIRED + OPTIONAL]
     if missing or unknown:
-        raise WorkloadError(f"{where}: " + "; ".join(
-            ([f"missing {', '.join(missing)}"] if missing else [])
-            + ([f"unknown key {', '.join(map(repr, unknown))}"] if unknown else []))
-            + f" (keys: {', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)})")
+        raise WorkloadError(
+            f"{where}: "
+            + "; ".join(
+                ([f"missing {', '.join(missing)}"] if missing else [])
+                + ([f"unknown key {', '.join(map(repr, unknown))}"] if unknown else [])
+            )
+            + f" (keys: {', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)})"
+        )
     arrival = obj["arrival_s"]
-    if (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
-            or not _finite(arrival) or arrival < 0):
+    if (
+        isinstance(arrival, bool)
+        or not isinstance(arrival, (int, float))
+        or not _finite(arrival)
+        or arrival < 0
+    ):
         raise WorkloadError(f"{where}: arrival_s must be a finite number >= 0, got {arrival!r}")
     trace = obj.get("trace")
     if trace is not None and not isinstance(trace, str):
@@ -241,14 +287,22 @@ def _json_request(obj: object, i: int, where: str) -> WorkloadRequest:
         raise WorkloadError(f"{where}: prefix must be a string or null, got {prefix!r}")
     prefix = (prefix or "").strip() or None
     if (prefix is None) != (count is None):
-        raise WorkloadError(f"{where}: prefix and prefix_tokens are given together or not at "
-                            f"all, got prefix={prefix!r}, prefix_tokens={count!r}")
-    return _checked(where, WorkloadRequest, request_id=f"req-{i}", arrival_s=float(arrival),
-                    prompt_tokens=_json_tokens(obj["prompt_tokens"], "prompt_tokens", where),
-                    output_tokens=_json_tokens(obj["output_tokens"], "output_tokens", where),
-                    trace=trace, kind="jsonl", prefix=prefix,
-                    prefix_tokens=0 if count is None else _json_tokens(count, "prefix_tokens",
-                                                                       where))
+        raise WorkloadError(
+            f"{where}: prefix and prefix_tokens are given together or not at "
+            f"all, got prefix={prefix!r}, prefix_tokens={count!r}"
+        )
+    return _checked(
+        where,
+        WorkloadRequest,
+        request_id=f"req-{i}",
+        arrival_s=float(arrival),
+        prompt_tokens=_json_tokens(obj["prompt_tokens"], "prompt_tokens", where),
+        output_tokens=_json_tokens(obj["output_tokens"], "output_tokens", where),
+        trace=trace,
+        kind="jsonl",
+        prefix=prefix,
+        prefix_tokens=0 if count is None else _json_tokens(count, "prefix_tokens", where),
+    )
 
 
 def _checked(where: str, cls: type[WorkloadRequest], **fields: object) -> WorkloadRequest:
@@ -293,9 +347,10 @@ def parse_workload_jsonl(text: str, source: str = "<workload>") -> list[Workload
             raise WorkloadError(f"{where}: not valid JSON ({e})") from None
         except _RepeatedKeys as e:
             keys = e.args[0]
-            raise WorkloadError(f"{where}: {'keys' if len(keys) > 1 else 'key'} "
-                                f"{', '.join(map(repr, keys))} given twice (each key once)"
-                                ) from None
+            raise WorkloadError(
+                f"{where}: {'keys' if len(keys) > 1 else 'key'} "
+                f"{', '.join(map(repr, keys))} given twice (each key once)"
+            ) from None
         out.append(_json_request(obj, len(out), where))
     if not out:
         raise WorkloadError(f"{source}: empty workload (no requests)")

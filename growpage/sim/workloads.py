@@ -24,8 +24,16 @@ import numpy as np
 from growpage.errors import WorkloadError
 from growpage.sim.workload_csv import WorkloadRequest, load_workload_csv, load_workload_jsonl
 
-__all__ = ["LengthDist", "RequestClass", "WorkloadRequest", "WorkloadSpec", "WORKLOADS",
-           "load_workload_csv", "load_workload_jsonl", "resolve_workload"]
+__all__ = [
+    "LengthDist",
+    "RequestClass",
+    "WorkloadRequest",
+    "WorkloadSpec",
+    "WORKLOADS",
+    "load_workload_csv",
+    "load_workload_jsonl",
+    "resolve_workload",
+]
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 ARRIVALS = ("offline", "poisson")
@@ -33,7 +41,9 @@ ARRIVALS = ("offline", "poisson")
 
 def _check_dist(inst: LengthDist, attribute: attrs.Attribute, value: object) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise WorkloadError(f"LengthDist.{attribute.name} must be a finite number >= 0, got {value!r}")
+        raise WorkloadError(
+            f"LengthDist.{attribute.name} must be a finite number >= 0, got {value!r}"
+        )
 
 
 @attrs.frozen
@@ -57,18 +67,24 @@ class LengthDist:
         if self.sigma == 0:
             x = np.full(n, float(self.mean))
         else:
-            mu = math.log(max(self.mean, 1e-9)) - self.sigma**2 / 2   # E[x] = mean
+            mu = math.log(max(self.mean, 1e-9)) - self.sigma**2 / 2  # E[x] = mean
             x = rng.lognormal(mu, self.sigma, n)
         return np.clip(np.rint(x), self.low, self.high).astype(np.int64)
 
 
 def _check_class(inst: RequestClass, attribute: attrs.Attribute, value: object) -> None:
-    ok = {"name": lambda v: isinstance(v, str) and bool(v),
-          "count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-          "prompt": lambda v: isinstance(v, LengthDist),
-          "output": lambda v: isinstance(v, LengthDist)}[attribute.name]
-    what = {"name": "a non-empty string", "count": "an int >= 0",
-            "prompt": "a LengthDist", "output": "a LengthDist"}[attribute.name]
+    ok = {
+        "name": lambda v: isinstance(v, str) and bool(v),
+        "count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        "prompt": lambda v: isinstance(v, LengthDist),
+        "output": lambda v: isinstance(v, LengthDist),
+    }[attribute.name]
+    what = {
+        "name": "a non-empty string",
+        "count": "an int >= 0",
+        "prompt": "a LengthDist",
+        "output": "a LengthDist",
+    }[attribute.name]
     if not ok(value):
         raise WorkloadError(f"RequestClass.{attribute.name} must be {what}, got {value!r}")
 
@@ -89,17 +105,23 @@ def _classes(values: Iterable[RequestClass]) -> tuple[RequestClass, ...]:
 
 def _check_classes(inst: WorkloadSpec, attribute: attrs.Attribute, value: tuple) -> None:
     if not value or not all(isinstance(c, RequestClass) for c in value):
-        raise WorkloadError(f"WorkloadSpec {inst.name!r}: classes must be one or more "
-                            f"RequestClasses, got {value!r}")
+        raise WorkloadError(
+            f"WorkloadSpec {inst.name!r}: classes must be one or more RequestClasses, got {value!r}"
+        )
     if not sum(c.count for c in value):
         raise WorkloadError(f"WorkloadSpec {inst.name!r}: its classes hold no requests")
 
 
 def _check_rate(inst: WorkloadSpec, attribute: attrs.Attribute, value: object) -> None:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value <= 0):
-        raise WorkloadError(f"WorkloadSpec {inst.name!r}: rate_per_s must be a finite number "
-                            f"> 0, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise WorkloadError(
+            f"WorkloadSpec {inst.name!r}: rate_per_s must be a finite number > 0, got {value!r}"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -119,8 +141,9 @@ class WorkloadSpec:
     @arrival.validator
     def _check_arrival(self, attribute: attrs.Attribute, value: object) -> None:
         if value not in ARRIVALS:
-            raise WorkloadError(f"WorkloadSpec {self.name!r}: arrival must be one of "
-                                f"{ARRIVALS}, got {value!r}")
+            raise WorkloadError(
+                f"WorkloadSpec {self.name!r}: arrival must be one of {ARRIVALS}, got {value!r}"
+            )
 
     @property
     def num_requests(self) -> int:
@@ -129,8 +152,9 @@ class WorkloadSpec:
     def requests(self, seed: int = 0) -> list[WorkloadRequest]:
         """Draw the requests (shuffled across classes), in arrival order."""
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise WorkloadError(f"WorkloadSpec {self.name!r}: seed must be an int >= 0, "
-                                f"got {seed!r}")
+            raise WorkloadError(
+                f"WorkloadSpec {self.name!r}: seed must be an int >= 0, got {seed!r}"
+            )
         rng = np.random.default_rng(seed)
         kinds, prompts, outputs = [], [], []
         for c in self.classes:
@@ -144,15 +168,25 @@ class WorkloadSpec:
             arrivals = np.cumsum(rng.exponential(1.0 / self.rate_per_s, len(kinds)))
         else:
             arrivals = np.zeros(len(kinds))
-        return [WorkloadRequest(f"{kinds[j]}-{i}", float(arrivals[i]), int(prompt[i]),
-                                int(output[i]), None, kinds[j])
-                for i, j in enumerate(order.tolist())]
+        return [
+            WorkloadRequest(
+                f"{kinds[j]}-{i}",
+                float(arrivals[i]),
+                int(prompt[i]),
+                int(output[i]),
+                None,
+                kinds[j],
+            )
+            for i, j in enumerate(order.tolist())
+        ]
 
 
-def _cls(name: str, count: int, prompt: float, output: float, sigma: float, max_output: int
-         ) -> RequestClass:
-    return RequestClass(name, count, LengthDist(prompt, 0.25, 16, 2048),
-                        LengthDist(output, sigma, 16, max_output))
+def _cls(
+    name: str, count: int, prompt: float, output: float, sigma: float, max_output: int
+) -> RequestClass:
+    return RequestClass(
+        name, count, LengthDist(prompt, 0.25, 16, 2048), LengthDist(output, sigma, 16, max_output)
+    )
 
 
 GSM8K = _cls("gsm8k", 1319, 140, 2200, 0.6, 16384)
@@ -161,23 +195,32 @@ AIME24 = _cls("aime24", 960, 190, 15000, 0.5, 32768)
 
 WORKLOADS: dict[str, WorkloadSpec] = {
     # Table 6: 1280 AMC23-like + 960 AIME24-like + 1319 GSM8K-like, max output 32768.
-    "mixed": WorkloadSpec(name="mixed", classes=[
-        attrs.evolve(AMC23, output=attrs.evolve(AMC23.output, high=32768)),
-        AIME24,
-        attrs.evolve(GSM8K, output=attrs.evolve(GSM8K.output, high=32768))]),
+    "mixed": WorkloadSpec(
+        name="mixed",
+        classes=[
+            attrs.evolve(AMC23, output=attrs.evolve(AMC23.output, high=32768)),
+            AIME24,
+            attrs.evolve(GSM8K, output=attrs.evolve(GSM8K.output, high=32768)),
+        ],
+    ),
     "gsm8k": WorkloadSpec(name="gsm8k", classes=[attrs.evolve(GSM8K, count=1319 * 4)]),
     "amc23": WorkloadSpec(name="amc23", classes=[AMC23]),
     "aime24": WorkloadSpec(name="aime24", classes=[AIME24]),
     # Small and quick: demos, tests, CPU-sized experiments.
-    "tiny": WorkloadSpec(name="tiny", classes=[_cls("short", 8, 96, 600, 0.5, 2048),
-                                               _cls("long", 4, 128, 2400, 0.3, 4096)]),
-    "small": WorkloadSpec(name="small", classes=[_cls("short", 64, 128, 1500, 0.6, 8192),
-                                                 _cls("long", 32, 160, 6000, 0.5, 16384)]),
+    "tiny": WorkloadSpec(
+        name="tiny",
+        classes=[_cls("short", 8, 96, 600, 0.5, 2048), _cls("long", 4, 128, 2400, 0.3, 4096)],
+    ),
+    "small": WorkloadSpec(
+        name="small",
+        classes=[_cls("short", 64, 128, 1500, 0.6, 8192), _cls("long", 32, 160, 6000, 0.5, 16384)],
+    ),
 }
 
 
-def resolve_workload(name_or_file: str, seed: int = 0, rate_per_s: float | None = None
-                     ) -> list[WorkloadRequest]:
+def resolve_workload(
+    name_or_file: str, seed: int = 0, rate_per_s: float | None = None
+) -> list[WorkloadRequest]:
     """Requests of a named workload (``WORKLOADS``) or of a workload file (``.jsonl``: JSON
     Lines, else CSV).
 
@@ -192,15 +235,20 @@ def resolve_workload(name_or_file: str, seed: int = 0, rate_per_s: float | None 
             spec = attrs.evolve(spec, arrival="poisson", rate_per_s=rate_per_s)
         return spec.requests(seed)
     path = Path(name_or_file)
-    is_file = (path.suffix.lower() in JSONL_SUFFIXES + (".csv",) or "/" in name_or_file
-               or path.is_file())
+    is_file = (
+        path.suffix.lower() in JSONL_SUFFIXES + (".csv",) or "/" in name_or_file or path.is_file()
+    )
     if is_file and rate_per_s is not None:
-        raise WorkloadError(f"{name_or_file}: an arrival rate applies to the named workloads "
-                            "only; a workload file gives its own arrival times")
+        raise WorkloadError(
+            f"{name_or_file}: an arrival rate applies to the named workloads "
+            "only; a workload file gives its own arrival times"
+        )
     if path.suffix.lower() in JSONL_SUFFIXES:
         return load_workload_jsonl(name_or_file)
     if is_file:
         return load_workload_csv(name_or_file)
-    raise WorkloadError(f"unknown workload {name_or_file!r}: give one of {', '.join(WORKLOADS)}, "
-                        "a CSV file (arrival_s, prompt_tokens, output_tokens[, trace, prefix, "
-                        "prefix_tokens]) or a .jsonl file with those keys")
+    raise WorkloadError(
+        f"unknown workload {name_or_file!r}: give one of {', '.join(WORKLOADS)}, "
+        "a CSV file (arrival_s, prompt_tokens, output_tokens[, trace, prefix, "
+        "prefix_tokens]) or a .jsonl file with those keys"
+    )

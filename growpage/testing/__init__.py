@@ -15,6 +15,17 @@ from growpage.testing.serving import (
 )
 from growpage.testing.strategies import BoundaryCase, boundary_cases, boundary_contexts
 
-__all__ = ["RULES", "BoundaryCase", "PolicyConformanceError", "PolicyConformanceWarning",
-           "ServingCase", "boundary_cases", "boundary_contexts", "check_case", "check_policy",
-           "check_serving", "check_serving_case", "serving_cases"]
+__all__ = [
+    "RULES",
+    "BoundaryCase",
+    "PolicyConformanceError",
+    "PolicyConformanceWarning",
+    "ServingCase",
+    "boundary_cases",
+    "boundary_contexts",
+    "check_case",
+    "check_policy",
+    "check_serving",
+    "check_serving_case",
+    "serving_cases",
+]

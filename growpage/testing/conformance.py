@@ -30,19 +30,31 @@ from growpage.testing.rules import (
 )
 from growpage.testing.strategies import BoundaryCase, boundary_cases, check_knob
 
-__all__ = ["RULES", "PolicyConformanceError", "PolicyConformanceWarning", "check_case",
-           "check_policy", "global_rngs_seeded", "raise_smallest_failure", "refuse_a_class"]
+__all__ = [
+    "RULES",
+    "PolicyConformanceError",
+    "PolicyConformanceWarning",
+    "check_case",
+    "check_policy",
+    "global_rngs_seeded",
+    "raise_smallest_failure",
+    "refuse_a_class",
+]
 
 
 #: ``check_case``'s ``pristine`` for a policy that cannot be copied (already warned about).
 NO_COPY = object()
 
 
-def _snapshot(ctx: Any) -> dict:   # the kit's contexts: a DenseKVView behind
+def _snapshot(ctx: Any) -> dict:  # the kit's contexts: a DenseKVView behind
     view = ctx.view
     state = {k: v for k, v in vars(ctx).items() if not k.startswith("_") and k != "view"}
-    tensors = {"keys": view.keys(), "positions": view.positions(),
-               "summaries": view.summaries, "current": view.current_query}
+    tensors = {
+        "keys": view.keys(),
+        "positions": view.positions(),
+        "summaries": view.summaries,
+        "current": view.current_query,
+    }
     acc = view.accumulated_attention()
     if acc is not None:
         tensors["acc"] = acc
@@ -50,16 +62,22 @@ def _snapshot(ctx: Any) -> dict:   # the kit's contexts: a DenseKVView behind
 
 
 # What a snapshot's tensors are, in the words a policy reaches them with.
-_VIEW_TENSORS = {"keys": "ctx.view.keys()", "positions": "ctx.view.positions()",
-                 "summaries": "the query summaries (ctx.view.query_state().short / .long)",
-                 "current": "the current query (ctx.view.query_state().current)",
-                 "acc": "ctx.view.accumulated_attention()"}
+_VIEW_TENSORS = {
+    "keys": "ctx.view.keys()",
+    "positions": "ctx.view.positions()",
+    "summaries": "the query summaries (ctx.view.query_state().short / .long)",
+    "current": "the current query (ctx.view.query_state().current)",
+    "acc": "ctx.view.accumulated_attention()",
+}
 
 
 def _changes(a: dict, b: dict) -> list[str]:
     """What differs between two snapshots of a context, named as a policy reaches it."""
-    changed = [f"ctx.{k}" for k in a["state"].keys() | b["state"].keys()
-               if a["state"].get(k) != b["state"].get(k)]
+    changed = [
+        f"ctx.{k}"
+        for k in a["state"].keys() | b["state"].keys()
+        if a["state"].get(k) != b["state"].get(k)
+    ]
     for k in a["tensors"].keys() | b["tensors"].keys():
         x, y = a["tensors"].get(k), b["tensors"].get(k)
         if x is None or y is None or not torch.equal(x, y):
@@ -82,12 +100,16 @@ def _run(policy: object, case: BoundaryCase) -> tuple[Decision, list[torch.Tenso
         selections.append(indices.clone())
     changed = _changes(before, _snapshot(ctx))
     if changed:
-        raise PolicyConformanceError("no-mutation", "the context or its view changed: "
-                                     f"{', '.join(changed)}", case)
+        raise PolicyConformanceError(
+            "no-mutation", f"the context or its view changed: {', '.join(changed)}", case
+        )
     changed = changed_signals(ctx, case.context())
     if changed:
-        raise PolicyConformanceError("no-mutation", "a tensor the context returned was "
-                                     f"modified in place: {', '.join(changed)} changed", case)
+        raise PolicyConformanceError(
+            "no-mutation",
+            f"a tensor the context returned was modified in place: {', '.join(changed)} changed",
+            case,
+        )
     return decision, selections
 
 
@@ -111,12 +133,16 @@ def check_case(policy: object, case: BoundaryCase, pristine: object | None = Non
     except Exception as exc:  # noqa: BLE001 - any crash is a broken rule
         raise PolicyConformanceError("no-crash", f"{type(exc).__name__}: {exc}", case) from exc
     if again is not decision:
-        raise PolicyConformanceError("deterministic", f"decided {decision} then {again} on the "
-                                     "same context", case)
+        raise PolicyConformanceError(
+            "deterministic", f"decided {decision} then {again} on the same context", case
+        )
     for keep, a, b in zip(keeps_of(case), selections, selections2, strict=True):
         if not torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values):
-            raise PolicyConformanceError("deterministic", f"select(ctx, keep={keep}) chose "
-                                         "different slots on the same context", case)
+            raise PolicyConformanceError(
+                "deterministic",
+                f"select(ctx, keep={keep}) chose different slots on the same context",
+                case,
+            )
     check_order(policy, case)
     if pristine is not None:
         check_history(pristine, case)
@@ -135,8 +161,10 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
     check_knob("check_policy", "max_examples", max_examples, 1)
     missing = [m for m in ("decide", "select") if not callable(getattr(policy, m, None))]
     if missing:
-        raise TypeError(f"check_policy takes a policy object, got {policy!r} (no "
-                        f"{' or '.join(missing)}() method)")
+        raise TypeError(
+            f"check_policy takes a policy object, got {policy!r} (no "
+            f"{' or '.join(missing)}() method)"
+        )
     if getattr(policy, "needs_accumulated_attention", False):
         strategy_kwargs.setdefault("accumulated", True)
     failure: list[PolicyConformanceError] = []
@@ -144,9 +172,15 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
     pristine = copy_policy(policy, HISTORY)
     pristine = NO_COPY if pristine is None else pristine
 
-    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), print_blob=False,
-              report_multiple_bugs=False)
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        report_multiple_bugs=False,
+    )
     @given(boundary_cases(**strategy_kwargs))
     def run(case: BoundaryCase) -> None:
         try:
@@ -161,12 +195,15 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
 def refuse_a_class(policy: object, caller: str) -> None:
     """``TypeError`` when ``policy`` is a class rather than a policy object."""
     if isinstance(policy, type):
-        raise TypeError(f"{caller} takes a policy object, got the class {policy.__name__}: "
-                        f"call {caller}({policy.__name__}())")
+        raise TypeError(
+            f"{caller} takes a policy object, got the class {policy.__name__}: "
+            f"call {caller}({policy.__name__}())"
+        )
 
 
-def raise_smallest_failure(run: Callable[[], None], failure: list[PolicyConformanceError],
-                           what: str) -> None:
+def raise_smallest_failure(
+    run: Callable[[], None], failure: list[PolicyConformanceError], what: str
+) -> None:
     """Run the hypothesis test ``run``, whose examples leave their ``PolicyConformanceError``
     in ``failure``; raise the last one (the smallest example's). A failure that does not repeat
     on the same example (``what``) is a ``deterministic`` error: hidden state."""
@@ -181,6 +218,8 @@ def raise_smallest_failure(run: Callable[[], None], failure: list[PolicyConforma
         first = failure[-1] if failure else None
         detail = f"[{first.rule}] {first.detail}" if first else str(exc).splitlines()[0]
         raise PolicyConformanceError(
-            "deterministic", f"{what} failed ({detail}) and passed when run again: the policy "
+            "deterministic",
+            f"{what} failed ({detail}) and passed when run again: the policy "
             "depends on state outside the context (a call counter, a global RNG...)",
-            first.case if first else None) from None
+            first.case if first else None,
+        ) from None

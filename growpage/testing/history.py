@@ -27,18 +27,23 @@ def check_history(pristine: object, case: BoundaryCase) -> None:
     As in ``check_order``, the other boundaries failing on their own is left to their example.
     """
     others: list[tuple[str, BoundaryCase, Hashable | None]] = [
-        ("another request's boundary", attrs.evolve(case, seed=case.seed + 104729,
-                                                    num_pages=case.num_pages + 1), None)]
+        (
+            "another request's boundary",
+            attrs.evolve(case, seed=case.seed + 104729, num_pages=case.num_pages + 1),
+            None,
+        )
+    ]
     earlier = _earlier_boundary(case)
     if earlier is not None:
-        others.insert(0, ("an earlier boundary of the same request", earlier,
-                          case.context().request_id))
+        others.insert(
+            0, ("an earlier boundary of the same request", earlier, case.context().request_id)
+        )
     seed = case.seed + 3
     alone = _answers(copy_policy(pristine, HISTORY), case.context(), case, seed)
     after = _answers_after(pristine, others, case, seed)
     if after is None or _same_answers(alone, after):
         return
-    if len(others) > 1:   # name the boundary that is enough to change the answer, if one is
+    if len(others) > 1:  # name the boundary that is enough to change the answer, if one is
         for shown in (others[:1], others[1:]):
             answers = _answers_after(pristine, shown, case, seed)
             if answers is not None and not _same_answers(alone, answers):
@@ -48,13 +53,19 @@ def check_history(pristine: object, case: BoundaryCase) -> None:
     if after[0] is not alone[0]:
         what = f"decided {alone[0]} on a fresh copy of the policy, {after[0]}"
     else:
-        keep = next(k for k, a, b in zip(keeps_of(case), alone[1], after[1], strict=True)
-                    if not _same_selection(a, b))
+        keep = next(
+            k
+            for k, a, b in zip(keeps_of(case), alone[1], after[1], strict=True)
+            if not _same_selection(a, b)
+        )
         what = f"select(ctx, keep={keep}) chose other slots than on a fresh copy of the policy"
     raise PolicyConformanceError(
-        "deterministic", f"{what} on a fresh copy that first saw {saw}: the answer depends "
+        "deterministic",
+        f"{what} on a fresh copy that first saw {saw}: the answer depends "
         "on what the policy saw before, not on the context alone; keep state only as a cache "
-        "keyed by (ctx.request_id, ctx.position)", case)
+        "keyed by (ctx.request_id, ctx.position)",
+        case,
+    )
 
 
 def _earlier_boundary(case: BoundaryCase) -> BoundaryCase | None:
@@ -67,16 +78,20 @@ def _earlier_boundary(case: BoundaryCase) -> BoundaryCase | None:
     return None
 
 
-def _answers(policy: object, ctx: BoundaryContext, case: BoundaryCase, seed: int
-             ) -> tuple[Any, list[Any]]:
+def _answers(
+    policy: object, ctx: BoundaryContext, case: BoundaryCase, seed: int
+) -> tuple[Any, list[Any]]:
     """``decide`` and every ``select`` of ``case``'s boundary, each call with seeded RNGs."""
     decision = seeded_call(policy, "decide", ctx, case, seed)
-    return decision, [seeded_call(policy, "select", ctx, case, seed + 1 + i, keep)
-                      for i, keep in enumerate(keeps_of(case))]
+    return decision, [
+        seeded_call(policy, "select", ctx, case, seed + 1 + i, keep)
+        for i, keep in enumerate(keeps_of(case))
+    ]
 
 
-def _answers_after(pristine: object, others: list[tuple[str, BoundaryCase, Any]],
-                   case: BoundaryCase, seed: int) -> tuple[Any, list[Any]] | None:
+def _answers_after(
+    pristine: object, others: list[tuple[str, BoundaryCase, Any]], case: BoundaryCase, seed: int
+) -> tuple[Any, list[Any]] | None:
     """``_answers`` on a fresh copy of the policy that first answered ``others`` (a request id
     given with one makes it a boundary of that request); None when one of them fails."""
     policy = copy_policy(pristine, HISTORY)
@@ -96,8 +111,12 @@ def _same_answers(a: tuple[Any, list[Any]], b: tuple[Any, list[Any]]) -> bool:
 
 
 def _same_selection(a: Any, b: Any) -> bool:
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-            and torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values))
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.shape == b.shape
+        and torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values)
+    )
 
 
 def check_order(policy: object, case: BoundaryCase) -> None:
@@ -113,8 +132,9 @@ def check_order(policy: object, case: BoundaryCase) -> None:
     keeps, seed = keeps_of(case), case.seed + 2
     ctx = case.context()
     decision = seeded_call(policy, "decide", ctx, case, seed)
-    selections = [seeded_call(policy, "select", ctx, case, seed + 1 + i, keep)
-                  for i, keep in enumerate(keeps)]
+    selections = [
+        seeded_call(policy, "select", ctx, case, seed + 1 + i, keep) for i, keep in enumerate(keeps)
+    ]
     ctx, ctx_other = case.context(), other.context()
     first = seeded_call(policy, "decide", ctx, case, seed)
     try:
@@ -123,14 +143,24 @@ def check_order(policy: object, case: BoundaryCase) -> None:
             seeded_call(policy, "select", ctx_other, other, seed + 101, keep)
     except PolicyConformanceError:
         return
-    picks = [seeded_call(policy, "select", ctx, case, seed + 1 + i, keep)
-             for i, keep in enumerate(keeps)]
+    picks = [
+        seeded_call(policy, "select", ctx, case, seed + 1 + i, keep) for i, keep in enumerate(keeps)
+    ]
     if first is not decision:
-        raise PolicyConformanceError("order-independent", f"decided {decision} alone, {first} "
-                                     "with another request's boundary around it", case)
+        raise PolicyConformanceError(
+            "order-independent",
+            f"decided {decision} alone, {first} with another request's boundary around it",
+            case,
+        )
     for keep, alone, mixed in zip(keeps, selections, picks, strict=True):
-        if not (isinstance(mixed, torch.Tensor) and mixed.shape == alone.shape
-                and torch.equal(alone.sort(dim=-1).values, mixed.sort(dim=-1).values)):
+        if not (
+            isinstance(mixed, torch.Tensor)
+            and mixed.shape == alone.shape
+            and torch.equal(alone.sort(dim=-1).values, mixed.sort(dim=-1).values)
+        ):
             raise PolicyConformanceError(
-                "order-independent", f"select(ctx, keep={keep}) chose other slots when another "
-                "request's decide() and select() came after its decide()", case)
+                "order-independent",
+                f"select(ctx, keep={keep}) chose other slots when another "
+                "request's decide() and select() came after its decide()",
+                case,
+            )

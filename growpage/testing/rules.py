@@ -24,24 +24,25 @@ if TYPE_CHECKING:
 RULES = {
     "valid-decision": "decide() returns a growpage.Decision",
     "exact-selection": "select() returns an integer tensor [L, Hkv, keep] of unique slot "
-                       "indices within the resident tokens, the protected recent window included",
+    "indices within the resident tokens, the protected recent window included",
     "deterministic": "the same context gives the same decision and selection",
     "order-independent": "a boundary gets the same decision and selection when another "
-                         "request's decide() and select() come between its own (asynchronous "
-                         "compaction runs a step's selections after all of its decisions)",
+    "request's decide() and select() come between its own (asynchronous "
+    "compaction runs a step's selections after all of its decisions)",
     "no-mutation": "decide() and select() leave the context and its KV view unchanged",
     "no-crash": "decide() and select() work on any valid small context (CPU tensors)",
     "serves": "served by the simulator on a small workload under a tight page pool "
-              "(check_serving), every request finishes with all its tokens, every page comes "
-              "back, and a fresh copy of the policy serves it with the same events",
+    "(check_serving), every request finishes with all its tokens, every page comes "
+    "back, and a fresh copy of the policy serves it with the same events",
 }
 
 
 class PolicyConformanceError(GrowPageError, AssertionError):
     """A policy broke a conformance rule; ``rule`` is its key in ``RULES``."""
 
-    def __init__(self, rule: str, detail: str, case: BoundaryCase | ServingCase | None = None
-                 ) -> None:
+    def __init__(
+        self, rule: str, detail: str, case: BoundaryCase | ServingCase | None = None
+    ) -> None:
         self.rule, self.detail, self.case = rule, detail, case
         msg = f"[{rule}] {RULES[rule]}: {detail}"
         if case is not None:
@@ -62,22 +63,27 @@ def copy_policy(policy: object, instead: str) -> object | None:
         return copy.deepcopy(policy)
     except Exception as exc:  # noqa: BLE001 - whatever deepcopy raises, the answer is the same
         name = getattr(policy, "name", type(policy).__name__)
-        warnings.warn(PolicyConformanceWarning(
-            f"policy {name!r} cannot be deep-copied ({type(exc).__name__}: {exc}): {instead}; "
-            "a __deepcopy__ that leaves out what cannot be copied has that checked too"),
-            stacklevel=3)
+        warnings.warn(
+            PolicyConformanceWarning(
+                f"policy {name!r} cannot be deep-copied ({type(exc).__name__}: {exc}): {instead}; "
+                "a __deepcopy__ that leaves out what cannot be copied has that checked too"
+            ),
+            stacklevel=3,
+        )
         return None
 
 
-def call_policy(policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase,
-          *args: object) -> Any:
+def call_policy(
+    policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase, *args: object
+) -> Any:
     """``policy.method(ctx, *args)``; what it raises is a ``no-crash`` error naming the call."""
     try:
         return getattr(policy, method)(ctx, *args)
     except Exception as exc:
         call = f"{method}(ctx{', keep=' + str(args[0]) if args else ''})"
-        raise PolicyConformanceError("no-crash", f"{call} raised {type(exc).__name__}: "
-                                     f"{exc}{missing_sums_hint(ctx)}", case) from exc
+        raise PolicyConformanceError(
+            "no-crash", f"{call} raised {type(exc).__name__}: {exc}{missing_sums_hint(ctx)}", case
+        ) from exc
 
 
 @contextlib.contextmanager
@@ -101,10 +107,9 @@ def global_rngs_seeded(seed: int) -> Iterator[None]:
             np.random.set_state(np_state)
 
 
-
-
-def seeded_call(policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase,
-                seed: int, *args: object) -> Any:
+def seeded_call(
+    policy: object, method: str, ctx: BoundaryContext, case: BoundaryCase, seed: int, *args: object
+) -> Any:
     """``call_policy`` with the global RNGs seeded for this one call."""
     with global_rngs_seeded(seed):
         return call_policy(policy, method, ctx, case, *args)

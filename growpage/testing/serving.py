@@ -64,7 +64,7 @@ class ServingCase:
         b = config.page_size
 
         def alone(r: WorkloadRequest) -> int:
-            if not compresses:   # its KV ends one token short of prompt + output
+            if not compresses:  # its KV ends one token short of prompt + output
                 return math.ceil((r.prompt_tokens + r.output_tokens - 1) / b)
             # A prompt that fills its last page has a boundary at its first decode step, before
             # any query summary exists: a forced growth (as below min_capacity). The engine
@@ -74,36 +74,61 @@ class ServingCase:
         return max(alone(r) for r in self.requests) + self.slack + config.watermark
 
     def __str__(self) -> str:
-        lengths = ", ".join(f"{r.request_id}: {r.prompt_tokens}+{r.output_tokens} at "
-                            f"{r.arrival_s:g} s" for r in self.requests)
-        return (f"ServingCase(page_size={self.page_size}, slack={self.slack}, "
-                f"max_num_seqs={self.max_num_seqs}, requests=[{lengths}])")
+        lengths = ", ".join(
+            f"{r.request_id}: {r.prompt_tokens}+{r.output_tokens} at {r.arrival_s:g} s"
+            for r in self.requests
+        )
+        return (
+            f"ServingCase(page_size={self.page_size}, slack={self.slack}, "
+            f"max_num_seqs={self.max_num_seqs}, requests=[{lengths}])"
+        )
 
 
-def serving_cases(max_requests: int = 5, max_prompt: int = 40, max_output: int = 120,
-                  page_sizes: Sequence[int] = (4, 8, 16), max_slack: int = 4,
-                  max_num_seqs: int = 4) -> st.SearchStrategy[ServingCase]:
+def serving_cases(
+    max_requests: int = 5,
+    max_prompt: int = 40,
+    max_output: int = 120,
+    page_sizes: Sequence[int] = (4, 8, 16),
+    max_slack: int = 4,
+    max_num_seqs: int = 4,
+) -> st.SearchStrategy[ServingCase]:
     """Small workloads for ``check_serving``: 1 to ``max_requests`` requests of 1 to
     ``max_prompt`` prompt and 1 to ``max_output`` output tokens, arriving within 0.5 s of
     simulated time (decode steps take about 10 ms), in pages of one of ``page_sizes``, on a pool
     with 0 to ``max_slack`` pages beyond the most demanding request's, with 1 to
     ``max_num_seqs`` seats."""
-    for name, value, low in (("max_requests", max_requests, 1), ("max_prompt", max_prompt, 1),
-                             ("max_output", max_output, 1), ("max_slack", max_slack, 0),
-                             ("max_num_seqs", max_num_seqs, 1)):
+    for name, value, low in (
+        ("max_requests", max_requests, 1),
+        ("max_prompt", max_prompt, 1),
+        ("max_output", max_output, 1),
+        ("max_slack", max_slack, 0),
+        ("max_num_seqs", max_num_seqs, 1),
+    ):
         check_knob("serving_cases", name, value, low)
     check_sizes("serving_cases", "page_sizes", page_sizes)
     sizes = list(page_sizes)
     for b in sizes:
         check_knob("serving_cases", "page_sizes", b, 2)
-    request = st.tuples(st.integers(1, max_prompt), st.integers(1, max_output),
-                        st.sampled_from([0.0, 0.0, 0.05, 0.2, 0.5]))
+    request = st.tuples(
+        st.integers(1, max_prompt),
+        st.integers(1, max_output),
+        st.sampled_from([0.0, 0.0, 0.05, 0.2, 0.5]),
+    )
     return st.builds(
         lambda specs, b, slack, seats: ServingCase(
-            tuple(WorkloadRequest(f"r{i}", arrival, prompt, output)
-                  for i, (prompt, output, arrival) in enumerate(specs)), b, slack, seats),
-        st.lists(request, min_size=1, max_size=max_requests), st.sampled_from(sizes),
-        st.integers(0, max_slack), st.integers(1, max_num_seqs))
+            tuple(
+                WorkloadRequest(f"r{i}", arrival, prompt, output)
+                for i, (prompt, output, arrival) in enumerate(specs)
+            ),
+            b,
+            slack,
+            seats,
+        ),
+        st.lists(request, min_size=1, max_size=max_requests),
+        st.sampled_from(sizes),
+        st.integers(0, max_slack),
+        st.integers(1, max_num_seqs),
+    )
 
 
 #: What is left out for a policy that cannot be deep-copied.
@@ -114,10 +139,16 @@ def _fresh(policy: CapacityPolicy, copies: bool) -> CapacityPolicy:
     return copy.deepcopy(policy) if copies else policy
 
 
-def _serve(policy: CapacityPolicy, case: ServingCase, config: GrowPageConfig, pages: int,
-           copies: bool) -> ServingResult:
-    sim = SimConfig(num_kv_pages=pages, max_num_seqs=case.max_num_seqs, admission_reserve=0.0,
-                    decisions="trace", record_events=True)
+def _serve(
+    policy: CapacityPolicy, case: ServingCase, config: GrowPageConfig, pages: int, copies: bool
+) -> ServingResult:
+    sim = SimConfig(
+        num_kv_pages=pages,
+        max_num_seqs=case.max_num_seqs,
+        admission_reserve=0.0,
+        decisions="trace",
+        record_events=True,
+    )
     return simulate(list(case.requests), _fresh(policy, copies), config, sim, COST)
 
 
@@ -128,8 +159,9 @@ def _first_difference(a: list[tuple], b: list[tuple]) -> str:
     return f"{len(a)} events then {len(b)}"
 
 
-def check_serving_case(policy: CapacityPolicy, case: ServingCase, copies: bool | None = None
-                       ) -> None:
+def check_serving_case(
+    policy: CapacityPolicy, case: ServingCase, copies: bool | None = None
+) -> None:
     """Serve ``case`` twice under copies of ``policy``; raise ``PolicyConformanceError``
     (rule ``serves``) on the first thing that goes wrong.
 
@@ -143,15 +175,18 @@ def check_serving_case(policy: CapacityPolicy, case: ServingCase, copies: bool |
     def fail(detail: str) -> PolicyConformanceError:
         return PolicyConformanceError("serves", f"{detail} (pool of {pages} pages)", case)
 
-    try:   # the two runs see different global RNG states, as check_policy's
+    try:  # the two runs see different global RNG states, as check_policy's
         with global_rngs_seeded(0):
             result = _serve(policy, case, config, pages, copies)
     except GrowPageError as exc:
         raise fail(f"the run stopped: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:
         raise fail(f"the run crashed: {type(exc).__name__}: {exc}") from exc
-    unfinished = [r.request_id for r in result.requests
-                  if r.finish_s is None or r.generated != r.output_tokens - 1]
+    unfinished = [
+        r.request_id
+        for r in result.requests
+        if r.finish_s is None or r.generated != r.output_tokens - 1
+    ]
     if unfinished or len(result.requests) != len(case.requests):
         raise fail(f"requests {unfinished} did not finish with all their tokens")
     if result.metrics.peak_pages > pages:
@@ -166,9 +201,11 @@ def check_serving_case(policy: CapacityPolicy, case: ServingCase, copies: bool |
         again = _serve(policy, case, config, pages, copies)
     if again.events != result.events:
         run = "a fresh copy of the policy" if copies else "the same policy object"
-        raise fail(f"a second run of {run} gave other events (first "
-                   f"difference: {_first_difference(result.events or [], again.events or [])}): "
-                   "the policy depends on state outside its contexts (a global RNG, a counter)")
+        raise fail(
+            f"a second run of {run} gave other events (first "
+            f"difference: {_first_difference(result.events or [], again.events or [])}): "
+            "the policy depends on state outside its contexts (a global RNG, a counter)"
+        )
 
 
 def check_serving(policy: CapacityPolicy, max_examples: int = 15, **strategy_kwargs: Any) -> None:
@@ -182,14 +219,22 @@ def check_serving(policy: CapacityPolicy, max_examples: int = 15, **strategy_kwa
     refuse_a_class(policy, "check_serving")
     check_knob("check_serving", "max_examples", max_examples, 1)
     if not isinstance(policy, CapacityPolicy):
-        raise TypeError(f"check_serving takes a CapacityPolicy instance (the simulator and the "
-                        f"engine run only those), got {policy!r}")
+        raise TypeError(
+            f"check_serving takes a CapacityPolicy instance (the simulator and the "
+            f"engine run only those), got {policy!r}"
+        )
     failure: list[PolicyConformanceError] = []
     copies = copy_policy(policy, SERVED_COPIES) is not None
 
-    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), print_blob=False,
-              report_multiple_bugs=False)
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        report_multiple_bugs=False,
+    )
     @given(serving_cases(**strategy_kwargs))
     def run(case: ServingCase) -> None:
         try:
@@ -208,16 +253,25 @@ def script_mode_problem(policy: CapacityPolicy) -> str | None:
     Not a conformance rule (the policy may be right, and trace mode serves it): script mode
     plays back the signals a replay of a synthetic trace read, so a policy whose choice of
     signals depends on the pool, or that reads KV content, cannot run there."""
-    case = ServingCase(tuple(WorkloadRequest(f"r{i}", 0.05 * (i % 2), 20 + 3 * i, 60 + 30 * i)
-                             for i in range(5)), page_size=8, slack=1, max_num_seqs=4)
+    case = ServingCase(
+        tuple(WorkloadRequest(f"r{i}", 0.05 * (i % 2), 20 + 3 * i, 60 + 30 * i) for i in range(5)),
+        page_size=8,
+        slack=1,
+        max_num_seqs=4,
+    )
     config = case.config()
     tight = case.num_kv_pages(config, policy.fallback_to_compress)
-    with warnings.catch_warnings():   # check_serving has said so, if it cannot be copied
+    with warnings.catch_warnings():  # check_serving has said so, if it cannot be copied
         warnings.simplefilter("ignore", PolicyConformanceWarning)
         copies = copy_policy(policy, SERVED_COPIES) is not None
     for pages in (tight, 4 * tight):
-        sim = SimConfig(num_kv_pages=pages, max_num_seqs=case.max_num_seqs,
-                        admission_reserve=0.0, decisions="script", num_scripts=2)
+        sim = SimConfig(
+            num_kv_pages=pages,
+            max_num_seqs=case.max_num_seqs,
+            admission_reserve=0.0,
+            decisions="script",
+            num_scripts=2,
+        )
         try:
             with global_rngs_seeded(0):
                 simulate(list(case.requests), _fresh(policy, copies), config, sim, COST)

@@ -32,8 +32,9 @@ from growpage.core.rope import RopeConfig, apply_rope, cos_sin
 
 def _non_negative(inst: object, attribute: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"BoundaryCase.{attribute.name} must be a non-negative integer, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"BoundaryCase.{attribute.name} must be a non-negative integer, got {value!r}"
+        )
 
 
 @attrs.frozen
@@ -50,7 +51,7 @@ class BoundaryCase:
     num_free_pages: int
     gap: int = attrs.field(validator=_non_negative)  # tokens evicted: position = num_tokens + gap
     seed: int
-    sharpness: float     # scale of the queries: larger means more concentrated attention
+    sharpness: float  # scale of the queries: larger means more concentrated attention
     track_accumulated: bool
 
     @property
@@ -71,20 +72,26 @@ class BoundaryCase:
 
     def context(self, view: DenseKVView | None = None) -> BoundaryContext:
         view = view if view is not None else self.view()
-        return BoundaryContext(request_id=f"req-{self.seed}", num_tokens=self.num_tokens,
-                               position=self.position, num_pages=self.num_pages,
-                               num_free_pages=self.num_free_pages, config=self.config, view=view)
+        return BoundaryContext(
+            request_id=f"req-{self.seed}",
+            num_tokens=self.num_tokens,
+            position=self.position,
+            num_pages=self.num_pages,
+            num_free_pages=self.num_free_pages,
+            config=self.config,
+            view=view,
+        )
 
 
 @attrs.frozen
 class _History:
     rope: RopeConfig
-    keys: torch.Tensor          # [L, Hkv, t, d] post-RoPE keys of every position before t
-    resident: torch.Tensor      # [L, Hkv, N] int64 positions held, ascending per (layer, head)
-    summaries: torch.Tensor     # [L, 2, Hq, d] short/long EMAs of the decode queries
-    current: torch.Tensor       # [L, Hq, d] token t - 1's pre-RoPE query
-    queries: torch.Tensor       # [L, t, Hq, d] pre-RoPE queries of every position before t
-    evicted_at: torch.Tensor    # [L, Hkv, t] boundary that dropped each position (t: never)
+    keys: torch.Tensor  # [L, Hkv, t, d] post-RoPE keys of every position before t
+    resident: torch.Tensor  # [L, Hkv, N] int64 positions held, ascending per (layer, head)
+    summaries: torch.Tensor  # [L, 2, Hq, d] short/long EMAs of the decode queries
+    current: torch.Tensor  # [L, Hq, d] token t - 1's pre-RoPE query
+    queries: torch.Tensor  # [L, t, Hq, d] pre-RoPE queries of every position before t
+    evicted_at: torch.Tensor  # [L, Hkv, t] boundary that dropped each position (t: never)
     prompt_len: int
     #: Earlier boundaries: (position, slots kept [L, Hkv, K] ascending) for a compression,
     #: (position, None) for a growth.
@@ -97,9 +104,15 @@ class _CaseView(DenseKVView):
 
     def __init__(self, case: BoundaryCase) -> None:
         h = _history(case)
-        super().__init__(case.num_layers, case.num_kv_heads * case.group_size,
-                         case.num_kv_heads, case.head_dim, h.rope, capacity=case.position,
-                         track_accumulated=case.track_accumulated)
+        super().__init__(
+            case.num_layers,
+            case.num_kv_heads * case.group_size,
+            case.num_kv_heads,
+            case.head_dim,
+            h.rope,
+            capacity=case.position,
+            track_accumulated=case.track_accumulated,
+        )
         self._case, self._sums_due = case, False
         # As a request fills its view: every token appended, then the compactions' drops.
         super().extend(h.keys, torch.arange(case.position))
@@ -145,13 +158,17 @@ def _history(case: BoundaryCase) -> _History:
     # compression drops `b` slots per head (one drop of gap % b first when the gap is uneven).
     drops = [case.gap % b] * bool(case.gap % b) + [b] * (case.gap // b)
     start_pages = rng.randint(min(2, case.num_pages), case.num_pages)
-    actions = drops + [0] * (case.num_pages - start_pages)    # 0: grow
+    actions = drops + [0] * (case.num_pages - start_pages)  # 0: grow
     rng.shuffle(actions)
-    prompt = max(1, rng.randint((start_pages - 1) * b + 1, start_pages * b - 1)
-                 if b > 1 else start_pages * b - 1)
-    time = start_pages * b                        # position of the next boundary
+    prompt = max(
+        1,
+        rng.randint((start_pages - 1) * b + 1, start_pages * b - 1)
+        if b > 1
+        else start_pages * b - 1,
+    )
+    time = start_pages * b  # position of the next boundary
     resident = torch.arange(time).expand(num_l, num_kv, time)
-    evicted_at = torch.full((num_l, num_kv, t), t)   # a query at q sees p iff p <= q < this
+    evicted_at = torch.full((num_l, num_kv, t), t)  # a query at q sees p iff p <= q < this
     steps: list[tuple[int, torch.Tensor | None]] = []
     for drop in actions:
         steps.append((time, None))
@@ -163,8 +180,9 @@ def _history(case: BoundaryCase) -> _History:
             kept = order[..., drop:].sort(dim=-1).values
             gone = resident.gather(-1, order[..., :drop])
             evicted_at.scatter_(-1, gone, time)
-            kept = torch.cat([kept, torch.arange(movable, resident.shape[-1]).expand(
-                num_l, num_kv, -1)], dim=-1)
+            kept = torch.cat(
+                [kept, torch.arange(movable, resident.shape[-1]).expand(num_l, num_kv, -1)], dim=-1
+            )
             resident = resident.gather(-1, kept)
             steps[-1] = (time, kept)
         added = drop or b
@@ -175,11 +193,25 @@ def _history(case: BoundaryCase) -> _History:
     raw_keys = torch.randn(num_l, num_kv, t, d, generator=g)
     queries = torch.randn(num_l, t, num_kv * group, d, generator=g) * case.sharpness
     cos, sin = cos_sin(rope, torch.arange(t))
-    keys = apply_rope(raw_keys, cos, sin)                       # [L, Hkv, t, d]
-    summaries = torch.stack([_ema(queries[:, prompt:], beta)
-                             for beta in (case.config.beta_short, case.config.beta_long)], 1)
-    return _History(rope, keys, resident.contiguous(), summaries, queries[:, t - 1], queries,
-                    evicted_at, prompt, tuple(steps))
+    keys = apply_rope(raw_keys, cos, sin)  # [L, Hkv, t, d]
+    summaries = torch.stack(
+        [
+            _ema(queries[:, prompt:], beta)
+            for beta in (case.config.beta_short, case.config.beta_long)
+        ],
+        1,
+    )
+    return _History(
+        rope,
+        keys,
+        resident.contiguous(),
+        summaries,
+        queries[:, t - 1],
+        queries,
+        evicted_at,
+        prompt,
+        tuple(steps),
+    )
 
 
 def _ema(queries: torch.Tensor, beta: float) -> torch.Tensor:
@@ -190,8 +222,13 @@ def _ema(queries: torch.Tensor, beta: float) -> torch.Tensor:
     return torch.einsum("n,lnhd->lhd", weights.float(), queries)
 
 
-def _accumulated(queries: torch.Tensor, keys: torch.Tensor, evicted_at: torch.Tensor,
-                 scale: float, chunk: int = 128) -> torch.Tensor:
+def _accumulated(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    evicted_at: torch.Tensor,
+    scale: float,
+    chunk: int = 128,
+) -> torch.Tensor:
     """``[L, Hkv, t]`` per position: each query's softmax over the positions it saw (its own
     and earlier ones not yet evicted), mean over the query group, summed over queries.
     ``queries [L, t, Hq, d]`` rotated, ``keys [L, Hkv, t, d]``; ``chunk`` queries at a time."""
@@ -201,19 +238,26 @@ def _accumulated(queries: torch.Tensor, keys: torch.Tensor, evicted_at: torch.Te
     total = torch.zeros(num_l, num_kv, t)
     for lo in range(0, t, chunk):
         when = torch.arange(lo, min(lo + chunk, t))
-        logits = torch.einsum("lqhgd,lhpd->lhgqp", q[:, lo:lo + chunk], keys) * scale
+        logits = torch.einsum("lqhgd,lhpd->lhgqp", q[:, lo : lo + chunk], keys) * scale
         seen = (when[None, None, :, None] < evicted_at[:, :, None, :]) & (
-            torch.arange(t)[None, :] <= when[:, None])             # [L, Hkv, q, p]
+            torch.arange(t)[None, :] <= when[:, None]
+        )  # [L, Hkv, q, p]
         bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
         weights = (logits + bias[:, :, None]).softmax(dim=-1)
         total += weights.sum(dim=(2, 3)) / weights.shape[2]
     return total
 
 
-def boundary_cases(max_layers: int = 3, max_kv_heads: int = 3, max_group: int = 4,
-                   page_sizes: tuple[int, ...] = (4, 8, 16), max_pages: int = 6,
-                   head_dims: tuple[int, ...] = (4, 8, 16), accumulated: bool | None = None,
-                   max_compressions: int = 4) -> st.SearchStrategy[BoundaryCase]:
+def boundary_cases(
+    max_layers: int = 3,
+    max_kv_heads: int = 3,
+    max_group: int = 4,
+    page_sizes: tuple[int, ...] = (4, 8, 16),
+    max_pages: int = 6,
+    head_dims: tuple[int, ...] = (4, 8, 16),
+    accumulated: bool | None = None,
+    max_compressions: int = 4,
+) -> st.SearchStrategy[BoundaryCase]:
     """Small random boundaries: shapes, page size, recent window, pool state and a history of
     up to ``max_compressions`` earlier compressions (each dropped one page of tokens).
 
@@ -221,24 +265,43 @@ def boundary_cases(max_layers: int = 3, max_kv_heads: int = 3, max_group: int = 
     with ``needs_accumulated_attention``, which always gets it); None draws it. A knob out of
     range is a ``ValueError`` (``TypeError`` for a wrong type) here, before anything is drawn.
     """
-    for knob, value, low in (("max_layers", max_layers, 1), ("max_kv_heads", max_kv_heads, 1),
-                             ("max_group", max_group, 1), ("max_compressions", max_compressions,
-                                                           0)):
+    for knob, value, low in (
+        ("max_layers", max_layers, 1),
+        ("max_kv_heads", max_kv_heads, 1),
+        ("max_group", max_group, 1),
+        ("max_compressions", max_compressions, 0),
+    ):
         check_knob("boundary_cases", knob, value, low)
-    check_knob("boundary_cases", "max_pages", max_pages, 2, " (the policy decides boundaries "
-               "from min_capacity, 2 pages, on)")
+    check_knob(
+        "boundary_cases",
+        "max_pages",
+        max_pages,
+        2,
+        " (the policy decides boundaries from min_capacity, 2 pages, on)",
+    )
     for knob, values, even in (("page_sizes", page_sizes, False), ("head_dims", head_dims, True)):
         check_sizes("boundary_cases", knob, values)
         for v in values:
-            check_knob("boundary_cases", knob, v, 2 if even else 1,
-                       " (RoPE rotates pairs)" if even else "")
+            check_knob(
+                "boundary_cases", knob, v, 2 if even else 1, " (RoPE rotates pairs)" if even else ""
+            )
             if even and v % 2:
-                raise ValueError(f"boundary_cases: {knob} must hold even integers (RoPE "
-                                 f"rotates pairs), got {v!r}")
+                raise ValueError(
+                    f"boundary_cases: {knob} must hold even integers (RoPE "
+                    f"rotates pairs), got {v!r}"
+                )
     if accumulated is not None and not isinstance(accumulated, bool):
         raise TypeError(f"accumulated must be True, False or None, got {accumulated!r}")
-    return _boundary_cases(max_layers, max_kv_heads, max_group, tuple(page_sizes), max_pages,
-                           tuple(head_dims), accumulated, max_compressions)
+    return _boundary_cases(
+        max_layers,
+        max_kv_heads,
+        max_group,
+        tuple(page_sizes),
+        max_pages,
+        tuple(head_dims),
+        accumulated,
+        max_compressions,
+    )
 
 
 def check_knob(strategy: str, knob: str, value: object, low: int, why: str = "") -> None:
@@ -260,9 +323,17 @@ def check_sizes(strategy: str, knob: str, values: object) -> None:
 
 
 @st.composite
-def _boundary_cases(draw: st.DrawFn, max_layers: int, max_kv_heads: int, max_group: int,
-                    page_sizes: tuple[int, ...], max_pages: int, head_dims: tuple[int, ...],
-                    accumulated: bool | None, max_compressions: int) -> BoundaryCase:
+def _boundary_cases(
+    draw: st.DrawFn,
+    max_layers: int,
+    max_kv_heads: int,
+    max_group: int,
+    page_sizes: tuple[int, ...],
+    max_pages: int,
+    head_dims: tuple[int, ...],
+    accumulated: bool | None,
+    max_compressions: int,
+) -> BoundaryCase:
     page_size = draw(st.sampled_from(page_sizes))
     return BoundaryCase(
         num_layers=draw(st.integers(1, max_layers)),

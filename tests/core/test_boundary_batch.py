@@ -17,9 +17,20 @@ from growpage.testing import BoundaryCase
 
 
 def case(seed: int, num_pages: int, sharpness: float = 1.0) -> BoundaryCase:
-    return BoundaryCase(num_layers=2, num_kv_heads=2, group_size=2, head_dim=8, page_size=8,
-                        recent_window=3, num_pages=num_pages, num_free_pages=4, gap=5,
-                        seed=seed, sharpness=sharpness, track_accumulated=False)
+    return BoundaryCase(
+        num_layers=2,
+        num_kv_heads=2,
+        group_size=2,
+        head_dim=8,
+        page_size=8,
+        recent_window=3,
+        num_pages=num_pages,
+        num_free_pages=4,
+        gap=5,
+        seed=seed,
+        sharpness=sharpness,
+        track_accumulated=False,
+    )
 
 
 CASES = [case(1, 3), case(2, 6, 3.0), case(3, 4, 0.3), case(4, 9, 2.0)]
@@ -35,8 +46,10 @@ def batched(cases: list[BoundaryCase]):
 
 def test_counts_match_coverage_demand_row_by_row():
     gen = torch.Generator().manual_seed(0)
-    attns = [torch.softmax(torch.randn(2, 3, 4, n, generator=gen) * s, dim=-1)
-             for n, s in ((5, 1.0), (40, 4.0), (17, 0.1), (1, 1.0))]
+    attns = [
+        torch.softmax(torch.randn(2, 3, 4, n, generator=gen) * s, dim=-1)
+        for n, s in ((5, 1.0), (40, 4.0), (17, 0.1), (1, 1.0))
+    ]
     for p in (0.5, 0.9, 0.99, 1.0):
         counts = demand.working_set_counts(attns, p)
         assert counts.shape == (4, 2, 3, 4) and counts.dtype == torch.int64
@@ -50,8 +63,9 @@ def test_counts_of_a_padded_tensor_are_those_of_its_rows():
     padded = torch.zeros(3, 2, 3, 11)
     for i, a in enumerate(attns):
         padded[i, ..., : a.shape[-1]] = a
-    assert torch.equal(demand.working_set_counts(padded, 0.9),
-                       demand.working_set_counts(attns, 0.9))
+    assert torch.equal(
+        demand.working_set_counts(padded, 0.9), demand.working_set_counts(attns, 0.9)
+    )
 
 
 def test_counts_reject_bad_input():
@@ -77,19 +91,33 @@ def test_members_get_exactly_what_they_get_alone(monkeypatch, pad, sorts):
     Either way one host sync per p gives every member its Delta_t."""
     monkeypatch.setattr(BoundaryBatch, "pad", pad)
     alone = [c.context() for c in CASES]
-    expected = [(ctx.delta(), ctx.working_set_ratio("short"), ctx.working_set_ratio("long"),
-                 ctx.delta(0.7)) for ctx in alone]
+    expected = [
+        (ctx.delta(), ctx.working_set_ratio("short"), ctx.working_set_ratio("long"), ctx.delta(0.7))
+        for ctx in alone
+    ]
     batch, contexts = batched(CASES)
     calls = {"counts": 0, "trends": 0}
     counts, trends = demand.working_set_counts, demand.demand_trends
-    monkeypatch.setattr(demand, "working_set_counts",
-                        lambda *a: calls.__setitem__("counts", calls["counts"] + 1) or counts(*a))
-    monkeypatch.setattr(demand, "demand_trends",
-                        lambda *a: calls.__setitem__("trends", calls["trends"] + 1) or trends(*a))
+    monkeypatch.setattr(
+        demand,
+        "working_set_counts",
+        lambda *a: calls.__setitem__("counts", calls["counts"] + 1) or counts(*a),
+    )
+    monkeypatch.setattr(
+        demand,
+        "demand_trends",
+        lambda *a: calls.__setitem__("trends", calls["trends"] + 1) or trends(*a),
+    )
     got = []
     for ctx in reversed(contexts):  # any member may ask first
-        got.append((ctx.delta(), ctx.working_set_ratio("short"), ctx.working_set_ratio("long"),
-                    ctx.delta(0.7)))
+        got.append(
+            (
+                ctx.delta(),
+                ctx.working_set_ratio("short"),
+                ctx.working_set_ratio("long"),
+                ctx.delta(0.7),
+            )
+        )
     got.reverse()
     assert calls == {"counts": 2 * sorts, "trends": 2}
     for (d, rs, rl, d7), (ed, ers, erl, ed7) in zip(got, expected, strict=True):
@@ -123,8 +151,9 @@ def test_groups_stay_within_the_element_budget(monkeypatch):
     monkeypatch.setattr(BoundaryBatch, "max_elements", 2 * 40 * 8)
     sizes = []
     counts = demand.working_set_counts
-    monkeypatch.setattr(demand, "working_set_counts",
-                        lambda attns, p: sizes.append(len(attns)) or counts(attns, p))
+    monkeypatch.setattr(
+        demand, "working_set_counts", lambda attns, p: sizes.append(len(attns)) or counts(attns, p)
+    )
     deltas = [ctx.delta() for ctx in contexts]
     assert sizes == [2, 1, 1]  # by candidate count: (16, 24), (40), (64)
     assert deltas == [c.context().delta() for c in CASES]
@@ -137,8 +166,9 @@ def test_unpadded_groups_hold_equal_candidate_counts(monkeypatch):
     batch, contexts = batched(same)
     sizes = []
     counts = demand.working_set_counts
-    monkeypatch.setattr(demand, "working_set_counts",
-                        lambda attns, p: sizes.append(len(attns)) or counts(attns, p))
+    monkeypatch.setattr(
+        demand, "working_set_counts", lambda attns, p: sizes.append(len(attns)) or counts(attns, p)
+    )
     assert [ctx.delta() for ctx in contexts] == expected
     assert sizes == [3, 1]
 
@@ -172,8 +202,11 @@ def test_controller_prepares_the_decided_ones_and_uses_their_contexts():
     for (state, view), (s2, v2) in zip(items, alone_items, strict=True):
         got = controller.on_boundary(state, view, batch)
         want = alone_ctl.on_boundary(s2, v2)
-        assert (got.action, got.delta, got.pages_after) == (want.action, want.delta,
-                                                            want.pages_after)
+        assert (got.action, got.delta, got.pages_after) == (
+            want.action,
+            want.delta,
+            want.pages_after,
+        )
         assert state.block_table == s2.block_table and state.num_tokens == s2.num_tokens
         deltas.append(got.delta)
     assert controller.events == alone_ctl.events

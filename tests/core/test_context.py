@@ -8,9 +8,20 @@ from growpage.core.context import BoundaryContext
 from growpage.core.rope import rope_at
 from growpage.testing import BoundaryCase
 
-CASE = BoundaryCase(num_layers=2, num_kv_heads=2, group_size=3, head_dim=8, page_size=8,
-                    recent_window=3, num_pages=4, num_free_pages=5, gap=7, seed=11,
-                    sharpness=1.0, track_accumulated=False)
+CASE = BoundaryCase(
+    num_layers=2,
+    num_kv_heads=2,
+    group_size=3,
+    head_dim=8,
+    page_size=8,
+    recent_window=3,
+    num_pages=4,
+    num_free_pages=5,
+    gap=7,
+    seed=11,
+    sharpness=1.0,
+    track_accumulated=False,
+)
 
 
 def test_attention_matches_reference_pipeline():
@@ -34,10 +45,14 @@ def test_scores_are_max_over_selection_candidates():
     assert s.shape == (2, 2, CASE.num_tokens - CASE.recent_window)
     view = ctx.view
     qs = view.query_state()
-    ref = [demand.group_attention(rope_at(view.rope, demand.rms_calibrate(x, qs.current),
-                                          ctx.position),
-                                  view.keys()[:, :, : s.shape[-1]], view.softmax_scale)
-           for x in (qs.short, qs.long)]
+    ref = [
+        demand.group_attention(
+            rope_at(view.rope, demand.rms_calibrate(x, qs.current), ctx.position),
+            view.keys()[:, :, : s.shape[-1]],
+            view.softmax_scale,
+        )
+        for x in (qs.short, qs.long)
+    ]
     assert torch.allclose(s, torch.maximum(*ref), atol=1e-6)
 
 
@@ -81,23 +96,30 @@ def test_bad_view_name():
         CASE.context().attention("medium")
 
 
-@pytest.mark.parametrize("call", [
-    lambda ctx: ctx.attention("medium"),
-    lambda ctx: ctx.working_set_ratio("medium"),
-    lambda ctx: ctx.working_set_ratio("short", p=2.0),
-    lambda ctx: ctx.working_set_ratio("short", p="0.9"),
-    lambda ctx: ctx.delta(0.0),
-    lambda ctx: ctx.delta(float("nan")),
-    lambda ctx: ctx.delta(True),
-], ids=["view", "ratio-view", "p>1", "p-str", "p=0", "p-nan", "p-bool"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda ctx: ctx.attention("medium"),
+        lambda ctx: ctx.working_set_ratio("medium"),
+        lambda ctx: ctx.working_set_ratio("short", p=2.0),
+        lambda ctx: ctx.working_set_ratio("short", p="0.9"),
+        lambda ctx: ctx.delta(0.0),
+        lambda ctx: ctx.delta(float("nan")),
+        lambda ctx: ctx.delta(True),
+    ],
+    ids=["view", "ratio-view", "p>1", "p-str", "p=0", "p-nan", "p-bool"],
+)
 def test_bad_signal_arguments_are_config_errors_naming_the_argument(call):
     """A policy's bad argument is the library's own error (the CLI prints it as one line)
     naming the method and argument, and leaves the context's caches clean."""
     from growpage.errors import ConfigError
 
     ctx = CASE.context()
-    with pytest.raises(ConfigError, match=r"BoundaryContext\.(attention|working_set_ratio|delta)"
-                       r".*(view|p)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"BoundaryContext\.(attention|working_set_ratio|delta)"
+        r".*(view|p)",
+    ):
         call(ctx)
     assert not ctx._ratios and not ctx._deltas
     assert ctx.delta() == CASE.context().delta()

@@ -35,15 +35,25 @@ class Scripted(CapacityPolicy):
 
 
 def setup(decisions, pages=3, pool_pages=10, watermark=0, min_capacity=2, layers=2, kv=2):
-    case = BoundaryCase(num_layers=layers, num_kv_heads=kv, group_size=2, head_dim=8,
-                        page_size=B, recent_window=R, num_pages=pages, num_free_pages=0, gap=5,
-                        seed=3, sharpness=1.0, track_accumulated=False)
+    case = BoundaryCase(
+        num_layers=layers,
+        num_kv_heads=kv,
+        group_size=2,
+        head_dim=8,
+        page_size=B,
+        recent_window=R,
+        num_pages=pages,
+        num_free_pages=0,
+        gap=5,
+        seed=3,
+        sharpness=1.0,
+        track_accumulated=False,
+    )
     config = GrowPageConfig(page_size=B, recent_window=R, min_capacity=min_capacity)
     pool = PagePool(pool_pages, B, watermark=watermark)
     policy = Scripted(list(decisions))
     ctrl = CapacityController(policy, pool, config)
-    state = RequestState("r0", pool.allocate(pages), num_tokens=pages * B,
-                         position=pages * B + 5)
+    state = RequestState("r0", pool.allocate(pages), num_tokens=pages * B, position=pages * B + 5)
     return ctrl, state, case.view(), pool, policy
 
 
@@ -175,16 +185,21 @@ def test_an_exception_from_the_policy_is_a_policy_error_naming_it(where):
     request and the pool are as before."""
     ctrl, state, view, pool, _ = setup([])
     ctrl.policy = Raises(where, ZeroDivisionError("division by zero"))
-    with pytest.raises(PolicyError, match=rf"policy scripted {where}\(\) raised "
-                       r"ZeroDivisionError: division by zero \(request 'r0' at position 29\)"
-                       ) as info:
+    with pytest.raises(
+        PolicyError,
+        match=rf"policy scripted {where}\(\) raised "
+        r"ZeroDivisionError: division by zero \(request 'r0' at position 29\)",
+    ) as info:
         ctrl.on_boundary(state, view)
     assert isinstance(info.value.__cause__, ZeroDivisionError)
     assert (state.num_pages, state.num_tokens, pool.num_free_pages) == (3, 3 * B, 7)
     # A context method refusing the policy's argument is the policy's bug: named as above.
     ctrl.policy = Raises(where, ConfigError("coverage p must lie in (0, 1]"))
-    with pytest.raises(PolicyError, match=rf"policy scripted {where}\(\) raised ConfigError: "
-                       r"coverage p must lie in \(0, 1\] \(request 'r0' at position 29\)"):
+    with pytest.raises(
+        PolicyError,
+        match=rf"policy scripted {where}\(\) raised ConfigError: "
+        r"coverage p must lie in \(0, 1\] \(request 'r0' at position 29\)",
+    ):
         ctrl.on_boundary(state, view)
     ctrl.policy = Raises(where, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
@@ -222,16 +237,19 @@ def _last(n, keep):
     return list(range(n - keep, n))
 
 
-@pytest.mark.parametrize("make, problem", [
-    (lambda n, k: [-1] + _last(n, k - 1), "slot index out of range"),
-    (lambda n, k: _last(n, k - 1) + [n], "slot index out of range"),
-    (lambda n, k: [0, 0] + _last(n, k - 2), "duplicate slot indices"),
-    (lambda n, k: list(range(k)), "protected recent window"),
-    (lambda n, k: list(range(k - 1)) + [n - 1], "protected recent window"),
-    (lambda n, k: torch.tensor(_last(n, k), dtype=torch.complex64), "expected an integer"),
-    (lambda n, k: torch.tensor(_last(n, k), dtype=torch.float32), "expected an integer"),
-    (lambda n, k: torch.ones(k, dtype=torch.bool), "expected an integer"),
-])
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (lambda n, k: [-1] + _last(n, k - 1), "slot index out of range"),
+        (lambda n, k: _last(n, k - 1) + [n], "slot index out of range"),
+        (lambda n, k: [0, 0] + _last(n, k - 2), "duplicate slot indices"),
+        (lambda n, k: list(range(k)), "protected recent window"),
+        (lambda n, k: list(range(k - 1)) + [n - 1], "protected recent window"),
+        (lambda n, k: torch.tensor(_last(n, k), dtype=torch.complex64), "expected an integer"),
+        (lambda n, k: torch.tensor(_last(n, k), dtype=torch.float32), "expected an integer"),
+        (lambda n, k: torch.ones(k, dtype=torch.bool), "expected an integer"),
+    ],
+)
 def test_each_invalid_selection_is_named_and_changes_nothing(make, problem):
     ctrl, state, view, pool, _ = setup([])
     ctrl.policy = Chosen([Decision.COMPRESS], make=make)
@@ -290,9 +308,20 @@ def test_long_decode_loop_keeps_invariants(policy):
     config = GrowPageConfig(page_size=B, recent_window=R)
     pool = PagePool(12, B)
     ctrl = CapacityController(policy, pool, config)
-    case = BoundaryCase(num_layers=2, num_kv_heads=1, group_size=3, head_dim=8, page_size=B,
-                        recent_window=R, num_pages=2, num_free_pages=0, gap=0, seed=9,
-                        sharpness=1.0, track_accumulated=False)
+    case = BoundaryCase(
+        num_layers=2,
+        num_kv_heads=1,
+        group_size=3,
+        head_dim=8,
+        page_size=B,
+        recent_window=R,
+        num_pages=2,
+        num_free_pages=0,
+        gap=0,
+        seed=9,
+        sharpness=1.0,
+        track_accumulated=False,
+    )
     view = case.view()
     state = RequestState("loop", pool.allocate(2), num_tokens=2 * B, position=2 * B)
     g = torch.Generator().manual_seed(1)
@@ -363,7 +392,10 @@ def test_a_deferred_compression_settles_pages_then_runs_as_the_synchronous_one(d
     assert state.events.compress + state.events.shrink == 0
     done = pending.run()
     assert (done.action, done.pages_after, done.tokens_after) == (
-        want.action, want.pages_after, want.tokens_after)
+        want.action,
+        want.pages_after,
+        want.tokens_after,
+    )
     assert (state.num_tokens, state.num_pages) == (sync_state.num_tokens, sync_state.num_pages)
     assert torch.equal(view.positions(), sync_view.positions())
     assert torch.equal(view.keys(), sync_view.keys())
@@ -421,8 +453,9 @@ def test_a_selection_too_narrow_for_real_contexts_is_refused_and_changes_nothing
     """Slots as small integers fit a small request but not a real one (thousands of slots):
     refused whatever their values, as the conformance kit refuses them."""
     ctrl, state, view, pool, _ = setup([])
-    ctrl.policy = Chosen([Decision.COMPRESS], make=lambda n, k: torch.tensor(_last(n, k),
-                                                                             dtype=dtype))
+    ctrl.policy = Chosen(
+        [Decision.COMPRESS], make=lambda n, k: torch.tensor(_last(n, k), dtype=dtype)
+    )
     positions, table = view.positions().clone(), list(state.block_table)
     with pytest.raises(PolicyError, match=rf"dtype {dtype}, too narrow .*torch.long"):
         ctrl.on_boundary(state, view)
@@ -433,8 +466,9 @@ def test_a_selection_too_narrow_for_real_contexts_is_refused_and_changes_nothing
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_32_and_64_bit_selections_are_accepted(dtype):
     ctrl, state, view, _, _ = setup([])
-    ctrl.policy = Chosen([Decision.COMPRESS], make=lambda n, k: torch.tensor(_last(n, k),
-                                                                             dtype=dtype))
+    ctrl.policy = Chosen(
+        [Decision.COMPRESS], make=lambda n, k: torch.tensor(_last(n, k), dtype=dtype)
+    )
     before = view.positions().clone()
     assert ctrl.on_boundary(state, view).action is Action.COMPRESS
     assert torch.equal(view.positions(), before[..., B:])
@@ -445,20 +479,27 @@ def test_a_policy_reading_sums_it_did_not_ask_for_is_told_the_flag():
 
     class ReadsSums(CapacityPolicy):
         def decide(self, ctx):
-            return Decision.GROW if ctx.accumulated_attention()[0, 0, 0] > 1 else (
-                Decision.COMPRESS)
+            return (
+                Decision.GROW if ctx.accumulated_attention()[0, 0, 0] > 1 else (Decision.COMPRESS)
+            )
 
     ctrl.policy = ReadsSums()
-    with pytest.raises(PolicyError, match=r"decide\(\) raised TypeError: .* -- "
-                                          r"accumulated_attention\(\) was None here: a policy "
-                                          r"that reads it sets needs_accumulated_attention = "
-                                          r"True$"):
+    with pytest.raises(
+        PolicyError,
+        match=r"decide\(\) raised TypeError: .* -- "
+        r"accumulated_attention\(\) was None here: a policy "
+        r"that reads it sets needs_accumulated_attention = "
+        r"True$",
+    ):
         ctrl.on_boundary(state, view)
     assert state.num_tokens == 3 * B and pool.num_free_pages == 7
-    ctrl.policy = Scripted([Decision.GROW])   # the hint only where sums were read
+    ctrl.policy = Scripted([Decision.GROW])  # the hint only where sums were read
     ctrl.policy.decide = lambda ctx: 1 / 0
-    with pytest.raises(PolicyError, match=r"ZeroDivisionError: division by zero \(request "
-                                          r"'r0' at position \d+\)$"):
+    with pytest.raises(
+        PolicyError,
+        match=r"ZeroDivisionError: division by zero \(request "
+        r"'r0' at position \d+\)$",
+    ):
         ctrl.on_boundary(state, view)
 
 
@@ -479,14 +520,29 @@ def _set(i, value):
     return lambda row, n: row.__setitem__(i, value(n))
 
 
-@pytest.mark.parametrize("spoil, says", [
-    (_set(0, lambda n: -3), r"slot index out of range \[0, 24\): -3 in layer 1, KV head 1 \(request .* at position \d+\)$"),
-    (_set(-1, lambda n: n + 2), r"out of range \[0, 24\): 26 in layer 1, KV head 1 \(request .* at position \d+\)$"),
-    (_set(0, lambda n: n - 1), r"duplicate slot indices within a layer/KV head: slot 23 twice "
-                               r"in layer 1, KV head 1 \(request .* at position \d+\)$"),
-    (_set(-2, lambda n: 2), r"protected recent window \(last 3 slots\) not fully kept: slot "
-                            r"22 missing in layer 1, KV head 1 \(request .* at position \d+\)$"),
-])
+@pytest.mark.parametrize(
+    "spoil, says",
+    [
+        (
+            _set(0, lambda n: -3),
+            r"slot index out of range \[0, 24\): -3 in layer 1, KV head 1 \(request .* at position \d+\)$",
+        ),
+        (
+            _set(-1, lambda n: n + 2),
+            r"out of range \[0, 24\): 26 in layer 1, KV head 1 \(request .* at position \d+\)$",
+        ),
+        (
+            _set(0, lambda n: n - 1),
+            r"duplicate slot indices within a layer/KV head: slot 23 twice "
+            r"in layer 1, KV head 1 \(request .* at position \d+\)$",
+        ),
+        (
+            _set(-2, lambda n: 2),
+            r"protected recent window \(last 3 slots\) not fully kept: slot "
+            r"22 missing in layer 1, KV head 1 \(request .* at position \d+\)$",
+        ),
+    ],
+)
 def test_an_invalid_selection_says_where(spoil, says):
     ctrl, state, view, _, _ = setup([])
     ctrl.policy = SpoilsOneHead([Decision.COMPRESS], spoil=spoil)

@@ -51,7 +51,12 @@ def test_theorem_3_1_bound_holds_for_random_values(seed, n, d, v_max):
     keep = torch.rand(n, generator=g) < 0.5
     keep[torch.randint(n, (1,), generator=g)] = True
     v = torch.randn(n, d, generator=g, dtype=torch.float64)
-    v = v / v.norm(dim=-1, keepdim=True) * v_max * torch.rand(n, 1, generator=g, dtype=torch.float64)
+    v = (
+        v
+        / v.norm(dim=-1, keepdim=True)
+        * v_max
+        * torch.rand(n, 1, generator=g, dtype=torch.float64)
+    )
     full = (a.unsqueeze(-1) * v).sum(0)
     err = (full - demand.renormalized_output(a, v, keep).double()).norm()
     bound = demand.worst_case_error(demand.retained_mass(a, keep).double(), v_max)
@@ -81,8 +86,9 @@ def test_worst_case_capacity_equals_coverage_demand(seed, n, delta_frac):
     delta = delta_frac * v_max
     a = dist(seed, n, 2.0)
     top = a.sort(descending=True).values
-    brute = next(k for k in range(1, n + 1)
-                 if 2 * v_max * (1 - float(top[:k].sum())) <= delta * (1 + 1e-6))
+    brute = next(
+        k for k in range(1, n + 1) if 2 * v_max * (1 - float(top[:k].sum())) <= delta * (1 + 1e-6)
+    )
     assert int(demand.worst_case_capacity(a, delta, v_max)) == brute
 
 
@@ -138,9 +144,9 @@ def test_rms_calibration_matches_eq12():
 
 def test_group_attention_is_mean_of_group_softmaxes():
     q, k = torch.randn(2, 6, 8), torch.randn(2, 3, 10, 8)
-    out = demand.group_attention(q, k, 8 ** -0.5)
+    out = demand.group_attention(q, k, 8**-0.5)
     for h in range(6):
-        ref = (q[:, h:h + 1] @ k[:, h // 2].transpose(-1, -2) * 8 ** -0.5).softmax(-1)[:, 0]
+        ref = (q[:, h : h + 1] @ k[:, h // 2].transpose(-1, -2) * 8**-0.5).softmax(-1)[:, 0]
         if h % 2 == 0:
             acc = ref
         else:

@@ -31,15 +31,20 @@ ALPHABET = (0, 1)  # tiny alphabet: equal page contents (and equal keys) happen 
 
 def snapshot(pool: PagePool) -> tuple:
     """Everything observable about a pool, to assert "nothing changed"."""
-    return (list(pool._free), list(pool.refcounts), dict(pool._hash_of), dict(pool._page_of),
-            dict(pool._tokens_of))
+    return (
+        list(pool._free),
+        list(pool.refcounts),
+        dict(pool._hash_of),
+        dict(pool._page_of),
+        dict(pool._tokens_of),
+    )
 
 
 def hashes_of(token_ids, page_size):
     """Chained hashes of the full leading pages of ``token_ids`` (as a caller computes them)."""
     out, prev = [], None
     for start in range(0, len(token_ids) - page_size + 1, page_size):
-        prev = chain_hash(prev, token_ids[start:start + page_size])
+        prev = chain_hash(prev, token_ids[start : start + page_size])
         out.append(prev)
     return out
 
@@ -54,8 +59,9 @@ class PagePoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool: PagePool | None = None
 
-    @initialize(num_pages=st.integers(1, 8), page_size=st.integers(1, 2),
-                watermark=st.integers(0, 5))
+    @initialize(
+        num_pages=st.integers(1, 8), page_size=st.integers(1, 2), watermark=st.integers(0, 5)
+    )
     def setup(self, num_pages: int, page_size: int, watermark: int) -> None:
         watermark %= num_pages
         self.pool = PagePool(num_pages, page_size, watermark)
@@ -104,8 +110,7 @@ class PagePoolMachine(RuleBasedStateMachine):
     def _m_cached(self, page: int) -> bool:
         return any(p == page for p, _, _ in self.cache.values())
 
-    def _m_register(self, page: int, h: int, tokens: tuple[int, ...], parent: int | None
-                    ) -> None:
+    def _m_register(self, page: int, h: int, tokens: tuple[int, ...], parent: int | None) -> None:
         if self._m_lookup(h, tokens, parent) == page:
             return  # cached as exactly this already: nothing changes, its descendants stay
         self._m_forget(page)
@@ -113,8 +118,7 @@ class PagePoolMachine(RuleBasedStateMachine):
             return  # keep the first page cached under this hash; no orphan entries
         self.cache[h] = (page, tokens, parent)
 
-    def _m_lookup(self, h: int, tokens: tuple[int, ...], parent: int | None = None
-                  ) -> int | None:
+    def _m_lookup(self, h: int, tokens: tuple[int, ...], parent: int | None = None) -> int | None:
         entry = self.cache.get(h)
         if entry is None or entry[1] != tuple(tokens) or entry[2] != parent:
             return None
@@ -123,7 +127,7 @@ class PagePoolMachine(RuleBasedStateMachine):
     def _m_match(self, token_ids: list[int]) -> list[int]:
         pages, prev = [], None
         for start in range(0, len(token_ids) - self.ps + 1, self.ps):
-            chunk = tuple(token_ids[start:start + self.ps])
+            chunk = tuple(token_ids[start : start + self.ps])
             prev = chain_hash(prev, chunk)
             page = self._m_lookup(prev, chunk, pages[-1] if pages else None)
             if page is None:
@@ -283,9 +287,10 @@ class PagePoolMachine(RuleBasedStateMachine):
         base = []
         if sources and data.draw(st.booleans(), label="from known"):
             base = data.draw(st.sampled_from(sources), label="source")
-            base = base[:data.draw(st.integers(0, len(base)), label="cut")]
-        tail = data.draw(st.lists(st.sampled_from(ALPHABET), max_size=2 * self.ps + 1),
-                         label="tail")
+            base = base[: data.draw(st.integers(0, len(base)), label="cut")]
+        tail = data.draw(
+            st.lists(st.sampled_from(ALPHABET), max_size=2 * self.ps + 1), label="tail"
+        )
         return base + tail
 
     def _hit(self, tokens: list[int]) -> list[int]:
@@ -295,7 +300,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         assert len(pages) <= len(tokens) // self.ps, "match_prefix used a partial page"
         assert len(set(pages)) == len(pages)
         for k, p in enumerate(pages):
-            chunk = tuple(tokens[k * self.ps:(k + 1) * self.ps])
+            chunk = tuple(tokens[k * self.ps : (k + 1) * self.ps])
             assert self.pool._tokens_of[p] == chunk, "hit on a page storing other tokens"
             assert self.content[p] == chunk, "hit on a page holding other tokens"
         for p in pages:
@@ -343,7 +348,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         table = hits + fresh
         hashes = hashes_of(tokens, self.ps)
         for k in range(len(hits), num_full):
-            chunk = tuple(tokens[k * self.ps:(k + 1) * self.ps])
+            chunk = tuple(tokens[k * self.ps : (k + 1) * self.ps])
             self.content[table[k]] = chunk
             parent = table[k - 1] if k else None
             self.pool.register(table[k], hashes[k], list(chunk), parent=parent)
@@ -375,7 +380,8 @@ class PagePoolMachine(RuleBasedStateMachine):
         for page in range(self.n):
             assert pool.refcounts[page] == held[page] == self.rc[page], (
                 f"page {page}: pool refcount {pool.refcounts[page]}, holders {held[page]}, "
-                f"model {self.rc[page]}")
+                f"model {self.rc[page]}"
+            )
         assert 0 <= pool.num_used_pages <= pool.num_pages
         assert pool.num_free_pages + pool.num_used_pages == pool.num_pages
         assert pool.num_used_pages == len(held)
@@ -422,8 +428,11 @@ class PagePoolMachine(RuleBasedStateMachine):
 
 
 PagePoolMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=50, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestPagePoolStateMachine = PagePoolMachine.TestCase
 
 
@@ -650,7 +659,9 @@ def test_register_keeps_first_page_and_requires_full_held_page():
     a, b = pool.allocate(2)
     h = chain_hash(None, [3, 4])
     pool.register(a, h, [3, 4], parent=None)
-    pool.register(b, h, [3, 4], parent=None)  # same content computed twice: the first page stays cached
+    pool.register(
+        b, h, [3, 4], parent=None
+    )  # same content computed twice: the first page stays cached
     assert pool.lookup(h, [3, 4]) == a and not pool.is_cached(b)
     before = snapshot(pool)
     with pytest.raises(ValueError):
@@ -684,7 +695,7 @@ def test_match_prefix_stops_at_first_miss_and_uses_only_full_pages():
     hashes = hashes_of(tokens, 2)
     pages = pool.allocate(3)
     for k, (p, h) in enumerate(zip(pages, hashes, strict=True)):
-        pool.register(p, h, tokens[2 * k:2 * k + 2], parent=pages[k - 1] if k else None)
+        pool.register(p, h, tokens[2 * k : 2 * k + 2], parent=pages[k - 1] if k else None)
     assert pool.match_prefix(tokens) == pages
     assert pool.match_prefix(tokens + [7]) == pages  # trailing partial page ignored
     assert pool.match_prefix(tokens[:5]) == pages[:2]  # partial third page not matched
@@ -720,23 +731,27 @@ def test_match_prefix_never_shares_kv_computed_under_another_prefix():
     hit = pool.match_prefix([-1, 5])
     assert hit[:1] == [a0]
     assert b1 not in hit, (
-        f"match_prefix([-1, 5]) returned {hit}: page {b1} holds KV computed under prefix [-2]")
+        f"match_prefix([-1, 5]) returned {hit}: page {b1} holds KV computed under prefix [-2]"
+    )
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(num_pages=0, page_size=4), "num_pages"),
-    (dict(num_pages=-3, page_size=4), "num_pages"),
-    (dict(num_pages=2.0, page_size=4), "num_pages"),
-    (dict(num_pages="8", page_size=4), "num_pages"),
-    (dict(num_pages=None, page_size=4), "num_pages"),
-    (dict(num_pages=4, page_size=0), "page_size"),
-    (dict(num_pages=4, page_size=-1), "page_size"),
-    (dict(num_pages=4, page_size=1.5), "page_size"),
-    (dict(num_pages=4, page_size=4, watermark=-1), "watermark"),
-    (dict(num_pages=4, page_size=4, watermark=4), "watermark"),
-    (dict(num_pages=4, page_size=4, watermark=9), "watermark"),
-    (dict(num_pages=4, page_size=4, watermark=1.0), "watermark"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_pages=0, page_size=4), "num_pages"),
+        (dict(num_pages=-3, page_size=4), "num_pages"),
+        (dict(num_pages=2.0, page_size=4), "num_pages"),
+        (dict(num_pages="8", page_size=4), "num_pages"),
+        (dict(num_pages=None, page_size=4), "num_pages"),
+        (dict(num_pages=4, page_size=0), "page_size"),
+        (dict(num_pages=4, page_size=-1), "page_size"),
+        (dict(num_pages=4, page_size=1.5), "page_size"),
+        (dict(num_pages=4, page_size=4, watermark=-1), "watermark"),
+        (dict(num_pages=4, page_size=4, watermark=4), "watermark"),
+        (dict(num_pages=4, page_size=4, watermark=9), "watermark"),
+        (dict(num_pages=4, page_size=4, watermark=1.0), "watermark"),
+    ],
+)
 def test_invalid_constructor_args_raise_config_error(kwargs, field):
     with pytest.raises(ConfigError, match=field) as info:
         PagePool(**kwargs)
@@ -772,11 +787,11 @@ def test_registering_a_hit_s_pages_again_keeps_the_other_branches():
     """A request that acquires cached pages registers them again as its own: that must not
     forget what is cached below them for other prompts (their later pages)."""
     pool = PagePool(8, 2)
-    a, b = [1, 2, 3, 4, 9], [1, 2, 5, 6, 9]   # one shared page, then their own
+    a, b = [1, 2, 3, 4, 9], [1, 2, 5, 6, 9]  # one shared page, then their own
     a_pages = pool.allocate(3)
     assert pool.register_prefix(a_pages, a) == 2
     pool.free(list(reversed(a_pages)))
-    hit = pool.match_prefix(b)                  # b shares a's first page
+    hit = pool.match_prefix(b)  # b shares a's first page
     assert hit == a_pages[:1]
     pool.acquire(hit[0])
     b_pages = hit + pool.allocate(2)
@@ -786,4 +801,3 @@ def test_registering_a_hit_s_pages_again_keeps_the_other_branches():
     # both branches below the shared page are cached
     assert len(pool.match_prefix(a)) == 2 and len(pool.match_prefix(b)) == 2
     pool.check_invariants()
-

@@ -54,17 +54,19 @@ def float32_values(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize(("num_kv", "group", "scale"), [
-    (2, 2, 2.0), (2, 1, 2.0), (1, 4, 2.0), (2, 2, 0.3), (2, 2, 6.0)])
-def test_delta_and_scores_follow_the_paper(seed: int, num_kv: int, group: int, scale: float
-                                           ) -> None:
+@pytest.mark.parametrize(
+    ("num_kv", "group", "scale"), [(2, 2, 2.0), (2, 1, 2.0), (1, 4, 2.0), (2, 2, 0.3), (2, 2, 6.0)]
+)
+def test_delta_and_scores_follow_the_paper(
+    seed: int, num_kv: int, group: int, scale: float
+) -> None:
     g = torch.Generator().manual_seed(seed)
     layers, d, b, pages, recent, gap, p = 2, 8, 8, 4, 3, 5, 0.99
     num_q, n = num_kv * group, pages * b
-    t = n + gap   # the position of the token that needs a slot; slot i holds position i + gap
+    t = n + gap  # the position of the token that needs a slot; slot i holds position i + gap
     raw = float32_values(layers, num_kv, n, d, g=g)
     keys = torch.stack([rotate(raw[:, :, i], i + gap) for i in range(n)], dim=2)
-    keys = keys.float().double()   # what the view holds
+    keys = keys.float().double()  # what the view holds
     short = float32_values(layers, num_q, d, g=g, scale=scale)
     long = float32_values(layers, num_q, d, g=g, scale=scale)
     current = float32_values(layers, num_q, d, g=g, scale=scale)
@@ -72,8 +74,9 @@ def test_delta_and_scores_follow_the_paper(seed: int, num_kv: int, group: int, s
     view = DenseKVView(layers, num_q, num_kv, d, RopeConfig(head_dim=d, theta=THETA), n)
     view.extend(keys.float(), torch.arange(n) + gap)
     view.set_queries(torch.stack([short, long], dim=1).float(), current.float())
-    ctx = BoundaryContext("r", n, t, pages, 3, GrowPageConfig(page_size=b, recent_window=recent),
-                          view)
+    ctx = BoundaryContext(
+        "r", n, t, pages, 3, GrowPageConfig(page_size=b, recent_window=recent), view
+    )
 
     ratio, attention = {}, {}
     for name, summary in (("short", short), ("long", long)):
@@ -86,19 +89,25 @@ def test_delta_and_scores_follow_the_paper(seed: int, num_kv: int, group: int, s
                     rms = float(current[layer, qh].pow(2).mean().sqrt())
                     q = summary[layer, qh] * rms / float(summary[layer, qh].pow(2).mean().sqrt())
                     q = rotate(q, t)
-                    logits = torch.tensor([float(q @ keys[layer, h, i]) / math.sqrt(d)
-                                           for i in range(n)], dtype=torch.float64)
+                    logits = torch.tensor(
+                        [float(q @ keys[layer, h, i]) / math.sqrt(d) for i in range(n)],
+                        dtype=torch.float64,
+                    )
                     estimate = estimate + logits[: n - b].softmax(0) / group
                     select = select + logits[: n - recent].softmax(0) / group
                 r[layer, h] = top_p_count(estimate, p) / (n - b)
                 a[layer, h] = select
         ratio[name], attention[name] = r, a
 
-    for name in ("short", "long"):   # float32 ratios: a count off by one is 1/24 off
-        torch.testing.assert_close(ctx.working_set_ratio(name, p).double(), ratio[name],
-                                   atol=1e-6, rtol=0)
+    for name in ("short", "long"):  # float32 ratios: a count off by one is 1/24 off
+        torch.testing.assert_close(
+            ctx.working_set_ratio(name, p).double(), ratio[name], atol=1e-6, rtol=0
+        )
     want = float(ratio["short"].mean() - ratio["long"].mean())
     assert ctx.delta(p) == pytest.approx(want, abs=1e-6)
-    torch.testing.assert_close(ctx.scores().double(),
-                               torch.maximum(attention["short"], attention["long"]),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        ctx.scores().double(),
+        torch.maximum(attention["short"], attention["long"]),
+        atol=1e-5,
+        rtol=1e-4,
+    )

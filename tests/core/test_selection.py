@@ -10,14 +10,21 @@ from growpage.core.selection import block_local_topk, growpage_select, importanc
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(0, 10**6), st.integers(1, 3), st.integers(1, 3), st.sampled_from([4, 8, 16]),
-       st.integers(2, 6), st.data())
+@given(
+    st.integers(0, 10**6),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.sampled_from([4, 8, 16]),
+    st.integers(2, 6),
+    st.data(),
+)
 def test_growpage_select_invariants(seed, num_layers, num_kv, block, pages, data):
     n = pages * block
     recent = data.draw(st.integers(0, block - 1))
     # The controller keeps (P-1)*b or (P-2)*b slots, never below one page.
-    keep = data.draw(st.sampled_from([(pages - 1) * block, (pages - 2) * block]).filter(
-        lambda k: k >= block))
+    keep = data.draw(
+        st.sampled_from([(pages - 1) * block, (pages - 2) * block]).filter(lambda k: k >= block)
+    )
     k_loc = data.draw(st.integers(0, block))
     g = torch.Generator().manual_seed(seed)
     scores = torch.rand(num_layers, num_kv, n - recent, generator=g)
@@ -77,7 +84,8 @@ def stable_top(scores: torch.Tensor, k: int) -> torch.Tensor:
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 10**6), st.integers(1, 40), st.data())
 def test_top_slots_is_the_stable_argsort_order_with_ties_infinities_nan_and_signed_zero(
-        seed, m, data):
+    seed, m, data
+):
     from growpage.core.selection import top_slots
 
     k = data.draw(st.integers(0, m))
@@ -119,13 +127,18 @@ def test_selection_speed_benchmark_times_both_ways_on_the_same_slots(capsys):
     from benchmark_scripts import load_benchmark
 
     bench = load_benchmark("selection_speed")
-    row = bench.time_selection(layers=2, heads=2, tokens=64, page=16, recent=4, local_quota=2,
-                               repeats=2)
+    row = bench.time_selection(
+        layers=2, heads=2, tokens=64, page=16, recent=4, local_quota=2, repeats=2
+    )
     assert row["keyed_ms"] > 0 and row["argsort_ms"] > 0
     assert row["speedup"] == pytest.approx(row["argsort_ms"] / row["keyed_ms"])
     assert selection.keyed_top_k is None  # put back
-    assert bench.main(["--tokens", "64", "--page-size", "16", "--recent-window", "4",
-                       "--repeats", "1"]) == 0
+    assert (
+        bench.main(
+            ["--tokens", "64", "--page-size", "16", "--recent-window", "4", "--repeats", "1"]
+        )
+        == 0
+    )
     assert "| smollm2-135m | 30 x 3 | 64 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.parse_args(["--tokens", "20"])  # less than two pages of 64

@@ -35,16 +35,26 @@ class SpyH2O(H2OPolicy):
     def decide(self, ctx):
         sums = ctx.accumulated_attention()
         assert sums is not None and sums.dtype == torch.float32
-        self.log.append(Seen(str(ctx.request_id), ctx.position, sums.clone(),
-                             ctx.positions().clone(), tuple(ctx.view.seq.state.block_table)))
+        self.log.append(
+            Seen(
+                str(ctx.request_id),
+                ctx.position,
+                sums.clone(),
+                ctx.positions().clone(),
+                tuple(ctx.view.seq.state.block_table),
+            )
+        )
         return super().decide(ctx)
 
     def select(self, ctx, keep):
         slots = super().select(ctx, keep)
         # Its own boundary's entry: with async compaction the selections of a step run after
         # all of its decisions, so the last entry may be another request's.
-        seen = next(s for s in reversed(self.log)
-                    if (s.request_id, s.position) == (str(ctx.request_id), ctx.position))
+        seen = next(
+            s
+            for s in reversed(self.log)
+            if (s.request_id, s.position) == (str(ctx.request_id), ctx.position)
+        )
         seen.keep = slots.sort(dim=-1).values
         return slots
 
@@ -68,8 +78,8 @@ class RowRecorder:
     def __init__(self, llm: LLM, spy: SpyH2O) -> None:
         self.llm, self.spy = llm, spy
         self.queries: dict[str, torch.Tensor] = {}  # request id -> [L, T, Hq, d]
-        self.keys: dict[str, torch.Tensor] = {}     # request id -> [L, T, Hkv, d]
-        self.restarts: dict[str, int] = {}          # request id -> len(spy.log) at a restart
+        self.keys: dict[str, torch.Tensor] = {}  # request id -> [L, T, Hkv, d]
+        self.restarts: dict[str, int] = {}  # request id -> len(spy.log) at a restart
         llm.engine.recorder = llm.engine.runner.recorder = self
 
     def record(self, out, capture) -> None:
@@ -77,8 +87,8 @@ class RowRecorder:
         layers = sorted(capture.queries)
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             rid, start = seq.request_id, seq.state.position - n
-            new_q = torch.stack([capture.queries[i][offset:offset + n] for i in layers]).float()
-            new_k = torch.stack([capture.keys[i][offset:offset + n] for i in layers]).float()
+            new_q = torch.stack([capture.queries[i][offset : offset + n] for i in layers]).float()
+            new_k = torch.stack([capture.keys[i][offset : offset + n] for i in layers]).float()
             old_q, old_k = self.queries.get(rid, new_q[:, :0]), self.keys.get(rid, new_k[:, :0])
             assert start <= old_q.shape[1], "skipped rows: prefix caching must be off"
             if start < old_q.shape[1]:
@@ -97,28 +107,43 @@ class RowRecorder:
         c = self.llm.model.config
         q, k = self.queries[request_id], self.keys[request_id]
         header = TraceHeader(
-            request_id=request_id, model=c.name, num_layers=c.num_layers,
-            layer_ids=tuple(range(c.num_layers)), num_q_heads=c.num_q_heads,
-            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rope=c.rope,
-            softmax_scale=c.head_dim ** -0.5, prompt_len=prompt_len,
-            token_ids=tuple([3] * q.shape[1]), has_values=False)
+            request_id=request_id,
+            model=c.name,
+            num_layers=c.num_layers,
+            layer_ids=tuple(range(c.num_layers)),
+            num_q_heads=c.num_q_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rope=c.rope,
+            softmax_scale=c.head_dim**-0.5,
+            prompt_len=prompt_len,
+            token_ids=tuple([3] * q.shape[1]),
+            has_values=False,
+        )
         return Trace(header=header, queries=q, keys=k)
 
 
-def check_against_simulator(llm: LLM, spy: SpyH2O, rows: RowRecorder, request_id: str,
-                            prompt_len: int, atol: float = 1e-4) -> int:
+def check_against_simulator(
+    llm: LLM, spy: SpyH2O, rows: RowRecorder, request_id: str, prompt_len: int, atol: float = 1e-4
+) -> int:
     """Replay ``request_id``'s rows in a ``TraceView`` (H2O sums on), taking the engine's
     decisions, and compare positions and sums at every boundary of its last residency.
     Returns the number of boundaries compared."""
-    view = TraceView(rows.trace(request_id, prompt_len), llm.config.growpage,
-                     track_accumulated=True)
+    view = TraceView(
+        rows.trace(request_id, prompt_len), llm.config.growpage, track_accumulated=True
+    )
     since = rows.restarts.get(request_id, 0)
     seen = [s for s in spy.log[since:] if s.request_id == request_id]
     for s in seen:
         view.prepare_boundary(s.position)
         assert torch.equal(view.positions(), s.positions), (request_id, s.position)
-        torch.testing.assert_close(s.sums, view.accumulated_attention(), atol=atol, rtol=1e-4,
-                                   msg=lambda m, at=s.position: f"{request_id} at {at}: {m}")
+        torch.testing.assert_close(
+            s.sums,
+            view.accumulated_attention(),
+            atol=atol,
+            rtol=1e-4,
+            msg=lambda m, at=s.position: f"{request_id} at {at}: {m}",
+        )
         if s.keep is not None:
             view.compact(s.keep, [], [])
     return len(seen)

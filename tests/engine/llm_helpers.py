@@ -90,8 +90,9 @@ def watch_steps(llm: LLM) -> list[tuple[set[str], set[str]]]:
     def watched():
         out = schedule()
         if not out.is_prefill:
-            deferred = {seq.request_id for seq in engine.scheduler.running
-                        if engine.kv.is_deferred(seq)}
+            deferred = {
+                seq.request_id for seq in engine.scheduler.running if engine.kv.is_deferred(seq)
+            }
             steps.append(({seq.request_id for seq in out.seqs}, deferred))
         return out
 
@@ -116,8 +117,8 @@ def assert_sat_out_one_step(steps: list[tuple[set[str], set[str]]]) -> int:
     assert sat_out, "no request sat a step out"
     for i, deferred in sat_out:
         decoded = steps[i][0]
-        assert decoded and not decoded & deferred   # the others decode without them
-        assert deferred <= steps[i + 1][0]          # and they are back one step later
+        assert decoded and not decoded & deferred  # the others decode without them
+        assert deferred <= steps[i + 1][0]  # and they are back one step later
     return sum(len(d) for _, d in sat_out)
 
 
@@ -139,16 +140,20 @@ def engine_and_simulator_steps(model, policy: str, kwargs: dict, flag: str):
     for on in (False, True):
         llm = tiny_llm(model, policy=policy, policy_kwargs=kwargs, **{flag: on})
         llm.generate(prompts, params, use_tqdm=False)
-        served = simulate(requests, resolve_policy(policy, **kwargs),
-                          GrowPageConfig(page_size=4, recent_window=2),
-                          SimConfig(num_kv_pages=256, **{flag: on}),
-                          LinearCostModel(base_s=1.0))
+        served = simulate(
+            requests,
+            resolve_policy(policy, **kwargs),
+            GrowPageConfig(page_size=4, recent_window=2),
+            SimConfig(num_kv_pages=256, **{flag: on}),
+            LinearCostModel(base_s=1.0),
+        )
         runs[on] = (llm.last_stats, served.metrics)
     return runs
 
 
-def fail_the_first_step_with_deferred_work(llm: LLM, prompts, params,
-                                           added: list | None = None) -> dict:
+def fail_the_first_step_with_deferred_work(
+    llm: LLM, prompts, params, added: list | None = None
+) -> dict:
     """Add ``prompts`` (their sequences appended to ``added``), then step until a step has
     deferred work (compressions or late boundaries) and make its forward fail. Returns what the
     requests sitting that step out held then, ``{request id: (num_tokens, block table)}``; the
@@ -158,8 +163,13 @@ def fail_the_first_step_with_deferred_work(llm: LLM, prompts, params,
 
     def failing(out):
         if engine.kv.num_deferred and not seen:
-            seen.update({s.request_id: (s.state.num_tokens, list(s.state.block_table))
-                         for s in engine.scheduler.running if engine.kv.is_deferred(s)})
+            seen.update(
+                {
+                    s.request_id: (s.state.num_tokens, list(s.state.block_table))
+                    for s in engine.scheduler.running
+                    if engine.kv.is_deferred(s)
+                }
+            )
             raise RuntimeError("device lost")
         return run(out)
 

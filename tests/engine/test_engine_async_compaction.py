@@ -64,15 +64,20 @@ def test_async_compaction_gives_the_synchronous_tokens_and_trajectories(model):
     assert_all_returned(llm)
 
 
-@pytest.mark.parametrize("policy,kwargs", [
-    ("fixed", {"policy_kwargs": {"budget_tokens": 24}}),
-    ("shrink", {}),
-    ("h2o", {"policy_kwargs": {"budget_tokens": 24}}),  # H2O sums move with the deferred KV
-], ids=["fixed", "shrink", "h2o"])
+@pytest.mark.parametrize(
+    "policy,kwargs",
+    [
+        ("fixed", {"policy_kwargs": {"budget_tokens": 24}}),
+        ("shrink", {}),
+        ("h2o", {"policy_kwargs": {"budget_tokens": 24}}),  # H2O sums move with the deferred KV
+    ],
+    ids=["fixed", "shrink", "h2o"],
+)
 def test_every_compressing_policy_gets_its_synchronous_tokens(model, policy, kwargs):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
-    sync, want, llm, got = served_both_ways(model, policy, PROMPTS, params, "async_compaction",
-                                            **kwargs)
+    sync, want, llm, got = served_both_ways(
+        model, policy, PROMPTS, params, "async_compaction", **kwargs
+    )
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.trajectory for o in got] == [o.trajectory for o in want]
     events = llm.last_stats.events
@@ -84,8 +89,9 @@ def test_every_compressing_policy_gets_its_synchronous_tokens(model, policy, kwa
 def test_scoring_with_async_compaction_keeps_the_decisions_and_nlls(model):
     """Teacher forcing: the same boundaries and decisions; the NLLs differ only by the float
     noise of other batch shapes (a request that compresses decodes a step later)."""
-    conts = [o.token_ids for o in tiny_llm(model, "growpage").generate(PROMPTS, LONG,
-                                                                       use_tqdm=False)]
+    conts = [
+        o.token_ids for o in tiny_llm(model, "growpage").generate(PROMPTS, LONG, use_tqdm=False)
+    ]
     want = tiny_llm(model, "growpage").score(PROMPTS, conts)
     llm = tiny_llm(model, "growpage", async_compaction=True)
     got = llm.score(PROMPTS, conts)
@@ -105,8 +111,9 @@ def test_a_compressing_request_sits_one_step_out_and_rejoins_the_next(model):
 
 def test_a_lone_request_compresses_at_once(model):
     """With nobody else to decode, a deferred compression runs at once: no step is lost."""
-    sync, (want,), llm, (got,) = served_both_ways(model, "growpage", [prompt(10, 5)], LONG,
-                                                  "async_compaction", kv_pages=8)
+    sync, (want,), llm, (got,) = served_both_ways(
+        model, "growpage", [prompt(10, 5)], LONG, "async_compaction", kv_pages=8
+    )
     assert got.token_ids == want.token_ids and got.trajectory == want.trajectory
     assert llm.engine.kv.deferred_compactions == got.events["compress"] > 0
     assert llm.last_stats.num_steps == sync.last_stats.num_steps
@@ -180,8 +187,11 @@ def test_a_failed_step_cancels_its_pending_compressions(model):
 
     def failing(out):
         if engine.kv.num_deferred:
-            state["pending"] = [(s, s.state.num_tokens, list(s.state.block_table))
-                                for s in engine.scheduler.running if engine.kv.is_deferred(s)]
+            state["pending"] = [
+                (s, s.state.num_tokens, list(s.state.block_table))
+                for s in engine.scheduler.running
+                if engine.kv.is_deferred(s)
+            ]
             raise RuntimeError("device lost")
         return run(out)
 
@@ -207,9 +217,12 @@ def test_a_failed_step_leaves_pending_requests_unchanged_for_the_next(model):
 def test_stepping_on_after_a_failed_step_serves_a_clean_run_s_tokens(model, policy, kwargs):
     """The failed step's pending compressions are cancelled and its decodes given back: the
     next steps compress and decode them again, and the tokens are a clean run's."""
-    want = [o.token_ids for o in tiny_llm(model, policy, policy_kwargs=kwargs,
-                                          async_compaction=True).generate(
-        PROMPTS, LONG, use_tqdm=False)]
+    want = [
+        o.token_ids
+        for o in tiny_llm(model, policy, policy_kwargs=kwargs, async_compaction=True).generate(
+            PROMPTS, LONG, use_tqdm=False
+        )
+    ]
     llm = tiny_llm(model, policy, policy_kwargs=kwargs, async_compaction=True)
     seqs: list = []
     fail_the_first_step_with_deferred_work(llm, PROMPTS, LONG, seqs)

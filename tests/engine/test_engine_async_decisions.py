@@ -60,16 +60,21 @@ def test_late_decisions_give_the_synchronous_tokens_and_trajectories(model):
     assert_all_returned(llm)
 
 
-@pytest.mark.parametrize("policy,kwargs", [
-    ("fixed", {"policy_kwargs": {"budget_tokens": 24}}),
-    ("shrink", {}),
-    ("random", {"policy_kwargs": {"grow_prob": 0.5, "seed": 3}}),
-    ("h2o", {"policy_kwargs": {"budget_tokens": 24}}),  # its sums: unchanged while sitting out
-], ids=["fixed", "shrink", "random", "h2o"])
+@pytest.mark.parametrize(
+    "policy,kwargs",
+    [
+        ("fixed", {"policy_kwargs": {"budget_tokens": 24}}),
+        ("shrink", {}),
+        ("random", {"policy_kwargs": {"grow_prob": 0.5, "seed": 3}}),
+        ("h2o", {"policy_kwargs": {"budget_tokens": 24}}),  # its sums: unchanged while sitting out
+    ],
+    ids=["fixed", "shrink", "random", "h2o"],
+)
 def test_every_deciding_policy_gets_its_synchronous_tokens(model, policy, kwargs):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
-    sync, want, llm, got = served_both_ways(model, policy, PROMPTS, params, "async_decisions",
-                                            **kwargs)
+    sync, want, llm, got = served_both_ways(
+        model, policy, PROMPTS, params, "async_decisions", **kwargs
+    )
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.trajectory for o in got] == [o.trajectory for o in want]
     assert llm.last_stats.events == sync.last_stats.events
@@ -97,8 +102,9 @@ def test_steps_with_several_late_boundaries_share_one_batch(model):
 
 def test_a_lone_request_decides_at_once(model):
     """With nobody else to decode, its late boundary runs at once: no step is lost."""
-    sync, (want,), llm, (got,) = served_both_ways(model, "growpage", [prompt(10, 5)], LONG,
-                                                  "async_decisions", kv_pages=8)
+    sync, (want,), llm, (got,) = served_both_ways(
+        model, "growpage", [prompt(10, 5)], LONG, "async_decisions", kv_pages=8
+    )
     assert got.token_ids == want.token_ids and got.trajectory == want.trajectory
     assert llm.engine.kv.deferred_decisions == decided(got.events) > 0
     assert llm.last_stats.num_steps == sync.last_stats.num_steps
@@ -119,8 +125,9 @@ def test_a_tight_pool_falls_back_beside_the_step(model):
 def test_fullkv_never_decides_late(model):
     """A policy that does not fall back to compressing would need a preemption when growth is
     refused: its boundaries stay synchronous."""
-    sync, want, llm, got = served_both_ways(model, "fullkv", PROMPTS, LONG, "async_decisions",
-                                            kv_pages=30)
+    sync, want, llm, got = served_both_ways(
+        model, "fullkv", PROMPTS, LONG, "async_decisions", kv_pages=30
+    )
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.engine.kv.deferred_decisions == 0 and llm.last_stats.num_preemptions > 0
     assert_all_returned(llm)
@@ -134,6 +141,7 @@ def test_shared_prefix_pages_keep_the_boundary_synchronous(model):
     """A request holding shared (prefix-cached) pages may need copy-on-write pages to
     compress, which only scheduling can settle: that boundary is decided at once. After the
     copy its pages are its own, and its later boundaries are decided late."""
+
     def cached(**kwargs):
         llm = tiny_llm(model, "fixed", policy_kwargs={"budget_tokens": 32}, **kwargs)
         llm.generate([SHARED], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -151,8 +159,12 @@ def test_shared_prefix_pages_keep_the_boundary_synchronous(model):
 
 
 def test_a_failed_step_leaves_late_requests_at_their_boundary(model):
-    want = [o.token_ids for o in tiny_llm(model, "growpage", async_decisions=True).generate(
-        PROMPTS, LONG, use_tqdm=False)]
+    want = [
+        o.token_ids
+        for o in tiny_llm(model, "growpage", async_decisions=True).generate(
+            PROMPTS, LONG, use_tqdm=False
+        )
+    ]
     llm = tiny_llm(model, "growpage", async_decisions=True)
     seqs: list = []
     seen = fail_the_first_step_with_deferred_work(llm, PROMPTS, LONG, seqs)
@@ -190,15 +202,20 @@ def test_async_decisions_must_be_a_bool():
         EngineConfig(async_decisions=None)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(2, 40)), min_size=1,
-                        max_size=4),
-       point=st.sampled_from([("growpage", {}), ("fixed", {"budget_tokens": 12}),
-                              ("shrink", {})]),
-       kv_pages=st.sampled_from([6, 8, 12, 256]), max_num_seqs=st.integers(1, 4))
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(2, 40)), min_size=1, max_size=4),
+    point=st.sampled_from([("growpage", {}), ("fixed", {"budget_tokens": 12}), ("shrink", {})]),
+    kv_pages=st.sampled_from([6, 8, 12, 256]),
+    max_num_seqs=st.integers(1, 4),
+)
 def test_late_boundaries_serve_any_workload_as_the_synchronous_engine(
-        model, lengths, point, kv_pages, max_num_seqs):
+    model, lengths, point, kv_pages, max_num_seqs
+):
     """Random workloads, pools from tight to ample: every request gets all its tokens, every
     page comes back, and each request's decisions are the synchronous engine's as long as the
     pool never refused a growth or forced a preemption in either (the free pages a decision
@@ -208,8 +225,15 @@ def test_late_boundaries_serve_any_workload_as_the_synchronous_engine(
     sampling = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths]
     runs = []
     for late in (False, True):
-        llm = tiny_llm(model, policy, policy_kwargs=params, kv_pages=kv_pages,
-                       max_num_seqs=max_num_seqs, min_capacity=2, async_decisions=late)
+        llm = tiny_llm(
+            model,
+            policy,
+            policy_kwargs=params,
+            kv_pages=kv_pages,
+            max_num_seqs=max_num_seqs,
+            min_capacity=2,
+            async_decisions=late,
+        )
         try:
             outs = llm.generate(prompts, sampling, use_tqdm=False)
         except ConfigError as exc:  # a request that cannot fit the pool alone: both refuse
@@ -219,8 +243,9 @@ def test_late_boundaries_serve_any_workload_as_the_synchronous_engine(
         assert_all_returned(llm)
         runs.append((llm, outs))
     (sync, want), (llm, got) = runs
-    pressure = [x.last_stats.events.get("fallback", 0) + x.last_stats.num_preemptions
-                for x in (sync, llm)]
+    pressure = [
+        x.last_stats.events.get("fallback", 0) + x.last_stats.num_preemptions for x in (sync, llm)
+    ]
     if not any(pressure):
         assert [o.trajectory for o in got] == [o.trajectory for o in want]
         assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -22,8 +22,9 @@ from growpage.engine.context import decode_context, prefill_context
 BACKENDS = [TorchAttentionBackend, PagedTorchBackend]
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | None
-                    ) -> torch.Tensor:
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | None
+) -> torch.Tensor:
     """``q [n, Hq, d]`` over ``k, v [c, Hkv, d]``, one head at a time, in float64."""
     n, hq, d = q.shape
     group = hq // k.shape[1]
@@ -73,7 +74,7 @@ def test_decode_matches_naive(backend, batch):
     cache, tables, ks, vs = _fill(page_size, hkv, lens, seed)
     q = torch.randn(len(lens), hkv * group, 8, generator=torch.Generator().manual_seed(seed))
     ctx = decode_context(torch.full((len(lens),), -1), tables, torch.tensor(lens))
-    out = backend().decode(q, cache, ctx, 8 ** -0.5)
+    out = backend().decode(q, cache, ctx, 8**-0.5)
     for b in range(len(lens)):
         ref = naive_attention(q[b : b + 1], ks[b], vs[b], causal_offset=None)
         torch.testing.assert_close(out[b : b + 1], ref, atol=1e-5, rtol=1e-5)
@@ -89,7 +90,7 @@ def test_prefill_over_cached_prefix_matches_naive(batch, data):
     ctx = prefill_context(new, None, tables, lens)
     k_new = torch.cat([k[-m:] for k, m in zip(ks, new, strict=True)])
     v_new = torch.cat([v[-m:] for v, m in zip(vs, new, strict=True)])
-    out = TorchAttentionBackend().prefill(q, k_new, v_new, cache, ctx, 8 ** -0.5)
+    out = TorchAttentionBackend().prefill(q, k_new, v_new, cache, ctx, 8**-0.5)
     start = 0
     for b, (n, m) in enumerate(zip(lens, new, strict=True)):
         ref = naive_attention(q[start : start + m], ks[b], vs[b], causal_offset=n - m)
@@ -107,7 +108,9 @@ def test_store_kv_skips_padding_slots_and_gather_follows_block_table(backend):
     assert int((cache != 0).sum()) == 2 * 2 * 4 - 2  # two rows each in k and v; k[0][0] = 0
     gk, gv = gather_pages(cache, torch.tensor([[2, 0, -1]]))
     assert gk.shape == (1, 6, 1, 4)
-    assert torch.equal(gk[0, 1], k[0]) and torch.equal(gk[0, 2], k[2]) and torch.equal(gv[0, 1], -k[0])
+    assert (
+        torch.equal(gk[0, 1], k[0]) and torch.equal(gk[0, 2], k[2]) and torch.equal(gv[0, 1], -k[0])
+    )
 
 
 def test_paged_store_kv_reuses_step_slots_across_layers_and_not_across_steps():

@@ -16,8 +16,9 @@ from benchmark_scripts import load_benchmark
 @pytest.fixture(scope="module")
 def report():
     bench = load_benchmark("boundary_ops")
-    return bench.measure(bench.parse_args(["--requests", "3", "--max-tokens", "40",
-                                           "--kv-pages", "9", "--top", "5"]))
+    return bench.measure(
+        bench.parse_args(["--requests", "3", "--max-tokens", "40", "--kv-pages", "9", "--top", "5"])
+    )
 
 
 def test_both_outcomes_are_measured(report):
@@ -50,8 +51,21 @@ def shared(report):
 
     bench = load_benchmark("boundary_ops")
     before = BoundaryBatch.pad
-    report = bench.measure(bench.parse_args(["--requests", "4", "--max-tokens", "60",
-                                             "--kv-pages", "14", "--prompt-len", "30", "--pad"]))
+    report = bench.measure(
+        bench.parse_args(
+            [
+                "--requests",
+                "4",
+                "--max-tokens",
+                "60",
+                "--kv-pages",
+                "14",
+                "--prompt-len",
+                "30",
+                "--pad",
+            ]
+        )
+    )
     assert report["pad"] is True and BoundaryBatch.pad is before  # set for the run only
     return report
 
@@ -66,8 +80,10 @@ def test_boundaries_of_one_step_wait_for_delta_once(report, shared):
         # a compression adds its selection attention (2) and its compaction (1).
         assert step["syncs"] == 1 + step["compress"], step
         assert step["launches"] == 3 + 3 * step["compress"], step
-        alone = (solo_grow["ops"] * (step["decided"] - step["compress"])
-                 + solo_compress["ops"] * step["compress"])
+        alone = (
+            solo_grow["ops"] * (step["decided"] - step["compress"])
+            + solo_compress["ops"] * step["compress"]
+        )
         assert step["ops"] < alone, (step, alone)  # one top-p sort for all of them
 
 
@@ -81,12 +97,16 @@ def test_host_only_times_boundaries_with_launches_stubbed():
     from growpage.kernels.variants import KERNELS
 
     bench = load_benchmark("boundary_ops")
-    report = bench.measure(bench.parse_args(["--requests", "2", "--max-tokens", "30",
-                                             "--kv-pages", "6", "--host-only", "--phases"]))
+    report = bench.measure(
+        bench.parse_args(
+            ["--requests", "2", "--max-tokens", "30", "--kv-pages", "6", "--host-only", "--phases"]
+        )
+    )
     assert report["host_only"] and report["rows"]
     phases = report["phases"]  # the boundary phases of the same run
-    assert phases["decided"] == sum(row["boundaries"] for kind, row in report["rows"].items()
-                                    if kind != "forced grow")
+    assert phases["decided"] == sum(
+        row["boundaries"] for kind, row in report["rows"].items() if kind != "forced grow"
+    )
     assert phases["calls"]["compact"] == report["rows"].get("compress", {}).get("boundaries", 0)
     assert "| attention |" in phases["markdown"]
     for row in report["rows"].values():
@@ -96,9 +116,23 @@ def test_host_only_times_boundaries_with_launches_stubbed():
 
 def test_boundary_share_estimates_the_gpu_check_run_host_side():
     bench = load_benchmark("boundary_share")
-    args = bench.parse_args(["--requests", "3", "--max-tokens", "60", "--page-size", "8",
-                             "--layers", "2", "--policies", "fullkv", "growpage",
-                             "--async-compaction", "--async-decisions"])
+    args = bench.parse_args(
+        [
+            "--requests",
+            "3",
+            "--max-tokens",
+            "60",
+            "--page-size",
+            "8",
+            "--layers",
+            "2",
+            "--policies",
+            "fullkv",
+            "growpage",
+            "--async-compaction",
+            "--async-decisions",
+        ]
+    )
     # With launches stubbed the kernels' outputs stay unwritten, so the decisions follow
     # whatever memory torch hands out (they changed with the tests run before this one). Here
     # that memory is NaN, so every decision is the same on every run (Delta_t = 0: compress).
@@ -115,8 +149,12 @@ def test_boundary_share_estimates_the_gpu_check_run_host_side():
     assert full["events"]["compress"] == 0 and full["phases"]["calls"]["compact"] == 0
     # Compressions deferred to beside the forward: what is left is the decisions' share.
     deferred = report["rows"]["growpage+async"]
-    assert set(report["rows"]) == {"fullkv", "growpage", "growpage+async",
-                                   "growpage+async-decisions"}
+    assert set(report["rows"]) == {
+        "fullkv",
+        "growpage",
+        "growpage+async",
+        "growpage+async-decisions",
+    }
     assert deferred["deferred_compactions"] == deferred["events"]["compress"] > 0
     assert 0 < deferred["decision_pct"] < deferred["boundary_pct"]
     assert grow["decision_pct"] == grow["boundary_pct"] and grow["deferred_s"] == 0
@@ -135,9 +173,24 @@ def test_boundary_share_estimates_the_gpu_check_run_host_side():
 def test_boundary_share_without_decided_boundaries_says_n_a(capsys, tmp_path):
     bench = load_benchmark("boundary_share")
     out = tmp_path / "share.json"
-    argv = ["--requests", "10", "--max-tokens", "2", "--page-size", "32", "--layers", "1",
-            "--policies", "growpage", "--prompt-len", "20", "--json", str(out),
-            "--threads", str(torch.get_num_threads())]   # a page never fills: nothing decided
+    argv = [
+        "--requests",
+        "10",
+        "--max-tokens",
+        "2",
+        "--page-size",
+        "32",
+        "--layers",
+        "1",
+        "--policies",
+        "growpage",
+        "--prompt-len",
+        "20",
+        "--json",
+        str(out),
+        "--threads",
+        str(torch.get_num_threads()),
+    ]  # a page never fills: nothing decided
     assert bench.main(argv) == 0
     row = json.loads(out.read_text())["rows"]["growpage"]
     assert row["decided"] == 0 and row["ms_per_decided"] is None
@@ -146,7 +199,12 @@ def test_boundary_share_without_decided_boundaries_says_n_a(capsys, tmp_path):
 
 def test_gpu_check_engine_row_without_decided_boundaries_says_n_a(capsys):
     bench = load_benchmark("gpu_check")
-    row = {"tokens_per_s": 10.0, "boundary_pct": 0.5, "ms_per_decided_boundary": None,
-           "boundary_critical_pct": 0.5, "compiles_during_run": {}}
+    row = {
+        "tokens_per_s": 10.0,
+        "boundary_pct": 0.5,
+        "ms_per_decided_boundary": None,
+        "boundary_critical_pct": 0.5,
+        "compiles_during_run": {},
+    }
     bench._print_row("growpage", row)
     assert "(n/a ms per decided)" in capsys.readouterr().out

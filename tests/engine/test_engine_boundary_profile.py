@@ -32,9 +32,10 @@ def squeezed(model, **kwargs):
 
 
 def originals() -> list[object]:
-    return [EngineKVView.__dict__[n] for n in ("boundary_queries", "summary_attention",
-                                               "batch_boundary_signals", "compact")] + [
-        demand.working_set_counts, demand.demand_trends, capacity_module._check_selection]
+    return [
+        EngineKVView.__dict__[n]
+        for n in ("boundary_queries", "summary_attention", "batch_boundary_signals", "compact")
+    ] + [demand.working_set_counts, demand.demand_trends, capacity_module._check_selection]
 
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["sync", "async-compaction"])
@@ -97,8 +98,11 @@ def test_patches_are_undone_when_the_run_fails(model) -> None:
     kv = llm.engine.kv
     sentinel = kv.make_room
     kv.make_room = sentinel  # an instance-level wrapper that was there first survives
-    with pytest.raises(PolicyError, match=r"policy broken decide\(\) raised RuntimeError: "
-                       "policy bug"):
+    with pytest.raises(
+        PolicyError,
+        match=r"policy broken decide\(\) raised RuntimeError: "
+        "policy bug",
+    ):
         with profile_boundaries(llm) as phases:
             llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert phases.decided == 1 and phases.calls["decide"] == 1
@@ -124,7 +128,7 @@ def test_synced_profile_on_cuda(model) -> None:
 
 def test_with_no_decided_boundary_the_per_decided_times_are_not_made_up() -> None:
     phases = BoundaryPhases()
-    phases.boundaries, phases.seconds["control"] = 3, 0.0006   # forced grows only
+    phases.boundaries, phases.seconds["control"] = 3, 0.0006  # forced grows only
     assert phases.per_decided_ms() == dict.fromkeys(PHASES)
     assert "| control | 0 | n/a | 100.0% |" in phases.markdown()
     phases.decided = 2

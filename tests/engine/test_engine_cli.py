@@ -32,14 +32,20 @@ def test_bad_prompt_files_are_errors(tmp_path, capsys, no_model):
     assert f"prompt file {tmp_path} is a directory" in err
 
 
-@pytest.mark.parametrize("line,words", [
-    ('{"prompt": null}', "'prompt' must be a string, got NoneType"),
-    ('{"prompt": ["a", "b"]}', "'prompt' must be a string, got list"),
-    ('{"prompt": 5}', "'prompt' must be a string, got int"),
-    ('{"text": "hi"}', "(no 'prompt' key; each line holds an object such as {\"prompt\": \"...\"})"),
-    ('["hi"]', "(not a JSON object; each line holds an object such as"),
-    ("[1, 2", "(not JSON: Expecting ',' delimiter: line 1 column 6 (char 5))"),
-])
+@pytest.mark.parametrize(
+    "line,words",
+    [
+        ('{"prompt": null}', "'prompt' must be a string, got NoneType"),
+        ('{"prompt": ["a", "b"]}', "'prompt' must be a string, got list"),
+        ('{"prompt": 5}', "'prompt' must be a string, got int"),
+        (
+            '{"text": "hi"}',
+            '(no \'prompt\' key; each line holds an object such as {"prompt": "..."})',
+        ),
+        ('["hi"]', "(not a JSON object; each line holds an object such as"),
+        ("[1, 2", "(not JSON: Expecting ',' delimiter: line 1 column 6 (char 5))"),
+    ],
+)
 def test_jsonl_prompts_must_be_strings(tmp_path, capsys, no_model, line, words):
     path = tmp_path / "p.jsonl"
     path.write_text(f'{{"prompt": "fine"}}\n\n{line}\n')
@@ -78,8 +84,9 @@ class _Recorded:
         raise EngineError("stop here")
 
 
-@pytest.mark.parametrize("flags,use_tqdm", [([], None), (["--progress"], True),
-                                            (["--no-progress"], False)])
+@pytest.mark.parametrize(
+    "flags,use_tqdm", [([], None), (["--progress"], True), (["--no-progress"], False)]
+)
 def test_progress_flag_reaches_generate(monkeypatch, capsys, flags, use_tqdm):
     fake = _Recorded()
     monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: fake)
@@ -91,8 +98,9 @@ def test_counts_of_one_are_singular(monkeypatch, capsys):
     from types import SimpleNamespace
 
     out = SimpleNamespace(text="Hello", token_ids=[5], finish_reason="length")
-    fake = SimpleNamespace(generate=lambda *a, **kw: [out],
-                           last_stats=SimpleNamespace(table=lambda: "stats"))
+    fake = SimpleNamespace(
+        generate=lambda *a, **kw: [out], last_stats=SimpleNamespace(table=lambda: "stats")
+    )
     monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: fake)
     assert cli.main(["generate", "--prompt", "hi"]) == 0
     assert "finish reason  length (1 token)\n" in capsys.readouterr().out
@@ -121,16 +129,29 @@ def _llm_arguments(monkeypatch, argv: list[str], when_built=None) -> dict:
 
 @pytest.mark.parametrize("flag", ["--param", "--policy-arg"])
 def test_generate_takes_policy_params_as_the_simulator_does(monkeypatch, flag):
-    seen = _llm_arguments(monkeypatch, ["generate", "--prompt", "hi", "--policy", "fixed", flag,
-                                        "budget_tokens=128", flag, "tau=None"])
-    assert seen["policy"] == "fixed" and seen["policy_kwargs"] == {"budget_tokens": 128,
-                                                                    "tau": None}
+    seen = _llm_arguments(
+        monkeypatch,
+        [
+            "generate",
+            "--prompt",
+            "hi",
+            "--policy",
+            "fixed",
+            flag,
+            "budget_tokens=128",
+            flag,
+            "tau=None",
+        ],
+    )
+    assert seen["policy"] == "fixed" and seen["policy_kwargs"] == {
+        "budget_tokens": 128,
+        "tau": None,
+    }
 
 
 @pytest.mark.parametrize("flags, window", [([], None), (["--recent-window", "8"], 8)])
 def test_generate_takes_the_recent_window_as_the_simulator_does(monkeypatch, flags, window):
-    seen = _llm_arguments(monkeypatch, ["generate", "--prompt", "hi", "--page-size", "32",
-                                        *flags])
+    seen = _llm_arguments(monkeypatch, ["generate", "--prompt", "hi", "--page-size", "32", *flags])
     assert seen["page_size"] == 32 and seen.get("recent_window") == window
 
 
@@ -155,16 +176,29 @@ def test_a_bad_thread_count_is_a_usage_error(capsys, value):
 
 
 def test_a_bad_recent_window_is_a_clean_error(capsys):
-    err = error_of(["generate", "--prompt", "hi", "--page-size", "16", "--recent-window", "20",
-                    "--model", "/nonexistent.gguf"], capsys)
+    err = error_of(
+        [
+            "generate",
+            "--prompt",
+            "hi",
+            "--page-size",
+            "16",
+            "--recent-window",
+            "20",
+            "--model",
+            "/nonexistent.gguf",
+        ],
+        capsys,
+    )
     assert "recent_window" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("flag", ["--param", "--policy-arg"])
-@pytest.mark.parametrize("values,words", [(["foo"], "expects KEY=VALUE, got 'foo'"),
-                                          (["tau=0.1", "tau=0.2"], "tau given twice")])
-def test_a_bad_policy_param_is_named_by_the_documented_flag(capsys, no_model, flag, values,
-                                                            words):
+@pytest.mark.parametrize(
+    "values,words",
+    [(["foo"], "expects KEY=VALUE, got 'foo'"), (["tau=0.1", "tau=0.2"], "tau given twice")],
+)
+def test_a_bad_policy_param_is_named_by_the_documented_flag(capsys, no_model, flag, values, words):
     """``--param`` is what the docs and ``--help`` name (``--policy-arg`` its older alias), as
     the simulator's errors name it."""
     argv = ["generate", "--prompt", "hi"]
@@ -177,10 +211,19 @@ def test_a_bad_policy_param_is_named_by_the_documented_flag(capsys, no_model, fl
 def _output(i: int, text: str):
     from growpage.engine.outputs import RequestOutput
 
-    return RequestOutput(request_id=str(i), prompt=f"p{i}", prompt_token_ids=[1, 2],
-                         text=text, token_ids=[7, 8, 9], finish_reason="stop",
-                         trajectory=[(64, 2, "grow")], events={"grow": 1},
-                         ttft_s=0.5, tpot_s=0.25, e2e_s=1.0)
+    return RequestOutput(
+        request_id=str(i),
+        prompt=f"p{i}",
+        prompt_token_ids=[1, 2],
+        text=text,
+        token_ids=[7, 8, 9],
+        finish_reason="stop",
+        trajectory=[(64, 2, "grow")],
+        events={"grow": 1},
+        ttft_s=0.5,
+        tpot_s=0.25,
+        e2e_s=1.0,
+    )
 
 
 class _Answers:
@@ -207,8 +250,10 @@ class _Answers:
 def test_generate_passes_stop_strings_and_ignore_eos(monkeypatch, capsys):
     fake = _Answers()
     monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: fake)
-    assert cli.main(["generate", "--prompt", "hi", "--stop", "\n\n", "--stop", "END",
-                     "--ignore-eos"]) == 0
+    assert (
+        cli.main(["generate", "--prompt", "hi", "--stop", "\n\n", "--stop", "END", "--ignore-eos"])
+        == 0
+    )
     assert fake.params.stop == ("\n\n", "END") and fake.params.ignore_eos is True
     assert cli.main(["generate", "--prompt", "hi"]) == 0
     assert fake.params.stop == () and fake.params.ignore_eos is False
@@ -220,8 +265,24 @@ def test_generate_out_writes_every_output_and_the_stats(monkeypatch, capsys, tmp
     fake = _Answers()
     monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: fake)
     out = tmp_path / "run" / "one"
-    assert cli.main(["generate", "--prompt", "a", "--prompt", "b", "--policy", "fixed",
-                     "--param", "budget_tokens=128", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--prompt",
+                "a",
+                "--prompt",
+                "b",
+                "--policy",
+                "fixed",
+                "--param",
+                "budget_tokens=128",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert f"results in {out}/ (outputs.jsonl, stats.json, pool.png)" in capsys.readouterr().out
     assert (out / "pool.png").stat().st_size > 0
     rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
@@ -231,8 +292,12 @@ def test_generate_out_writes_every_output_and_the_stats(monkeypatch, capsys, tmp
     assert rows[0]["trajectory"] == [[64, 2, "grow"]] and rows[0]["e2e_s"] == 1.0
     payload = json.loads((out / "stats.json").read_text())
     assert payload["stats"]["policy"] == "growpage" and "ttft_p99_s" in payload["stats"]
-    assert [row[1:] for row in payload["stats"]["pool_timeline"]] == [[3, 2], [5, 2], [2, 1],
-                                                                      [0, 0]]
+    assert [row[1:] for row in payload["stats"]["pool_timeline"]] == [
+        [3, 2],
+        [5, 2],
+        [2, 1],
+        [0, 0],
+    ]
     assert payload["settings"]["policy"] == "fixed"
     assert payload["settings"]["policy_arg"] == ["budget_tokens=128"]
     assert payload["settings"]["out"] == str(out)

@@ -13,8 +13,9 @@ def subparser(command: str):
 
 @pytest.mark.parametrize("command", ["generate", "record"])
 def test_every_option_has_help_text(command):
-    bare = [a.option_strings[0] for a in subparser(command)._actions
-            if a.option_strings and not a.help]
+    bare = [
+        a.option_strings[0] for a in subparser(command)._actions if a.option_strings and not a.help
+    ]
     assert bare == []
 
 
@@ -22,9 +23,14 @@ def test_every_option_has_help_text(command):
 def test_help_states_the_max_tokens_default(command, max_tokens):
     text = " ".join(subparser(command).format_help().split())
     assert f"most tokens to generate per prompt (default {max_tokens})" in text
-    assert subparser(command).parse_args(["--prompts", "p.txt", "--out", "d"]
-                                         if command == "record" else ["--prompt", "x"]
-                                         ).max_tokens == max_tokens
+    assert (
+        subparser(command)
+        .parse_args(
+            ["--prompts", "p.txt", "--out", "d"] if command == "record" else ["--prompt", "x"]
+        )
+        .max_tokens
+        == max_tokens
+    )
 
 
 def test_top_level_help_lists_every_command():

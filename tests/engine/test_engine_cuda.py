@@ -28,17 +28,23 @@ def assert_same_until_the_first_compression(got, want) -> None:
     """Same decisions up to each request's first compression and the same tokens until then
     (after it, other batch shapes may change the last bits, and with them the greedy picks)."""
     for a, b in zip(got, want, strict=True):
-        first = next((i for i, (_, _, act) in enumerate(b.trajectory) if act == "compress"),
-                     len(b.trajectory))
-        assert a.trajectory[:first + 1] == b.trajectory[:first + 1]
-        n = b.trajectory[first][0] - len(b.prompt_token_ids) + 1 if first < len(
-            b.trajectory) else len(b.token_ids)
+        first = next(
+            (i for i, (_, _, act) in enumerate(b.trajectory) if act == "compress"),
+            len(b.trajectory),
+        )
+        assert a.trajectory[: first + 1] == b.trajectory[: first + 1]
+        n = (
+            b.trajectory[first][0] - len(b.prompt_token_ids) + 1
+            if first < len(b.trajectory)
+            else len(b.token_ids)
+        )
         assert a.token_ids[:n] == b.token_ids[:n]
 
 
 def on_cuda(model, policy: str, backend: str, **kwargs):
-    return tiny_llm(copy.deepcopy(model), policy, device="cuda", attention_backend=backend,
-                    **kwargs)
+    return tiny_llm(
+        copy.deepcopy(model), policy, device="cuda", attention_backend=backend, **kwargs
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -68,9 +74,11 @@ def test_capacity_control_on_cuda_matches_cpu_decisions(cpu_model, backend, poli
     for a, b in zip(got, want, strict=True):
         assert len(a.token_ids) == 48
         # Same decisions up to the first compaction at least (later, float noise may differ).
-        first = next((i for i, (_, _, act) in enumerate(b.trajectory) if act == "compress"),
-                     len(b.trajectory))
-        assert a.trajectory[:first + 1] == b.trajectory[:first + 1]
+        first = next(
+            (i for i, (_, _, act) in enumerate(b.trajectory) if act == "compress"),
+            len(b.trajectory),
+        )
+        assert a.trajectory[: first + 1] == b.trajectory[: first + 1]
     assert_all_returned(llm)
 
 
@@ -99,8 +107,7 @@ def test_queued_host_to_device_copies_arrive_intact():
     assert mask.cpu().tolist() == [True, False]
 
 
-@pytest.mark.parametrize("backend,graphs", [("torch", False), ("triton", False),
-                                            ("triton", True)])
+@pytest.mark.parametrize("backend,graphs", [("torch", False), ("triton", False), ("triton", True)])
 def test_async_compaction_on_cuda(cpu_model, backend, graphs):
     """Compressions on a side stream beside the forward: the decisions are the synchronous
     run's (until float noise from other batch shapes may part them), the stall is part of the

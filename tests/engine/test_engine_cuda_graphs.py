@@ -33,12 +33,22 @@ def test_batch_buckets():
     assert batch_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 
 
-def kernel_llm(graphs: bool, model, policy: str = "growpage", kv_pages: int = 40,
-               **kwargs) -> LLM:
+def kernel_llm(graphs: bool, model, policy: str = "growpage", kv_pages: int = 40, **kwargs) -> LLM:
     kwargs.setdefault("async_compaction", False)  # with graphs it would default to on
-    llm = LLM(model, policy=policy, page_size=8, recent_window=2, kv_pages=kv_pages,
-              max_num_seqs=6, device=DEVICE, attention_backend="triton", boundary_kernels=True,
-              warmup=False, cuda_graphs=graphs and ON_CUDA, **kwargs)
+    llm = LLM(
+        model,
+        policy=policy,
+        page_size=8,
+        recent_window=2,
+        kv_pages=kv_pages,
+        max_num_seqs=6,
+        device=DEVICE,
+        attention_backend="triton",
+        boundary_kernels=True,
+        warmup=False,
+        cuda_graphs=graphs and ON_CUDA,
+        **kwargs,
+    )
     # One split in both runs: the static path's table width would otherwise pick another
     # split count, and the merge order would change the last bits.
     llm.engine.model.backend.num_splits = 1
@@ -61,8 +71,12 @@ def test_static_decode_matches_the_ordinary_path():
     assert events == eager.last_stats.events and events["compress"] > 0, events
     # Padding rows (5 requests run in a bucket of 6, then 4, 2, 1) wrote nothing anywhere.
     torch.testing.assert_close(static.engine.kv.cache, eager.engine.kv.cache, atol=1e-5, rtol=0)
-    torch.testing.assert_close(static.engine.kv.query_pool.summaries,
-                               eager.engine.kv.query_pool.summaries, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        static.engine.kv.query_pool.summaries,
+        eager.engine.kv.query_pool.summaries,
+        atol=1e-5,
+        rtol=0,
+    )
     graphs = static.engine.runner.graphs
     # The first decode steps ran in the largest bucket, later ones in smaller buckets, with
     # block tables in power-of-two width buckets.

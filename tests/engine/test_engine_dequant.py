@@ -19,12 +19,13 @@ def random_blocks(qtype: int, rows: int, blocks_per_row: int, seed: int) -> np.n
     raw = rng.integers(0, 256, size=(rows * blocks_per_row, size), dtype=np.uint8)
     halves = 2 if qtype == dequant.Q4_1 else 1  # d, and m for Q4_1
     scales = (rng.standard_normal((rows * blocks_per_row, halves)) * 0.05).astype(np.float16)
-    raw[:, :2 * halves] = scales.view(np.uint8).reshape(-1, 2 * halves)
+    raw[:, : 2 * halves] = scales.view(np.uint8).reshape(-1, 2 * halves)
     return raw.reshape(rows, blocks_per_row * size)
 
 
-@pytest.mark.parametrize("qtype", [dequant.Q4_0, dequant.Q4_1, dequant.Q8_0],
-                         ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize(
+    "qtype", [dequant.Q4_0, dequant.Q4_1, dequant.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"]
+)
 @pytest.mark.parametrize("rows,blocks", [(1, 1), (7, 3), (64, 18)])
 def test_the_same_bits_as_the_gguf_package(qtype, rows, blocks):
     raw = random_blocks(qtype, rows, blocks, seed=rows * 100 + blocks)
@@ -47,7 +48,7 @@ def test_nibble_order_low_half_first():
     """One Q4_0 block by hand: byte j holds weight j (low nibble) and weight j + 16 (high)."""
     block = np.zeros(18, dtype=np.uint8)
     block[:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
-    block[2:] = np.arange(16, dtype=np.uint8) | (np.uint8(15) << 4)   # low j, high 15
+    block[2:] = np.arange(16, dtype=np.uint8) | (np.uint8(15) << 4)  # low j, high 15
     got = dequant.dequantize(block[None], dequant.Q4_0)[0]
     assert got[:16].tolist() == [float(j - 8) for j in range(16)]
     assert got[16:].tolist() == [7.0] * 16
@@ -62,8 +63,9 @@ def test_a_partial_block_is_refused():
 def test_plain_types_are_copied_as_fp32(dtype, qtype):
     values = np.random.default_rng(0).standard_normal((3, 8)).astype(dtype)
     got = dequant.dequantize(values, qtype)
-    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(
-        values.astype(np.float32)))
+    assert got.dtype == torch.float32 and torch.equal(
+        got, torch.from_numpy(values.astype(np.float32))
+    )
     got[0, 0] = 123.0  # a copy, writable
     assert values[0, 0] != 123.0
 

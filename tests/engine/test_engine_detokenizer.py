@@ -55,8 +55,10 @@ def check_against_full_decode(decode, ids):
 
 # Text whose characters take 1 to 4 UTF-8 bytes, and bytes that are not UTF-8 at all.
 _CHARS = st.sampled_from(list("ab .\n") + ["é", "ß", "€", "中", "😀", "\U0001f9ea"])
-_PIECES = st.one_of(_CHARS.map(lambda c: list(c.encode())),
-                    st.lists(st.integers(0x80, 0xff), min_size=1, max_size=3))
+_PIECES = st.one_of(
+    _CHARS.map(lambda c: list(c.encode())),
+    st.lists(st.integers(0x80, 0xFF), min_size=1, max_size=3),
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -73,8 +75,10 @@ def smol_tokenizer():
 
 
 def test_smollm2_tokens_settle_exactly_as_a_full_decode(smol_tokenizer):
-    text = ("Grüße aus Köln! 中文测试, emoji 😀🧪 and maths: ∑ x² ≤ 3.\n"
-            "  Indented line\twith tab; naïve café — done.")
+    text = (
+        "Grüße aus Köln! 中文测试, emoji 😀🧪 and maths: ∑ x² ≤ 3.\n"
+        "  Indented line\twith tab; naïve café — done."
+    )
     ids = smol_tokenizer.encode(text, add_special_tokens=False)
     det = check_against_full_decode(smol_tokenizer.decode, ids)
     assert det.text == text
@@ -89,7 +93,7 @@ def test_ids_that_change_are_refused():
     det.update([104, 105])
     det.update([104, 105, 33])
     with pytest.raises(ValueError, match="must extend"):
-        det.update([104, 105, 34, 35])   # the ids of the current window are checked
+        det.update([104, 105, 34, 35])  # the ids of the current window are checked
     with pytest.raises(ValueError, match="must extend"):
         det.update([104])
     assert det.text == "hi!"
@@ -108,13 +112,21 @@ def test_stop_strings_are_found_where_a_full_decode_finds_them(pieces, data):
     ids = [b for p in pieces for b in p]
     final = byte_decode(ids)
     # Stop strings: pieces of the text (so most runs stop), or strings that never occur.
-    stops = data.draw(st.lists(st.one_of(
-        st.integers(0, max(len(final) - 1, 0)).flatmap(
-            lambda i: st.integers(1, 4).map(lambda k: final[i:i + k] or "z")),
-        st.sampled_from(["zz", "€x", "\n\n"])), min_size=1, max_size=3))
+    stops = data.draw(
+        st.lists(
+            st.one_of(
+                st.integers(0, max(len(final) - 1, 0)).flatmap(
+                    lambda i: st.integers(1, 4).map(lambda k: final[i : i + k] or "z")
+                ),
+                st.sampled_from(["zz", "€x", "\n\n"]),
+            ),
+            min_size=1,
+            max_size=3,
+        )
+    )
     engine = _bare_engine(byte_decode)
     seq = Sequence(0, "r", [1], SamplingParams(stop=stops))
-    expected = None   # the first step at which a full decode contains a stop, and where
+    expected = None  # the first step at which a full decode contains a stop, and where
     for n in range(1, len(ids) + 1):
         hits = [i for i in (byte_decode(ids[:n]).find(s) for s in stops) if i >= 0]
         if hits:
@@ -141,8 +153,11 @@ def test_each_token_is_decoded_a_bounded_number_of_times(model, mode):
     tok = CountingTokenizer()
     llm = tiny_llm(model, policy="growpage", tokenizer=tok)
     n = 150
-    params = SamplingParams(max_tokens=n, ignore_eos=True,
-                            stop=["\x00\x00\x00\x00\x00\x00\x00\x00"] if mode == "stop" else [])
+    params = SamplingParams(
+        max_tokens=n,
+        ignore_eos=True,
+        stop=["\x00\x00\x00\x00\x00\x00\x00\x00"] if mode == "stop" else [],
+    )
     if mode == "stop":
         out = llm.generate([prompt(7, 1)], params, use_tqdm=False)[0]
     else:

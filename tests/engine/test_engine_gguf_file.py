@@ -22,8 +22,12 @@ def assert_same_as_gguf_reader(path: Path) -> GGUFFile:
     assert len(ours.tensors) == len(ref.tensors)
     for mine, theirs in zip(ours.tensors, ref.tensors, strict=True):
         assert (mine.name, mine.shape, mine.type, mine.offset, mine.num_bytes) == (
-            theirs.name, tuple(theirs.shape.tolist()), int(theirs.tensor_type),
-            theirs.data_offset, theirs.n_bytes)
+            theirs.name,
+            tuple(theirs.shape.tolist()),
+            int(theirs.tensor_type),
+            theirs.data_offset,
+            theirs.n_bytes,
+        )
         raw = ours.raw(mine)
         assert raw.dtype == theirs.data.dtype and raw.shape == theirs.data.shape
         assert np.array_equal(raw, theirs.data)
@@ -61,8 +65,11 @@ def write_all_kinds(path: Path, alignment: int | None = None) -> None:
     w.add_tensor("plain.f32", rng.standard_normal((3, 5)).astype(np.float32))
     w.add_tensor("plain.f16", rng.standard_normal((2, 4, 8)).astype(np.float16))
     q = gguf.GGMLQuantizationType.Q8_0
-    w.add_tensor("quant.q8", gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32),
-                                                  q), raw_dtype=q)
+    w.add_tensor(
+        "quant.q8",
+        gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), q),
+        raw_dtype=q,
+    )
     w.add_tensor("vector", np.arange(7, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -75,8 +82,7 @@ def test_every_value_type_and_tensor_kind(tmp_path, alignment):
     path = tmp_path / "all.gguf"
     write_all_kinds(path, alignment)
     ours = assert_same_as_gguf_reader(path)
-    assert ours.value("k.strs") == ["a", "", "ünï"] and ours.value("k.bools") == [True, False,
-                                                                                True]
+    assert ours.value("k.strs") == ["a", "", "ünï"] and ours.value("k.bools") == [True, False, True]
     assert ours.value("k.u64") == 2**63 + 5 and ours.value("k.str") == "héllo ✓"
     q8 = next(t for t in ours.tensors if t.name == "quant.q8")
     back = gguf.quants.dequantize(ours.raw(q8), gguf.GGMLQuantizationType(q8.type))
@@ -94,8 +100,10 @@ def test_truncated_files_are_named_errors(tmp_path):
     for cut in (3, 10, 30, header_end // 2, header_end - 1, data_end - 1):
         broken = tmp_path / f"cut{cut}.gguf"
         broken.write_bytes(data[:cut])
-        with pytest.raises(EngineError, match=f"cannot read GGUF file {broken}: "
-                                              "(truncated|.*runs past the end|bad magic)"):
+        with pytest.raises(
+            EngineError,
+            match=f"cannot read GGUF file {broken}: (truncated|.*runs past the end|bad magic)",
+        ):
             GGUFFile(broken)
 
 
@@ -103,13 +111,17 @@ def test_bad_magic_version_and_value_type(tmp_path):
     path = tmp_path / "all.gguf"
     write_all_kinds(path)
     data = bytearray(path.read_bytes())
-    cases = {"magic": (b"GGUX" + data[4:], "not a GGUF file"),
-             "version": (data[:4] + struct.pack("<I", 1) + data[8:], "unsupported GGUF version 1")}
+    cases = {
+        "magic": (b"GGUX" + data[4:], "not a GGUF file"),
+        "version": (data[:4] + struct.pack("<I", 1) + data[8:], "unsupported GGUF version 1"),
+    }
     # The first metadata value's type sits after the header (24 bytes) and the first key.
     key_len = struct.unpack_from("<Q", data, 24)[0]
     at = 24 + 8 + key_len
-    cases["value type"] = (data[:at] + struct.pack("<I", 99) + data[at + 4:],
-                           "unknown GGUF value type 99")
+    cases["value type"] = (
+        data[:at] + struct.pack("<I", 99) + data[at + 4 :],
+        "unknown GGUF value type 99",
+    )
     for name, (content, message) in cases.items():
         broken = tmp_path / f"{name.replace(' ', '_')}.gguf"
         broken.write_bytes(bytes(content))
@@ -138,8 +150,9 @@ def test_block_sizes_are_ggmls_and_other_types_are_looked_up(tmp_path):
         assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)] == size, kind
     rare = int(gguf.GGMLQuantizationType.IQ2_XXS)  # not in our table: the package knows it
     assert rare not in QUANT_SIZES
-    assert _quant_size(rare, "t", tmp_path) == gguf.GGML_QUANT_SIZES[
-        gguf.GGMLQuantizationType.IQ2_XXS]
+    assert (
+        _quant_size(rare, "t", tmp_path) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS]
+    )
     with pytest.raises(EngineError, match="tensor 't' has unknown type 99"):
         _quant_size(99, "t", tmp_path)
 

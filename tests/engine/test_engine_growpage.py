@@ -40,7 +40,7 @@ def test_growpage_compresses_on_small_pages_and_output_stays_valid(model):
         assert len(out.trajectory) == out.events["boundaries"]
         assert pages == sorted(pages) and pages[-1] < ref.trajectory[-1][1]
         first = out.trajectory[[a for _, _, a in out.trajectory].index("compress")][0]
-        n = first - len(out.prompt_token_ids) + 1   # identical up to the first compression
+        n = first - len(out.prompt_token_ids) + 1  # identical up to the first compression
         assert out.token_ids[:n] == ref.token_ids[:n]
     assert llm.last_stats.avg_kv_budget < fullkv.last_stats.avg_kv_budget
     # Capacity control is timed: a part of the call, counted once per call.
@@ -51,9 +51,10 @@ def test_growpage_compresses_on_small_pages_and_output_stays_valid(model):
 
 
 def test_generation_longer_than_the_pool_compresses_instead_of_failing(model):
-    llm = tiny_llm(model, "growpage", kv_pages=8)          # 32 tokens of KV
-    out = llm.generate([prompt(10, 5)], SamplingParams(max_tokens=100, ignore_eos=True),
-                       use_tqdm=False)[0]
+    llm = tiny_llm(model, "growpage", kv_pages=8)  # 32 tokens of KV
+    out = llm.generate(
+        [prompt(10, 5)], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.token_ids) == 100
     assert out.events["compress"] > 0 and llm.last_stats.max_pages_used <= 8
     assert_all_returned(llm)
@@ -151,17 +152,22 @@ def test_first_decision_equals_the_simulators_on_the_recorded_trace(model, tmp_p
     from growpage.sim.replay import ReplayOptions, replay_trace
 
     recorder = tiny_llm(model, record_traces=tmp_path / "set")
-    outs = recorder.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True),
-                             use_tqdm=False)
+    outs = recorder.generate(
+        PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False
+    )
     traces = TraceSet(tmp_path / "set")
     for out in outs:
         engine, sim = LoggingGrowPage(), LoggingGrowPage()
         tiny_llm(model, engine).score([out.prompt_token_ids], [out.token_ids])
-        replay_trace(traces.read(out.request_id), sim, GrowPageConfig(page_size=4, recent_window=2),
-                     ReplayOptions(fidelity_queries=0))
+        replay_trace(
+            traces.read(out.request_id),
+            sim,
+            GrowPageConfig(page_size=4, recent_window=2),
+            ReplayOptions(fidelity_queries=0),
+        )
         (pos, delta, decision), (sim_pos, sim_delta, sim_decision) = engine.log[0], sim.log[0]
         assert (pos, decision) == (sim_pos, sim_decision)
-        assert delta == pytest.approx(sim_delta, abs=0.02)   # the trace is stored in fp16
+        assert delta == pytest.approx(sim_delta, abs=0.02)  # the trace is stored in fp16
 
 
 @attrs.define
@@ -192,8 +198,11 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
         llm = tiny_llm(model, policy, kv_pages=40, boundary_kernels=kernels)
         outs = llm.generate(prompts, params, use_tqdm=False)
         engines.append(llm.engine)
-        return ([(o.token_ids, o.trajectory, o.events) for o in outs], llm.last_stats.events,
-                policy.seen)
+        return (
+            [(o.token_ids, o.trajectory, o.events) for o in outs],
+            llm.last_stats.events,
+            policy.seen,
+        )
 
     sizes = []
     prepare = KVCacheManager.prepare_boundaries
@@ -221,8 +230,9 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
     assert (max(batched) >= 3) if kernels else (set(batched) == {0}), batched
     kv = engines[0].kv
     assert (kv.shared_steps, kv.shared_boundaries) == (sum(map(bool, sizes)), sum(sizes))
-    monkeypatch.setattr(KVCacheManager, "prepare_boundaries",
-                        lambda self, seqs: setattr(self, "_batch", None))
+    monkeypatch.setattr(
+        KVCacheManager, "prepare_boundaries", lambda self, seqs: setattr(self, "_batch", None)
+    )
     alone, alone_events, alone_deltas = run()
     assert len(set(shared_deltas.values())) > 4  # distinct requests, distinct signals
     assert shared_deltas == alone_deltas

@@ -65,8 +65,9 @@ def test_sums_equal_the_simulators_replay(model):
 def test_compaction_moves_the_sums_with_the_keys(use_kernels, pages):
     """Each kept slot's sum lands where its key lands; dropped slots' sums are gone."""
     model = tiny_model().to(DEVICE)
-    config = EngineConfig(growpage=GrowPageConfig(page_size=4, recent_window=2), kv_pages=24,
-                          device=DEVICE)
+    config = EngineConfig(
+        growpage=GrowPageConfig(page_size=4, recent_window=2), kv_pages=24, device=DEVICE
+    )
     kv = KVCacheManager(model.config, config, SumsReadingGrowPage())
     assert config.enable_prefix_caching and not kv.prefix_caching  # refused: slots private
     kv.pool.allocate(9)  # the request's pages come from the middle of the cache
@@ -78,11 +79,22 @@ def test_compaction_moves_the_sums_with_the_keys(use_kernels, pages):
     sums, keys = view.accumulated_attention(), view.keys().clone()
     assert sums.shape == (2, 2, 12) and torch.all(sums > 0)
     torch.testing.assert_close(sums.sum(-1).cpu(), torch.full((2, 2), 12.0))  # 12 queries
-    keep = torch.stack([torch.randperm(12, generator=torch.Generator().manual_seed(i))[:8]
-                        .sort().values for i in range(4)]).view(2, 2, 8).to(DEVICE)
+    keep = (
+        torch.stack(
+            [
+                torch.randperm(12, generator=torch.Generator().manual_seed(i))[:8].sort().values
+                for i in range(4)
+            ]
+        )
+        .view(2, 2, 8)
+        .to(DEVICE)
+    )
     src = list(seq.state.block_table)
-    dst = {"same": src, "copy_on_write": [src[0], *kv.pool.allocate(2)],
-           "swapped": [src[1], src[0], src[2]]}[pages]
+    dst = {
+        "same": src,
+        "copy_on_write": [src[0], *kv.pool.allocate(2)],
+        "swapped": [src[1], src[0], src[2]],
+    }[pages]
     view.compact(keep, src, dst)
     seq.state.block_table, seq.state.num_tokens = dst, 8
     after = kv.view(seq, use_kernels=use_kernels)
@@ -107,9 +119,12 @@ def test_a_policy_without_sums_allocates_and_runs_nothing_extra(model, monkeypat
     def forbidden(*args, **kwargs):
         raise AssertionError("accumulation path taken without a policy that reads the sums")
 
-    for module, name in ((attention_module, "add_prefill"), (attention_module, "add_decode"),
-                         (attention_torch_module, "add_decode"),
-                         (attention_torch_module, "group_attention")):
+    for module, name in (
+        (attention_module, "add_prefill"),
+        (attention_module, "add_decode"),
+        (attention_torch_module, "add_decode"),
+        (attention_torch_module, "group_attention"),
+    ):
         monkeypatch.setattr(module, name, forbidden)
     llm = tiny_llm(model, "h2o", policy_kwargs={"budget_tokens": 16})
     with pytest.raises(AssertionError, match="accumulation path"):
@@ -135,7 +150,7 @@ def test_freed_pages_start_their_sums_from_zero(model):
     llm.generate([b], PARAMS, use_tqdm=False)
     fresh_spy = SpyH2O(budget_tokens=16)
     spy_llm(model, fresh_spy, kv_pages=5).generate([b], PARAMS, use_tqdm=False)
-    reused, fresh = spy.log[len(spy.log) - len(fresh_spy.log):], fresh_spy.log
+    reused, fresh = spy.log[len(spy.log) - len(fresh_spy.log) :], fresh_spy.log
     assert len(fresh) >= 4 and dirty & {p for s in reused for p in s.pages}
     for s, f in zip(reused, fresh, strict=True):
         assert s.position == f.position and torch.equal(s.positions, f.positions)
@@ -164,12 +179,20 @@ def test_triton_backend_gives_the_torch_backends_sums():
     kernel variant the run needs."""
     prompts, params = PROMPTS[:2], SamplingParams(max_tokens=14, ignore_eos=True)
     torch_spy, triton_spy = SpyH2O(budget_tokens=12), SpyH2O(budget_tokens=12)
-    expected = spy_llm(tiny_model(), torch_spy, device=DEVICE, attention_backend="torch",
-                       boundary_kernels=False).generate(prompts, params, use_tqdm=False)
+    expected = spy_llm(
+        tiny_model(), torch_spy, device=DEVICE, attention_backend="torch", boundary_kernels=False
+    ).generate(prompts, params, use_tqdm=False)
     with record_variants() as at_start:
-        llm = spy_llm(tiny_model(), triton_spy, device=DEVICE, attention_backend="triton",
-                      boundary_kernels=True, warmup=True, cuda_graphs=False,
-                      async_compaction=False)  # the torch backend's path: eager, synchronous
+        llm = spy_llm(
+            tiny_model(),
+            triton_spy,
+            device=DEVICE,
+            attention_backend="triton",
+            boundary_kernels=True,
+            warmup=True,
+            cuda_graphs=False,
+            async_compaction=False,
+        )  # the torch backend's path: eager, synchronous
     counts = llm.engine.warmup_report.variants
     assert counts["accumulate"] == 1 and counts["compact"] == 3, counts
     with record_variants() as serving:
@@ -190,14 +213,23 @@ def test_static_decode_pads_without_touching_the_sums():
     accumulation kernel adds nothing for them; same tokens and the same sums everywhere."""
     from growpage.engine.cuda_graphs import DecodeGraphs
 
-    prompts, params = [prompt(5 + 4 * i, 70 + i) for i in range(3)], SamplingParams(
-        max_tokens=10, ignore_eos=True)
+    prompts, params = (
+        [prompt(5 + 4 * i, 70 + i) for i in range(3)],
+        SamplingParams(max_tokens=10, ignore_eos=True),
+    )
     llms = []
     for graphs in (False, True):
-        llm = tiny_llm(tiny_model(), policy=SpyH2O(budget_tokens=12), max_num_seqs=4,
-                       kv_pages=40, device=DEVICE, attention_backend="triton",
-                       boundary_kernels=True, cuda_graphs=graphs and DEVICE == "cuda",
-                       async_compaction=False)
+        llm = tiny_llm(
+            tiny_model(),
+            policy=SpyH2O(budget_tokens=12),
+            max_num_seqs=4,
+            kv_pages=40,
+            device=DEVICE,
+            attention_backend="triton",
+            boundary_kernels=True,
+            cuda_graphs=graphs and DEVICE == "cuda",
+            async_compaction=False,
+        )
         llm.engine.model.backend.num_splits = 1
         if graphs and DEVICE == "cpu":
             llm.engine.runner.graphs = DecodeGraphs(llm.engine.runner, 4, capture=False)
@@ -205,8 +237,9 @@ def test_static_decode_pads_without_touching_the_sums():
     (eager, want), (static, got) = llms
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert {b for b, _ in static.engine.runner.graphs._entries} == {4}  # 3 rows + 1 padding
-    torch.testing.assert_close(static.engine.kv.accumulated, eager.engine.kv.accumulated,
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        static.engine.kv.accumulated, eager.engine.kv.accumulated, atol=1e-5, rtol=0
+    )
     assert static.engine.kv.accumulated.abs().sum() > 0
 
 
@@ -214,8 +247,23 @@ def test_overhead_benchmark_runs(capsys):
     from benchmark_scripts import load_benchmark
 
     report = load_benchmark("h2o_overhead").main(
-        ["--requests", "2", "--prompt-len", "9", "--max-tokens", "6", "--page-size", "4",
-         "--kv-pages", "64", "--repeats", "1", "--device", "cpu"])
+        [
+            "--requests",
+            "2",
+            "--prompt-len",
+            "9",
+            "--max-tokens",
+            "6",
+            "--page-size",
+            "4",
+            "--kv-pages",
+            "64",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+        ]
+    )
     assert set(report) == {"plain", "recording"}
     assert all(v > 0 for kinds in report.values() for v in kinds.values())
     assert "decode" in capsys.readouterr().out

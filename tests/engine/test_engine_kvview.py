@@ -32,8 +32,11 @@ def model():
 
 def prefilled(model, prompt_len: int, num_pages: int = 32):
     """A KV manager with one sequence whose prompt has been prefilled (shuffled pages)."""
-    config = EngineConfig(growpage=GrowPageConfig(page_size=PAGE, recent_window=2),
-                          kv_pages=num_pages, enable_prefix_caching=False)
+    config = EngineConfig(
+        growpage=GrowPageConfig(page_size=PAGE, recent_window=2),
+        kv_pages=num_pages,
+        enable_prefix_caching=False,
+    )
     kv = KVCacheManager(model.config, config, FullKVPolicy())
     kv.pool.allocate(num_pages // 2)  # the request's pages come from the middle of the cache
     seq = Sequence(0, "r", list(range(3, 3 + prompt_len)), SamplingParams())
@@ -43,8 +46,9 @@ def prefilled(model, prompt_len: int, num_pages: int = 32):
     return kv, seq
 
 
-def naive_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
-                 ) -> torch.Tensor:
+def naive_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
     """``q [Hq, d]`` over ``k, v [Hkv, N, d]`` restricted per KV head to slots ``keep [Hkv, K]``."""
     hq, d = q.shape
     group = hq // k.shape[0]
@@ -58,8 +62,7 @@ def naive_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.
 
 def random_keep(num_layers: int, num_kv: int, n: int, k: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    rows = [torch.randperm(n, generator=gen)[:k].sort().values
-            for _ in range(num_layers * num_kv)]
+    rows = [torch.randperm(n, generator=gen)[:k].sort().values for _ in range(num_layers * num_kv)]
     return torch.stack(rows).reshape(num_layers, num_kv, k)
 
 
@@ -84,11 +87,12 @@ def test_compacted_decode_equals_attention_over_selected_positions(model, copy_o
         assert torch.equal(kv.cache[:, :, [src[0], src[2]]], before)
     seq.state.block_table, seq.state.num_tokens = dst, keep.shape[-1]
     assert torch.equal(view.positions(), keep)  # slot i held position i before
-    q = torch.randn(c.num_layers, 1, c.num_q_heads, c.head_dim, generator=torch.Generator()
-                    .manual_seed(2))
+    q = torch.randn(
+        c.num_layers, 1, c.num_q_heads, c.head_dim, generator=torch.Generator().manual_seed(2)
+    )
     ctx = decode_context(torch.tensor([-1]), torch.tensor([dst]), torch.tensor([keep.shape[-1]]))
     for layer in range(c.num_layers):
-        got = TorchAttentionBackend().decode(q[layer], kv.cache[:, layer], ctx, c.head_dim ** -0.5)
+        got = TorchAttentionBackend().decode(q[layer], kv.cache[:, layer], ctx, c.head_dim**-0.5)
         expected = naive_decode(q[layer, 0], full_k[layer], full_v[layer], keep[layer])
         torch.testing.assert_close(got[0], expected, atol=1e-5, rtol=1e-5)
 
@@ -105,7 +109,7 @@ def test_positions_follow_compactions_and_appends(model):
     pos = view.positions()
     assert pos.shape == (c.num_layers, c.num_kv_heads, 2 * PAGE + 3)
     assert torch.equal(pos[..., : 2 * PAGE], keep)
-    assert pos[..., 2 * PAGE:].eq(torch.tensor([12, 13, 14])).all()
+    assert pos[..., 2 * PAGE :].eq(torch.tensor([12, 13, 14])).all()
     keep2 = random_keep(c.num_layers, c.num_kv_heads, 2 * PAGE + 3, PAGE + 3, seed=4)
     seq.state.num_tokens = 2 * PAGE + 3
     view.compact(keep2, seq.state.block_table, seq.state.block_table)
@@ -114,8 +118,9 @@ def test_positions_follow_compactions_and_appends(model):
 
 
 def test_query_state_pool_matches_core_ema():
-    pool = QueryStatePool(num_layers=2, max_slots=4, num_q_heads=3, head_dim=8,
-                          beta_short=0.9, beta_long=0.999)
+    pool = QueryStatePool(
+        num_layers=2, max_slots=4, num_q_heads=3, head_dim=8, beta_short=0.9, beta_long=0.999
+    )
     a, b = pool.bind(), pool.bind()
     reference = torch.zeros(2, 2, 2, 3, 8)  # [L, request, 2, Hq, d]
     gen = torch.Generator().manual_seed(0)
@@ -142,24 +147,32 @@ def test_kernel_path_matches_torch_path(model, tables):
 
     kv, seq = prefilled(model, prompt_len=5 * PAGE + 2)
     c = model.config
-    q = torch.randn(c.num_layers, 1, c.num_q_heads, c.head_dim,
-                    generator=torch.Generator().manual_seed(7))
+    q = torch.randn(
+        c.num_layers, 1, c.num_q_heads, c.head_dim, generator=torch.Generator().manual_seed(7)
+    )
     slot = kv.query_pool.bind()
     seq.query_slot = slot
     kv.query_pool.update(torch.tensor([slot]), q, torch.tensor([True]))
     kv.query_pool.update(torch.tensor([slot]), q.flip(-1), torch.tensor([False]))
     seq.num_decode_steps = 2
     gp = GrowPageConfig(page_size=PAGE, recent_window=2)
-    views = {flag: EngineKVView(seq, kv.cache, kv.query_pool, c.rope, c.num_q_heads,
-                                use_kernels=flag) for flag in (False, True)}
+    views = {
+        flag: EngineKVView(seq, kv.cache, kv.query_pool, c.rope, c.num_q_heads, use_kernels=flag)
+        for flag in (False, True)
+    }
     st = seq.state
-    ctxs = {flag: BoundaryContext(st.request_id, st.num_tokens, st.position,
-                                  len(st.block_table), 0, gp, views[flag]) for flag in views}
+    ctxs = {
+        flag: BoundaryContext(
+            st.request_id, st.num_tokens, st.position, len(st.block_table), 0, gp, views[flag]
+        )
+        for flag in views
+    }
     # calibrated, rotated summaries: one Triton launch vs the torch maths
     torch.testing.assert_close(ctxs[True]._queries, ctxs[False]._queries, atol=2e-5, rtol=1e-5)
     for name in ("short", "long"):
-        torch.testing.assert_close(ctxs[True].attention(name), ctxs[False].attention(name),
-                                   atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            ctxs[True].attention(name), ctxs[False].attention(name), atol=1e-6, rtol=1e-5
+        )
     assert ctxs[True].delta() == pytest.approx(ctxs[False].delta(), abs=1e-6)
     assert "_logits" not in ctxs[True].__dict__  # the kernel path never gathers the keys
     n = seq.state.num_tokens
@@ -182,14 +195,17 @@ def test_kernel_path_matches_torch_path(model, tables):
     assert torch.equal(kv.cache, want) and torch.equal(seq.kept_positions, want_positions)
 
 
-@pytest.mark.parametrize(("src", "dst", "safe"), [
-    ([7, 2, 9], [7, 2, 9], True),
-    ([7, 2, 9], [7, 5, 9], True),     # a fresh page: nothing moves across pages
-    ([7, 2, 9], [7, 9], False),       # 9 moves from index 2 to 1
-    ([7, 2, 9], [7, 2], True),        # the last page dropped
-    ([7, 2, 9], [2, 7, 9], False),
-    ([], [], True),
-])
+@pytest.mark.parametrize(
+    ("src", "dst", "safe"),
+    [
+        ([7, 2, 9], [7, 2, 9], True),
+        ([7, 2, 9], [7, 5, 9], True),  # a fresh page: nothing moves across pages
+        ([7, 2, 9], [7, 9], False),  # 9 moves from index 2 to 1
+        ([7, 2, 9], [7, 2], True),  # the last page dropped
+        ([7, 2, 9], [2, 7, 9], False),
+        ([], [], True),
+    ],
+)
 def test_direct_copy_safe_matches_the_kernel_check(src, dst, safe):
     from growpage.kernels import is_direct_safe
 

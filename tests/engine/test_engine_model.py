@@ -54,14 +54,15 @@ def test_prefix_cached_chunked_prefill_matches_hf(pair, splits):
     drv = PagedDriver(ours, num_pages=64, page_size=4, seed=3)
     start = 0
     for i, n in enumerate(splits):
-        chunks = {0: ids[start:start + n]}
+        chunks = {0: ids[start : start + n]}
         if i == 1:
             chunks[1] = other  # a fresh sequence batched with a continuing one
         got = drv.prefill(chunks)
-        torch.testing.assert_close(got[0], expected[start:start + n], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[0], expected[start : start + n], atol=ATOL, rtol=0)
         start += n
-    torch.testing.assert_close(got.get(1, hf_logits(ref, other)), hf_logits(ref, other),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        got.get(1, hf_logits(ref, other)), hf_logits(ref, other), atol=ATOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("page_size", [4, 7])
@@ -86,9 +87,14 @@ def test_greedy_32_tokens_identical_to_hf_generate(pair):
     got = greedy_paged(ours, prompts, n=32, page_size=6)
     for p, out in zip(prompts, got, strict=True):
         with torch.inference_mode():
-            gen = ref.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32,
-                               do_sample=False, pad_token_id=0)
-        assert out == gen[0, len(p):].tolist()
+            gen = ref.generate(
+                torch.tensor([p]),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert out == gen[0, len(p) :].tolist()
 
 
 def test_decode_is_invariant_to_slot_order_per_head(pair):
@@ -101,8 +107,9 @@ def test_decode_is_invariant_to_slot_order_per_head(pair):
     before = drv.decode({0: ids[-1]})[0]
     n, table = drv.lens[0] - 1, drv.tables[0]  # the prefix; the decode rewrites slot n
     slots = torch.tensor([table[i // 4] * 4 + i % 4 for i in range(n)])
-    flat = drv.cache.view(2, ours.config.num_layers, -1, ours.config.num_kv_heads,
-                          ours.config.head_dim)
+    flat = drv.cache.view(
+        2, ours.config.num_layers, -1, ours.config.num_kv_heads, ours.config.head_dim
+    )
     gen = torch.Generator().manual_seed(0)
     for layer in range(ours.config.num_layers):
         for head in range(ours.config.num_kv_heads):
@@ -124,14 +131,17 @@ def test_capture_records_pre_rope_query_and_cached_keys(pair):
     attn = ours.model.layers[0].self_attn
     with torch.inference_mode():
         x = ours.model.layers[0].input_layernorm(ours.model.embed_tokens(torch.tensor(ids)))
-        q = attn.qkv_proj(x)[:, : cfg.num_q_heads * cfg.head_dim].view(10, cfg.num_q_heads,
-                                                                        cfg.head_dim)
+        q = attn.qkv_proj(x)[:, : cfg.num_q_heads * cfg.head_dim].view(
+            10, cfg.num_q_heads, cfg.head_dim
+        )
         if cfg.qk_norm:
             q = attn.q_norm(q)
     torch.testing.assert_close(cap.queries[0], q)
     cos, sin = cos_sin(cfg.rope, torch.arange(10))
-    torch.testing.assert_close(apply_rope(cap.queries[0], cos[:, None], sin[:, None]),
-                               apply_rope(q, cos[:, None], sin[:, None]))
+    torch.testing.assert_close(
+        apply_rope(cap.queries[0], cos[:, None], sin[:, None]),
+        apply_rope(q, cos[:, None], sin[:, None]),
+    )
     table = drv.tables[0]
     slots = [table[i // 4] * 4 + i % 4 for i in range(10)]
     cached = drv.cache[:, 0].reshape(2, -1, cfg.num_kv_heads, cfg.head_dim)[:, slots]
@@ -150,8 +160,9 @@ def test_model_config_validation_and_roundtrip():
         ModelConfig(**{**cfg.to_dict(), "rope": cfg.rope, "arch": "gpt2"})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
 @pytest.mark.parametrize("shape", [(5, 576), (64, 9, 64), (3, 128)])
 def test_rms_norm_is_hugging_faces_expression(dtype, shape):
     """The fused forms round exactly where Hugging Face's LlamaRMSNorm does (bitwise on CPU)."""

@@ -11,15 +11,24 @@ from growpage.sim.calibrate import fit_linear
 
 def test_measure_step_times_rows_and_fit():
     cfg = tiny_config("llama")
-    model = build_model(cfg, random_state_dict(cfg, seed=0),
-                        backend=make_attention_backend("torch", "cpu"))
-    rows = measure_step_times(model, batch_sizes=(1, 4), contexts=(16, 96), prefills=(8, 40),
-                              repeats=1, progress=False)
+    model = build_model(
+        cfg, random_state_dict(cfg, seed=0), backend=make_attention_backend("torch", "cpu")
+    )
+    rows = measure_step_times(
+        model, batch_sizes=(1, 4), contexts=(16, 96), prefills=(8, 40), repeats=1, progress=False
+    )
     assert [(r["num_seqs"], r["kv_tokens"], r["prefill_tokens"]) for r in rows] == [
-        (1, 16, 0), (1, 96, 0), (4, 64, 0), (4, 384, 0), (0, 0, 8), (0, 0, 40)]
+        (1, 16, 0),
+        (1, 96, 0),
+        (4, 64, 0),
+        (4, 384, 0),
+        (0, 0, 8),
+        (0, 0, 40),
+    ]
     assert all(r["step_s"] > 0 for r in rows)
-    table = np.array([[r["num_seqs"], r["kv_tokens"], r["prefill_tokens"], r["step_s"]]
-                      for r in rows])
+    table = np.array(
+        [[r["num_seqs"], r["kv_tokens"], r["prefill_tokens"], r["step_s"]] for r in rows]
+    )
     model_fit = fit_linear(table)
     assert model_fit.base_s >= 0 and model_fit.per_kv_token_s >= 0
 
@@ -30,13 +39,18 @@ def test_measure_boundary_costs_prices_decisions_and_compactions():
 
     cfg = tiny_config("llama")
     model = build_model(cfg, random_state_dict(cfg, seed=0))
-    costs = measure_boundary_costs(model, num_requests=3, max_tokens=48, page_size=4,
-                                   progress=False)
+    costs = measure_boundary_costs(
+        model, num_requests=3, max_tokens=48, page_size=4, progress=False
+    )
     assert costs["decided"] > 0 and costs["compactions"] > 0, costs
     assert costs["boundary_s"] > 0 and costs["compaction_s"] > 0
-    priced = with_boundary_costs(fit_linear(np.array([[1, 16, 0, 0.01], [4, 64, 0, 0.02],
-                                                      [1, 0, 8, 0.03], [2, 32, 0, 0.015]])),
-                                 costs["boundary_s"], costs["compaction_s"])
+    priced = with_boundary_costs(
+        fit_linear(
+            np.array([[1, 16, 0, 0.01], [4, 64, 0, 0.02], [1, 0, 8, 0.03], [2, 32, 0, 0.015]])
+        ),
+        costs["boundary_s"],
+        costs["compaction_s"],
+    )
     assert priced.boundary_time(2, 1) == 2 * costs["boundary_s"] + costs["compaction_s"]
 
 
@@ -46,8 +60,9 @@ def test_a_batched_prefill_is_timed_as_that_many_prompts(monkeypatch):
     from growpage.engine import profile
 
     cfg = tiny_config("llama")
-    model = build_model(cfg, random_state_dict(cfg, seed=0),
-                        backend=make_attention_backend("torch", "cpu"))
+    model = build_model(
+        cfg, random_state_dict(cfg, seed=0), backend=make_attention_backend("torch", "cpu")
+    )
     seen = []
     build = profile.prefill_context
 
@@ -56,9 +71,10 @@ def test_a_batched_prefill_is_timed_as_that_many_prompts(monkeypatch):
         return build(seq_lens, **kwargs)
 
     monkeypatch.setattr(profile, "prefill_context", recording)
-    rows = measure_step_times(model, batch_sizes=(1,), contexts=(16,), prefills=(10, (3, 10)),
-                              repeats=0, progress=False)
-    assert seen == [[10], [4, 3, 3]]   # one sequence; three prompts of 10 tokens in all
+    rows = measure_step_times(
+        model, batch_sizes=(1,), contexts=(16,), prefills=(10, (3, 10)), repeats=0, progress=False
+    )
+    assert seen == [[10], [4, 3, 3]]  # one sequence; three prompts of 10 tokens in all
     assert [(r["num_seqs"], r["prefill_tokens"]) for r in rows[1:]] == [(0, 10), (0, 10)]
     with pytest.raises(ValueError, match="num_seqs <= tokens"):
         profile._prefill_row(model, (5, 3), 0)
@@ -70,12 +86,16 @@ def test_prefill_rows_are_priced_as_the_simulator_prices_a_prefill_step():
     from growpage.sim.costmodel import LinearCostModel
 
     cfg = tiny_config("llama")
-    model = build_model(cfg, random_state_dict(cfg, seed=0),
-                        backend=make_attention_backend("torch", "cpu"))
-    rows = measure_step_times(model, batch_sizes=(1,), contexts=(16,), prefills=(12, (3, 30)),
-                              repeats=0, progress=False)
-    cost = LinearCostModel(base_s=0.01, per_seq_s=0.002, per_kv_token_s=1e-5,
-                           per_prefill_token_s=1e-3)
+    model = build_model(
+        cfg, random_state_dict(cfg, seed=0), backend=make_attention_backend("torch", "cpu")
+    )
+    rows = measure_step_times(
+        model, batch_sizes=(1,), contexts=(16,), prefills=(12, (3, 30)), repeats=0, progress=False
+    )
+    cost = LinearCostModel(
+        base_s=0.01, per_seq_s=0.002, per_kv_token_s=1e-5, per_prefill_token_s=1e-3
+    )
     for r in rows[1:]:
         assert cost.prefill_time(r["prefill_tokens"]) == cost.step_time(
-            r["num_seqs"], r["kv_tokens"], r["prefill_tokens"])
+            r["num_seqs"], r["kv_tokens"], r["prefill_tokens"]
+        )

@@ -40,11 +40,12 @@ def test_recorded_traces_equal_a_dense_forward(model, tmp_path, kv_pages):
         assert h.prompt_len == len(out.prompt_token_ids) and h.layer_ids == (1,)
         assert h.meta["last_token_id"] == out.token_ids[-1] and h.meta["policy"] == "fullkv"
         ref = dense_capture(model, list(h.token_ids))
-        for name, got, expected in (("q", trace.queries[0], ref.queries[1]),
-                                    ("k", trace.keys[0], ref.keys[1]),
-                                    ("v", trace.values[0], ref.values[1])):
-            torch.testing.assert_close(got, expected.half().float(), atol=2e-3, rtol=2e-3,
-                                       msg=name)
+        for name, got, expected in (
+            ("q", trace.queries[0], ref.queries[1]),
+            ("k", trace.keys[0], ref.keys[1]),
+            ("v", trace.values[0], ref.values[1]),
+        ):
+            torch.testing.assert_close(got, expected.half().float(), atol=2e-3, rtol=2e-3, msg=name)
 
 
 def test_a_second_engine_records_into_the_same_set_under_fresh_ids(model, tmp_path):

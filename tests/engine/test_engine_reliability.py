@@ -75,8 +75,8 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(model, tmp_path):
         ([[]], GREEDY, "empty prompt"),
         ([prompt(5, 1), []], GREEDY, r"empty prompt \(prompts\[1\]\)"),
         ([prompt(5, 1), [5, "x"]], GREEDY, r"must be a list of ints \(prompts\[1\]\)"),
-        ([prompt(70, 2)], GREEDY, "cannot fit"),            # 16 pages of 4 tokens
-        ([prompt(30, 2)], GREEDY, "cannot fit"),            # fullkv: 30 + 40 tokens
+        ([prompt(70, 2)], GREEDY, "cannot fit"),  # 16 pages of 4 tokens
+        ([prompt(30, 2)], GREEDY, "cannot fit"),  # fullkv: 30 + 40 tokens
         ([[5, 300]], GREEDY, r"token ids must lie in \[0, 128\)"),
         (["text"], GREEDY, "need a tokenizer"),
         ([prompt(5, 1)] * 2, [GREEDY], "one per prompt"),
@@ -129,11 +129,17 @@ def test_the_model_context_bounds_prompts_scores_and_generation():
     cfg = attrs.evolve(tiny_config("llama"), max_position=24)
     llm = tiny_llm(build_model(cfg, random_state_dict(cfg, seed=1234)), kv_pages=6)
     for n in (24, 30):
-        with pytest.raises(EngineError, match=f"the prompt has {n} tokens; the model's context "
-                                              "of 24 tokens leaves no room to generate"):
+        with pytest.raises(
+            EngineError,
+            match=f"the prompt has {n} tokens; the model's context "
+            "of 24 tokens leaves no room to generate",
+        ):
             llm.generate([prompt(n, 1)], GREEDY, use_tqdm=False)
-    with pytest.raises(EngineError, match=r"prompt \(20\) \+ continuation \(5\) = 25 tokens "
-                                          "exceed the model's context of 24 tokens"):
+    with pytest.raises(
+        EngineError,
+        match=r"prompt \(20\) \+ continuation \(5\) = 25 tokens "
+        "exceed the model's context of 24 tokens",
+    ):
         llm.score([prompt(20, 1)], [prompt(5, 2)])
     assert_all_returned(llm)
     # fullkv in 6 pages of 4: prompt + 40 tokens would not fit, but generation stops at 24
@@ -146,15 +152,22 @@ def test_the_model_context_bounds_prompts_scores_and_generation():
 def test_a_kv_cache_the_host_cannot_hold_is_an_engine_error(model, monkeypatch):
     from growpage.engine import attention
 
-    monkeypatch.setattr(attention, "available_memory",
-                        lambda root: MemoryFigure(10**6, "cgroup v2 limit: ..."))
-    with pytest.raises(EngineError, match=r"the KV cache would take 2097152 bytes \(0.00 GiB\) "
-                                          r"for 1024 pages, but the host has 1000000 bytes "
-                                          r"\(0.00 GiB\) available \(cgroup v2 limit: "):
+    monkeypatch.setattr(
+        attention, "available_memory", lambda root: MemoryFigure(10**6, "cgroup v2 limit: ...")
+    )
+    with pytest.raises(
+        EngineError,
+        match=r"the KV cache would take 2097152 bytes \(0.00 GiB\) "
+        r"for 1024 pages, but the host has 1000000 bytes "
+        r"\(0.00 GiB\) available \(cgroup v2 limit: ",
+    ):
         tiny_llm(model, kv_pages=1024)  # pages of 2048 bytes
     monkeypatch.setattr(attention, "available_memory", lambda root: None)  # torch refuses
-    with pytest.raises(EngineError, match=r"cannot allocate the KV cache: 2251799813685248 "
-                                          r"bytes .* on cpu \(.*\); lower kv_pages"):
+    with pytest.raises(
+        EngineError,
+        match=r"cannot allocate the KV cache: 2251799813685248 "
+        r"bytes .* on cpu \(.*\); lower kv_pages",
+    ):
         tiny_llm(model, kv_pages=2**40)
 
 
@@ -171,7 +184,7 @@ def test_progress_bar_over_requests_or_the_tokens_of_a_lone_one(model, capsys, m
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     llm.generate([prompt(5, 1), prompt(6, 2)], params)
     err = capsys.readouterr().err
-    assert "requests: 100%" in err and "2/2" in err   # default, on a terminal
+    assert "requests: 100%" in err and "2/2" in err  # default, on a terminal
     llm.generate([prompt(5, 1), prompt(6, 2)], params, use_tqdm=False)
     assert capsys.readouterr().err == ""
 
@@ -207,8 +220,9 @@ def test_policy_error_mid_run_aborts_cleanly(model):
 
 def test_first_boundary_before_any_decode_query_grows_without_the_policy(model):
     llm = tiny_llm(model, GrowPagePolicy())
-    out = llm.generate([prompt(8, 5)], SamplingParams(max_tokens=2, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt(8, 5)], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False
+    )[0]
     # The prompt fills 2 pages exactly: the first generated token needs a page before any
     # decode query exists.
     assert out.events["forced_grow"] == 1 and out.events["decided_grow"] == 0
@@ -253,8 +267,9 @@ def _step_to_the_end(engine, error: type[Exception], says: str) -> int:
 @pytest.mark.parametrize("policy", ["fullkv", "fixed"])
 @pytest.mark.parametrize("fail_at", [1, 2, 3, 7, 10])
 @pytest.mark.parametrize("chunk", [8, 4096])
-def test_a_failed_step_is_computed_again_and_the_tokens_are_a_clean_run_s(model, policy, fail_at,
-                                                                         chunk):
+def test_a_failed_step_is_computed_again_and_the_tokens_are_a_clean_run_s(
+    model, policy, fail_at, chunk
+):
     """Whatever step fails (a prefill chunk, a decode step), the requests it had scheduled give
     back their slots and chunks, so stepping on computes them again at the same positions: the
     tokens are a clean run's, and no page that no forward computed enters the prefix cache
@@ -269,7 +284,7 @@ def test_a_failed_step_is_computed_again_and_the_tokens_are_a_clean_run_s(model,
     assert _serve_with_a_failed_forward(llm, prompts, params, fail_at) == want
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in again] == want
-    if policy == "fullkv":   # (compressions rewrite their prompt pages, which leave the cache)
+    if policy == "fullkv":  # (compressions rewrite their prompt pages, which leave the cache)
         assert all(o.num_cached_tokens > 0 for o in again)
     assert_all_returned(llm)
 
@@ -307,25 +322,35 @@ def test_a_scheduling_failure_gives_back_the_slots_it_had_given(model, fail_at):
 
 @pytest.mark.parametrize("watermark", [0, 1, 2])
 def test_a_policy_that_never_compresses_is_refused_up_front_when_the_watermark_bars_it(
-        model, watermark):
+    model, watermark
+):
     """fullkv needs every token's KV; its growth leaves the pool's watermark free, so a request
     that would need those pages is refused when it is added, not aborted half-way."""
-    llm = tiny_llm(model, page_size=2, recent_window=1, kv_pages=26, watermark=watermark,
-                   enable_prefix_caching=False)
-    ids = prompt(23, 8)   # 23 + 28 - 1 = 50 tokens of KV at the end: 25 pages of 2
+    llm = tiny_llm(
+        model,
+        page_size=2,
+        recent_window=1,
+        kv_pages=26,
+        watermark=watermark,
+        enable_prefix_caching=False,
+    )
+    ids = prompt(23, 8)  # 23 + 28 - 1 = 50 tokens of KV at the end: 25 pages of 2
     params = SamplingParams(max_tokens=28, ignore_eos=True)
     if watermark <= 1:
         (out,) = llm.generate([ids], params, use_tqdm=False)
         assert len(out.token_ids) == 28 and out.num_preemptions == 0
     else:
-        with pytest.raises(EngineError, match="50 tokens .*26 pages of 2 tokens, 2 of them kept "
-                                              "free as the pool's watermark"):
+        with pytest.raises(
+            EngineError,
+            match="50 tokens .*26 pages of 2 tokens, 2 of them kept free as the pool's watermark",
+        ):
             llm.generate([ids], params, use_tqdm=False)
     assert_all_returned(llm)
 
 
-def test_inputs_the_engine_audit_found_are_refused_by_name_and_the_llm_stays_usable(model,
-                                                                                    tmp_path):
+def test_inputs_the_engine_audit_found_are_refused_by_name_and_the_llm_stays_usable(
+    model, tmp_path
+):
     from growpage.core.config import GrowPageConfig
     from growpage.errors import ConfigError
 
@@ -333,28 +358,37 @@ def test_inputs_the_engine_audit_found_are_refused_by_name_and_the_llm_stays_usa
     good = [prompt(5, 1)]
 
     def usable():
-        assert len(llm.generate(good, SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids) == 2
+        assert (
+            len(llm.generate(good, SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids) == 2
+        )
         assert_all_returned(llm)
 
     # A temperature so small that logits / T overflow used to make torch.multinomial fail on
     # nan probabilities; below 1e-5 it decodes greedily.
     greedy = llm.generate(good, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     for t in (1e-40, 1e-46, 5e-324, 9e-6):
-        tiny_t = llm.generate(good, SamplingParams(max_tokens=6, ignore_eos=True,
-                                                   temperature=t, seed=3), use_tqdm=False)
+        tiny_t = llm.generate(
+            good,
+            SamplingParams(max_tokens=6, ignore_eos=True, temperature=t, seed=3),
+            use_tqdm=False,
+        )
         assert tiny_t[0].token_ids == greedy[0].token_ids, t
     cases = [
         (lambda: llm.generate(good, []), "give one SamplingParams or one per prompt (1), got 0"),
         (lambda: llm.stream(good, ()), "give one SamplingParams or one per prompt (1), got 0"),
-        (lambda: llm.score(good, [[10 ** 9]]), "continuation token ids must lie in [0, 128)"),
-        (lambda: llm.score(good * 2, [[3], [10 ** 9]]),
-         "continuation token ids must lie in [0, 128) (continuations[1])"),
+        (lambda: llm.score(good, [[10**9]]), "continuation token ids must lie in [0, 128)"),
+        (
+            lambda: llm.score(good * 2, [[3], [10**9]]),
+            "continuation token ids must lie in [0, 128) (continuations[1])",
+        ),
         (lambda: llm.score(good, b"ab"), "continuations must be a string, a list of token ids"),
         (lambda: llm.score(good, [[-5]]), "continuation token ids must lie in [0, 128)"),
         (lambda: llm.generate(b"hello"), "got bytes (decode them to a string first)"),
         (lambda: llm.generate([b"hi", [3, 4]]), "got bytes (prompts[0]) (decode bytes"),
-        (lambda: llm.generate([[1, 2], [10 ** 9]], SamplingParams(max_tokens=2)),
-         "token ids must lie in [0, 128) (prompts[1])"),
+        (
+            lambda: llm.generate([[1, 2], [10**9]], SamplingParams(max_tokens=2)),
+            "token ids must lie in [0, 128) (prompts[1])",
+        ),
         (lambda: llm.generate(good, chat="yes"), "chat must be True or False, got str 'yes'"),
     ]
     for call, message in cases:
@@ -362,19 +396,27 @@ def test_inputs_the_engine_audit_found_are_refused_by_name_and_the_llm_stays_usa
             call()
         assert message in str(info.value), (message, str(info.value))
         usable()
-    llm.generate([], use_tqdm=False)   # an empty call has statistics, all zero
+    llm.generate([], use_tqdm=False)  # an empty call has statistics, all zero
     assert llm.last_stats is not None and llm.last_stats.num_requests == 0
-    assert SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5),
-                          stop_token_ids=np.array([1, 2])).max_tokens == 3
-    with pytest.raises(EngineError, match="stop: must be a string or a list of strings, got {'a': 1}"):
+    assert (
+        SamplingParams(
+            max_tokens=np.int64(3), temperature=np.float32(0.5), stop_token_ids=np.array([1, 2])
+        ).max_tokens
+        == 3
+    )
+    with pytest.raises(
+        EngineError, match="stop: must be a string or a list of strings, got {'a': 1}"
+    ):
         SamplingParams(stop={"a": 1})
     bad_llms = [
         ({"dtype": torch.int8}, "EngineConfig.dtype: torch.int8 is not supported"),
         ({"config": "x"}, "LLM(config=...) takes a GrowPageConfig, got str"),
         ({"policy_kwargs": [1]}, "LLM(policy_kwargs=...) takes a dict"),
         ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False"),
-        ({"record_traces": str(tmp_path / "t"), "record_layers": "01"},
-         "record_layers must be a list of layer indices or None, got '01'"),
+        (
+            {"record_traces": str(tmp_path / "t"), "record_layers": "01"},
+            "record_layers must be a list of layer indices or None, got '01'",
+        ),
         ({"warmup": "yes"}, "warmup must be True, False or None"),
         ({"record_values": 1}, "record_values must be True or False"),
     ]
@@ -383,19 +425,33 @@ def test_inputs_the_engine_audit_found_are_refused_by_name_and_the_llm_stays_usa
             LLM(model, policy="fullkv", **kwargs)
         assert message in str(info.value), (message, str(info.value))
     for layers in (np.array([1, 0]), (i for i in [1, 0]), map(int, "10"), range(2)):
-        recorded = LLM(model, policy="fullkv", config=GrowPageConfig(page_size=4,
-                                                                     recent_window=2),
-                       record_traces=str(tmp_path / "t"), record_layers=layers
-                       ).config.record_layers
+        recorded = LLM(
+            model,
+            policy="fullkv",
+            config=GrowPageConfig(page_size=4, recent_window=2),
+            record_traces=str(tmp_path / "t"),
+            record_layers=layers,
+        ).config.record_layers
         assert recorded == (0, 1) and all(type(i) is int for i in recorded)
     flags = LLM(model, policy="fullkv", enable_prefix_caching=np.True_, warmup=np.False_).config
     assert flags.enable_prefix_caching is True and flags.warmup is False
     from growpage.engine.config import EngineConfig
 
     assert EngineConfig(dtype=torch.float64).dtype == torch.float64
-    assert len(llm.generate(good, SamplingParams(max_tokens=2), chat=np.False_,
-                            use_tqdm=False)[0].token_ids) == 2
+    assert (
+        len(
+            llm.generate(good, SamplingParams(max_tokens=2), chat=np.False_, use_tqdm=False)[
+                0
+            ].token_ids
+        )
+        == 2
+    )
     from collections import deque
-    for stops in ((s for s in ["a", "b"]), np.array(["a", "b"]), {"a": 0, "b": 1}.keys(),
-                  deque(["a", "b"])):
+
+    for stops in (
+        (s for s in ["a", "b"]),
+        np.array(["a", "b"]),
+        {"a": 0, "b": 1}.keys(),
+        deque(["a", "b"]),
+    ):
         assert SamplingParams(stop=stops).stop == ("a", "b")

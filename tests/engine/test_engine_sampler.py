@@ -16,8 +16,13 @@ def test_a_mixed_batch_matches_row_by_row_draws():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 50, generator=gen) * 3
     greedy = SamplingParams()
-    params = [greedy, SamplingParams(temperature=0.7, top_p=0.9, seed=11), greedy,
-              SamplingParams(temperature=1.3, seed=12), greedy]
+    params = [
+        greedy,
+        SamplingParams(temperature=0.7, top_p=0.9, seed=11),
+        greedy,
+        SamplingParams(temperature=1.3, seed=12),
+        greedy,
+    ]
     tokens = Sampler(seed=0).sample(logits, [0, 1, 2, 3, 4], params)
     for i in (0, 2, 4):
         assert tokens[i] == int(logits[i].argmax())
@@ -34,21 +39,24 @@ def test_greedy_ties_go_to_the_first_index():
     assert Sampler().sample(logits, [0, 1], [SamplingParams(), SamplingParams()]) == [3, 0]
 
 
-@pytest.mark.parametrize("field,value,words", [
-    ("seed", 2**64, r"seed: must be an integer in \[-2\*\*63, 2\*\*64\) or None, got 18446"),
-    ("seed", -2**63 - 1, r"seed: must be an integer in \[-2\*\*63, 2\*\*64\)"),
-    ("stop", 5, "stop: must be a string or a list of strings, got 5"),
-    ("stop", [5], "stop: must be non-empty strings"),
-    ("stop_token_ids", 5, "stop_token_ids: must be a list of token ids, got 5"),
-    ("ignore_eos", "no", "ignore_eos: must be True or False, got 'no'"),
-])
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("seed", 2**64, r"seed: must be an integer in \[-2\*\*63, 2\*\*64\) or None, got 18446"),
+        ("seed", -(2**63) - 1, r"seed: must be an integer in \[-2\*\*63, 2\*\*64\)"),
+        ("stop", 5, "stop: must be a string or a list of strings, got 5"),
+        ("stop", [5], "stop: must be non-empty strings"),
+        ("stop_token_ids", 5, "stop_token_ids: must be a list of token ids, got 5"),
+        ("ignore_eos", "no", "ignore_eos: must be True or False, got 'no'"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(field, value, words):
     with pytest.raises(EngineError, match=words):
         SamplingParams(**{field: value})
 
 
 def test_every_accepted_seed_seeds_a_generator():
-    for seed in (-2**63, 2**64 - 1):
+    for seed in (-(2**63), 2**64 - 1):
         params = SamplingParams(temperature=1.0, seed=seed)
         assert Sampler(seed=seed).sample(torch.zeros(1, 4), [0], [params])[0] in range(4)
     with pytest.raises(ConfigError, match=r"EngineConfig.seed must be an integer in \[-2\*\*63"):

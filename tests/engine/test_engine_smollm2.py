@@ -27,8 +27,10 @@ TEXTS = [
 ]
 CHATS = ["What is the capital of France?", "Write a haiku about the sea."]
 # Prompts whose greedy answers run past 32 tokens without an end-of-turn token.
-LONG_CHATS = ["Write a haiku about the sea.",
-              "Write a short story about a robot who learns to paint."]
+LONG_CHATS = [
+    "Write a haiku about the sea.",
+    "Write a short story about a robot who learns to paint.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +82,13 @@ def test_greedy_32_tokens_identical_to_transformers(smol, ref):
     got = greedy_paged(ours, prompts, n=32, page_size=16)  # both decoded in one batch
     for ids, out in zip(prompts, got, strict=True):
         with torch.inference_mode():
-            gen = ref[0].generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                  pad_token_id=tok.eos_token_id)
-        expected = gen[0, len(ids):].tolist()
+            gen = ref[0].generate(
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+            )
+        expected = gen[0, len(ids) :].tolist()
         assert len(expected) == 32 and tok.eos_token_id not in expected
         assert out == expected
 
@@ -109,9 +115,15 @@ def test_tokenizer_from_hf_directory(smol, tmp_path):
     _, tok = smol
     tok._tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": tok.chat_template, "bos_token": "<|im_start|>",
-         "eos_token": {"content": "<|im_end|>"}}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": tok.chat_template,
+                "bos_token": "<|im_start|>",
+                "eos_token": {"content": "<|im_end|>"},
+            }
+        )
+    )
     other = load_tokenizer(tmp_path)
     assert other.bos_token_id == 1 and other.eos_token_id == 2
     for text in TEXTS:

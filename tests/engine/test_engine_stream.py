@@ -44,10 +44,14 @@ def _collect(chunks):
     return texts, ids, outputs, order
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=30, ignore_eos=True),
-    SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True),
-], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=30, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True),
+    ],
+    ids=["greedy", "sampled"],
+)
 def test_chunks_add_up_to_what_generate_returns(model, params):
     expected = _llm(model).generate(PROMPTS, params, use_tqdm=False)
     llm = _llm(model)
@@ -62,15 +66,16 @@ def test_chunks_add_up_to_what_generate_returns(model, params):
 
 
 def test_text_waits_for_a_stop_string_and_for_whole_characters(model):
-    ref = _llm(model).generate(PROMPTS[:1], SamplingParams(max_tokens=40, ignore_eos=True),
-                               use_tqdm=False)[0]
+    ref = _llm(model).generate(
+        PROMPTS[:1], SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False
+    )[0]
     text = ref.text
     # A stop string taken from the middle of the reference text: generation stops there.
     cut = next(i for i in range(8, len(text) - 2) if text[i] != "\ufffd" != text[i + 1])
-    stop = text[cut:cut + 2]
+    stop = text[cut : cut + 2]
     params = SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop])
     expected = _llm(model).generate(PROMPTS[:1], params, use_tqdm=False)[0]
-    assert expected.finish_reason == "stop" and expected.text == text[:text.find(stop)]
+    assert expected.finish_reason == "stop" and expected.text == text[: text.find(stop)]
     shown = ""
     for chunk in _llm(model).stream(PROMPTS[:1], params):
         shown += chunk.text
@@ -90,11 +95,12 @@ def test_leaving_a_stream_early_aborts_its_requests(model):
     assert_all_returned(llm)
     assert llm.last_stats is None
     for _ in llm.stream(PROMPTS[:1], SamplingParams(max_tokens=5, ignore_eos=True)):
-        break   # the loop's generator is closed when it is dropped
+        break  # the loop's generator is closed when it is dropped
     assert_all_returned(llm)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
-    again = _llm(model).generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True),
-                                 use_tqdm=False)
+    again = _llm(model).generate(
+        PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False
+    )
     assert [o.token_ids for o in outs] == [o.token_ids for o in again]
 
 
@@ -103,9 +109,11 @@ def test_a_call_refused_inside_a_stream_keeps_the_stream_s_stats(model):
     llm = _llm(model)
     tried = 0
     for _ in llm.stream(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True)):
-        if llm.last_stats is not None:   # set before the last chunks
-            for call in (lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False),
-                         lambda: llm.score(PROMPTS, PROMPTS)):
+        if llm.last_stats is not None:  # set before the last chunks
+            for call in (
+                lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False),
+                lambda: llm.score(PROMPTS, PROMPTS),
+            ):
                 with pytest.raises(EngineError, match="stream open"):
                     call()
                 tried += 1

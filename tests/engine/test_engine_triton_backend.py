@@ -59,18 +59,24 @@ class Driver(PagedDriver):
             return {s: x[-1] for s, x in self.prefill(chunks, last_only=True).items()}
 
     @torch.inference_mode()
-    def decode_fused(self, tokens: dict[int, int], capture: StepCapture,
-                     fusion: QueryStateFusion | None) -> dict[int, torch.Tensor]:
+    def decode_fused(
+        self, tokens: dict[int, int], capture: StepCapture, fusion: QueryStateFusion | None
+    ) -> dict[int, torch.Tensor]:
         seqs = list(tokens)
         positions = [self.lens[s] for s in seqs]
         with torch.device(DEVICE):
             slots = torch.tensor([self._append_slots(s, 1)[0] for s in seqs])
-            base = decode_context(slots, self.block_tables(seqs),
-                                  torch.tensor([self.lens[s] for s in seqs]), capture=capture)
+            base = decode_context(
+                slots,
+                self.block_tables(seqs),
+                torch.tensor([self.lens[s] for s in seqs]),
+                capture=capture,
+            )
             ctx = FusedStepContext(**attrs.asdict(base, recurse=False), query_state=fusion)
             with use_context(ctx):
-                hidden = self.model(torch.tensor([tokens[s] for s in seqs]),
-                                    torch.tensor(positions))
+                hidden = self.model(
+                    torch.tensor([tokens[s] for s in seqs]), torch.tensor(positions)
+                )
             logits = self.model.compute_logits(hidden)
         return {s: logits[i] for i, s in enumerate(seqs)}
 
@@ -86,9 +92,12 @@ def prompts() -> dict[int, list[int]]:
     return {s: torch.randint(3, 128, (n,), generator=gen).tolist() for s, n in lens.items()}
 
 
-def run(backend: AttentionBackend, dtype: torch.dtype, forced: list[dict[int, int]] | None = None,
-        summaries: SummaryCheck | None = None
-        ) -> tuple[list[dict[int, int]], list[dict[int, torch.Tensor]]]:
+def run(
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    forced: list[dict[int, int]] | None = None,
+    summaries: SummaryCheck | None = None,
+) -> tuple[list[dict[int, int]], list[dict[int, torch.Tensor]]]:
     """Prefill seqs 0-2, decode, let seq 3 join (two prefill chunks), decode all.
 
     Returns the greedy token of every sequence after every step and the logits it came from.
@@ -102,7 +111,7 @@ def run(backend: AttentionBackend, dtype: torch.dtype, forced: list[dict[int, in
         if step == JOIN_AT:
             late = ids[LATE_SEQ]
             drv.prefill_last({LATE_SEQ: late[: LATE_CHUNKS[0]]})  # cached prefix
-            logits[-1] |= drv.prefill_last({LATE_SEQ: late[LATE_CHUNKS[0]:]})
+            logits[-1] |= drv.prefill_last({LATE_SEQ: late[LATE_CHUNKS[0] :]})
         if step == NUM_DECODES:
             break
         choice = forced[len(logits) - 1] if forced else None
@@ -132,20 +141,29 @@ def assert_matches_torch(got: list[dict[int, torch.Tensor]], dtype: torch.dtype)
         assert got_step.keys() == want_step.keys()
         for s, want in want_step.items():
             where = f"step {step} seq {s}"
-            torch.testing.assert_close(got_step[s], want, atol=atol, rtol=rtol,
-                                       msg=functools.partial("{}: {}".format, where))
+            torch.testing.assert_close(
+                got_step[s],
+                want,
+                atol=atol,
+                rtol=rtol,
+                msg=functools.partial("{}: {}".format, where),
+            )
             pick = int(got_step[s].argmax())
             assert pick == want_tokens[step][s] or want[pick] >= want.max() - atol, where
 
 
 # NOTE: fp16 and split-K: CUDA only here (~10 s per interpreter run); tests/kernels cover both.
 CUDA_ONLY = pytest.mark.skipif(not ON_CUDA, reason="slow under the interpreter; CUDA only")
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
-          pytest.param(torch.float16, id="fp16", marks=CUDA_ONLY)]
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float16, id="fp16", marks=CUDA_ONLY),
+]
 
 
-@pytest.mark.parametrize("num_splits", [None, pytest.param(4, marks=CUDA_ONLY)],
-                         ids=["splits-auto", "splits-4"])
+@pytest.mark.parametrize(
+    "num_splits", [None, pytest.param(4, marks=CUDA_ONLY)], ids=["splits-auto", "splits-4"]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_matches_torch(dtype: torch.dtype, num_splits: int | None) -> None:
     want_tokens, _ = torch_run(dtype)
@@ -176,8 +194,11 @@ class SummaryCheck:
         self.slot_ids = [self.SLOTS[s] for s in seqs]
         self.seen |= set(seqs)
         return QueryStateFusion(
-            self.pool, torch.tensor(self.slot_ids, dtype=torch.int32, device=DEVICE),
-            torch.tensor(self.first, device=DEVICE), drv.cache)
+            self.pool,
+            torch.tensor(self.slot_ids, dtype=torch.int32, device=DEVICE),
+            torch.tensor(self.first, device=DEVICE),
+            drv.cache,
+        )
 
     def after(self, capture: StepCapture) -> None:
         assert sorted(capture.queries) == list(range(self.pool.shape[0]))
@@ -190,8 +211,9 @@ class SummaryCheck:
 def test_fused_query_state_update_matches_reference() -> None:
     check = SummaryCheck()
     want_tokens, _ = torch_run(torch.float32)
-    got_tokens, got_logits = run(TritonAttentionBackend(), torch.float32, forced=want_tokens,
-                                 summaries=check)
+    got_tokens, got_logits = run(
+        TritonAttentionBackend(), torch.float32, forced=want_tokens, summaries=check
+    )
     assert got_tokens == want_tokens
     assert_matches_torch(got_logits, torch.float32)  # the update leaves attention untouched
     assert not check.pool[:, [0, 2, 5]].isnan().any()  # every used slot initialized

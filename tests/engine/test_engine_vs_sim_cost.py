@@ -42,7 +42,7 @@ class RecordingCost(CostModel):
         return float(num_steps)
 
     def steps(self) -> list[tuple[int, int]]:
-        assert self.calls[0] == (1, 1)   # simulate()'s check of the model
+        assert self.calls[0] == (1, 1)  # simulate()'s check of the model
         return self.calls[1:]
 
 
@@ -65,29 +65,52 @@ def engine_decode_steps(llm, prompts, params) -> list[tuple[int, int, int]]:
     return seen
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(2, 40)), min_size=1,
-                        max_size=4),
-       point=st.sampled_from([("fullkv", {}), ("fixed", {"budget_tokens": 12}),
-                              ("fixed", {"budget_tokens": 20})]),
-       pages=st.sampled_from([10, 256]), async_compaction=st.booleans(),
-       async_decisions=st.booleans(), chunk=st.sampled_from([4096, 5]))
-def test_each_decode_step_is_priced_with_the_kv_the_engine_reads(model, lengths, point, pages,
-                                                                 async_compaction,
-                                                                 async_decisions, chunk):
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(2, 40)), min_size=1, max_size=4),
+    point=st.sampled_from(
+        [("fullkv", {}), ("fixed", {"budget_tokens": 12}), ("fixed", {"budget_tokens": 20})]
+    ),
+    pages=st.sampled_from([10, 256]),
+    async_compaction=st.booleans(),
+    async_decisions=st.booleans(),
+    chunk=st.sampled_from([4096, 5]),
+)
+def test_each_decode_step_is_priced_with_the_kv_the_engine_reads(
+    model, lengths, point, pages, async_compaction, async_decisions, chunk
+):
     policy, params = point
-    pages = max([pages] + [-(-(p + o) // 4) + 1 for p, o in lengths])   # each fits alone
-    llm = tiny_llm(model, policy=policy, policy_kwargs=params, kv_pages=pages, max_num_seqs=4,
-                   enable_prefix_caching=False, max_num_batched_tokens=chunk,
-                   async_compaction=async_compaction, async_decisions=async_decisions)
-    engine = engine_decode_steps(llm, [prompt(p, 100 + i) for i, (p, _) in enumerate(lengths)],
-                                 [SamplingParams(max_tokens=o, ignore_eos=True)
-                                  for _, o in lengths])
+    pages = max([pages] + [-(-(p + o) // 4) + 1 for p, o in lengths])  # each fits alone
+    llm = tiny_llm(
+        model,
+        policy=policy,
+        policy_kwargs=params,
+        kv_pages=pages,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=chunk,
+        async_compaction=async_compaction,
+        async_decisions=async_decisions,
+    )
+    engine = engine_decode_steps(
+        llm,
+        [prompt(p, 100 + i) for i, (p, _) in enumerate(lengths)],
+        [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths],
+    )
     requests = [WorkloadRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
-    sim = SimConfig(num_kv_pages=pages, max_num_seqs=4, max_num_batched_tokens=chunk,
-                    admission_reserve=0.0, prefix_caching=False, async_compaction=async_compaction,
-                    async_decisions=async_decisions)
+    sim = SimConfig(
+        num_kv_pages=pages,
+        max_num_seqs=4,
+        max_num_batched_tokens=chunk,
+        admission_reserve=0.0,
+        prefix_caching=False,
+        async_compaction=async_compaction,
+        async_decisions=async_decisions,
+    )
     for padded in (False, True):
         cost = RecordingCost(padded)
         simulate(requests, resolve_policy(policy, **params), llm.config.growpage, sim, cost)

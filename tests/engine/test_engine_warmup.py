@@ -28,9 +28,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def kernel_llm(policy: str = "growpage", warmup: bool = True, **kwargs) -> LLM:
     kwargs.setdefault("kv_pages", 26)
     kwargs.setdefault("cuda_graphs", False)  # the eager path (graphs capture as they meet shapes)
-    return LLM(tiny_model(), policy=policy, page_size=8, recent_window=2, max_num_seqs=4,
-               device=DEVICE, attention_backend="triton", boundary_kernels=True, warmup=warmup,
-               **kwargs)
+    return LLM(
+        tiny_model(),
+        policy=policy,
+        page_size=8,
+        recent_window=2,
+        max_num_seqs=4,
+        device=DEVICE,
+        attention_backend="triton",
+        boundary_kernels=True,
+        warmup=warmup,
+        **kwargs,
+    )
 
 
 def workload(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -43,16 +52,24 @@ def workload(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
 def test_warm_up_launches_every_variant_a_run_needs(monkeypatch):
     # Split counts of a big GPU, varying with batch and context (the CPU default is always 1):
     # the run must still need no decode-attention variant beyond the warm-up's two.
-    monkeypatch.setattr(decode_module, "default_num_splits",
-                        lambda num_seqs, hkv, max_context, device, block_n:
-                        1 + (num_seqs + max_context // 8) % 4)
+    monkeypatch.setattr(
+        decode_module,
+        "default_num_splits",
+        lambda num_seqs, hkv, max_context, device, block_n: 1 + (num_seqs + max_context // 8) % 4,
+    )
     with record_variants() as at_start:
         llm = kernel_llm()
     report = llm.engine.warmup_report
     assert report.ran and report.variants == at_start.counts()
-    assert at_start.counts() == {"boundary_queries": 1, "compact": 3, "decode_attention": 2,
-                                 "demand_logits": 1, "demand_normalize": 1, "merge_splits": 1,
-                                 "store_kv": 1}
+    assert at_start.counts() == {
+        "boundary_queries": 1,
+        "compact": 3,
+        "decode_attention": 2,
+        "demand_logits": 1,
+        "demand_normalize": 1,
+        "merge_splits": 1,
+        "store_kv": 1,
+    }
     prompts, params = workload()
     compiled = compiled_variants()  # on CUDA: the binaries themselves ({} elsewhere)
     with record_variants() as serving:
@@ -82,6 +99,14 @@ def test_warm_up_changes_nothing_the_engine_serves_with():
 
 
 def test_no_warm_up_without_kernels():
-    llm = LLM(tiny_model(), policy="growpage", page_size=8, recent_window=2, kv_pages=16,
-              attention_backend="torch", boundary_kernels=False, warmup=True)
+    llm = LLM(
+        tiny_model(),
+        policy="growpage",
+        page_size=8,
+        recent_window=2,
+        kv_pages=16,
+        attention_backend="torch",
+        boundary_kernels=False,
+        warmup=True,
+    )
     assert not llm.engine.warmup_report.ran and llm.engine.warmup_report.launches == 0

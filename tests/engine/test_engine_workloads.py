@@ -18,8 +18,10 @@ SHARED = prompt(12, 99)
 @st.composite
 def workloads(draw):
     n = draw(st.integers(1, 6))
-    prompts = [(SHARED if draw(st.booleans()) else []) + prompt(draw(st.integers(1, 14)), s)
-               for s in draw(st.lists(st.integers(0, 1000), min_size=n, max_size=n))]
+    prompts = [
+        (SHARED if draw(st.booleans()) else []) + prompt(draw(st.integers(1, 14)), s)
+        for s in draw(st.lists(st.integers(0, 1000), min_size=n, max_size=n))
+    ]
     max_tokens = draw(st.lists(st.integers(1, 24), min_size=n, max_size=n))
     return prompts, max_tokens
 
@@ -33,18 +35,26 @@ def run(policy: str, prompts, max_tokens, **kwargs):
     return [o.token_ids for o in outs], llm
 
 
-SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @settings(SETTINGS, max_examples=25)
 @given(workloads(), st.integers(13, 24), st.integers(1, 4), st.sampled_from([3, 8, 64]))
-def test_fullkv_output_is_independent_of_memory_and_batching(workload, kv_pages, max_num_seqs,
-                                                            chunk):
+def test_fullkv_output_is_independent_of_memory_and_batching(
+    workload, kv_pages, max_num_seqs, chunk
+):
     prompts, max_tokens = workload
     expected, _ = run("fullkv", prompts, max_tokens, enable_prefix_caching=False)
-    got, llm = run("fullkv", prompts, max_tokens, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=chunk)
+    got, llm = run(
+        "fullkv",
+        prompts,
+        max_tokens,
+        kv_pages=kv_pages,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=chunk,
+    )
     assert got == expected
     assert llm.last_stats.max_pages_used <= kv_pages
 
@@ -69,8 +79,15 @@ def test_async_compaction_keeps_the_bookkeeping(policy, workload, kv_pages, max_
     that was decided ran exactly once (none left pending, none run twice)."""
     prompts, max_tokens = workload
     kwargs = {"policy_kwargs": {"min_capacity_tokens": 8}} if policy == "shrink" else {}
-    _, llm = run(policy, prompts, max_tokens, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
-                 async_compaction=True, **kwargs)
+    _, llm = run(
+        policy,
+        prompts,
+        max_tokens,
+        kv_pages=kv_pages,
+        max_num_seqs=max_num_seqs,
+        async_compaction=True,
+        **kwargs,
+    )
     events, kv = llm.last_stats.events, llm.engine.kv
     assert kv.num_deferred == 0
     assert kv.deferred_compactions == events["compress"] + events["shrink"]

@@ -12,8 +12,15 @@ bench = load_benchmark("policies_engine")
 
 
 def row(policy: str, label: str | None = None, **kw) -> dict:
-    base = dict(policy=policy, label=label or policy, tps=100.0, nll=1.0, avg_budget=300.0,
-                decided_grow=3, decided_compress=1)
+    base = dict(
+        policy=policy,
+        label=label or policy,
+        tps=100.0,
+        nll=1.0,
+        avg_budget=300.0,
+        decided_grow=3,
+        decided_compress=1,
+    )
     return {**base, **kw}
 
 
@@ -28,20 +35,25 @@ def test_order_always_has_the_baseline_and_what_matching_needs():
 def test_fixed_and_random_are_matched_to_growpage():
     args = argparse.Namespace(page_size=64, min_capacity=4, seed=5)
     g = row("growpage", avg_budget=290.0, decided_grow=3, decided_compress=1)
-    assert bench.plan(args, "fixed", g) == [("fixed-320", "fixed", {"budget_tokens": 320}),
-                                            ("fixed-640", "fixed", {"budget_tokens": 640})]
-    (label, name, kwargs), = bench.plan(args, "random", g)
+    assert bench.plan(args, "fixed", g) == [
+        ("fixed-320", "fixed", {"budget_tokens": 320}),
+        ("fixed-640", "fixed", {"budget_tokens": 640}),
+    ]
+    ((label, name, kwargs),) = bench.plan(args, "random", g)
     assert name == "random" and kwargs == {"grow_prob": 0.75, "seed": 5} and "0.75" in label
     small = row("growpage", avg_budget=10.0)  # never below the minimum capacity
     assert bench.plan(args, "fixed", small)[0][2] == {"budget_tokens": 256}
-    assert bench.plan(args, "shrink", None) == [("shrink", "shrink",
-                                                 {"min_capacity_tokens": 256})]
+    assert bench.plan(args, "shrink", None) == [("shrink", "shrink", {"min_capacity_tokens": 256})]
 
 
 def test_targets_are_ratios_of_the_same_run():
-    rows = [row("fullkv", tps=100.0, nll=1.0), row("growpage", tps=160.0, nll=1.01),
-            row("fixed", "fixed-256", tps=150.0, nll=1.2), row("random", tps=120.0, nll=1.1),
-            row("inverse", tps=170.0, nll=1.005)]
+    rows = [
+        row("fullkv", tps=100.0, nll=1.0),
+        row("growpage", tps=160.0, nll=1.01),
+        row("fixed", "fixed-256", tps=150.0, nll=1.2),
+        row("random", tps=120.0, nll=1.1),
+        row("inverse", tps=170.0, nll=1.005),
+    ]
     t = bench.targets(rows)
     assert t["growpage_tps_vs_fullkv"] == pytest.approx(1.6)
     assert t["growpage_nll_increase_pct"] == pytest.approx(1.0)
@@ -64,8 +76,11 @@ def test_each_preset_and_device_has_its_own_default_folder():
     def folder(*argv: str) -> tuple[str, ...]:
         return Path(bench.parse_args(list(argv)).out).parts[-3:]
 
-    assert folder("--preset", "full", "--device", "cuda") == ("results", "policies_engine",
-                                                              "full-cuda")
+    assert folder("--preset", "full", "--device", "cuda") == (
+        "results",
+        "policies_engine",
+        "full-cuda",
+    )
     assert folder() == ("results", "policies_engine", "cpu-cpu")
     assert folder("--device", "cuda:1") == ("results", "policies_engine", "cpu-cuda1")
     assert bench.parse_args(["--out", "elsewhere"]).out == "elsewhere"
@@ -77,9 +92,15 @@ def test_coincident_trajectories_are_drawn_apart(tmp_path, monkeypatch):
     figures, close = [], plt.close
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at its lines
     same = [(64, 2, "grow"), (128, 3, "grow"), (192, 3, "compress")]
-    rows = [row(policy, label, trajectories=[traj], prompt_lens=[60]) for policy, label, traj in
-            (("fullkv", None, same[:2] + [(192, 4, "grow")]), ("growpage", None, same),
-             ("fixed", "fixed-128", same), ("fixed", "fixed-256", same))]
+    rows = [
+        row(policy, label, trajectories=[traj], prompt_lens=[60])
+        for policy, label, traj in (
+            ("fullkv", None, same[:2] + [(192, 4, "grow")]),
+            ("growpage", None, same),
+            ("fixed", "fixed-128", same),
+            ("fixed", "fixed-256", same),
+        )
+    ]
     bench.plot_trajectories(rows, 64, tmp_path / "t.png")
     [fig] = figures
     lines = fig.axes[0].get_lines()
@@ -103,8 +124,18 @@ class _FakeBench:
 
 
 def timed_row(label: str, tps: float) -> dict:
-    return row(label, tps=tps, tpot_ms=1000 / tps, total_s=10_000 / tps, grow=3, compress=1,
-               shrink=0, fallback=0, preemptions=0, kwargs={})
+    return row(
+        label,
+        tps=tps,
+        tpot_ms=1000 / tps,
+        total_s=10_000 / tps,
+        grow=3,
+        compress=1,
+        shrink=0,
+        fallback=0,
+        preemptions=0,
+        kwargs={},
+    )
 
 
 def test_timing_passes_rotate_the_order_and_take_the_median():
@@ -130,11 +161,23 @@ def test_the_table_says_how_tps_was_timed():
     rows = [timed_row("fullkv", 100.0)]
     for r in rows:
         r.update(avg_resident=2.0, avg_budget=300.0, boundary_s=0.1)
-    report = {"args": {"num_requests": 1, "max_tokens": 4, "page_size": 8, "min_capacity": 4,
-                       "seed": 0, "timing_passes": 3},
-              "kv_pages": 8, "full_pages": 16, "machine": "m", "rows": rows, "targets": {},
-              "fullkv_generate": {"tps": 1.0, "avg_resident": 1.0, "preemptions": 0},
-              "wall_s": 1.0}
+    report = {
+        "args": {
+            "num_requests": 1,
+            "max_tokens": 4,
+            "page_size": 8,
+            "min_capacity": 4,
+            "seed": 0,
+            "timing_passes": 3,
+        },
+        "kv_pages": 8,
+        "full_pages": 16,
+        "machine": "m",
+        "rows": rows,
+        "targets": {},
+        "fullkv_generate": {"tps": 1.0, "avg_resident": 1.0, "preemptions": 0},
+        "wall_s": 1.0,
+    }
     assert "the median of 3 passes per row" in bench.to_markdown(report)
     report["args"]["timing_passes"] = 1
     assert "--timing-passes 3" in bench.to_markdown(report)

@@ -14,4 +14,3 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import growpage.kernels  # noqa: E402,F401 - after TRITON_INTERPRET is set
-

@@ -21,8 +21,9 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, g: torch.Generator) -
     return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
 
 
-def make_block_tables(context_lens: list[int], page_size: int, num_pages: int, max_pages: int,
-                      g: torch.Generator) -> torch.Tensor:
+def make_block_tables(
+    context_lens: list[int], page_size: int, num_pages: int, max_pages: int, g: torch.Generator
+) -> torch.Tensor:
     """``[B, max_pages]`` int32: disjoint, shuffled pages per request, -1 padded."""
     pages = torch.randperm(num_pages, generator=g).tolist()
     tables = torch.full((len(context_lens), max_pages), -1, dtype=torch.int32)
@@ -39,8 +40,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
 
 
-def covering_grid(dtypes: list[torch.dtype], groups: list[int], page_sizes: list[int],
-                  full: bool = ON_CUDA) -> list:
+def covering_grid(
+    dtypes: list[torch.dtype], groups: list[int], page_sizes: list[int], full: bool = ON_CUDA
+) -> list:
     """pytest params over dtype x GQA group x page size.
 
     ``full``: the whole product; else every dtype x group pair once, with the page size
@@ -51,6 +53,9 @@ def covering_grid(dtypes: list[torch.dtype], groups: list[int], page_sizes: list
         for j, group in enumerate(groups):
             pages = page_sizes if full else [page_sizes[(i + j) % len(page_sizes)]]
             for page_size in pages:
-                cases.append(pytest.param(dtype, group, page_size,
-                                          id=f"{dtype_id}-gqa{group}-page{page_size}"))
+                cases.append(
+                    pytest.param(
+                        dtype, group, page_size, id=f"{dtype_id}-gqa{group}-page{page_size}"
+                    )
+                )
     return cases

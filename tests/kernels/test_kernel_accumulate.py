@@ -17,7 +17,9 @@ CASES = [  # (dtype, GQA group, page size), each dtype and group at least once
     pytest.param(dtype, group, page, id=f"{dtype_id}-gqa{group}-page{page}")
     for (dtype, dtype_id), (group, page) in zip(
         [(d, i) for d, i in zip(DTYPES, DTYPE_IDS, strict=True) for _ in range(2)],
-        [(1, 4), (3, 16), (8, 4), (1, 16), (3, 4), (8, 16)], strict=True)
+        [(1, 4), (3, 16), (8, 4), (1, 16), (3, 4), (8, 16)],
+        strict=True,
+    )
 ]
 
 
@@ -36,8 +38,9 @@ def make_case(dtype: torch.dtype, group: int, page_size: int, seed: int = 0):
     return q, k_cache, tables, context_lens, acc
 
 
-def natural_lse(q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor,
-                lens: torch.Tensor) -> torch.Tensor:
+def natural_lse(
+    q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor:
     """``[B, Hq]`` log-sum-exp of each row's scaled logits (what a decode kernel would give)."""
     page_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     out = torch.zeros(q.shape[:2], device=q.device)

@@ -17,8 +17,9 @@ from kernel_helpers import ON_CUDA
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "aot_compile.py"
-NOT_ON_CUDA = pytest.mark.skipif(ON_CUDA, reason="on a GPU the other kernel tests compile and "
-                                                 "run for real")
+NOT_ON_CUDA = pytest.mark.skipif(
+    ON_CUDA, reason="on a GPU the other kernel tests compile and run for real"
+)
 
 
 def _aot():
@@ -32,8 +33,7 @@ def _aot():
 
 
 def _run(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", code] if code is not None else [sys.executable, str(SCRIPT),
-                                                                  *args]
+    cmd = [sys.executable, "-c", code] if code is not None else [sys.executable, str(SCRIPT), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip().splitlines()[-1])
@@ -45,9 +45,16 @@ def test_kernels_compile_for_sm90_without_spills_and_with_vector_access() -> Non
     proc = _run("--quick", "--arch", "90")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| sm_90 ")]
-    for kernel in ("_decode_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel",
-                   "_compact_kernel", "_demand_logits_kernel", "_demand_normalize_kernel",
-                   "_accumulate_kernel", "_boundary_queries_kernel"):
+    for kernel in (
+        "_decode_attention_kernel",
+        "_merge_splits_kernel",
+        "_store_kv_kernel",
+        "_compact_kernel",
+        "_demand_logits_kernel",
+        "_demand_normalize_kernel",
+        "_accumulate_kernel",
+        "_boundary_queries_kernel",
+    ):
         assert any(f"| {kernel} |" in row for row in rows), kernel
     assert "no spills, shared memory within the limit, KV moved in 16-byte vectors" in proc.stdout
     # the quick set includes the fp32 cache and the 3-KV-head store whose defaults changed
@@ -99,37 +106,65 @@ PTX_ASYNC = """
 
 def test_global_accesses_reads_widths_from_ptx() -> None:
     aot = _aot()
-    assert aot.global_accesses(PTX) == {"widest_load": 16, "widest_store": 8,
-                                        "narrow_loads": 1, "narrow_stores": 1}
+    assert aot.global_accesses(PTX) == {
+        "widest_load": 16,
+        "widest_store": 8,
+        "narrow_loads": 1,
+        "narrow_stores": 1,
+    }
     # copies to shared memory are loads; their size is an operand (hex)
-    assert aot.global_accesses(PTX_ASYNC) == {"widest_load": 16, "widest_store": 0,
-                                              "narrow_loads": 0, "narrow_stores": 0}
-    assert aot.global_accesses("") == {"widest_load": 0, "widest_store": 0,
-                                       "narrow_loads": 0, "narrow_stores": 0}
+    assert aot.global_accesses(PTX_ASYNC) == {
+        "widest_load": 16,
+        "widest_store": 0,
+        "narrow_loads": 0,
+        "narrow_stores": 0,
+    }
+    assert aot.global_accesses("") == {
+        "widest_load": 0,
+        "widest_store": 0,
+        "narrow_loads": 0,
+        "narrow_stores": 0,
+    }
 
 
 def _variant(kernel: str, **numbers) -> dict:
-    base = {"kernel": kernel, "arch": 90, "dtype": "bfloat16", "num_warps": 4,
-            "constexprs": {"BLOCK_N": 64, "BLOCK_H": 8, "BLOCK_D": 128}, "shared": 0,
-            "registers": 96, "spill_bytes": 0, "widest_load": 16, "widest_store": 16,
-            "narrow_loads": 0, "narrow_stores": 0}
+    base = {
+        "kernel": kernel,
+        "arch": 90,
+        "dtype": "bfloat16",
+        "num_warps": 4,
+        "constexprs": {"BLOCK_N": 64, "BLOCK_H": 8, "BLOCK_D": 128},
+        "shared": 0,
+        "registers": 96,
+        "spill_bytes": 0,
+        "widest_load": 16,
+        "widest_store": 16,
+        "narrow_loads": 0,
+        "narrow_stores": 0,
+    }
     return {**base, **numbers}
 
 
 def test_problems_names_each_broken_rule() -> None:
     aot = _aot()
-    assert aot.problems([_variant("_compact_kernel"), _variant("_merge_splits_kernel",
-                                                                widest_load=4)]) == []
-    found = aot.problems([
-        _variant("_decode_attention_kernel", spill_bytes=608, registers=255),
-        _variant("_compact_kernel", widest_store=2, narrow_stores=128),
-        _variant("_decode_attention_kernel", narrow_stores=16),  # output rows: not checked
-        _variant("_demand_logits_kernel", widest_load=4),
-        _variant("_boundary_queries_kernel", shared=300 * 1024),
-    ])
+    assert (
+        aot.problems([_variant("_compact_kernel"), _variant("_merge_splits_kernel", widest_load=4)])
+        == []
+    )
+    found = aot.problems(
+        [
+            _variant("_decode_attention_kernel", spill_bytes=608, registers=255),
+            _variant("_compact_kernel", widest_store=2, narrow_stores=128),
+            _variant("_decode_attention_kernel", narrow_stores=16),  # output rows: not checked
+            _variant("_demand_logits_kernel", widest_load=4),
+            _variant("_boundary_queries_kernel", shared=300 * 1024),
+        ]
+    )
     assert len(found) == 4, found
-    assert "_decode_attention_kernel bfloat16 warps=4 BLOCK_N=64,BLOCK_H=8,BLOCK_D=128: spills " \
-           "608 B" in found[0]
+    assert (
+        "_decode_attention_kernel bfloat16 warps=4 BLOCK_N=64,BLOCK_H=8,BLOCK_D=128: spills "
+        "608 B" in found[0]
+    )
     assert "_compact_kernel" in found[1] and "KV stores not vectorized" in found[1]
     assert "_demand_logits_kernel" in found[2] and "KV loads not vectorized" in found[2]
     assert "_boundary_queries_kernel" in found[3] and "over the" in found[3]
@@ -153,11 +188,11 @@ def test_default_tiles_keep_bf16_and_shrink_fp32(monkeypatch: pytest.MonkeyPatch
 
 
 def test_vector_warps_give_each_thread_16_bytes() -> None:
-    assert vector_warps(4 * 64, 2) == 1      # SmolLM2's store: 3 (of 4) heads x 64, bf16
-    assert vector_warps(8 * 128, 2) == 4     # Llama's: 8 heads x 128
-    assert vector_warps(8 * 128, 4) == 4     # capped at 4
+    assert vector_warps(4 * 64, 2) == 1  # SmolLM2's store: 3 (of 4) heads x 64, bf16
+    assert vector_warps(8 * 128, 2) == 4  # Llama's: 8 heads x 128
+    assert vector_warps(8 * 128, 4) == 4  # capped at 4
     assert vector_warps(4 * 64, 4) == 2
-    assert vector_warps(2 * 16, 2) == 1      # never 0
+    assert vector_warps(2 * 16, 2) == 1  # never 0
     for elements, itemsize in ((256, 2), (1024, 2), (256, 4), (2048, 4)):
         per_thread = elements * itemsize / (32 * vector_warps(elements, itemsize))
         assert per_thread >= 16
@@ -168,8 +203,7 @@ def test_a_tile_too_small_for_16_bytes_a_thread_asks_for_what_it_allows() -> Non
     8-byte store is the best there is, and a 4-byte one is still reported."""
     aot = _aot()
     small = {"BLOCK_H": 2, "BLOCK_D": 64}
-    ok = _variant("_store_kv_kernel", num_warps=1, constexprs=small, widest_load=8,
-                  widest_store=8)
+    ok = _variant("_store_kv_kernel", num_warps=1, constexprs=small, widest_load=8, widest_store=8)
     assert aot.vector_bytes(ok) == 8 and aot.problems([ok]) == []
     worse = {**ok, "widest_store": 4}
     (line,) = aot.problems([worse])
@@ -181,6 +215,5 @@ def test_a_tile_too_small_for_16_bytes_a_thread_asks_for_what_it_allows() -> Non
 def test_tile_warps_double_only_past_the_register_budget() -> None:
     assert tile_warps(64, 128, torch.bfloat16) == 4
     assert tile_warps(16, 128, torch.float32) == 4
-    assert tile_warps(16, 256, torch.float32) == 8   # over budget even at the smallest tile
+    assert tile_warps(16, 256, torch.float32) == 8  # over budget even at the smallest tile
     assert tile_warps(64, 256, torch.bfloat16) == 8
-

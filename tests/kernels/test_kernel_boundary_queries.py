@@ -35,12 +35,14 @@ def make_pool(layers: int, slots: int, heads: int, d: int, seed: int = 0):
     return summaries, current
 
 
-def library(cfg: RopeConfig, summaries: torch.Tensor, current: torch.Tensor, slot: int,
-            position: int) -> torch.Tensor:
+def library(
+    cfg: RopeConfig, summaries: torch.Tensor, current: torch.Tensor, slot: int, position: int
+) -> torch.Tensor:
     """What ``growpage.core`` computes today at a boundary."""
     cur = current[:, slot]
-    return torch.stack([rope_at(cfg, rms_calibrate(summaries[:, slot, v], cur), position)
-                        for v in (0, 1)])
+    return torch.stack(
+        [rope_at(cfg, rms_calibrate(summaries[:, slot, v], cur), position) for v in (0, 1)]
+    )
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "llama3"])
@@ -55,8 +57,13 @@ def test_boundary_queries_match_library(shape: tuple[int, int, int, int], scaled
             out = boundary_queries(summaries, current, slot, position, inv)
             expected = library(cfg, summaries, current, slot, position)
             assert out.shape == (2, layers, heads, d) and out.dtype == torch.float32
-            torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL,
-                                       msg=lambda m, s=slot, p=position: f"slot {s} pos {p}: {m}")
+            torch.testing.assert_close(
+                out,
+                expected,
+                atol=ATOL,
+                rtol=RTOL,
+                msg=lambda m, s=slot, p=position: f"slot {s} pos {p}: {m}",
+            )
             # the naive twin is the library's math verbatim
             twin = reference.boundary_queries(summaries, current, slot, position, inv)
             assert torch.equal(twin, expected)
@@ -96,8 +103,9 @@ def test_other_slots_never_leak(slot: int) -> None:
     cfg = rope_cfg(d, True)
     out = boundary_queries(poisoned_s, poisoned_c, slot, 4093, inv_frequencies_on(cfg, DEVICE))
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, library(cfg, summaries, current, slot, 4093),
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        out, library(cfg, summaries, current, slot, 4093), atol=ATOL, rtol=RTOL
+    )
 
 
 def test_strided_pool_view() -> None:

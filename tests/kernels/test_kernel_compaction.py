@@ -24,8 +24,13 @@ def make_keep(lens: list[int], counts: list[int], g: torch.Generator) -> torch.T
     return keep.to(DEVICE)
 
 
-def run_both(kv_cache: torch.Tensor, tables: torch.Tensor, keep: torch.Tensor,
-             dst: torch.Tensor | None, staged: bool | None) -> None:
+def run_both(
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    keep: torch.Tensor,
+    dst: torch.Tensor | None,
+    staged: bool | None,
+) -> None:
     expected = kv_cache.clone()
     reference.compact_kv(expected, tables, keep, dst)
     compact_kv(kv_cache, tables, keep, dst, staged=staged)
@@ -89,18 +94,21 @@ def test_staging_in_layer_chunks() -> None:
     assert torch.equal(kv_cache, expected)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(data=st.data(), page_size=st.sampled_from([2, 4]), num_pages=st.integers(1, 4))
 def test_in_place_property(data: st.DataObject, page_size: int, num_pages: int) -> None:
     """Any ascending keep set, compacted in place, equals the read-everything-first result."""
     n = data.draw(st.integers(1, num_pages * page_size), label="context")
-    keep = torch.empty(1, LAYERS, KV_HEADS, data.draw(st.integers(1, n), label="keep"),
-                       dtype=torch.int32)
+    keep = torch.empty(
+        1, LAYERS, KV_HEADS, data.draw(st.integers(1, n), label="keep"), dtype=torch.int32
+    )
     for layer in range(LAYERS):
         for h in range(KV_HEADS):
-            picked = data.draw(st.sets(st.integers(0, n - 1), min_size=keep.shape[-1],
-                                       max_size=keep.shape[-1]))
+            picked = data.draw(
+                st.sets(st.integers(0, n - 1), min_size=keep.shape[-1], max_size=keep.shape[-1])
+            )
             keep[0, layer, h] = torch.tensor(sorted(picked), dtype=torch.int32)
     kv_cache = randn(2, LAYERS, num_pages, page_size, KV_HEADS, HEAD_DIM, g=gen(n))
     tables = torch.randperm(num_pages, generator=gen(num_pages)).to(torch.int32)[None]

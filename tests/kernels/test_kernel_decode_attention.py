@@ -54,8 +54,9 @@ def make_case(dtype: torch.dtype, group: int, page_size: int, seed: int = 0):
 @pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("group", GROUPS, ids=lambda r: f"gqa{r}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_decode_matches_reference(dtype: torch.dtype, group: int, page_size: int,
-                                  splits: int | None) -> None:
+def test_decode_matches_reference(
+    dtype: torch.dtype, group: int, page_size: int, splits: int | None
+) -> None:
     q, k_cache, v_cache, tables, lens = make_case(dtype, group, page_size)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=splits)
     expected = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens)
@@ -83,15 +84,18 @@ def test_decode_odd_head_dim_and_overlong_context() -> None:
     tables = torch.tensor([[5, 1], [0, 3]], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([7, 8], dtype=torch.int32, device=DEVICE)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=2)
-    assert_close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens),
-                 torch.float32)
+    assert_close(
+        out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens), torch.float32
+    )
     with pytest.raises(KernelInputError, match=r"context_lens\[0\] = 107"):
         paged_decode_attention(q, k_cache, v_cache, tables, lens + 100)
     with without_index_checks():
         overlong = paged_decode_attention(q, k_cache, v_cache, tables, lens + 100)
-    assert_close(overlong, reference.paged_decode_attention(q, k_cache, v_cache, tables,
-                                                            torch.full_like(lens, 8)),
-                 torch.float32)
+    assert_close(
+        overlong,
+        reference.paged_decode_attention(q, k_cache, v_cache, tables, torch.full_like(lens, 8)),
+        torch.float32,
+    )
 
 
 def test_decode_reads_layer_view_of_full_cache() -> None:
@@ -100,8 +104,9 @@ def test_decode_reads_layer_view_of_full_cache() -> None:
     cache = torch.zeros(2, 3, *k_cache.shape, dtype=k_cache.dtype, device=DEVICE)
     cache[0, 1], cache[1, 1] = k_cache, v_cache
     out = paged_decode_attention(q, cache[0, 1], cache[1, 1], tables, lens, num_splits=2)
-    assert_close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens),
-                 torch.float16)
+    assert_close(
+        out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens), torch.float16
+    )
 
 
 def ema_inputs(num_seqs: int, num_heads: int, seed: int):
@@ -123,18 +128,21 @@ def test_fused_ema_first_step_then_update(group: int, splits: int) -> None:
     expected_state = state.clone()
     ema = dict(q_pre=q_pre, query_state=state, slot_ids=slot_ids)
     # step 1: slots 3 and 4 initialize (stale NaN overwritten), slot 0 updates, row 1 skipped
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=splits,
-                                 is_first=is_first, **ema)
+    out = paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, num_splits=splits, is_first=is_first, **ema
+    )
     reference.update_query_state(q_pre, expected_state, slot_ids, is_first)
     torch.testing.assert_close(state, expected_state, equal_nan=True)
     assert not state[3].isnan().any() and torch.equal(state[3, 0], q_pre[0].float())
     assert torch.equal(state[1], expected_state[1]), "untouched slot changed"
-    assert_close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens),
-                 torch.bfloat16)
+    assert_close(
+        out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens), torch.bfloat16
+    )
     # step 2: every live slot updates once (split 0 only), with beta_short / beta_long
     not_first = torch.zeros_like(is_first)
-    paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=splits,
-                           is_first=not_first, **ema)
+    paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, num_splits=splits, is_first=not_first, **ema
+    )
     reference.update_query_state(q_pre, expected_state, slot_ids, not_first)
     torch.testing.assert_close(state, expected_state, equal_nan=True)
 
@@ -145,9 +153,19 @@ def test_fused_equals_unfused_ema() -> None:
     q_pre = torch.cat([q_pre, q_pre], dim=-1)[..., :HEAD_DIM]  # strided view, as from a fused qkv
     is_first = is_first.to(torch.int32)
     unfused = state.clone()
-    fused_out = paged_decode_attention(q, k_cache, v_cache, tables, lens, q_pre=q_pre,
-                                       query_state=state, slot_ids=slot_ids, is_first=is_first,
-                                       beta_short=0.5, beta_long=0.75)
+    fused_out = paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        lens,
+        q_pre=q_pre,
+        query_state=state,
+        slot_ids=slot_ids,
+        is_first=is_first,
+        beta_short=0.5,
+        beta_long=0.75,
+    )
     plain_out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
     update_query_state(q_pre, unfused, slot_ids, is_first, beta_short=0.5, beta_long=0.75)
     torch.testing.assert_close(state, unfused, equal_nan=True, atol=0, rtol=0)

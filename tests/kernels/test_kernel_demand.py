@@ -80,8 +80,9 @@ def test_estimate_demand_bundles_eqs_7_to_9() -> None:
     assert torch.equal(signals.scores, torch.maximum(signals.attention[0], signals.attention[1]))
 
 
-@pytest.mark.parametrize(("dtype", "group"), [(torch.float32, 3), (torch.bfloat16, 8),
-                                              (torch.float16, 1)])
+@pytest.mark.parametrize(
+    ("dtype", "group"), [(torch.float32, 3), (torch.bfloat16, 8), (torch.float16, 1)]
+)
 def test_batch_gives_each_request_its_own_distributions(dtype: torch.dtype, group: int) -> None:
     """Ragged candidate counts and split counts, -1 padded tables, extra columns: each row is
     that request's reference distribution, zeros after it, and the same bits as alone."""
@@ -94,8 +95,9 @@ def test_batch_gives_each_request_its_own_distributions(dtype: torch.dtype, grou
     queries = randn(3, 2, LAYERS, KV_HEADS * group, HEAD_DIM, g=g)
     pages = make_block_tables(counts, page, 20, 7, g)
     # meta columns (Nc, splits) at 7, then a second pair a caller may keep for another call
-    meta = torch.tensor([[n, s, 99, 99] for n, s in zip(counts, splits, strict=True)],
-                        dtype=torch.int32)
+    meta = torch.tensor(
+        [[n, s, 99, 99] for n, s in zip(counts, splits, strict=True)], dtype=torch.int32
+    )
     tables = torch.cat([pages, meta.to(DEVICE)], dim=1)
     out = demand_attention_batch(queries, k_cache, tables, 7, max(counts), max(splits))
     assert out.shape == (3, 2, LAYERS, KV_HEADS, max(counts))

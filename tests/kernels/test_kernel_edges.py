@@ -41,8 +41,9 @@ DECODE_EDGES = [
 
 
 @pytest.mark.parametrize(("page_size", "head_dim", "group", "lens", "splits"), DECODE_EDGES)
-def test_decode_edges_match_reference(page_size: int, head_dim: int, group: int,
-                                      lens: list[int], splits: int) -> None:
+def test_decode_edges_match_reference(
+    page_size: int, head_dim: int, group: int, lens: list[int], splits: int
+) -> None:
     g = gen(0)
     max_pages = max(-(-n // page_size) for n in lens) + 1  # a trailing unused column
     num_pages = sum(-(-n // page_size) for n in lens) + 2
@@ -69,8 +70,9 @@ def test_decode_all_rows_padded_gives_zeros() -> None:
     k_cache = randn(2, 4, 1, D, g=g)
     tables = torch.full((3, 2), -1, dtype=torch.int32, device=DEVICE)
     for splits in (1, 3):
-        out = paged_decode_attention(q, k_cache, k_cache, tables, lens_of([0, 0, 0]),
-                                     num_splits=splits)
+        out = paged_decode_attention(
+            q, k_cache, k_cache, tables, lens_of([0, 0, 0]), num_splits=splits
+        )
         assert torch.equal(out, torch.zeros_like(q))
 
 
@@ -122,6 +124,7 @@ def test_decode_ignores_nan_outside_the_context_and_propagates_it_inside() -> No
 
 # --- decode: the checks ---------------------------------------------------------------------
 
+
 def decode_case():
     g = gen(5)
     q = randn(2, 2, D, g=g)
@@ -134,9 +137,18 @@ def test_decode_bad_split_count_raises_before_the_fused_ema(splits: int) -> None
     q, k_cache, tables, lens = decode_case()
     state = torch.zeros(2, 2, 2, D, device=DEVICE)
     with pytest.raises(AssertionError, match=rf"num_splits must lie in \[1, 32\], got {splits}"):
-        paged_decode_attention(q, k_cache, k_cache, tables, lens, num_splits=splits, q_pre=q,
-                               query_state=state, slot_ids=lens_of([0, 1]),
-                               is_first=lens_of([1, 1]))
+        paged_decode_attention(
+            q,
+            k_cache,
+            k_cache,
+            tables,
+            lens,
+            num_splits=splits,
+            q_pre=q,
+            query_state=state,
+            slot_ids=lens_of([0, 1]),
+            is_first=lens_of([1, 1]),
+        )
     assert torch.equal(state, torch.zeros_like(state)), "the EMA ran before the error"
 
 
@@ -159,8 +171,13 @@ def test_decode_rejects_non_float_tensors() -> None:
 def test_decode_names_the_layout_problem() -> None:
     q, k_cache, tables, lens = decode_case()
     with pytest.raises(AssertionError, match="3 query heads do not split evenly over 2 KV heads"):
-        paged_decode_attention(torch.zeros(2, 3, D, device=DEVICE), k_cache.expand(4, 4, 2, D),
-                               k_cache.expand(4, 4, 2, D), tables, lens)
+        paged_decode_attention(
+            torch.zeros(2, 3, D, device=DEVICE),
+            k_cache.expand(4, 4, 2, D),
+            k_cache.expand(4, 4, 2, D),
+            tables,
+            lens,
+        )
     with pytest.raises(AssertionError, match="one row per query"):
         paged_decode_attention(q, k_cache, k_cache, tables, lens[:1])
     with pytest.raises(AssertionError, match="head dim: q has 8, the cache 16"):
@@ -169,8 +186,14 @@ def test_decode_names_the_layout_problem() -> None:
 
 # --- compaction -----------------------------------------------------------------------------
 
-def compact_both(src: list[list[int]], keep: list[list[int]], dst: list[list[int]] | None,
-                 staged: bool | None = None, num_pages: int = 6) -> None:
+
+def compact_both(
+    src: list[list[int]],
+    keep: list[list[int]],
+    dst: list[list[int]] | None,
+    staged: bool | None = None,
+    num_pages: int = 6,
+) -> None:
     """Kernel vs reference on a [2, L=1, num_pages, page 2, Hkv=1, d] cache."""
     g = gen(6)
     kv_cache = randn(2, 1, num_pages, 2, 1, D, g=g)
@@ -182,10 +205,13 @@ def compact_both(src: list[list[int]], keep: list[list[int]], dst: list[list[int
     assert torch.equal(kv_cache, expected)
 
 
-@pytest.mark.parametrize(("src", "dst"), [
-    pytest.param([[0, 1], [2, 3]], [[2, 4], [5, -1]], id="dst-of-0-is-src-of-1"),
-    pytest.param([[0, 1], [2, 3]], [[4, 5], [0, -1]], id="dst-of-1-is-src-of-0"),
-])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        pytest.param([[0, 1], [2, 3]], [[2, 4], [5, -1]], id="dst-of-0-is-src-of-1"),
+        pytest.param([[0, 1], [2, 3]], [[4, 5], [0, -1]], id="dst-of-1-is-src-of-0"),
+    ],
+)
 def test_compaction_picks_staging_when_requests_share_pages(src, dst) -> None:
     """Requests run concurrently: one's destination page may not be another's page."""
     compact_both(src, [[0, 1, 2, 3], [1, 3, -1, -1]], dst)
@@ -205,11 +231,14 @@ def test_compaction_direct_across_disjoint_requests() -> None:
 
 
 @pytest.mark.parametrize("staged", [None, False, True], ids=["auto", "direct", "staged"])
-@pytest.mark.parametrize(("keep", "dst"), [
-    pytest.param([0, 1, 2, 3, 4, 5], None, id="identity-in-place"),
-    pytest.param([0, 1, 2, 3], [[0, 1]], id="identity-prefix-to-same-pages"),
-    pytest.param([1, 2, 4, 5], [[0, 1]], id="in-place-through-a-copied-table"),
-])
+@pytest.mark.parametrize(
+    ("keep", "dst"),
+    [
+        pytest.param([0, 1, 2, 3, 4, 5], None, id="identity-in-place"),
+        pytest.param([0, 1, 2, 3], [[0, 1]], id="identity-prefix-to-same-pages"),
+        pytest.param([1, 2, 4, 5], [[0, 1]], id="in-place-through-a-copied-table"),
+    ],
+)
 def test_compaction_direct_safe_overlaps(keep, dst, staged) -> None:
     if dst is not None:
         assert is_direct_safe_all([[0, 1, 2]], dst)
@@ -217,10 +246,13 @@ def test_compaction_direct_safe_overlaps(keep, dst, staged) -> None:
 
 
 @pytest.mark.parametrize("staged", [None, True], ids=["auto", "staged"])
-@pytest.mark.parametrize("dst", [
-    pytest.param([[1, 2]], id="dst-pages-earlier-in-src"),
-    pytest.param([[2, 0]], id="dst-pages-both-ways"),
-])
+@pytest.mark.parametrize(
+    "dst",
+    [
+        pytest.param([[1, 2]], id="dst-pages-earlier-in-src"),
+        pytest.param([[2, 0]], id="dst-pages-both-ways"),
+    ],
+)
 def test_compaction_shifted_overlaps(dst, staged) -> None:
     assert not is_direct_safe_all([[0, 1, 2]], dst)
     compact_both([[0, 1, 2]], [[1, 3, 4, 5]], dst, staged)
@@ -255,9 +287,11 @@ def compaction_past_a_table_row() -> None:
 
 # --- demand ---------------------------------------------------------------------------------
 
+
 def test_working_set_extreme_top_p_and_ties() -> None:
-    rows = torch.tensor([[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0], [0.4, 0.2, 0.4, 0.0]],
-                        device=DEVICE)
+    rows = torch.tensor(
+        [[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0], [0.4, 0.2, 0.4, 0.0]], device=DEVICE
+    )
     assert working_set_sizes(rows, 1.0).tolist() == [4, 1, 3]  # zero weights never needed
     assert working_set_sizes(rows, 1e-9).tolist() == [1, 1, 1]
     assert working_set_sizes(rows, 0.8).tolist() == [4, 1, 2]  # a tie at the top: 0.4 + 0.4
@@ -274,9 +308,13 @@ def test_working_set_rejects_a_mass_not_above_0(p: float) -> None:
     from growpage.kernels import estimate_demand
 
     with pytest.raises(ValueError, match="top-p mass p must be > 0"):
-        estimate_demand(torch.zeros(2, 1, 2, D, device=DEVICE),
-                        torch.zeros(1, 2, 2, 1, D, device=DEVICE),
-                        tables_of([[0, 1]])[0], 3, p=p)
+        estimate_demand(
+            torch.zeros(2, 1, 2, D, device=DEVICE),
+            torch.zeros(1, 2, 2, 1, D, device=DEVICE),
+            tables_of([[0, 1]])[0],
+            3,
+            p=p,
+        )
 
 
 def test_demand_one_candidate_and_page_boundaries() -> None:
@@ -293,6 +331,7 @@ def test_demand_one_candidate_and_page_boundaries() -> None:
 
 # --- the other wrappers' checks -------------------------------------------------------------
 
+
 def test_store_kv_rejects_non_float_and_mixed_caches() -> None:
     k_cache = torch.zeros(2, 4, 1, D, device=DEVICE)
     key = torch.ones(1, 1, D, device=DEVICE)
@@ -308,7 +347,10 @@ def test_store_kv_strided_key_and_int64_slots() -> None:
     g = gen(10)
     qkv = randn(5, 3, D, g=g)  # a fused projection: keys are a strided view of it
     key, value = qkv[:, 1:2], qkv[:, 2:3]
-    k_cache, v_cache = torch.zeros(3, 3, 1, D, device=DEVICE), torch.zeros(3, 3, 1, D, device=DEVICE)
+    k_cache, v_cache = (
+        torch.zeros(3, 3, 1, D, device=DEVICE),
+        torch.zeros(3, 3, 1, D, device=DEVICE),
+    )
     slots = torch.tensor([8, -1, 0, 4, 5], device=DEVICE)
     store_kv(key, value, k_cache, v_cache, slots)
     k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
@@ -330,8 +372,9 @@ def test_accumulate_and_demand_name_the_bad_argument() -> None:
     with pytest.raises(AssertionError, match="3 query heads do not split evenly over 2 KV heads"):
         demand_attention(torch.zeros(2, 1, 3, D, device=DEVICE), k_cache[None], tables[0], 5)
     with pytest.raises(AssertionError, match="q_pre: fp32/fp16/bf16 expected"):
-        update_query_state(q.int(), torch.zeros(2, 2, 3, D, device=DEVICE), lens_of([0]),
-                           lens_of([1]))
+        update_query_state(
+            q.int(), torch.zeros(2, 2, 3, D, device=DEVICE), lens_of([0]), lens_of([1])
+        )
     assert torch.equal(acc, torch.zeros_like(acc))
 
 
@@ -341,5 +384,6 @@ def test_boundary_queries_batch_rejects_a_negative_meta_column() -> None:
     summaries = torch.zeros(1, 2, 2, 1, D, device=DEVICE)
     meta = torch.tensor([[0, 3]], dtype=torch.int32, device=DEVICE)
     with pytest.raises(AssertionError, match="meta_col must be >= 0, got -1"):
-        boundary_queries_batch(summaries, summaries[:, :, 0], meta, -1,
-                               torch.ones(D // 2, device=DEVICE))
+        boundary_queries_batch(
+            summaries, summaries[:, :, 0], meta, -1, torch.ones(D // 2, device=DEVICE)
+        )

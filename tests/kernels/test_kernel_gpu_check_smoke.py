@@ -13,8 +13,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_gpu_check_smoke(tmp_path: Path) -> None:
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--no-sweep",
-         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--smoke",
+            "--no-sweep",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.with_suffix(".json").read_text())
     # Written after every section, so a run cut short by a timeout keeps what it measured.
@@ -37,12 +48,18 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     engine = report["engine"]  # SmolLM2 on CPU, two short requests per policy
     assert engine["fullkv"]["tokens_per_s"] > 0 and engine["growpage"]["tokens_per_s"] > 0
     assert 0 <= engine["growpage"]["boundary_pct"] < 100
-    assert engine["growpage"]["boundary_phases"]["boundaries"] == engine["growpage"]["events"][
-        "boundaries"]
+    assert (
+        engine["growpage"]["boundary_phases"]["boundaries"]
+        == engine["growpage"]["events"]["boundaries"]
+    )
     assert report["targets"]["boundary_pct_of_run"] == engine["growpage"]["boundary_pct"]
     # Nothing compiles on CPU (interpreter): every timed row reports zero compiles.
     assert report["targets"]["compiles_in_engine_runs"] == {
-        "fullkv": 0, "growpage": 0, "growpage+async": 0, "growpage+async-decisions": 0}
+        "fullkv": 0,
+        "growpage": 0,
+        "growpage+async": 0,
+        "growpage+async-decisions": 0,
+    }
     # The rows with deferred work (async compaction, late boundaries): on the CPU a step waits
     # for all of it; the target takes the best of them.
     rows = [engine["growpage+async"], engine["growpage+async-decisions"]]
@@ -50,7 +67,8 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         assert "error" not in deferred and deferred["deferred_s"] == deferred["deferred_stall_s"]
         assert deferred["boundary_critical_pct"] == deferred["boundary_pct"]
     assert report["targets"]["boundary_critical_pct_async"] == min(
-        row["boundary_critical_pct"] for row in rows)
+        row["boundary_critical_pct"] for row in rows
+    )
     assert report["targets"]["no_compiles_met"]
     markdown = out.with_suffix(".md").read_text()
     assert "| batch | context |" in markdown and "Boundary event" in markdown

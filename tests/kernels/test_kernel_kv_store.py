@@ -29,8 +29,9 @@ def test_store_matches_reference(dtype: torch.dtype, page_size: int, num_kv_head
     reference.store_kv(key, value, expected[0, 1], expected[1, 1], slot_mapping)
     assert torch.equal(cache, expected)
     written = slot_mapping[slot_mapping >= 0].long()
-    assert torch.equal(k_cache.reshape(num_slots, num_kv_heads, HEAD_DIM)[written],
-                       key[slot_mapping >= 0])
+    assert torch.equal(
+        k_cache.reshape(num_slots, num_kv_heads, HEAD_DIM)[written], key[slot_mapping >= 0]
+    )
 
 
 def test_store_casts_to_cache_dtype() -> None:

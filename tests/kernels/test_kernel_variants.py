@@ -93,17 +93,32 @@ def test_decode_attention_compiles_two_variants_whatever_the_step() -> None:
     v_cache = randn(24, PAGE, HKV, D, g=g)
     state = torch.zeros(5, 2, HQ, D, device=DEVICE)
     with record_variants() as log:
-        for i, (lens, splits) in enumerate([([3], 1), ([5, 9, 1], 1), ([17], 2), ([2, 30], 3),
-                                            ([11, 4, 8, 6, 13], 5), ([16, 16], None)]):
+        for i, (lens, splits) in enumerate(
+            [
+                ([3], 1),
+                ([5, 9, 1], 1),
+                ([17], 2),
+                ([2, 30], 3),
+                ([11, 4, 8, 6, 13], 5),
+                ([16, 16], None),
+            ]
+        ):
             batch = len(lens)
             width = max(-(-n // PAGE) for n in lens) + i % 2
             tables = make_block_tables(lens, PAGE, 24, width, g)
             q = randn(batch, HQ, D, g=g)
-            paged_decode_attention(q, k_cache, v_cache, _sliced(tables.flatten().tolist(), i)
-                                   .view(batch, width), _sliced(lens, i + 1), num_splits=splits,
-                                   q_pre=q, query_state=state,
-                                   slot_ids=_sliced(list(range(batch)), i + 2),
-                                   is_first=_sliced([1] * batch, i + 3))
+            paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                _sliced(tables.flatten().tolist(), i).view(batch, width),
+                _sliced(lens, i + 1),
+                num_splits=splits,
+                q_pre=q,
+                query_state=state,
+                slot_ids=_sliced(list(range(batch)), i + 2),
+                is_first=_sliced([1] * batch, i + 3),
+            )
     counts = log.counts()
     assert counts["decode_attention"] == 2, [describe(k) for k in log.keys["decode_attention"]]
     assert counts["merge_splits"] == 1
@@ -113,8 +128,9 @@ def test_demand_compiles_one_variant_per_kernel() -> None:
     g = gen(2)
     k_cache = randn(LAYERS, 16, PAGE, HKV, D, g=g)
     with record_variants() as log:
-        for i, (num_candidates, splits) in enumerate([(1, None), (5, 1), (16, 2), (33, 3),
-                                                      (47, 7), (60, 16)]):
+        for i, (num_candidates, splits) in enumerate(
+            [(1, None), (5, 1), (16, 2), (33, 3), (47, 7), (60, 16)]
+        ):
             pages = torch.randperm(16, generator=g)[: -(-num_candidates // PAGE) + i % 2]
             table = _sliced(pages.tolist(), i)
             queries = randn(2, LAYERS, HQ, D, g=g)
@@ -122,13 +138,17 @@ def test_demand_compiles_one_variant_per_kernel() -> None:
             assert out.shape == (2, LAYERS, HKV, num_candidates)
         for i, num_req in enumerate((2, 3)):  # batches of requests: the same two kernels
             counts = [3 + 5 * r + i for r in range(num_req)]
-            rows = [torch.randperm(16, generator=g)[:4].tolist() + [n, 1 + r % 2]
-                    for r, n in enumerate(counts)]
+            rows = [
+                torch.randperm(16, generator=g)[:4].tolist() + [n, 1 + r % 2]
+                for r, n in enumerate(counts)
+            ]
             tables = _sliced(sum(rows, []), i + 1).view(num_req, 6)
-            demand_attention_batch(randn(num_req, 2, LAYERS, HQ, D, g=g), k_cache, tables, 4,
-                                   max(counts), 2)
-    assert log.counts() == {"demand_logits": 1, "demand_normalize": 1}, \
-        {name: [describe(k) for k in keys] for name, keys in log.keys.items()}
+            demand_attention_batch(
+                randn(num_req, 2, LAYERS, HQ, D, g=g), k_cache, tables, 4, max(counts), 2
+            )
+    assert log.counts() == {"demand_logits": 1, "demand_normalize": 1}, {
+        name: [describe(k) for k in keys] for name, keys in log.keys.items()
+    }
 
 
 def test_compaction_compiles_one_variant_per_route() -> None:
@@ -139,11 +159,20 @@ def test_compaction_compiles_one_variant_per_route() -> None:
             pages = torch.randperm(20, generator=g)[:3].tolist()
             width = 3 + i % 2
             tables = _sliced(pages + [-1] * (width - 3) + pages + [-1] * (width - 3), i)
-            keep = torch.stack([torch.randperm(12, generator=g)[:keep_count].sort().values
-                                for _ in range(LAYERS * HKV)]).view(LAYERS, HKV, keep_count)
+            keep = torch.stack(
+                [
+                    torch.randperm(12, generator=g)[:keep_count].sort().values
+                    for _ in range(LAYERS * HKV)
+                ]
+            ).view(LAYERS, HKV, keep_count)
             keep = _sliced(keep.flatten().tolist(), i + 1, torch.long).view(1, LAYERS, HKV, -1)
-            compact_kv(cache, tables[:width].view(1, width), keep,
-                       tables[width:].view(1, width), staged=False)
+            compact_kv(
+                cache,
+                tables[:width].view(1, width),
+                keep,
+                tables[width:].view(1, width),
+                staged=False,
+            )
     assert direct.counts() == {"compact": 1}
     with record_variants() as staged:
         for i, keep_count in enumerate([2, 7]):
@@ -151,8 +180,14 @@ def test_compaction_compiles_one_variant_per_route() -> None:
             tables = torch.tensor([pages, pages[::-1]], dtype=torch.int32, device=DEVICE)
             keep = torch.arange(keep_count, device=DEVICE).expand(1, LAYERS, HKV, keep_count)
             # A small staging budget splits the layers into chunks (layer0 > 0).
-            compact_kv(cache, tables[:1], keep.contiguous(), tables[1:], staged=True,
-                       max_stage_bytes=1 if i else 1 << 30)
+            compact_kv(
+                cache,
+                tables[:1],
+                keep.contiguous(),
+                tables[1:],
+                staged=True,
+                max_stage_bytes=1 if i else 1 << 30,
+            )
     assert staged.counts() == {"compact": 2}  # stage-out and stage-in
     assert direct.new_since(staged)  # the direct route is a third variant
 
@@ -170,9 +205,13 @@ def test_accumulation_compiles_one_variant_whatever_the_step() -> None:
             batch = len(lens)
             width = max(-(-n // PAGE) for n in lens) + i % 2
             tables = make_block_tables(lens, PAGE, 24, width, g)
-            accumulate_attention(randn(batch, HQ, D, g=g), k_cache,
-                                 _sliced(tables.flatten().tolist(), i).view(batch, width),
-                                 _sliced(lens, i + 1), views[i % 3])
+            accumulate_attention(
+                randn(batch, HQ, D, g=g),
+                k_cache,
+                _sliced(tables.flatten().tolist(), i).view(batch, width),
+                _sliced(lens, i + 1),
+                views[i % 3],
+            )
     assert log.counts() == {"accumulate": 1}, [describe(k) for k in log.keys["accumulate"]]
 
 
@@ -191,8 +230,9 @@ def test_boundary_queries_and_store_compile_one_variant() -> None:
             store_kv(k, k, cache[0], cache[1], _sliced(list(range(n)), i))
             rows = min(n, state.shape[0])  # distinct slots of the pool
             q = randn(rows, HQ, D, g=g)
-            update_query_state(q, state, _sliced(list(range(rows)), i),
-                               _sliced([i % 2] * rows, i + 1))
+            update_query_state(
+                q, state, _sliced(list(range(rows)), i), _sliced([i % 2] * rows, i + 1)
+            )
     assert log.counts() == {"boundary_queries": 1, "store_kv": 1, "update_query_state": 1}
 
 
@@ -232,13 +272,16 @@ def test_strides_left_out_of_the_key_are_still_known_multiples_of_16() -> None:
         for num_candidates in (5, 37):
             table = torch.randperm(20, generator=g)[:10].to(torch.int32).to(DEVICE)
             demand_attention(randn(2, LAYERS, HQ, D, g=g), cache[0], table, num_candidates)
-    routes = _constexprs(log, "compact", "READ_STAGE", "WRITE_STAGE", "CACHE_ALIGN",
-                         "STAGE_ALIGN")
+    routes = _constexprs(log, "compact", "READ_STAGE", "WRITE_STAGE", "CACHE_ALIGN", "STAGE_ALIGN")
     assert routes == {(False, True, 16, 16), (True, False, 16, 16), (False, False, 16, 1)}
     assert _constexprs(log, "demand_logits", "CACHE_ALIGN", "SCRATCH_ALIGN") == {(16, 16)}
     assert _constexprs(log, "demand_normalize", "SCRATCH_ALIGN") == {(16,)}
     odd = randn(2, LAYERS, 7, 3, HKV, 17, g=g)  # layer stride 714: not a multiple of 16
     with record_variants() as unaligned:
-        compact_kv(odd, tables[:1, :2], torch.arange(4, device=DEVICE).expand(
-            1, LAYERS, HKV, 4).contiguous(), staged=False)
+        compact_kv(
+            odd,
+            tables[:1, :2],
+            torch.arange(4, device=DEVICE).expand(1, LAYERS, HKV, 4).contiguous(),
+            staged=False,
+        )
     assert _constexprs(unaligned, "compact", "CACHE_ALIGN") == {(1,)}

@@ -36,6 +36,7 @@ def decode_case() -> tuple[torch.Tensor, ...]:
 
 # --- query-state flags ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_a_strided_is_first_is_refused(fused: bool) -> None:
     """The kernels read ``is_first[b]`` at offset b: a strided view used to be read as if dense
@@ -46,8 +47,17 @@ def test_a_strided_is_first_is_refused(fused: bool) -> None:
     flags = ints([0, 1, 0, 1])[::2]  # [0, 0], every second entry of a wider tensor
     with pytest.raises(AssertionError, match="is_first: must be contiguous, got stride 2"):
         if fused:
-            paged_decode_attention(q, k_cache, v_cache, tables, lens, q_pre=q,
-                                   query_state=state, slot_ids=ints([0, 1]), is_first=flags)
+            paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                lens,
+                q_pre=q,
+                query_state=state,
+                slot_ids=ints([0, 1]),
+                is_first=flags,
+            )
         else:
             update_query_state(q, state, ints([0, 1]), flags)
     assert torch.equal(state, before)
@@ -69,12 +79,21 @@ def test_decode_ema_tensors_on_another_device_are_refused() -> None:
     """The four EMA tensors were checked against each other but not against ``q``."""
     q, k_cache, v_cache, tables, lens = decode_case()
     with pytest.raises(AssertionError, match="tensors on different devices"):
-        paged_decode_attention(q, k_cache, v_cache, tables, lens, q_pre=q.to(META),
-                               query_state=torch.zeros(3, 2, 4, D, device=META),
-                               slot_ids=ints([0, 1]).to(META), is_first=ints([1, 1]).to(META))
+        paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            lens,
+            q_pre=q.to(META),
+            query_state=torch.zeros(3, 2, 4, D, device=META),
+            slot_ids=ints([0, 1]).to(META),
+            is_first=ints([1, 1]).to(META),
+        )
 
 
 # --- tensors the kernels write ----------------------------------------------------------------
+
 
 def test_written_tensors_may_not_alias_themselves() -> None:
     """An expanded view (stride 0) has one address for many elements: two programs would write
@@ -98,8 +117,12 @@ def test_written_tensors_may_not_alias_themselves() -> None:
         compact_kv(kv_cache, ints([[0, 1], [2, 3]]), keep)
     sums = torch.zeros(1, 1, 1, device=DEVICE).expand(1, 12, 1)
     with pytest.raises(AssertionError, match="accumulated: written"):
-        compact_kv(torch.zeros(2, 1, 6, 2, 1, D, device=DEVICE), ints([[0, 1], [2, 3]]), keep,
-                   accumulated=sums)
+        compact_kv(
+            torch.zeros(2, 1, 6, 2, 1, D, device=DEVICE),
+            ints([[0, 1], [2, 3]]),
+            keep,
+            accumulated=sums,
+        )
 
 
 def test_a_size_one_dimension_may_have_stride_0() -> None:
@@ -115,9 +138,12 @@ def test_a_size_one_dimension_may_have_stride_0() -> None:
 def test_v_cache_layout_names_both_layouts() -> None:
     q, k_cache, _, tables, lens = decode_case()
     v_cache = randn(4, 4, D, 2, g=gen(42)).transpose(2, 3)  # same shape, other strides
-    with pytest.raises(AssertionError, match=r"v_cache: expected k_cache's shape \(4, 4, 2, 16\) "
-                                             r"and strides \(128, 32, 16, 1\), got \(4, 4, 2, 16\) "
-                                             r"and \(128, 32, 1, 2\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"v_cache: expected k_cache's shape \(4, 4, 2, 16\) "
+        r"and strides \(128, 32, 16, 1\), got \(4, 4, 2, 16\) "
+        r"and \(128, 32, 1, 2\)",
+    ):
         paged_decode_attention(q, k_cache, v_cache, tables, lens)
     with pytest.raises(AssertionError, match="v_cache: expected k_cache's shape"):
         store_kv(q[:, :2], q[:, 2:], k_cache, k_cache[0], ints([0, 5]))
@@ -125,13 +151,17 @@ def test_v_cache_layout_names_both_layouts() -> None:
 
 # --- ranks and counts of compaction and demand ------------------------------------------------
 
+
 def test_compact_kv_names_a_bad_rank_and_row_counts() -> None:
     """A cache without its K/V axis used to fail unpacking its shape (``ValueError: not enough
     values to unpack``); a destination table with too few rows, with an empty message."""
     kv_cache = torch.zeros(2, 1, 6, 2, 1, D, device=DEVICE)
     tables, keep = ints([[0, 1], [2, 3]]), ints([[0, 2], [1, -1]])[:, None, None]
-    with pytest.raises(AssertionError, match=r"kv_cache: expected \[2, L, num_pages, page_size, "
-                                             r"Hkv, d\], got shape \(1, 6, 2, 1, 16\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"kv_cache: expected \[2, L, num_pages, page_size, "
+        r"Hkv, d\], got shape \(1, 6, 2, 1, 16\)",
+    ):
         compact_kv(kv_cache[0], tables, keep)
     with pytest.raises(AssertionError, match="dst_block_tables: 1 rows, keep has 2 requests"):
         compact_kv(kv_cache, tables, keep, ints([[4, 5]]))
@@ -139,7 +169,7 @@ def test_compact_kv_names_a_bad_rank_and_row_counts() -> None:
         compact_kv(kv_cache, tables[:1], keep)
     with pytest.raises(AssertionError, match=r"keep: expected \[R, L=1, Hkv=1, K\]"):
         compact_kv(kv_cache, tables, keep.expand(2, 2, 1, 2))
-    for dtype in (torch.float64, torch.int32):   # a KV cache, as every other wrapper's
+    for dtype in (torch.float64, torch.int32):  # a KV cache, as every other wrapper's
         with pytest.raises(ValueError, match=f"kv_cache: fp32/fp16/bf16 expected, got {dtype}"):
             compact_kv(kv_cache.to(dtype), tables, keep)
     assert torch.equal(kv_cache, torch.zeros_like(kv_cache))
@@ -150,11 +180,17 @@ def test_demand_names_a_bad_rank_and_out_of_range_counts() -> None:
     queries, k_cache, table = randn(2, 1, 4, D, g=g), randn(1, 4, 4, 2, D, g=g), ints([0, 1, 2])
     with pytest.raises(AssertionError, match=r"queries: expected \[V, L, Hq, d\], got shape"):
         demand_attention(queries[0], k_cache, table, 5)
-    with pytest.raises(AssertionError, match=r"k_cache: expected \[L, num_pages, page_size, Hkv, "
-                                             r"d\] \(all layers' keys\), got shape \(4, 4, 2, 16\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"k_cache: expected \[L, num_pages, page_size, Hkv, "
+        r"d\] \(all layers' keys\), got shape \(4, 4, 2, 16\)",
+    ):
         demand_attention(queries, k_cache[0], table, 5)  # one layer's view
-    with pytest.raises(AssertionError, match=r"num_candidates must lie in \[1, 12\] \(block_table "
-                                             r"width 3 x page size 4\), got 13"):
+    with pytest.raises(
+        AssertionError,
+        match=r"num_candidates must lie in \[1, 12\] \(block_table "
+        r"width 3 x page size 4\), got 13",
+    ):
         demand_attention(queries, k_cache, table, 13)
     with pytest.raises(AssertionError, match=r"num_splits must lie in \[1, \d+\], got 0"):
         demand_attention(queries, k_cache, table, 5, num_splits=0)
@@ -200,12 +236,18 @@ def test_checks_survive_python_dash_o(tmp_path):
 
     script = tmp_path / "optimized.py"
     script.write_text(OPTIMIZED)
-    proc = subprocess.run([sys.executable, "-O", str(script), str(DEVICE)], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-O", str(script), str(DEVICE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    assert lines == ["refused: head dim: q has 8, the cache 16",
-                     "refused: key: fp32/fp16/bf16 expected, got torch.float64"], proc.stdout
+    assert lines == [
+        "refused: head dim: q has 8, the cache 16",
+        "refused: key: fp32/fp16/bf16 expected, got torch.float64",
+    ], proc.stdout
 
 
 def test_no_wrapper_checks_by_assert():
@@ -217,8 +259,12 @@ def test_no_wrapper_checks_by_assert():
     import growpage.kernels as kernels
 
     root = Path(kernels.__file__).parent
-    found = [f"{path.name}:{node.lineno}" for path in sorted(root.glob("*.py"))
-             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assert)]
+    found = [
+        f"{path.name}:{node.lineno}"
+        for path in sorted(root.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assert)
+    ]
     assert found == []
 
 

@@ -9,8 +9,9 @@ from kernel_helpers import DEVICE
 
 def test_every_wrapper_is_timed_and_the_stubs_are_removed():
     result = load_benchmark("wrapper_host").measure(3, DEVICE)
-    assert len(result) == 5 and all(plain > 0 and checked > 0
-                                    for plain, checked in result.values()), result
+    assert len(result) == 5 and all(
+        plain > 0 and checked > 0 for plain, checked in result.values()
+    ), result
     assert all("run" not in kernel.__dict__ for kernel in KERNELS.values())
 
 
@@ -21,7 +22,8 @@ def test_the_first_column_checks_no_index_values_as_a_gpu_does(monkeypatch):
 
     checked = []
     real = compaction.check_keep
-    monkeypatch.setattr(compaction, "check_keep",
-                        lambda *a, **k: checked.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        compaction, "check_keep", lambda *a, **k: checked.append(1) or real(*a, **k)
+    )
     load_benchmark("wrapper_host").measure(4, DEVICE)
     assert len(checked) == 4  # compact_kv ran 8 times, the 4 checked ones checked

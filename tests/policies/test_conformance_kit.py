@@ -31,8 +31,11 @@ class GlobalRandomDecide(CapacityPolicy):
     source: str = "random"
 
     def decide(self, ctx):
-        draw = {"random": random.random, "numpy": np.random.random,
-                "torch": lambda: float(torch.rand(()))}[self.source]()
+        draw = {
+            "random": random.random,
+            "numpy": np.random.random,
+            "torch": lambda: float(torch.rand(())),
+        }[self.source]()
         return Decision.GROW if draw < 0.5 else Decision.COMPRESS
 
 
@@ -114,10 +117,14 @@ def test_complex_selection_is_an_exact_selection_error():
     assert info.value.rule == "exact-selection" and "complex64" in info.value.detail
 
 
-@pytest.mark.parametrize("policy, says", [
-    (GrowPagePolicy, "the class GrowPagePolicy.*GrowPagePolicy\\(\\)"),
-    ("growpage", "no decide"),
-], ids=["class", "name"])
+@pytest.mark.parametrize(
+    "policy, says",
+    [
+        (GrowPagePolicy, "the class GrowPagePolicy.*GrowPagePolicy\\(\\)"),
+        ("growpage", "no decide"),
+    ],
+    ids=["class", "name"],
+)
 def test_check_policy_wants_a_policy_object(policy, says):
     """Not a broken rule but a wrong argument: said at once, not as a no-crash failure of
     every example."""
@@ -155,7 +162,7 @@ class SumsH2O(CapacityPolicy):
         return Decision.COMPRESS
 
     def select(self, ctx, keep):
-        acc = ctx.accumulated_attention()[..., :ctx.num_selection_candidates]
+        acc = ctx.accumulated_attention()[..., : ctx.num_selection_candidates]
         recent = ctx.num_tokens - ctx.num_selection_candidates
         top = acc.topk(keep - recent, dim=-1).indices.sort(dim=-1).values
         tail = torch.arange(ctx.num_selection_candidates, ctx.num_tokens)
@@ -164,13 +171,12 @@ class SumsH2O(CapacityPolicy):
 
 def test_a_policy_that_needs_accumulated_attention_always_gets_it():
     check_policy(SumsH2O(), max_examples=30)
-    with pytest.raises(PolicyConformanceError) as info:   # unless told otherwise
+    with pytest.raises(PolicyConformanceError) as info:  # unless told otherwise
         check_policy(SumsH2O(), max_examples=30, accumulated=False)
     assert info.value.rule == "no-crash"
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32,
-                                   torch.int64])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
 def test_the_kit_and_the_controller_judge_a_selection_dtype_alike(dtype):
     """One rule: a dtype the kit refuses the controller refuses too, with the same words."""
     policy = NarrowSelection(dtype=dtype)
@@ -179,9 +185,20 @@ def test_the_kit_and_the_controller_judge_a_selection_dtype_alike(dtype):
         kit = None
     except PolicyConformanceError as exc:
         kit = exc.detail.split(": ", 1)[1]
-    case = BoundaryCase(num_layers=1, num_kv_heads=2, group_size=1, head_dim=4, page_size=4,
-                        recent_window=1, num_pages=3, num_free_pages=0, gap=4, seed=0,
-                        sharpness=1.0, track_accumulated=False)
+    case = BoundaryCase(
+        num_layers=1,
+        num_kv_heads=2,
+        group_size=1,
+        head_dim=4,
+        page_size=4,
+        recent_window=1,
+        num_pages=3,
+        num_free_pages=0,
+        gap=4,
+        seed=0,
+        sharpness=1.0,
+        track_accumulated=False,
+    )
     pool = PagePool(3, 4)
     ctrl = CapacityController(policy, pool, case.config)
     state = RequestState("r", pool.allocate(3), num_tokens=12, position=case.num_tokens + 4)
@@ -194,16 +211,20 @@ def test_the_kit_and_the_controller_judge_a_selection_dtype_alike(dtype):
     assert (kit is None) == (torch.iinfo(dtype).bits >= 32)
 
 
-@pytest.mark.parametrize("knobs, error, says", [
-    ({"head_dims": (3,)}, ValueError, "head_dims must hold even integers"),
-    ({"max_pages": 1}, ValueError, "max_pages must be at least 2"),
-    ({"max_layers": 0}, ValueError, "max_layers must be at least 1"),
-    ({"page_sizes": ()}, ValueError, "page_sizes must not be empty"),
-    ({"page_sizes": 4}, TypeError, "page_sizes must be a tuple of integers"),
-    ({"max_compressions": -1}, ValueError, "max_compressions must be at least 0"),
-    ({"max_kv_heads": 2.5}, TypeError, "max_kv_heads must be an integer"),
-    ({"page_size": 4}, TypeError, "unexpected keyword argument 'page_size'"),
-], ids=lambda x: str(x)[:20])
+@pytest.mark.parametrize(
+    "knobs, error, says",
+    [
+        ({"head_dims": (3,)}, ValueError, "head_dims must hold even integers"),
+        ({"max_pages": 1}, ValueError, "max_pages must be at least 2"),
+        ({"max_layers": 0}, ValueError, "max_layers must be at least 1"),
+        ({"page_sizes": ()}, ValueError, "page_sizes must not be empty"),
+        ({"page_sizes": 4}, TypeError, "page_sizes must be a tuple of integers"),
+        ({"max_compressions": -1}, ValueError, "max_compressions must be at least 0"),
+        ({"max_kv_heads": 2.5}, TypeError, "max_kv_heads must be an integer"),
+        ({"page_size": 4}, TypeError, "unexpected keyword argument 'page_size'"),
+    ],
+    ids=lambda x: str(x)[:20],
+)
 def test_a_wrong_strategy_knob_is_named_not_blamed_on_the_policy(knobs, error, says):
     with pytest.raises(error, match=f"boundary_cases.*{says}") as info:
         check_policy(GrowPagePolicy(), max_examples=3, **knobs)
@@ -243,8 +264,11 @@ class ReadsSumsWithoutAsking(CapacityPolicy):
     name = "reads-sums"
 
     def decide(self, ctx):
-        return Decision.GROW if float(ctx.accumulated_attention()[..., 0].mean()) > 1 else (
-            Decision.COMPRESS)
+        return (
+            Decision.GROW
+            if float(ctx.accumulated_attention()[..., 0].mean()) > 1
+            else (Decision.COMPRESS)
+        )
 
 
 @attrs.define
@@ -255,11 +279,18 @@ class SelectRaises(GrowPagePolicy):
         raise KeyError("no such slot")
 
 
-@pytest.mark.parametrize("policy, says", [
-    (ReadsSumsWithoutAsking(), r"decide\(ctx\) raised TypeError: .* accumulated_attention\(\) "
-                               r"was None here: a policy that reads it sets needs_accumulated_attention = True$"),
-    (SelectRaises(), r"select\(ctx, keep=\d+\) raised KeyError: 'no such slot'$"),
-], ids=str)
+@pytest.mark.parametrize(
+    "policy, says",
+    [
+        (
+            ReadsSumsWithoutAsking(),
+            r"decide\(ctx\) raised TypeError: .* accumulated_attention\(\) "
+            r"was None here: a policy that reads it sets needs_accumulated_attention = True$",
+        ),
+        (SelectRaises(), r"select\(ctx, keep=\d+\) raised KeyError: 'no such slot'$"),
+    ],
+    ids=str,
+)
 def test_a_crash_names_the_call_and_the_likely_cause(policy, says):
     with pytest.raises(PolicyConformanceError) as info:
         check_policy(policy, max_examples=20)
@@ -283,12 +314,14 @@ def test_a_nondeterministic_selection_is_told_apart_from_a_decision():
     with pytest.raises(PolicyConformanceError) as info:
         check_policy(ShufflesTheHistory(), max_examples=20)
     assert info.value.rule == "deterministic"
-    assert re.fullmatch(r"select\(ctx, keep=\d+\) chose different slots on the same context",
-                        info.value.detail), info.value.detail
+    assert re.fullmatch(
+        r"select\(ctx, keep=\d+\) chose different slots on the same context", info.value.detail
+    ), info.value.detail
     with pytest.raises(PolicyConformanceError) as info:
         check_policy(GlobalRandomDecide("torch"), max_examples=20)
-    assert re.fullmatch(r"decided Decision\.\w+ then Decision\.\w+ on the same context",
-                        info.value.detail), info.value.detail
+    assert re.fullmatch(
+        r"decided Decision\.\w+ then Decision\.\w+ on the same context", info.value.detail
+    ), info.value.detail
 
 
 @attrs.define
@@ -306,8 +339,14 @@ class RemembersItsLastDecide(GrowPagePolicy):
     def select(self, ctx, keep):
         from growpage.core.selection import growpage_select
 
-        return growpage_select(self._scores, ctx.num_tokens, ctx.recent_window, keep,
-                               ctx.page_size, ctx.config.local_quota)
+        return growpage_select(
+            self._scores,
+            ctx.num_tokens,
+            ctx.recent_window,
+            keep,
+            ctx.page_size,
+            ctx.config.local_quota,
+        )
 
 
 @attrs.define
@@ -326,8 +365,9 @@ class CachesByBoundary(GrowPagePolicy):
 
         scores = self._cache.get((ctx.request_id, ctx.position))
         scores = ctx.scores() if scores is None else scores
-        return growpage_select(scores, ctx.num_tokens, ctx.recent_window, keep, ctx.page_size,
-                               ctx.config.local_quota)
+        return growpage_select(
+            scores, ctx.num_tokens, ctx.recent_window, keep, ctx.page_size, ctx.config.local_quota
+        )
 
 
 def test_state_carried_from_decide_to_select_breaks_order_independence():
@@ -378,8 +418,9 @@ def test_a_crash_keeps_the_policys_own_traceback():
     assert (last.filename, last.name) == (__file__, "select")
 
 
-@pytest.mark.parametrize("value, error", [(0, ValueError), (-3, ValueError), (2.5, TypeError),
-                                          (True, TypeError)])
+@pytest.mark.parametrize(
+    "value, error", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)]
+)
 def test_max_examples_is_checked_by_the_kit_not_by_hypothesis(value, error):
     from growpage.testing import check_serving
 
@@ -431,9 +472,14 @@ class ChangesTheView(GrowPagePolicy):
         return super().select(ctx, keep)
 
 
-@pytest.mark.parametrize("what, named", [
-    ("keys", "ctx.view.keys()"), ("queries", "query_state().short"),
-    ("facts", "ctx.num_free_pages")])
+@pytest.mark.parametrize(
+    "what, named",
+    [
+        ("keys", "ctx.view.keys()"),
+        ("queries", "query_state().short"),
+        ("facts", "ctx.num_free_pages"),
+    ],
+)
 def test_a_mutation_names_what_changed(what, named):
     """Until 2026-12 the error said only "the context or its view changed"."""
     with pytest.raises(PolicyConformanceError) as info:
@@ -466,9 +512,14 @@ class GrowsTheLongest(GrowPagePolicy):
         return Decision.GROW if ctx.num_tokens == self.longest[0] else Decision.COMPRESS
 
 
-@pytest.mark.parametrize("policy, saw", [
-    (RemembersTheFirstSize(), "an earlier boundary of the same request"),
-    (GrowsTheLongest(), "another request's boundary")], ids=str)
+@pytest.mark.parametrize(
+    "policy, saw",
+    [
+        (RemembersTheFirstSize(), "an earlier boundary of the same request"),
+        (GrowsTheLongest(), "another request's boundary"),
+    ],
+    ids=str,
+)
 def test_answers_that_depend_on_earlier_boundaries_are_not_deterministic(policy, saw):
     """Until 2026-12 both passed: each boundary was answered twice by the same object, which
     answers the same the second time, and other boundaries came after a boundary's decide."""
@@ -504,8 +555,9 @@ def test_check_policy_leaves_the_accelerators_seed_as_it_found_it():
     if torch.cuda.is_initialized():
         before = torch.cuda.get_rng_state_all()
         check_policy(GrowPagePolicy(), max_examples=3)
-        assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all(),
-                                                           strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all(), strict=True)
+        )
         return
     tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
     if tracker is None:
@@ -525,13 +577,29 @@ class RemembersTheFirstSizeUnderALock(RemembersTheFirstSize):
 
 def test_a_policy_that_cannot_be_copied_is_checked_without_copies_and_says_so():
     """Until 2026-12 the history half of ``deterministic`` was left out without a word."""
-    with pytest.warns(PolicyConformanceWarning, match=r"policy 'first-size-locked' cannot be "
-                      r"deep-copied \(TypeError: .*\): 'deterministic' was not checked on "
-                      r"fresh copies of it") as caught:
+    with pytest.warns(
+        PolicyConformanceWarning,
+        match=r"policy 'first-size-locked' cannot be "
+        r"deep-copied \(TypeError: .*\): 'deterministic' was not checked on "
+        r"fresh copies of it",
+    ) as caught:
         check_policy(RemembersTheFirstSizeUnderALock(), max_examples=20)
-    assert len(caught) == 1   # once per check, not once per example
-    with pytest.warns(PolicyConformanceWarning):   # check_case alone copies it, and says so
-        check_case(RemembersTheFirstSizeUnderALock(), BoundaryCase(
-            num_layers=1, num_kv_heads=1, group_size=1, head_dim=4, page_size=4,
-            recent_window=0, num_pages=3, num_free_pages=0, gap=0, seed=0, sharpness=1.0,
-            track_accumulated=False))
+    assert len(caught) == 1  # once per check, not once per example
+    with pytest.warns(PolicyConformanceWarning):  # check_case alone copies it, and says so
+        check_case(
+            RemembersTheFirstSizeUnderALock(),
+            BoundaryCase(
+                num_layers=1,
+                num_kv_heads=1,
+                group_size=1,
+                head_dim=4,
+                page_size=4,
+                recent_window=0,
+                num_pages=3,
+                num_free_pages=0,
+                gap=0,
+                seed=0,
+                sharpness=1.0,
+                track_accumulated=False,
+            ),
+        )

@@ -35,9 +35,17 @@ from growpage.policies import (
 )
 from growpage.testing import BoundaryCase, PolicyConformanceError, check_policy, check_serving
 
-BUILTINS = [GrowPagePolicy(), FixedBudgetPolicy(budget_tokens=32), FullKVPolicy(),
-            RandomPolicy(grow_prob=0.5, seed=3), InversePolicy(), ShrinkPolicy(min_capacity_tokens=8),
-            EntropyPolicy(), StreamingLLMPolicy(budget_tokens=32), H2OPolicy(budget_tokens=32)]
+BUILTINS = [
+    GrowPagePolicy(),
+    FixedBudgetPolicy(budget_tokens=32),
+    FullKVPolicy(),
+    RandomPolicy(grow_prob=0.5, seed=3),
+    InversePolicy(),
+    ShrinkPolicy(min_capacity_tokens=8),
+    EntropyPolicy(),
+    StreamingLLMPolicy(budget_tokens=32),
+    H2OPolicy(budget_tokens=32),
+]
 
 
 @pytest.mark.parametrize("policy", BUILTINS, ids=lambda p: p.name)
@@ -56,7 +64,7 @@ def test_a_subclass_s_own_attributes_survive_copies_and_pickles(policy):
         self.bias = bias
 
     sub = type(f"Biased{base.__name__}", (base,), {"__init__": init, "__module__": __name__})
-    globals()[sub.__name__] = sub   # picklable by reference, as a module-level class is
+    globals()[sub.__name__] = sub  # picklable by reference, as a module-level class is
     try:
         made = sub(bias=0.5)
         for copied in (copy.deepcopy(made), copy.copy(made), pickle.loads(pickle.dumps(made))):
@@ -83,8 +91,17 @@ def test_a_subclass_reading_its_own_attribute_passes_the_kit():
 
 def test_all_builtins_are_registered():
     names = set(registered_policies())
-    assert {"growpage", "fixed", "fullkv", "random", "inverse", "shrink", "entropy",
-            "streamingllm", "h2o"} <= names
+    assert {
+        "growpage",
+        "fixed",
+        "fullkv",
+        "random",
+        "inverse",
+        "shrink",
+        "entropy",
+        "streamingllm",
+        "h2o",
+    } <= names
     assert isinstance(resolve_policy("fixed", budget_tokens=512), FixedBudgetPolicy)
 
 
@@ -104,17 +121,19 @@ def test_invalid_hyperparameters_name_the_field():
         resolve_policy("fixed", budget_tokens=0)
 
 
-
-@pytest.mark.parametrize("name, params, field", [
-    ("growpage", {"tau": "abc"}, "GrowPagePolicy.tau"),      # --param tau=abc
-    ("random", {"grow_prob": "high"}, "RandomPolicy.grow_prob"),
-    ("growpage", {"p": True}, "GrowPagePolicy.p"),           # --param p=true
-    ("fixed", {"budget_tokens": True}, "FixedBudgetPolicy.budget_tokens"),
-    ("shrink", {"min_capacity_tokens": 1024.5}, "ShrinkPolicy.min_capacity_tokens"),
-    ("random", {"seed": 1.5}, "RandomPolicy.seed"),           # --param seed=1.5
-    ("random", {"seed": "a"}, "RandomPolicy.seed"),
-    ("random", {"seed": True}, "RandomPolicy.seed"),
-])
+@pytest.mark.parametrize(
+    "name, params, field",
+    [
+        ("growpage", {"tau": "abc"}, "GrowPagePolicy.tau"),  # --param tau=abc
+        ("random", {"grow_prob": "high"}, "RandomPolicy.grow_prob"),
+        ("growpage", {"p": True}, "GrowPagePolicy.p"),  # --param p=true
+        ("fixed", {"budget_tokens": True}, "FixedBudgetPolicy.budget_tokens"),
+        ("shrink", {"min_capacity_tokens": 1024.5}, "ShrinkPolicy.min_capacity_tokens"),
+        ("random", {"seed": 1.5}, "RandomPolicy.seed"),  # --param seed=1.5
+        ("random", {"seed": "a"}, "RandomPolicy.seed"),
+        ("random", {"seed": True}, "RandomPolicy.seed"),
+    ],
+)
 def test_wrongly_typed_hyperparameters_name_the_field(name, params, field):
     """A string or bool from ``--param`` is refused with the field's name, not a comparison
     error between float and str, nor taken as 1."""
@@ -134,13 +153,26 @@ def test_an_attrs_type_validator_s_error_reads_as_one_line():
 
     with pytest.raises(PolicyError) as info:
         resolve_policy(Typed, max_pages=8.0)
-    assert str(info.value) == ("cannot build policy 'typed-max-pages': 'max_pages' must be "
-                               "<class 'int'> (got 8.0 that is a <class 'float'>).")
+    assert str(info.value) == (
+        "cannot build policy 'typed-max-pages': 'max_pages' must be "
+        "<class 'int'> (got 8.0 that is a <class 'float'>)."
+    )
 
 
-CASE = dict(num_layers=2, num_kv_heads=2, group_size=2, head_dim=8, page_size=8,
-            recent_window=2, num_pages=4, num_free_pages=3, gap=4, seed=5, sharpness=1.0,
-            track_accumulated=True)
+CASE = dict(
+    num_layers=2,
+    num_kv_heads=2,
+    group_size=2,
+    head_dim=8,
+    page_size=8,
+    recent_window=2,
+    num_pages=4,
+    num_free_pages=3,
+    gap=4,
+    seed=5,
+    sharpness=1.0,
+    track_accumulated=True,
+)
 
 
 def test_decision_logic_of_simple_policies():
@@ -152,10 +184,14 @@ def test_decision_logic_of_simple_policies():
     assert GrowPagePolicy(tau=d - 1e-3).decide(ctx) is Decision.GROW
     assert GrowPagePolicy(tau=d + 1e-3).decide(ctx) is Decision.COMPRESS
     assert InversePolicy(tau=d + 1e-3).decide(ctx) is Decision.GROW
-    assert ShrinkPolicy(shrink_below=d + 1e-3, tau=d + 2e-3,
-                        min_capacity_tokens=8).decide(ctx) is Decision.SHRINK
-    assert ShrinkPolicy(shrink_below=d + 1e-3, tau=d + 2e-3,
-                        min_capacity_tokens=32).decide(ctx) is Decision.COMPRESS
+    assert (
+        ShrinkPolicy(shrink_below=d + 1e-3, tau=d + 2e-3, min_capacity_tokens=8).decide(ctx)
+        is Decision.SHRINK
+    )
+    assert (
+        ShrinkPolicy(shrink_below=d + 1e-3, tau=d + 2e-3, min_capacity_tokens=32).decide(ctx)
+        is Decision.COMPRESS
+    )
     assert EntropyPolicy(tau=ctx.entropy_delta() - 1e-3).decide(ctx) is Decision.GROW
 
 
@@ -234,14 +270,18 @@ class Flaky(CapacityPolicy):
         return Decision.GROW if len(self.calls) % 2 else Decision.COMPRESS
 
 
-@pytest.mark.parametrize("policy, rule, says", [
-    (DropsOne(), "exact-selection", "wrong shape"),
-    (Duplicates(), "exact-selection", "duplicate"),
-    (DropsRecent(), "exact-selection", "recent window"),
-    (ReturnsString(), "valid-decision", "'grow'"),
-    (Mutates(), "no-mutation", "changed"),
-    (Flaky(), "deterministic", "decided"),
-], ids=lambda x: getattr(x, "name", None))
+@pytest.mark.parametrize(
+    "policy, rule, says",
+    [
+        (DropsOne(), "exact-selection", "wrong shape"),
+        (Duplicates(), "exact-selection", "duplicate"),
+        (DropsRecent(), "exact-selection", "recent window"),
+        (ReturnsString(), "valid-decision", "'grow'"),
+        (Mutates(), "no-mutation", "changed"),
+        (Flaky(), "deterministic", "decided"),
+    ],
+    ids=lambda x: getattr(x, "name", None),
+)
 def test_check_policy_names_the_broken_rule(policy, rule, says):
     with pytest.raises(PolicyConformanceError) as info:
         check_policy(policy, max_examples=20)
@@ -283,16 +323,22 @@ def test_policy_from_a_file_outside_the_repository(tmp_path):
 def test_public_imports():
     from growpage import BoundaryContext, CapacityPolicy, Decision  # noqa: F401
     from growpage.testing import check_policy  # noqa: F401
+
     assert growpage.CapacityPolicy is CapacityPolicy
 
 
 def test_cli_lists_policies():
-    out = subprocess.run([sys.executable, "-m", "growpage.cli", "policies"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "growpage.cli", "policies"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for name in ("growpage", "fixed", "fullkv", "random", "inverse", "shrink", "entropy"):
         assert f"\n{name} " in "\n" + out
-    help_out = subprocess.run([sys.executable, "-m", "growpage.cli", "--help"],
-                              capture_output=True, text=True, check=True).stdout
+    help_out = subprocess.run(
+        [sys.executable, "-m", "growpage.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "policies" in help_out
 
 
@@ -343,5 +389,5 @@ def test_policy_guide_check_and_property_examples_run_as_written(tmp_path, monke
     scope: dict = {}
     exec(compile(check + serving + prop, "docs/policy-guide.md", "exec"), scope)
     assert scope["policy"].max_pages == 8
-    with pytest.raises(PolicyError, match="max_pages"):   # the validator the guide shows
+    with pytest.raises(PolicyError, match="max_pages"):  # the validator the guide shows
         resolve_policy(f"{tmp_path}/my_policy.py:CappedGrowPage", max_pages="8")

@@ -16,7 +16,8 @@ def _restore_registry():
     registry._REGISTRY.clear()
     registry._REGISTRY.update(saved)
 
-REGISTERING = textwrap.dedent('''
+
+REGISTERING = textwrap.dedent("""
     import attrs
     from growpage import CapacityPolicy, Decision
     from growpage.policies import register_policy
@@ -29,7 +30,7 @@ REGISTERING = textwrap.dedent('''
 
         def decide(self, ctx):
             return Decision.{decision}
-''')
+""")
 
 
 def write(path, name="file-registered", decision="COMPRESS"):
@@ -66,11 +67,14 @@ def test_files_with_the_same_name_stay_apart(tmp_path):
     assert type(a).__module__ != type(b).__module__
 
 
-@pytest.mark.parametrize("source, says", [
-    ("def (:\n", "SyntaxError"),
-    ("import no_such_module_for_growpage_tests\n", "ModuleNotFoundError"),
-    ("raise RuntimeError('setup failed')\n", "RuntimeError: setup failed"),
-])
+@pytest.mark.parametrize(
+    "source, says",
+    [
+        ("def (:\n", "SyntaxError"),
+        ("import no_such_module_for_growpage_tests\n", "ModuleNotFoundError"),
+        ("raise RuntimeError('setup failed')\n", "RuntimeError: setup failed"),
+    ],
+)
 def test_a_file_that_fails_to_load_is_a_policy_error(tmp_path, source, says):
     path = tmp_path / "broken_policy.py"
     path.write_text(source)
@@ -89,10 +93,13 @@ def test_a_file_fixed_after_a_failed_load_resolves(tmp_path):
     assert resolve_policy(write(path, "half-loaded")).decide(None).value == "compress"
 
 
-@pytest.mark.parametrize("spec, says", [
-    (":Mine", "package.module:ClassName"),
-    ("growpage.policies:", "package.module:ClassName"),
-])
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        (":Mine", "package.module:ClassName"),
+        ("growpage.policies:", "package.module:ClassName"),
+    ],
+)
 def test_a_malformed_spec_is_a_policy_error(spec, says):
     with pytest.raises(PolicyError, match=says):
         resolve_policy(spec)
@@ -101,8 +108,10 @@ def test_a_malformed_spec_is_a_policy_error(spec, says):
 def test_a_module_that_fails_on_import_is_a_policy_error(tmp_path, monkeypatch):
     (tmp_path / "failing_policy_module.py").write_text("raise RuntimeError('no GPU here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(PolicyError, match="cannot import policy module 'failing_policy_module'"
-                                          ".*RuntimeError: no GPU here"):
+    with pytest.raises(
+        PolicyError,
+        match="cannot import policy module 'failing_policy_module'.*RuntimeError: no GPU here",
+    ):
         resolve_policy("failing_policy_module:Mine")
 
 
@@ -111,8 +120,7 @@ def test_a_hyperparameter_given_twice_on_the_command_line_is_refused():
     from growpage.policies.registry import parse_policy_params
 
     assert parse_policy_params(["tau=0.1", "beta=2"]) == {"tau": 0.1, "beta": 2}
-    with pytest.raises(ConfigError,
-                       match=r"--param tau given twice \('tau=0.1' and 'tau=0.2'\)"):
+    with pytest.raises(ConfigError, match=r"--param tau given twice \('tau=0.1' and 'tau=0.2'\)"):
         parse_policy_params(["tau=0.1", "tau=0.2"])
 
 
@@ -121,7 +129,9 @@ def test_spaces_around_a_hyperparameter_name_are_ignored_as_around_its_value():
     from growpage.policies.registry import parse_policy_params
 
     assert parse_policy_params([" budget_tokens = 1024 ", "tau =0.5"]) == {
-        "budget_tokens": 1024, "tau": 0.5}
+        "budget_tokens": 1024,
+        "tau": 0.5,
+    }
     with pytest.raises(ConfigError, match="--param tau given twice"):
         parse_policy_params(["tau=0.1", " tau=0.2"])
     with pytest.raises(ConfigError, match="--param expects KEY=VALUE, got ' = 3'"):
@@ -145,16 +155,21 @@ def test_a_policy_without_a_usable_name_is_refused_and_the_registry_kept():
 
     @attrs.define
     class WithColon(CapacityPolicy):
-        name = "pkg:mine"   # would read as an import spec
+        name = "pkg:mine"  # would read as an import spec
 
         def decide(self, ctx):
             return Decision.GROW
 
     before = registered_policies()
-    with pytest.raises(PolicyError, match=r"AnnotatedName has no usable name.*without the "
-                                          "annotation"):
+    with pytest.raises(
+        PolicyError,
+        match=r"AnnotatedName has no usable name.*without the "
+        "annotation",
+    ):
         register_policy(AnnotatedName)
-    with pytest.raises(PolicyError, match=r"WithColon has no usable name to register: name is 'pkg:mine'"):
+    with pytest.raises(
+        PolicyError, match=r"WithColon has no usable name to register: name is 'pkg:mine'"
+    ):
         register_policy(WithColon)
     with pytest.raises(PolicyError, match="takes a CapacityPolicy subclass"):
         register_policy(dict)
@@ -163,10 +178,13 @@ def test_a_policy_without_a_usable_name_is_refused_and_the_registry_kept():
 
 
 def test_an_unknown_hyperparameter_lists_the_policy_s_own():
-    with pytest.raises(PolicyError, match=r"unexpected keyword argument 'budget'.* \(its "
-                                          r"hyperparameters: budget_tokens\)$"):
+    with pytest.raises(
+        PolicyError,
+        match=r"unexpected keyword argument 'budget'.* \(its "
+        r"hyperparameters: budget_tokens\)$",
+    ):
         resolve_policy("fixed", budget=512)
     with pytest.raises(PolicyError, match=r"hyperparameters: none\)$"):
         resolve_policy("fullkv", tau=0.1)
     with pytest.raises(PolicyError, match=r"budget_tokens must be a positive integer, got 0$"):
-        resolve_policy("fixed", budget_tokens=0)   # a known one out of range: no list
+        resolve_policy("fixed", budget_tokens=0)  # a known one out of range: no list

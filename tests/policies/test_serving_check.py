@@ -52,7 +52,7 @@ def test_a_policy_on_the_global_rng_is_caught_by_a_second_run():
     assert info.value.rule == "serves"
     assert "fresh copy" in str(info.value) and "first difference: event" in str(info.value)
     assert isinstance(info.value.case, ServingCase)
-    assert random.getstate() == state   # the kit leaves the global RNG as it found it
+    assert random.getstate() == state  # the kit leaves the global RNG as it found it
 
 
 @attrs.define
@@ -70,8 +70,14 @@ class ShortHistory(GrowPagePolicy):
 
 def test_a_crash_on_long_requests_names_the_error_and_the_smallest_workload():
     with pytest.raises(PolicyConformanceError) as info:
-        check_serving(ShortHistory(), max_examples=25, max_requests=2, max_prompt=16,
-                      max_output=64, page_sizes=(8,))
+        check_serving(
+            ShortHistory(),
+            max_examples=25,
+            max_requests=2,
+            max_prompt=16,
+            max_output=64,
+            page_sizes=(8,),
+        )
     text = str(info.value)
     # The controller reports the policy's exception as a PolicyError naming decide() and the
     # boundary; the kit passes it on with the workload.
@@ -110,14 +116,17 @@ def test_check_serving_refuses_what_is_not_a_policy_instance():
         check_serving(object())
 
 
-@pytest.mark.parametrize("knobs, error, match", [
-    ({"max_requests": 0}, ValueError, "max_requests must be at least 1"),
-    ({"page_sizes": ()}, ValueError, "page_sizes must not be empty"),
-    ({"page_sizes": (1,)}, ValueError, "page_sizes must be at least 2"),
-    ({"page_sizes": 8}, TypeError, "page_sizes must be a tuple of integers"),
-    ({"max_slack": -1}, ValueError, "max_slack must be at least 0"),
-    ({"max_output": 2.5}, TypeError, "max_output must be an integer"),
-])
+@pytest.mark.parametrize(
+    "knobs, error, match",
+    [
+        ({"max_requests": 0}, ValueError, "max_requests must be at least 1"),
+        ({"page_sizes": ()}, ValueError, "page_sizes must not be empty"),
+        ({"page_sizes": (1,)}, ValueError, "page_sizes must be at least 2"),
+        ({"page_sizes": 8}, TypeError, "page_sizes must be a tuple of integers"),
+        ({"max_slack": -1}, ValueError, "max_slack must be at least 0"),
+        ({"max_output": 2.5}, TypeError, "max_output must be an integer"),
+    ],
+)
 def test_serving_cases_refuse_bad_knobs(knobs, error, match):
     """As ``boundary_cases``: a knob of the wrong type is a TypeError, one out of range (an
     empty tuple of sizes included) a ValueError."""
@@ -158,12 +167,15 @@ class HoldsALock(CapacityPolicy):
 def test_a_policy_that_cannot_be_copied_is_served_itself_with_a_warning():
     with pytest.raises(TypeError, match="pickle"):
         copy.deepcopy(HoldsALock())
-    with pytest.warns(PolicyConformanceWarning, match=r"policy 'holds-a-lock' cannot be "
-                      r"deep-copied \(TypeError: .*pickle.*\): 'serves' ran the policy object "
-                      r"itself twice, not two fresh copies"):
+    with pytest.warns(
+        PolicyConformanceWarning,
+        match=r"policy 'holds-a-lock' cannot be "
+        r"deep-copied \(TypeError: .*pickle.*\): 'serves' ran the policy object "
+        r"itself twice, not two fresh copies",
+    ):
         check_serving(HoldsALock(), max_examples=4)
     # What a run leaves behind still shows, named for what was served twice.
     with pytest.warns(PolicyConformanceWarning), pytest.raises(PolicyConformanceError) as info:
         check_serving(HoldsALock(leaky=True), max_examples=10)
     assert "a second run of the same policy object gave other events" in str(info.value)
-    assert script_mode_problem(HoldsALock()) is None   # no crash on the copy either
+    assert script_mode_problem(HoldsALock()) is None  # no crash on the copy either

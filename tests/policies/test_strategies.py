@@ -13,11 +13,23 @@ from growpage.sim.traceview import TraceView
 from growpage.testing import BoundaryCase, boundary_cases
 from growpage.testing.strategies import _history
 
-CASE = BoundaryCase(num_layers=2, num_kv_heads=3, group_size=2, head_dim=8, page_size=4,
-                    recent_window=2, num_pages=3, num_free_pages=1, gap=8, seed=4,
-                    sharpness=1.0, track_accumulated=True)
-FAST = settings(max_examples=25, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+CASE = BoundaryCase(
+    num_layers=2,
+    num_kv_heads=3,
+    group_size=2,
+    head_dim=8,
+    page_size=4,
+    recent_window=2,
+    num_pages=3,
+    num_free_pages=1,
+    gap=8,
+    seed=4,
+    sharpness=1.0,
+    track_accumulated=True,
+)
+FAST = settings(
+    max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @FAST
@@ -67,11 +79,20 @@ def test_a_case_is_what_the_simulator_replays_from_its_history(gap, seed):
     case = attrs.evolve(CASE, gap=gap, seed=seed)
     h = _history(case)
     t, num_q = case.position, case.num_kv_heads * case.group_size
-    header = TraceHeader(request_id="r", model="kit", num_layers=case.num_layers,
-                         layer_ids=range(case.num_layers), num_q_heads=num_q,
-                         num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, rope=h.rope,
-                         softmax_scale=case.head_dim ** -0.5, prompt_len=h.prompt_len,
-                         token_ids=[0] * t, has_values=False)
+    header = TraceHeader(
+        request_id="r",
+        model="kit",
+        num_layers=case.num_layers,
+        layer_ids=range(case.num_layers),
+        num_q_heads=num_q,
+        num_kv_heads=case.num_kv_heads,
+        head_dim=case.head_dim,
+        rope=h.rope,
+        softmax_scale=case.head_dim**-0.5,
+        prompt_len=h.prompt_len,
+        token_ids=[0] * t,
+        has_values=False,
+    )
     trace = Trace(header, h.queries, h.keys.permute(0, 2, 1, 3).contiguous())
     sim = TraceView(trace, case.config, track_accumulated=True)
     for position, kept in h.steps:

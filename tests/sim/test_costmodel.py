@@ -31,28 +31,40 @@ from growpage.sim.hardware import A100_80GB, PRESETS, QWEN3_8B
 
 def test_roofline_preset_pool_and_memory_bound_decode():
     cost = load_cost_model("a100-qwen3-8b")
-    assert isinstance(cost, RooflineCostModel) and set(PRESETS) >= {"a100-qwen3-8b",
-                                                                      "a100-r1-llama-8b"}
-    assert QWEN3_8B.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2   # 144 KiB per token
+    assert isinstance(cost, RooflineCostModel) and set(PRESETS) >= {
+        "a100-qwen3-8b",
+        "a100-r1-llama-8b",
+    }
+    assert QWEN3_8B.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2  # 144 KiB per token
     assert cost.kv_pages(256) == 1500
     # Decode of 120 requests x 3442 tokens is memory bound: (weights + KV) / (0.8 * 2.039 TB/s).
     kv = 120 * 3442
     expected = 0.002 + (QWEN3_8B.weight_bytes + kv * QWEN3_8B.kv_bytes_per_token) / (
-        0.8 * A100_80GB.memory_bandwidth)
+        0.8 * A100_80GB.memory_bandwidth
+    )
     assert cost.step_time(120, kv) == pytest.approx(expected)
     # Prefill is compute bound: 2 * params FLOPs per token at 50% of 312 TFLOP/s.
     assert cost.prefill_time(10000) == pytest.approx(0.002 + 2 * 8.19e9 * 1e4 / (0.5 * 312e12))
 
 
-@pytest.mark.parametrize("cost", [
-    load_cost_model("a100-qwen3-8b"), load_cost_model("a100-r1-llama-8b"),
-    RooflineCostModel(hardware=A100_80GB, model=QWEN3_8B, mfu=0.02, mbu=1.0),  # crosses over
-    LinearCostModel(base_s=0.01, per_seq_s=1e-3, per_kv_token_s=2e-7, per_prefill_token_s=1e-4),
-    PiecewiseCostModel(batch_sizes=(0, 1, 16, 64), batch_s=(0.05, 0.01, 0.008, 0.02),
-                       per_kv_token_s=2e-7, per_prefill_token_s=1e-4),
-])
-@pytest.mark.parametrize("batch, kv, steps", [(1, 10, 1), (64, 50000, 300), (256, 10**6, 7),
-                                               (200, 0, 3000)])
+@pytest.mark.parametrize(
+    "cost",
+    [
+        load_cost_model("a100-qwen3-8b"),
+        load_cost_model("a100-r1-llama-8b"),
+        RooflineCostModel(hardware=A100_80GB, model=QWEN3_8B, mfu=0.02, mbu=1.0),  # crosses over
+        LinearCostModel(base_s=0.01, per_seq_s=1e-3, per_kv_token_s=2e-7, per_prefill_token_s=1e-4),
+        PiecewiseCostModel(
+            batch_sizes=(0, 1, 16, 64),
+            batch_s=(0.05, 0.01, 0.008, 0.02),
+            per_kv_token_s=2e-7,
+            per_prefill_token_s=1e-4,
+        ),
+    ],
+)
+@pytest.mark.parametrize(
+    "batch, kv, steps", [(1, 10, 1), (64, 50000, 300), (256, 10**6, 7), (200, 0, 3000)]
+)
 def test_closed_form_decode_time_equals_the_sum_of_steps(cost, batch, kv, steps):
     per_step = cost.decode_times(batch, kv, steps)
     assert per_step.shape == (steps,)
@@ -60,11 +72,13 @@ def test_closed_form_decode_time_equals_the_sum_of_steps(cost, batch, kv, steps)
 
 
 def test_linear_fit_recovers_coefficients_and_round_trips(tmp_path):
-    truth = LinearCostModel(base_s=0.004, per_seq_s=2e-4, per_kv_token_s=3e-8,
-                            per_prefill_token_s=5e-5)
+    truth = LinearCostModel(
+        base_s=0.004, per_seq_s=2e-4, per_kv_token_s=3e-8, per_prefill_token_s=5e-5
+    )
     rng = np.random.default_rng(0)
-    x = np.column_stack([rng.integers(1, 64, 50), rng.integers(0, 10**6, 50),
-                         rng.integers(0, 4096, 50)]).astype(float)
+    x = np.column_stack(
+        [rng.integers(1, 64, 50), rng.integers(0, 10**6, 50), rng.integers(0, 4096, 50)]
+    ).astype(float)
     y = truth.step_time(x[:, 0], x[:, 1], x[:, 2])
     fitted = fit_linear(np.column_stack([x, y]))
     for name in ("base_s", "per_seq_s", "per_kv_token_s", "per_prefill_token_s"):
@@ -75,8 +89,15 @@ def test_linear_fit_recovers_coefficients_and_round_trips(tmp_path):
 
 def test_negative_coefficients_are_clamped_to_zero():
     # Step time falls with num_seqs here: the fit must not go negative.
-    rows = np.array([[1, 0, 0, 0.010], [2, 0, 0, 0.009], [4, 0, 0, 0.008], [8, 0, 0, 0.007],
-                     [1, 1000, 0, 0.011]])
+    rows = np.array(
+        [
+            [1, 0, 0, 0.010],
+            [2, 0, 0, 0.009],
+            [4, 0, 0, 0.008],
+            [8, 0, 0, 0.007],
+            [1, 1000, 0, 0.011],
+        ]
+    )
     fitted = fit_linear(rows)
     assert fitted.per_seq_s == 0.0 and fitted.base_s > 0 and fitted.per_kv_token_s > 0
 
@@ -96,31 +117,40 @@ def test_calibrate_cli_fits_a_csv_and_the_model_loads(tmp_path, capsys):
 
 def test_calibrate_warns_of_what_the_measurements_cannot_fit(tmp_path, capsys):
     path = tmp_path / "m.csv"
-    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
-                    "4,900,0,0.03\n8,800,0,0.05\n")
+    path.write_text(
+        "num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+        "4,900,0,0.03\n8,800,0,0.05\n"
+    )
     assert main(["calibrate", "--measurements", str(path), "--out", str(tmp_path / "m.json")]) == 0
     assert load_cost_model(str(tmp_path / "m.json")).per_prefill_token_s == 0
     captured = capsys.readouterr()
-    assert captured.err == ("growpage: warning: prefill_tokens is 0 in every measurement, so "
-                            "per_prefill_token_s is fitted as 0 (free in the simulator); measure "
-                            "steps with other prefill_tokens\n")
+    assert captured.err == (
+        "growpage: warning: prefill_tokens is 0 in every measurement, so "
+        "per_prefill_token_s is fitted as 0 (free in the simulator); measure "
+        "steps with other prefill_tokens\n"
+    )
     rows = np.array([[1, 100, 5, 0.01], [1, 200, 0, 0.02], [1, 300, 9, 0.03], [1, 50, 1, 0.04]])
-    assert fit_warnings(rows) == ["num_seqs is 1 in every measurement, so per_seq_s cannot be "
-                                  "told apart from base_s (only their sum is fitted); measure "
-                                  "steps with other num_seqs"]
+    assert fit_warnings(rows) == [
+        "num_seqs is 1 in every measurement, so per_seq_s cannot be "
+        "told apart from base_s (only their sum is fitted); measure "
+        "steps with other num_seqs"
+    ]
     rows[:, 0] = [1, 2, 3, 4]
-    rows[:, 1] = 1e5 * rows[:, 0]   # kv_tokens follows num_seqs
+    rows[:, 1] = 1e5 * rows[:, 0]  # kv_tokens follows num_seqs
     assert "depend linearly on each other" in fit_warnings(rows)[0]
     rows[:, 1] = [100, 900, 300, 50]
     assert fit_warnings(rows) == []
 
 
-@pytest.mark.parametrize("flag, value", [("--boundary-policy", "fixed"),
-                                         ("--batch-sizes", "1-4"), ("--contexts", "64")])
+@pytest.mark.parametrize(
+    "flag, value", [("--boundary-policy", "fixed"), ("--batch-sizes", "1-4"), ("--contexts", "64")]
+)
 def test_calibrate_refuses_engine_settings_it_would_not_use(tmp_path, capsys, flag, value):
     path = tmp_path / "m.csv"
-    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
-                    "4,900,8,0.03\n8,800,0,0.05\n")
+    path.write_text(
+        "num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+        "4,900,8,0.03\n8,800,0,0.05\n"
+    )
     out = tmp_path / "m.json"
     assert main(["calibrate", "--measurements", str(path), flag, value, "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -130,32 +160,48 @@ def test_calibrate_refuses_engine_settings_it_would_not_use(tmp_path, capsys, fl
     assert ("--boundary-ms" in err) == (flag == "--boundary-policy")
 
 
-@pytest.mark.parametrize("argv, priced", [([], "growpage"), (["--boundary-policy", "fixed"],
-                                                               "fixed")])
-def test_calibrate_prices_the_boundary_policy_on_the_engine(tmp_path, monkeypatch, capsys,
-                                                            argv, priced):
+@pytest.mark.parametrize(
+    "argv, priced", [([], "growpage"), (["--boundary-policy", "fixed"], "fixed")]
+)
+def test_calibrate_prices_the_boundary_policy_on_the_engine(
+    tmp_path, monkeypatch, capsys, argv, priced
+):
     import growpage.engine.profile as profile
 
-    rows = [{"num_seqs": s, "kv_tokens": kv, "prefill_tokens": p, "step_s": t}
-            for s, kv, p, t in [(1, 100, 0, 0.01), (2, 200, 0, 0.02), (4, 900, 8, 0.03),
-                                (8, 800, 0, 0.05)]]
+    rows = [
+        {"num_seqs": s, "kv_tokens": kv, "prefill_tokens": p, "step_s": t}
+        for s, kv, p, t in [
+            (1, 100, 0, 0.01),
+            (2, 200, 0, 0.02),
+            (4, 900, 8, 0.03),
+            (8, 800, 0, 0.05),
+        ]
+    ]
     seen = []
     monkeypatch.setattr(profile, "measure_step_times", lambda **kw: rows)
-    monkeypatch.setattr(profile, "measure_boundary_costs", lambda policy: seen.append(policy) or
-                        {"boundary_s": 0.002, "compaction_s": 0.003, "decided": 4,
-                         "compactions": 2})
+    monkeypatch.setattr(
+        profile,
+        "measure_boundary_costs",
+        lambda policy: (
+            seen.append(policy)
+            or {"boundary_s": 0.002, "compaction_s": 0.003, "decided": 4, "compactions": 2}
+        ),
+    )
     out = tmp_path / "m.json"
     assert main(["calibrate", *argv, "--out", str(out)]) == 0
     assert seen == [priced]
     assert load_cost_model(str(out)).boundary_time(1, 1) == pytest.approx(0.005)
 
 
-@pytest.mark.parametrize("content, match", [
-    ("num_seqs,kv_tokens\n1,2\n", "exactly the fields"),
-    ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,x\n", "numbers"),
-    ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,-1\n", ">= 0"),
-    ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,4\n", "at least 4"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("num_seqs,kv_tokens\n1,2\n", "exactly the fields"),
+        ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,x\n", "numbers"),
+        ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,-1\n", ">= 0"),
+        ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,2,3,4\n", "at least 4"),
+    ],
+)
 def test_bad_measurements_are_config_errors(tmp_path, content, match):
     path = tmp_path / "m.csv"
     path.write_text(content)
@@ -194,12 +240,18 @@ def test_a_cost_model_file_must_hold_every_step_coefficient(tmp_path):
         LinearCostModel.load(path)
 
 
-@pytest.mark.parametrize("field, value", [("base_s", -1.0), ("per_kv_token_s", "fast"),
-                                          ("compaction_s", None)])
+@pytest.mark.parametrize(
+    "field, value", [("base_s", -1.0), ("per_kv_token_s", "fast"), ("compaction_s", None)]
+)
 def test_a_bad_cost_model_file_is_named_in_the_error(tmp_path, capsys, field, value):
     path = tmp_path / "neg.json"
-    fields = {"kind": "linear", "base_s": 0.01, "per_seq_s": 0.0, "per_kv_token_s": 1e-8,
-              "per_prefill_token_s": 0.0}
+    fields = {
+        "kind": "linear",
+        "base_s": 0.01,
+        "per_seq_s": 0.0,
+        "per_kv_token_s": 1e-8,
+        "per_prefill_token_s": 0.0,
+    }
     path.write_text(json.dumps({**fields, field: value}))
     message = f"{path}: LinearCostModel.{field} must be a finite number >= 0"
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -240,13 +292,15 @@ def test_calibrate_warns_of_dependent_columns_beside_a_constant_one():
     # throughout. The fit cannot split the cost between per_seq_s and per_kv_token_s (it put it
     # all on per_seq_s, pricing KV as free), yet only the constant column was warned of: the
     # dependency check ran only when no column was constant.
-    rows = np.array([[1, 100, 0, 0.011], [2, 200, 0, 0.012], [4, 400, 0, 0.014],
-                     [8, 800, 0, 0.018]])
+    rows = np.array(
+        [[1, 100, 0, 0.011], [2, 200, 0, 0.012], [4, 400, 0, 0.014], [8, 800, 0, 0.018]]
+    )
     assert fit_warnings(rows) == [
         "prefill_tokens is 0 in every measurement, so per_prefill_token_s is fitted as 0 (free "
         "in the simulator); measure steps with other prefill_tokens",
         "num_seqs, kv_tokens depend linearly on each other in these measurements, so their "
-        "coefficients are not fitted separately; vary them independently"]
+        "coefficients are not fitted separately; vary them independently",
+    ]
     # A constant column of another value is warned of alone: the others are independent.
     rows[:, 1] = [100, 900, 300, 50]
     rows[:, 2] = 7
@@ -254,18 +308,23 @@ def test_calibrate_warns_of_dependent_columns_beside_a_constant_one():
 
 
 @pytest.mark.parametrize("same", ["m.csv", "./m.csv", "link.csv"])
-def test_calibrate_refuses_to_write_the_model_over_its_measurements(tmp_path, monkeypatch,
-                                                                   capsys, same):
+def test_calibrate_refuses_to_write_the_model_over_its_measurements(
+    tmp_path, monkeypatch, capsys, same
+):
     # --out naming the measurements file (a slip of the shell's history) wrote the model over
     # the measurements, which were then lost.
     monkeypatch.chdir(tmp_path)
-    text = ("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
-            "4,900,8,0.03\n8,800,0,0.05\n")
+    text = (
+        "num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.02\n"
+        "4,900,8,0.03\n8,800,0,0.05\n"
+    )
     (tmp_path / "m.csv").write_text(text)
     (tmp_path / "link.csv").symlink_to(tmp_path / "m.csv")
     assert main(["calibrate", "--measurements", "m.csv", "--out", same]) == 2
-    assert (f"--out {same}: is the measurements file m.csv; give another name for the model"
-            in capsys.readouterr().err)
+    assert (
+        f"--out {same}: is the measurements file m.csv; give another name for the model"
+        in capsys.readouterr().err
+    )
     assert (tmp_path / "m.csv").read_text() == text
 
 
@@ -274,16 +333,24 @@ def test_a_step_measured_at_0_seconds_is_a_config_error(tmp_path, monkeypatch):
     # such rows fitted a model that priced every step at 0 s, which calibrate wrote without a
     # word and sim serve then refused; some of them pulled the fit down unseen.
     path = tmp_path / "m.csv"
-    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.000\n"
-                    "4,900,8,0.03\n8,800,0,0.05\n")
-    with pytest.raises(ConfigError, match=re.escape(
-            f"{path}, measurement 1 (line 3): step_s must be > 0 (seconds a step took), "
-            "got 0.0")):
+    path.write_text(
+        "num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n2,200,0,0.000\n"
+        "4,900,8,0.03\n8,800,0,0.05\n"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"{path}, measurement 1 (line 3): step_s must be > 0 (seconds a step took), got 0.0"
+        ),
+    ):
         load_measurements(path)
     import growpage.engine.profile as profile
 
-    monkeypatch.setattr(profile, "measure_step_times", lambda **kw: [
-        {"num_seqs": 1, "kv_tokens": 100, "prefill_tokens": 0, "step_s": 0}])
+    monkeypatch.setattr(
+        profile,
+        "measure_step_times",
+        lambda **kw: [{"num_seqs": 1, "kv_tokens": 100, "prefill_tokens": 0, "step_s": 0}],
+    )
     with pytest.raises(ConfigError, match="row 0: step_s must be > 0"):
         measure_engine()
 
@@ -294,11 +361,19 @@ def test_measurements_written_with_a_byte_order_mark_are_read(tmp_path, suffix):
     # "\ufeffnum_seqs", and the file refused as lacking num_seqs, a field its header shows.
     rows = [(1, 100, 0, 0.01), (2, 200, 0, 0.02), (4, 900, 8, 0.03), (8, 800, 0, 0.05)]
     if suffix == ".csv":
-        text = "\r\n".join(["num_seqs,kv_tokens,prefill_tokens,step_s"]
-                           + [",".join(map(str, r)) for r in rows]) + "\r\n"
+        text = (
+            "\r\n".join(
+                ["num_seqs,kv_tokens,prefill_tokens,step_s"] + [",".join(map(str, r)) for r in rows]
+            )
+            + "\r\n"
+        )
     else:
-        text = json.dumps([dict(zip(("num_seqs", "kv_tokens", "prefill_tokens", "step_s"), r,
-                                    strict=True)) for r in rows])
+        text = json.dumps(
+            [
+                dict(zip(("num_seqs", "kv_tokens", "prefill_tokens", "step_s"), r, strict=True))
+                for r in rows
+            ]
+        )
     path = tmp_path / f"m{suffix}"
     path.write_bytes(b"\xef\xbb\xbf" + text.encode())
     assert load_measurements(path).tolist() == [list(map(float, r)) for r in rows]
@@ -307,9 +382,13 @@ def test_measurements_written_with_a_byte_order_mark_are_read(tmp_path, suffix):
 def test_measurements_with_other_fields_are_refused_naming_them(tmp_path):
     path = tmp_path / "m.csv"
     path.write_text("num_seqs, kv_tokens,prefill_tokens,seconds\n1,100,0,0.01\n")
-    with pytest.raises(ConfigError, match=re.escape(
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
             f"{path}, measurement 0 (line 2): a measurement needs exactly the fields num_seqs, "
-            "kv_tokens, prefill_tokens, step_s (lacks kv_tokens, step_s; has ' kv_tokens', 'seconds')")):
+            "kv_tokens, prefill_tokens, step_s (lacks kv_tokens, step_s; has ' kv_tokens', 'seconds')"
+        ),
+    ):
         load_measurements(path)
 
 
@@ -317,8 +396,10 @@ def test_measurements_with_other_fields_are_refused_naming_them(tmp_path):
 def test_an_empty_cost_model_spec_is_refused_as_such(capsys, spec):
     # "" named the current directory (Path("") is "."): the error read ": cannot read a cost
     # model ([Errno 21] Is a directory: '.')".
-    message = (f"unknown cost model {spec!r}: give a preset (a100-qwen3-8b, a100-r1-llama-8b) "
-               "or a JSON file written by `growpage calibrate`")
+    message = (
+        f"unknown cost model {spec!r}: give a preset (a100-qwen3-8b, a100-r1-llama-8b) "
+        "or a JSON file written by `growpage calibrate`"
+    )
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_cost_model(spec)
     assert main(["sim", "serve", "--workload", "tiny", "--cost", spec]) == 2
@@ -331,17 +412,18 @@ def test_numpy_scalars_are_taken_as_plain_numbers():
     # piecewise model's lists took numpy values all along.
     from growpage.sim.costmodel import with_boundary_costs
 
-    linear = LinearCostModel(base_s=np.float32(0.5), per_seq_s=np.int64(0),
-                             per_kv_token_s=np.float64(1e-6))
+    linear = LinearCostModel(
+        base_s=np.float32(0.5), per_seq_s=np.int64(0), per_kv_token_s=np.float64(1e-6)
+    )
     assert (linear.base_s, linear.per_seq_s) == (0.5, 0)
     assert type(linear.base_s) is float and type(linear.per_seq_s) is int
     priced = with_boundary_costs(linear, np.float32(0.25), np.int32(1))
     assert priced.boundary_time(2, 1) == pytest.approx(1.5)
-    roofline = RooflineCostModel(hardware=A100_80GB, model=QWEN3_8B, mfu=np.float32(0.5),
-                                 overhead_s=np.float32(0.25))
+    roofline = RooflineCostModel(
+        hardware=A100_80GB, model=QWEN3_8B, mfu=np.float32(0.5), overhead_s=np.float32(0.25)
+    )
     assert type(roofline.mfu) is float and roofline.overhead_s == 0.25
-    piecewise = PiecewiseCostModel(batch_sizes=(1,), batch_s=(0.1,),
-                                   per_kv_token_s=np.float32(0.5))
+    piecewise = PiecewiseCostModel(batch_sizes=(1,), batch_s=(0.1,), per_kv_token_s=np.float32(0.5))
     assert piecewise.per_kv_token_s == 0.5
     for bad in (np.float32("nan"), np.float64(-1.0), np.True_):
         with pytest.raises(ConfigError, match="base_s must be a finite number >= 0"):
@@ -356,9 +438,11 @@ def test_fits_refuse_rows_that_are_not_measurements(fit):
     from growpage.sim.calibrate import FITS
 
     good = [[1, 100, 0, 0.01], [2, 200, 0, 0.02], [4, 900, 8, 0.03], [8, 800, 0, 0.05]]
-    for bad, match in ((-1.0, "measurement 2: measurement fields must be finite and >= 0"),
-                       (0.0, "measurement 2: step_s must be > 0"),
-                       (float("nan"), "measurement 2: measurement fields must be finite")):
+    for bad, match in (
+        (-1.0, "measurement 2: measurement fields must be finite and >= 0"),
+        (0.0, "measurement 2: step_s must be > 0"),
+        (float("nan"), "measurement 2: measurement fields must be finite"),
+    ):
         rows = np.array(good)
         rows[2, 3] = bad
         with pytest.raises(ConfigError, match=match):
@@ -366,16 +450,23 @@ def test_fits_refuse_rows_that_are_not_measurements(fit):
         with pytest.raises(ConfigError, match=match):
             fit_warnings(rows, fit)
     for shape in ((0, 4), (4, 3), (4,)):
-        with pytest.raises(ConfigError, match=re.escape(
-                f"measurements must be rows of {', '.join(COLUMNS)}, got an array of shape "
-                f"{shape}")):
+        with pytest.raises(
+            ConfigError,
+            match=re.escape(
+                f"measurements must be rows of {', '.join(COLUMNS)}, got an array of shape {shape}"
+            ),
+        ):
             FITS[fit](np.zeros(shape))
 
 
-@pytest.mark.parametrize("model", [
-    LinearCostModel(base_s=0.01, per_seq_s=0.001),
-    PiecewiseCostModel(batch_sizes=(1, 4), batch_s=(0.01, 0.02), per_kv_token_s=1e-6)],
-    ids=["linear", "piecewise"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        LinearCostModel(base_s=0.01, per_seq_s=0.001),
+        PiecewiseCostModel(batch_sizes=(1, 4), batch_s=(0.01, 0.02), per_kv_token_s=1e-6),
+    ],
+    ids=["linear", "piecewise"],
+)
 def test_a_save_that_fails_leaves_the_old_model(tmp_path, monkeypatch, model):
     """Until 2026-12 save truncated the file, then wrote: a full disk lost the old model."""
     path = model.save(tmp_path / "model.json")
@@ -392,14 +483,16 @@ def test_a_save_that_fails_leaves_the_old_model(tmp_path, monkeypatch, model):
     monkeypatch.undo()
     assert path.read_text() == before
     assert type(model).load(path) == model
-    assert [p.name for p in tmp_path.iterdir()] == ["model.json"]   # no temporary left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["model.json"]  # no temporary left behind
 
 
 def test_a_csv_measurement_is_named_with_its_line(tmp_path):
     """Measurements count from 0, as fit_piecewise names them; a CSV's also give the line an
     editor shows, blank lines counted (until 2026-12 "measurement 2" of this file was all)."""
     path = tmp_path / "m.csv"
-    path.write_text("num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n\n"
-                    "2,200,0,0.02\n4,-900,8,0.03\n8,800,0,0.05\n")
+    path.write_text(
+        "num_seqs,kv_tokens,prefill_tokens,step_s\n1,100,0,0.01\n\n"
+        "2,200,0,0.02\n4,-900,8,0.03\n8,800,0,0.05\n"
+    )
     with pytest.raises(ConfigError, match=re.escape(f"{path}, measurement 2 (line 5): ")):
         load_measurements(path)

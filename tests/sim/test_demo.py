@@ -7,10 +7,13 @@ import pytest
 from growpage.cli import main
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--traces", "0"], "--traces must be >= 1"),
-    (["--page-size", "16"], "--page-size must be > 16"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--traces", "0"], "--traces must be >= 1"),
+        (["--page-size", "16"], "--page-size must be > 16"),
+    ],
+)
 def test_bad_demo_options_are_reported(capsys, tmp_path, argv, message):
     assert main(["demo", *argv, "--out", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
@@ -34,8 +37,13 @@ def test_demo_help_gives_every_default(capsys):
         main(["demo", "--help"])
     options = " ".join(capsys.readouterr().out.split()).split("options:")[1]
     helps = {part.split()[0]: part for part in options.split(" --")[1:]}  # the help wraps
-    for option, default in (("traces", 3), ("gen-len", 3072), ("page-size", 64), ("seed", 0),
-                            ("out", "results/demo")):
+    for option, default in (
+        ("traces", 3),
+        ("gen-len", 3072),
+        ("page-size", 64),
+        ("seed", 0),
+        ("out", "results/demo"),
+    ):
         assert helps[option].endswith(f"(default {default})"), helps[option]
 
 
@@ -48,5 +56,9 @@ def test_a_short_demo_writes_its_plots_and_numbers(capsys, tmp_path):
     for name in ("pareto.png", "capacity.png", "pool.png", "demo.json"):
         assert (out / name).stat().st_size > 0 and str(out / name) in printed
     numbers = json.loads((out / "demo.json").read_text())
-    assert [r["policy"] for r in numbers["serving"]] == ["growpage", "fixed-1024",
-                                                        "fixed-2048", "fullkv"]
+    assert [r["policy"] for r in numbers["serving"]] == [
+        "growpage",
+        "fixed-1024",
+        "fixed-2048",
+        "fullkv",
+    ]

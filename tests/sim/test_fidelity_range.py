@@ -19,8 +19,15 @@ from growpage.sim.traceview import TraceView
 
 B = 16
 CONFIG = GrowPageConfig(page_size=B, recent_window=4)
-SPEC = SyntheticSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, prompt_len=32,
-                     gen_len=96, mean_regime_len=32.0)
+SPEC = SyntheticSpec(
+    num_layers=2,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    prompt_len=32,
+    gen_len=96,
+    mean_regime_len=32.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +37,9 @@ def trace() -> Trace:
 
 def _scaled(trace: Trace, scale: float) -> Trace:
     assert trace.values is not None
-    return Trace(header=trace.header, queries=trace.queries, keys=trace.keys,
-                 values=trace.values * scale)
+    return Trace(
+        header=trace.header, queries=trace.queries, keys=trace.keys, values=trace.values * scale
+    )
 
 
 def _future(trace: Trace) -> tuple[FutureAttention, torch.Tensor]:
@@ -62,8 +70,9 @@ def test_output_error_of_normal_values_is_as_before(trace):
     lost = future._lost_per_head(drop).unsqueeze(-1)
     full = torch.matmul(future.probs, future.values)
     approx = (full - torch.matmul(future.probs * drop.unsqueeze(-2), future.values)) / (
-        1.0 - lost).clamp_min(1e-12)
-    expected = future._group_mean((full - approx).norm(dim=-1))   # the plain float32 formula
+        1.0 - lost
+    ).clamp_min(1e-12)
+    expected = future._group_mean((full - approx).norm(dim=-1))  # the plain float32 formula
     err = future.output_error(resident)
     assert err is not None
     torch.testing.assert_close(err.double(), expected.double(), rtol=1e-6, atol=0.0)
@@ -75,14 +84,16 @@ def test_replay_of_a_trace_with_huge_values_reports_a_finite_output_error(trace)
     policy = resolve_policy("fixed", budget_tokens=48)
     options = ReplayOptions(fidelity_queries=4)
     normal = replay_trace(trace, policy, CONFIG, options)
-    huge = replay_trace(_scaled(trace, 1e20), resolve_policy("fixed", budget_tokens=48), CONFIG,
-                        options)
+    huge = replay_trace(
+        _scaled(trace, 1e20), resolve_policy("fixed", budget_tokens=48), CONFIG, options
+    )
     assert normal.output_error is not None and normal.output_error > 0
     assert huge.output_error is not None and math.isfinite(huge.output_error)
     assert huge.output_error == pytest.approx(normal.output_error * 1e20, rel=1e-5)
     # the values do not enter the decisions nor the attention mass
     assert [attrs.astuple(r)[:7] for r in huge.records] == [
-        attrs.astuple(r)[:7] for r in normal.records]
+        attrs.astuple(r)[:7] for r in normal.records
+    ]
     assert huge.mass_mean == normal.mass_mean
 
 
@@ -91,9 +102,17 @@ def test_output_error_when_the_dropped_tokens_held_almost_all_the_mass():
     output is the renormalized average of the tokens left, and its error is at most
     2 max|v| (Theorem 3.1). It used to be computed as (o - lost output) / (1 - lost mass) in
     float32, where both differences cancel to rounding noise: errors of thousands."""
-    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
-                         prompt_len=40, gen_len=48, schedule="concentrated",
-                         concentration=22.0, num_anchors=1)
+    spec = SyntheticSpec(
+        num_layers=1,
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        prompt_len=40,
+        gen_len=48,
+        schedule="concentrated",
+        concentration=22.0,
+        num_anchors=1,
+    )
     trace = synthetic_trace(spec, seed=0)
     assert trace.values is not None
     t = 64
@@ -110,14 +129,14 @@ def test_output_error_when_the_dropped_tokens_held_almost_all_the_mass():
     expected = torch.zeros(1, 1, future.num_queries, dtype=torch.float64)
     kept_mass = []
     for qi, p in enumerate(future.positions.tolist()):
-        q = rope_at(h.rope, trace.queries[0, p].double(), p)                # [Hq, d]
+        q = rope_at(h.rope, trace.queries[0, p].double(), p)  # [Hq, d]
         k, v = trace.keys[0, : p + 1, 0].double(), trace.values[0, : p + 1, 0].double()
-        attn = (q @ k.T * h.softmax_scale).softmax(-1)                     # [Hq, p + 1]
+        attn = (q @ k.T * h.softmax_scale).softmax(-1)  # [Hq, p + 1]
         kept = torch.ones(p + 1, dtype=torch.bool)
         kept[anchors] = False
         approx = (attn * kept) @ v / (attn * kept).sum(-1, keepdim=True)
         expected[0, 0, qi] = (attn @ v - approx).norm(dim=-1).mean()
         kept_mass.append(float((attn * kept).sum(-1).max()))
-    assert max(kept_mass) < 1e-6                          # the case in point
+    assert max(kept_mass) < 1e-6  # the case in point
     assert float(err.max()) <= 2 * float(trace.values.abs().max())
     torch.testing.assert_close(err, expected, rtol=1e-3, atol=0.0)

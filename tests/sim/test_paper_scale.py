@@ -37,8 +37,9 @@ def test_search_finds_a_decreasing_functions_target(bench):
 
 
 def test_search_handles_increasing_functions_and_stops_at_the_start(bench):
-    found = bench.search(lambda x: 10.0 * x, 500.0, 1.0, 1000.0, 20.0, decreasing=False,
-                         max_evals=10)
+    found = bench.search(
+        lambda x: 10.0 * x, 500.0, 1.0, 1000.0, 20.0, decreasing=False, max_evals=10
+    )
     assert found.within and found.value == pytest.approx(50.0, rel=0.025)
     at_start = bench.search(lambda x: 100.0, 101.0, 1.0, 10.0, 5.0, tolerance=0.05)
     assert at_start.within and len(at_start.history) == 1
@@ -47,20 +48,28 @@ def test_search_handles_increasing_functions_and_stops_at_the_start(bench):
 def test_search_reports_an_unreachable_target(bench):
     found = bench.search(lambda x: 1000.0 / x, 5000.0, 1.0, 100.0, 10.0, max_evals=6)
     assert not found.within
-    assert found.value == 1.0 and found.budget == 1000.0     # the closest end of the range
-    assert len(found.history) == 2                          # start, then the end: no bracket
+    assert found.value == 1.0 and found.budget == 1000.0  # the closest end of the range
+    assert len(found.history) == 2  # start, then the end: no bracket
 
 
 def test_calibration_search_on_a_small_serving_configuration(bench):
     # 32 requests of ~1k tokens, 16 scripts, a pool with room for all: GrowPage's budget falls
     # from ~340 tokens (regimes of 128 tokens) to ~230 (regimes of 512); 280 lies between.
-    workload = WorkloadSpec(name="small-search", classes=[
-        RequestClass("r", 32, LengthDist(64, 0.0, 16, 256), LengthDist(1024, 0.3, 256, 2048))])
-    setup = bench.Setup(requests=workload.requests(0), config=GrowPageConfig(page_size=64),
-                        sim=SimConfig(num_kv_pages=2000, max_num_seqs=32, num_scripts=16),
-                        cost=load_cost_model("a100-qwen3-8b"))
-    found, chosen, row = bench.calibrate_demand(setup, "mean_regime_len", 128.0, 2048.0, 280.0,
-                                                tolerance=0.10, max_evals=6, progress=False)
+    workload = WorkloadSpec(
+        name="small-search",
+        classes=[
+            RequestClass("r", 32, LengthDist(64, 0.0, 16, 256), LengthDist(1024, 0.3, 256, 2048))
+        ],
+    )
+    setup = bench.Setup(
+        requests=workload.requests(0),
+        config=GrowPageConfig(page_size=64),
+        sim=SimConfig(num_kv_pages=2000, max_num_seqs=32, num_scripts=16),
+        cost=load_cost_model("a100-qwen3-8b"),
+    )
+    found, chosen, row = bench.calibrate_demand(
+        setup, "mean_regime_len", 128.0, 2048.0, 280.0, tolerance=0.10, max_evals=6, progress=False
+    )
     assert found.within, found
     assert abs(row["token_budget"] - 280.0) <= 0.10 * 280.0
     assert chosen["mean_regime_len"] == pytest.approx(found.value)
@@ -70,9 +79,11 @@ def test_calibration_search_on_a_small_serving_configuration(bench):
 
 
 def test_ratios_against_the_paper(bench):
-    rows = {"growpage": {"avg_resident": 120.0, "tps": 2400.0},
-            "fixed-4096": {"avg_resident": 100.0, "tps": 2000.0},
-            "fixed-8192": {"avg_resident": 60.0, "tps": 1200.0}}
+    rows = {
+        "growpage": {"avg_resident": 120.0, "tps": 2400.0},
+        "fixed-4096": {"avg_resident": 100.0, "tps": 2000.0},
+        "fixed-8192": {"avg_resident": 60.0, "tps": 1200.0},
+    }
     r = bench.ratios(rows)
     assert r["fixed-4096"]["avg_resident"]["sim"] == pytest.approx(1.2)
     assert r["fixed-4096"]["tps"]["paper"] == pytest.approx(2213 / 1690)

@@ -30,17 +30,28 @@ def test_capacity_plot_gives_twelve_requests_twelve_colours(tmp_path, monkeypatc
 
 # The mixed sweep of docs/results.md: two fixed budgets at nearly one point, growpage beside
 # inverse, the longest label at the right edge; and five points in a cluster.
-MIXED_SWEEP = [("growpage", "growpage", 2517, 0.685), ("fullkv", "fullkv", 1084, 1.0),
-               ("random grow_prob=0.3", "random", 3472, 0.454), ("inverse", "inverse", 2702, 0.700),
-               ("shrink", "shrink", 2936, 0.624),
-               *((f"fixed budget_tokens={b}", "fixed", tps, mass) for b, tps, mass in
-                 ((1024, 7276, 0.596), (2048, 4404, 0.850), (4096, 2639, 0.998),
-                  (8192, 1999, 1.0)))]
+MIXED_SWEEP = [
+    ("growpage", "growpage", 2517, 0.685),
+    ("fullkv", "fullkv", 1084, 1.0),
+    ("random grow_prob=0.3", "random", 3472, 0.454),
+    ("inverse", "inverse", 2702, 0.700),
+    ("shrink", "shrink", 2936, 0.624),
+    *(
+        (f"fixed budget_tokens={b}", "fixed", tps, mass)
+        for b, tps, mass in (
+            (1024, 7276, 0.596),
+            (2048, 4404, 0.850),
+            (4096, 2639, 0.998),
+            (8192, 1999, 1.0),
+        )
+    ),
+]
 CLUSTER = [(f"policy-{i}", f"policy-{i}", 1000 + 10 * i, 0.5 + 0.002 * i) for i in range(5)]
 
 
-@pytest.mark.parametrize("rows", [MIXED_SWEEP, CLUSTER + [("far right", "x", 3000, 0.9)]],
-                         ids=["mixed-sweep", "cluster"])
+@pytest.mark.parametrize(
+    "rows", [MIXED_SWEEP, CLUSTER + [("far right", "x", 3000, 0.9)]], ids=["mixed-sweep", "cluster"]
+)
 def test_pareto_labels_neither_overlap_nor_leave_the_figure(rows, tmp_path, monkeypatch):
     figures = []
     save = plots._save
@@ -50,8 +61,10 @@ def test_pareto_labels_neither_overlap_nor_leave_the_figure(rows, tmp_path, monk
         return save(fig, path)
 
     monkeypatch.setattr(plots, "_save", keep_figure)
-    points = [{"label": label, "group": group, "tps": tps, "mass": mass}
-              for label, group, tps, mass in rows]
+    points = [
+        {"label": label, "group": group, "tps": tps, "mass": mass}
+        for label, group, tps, mass in rows
+    ]
     plots.plot_pareto(points, tmp_path / "p.png", "tps", "mass", "throughput", "mass", "pareto")
     [fig] = figures
     canvas = FigureCanvasAgg(fig)  # the figure as saved (and closed), drawn again
@@ -65,6 +78,10 @@ def test_pareto_labels_neither_overlap_nor_leave_the_figure(rows, tmp_path, monk
         assert not box_a.overlaps(box_b), f"{a!r} overlaps {b!r}"
     for label, box in boxes.items():
         assert not box.overlaps(legend), f"{label!r} overlaps the legend"
-        assert (fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0
-                and box.y1 <= fig.bbox.y1), f"{label!r} leaves the figure"
+        assert (
+            fig.bbox.x0 <= box.x0
+            and box.x1 <= fig.bbox.x1
+            and fig.bbox.y0 <= box.y0
+            and box.y1 <= fig.bbox.y1
+        ), f"{label!r} leaves the figure"
     plt.close("all")

@@ -52,15 +52,14 @@ def test_committed_set_is_small_valid_and_real(committed):
 
 def test_analysis_on_two_real_traces(committed):
     traces = [subset_trace(committed.read(i), max_generated=384) for i in range(2)]
-    settings = RealTraceSettings(page_size=64, fidelity_queries=4, budgets=(256,),
-                                 bootstrap=20)
+    settings = RealTraceSettings(page_size=64, fidelity_queries=4, budgets=(256,), bootstrap=20)
     a = analyze(traces, settings, progress=False)
     assert a.trace_ids == [t.request_id for t in traces]
     labels = [r["policy"] for r in a.rows]
     assert labels[:3] == ["growpage", "fullkv", "fixed-256"]
     assert {"inverse", "shrink", "entropy", "streamingllm-256", "h2o-256"} <= set(labels)
     boundaries = {r["boundaries"] for r in a.rows}
-    assert len(boundaries) == 1                          # every policy meets every page boundary
+    assert len(boundaries) == 1  # every policy meets every page boundary
     for row in a.rows:
         assert row["grow"] + row["compress"] + row["shrink"] == row["boundaries"]
         assert row["fallback"] == 0 and 0 <= row["grow_ratio"] <= 1
@@ -70,7 +69,7 @@ def test_analysis_on_two_real_traces(committed):
     assert by["fullkv"]["compress"] == 0 and by["fixed-256"]["avg_budget"] <= 256
     q = grow_ratio(a.results["growpage"])
     assert any(r["policy"] == f"random (q={q:.2f})" for r in a.rows)
-    for sig in a.signals.values():                       # growpage and fullkv
+    for sig in a.signals.values():  # growpage and fullkv
         assert -1 <= sig["spearman"] <= 1 and 0 <= sig["sign_agreement"] <= 1
         assert sum(b["count"] for b in sig["buckets"]) <= sig["num_boundaries"] + len(traces)
         assert sig["num_boundaries"] == len(sig["pairs"]) > 0
@@ -81,9 +80,11 @@ def test_analysis_on_two_real_traces(committed):
             if ci["mean_advantage"] is not None:
                 assert bucket["count"] >= 2
                 assert ci["mean_advantage"][0] <= ci["mean_advantage"][1]
-        split = sig["split"]                             # the traces carry meta["first_eos"]
-        assert (split["before"]["num_boundaries"] + split["after"]["num_boundaries"]
-                == sig["num_boundaries"])
+        split = sig["split"]  # the traces carry meta["first_eos"]
+        assert (
+            split["before"]["num_boundaries"] + split["after"]["num_boundaries"]
+            == sig["num_boundaries"]
+        )
         levels = sig["levels"]
         assert levels["num_boundaries"] == sig["num_boundaries"]
         assert all(-1 <= levels[k] <= 1 for k in levels if k.startswith("spearman"))
@@ -94,27 +95,53 @@ def test_advantage_plot_shows_how_many_boundaries_each_bar_holds(tmp_path, monke
 
     figures, close = [], plt.close
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at its bars
-    buckets = [{"low": -math.inf, "high": 0.0, "count": 2, "mean_advantage": 0.02,
-                "mean_advantage_error": 0.05},
-               {"low": 0.0, "high": math.inf, "count": 150, "mean_advantage": 0.01,
-                "mean_advantage_error": None}]
+    buckets = [
+        {
+            "low": -math.inf,
+            "high": 0.0,
+            "count": 2,
+            "mean_advantage": 0.02,
+            "mean_advantage_error": 0.05,
+        },
+        {
+            "low": 0.0,
+            "high": math.inf,
+            "count": 150,
+            "mean_advantage": 0.01,
+            "mean_advantage_error": None,
+        },
+    ]
     _script().plot_advantage({"growpage": {"buckets": buckets}}, tmp_path / "a.png")
     [fig] = figures
     for ax in fig.axes:
-        assert [t.get_text() for t in ax.texts] == ["2", "150"]   # n on each bar
+        assert [t.get_text() for t in ax.texts] == ["2", "150"]  # n on each bar
         assert [bar.get_alpha() for bar in ax.patches] == [0.35, 1.0]  # n = 2 drawn pale
     close(fig)
 
 
 def test_no_rank_correlation_is_reported_over_a_few_boundaries():
-    sig = {"num_boundaries": 2, "spearman": 1.0, "spearman_ci95": [1.0, 1.0],
-           "sign_agreement": 1.0, "persistence_spearman": -1.0, "persistence_pairs": 1,
-           "spearman_delta_advantage": 1.0, "delta_mean": 0.1, "delta_std": 0.1,
-           "future_change_std": 0.1,
-           "split": {"before": {"num_boundaries": 2, "spearman": 1.0, "sign_agreement": 1.0},
-                     "after": {"num_boundaries": 0}},
-           "levels": {"num_boundaries": 2, "spearman_current_level": 1.0,
-                      "spearman_next_level": -1.0, "spearman_current_level_vs_change": 1.0}}
+    sig = {
+        "num_boundaries": 2,
+        "spearman": 1.0,
+        "spearman_ci95": [1.0, 1.0],
+        "sign_agreement": 1.0,
+        "persistence_spearman": -1.0,
+        "persistence_pairs": 1,
+        "spearman_delta_advantage": 1.0,
+        "delta_mean": 0.1,
+        "delta_std": 0.1,
+        "future_change_std": 0.1,
+        "split": {
+            "before": {"num_boundaries": 2, "spearman": 1.0, "sign_agreement": 1.0},
+            "after": {"num_boundaries": 0},
+        },
+        "levels": {
+            "num_boundaries": 2,
+            "spearman_current_level": 1.0,
+            "spearman_next_level": -1.0,
+            "spearman_current_level_vs_change": 1.0,
+        },
+    }
     text = _script().signal_text("growpage", sig, 64)
     assert "1.000" not in text and "interval" not in text and "ρ = n/a (< 10 pairs)" in text
     sig.update(num_boundaries=267, persistence_pairs=251)
@@ -138,17 +165,37 @@ def test_recorder_writes_an_annotated_trace_from_a_tiny_model(tmp_path):
     from growpage.engine.loader import build_model, meta_shapes
     from growpage.engine.model import ModelConfig
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
-                      num_q_heads=4, num_kv_heads=2, head_dim=8, rms_eps=1e-6, arch="llama",
-                      tie_word_embeddings=False, qk_norm=False, rope=RopeConfig(head_dim=8),
-                      bos_token_id=1, eos_token_ids=(2,), name="tiny-llama")
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=3,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_eps=1e-6,
+        arch="llama",
+        tie_word_embeddings=False,
+        qk_norm=False,
+        rope=RopeConfig(head_dim=8),
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="tiny-llama",
+    )
     gen = torch.Generator().manual_seed(0)
     shapes = meta_shapes(cfg)
     model = build_model(cfg, {k: torch.randn(s, generator=gen) * 0.3 for k, s in shapes.items()})
     script = _script()
     out = tmp_path / "set"
-    llm = LLM(model, policy="fullkv", record_traces=out, record_layers=[0, 2], page_size=4,
-              recent_window=1, kv_pages=64)
+    llm = LLM(
+        model,
+        policy="fullkv",
+        record_traces=out,
+        record_layers=[0, 2],
+        page_size=4,
+        recent_window=1,
+        kv_pages=64,
+    )
     params = script.sampling_params(2, 24, seed=7, temperature=0.7, top_p=0.95)
     script.record_with(llm, [[5, 6, 7, 8, 9], [10, 11, 12]], params, out, chat=False)
     traces = read_trace_set(out)
@@ -156,10 +203,16 @@ def test_recorder_writes_an_annotated_trace_from_a_tiny_model(tmp_path):
     for trace, prompt_len in zip(traces, (5, 3), strict=True):
         h = trace.header
         assert h.layer_ids == (0, 2) and h.has_values and h.prompt_len == prompt_len
-        assert trace.num_generated == 23                 # the last token is never fed back
-        assert h.meta["sampling"] == {"temperature": 0.7, "top_p": 0.95, "seed": h.meta[
-            "sampling"]["seed"], "ignore_eos": True, "max_tokens": 24, "chat": False,
-            "record_wall_s": h.meta["sampling"]["record_wall_s"]}
+        assert trace.num_generated == 23  # the last token is never fed back
+        assert h.meta["sampling"] == {
+            "temperature": 0.7,
+            "top_p": 0.95,
+            "seed": h.meta["sampling"]["seed"],
+            "ignore_eos": True,
+            "max_tokens": 24,
+            "chat": False,
+            "record_wall_s": h.meta["sampling"]["record_wall_s"],
+        }
         first = h.meta["first_eos"]
         generated = list(h.token_ids[prompt_len:]) + [h.meta["last_token_id"]]
         assert first == next((i for i, t in enumerate(generated) if t == 2), None)
@@ -172,9 +225,18 @@ def test_bucket_intervals_resample_whole_traces():
     from growpage.sim.records import BoundaryRecord
 
     def rec(delta: float, adv: float) -> BoundaryRecord:
-        return BoundaryRecord(position=64, action="grow", decision="grow", fallback=False,
-                              pages_before=1, pages_after=2, tokens_after=65, delta=delta,
-                              advantage=adv, advantage_error=2 * adv)
+        return BoundaryRecord(
+            position=64,
+            action="grow",
+            decision="grow",
+            fallback=False,
+            pages_before=1,
+            pages_after=2,
+            tokens_after=65,
+            delta=delta,
+            advantage=adv,
+            advantage_error=2 * adv,
+        )
 
     # Bucket [0.05, inf): trace a says 0.01, trace b says 0.03; bucket [-inf, -0.05): trace a only.
     per_trace = [[rec(0.1, 0.01), rec(0.2, 0.01), rec(-0.1, 0.5)], [rec(0.3, 0.03)]]
@@ -185,7 +247,7 @@ def test_bucket_intervals_resample_whole_traces():
     lo, hi = cis[-1]["mean_advantage_error"]
     assert lo == pytest.approx(0.02) and hi == pytest.approx(0.06)
     assert cis[0] == {"mean_advantage": None, "mean_advantage_error": None}  # one trace only
-    assert all(ci["mean_advantage"] is None for ci in cis[1:-1])            # no boundaries
+    assert all(ci["mean_advantage"] is None for ci in cis[1:-1])  # no boundaries
     assert _bootstrap_buckets(per_trace, num=0, seed=0)[-1]["mean_advantage"] is None
 
 
@@ -194,32 +256,60 @@ def test_advantage_plot_draws_the_bucket_intervals(tmp_path, monkeypatch):
 
     figures, close = [], plt.close
     monkeypatch.setattr(plt, "close", figures.append)
-    buckets = [{"low": -math.inf, "high": 0.0, "count": 20, "mean_advantage": 0.02,
-                "mean_advantage_error": 0.05},
-               {"low": 0.0, "high": math.inf, "count": 150, "mean_advantage": 0.01,
-                "mean_advantage_error": 0.04}]
-    cis = [{"mean_advantage": (0.015, 0.03), "mean_advantage_error": None},
-           {"mean_advantage": (0.005, 0.012), "mean_advantage_error": (0.03, 0.05)}]
-    _script().plot_advantage({"growpage": {"buckets": buckets, "bucket_ci95": cis}},
-                             tmp_path / "a.png")
+    buckets = [
+        {
+            "low": -math.inf,
+            "high": 0.0,
+            "count": 20,
+            "mean_advantage": 0.02,
+            "mean_advantage_error": 0.05,
+        },
+        {
+            "low": 0.0,
+            "high": math.inf,
+            "count": 150,
+            "mean_advantage": 0.01,
+            "mean_advantage_error": 0.04,
+        },
+    ]
+    cis = [
+        {"mean_advantage": (0.015, 0.03), "mean_advantage_error": None},
+        {"mean_advantage": (0.005, 0.012), "mean_advantage_error": (0.03, 0.05)},
+    ]
+    _script().plot_advantage(
+        {"growpage": {"buckets": buckets, "bucket_ci95": cis}}, tmp_path / "a.png"
+    )
     [fig] = figures
     mass_ax, err_ax = fig.axes
     [mass_bars] = [c for c in mass_ax.containers if getattr(c, "errorbar", None) is not None]
     segments = mass_bars.errorbar.lines[2][0].get_segments()
-    assert [(s[0][1], s[1][1]) for s in segments] == [pytest.approx((0.015, 0.03)),
-                                                      pytest.approx((0.005, 0.012))]
+    assert [(s[0][1], s[1][1]) for s in segments] == [
+        pytest.approx((0.015, 0.03)),
+        pytest.approx((0.005, 0.012)),
+    ]
     [err_bars] = [c for c in err_ax.containers if getattr(c, "errorbar", None) is not None]
     segments = err_bars.errorbar.lines[2][0].get_segments()
-    assert [(s[0][1], s[1][1]) for s in segments] == [pytest.approx((0.05, 0.05)),
-                                                      pytest.approx((0.03, 0.05))]
+    assert [(s[0][1], s[1][1]) for s in segments] == [
+        pytest.approx((0.05, 0.05)),
+        pytest.approx((0.03, 0.05)),
+    ]
     assert "95%" in mass_ax.get_title()
     close(fig)
 
 
 def test_bucket_table_prints_each_interval():
-    sig = {"buckets": [{"low": 0.0, "high": 0.01, "count": 3, "mean_advantage": 0.01,
-                        "mean_advantage_error": 0.02}],
-           "bucket_ci95": [{"mean_advantage": [0.005, 0.02], "mean_advantage_error": None}]}
+    sig = {
+        "buckets": [
+            {
+                "low": 0.0,
+                "high": 0.01,
+                "count": 3,
+                "mean_advantage": 0.01,
+                "mean_advantage_error": 0.02,
+            }
+        ],
+        "bucket_ci95": [{"mean_advantage": [0.005, 0.02], "mean_advantage_error": None}],
+    }
     [row] = _script()._bucket_rows(sig)
     assert row["adv_ci"] == "0.0050 to 0.0200" and row["adv_err_ci"] is None
 

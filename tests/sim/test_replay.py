@@ -23,8 +23,15 @@ from growpage.sim.traceview import TraceView
 
 B = 64
 CONFIG = GrowPageConfig(page_size=B, recent_window=8)
-SWITCH = SyntheticSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32, prompt_len=64,
-                       gen_len=1536, schedule="switch")
+SWITCH = SyntheticSpec(
+    num_layers=2,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    prompt_len=64,
+    gen_len=1536,
+    schedule="switch",
+)
 SWITCH_AT = 64 + 1536 // 2
 
 
@@ -35,8 +42,9 @@ def switch_trace():
 
 @pytest.fixture(scope="module")
 def random_trace():
-    return synthetic_trace(attrs.evolve(SWITCH, schedule="random", mean_regime_len=256.0,
-                                        gen_len=1000), seed=5)
+    return synthetic_trace(
+        attrs.evolve(SWITCH, schedule="random", mean_regime_len=256.0, gen_len=1000), seed=5
+    )
 
 
 def decided(result, start, end):
@@ -74,36 +82,47 @@ def test_switch_to_diffuse_makes_growpage_grow_and_inverse_compress(switch_trace
 def test_fullkv_never_loses_mass(random_trace):
     result = replay_trace(random_trace, "fullkv", CONFIG, ReplayOptions(fidelity_queries=8))
     assert result.events["compress"] == 0 and result.records
-    assert all(r.mass_mean == 1.0 and r.mass_min == 1.0 and r.output_error == 0.0
-               for r in result.records)
+    assert all(
+        r.mass_mean == 1.0 and r.mass_min == 1.0 and r.output_error == 0.0 for r in result.records
+    )
     assert torch.equal(result.head_mass, torch.ones_like(result.head_mass))
     # Capacity grows one page per boundary; avg budget = mean capacity over decode tokens.
-    caps = [math.ceil((t + 1) / B) * B for t in range(random_trace.prompt_len,
-                                                      random_trace.num_tokens)]
+    caps = [
+        math.ceil((t + 1) / B) * B for t in range(random_trace.prompt_len, random_trace.num_tokens)
+    ]
     assert result.avg_budget == pytest.approx(sum(caps) / len(caps))
 
 
 @pytest.mark.parametrize("budget", [128, 320, 512])
 def test_fixed_never_exceeds_its_budget(random_trace, budget):
-    result = replay_trace(random_trace, resolve_policy("fixed", budget_tokens=budget), CONFIG,
-                          ReplayOptions(fidelity_queries=0))
-    assert result.max_pages * B == budget // B * B        # grows to the budget, never beyond
+    result = replay_trace(
+        random_trace,
+        resolve_policy("fixed", budget_tokens=budget),
+        CONFIG,
+        ReplayOptions(fidelity_queries=0),
+    )
+    assert result.max_pages * B == budget // B * B  # grows to the budget, never beyond
     assert all(r.pages_after * B <= budget for r in result.records)
     assert result.avg_budget <= budget
 
 
 def test_compression_loses_mass_and_fidelity_matches_brute_force(random_trace):
-    result = replay_trace(random_trace, resolve_policy("fixed", budget_tokens=256), CONFIG,
-                          ReplayOptions(fidelity_queries=4))
-    assert result.mass_mean < 1.0 and all(0 <= r.mass_min <= r.mass_mean <= 1
-                                          for r in result.records)
+    result = replay_trace(
+        random_trace,
+        resolve_policy("fixed", budget_tokens=256),
+        CONFIG,
+        ReplayOptions(fidelity_queries=4),
+    )
+    assert result.mass_mean < 1.0 and all(
+        0 <= r.mass_min <= r.mass_mean <= 1 for r in result.records
+    )
     # Brute force at one boundary: rebuild the view, compress, and score each query alone.
     view = TraceView(random_trace, CONFIG)
     view.write_until(512)
-    keep = torch.arange(0, 512, 2).expand(2, 2, -1)          # every other token
+    keep = torch.arange(0, 512, 2).expand(2, 2, -1)  # every other token
     view.compact(keep, [], [])
     future = FutureAttention.compute(view, 512, 512 + B, 4)
-    lost = future.lost_mass(view.positions())                 # [L, Hkv, Q]
+    lost = future.lost_mass(view.positions())  # [L, Hkv, Q]
     h = random_trace.header
     for qi, t in enumerate(future.positions.tolist()):
         q = rope_at(h.rope, random_trace.queries[:, t], t).view(2, 2, 2, -1)  # [L, Hkv, G, d]
@@ -112,34 +131,37 @@ def test_compression_loses_mass_and_fidelity_matches_brute_force(random_trace):
         dropped = torch.ones(t + 1, dtype=torch.bool)
         dropped[512:] = False
         dropped[keep[0, 0]] = False
-        torch.testing.assert_close(lost[..., qi], attn[..., dropped].sum(-1), rtol=1e-4,
-                                   atol=1e-5)
+        torch.testing.assert_close(lost[..., qi], attn[..., dropped].sum(-1), rtol=1e-4, atol=1e-5)
 
 
 def test_signals_see_the_switch(switch_trace):
-    result = replay_trace(switch_trace, "growpage", CONFIG,
-                          ReplayOptions(fidelity_queries=4, signals=True))
+    result = replay_trace(
+        switch_trace, "growpage", CONFIG, ReplayOptions(fidelity_queries=4, signals=True)
+    )
     at_switch = [r for r in result.records if SWITCH_AT <= r.position < SWITCH_AT + B]
-    assert at_switch and at_switch[0].future_change > 0.3       # demand jumps at the switch
+    assert at_switch and at_switch[0].future_change > 0.3  # demand jumps at the switch
     later = [r for r in result.records if r.position >= SWITCH_AT + B]
     assert all(r.delta > 0 for r in later[:4])
-    assert all(r.advantage is not None and r.advantage >= -1e-6
-               for r in result.records if r.decision)
+    assert all(
+        r.advantage is not None and r.advantage >= -1e-6 for r in result.records if r.decision
+    )
 
 
 def test_a_shared_pool_can_refuse_growth_or_stop_the_replay(random_trace):
     pool = PagePool(6, B)
     always_grow = FixedBudgetPolicy(budget_tokens=10**6)  # wants pages, falls back when refused
-    result = replay_trace(random_trace, always_grow, CONFIG, ReplayOptions(fidelity_queries=0),
-                          pool=pool)
+    result = replay_trace(
+        random_trace, always_grow, CONFIG, ReplayOptions(fidelity_queries=0), pool=pool
+    )
     assert result.max_pages == 6 and result.events["fallback"] > 0 and not result.preempted
     assert pool.num_free_pages == 6
     # fullkv never compresses: a refused page stops the replay (the request would be preempted).
-    full = replay_trace(random_trace, "fullkv", CONFIG, ReplayOptions(fidelity_queries=0),
-                        pool=PagePool(6, B))
+    full = replay_trace(
+        random_trace, "fullkv", CONFIG, ReplayOptions(fidelity_queries=0), pool=PagePool(6, B)
+    )
     assert full.preempted and full.events["fallback"] == 0 and full.events["compress"] == 0
     tight = PagePool(2, B)
-    tight.allocate(1)    # someone else holds a page: the forced growth cannot happen
+    tight.allocate(1)  # someone else holds a page: the forced growth cannot happen
     stopped = replay_trace(random_trace, "fullkv", CONFIG, pool=tight)
     assert stopped.preempted and stopped.records[-1].action == "preempt"
 
@@ -151,21 +173,33 @@ def test_replay_options_are_validated():
         ReplayOptions(fidelity_queries=0, signals=True)
     # Flags are True or False: "false" read as on until 2026-12.
     for field, value in (("output_error", "false"), ("signals", 1), ("release", None)):
-        with pytest.raises(ConfigError, match=re.escape(
-                f"ReplayOptions.{field} must be True or False, got {value!r}")):
+        with pytest.raises(
+            ConfigError,
+            match=re.escape(f"ReplayOptions.{field} must be True or False, got {value!r}"),
+        ):
             ReplayOptions(**{field: value})
 
 
-@pytest.mark.parametrize(("field", "value", "low"), [
-    ("page_size", 0, 1), ("fidelity_queries", 0, 1), ("baseline_budget", -5, 1),
-    ("shrink_min_tokens", 2.5, 1), ("bootstrap", -1, 0), ("seed", True, 0)])
+@pytest.mark.parametrize(
+    ("field", "value", "low"),
+    [
+        ("page_size", 0, 1),
+        ("fidelity_queries", 0, 1),
+        ("baseline_budget", -5, 1),
+        ("shrink_min_tokens", 2.5, 1),
+        ("bootstrap", -1, 0),
+        ("seed", True, 0),
+    ],
+)
 def test_real_trace_settings_are_validated(field, value, low):
     """Until 2026-12 only the budgets were checked: bootstrap -1 meant none, a page size of 0
     failed deep inside the analysis."""
     from growpage.sim.realtrace import RealTraceSettings
 
-    with pytest.raises(ConfigError, match=re.escape(
-            f"RealTraceSettings.{field} must be an integer >= {low}, got {value!r}")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"RealTraceSettings.{field} must be an integer >= {low}, got {value!r}"),
+    ):
         RealTraceSettings(**{field: value})
     assert RealTraceSettings(baseline_budget=None).baseline_budget is None
 
@@ -180,7 +214,7 @@ def test_accumulated_attention_matches_token_by_token_h2o(random_trace):
 
     def naive(upto: int, keys, pos, acc):
         for t in range(acc["until"], upto):
-            q = rope_at(h.rope, trace.queries[:, t].float(), t)          # [L, Hq, d]
+            q = rope_at(h.rope, trace.queries[:, t].float(), t)  # [L, Hq, d]
             q = q.reshape(h.num_recorded_layers, h.num_kv_heads, group, h.head_dim)
             logits = torch.einsum("lhgd,lhsd->lhgs", q, keys) * h.softmax_scale
             logits = logits.masked_fill((pos > t)[:, :, None, :], float("-inf"))
@@ -256,22 +290,24 @@ class _FailsAfter(CapacityPolicy):
         return "grow" if self.how == "nonsense" else Decision.COMPRESS
 
     def select(self, ctx, keep):
-        return torch.zeros(*ctx.shape, keep, dtype=torch.long)   # duplicates: invalid
+        return torch.zeros(*ctx.shape, keep, dtype=torch.long)  # duplicates: invalid
 
 
 @pytest.mark.parametrize("how", ["raise", "nonsense", "bad-select"])
 def test_a_failing_policy_leaves_a_shared_pool_as_it_was(random_trace, how):
     pool = PagePool(40, B)
-    pool.allocate(3)   # another request's pages
+    pool.allocate(3)  # another request's pages
     with pytest.raises((ZeroDivisionError, PolicyError)):
-        replay_trace(random_trace, _FailsAfter(2, how), CONFIG,
-                     ReplayOptions(fidelity_queries=0), pool=pool)
+        replay_trace(
+            random_trace, _FailsAfter(2, how), CONFIG, ReplayOptions(fidelity_queries=0), pool=pool
+        )
     assert pool.num_free_pages == 37
 
 
 def test_signals_check_the_counterfactual_selection_as_the_controller_does(random_trace):
     """With signals the replay asks select() at every decided boundary (a growth's
     counterfactual compression too): a bad selection is the same PolicyError."""
+
     class GrowsButSelectsBadly(CapacityPolicy):
         name = "grows-but-selects-badly"
 
@@ -279,23 +315,26 @@ def test_signals_check_the_counterfactual_selection_as_the_controller_does(rando
             return Decision.GROW
 
         def select(self, ctx, keep):
-            return torch.zeros(keep, dtype=torch.long)   # no layer/head dimensions
+            return torch.zeros(keep, dtype=torch.long)  # no layer/head dimensions
 
     with pytest.raises(PolicyError, match="grows-but-selects-badly select\\(\\): wrong shape"):
-        replay_trace(random_trace, GrowsButSelectsBadly(), CONFIG,
-                     ReplayOptions(fidelity_queries=2, signals=True))
+        replay_trace(
+            random_trace,
+            GrowsButSelectsBadly(),
+            CONFIG,
+            ReplayOptions(fidelity_queries=2, signals=True),
+        )
     # Without signals the policy's select is never called: it only grows.
     replay_trace(random_trace, GrowsButSelectsBadly(), CONFIG, ReplayOptions(fidelity_queries=2))
 
 
-def test_a_boundary_before_the_first_decode_step_of_a_residency_has_no_query_state(
-        random_trace):
+def test_a_boundary_before_the_first_decode_step_of_a_residency_has_no_query_state(random_trace):
     """Past the prompt, a boundary has the summaries of the previous token, unless the request
     has not decoded since its admission (back from preemption: its recompute restarts them, as
     in the engine); the next decoded boundary has them again."""
     view = TraceView(random_trace, CONFIG)
     prompt = random_trace.prompt_len
-    view.prepare_boundary(prompt)                    # a prompt ending on a page: none yet
+    view.prepare_boundary(prompt)  # a prompt ending on a page: none yet
     assert not view.has_query_state
     view.prepare_boundary(prompt + 40)
     assert view.has_query_state
@@ -311,14 +350,19 @@ def test_signals_skip_a_growth_forced_before_the_first_decode_query():
     so the controller grows without asking the policy. Its record used to carry the Delta_t of
     an empty query state (0.0) and a counterfactual advantage, which signal_quality then
     counted in the [0, 0.005) bucket as if the policy had decided there."""
-    spec = attrs.evolve(SWITCH, schedule="random", mean_regime_len=128.0, prompt_len=2 * B,
-                        gen_len=6 * B)
-    result = replay_trace(synthetic_trace(spec, seed=4), "growpage", CONFIG,
-                          ReplayOptions(fidelity_queries=4, signals=True))
+    spec = attrs.evolve(
+        SWITCH, schedule="random", mean_regime_len=128.0, prompt_len=2 * B, gen_len=6 * B
+    )
+    result = replay_trace(
+        synthetic_trace(spec, seed=4),
+        "growpage",
+        CONFIG,
+        ReplayOptions(fidelity_queries=4, signals=True),
+    )
     first = result.records[0]
     assert (first.position, first.decision, first.action) == (2 * B, None, "grow")
     assert (first.delta, first.advantage, first.advantage_error) == (None, None, None)
-    assert first.mass_mean == 1.0                   # fidelity is still measured there
+    assert first.mass_mean == 1.0  # fidelity is still measured there
     decided = [r for r in result.records if r.decision is not None]
     assert decided and all(r.delta is not None and r.advantage is not None for r in decided)
     counted = sum(b.count for b in signal_quality(result.records).buckets)

@@ -46,15 +46,25 @@ def test_played_back_decisions_equal_the_replayed_ones():
     request = WorkloadRequest("only", 0.0, 40, 700)
     book = ScriptBook(resolve_policy("growpage"), CONFIG, [request], 1, 7, SCRIPT_SPEC)
     script = book.scripts[0]
-    trace = synthetic_trace(attrs.evolve(SCRIPT_SPEC, prompt_len=script.prompt_len,
-                                         gen_len=script.gen_len, with_values=False), 7,
-                            request_id="script-0")
-    replayed = [r.decision for r in replay_trace(trace, "growpage", CONFIG,
-                                                  ReplayOptions(fidelity_queries=0)).records
-                if r.decision]
-    result = simulate([request], "growpage", CONFIG,
-                      SimConfig(num_kv_pages=100, num_scripts=1, seed=7, record_events=True),
-                      COST)
+    trace = synthetic_trace(
+        attrs.evolve(
+            SCRIPT_SPEC, prompt_len=script.prompt_len, gen_len=script.gen_len, with_values=False
+        ),
+        7,
+        request_id="script-0",
+    )
+    replayed = [
+        r.decision
+        for r in replay_trace(trace, "growpage", CONFIG, ReplayOptions(fidelity_queries=0)).records
+        if r.decision
+    ]
+    result = simulate(
+        [request],
+        "growpage",
+        CONFIG,
+        SimConfig(num_kv_pages=100, num_scripts=1, seed=7, record_events=True),
+        COST,
+    )
     served = [e[1] for e in result.events if e[1] in ("grow", "compress")]
     assert served == replayed[: len(served)] and len(served) >= 20
 
@@ -63,14 +73,19 @@ def test_a_signal_the_script_did_not_record_is_a_simulation_error():
     class Moody(CapacityPolicy):
         name = "moody"
 
-        def decide(self, ctx):   # reads a signal only when the pool is nearly full
+        def decide(self, ctx):  # reads a signal only when the pool is nearly full
             if ctx.num_free_pages < 3 and ctx.delta() > 1:
                 return Decision.GROW
             return Decision.GROW if ctx.num_pages < 3 else Decision.COMPRESS
 
     with pytest.raises(SimulationError, match="did not"):
-        simulate([WorkloadRequest("a", 0.0, 40, 400), WorkloadRequest("b", 0.0, 40, 400)],
-                 Moody(), CONFIG, SimConfig(num_kv_pages=8, admission_reserve=0.0), COST)
+        simulate(
+            [WorkloadRequest("a", 0.0, 40, 400), WorkloadRequest("b", 0.0, 40, 400)],
+            Moody(),
+            CONFIG,
+            SimConfig(num_kv_pages=8, admission_reserve=0.0),
+            COST,
+        )
 
 
 def test_a_policy_reading_kv_content_in_script_mode_is_pointed_to_trace_mode():
@@ -83,14 +98,16 @@ def test_a_policy_reading_kv_content_in_script_mode_is_pointed_to_trace_mode():
     requests = [WorkloadRequest("a", 0.0, 40, 200)]
     with pytest.raises(SimulationError, match=r"needs trace mode .*--decisions trace"):
         simulate(requests, KeyReader(), CONFIG, SimConfig(num_kv_pages=40), COST)
-    done = simulate(requests, KeyReader(), CONFIG, SimConfig(num_kv_pages=40, decisions="trace"),
-                    COST)
+    done = simulate(
+        requests, KeyReader(), CONFIG, SimConfig(num_kv_pages=40, decisions="trace"), COST
+    )
     assert done.metrics.num_requests == 1 and done.metrics.output_tokens == 200
 
 
 def test_a_policy_reading_accumulated_attention_in_decide_runs_in_script_mode():
     """The script's replay tracks the sums for such a policy, so their played-back value is
     there (it was None: the recording wrapper hid the policy's flag)."""
+
     class SumsDecide(CapacityPolicy):
         name = "sums-decide"
         needs_accumulated_attention = True
@@ -101,8 +118,13 @@ def test_a_policy_reading_accumulated_attention_in_decide_runs_in_script_mode():
 
     recorder = RecordingPolicy(SumsDecide())
     assert recorder.needs_accumulated_attention
-    done = simulate([WorkloadRequest("a", 0.0, 40, 300), WorkloadRequest("b", 0.0, 40, 300)],
-                    SumsDecide(), CONFIG, SimConfig(num_kv_pages=60), COST)
+    done = simulate(
+        [WorkloadRequest("a", 0.0, 40, 300), WorkloadRequest("b", 0.0, 40, 300)],
+        SumsDecide(),
+        CONFIG,
+        SimConfig(num_kv_pages=60),
+        COST,
+    )
     assert done.metrics.output_tokens == 600
     assert done.metrics.grows + done.metrics.compresses > 5
 
@@ -125,8 +147,9 @@ def test_a_policy_that_stops_reading_a_signal_at_its_cap_serves_in_script_mode()
     request below the cap, where it reads delta() again at that boundary: the script logs
     every signal read before at each boundary (until 2026-12-01 this was a SimulationError)."""
     requests = [WorkloadRequest(f"r{i}", 0.0, 40, 600) for i in range(6)]
-    result = simulate(requests, CappedGrowPage(), CONFIG,
-                      SimConfig(num_kv_pages=14, admission_reserve=0.0), COST)
+    result = simulate(
+        requests, CappedGrowPage(), CONFIG, SimConfig(num_kv_pages=14, admission_reserve=0.0), COST
+    )
     m = result.metrics
     assert m.fallbacks > 0 and m.output_tokens == 6 * 600
 
@@ -148,11 +171,15 @@ def test_a_boundary_decided_again_after_a_preemption_reads_the_same_script_bound
             ctx.delta()
             return Decision.GROW
 
-    policy = ScriptedPolicy(ReadsDelta(), CONFIG,
-                            lambda rid, ordinal, key: read.append((rid, ordinal)) or 0.0)
+    policy = ScriptedPolicy(
+        ReadsDelta(), CONFIG, lambda rid, ordinal, key: read.append((rid, ordinal)) or 0.0
+    )
     for rid, position in (("a", 64), ("a", 64), ("b", 64), ("a", 96), ("a", 96), ("a", 128)):
-        policy.decide(SimpleNamespace(request_id=rid, position=position, num_pages=2,
-                                      num_free_pages=3, view=None))
+        policy.decide(
+            SimpleNamespace(
+                request_id=rid, position=position, num_pages=2, num_free_pages=3, view=None
+            )
+        )
     assert read == [("a", 0), ("a", 0), ("b", 0), ("a", 1), ("a", 1), ("a", 2)]
 
 
@@ -196,11 +223,10 @@ def test_scripts_replay_on_a_copy_so_the_served_policy_is_never_re_entered():
     decide() (the first signal it read): NotReentrant's assert fired, and the replay's calls
     were counted as the served policy's own."""
     policy = NotReentrant()
-    m = simulate(REQUESTS, policy, CONFIG, SimConfig(num_kv_pages=40, num_scripts=2),
-                 COST).metrics
+    m = simulate(REQUESTS, policy, CONFIG, SimConfig(num_kv_pages=40, num_scripts=2), COST).metrics
     assert m.output_tokens == sum(r.output_tokens for r in REQUESTS)
-    assert m.fallbacks > 0 and m.forced_grows == 0   # a fallback: a GROW refused, compressed
-    assert policy.calls == m.grows + m.compresses > 10   # the served boundaries only
+    assert m.fallbacks > 0 and m.forced_grows == 0  # a fallback: a GROW refused, compressed
+    assert policy.calls == m.grows + m.compresses > 10  # the served boundaries only
 
 
 def test_a_policy_that_cannot_be_copied_has_its_scripts_replayed_up_front():
@@ -208,9 +234,10 @@ def test_a_policy_that_cannot_be_copied_has_its_scripts_replayed_up_front():
     (where its lock, held, deadlocked the run until 2026-12)."""
     book = ScriptBook(HoldsALock(), CONFIG, REQUESTS, 2, 0, SCRIPT_SPEC)
     assert book.replayer is None and book.num_built == 2
-    result = simulate(REQUESTS, HoldsALock(), CONFIG, SimConfig(num_kv_pages=40, num_scripts=2),
-                      COST)
+    result = simulate(
+        REQUESTS, HoldsALock(), CONFIG, SimConfig(num_kv_pages=40, num_scripts=2), COST
+    )
     assert result.metrics.output_tokens == sum(r.output_tokens for r in REQUESTS)
     assert result.metrics.grows + result.metrics.compresses > 10
     lazy = ScriptBook(resolve_policy("growpage"), CONFIG, REQUESTS, 2, 0, SCRIPT_SPEC)
-    assert lazy.replayer is not None and lazy.num_built == 0   # a copyable one: on first use
+    assert lazy.replayer is not None and lazy.num_built == 0  # a copyable one: on first use

@@ -15,8 +15,15 @@ from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
 from growpage.sim.workloads import resolve_workload
 
 # Short regimes on small heads: exact Δt ties (0) and compressions where the quota binds.
-SPEC = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16, prompt_len=32,
-                     gen_len=480, mean_regime_len=128.0)
+SPEC = SyntheticSpec(
+    num_layers=1,
+    num_q_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    prompt_len=32,
+    gen_len=480,
+    mean_regime_len=128.0,
+)
 PAGE = 32
 
 
@@ -47,8 +54,10 @@ def test_delta_intervals_put_a_tie_with_tau_on_the_compress_side(bench):
     assert counts == {"delta_counts": [2, 2, 2, 1], "delta_zero": 2, "decided": 7}
 
 
-@pytest.mark.parametrize("at_256, page, k_loc, share", [(16, 64, 4, "1/16"), (64, 64, 16, "1/4"),
-                                                        (128, 256, 128, "1/2"), (0, 32, 0, "0")])
+@pytest.mark.parametrize(
+    "at_256, page, k_loc, share",
+    [(16, 64, 4, "1/16"), (64, 64, 16, "1/4"), (128, 256, 128, "1/2"), (0, 32, 0, "0")],
+)
 def test_paper_quota_scales_with_the_page(bench, at_256, page, k_loc, share):
     assert bench.scaled_kloc(at_256, page) == k_loc
     assert bench.page_share(k_loc, page) == share
@@ -64,14 +73,14 @@ def test_tau_rows_and_decisions_follow_delta(bench, replay_setup):
         assert row["tau"] == tau and row["k_loc"] == PAGE // 4 and row["traces"] == 2
         assert {"avg_budget", "mass_mean", "mass_min", "output_error", "grow_ratio"} <= set(row)
         assert sum(row["delta_counts"]) == row["decided"] > 0
-        grown = sum(row["delta_counts"][i + 1:])   # the intervals above τ
+        grown = sum(row["delta_counts"][i + 1 :])  # the intervals above τ
         assert row["grow_ratio"] * row["decided"] == pytest.approx(grown)
         for res in results:
             for r in res.records:
                 if r.decision is not None:
                     assert (r.decision == "grow") == (r.delta > tau)
     assert runs[-1.0][0]["grow_ratio"] == 1.0 and runs[1.0][0]["grow_ratio"] == 0.0
-    assert runs[-0.003][0]["grow_ratio"] > runs[0.0][0]["grow_ratio"]   # ties at Δt = 0 grow
+    assert runs[-0.003][0]["grow_ratio"] > runs[0.0][0]["grow_ratio"]  # ties at Δt = 0 grow
     for low, high in zip(taus[:-1], taus[1:], strict=True):
         for a, b in zip(runs[low][1], runs[high][1], strict=True):
             da = [(r.position, r.decision, r.delta) for r in a.records if r.decision]
@@ -97,12 +106,16 @@ def test_kloc_changes_which_tokens_a_fixed_budget_keeps_not_how_many(bench, repl
 
 @pytest.fixture(scope="module")
 def swept(bench, replay_setup):
-    serve = bench.ServeSetup(requests=resolve_workload("tiny")[:6], workload="tiny",
-                             num_kv_pages=30, fidelity_traces=1, fidelity_gen_len=512)
-    plan = bench.SweepPlan(taus=(-0.001, 0.0, 0.001), kloc_at_256=(32, 64, 128),
-                           kloc_budget=128)
+    serve = bench.ServeSetup(
+        requests=resolve_workload("tiny")[:6],
+        workload="tiny",
+        num_kv_pages=30,
+        fidelity_traces=1,
+        fidelity_gen_len=512,
+    )
+    plan = bench.SweepPlan(taus=(-0.001, 0.0, 0.001), kloc_at_256=(32, 64, 128), kloc_budget=128)
     calls = []
-    with pytest.MonkeyPatch.context() as mp:   # count the points actually run
+    with pytest.MonkeyPatch.context() as mp:  # count the points actually run
         for name in ("replay_row", "serve_row"):
             inner = getattr(bench, name)
             mp.setattr(bench, name, lambda *a, _f=inner, _n=name: calls.append(_n) or _f(*a))
@@ -117,12 +130,18 @@ def test_sweeps_give_one_row_per_value_and_share_the_default_point(bench, replay
     assert [r["tau"] for r in result["tau"]["serve"]] == [-0.001, 0.0, 0.001]
     replayed = result["kloc"]["replay"]
     assert [(r["policy"], r["k_loc"]) for r in replayed] == [
-        ("growpage", 4), ("growpage", 8), ("growpage", 16),
-        ("fixed-128", 4), ("fixed-128", 8), ("fixed-128", 16)]
+        ("growpage", 4),
+        ("growpage", 8),
+        ("growpage", 16),
+        ("fixed-128", 4),
+        ("fixed-128", 8),
+        ("fixed-128", 16),
+    ]
     assert [r["k_loc"] for r in result["kloc"]["serve"]] == [32, 64, 128]
-    default = replayed[1]   # k_loc = b/4 at τ = 0: the τ sweep's middle point, run once
+    default = replayed[1]  # k_loc = b/4 at τ = 0: the τ sweep's middle point, run once
     assert {k: v for k, v in default.items() if k != "policy"} == {
-        k: v for k, v in result["tau"]["replay"][1].items() if k != "policy"}
+        k: v for k, v in result["tau"]["replay"][1].items() if k != "policy"
+    }
     assert result["kloc"]["serve"][1] == result["tau"]["serve"][1]
     # 3 τ + 2 further growpage + 3 fixed replays; 3 τ + 2 further k_loc served: each once
     assert calls.count("replay_row") == 8 and calls.count("serve_row") == 5
@@ -130,8 +149,11 @@ def test_sweeps_give_one_row_per_value_and_share_the_default_point(bench, replay
     for row in result["tau"]["serve"]:
         assert row["tps"] > 0 and 0 < row["avg_resident"] <= 6
         assert sum(row["delta_counts"]) == row["decided"] > 0
-        grown = sum(c for c, edge in zip(row["delta_counts"][1:], [-0.001, 0.0, 0.001],
-                                         strict=True) if edge >= row["tau"])
+        grown = sum(
+            c
+            for c, edge in zip(row["delta_counts"][1:], [-0.001, 0.0, 0.001], strict=True)
+            if edge >= row["tau"]
+        )
         assert row["grow_ratio"] * row["decided"] == pytest.approx(grown)
         assert 0 <= row["fidelity_mass_mean"] <= 1 + 1e-6
 
@@ -141,12 +163,39 @@ def test_command_writes_report_json_and_plots(bench, tmp_path, capsys):
     for seed in range(2):
         traces.write(synthetic_trace(SPEC, seed, f"t{seed}"))
     out = tmp_path / "out"
-    assert bench.main(["--traces", str(tmp_path / "traces"), "--page-size", str(PAGE),
-                       "--taus=-0.001,0,0.001", "--kloc", "64,128", "--kloc-budget", "128",
-                       "--fidelity-queries", "2", "--workload", "tiny", "--kv-pages", "40",
-                       "--fidelity-traces", "0", "--no-serve-kloc", "--out", str(out)]) == 0
-    assert {p.name for p in out.iterdir()} == {"report.md", "sensitivity.json", "tau.png",
-                                               "kloc.png"}
+    assert (
+        bench.main(
+            [
+                "--traces",
+                str(tmp_path / "traces"),
+                "--page-size",
+                str(PAGE),
+                "--taus=-0.001,0,0.001",
+                "--kloc",
+                "64,128",
+                "--kloc-budget",
+                "128",
+                "--fidelity-queries",
+                "2",
+                "--workload",
+                "tiny",
+                "--kv-pages",
+                "40",
+                "--fidelity-traces",
+                "0",
+                "--no-serve-kloc",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert {p.name for p in out.iterdir()} == {
+        "report.md",
+        "sensitivity.json",
+        "tau.png",
+        "kloc.png",
+    }
     payload = json.loads((out / "sensitivity.json").read_text())
     assert payload["settings"]["num_traces"] == 2 and payload["settings"]["workload"] == "tiny"
     assert len(payload["result"]["tau"]["serve"]) == 3 and "serve" not in payload["result"]["kloc"]
@@ -157,9 +206,18 @@ def test_command_writes_report_json_and_plots(bench, tmp_path, capsys):
     assert "| -0.001 |" in printed and "| fixed-128 | 16 | 1/2 |" in printed
 
 
-@pytest.mark.parametrize("args", [["--taus", "0,0"], ["--taus", "2"], ["--taus", "x"],
-                                  ["--kloc", "6"], ["--kloc", "512"],
-                                  ["--page-size", "2"], ["--kloc-budget", "0"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--taus", "0,0"],
+        ["--taus", "2"],
+        ["--taus", "x"],
+        ["--kloc", "6"],
+        ["--kloc", "512"],
+        ["--page-size", "2"],
+        ["--kloc-budget", "0"],
+    ],
+)
 def test_bad_options_stop_before_any_work(bench, args, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(args)
@@ -168,6 +226,7 @@ def test_bad_options_stop_before_any_work(bench, args, capsys):
 
 def test_a_missing_trace_set_fails_before_the_output_folder_exists(bench, tmp_path):
     with pytest.raises(TraceError, match="no such directory"):
-        bench.main(["--traces", str(tmp_path / "none"), "--no-serve", "--out",
-                    str(tmp_path / "out")])
+        bench.main(
+            ["--traces", str(tmp_path / "none"), "--no-serve", "--out", str(tmp_path / "out")]
+        )
     assert not (tmp_path / "out").exists()

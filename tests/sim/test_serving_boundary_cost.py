@@ -23,8 +23,7 @@ from growpage.sim.serving import SimConfig, simulate
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
 
-COST = LinearCostModel(base_s=0.01, per_seq_s=0.001, per_kv_token_s=1e-5,
-                       per_prefill_token_s=1e-4)
+COST = LinearCostModel(base_s=0.01, per_seq_s=0.001, per_kv_token_s=1e-5, per_prefill_token_s=1e-4)
 CONFIG = GrowPageConfig(page_size=64, recent_window=16)
 SIM = SimConfig(num_kv_pages=30, num_scripts=3, record_events=True)
 
@@ -34,16 +33,20 @@ def decided_and_compactions(result) -> tuple[int, int]:
     m = result.metrics
     # Every boundary the policy decided is logged as grow / compress / shrink (a fallback is
     # logged twice: "fallback", then "compress"); forced grows are logged as grow too.
-    decided = kinds.count("grow") - m.forced_grows + kinds.count("compress") + kinds.count(
-        "shrink")
+    decided = kinds.count("grow") - m.forced_grows + kinds.count("compress") + kinds.count("shrink")
     return decided, m.compresses + m.shrinks
 
 
 def test_priced_boundaries_add_exactly_their_cost_when_all_arrive_at_once():
     requests = [attrs.evolve(r, arrival_s=0.0) for r in resolve_workload("tiny", seed=1)]
     free = simulate(requests, "growpage", CONFIG, SIM, COST)
-    priced = simulate(requests, "growpage", CONFIG, SIM,
-                      with_boundary_costs(COST, boundary_s=0.002, compaction_s=0.005))
+    priced = simulate(
+        requests,
+        "growpage",
+        CONFIG,
+        SIM,
+        with_boundary_costs(COST, boundary_s=0.002, compaction_s=0.005),
+    )
     # Same decisions in the same order: only the clock moves.
     assert [e[1:] for e in priced.events] == [e[1:] for e in free.events]
     decided, compactions = decided_and_compactions(free)
@@ -51,8 +54,9 @@ def test_priced_boundaries_add_exactly_their_cost_when_all_arrive_at_once():
     charge = 0.002 * decided + 0.005 * compactions
     assert free.metrics.boundary_time_s == 0.0
     assert priced.metrics.boundary_time_s == pytest.approx(charge, rel=1e-9)
-    assert priced.metrics.total_time_s == pytest.approx(free.metrics.total_time_s + charge,
-                                                        rel=1e-9)
+    assert priced.metrics.total_time_s == pytest.approx(
+        free.metrics.total_time_s + charge, rel=1e-9
+    )
     assert priced.metrics.tps < free.metrics.tps
 
 
@@ -60,8 +64,13 @@ def test_fullkv_pays_for_its_decisions_only():
     requests = [attrs.evolve(r, arrival_s=0.0) for r in resolve_workload("tiny", seed=2)]
     sim = SimConfig(num_kv_pages=400)
     free = simulate(requests, "fullkv", CONFIG, sim, COST)
-    priced = simulate(requests, "fullkv", CONFIG, sim,
-                      with_boundary_costs(COST, boundary_s=0.001, compaction_s=1.0))
+    priced = simulate(
+        requests,
+        "fullkv",
+        CONFIG,
+        sim,
+        with_boundary_costs(COST, boundary_s=0.001, compaction_s=1.0),
+    )
     decided = free.metrics.grows - free.metrics.forced_grows
     assert free.metrics.compresses == 0 and decided > 0
     assert priced.metrics.boundary_time_s == pytest.approx(0.001 * decided)
@@ -76,8 +85,11 @@ def test_prices_are_validated_and_kept_in_the_linear_model_file(tmp_path):
     assert roofline.boundary_time(4, 2) == pytest.approx(0.006)
     path = with_boundary_costs(COST, 0.001, 0.002).save(tmp_path / "c.json")
     assert LinearCostModel.load(path).boundary_time(3, 1) == pytest.approx(0.005)
-    old = {k: v for k, v in json.loads(path.read_text()).items()
-           if k not in ("boundary_s", "compaction_s")}  # a file from before the prices
+    old = {
+        k: v
+        for k, v in json.loads(path.read_text()).items()
+        if k not in ("boundary_s", "compaction_s")
+    }  # a file from before the prices
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert LinearCostModel.load(tmp_path / "old.json").boundary_time(3, 1) == 0.0
 
@@ -95,15 +107,44 @@ def test_other_cost_models_cannot_take_prices():
 def test_serve_cli_charges_the_given_prices():
     def serve(*extra: str) -> dict:
         out = subprocess.run(
-            [sys.executable, "-m", "growpage.cli", "sim", "serve", "--workload", "tiny",
-             "--page-size", "64", "--kv-pages", "30", "--json", *extra],
-            capture_output=True, text=True, check=True).stdout
+            [
+                sys.executable,
+                "-m",
+                "growpage.cli",
+                "sim",
+                "serve",
+                "--workload",
+                "tiny",
+                "--page-size",
+                "64",
+                "--kv-pages",
+                "30",
+                "--json",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         return json.loads(out)["metrics"]
 
     free, priced = serve(), serve("--boundary-ms", "2", "--compaction-ms", "5")
     assert free["boundary_time_s"] == 0.0 and priced["boundary_time_s"] > 0
-    bad = subprocess.run([sys.executable, "-m", "growpage.cli", "sim", "serve", "--workload",
-                          "tiny", "--boundary-ms", "-1"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "growpage.cli",
+            "sim",
+            "serve",
+            "--workload",
+            "tiny",
+            "--boundary-ms",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode != 0 and "--boundary-ms must be a finite number >= 0" in bad.stderr
 
 
@@ -120,16 +161,20 @@ def test_a_synchronous_boundary_is_paid_before_the_step_beside_late_ones(decisio
     longer than when capacity control is free, and pays for all 9 decisions and 9
     compactions in ``boundary_time_s``."""
     config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
-    requests = [WorkloadRequest("s1", 0.0, 6, 12, prefix="p", prefix_tokens=4),
-                WorkloadRequest("z", 0.0, 6, 12),
-                WorkloadRequest("s2", 0.5, 6, 12, prefix="p", prefix_tokens=4)]
-    sim = SimConfig(num_kv_pages=40, admission_reserve=0.0, async_decisions=True,
-                    decisions=decisions)
+    requests = [
+        WorkloadRequest("s1", 0.0, 6, 12, prefix="p", prefix_tokens=4),
+        WorkloadRequest("z", 0.0, 6, 12),
+        WorkloadRequest("s2", 0.5, 6, 12, prefix="p", prefix_tokens=4),
+    ]
+    sim = SimConfig(
+        num_kv_pages=40, admission_reserve=0.0, async_decisions=True, decisions=decisions
+    )
 
     def run(price: float):
         cost = LinearCostModel(base_s=1.0, boundary_s=price, compaction_s=price)
-        return simulate(requests, resolve_policy("fixed", budget_tokens=8), config, sim,
-                        cost).metrics
+        return simulate(
+            requests, resolve_policy("fixed", budget_tokens=8), config, sim, cost
+        ).metrics
 
     free, paid = run(0.0), run(0.1)
     assert (free.total_time_s, free.compresses, free.prefix_hit_tokens) == (16.0, 9, 4)

@@ -39,8 +39,15 @@ def model():
 def scenario(bench):
     # 4 requests of 11-17 + 24 tokens need 36-40 pages of 4 tokens at once; the pool has 14,
     # so fullkv must preempt, and growpage compresses.
-    return bench.Scenario(num_requests=NUM_REQUESTS, max_tokens=MAX_TOKENS, page_size=4,
-                          kv_pages=14, max_num_seqs=8, record_kv_pages=256, chat=False)
+    return bench.Scenario(
+        num_requests=NUM_REQUESTS,
+        max_tokens=MAX_TOKENS,
+        page_size=4,
+        kv_pages=14,
+        max_num_seqs=8,
+        record_kv_pages=256,
+        chat=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +57,9 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def recorded(bench, model, scenario, prompts, tmp_path_factory):
-    traces, outs = bench.record_traces(model, None, scenario, prompts,
-                                       tmp_path_factory.mktemp("traces") / "set",
-                                       progress=False)
+    traces, outs = bench.record_traces(
+        model, None, scenario, prompts, tmp_path_factory.mktemp("traces") / "set", progress=False
+    )
     return bench.workload_from_traces(traces, [len(o.token_ids) for o in outs])
 
 
@@ -79,8 +86,9 @@ def test_recorded_workload_is_the_submitted_one(recorded, prompts):
 
 
 @pytest.mark.parametrize("spec", ["fullkv", "growpage"])
-def test_engine_and_simulator_count_the_same_work(bench, model, scenario, prompts, recorded,
-                                                  cost, spec):
+def test_engine_and_simulator_count_the_same_work(
+    bench, model, scenario, prompts, recorded, cost, spec
+):
     requests, traces = recorded
     (point,) = parse_points([spec])
     stats, config = bench.run_engine(model, None, scenario, point, prompts, progress=False)
@@ -93,23 +101,23 @@ def test_engine_and_simulator_count_the_same_work(bench, model, scenario, prompt
         for key in ("tps", "avg_resident", "total_time_s", "avg_kv_budget"):
             assert math.isfinite(side[key]) and side[key] > 0, (key, side)
         assert side["avg_resident"] <= NUM_REQUESTS
-        assert side["tps"] == pytest.approx(side["output_tokens"] / side["total_time_s"],
-                                            rel=1e-6)
+        assert side["tps"] == pytest.approx(side["output_tokens"] / side["total_time_s"], rel=1e-6)
         # No request ever holds more than the pool.
         assert side["avg_kv_budget"] <= scenario.kv_pages * scenario.page_size
         # Latencies, named alike on both sides: a first token before the last, within the run.
         assert 0 < side["ttft_p50_s"] <= side["ttft_p99_s"] <= side["e2e_p99_s"]
         assert side["e2e_p50_s"] <= side["e2e_p99_s"] <= side["total_time_s"] * (1 + 1e-9)
         assert 0 < side["tpot_p50_ms"] <= side["tpot_p99_ms"]
-    if spec == "fullkv":   # never compresses; the pool is too small to keep everyone resident
+    if spec == "fullkv":  # never compresses; the pool is too small to keep everyone resident
         assert engine["compresses"] == sim["compresses"] == 0
         assert engine["preemptions"] > 0 and sim["preemptions"] > 0
-    else:                  # closed loop on the recorded KV: the policy compresses in both
+    else:  # closed loop on the recorded KV: the policy compresses in both
         assert engine["compresses"] > 0 and sim["compresses"] > 0
         assert engine["preemptions"] == sim["preemptions"] == 0
     assert set(row["rel_error"]) == {k for k, _, _ in bench.METRICS}
-    assert row["within_target"] == all(abs(row["rel_error"][k]) <= bench.TARGET
-                                       for k in bench.GATED)
+    assert row["within_target"] == all(
+        abs(row["rel_error"][k]) <= bench.TARGET for k in bench.GATED
+    )
 
 
 def test_relative_error_and_report(bench):
@@ -119,24 +127,45 @@ def test_relative_error_and_report(bench):
     sim = {**engine, "tps": 12}
     row = bench.compare("p", engine, sim)
     assert row["rel_error"]["tps"] == pytest.approx(0.2) and not row["within_target"]
-    meta = {"command": "x", "machine": "m", "torch": "t", "threads": 1, "date": "d",
-            "wall_s": 1.0, "num_requests": 1, "prompt_tokens": 1, "max_tokens": 1,
-            "kv_pages": 1, "page_size": 1, "max_num_seqs": 1, "recorded_layers": "all",
-            "calibration_rows": 4, "calibration_rms_s": 0.001,
-            "cost_model": {"batch_sizes": [0, 1, 2], "batch_s": [0.05, 0.01, 0.0125],
-                           "per_kv_token_s": 1e-7, "per_prefill_token_s": 1e-4},
-            "linear_calibration_rms_s": 0.002,
-            "linear_cost_model": {"base_s": 0.01, "per_seq_s": 0.001, "per_kv_token_s": 1e-7,
-                                  "per_prefill_token_s": 1e-4}}
+    meta = {
+        "command": "x",
+        "machine": "m",
+        "torch": "t",
+        "threads": 1,
+        "date": "d",
+        "wall_s": 1.0,
+        "num_requests": 1,
+        "prompt_tokens": 1,
+        "max_tokens": 1,
+        "kv_pages": 1,
+        "page_size": 1,
+        "max_num_seqs": 1,
+        "recorded_layers": "all",
+        "calibration_rows": 4,
+        "calibration_rms_s": 0.001,
+        "cost_model": {
+            "batch_sizes": [0, 1, 2],
+            "batch_s": [0.05, 0.01, 0.0125],
+            "per_kv_token_s": 1e-7,
+            "per_prefill_token_s": 1e-4,
+        },
+        "linear_calibration_rms_s": 0.002,
+        "linear_cost_model": {
+            "base_s": 0.01,
+            "per_seq_s": 0.001,
+            "per_kv_token_s": 1e-7,
+            "per_prefill_token_s": 1e-4,
+        },
+    }
     text = bench.markdown([row], meta)
     assert "| p | TPS (tok/s) | 10.0 | 12.0 | +20.0% **!** |" in text
     assert "(0: 50.0, 1: 10.0, 2: 12.5; 0 = prefill)" in text
-    assert "linear model" not in text                  # no linear rows given
+    assert "linear model" not in text  # no linear rows given
     linear = bench.compare("p", engine, {**engine, "total_time_s": 9})
     text = bench.markdown([row], meta, [linear])
     assert "rms 2.00 ms: base 10.00 ms + 1.000 ms/seq" in text
     assert "| p | +0.0% | +0.0% | -10.0% |" in text
-    assert bench.relative_error(3, 0) is None          # the engine never compressed
+    assert bench.relative_error(3, 0) is None  # the engine never compressed
     row = bench.compare("p", {**engine, "compresses": 0}, {**engine, "compresses": 3})
     assert "| p | compress | 0 | 3 | n/a (+3) |" in bench.markdown([row], meta)
 
@@ -144,7 +173,7 @@ def test_relative_error_and_report(bench):
 def test_poisson_arrivals_reach_both_sides(bench, model, scenario, prompts, recorded, cost):
     import attrs
 
-    arriving = attrs.evolve(scenario, arrival_rate=20.0)   # 4 requests over ~0.2 s
+    arriving = attrs.evolve(scenario, arrival_rate=20.0)  # 4 requests over ~0.2 s
     times = arriving.arrivals()
     assert times[0] == 0.0 and times == sorted(times) and times[-1] > 0
     assert scenario.arrivals() is None
@@ -156,14 +185,33 @@ def test_poisson_arrivals_reach_both_sides(bench, model, scenario, prompts, reco
     row = bench.compare(point.label, bench.engine_row(stats), bench.sim_row(result))
     engine, sim = row["engine"], row["sim"]
     assert engine["output_tokens"] == sim["output_tokens"] == NUM_REQUESTS * MAX_TOKENS
-    for side in (engine, sim):   # the last request arrives times[-1] after the first
+    for side in (engine, sim):  # the last request arrives times[-1] after the first
         assert side["total_time_s"] > times[-1]
     assert [r.spec.arrival_s for r in result.requests] == times
-    meta = {"command": "x", "machine": "m", "torch": "t", "threads": 1, "date": "d",
-            "wall_s": 1.0, "num_requests": 1, "prompt_tokens": 1, "max_tokens": 1,
-            "kv_pages": 1, "page_size": 1, "max_num_seqs": 1, "recorded_layers": "all",
-            "calibration_rows": 4, "calibration_rms_s": 0.001, "arrival_rate": 20.0,
-            "cost_model": {"batch_sizes": [0, 1], "batch_s": [0.05, 0.01],
-                           "per_kv_token_s": 1e-7, "per_prefill_token_s": 1e-4}}
+    meta = {
+        "command": "x",
+        "machine": "m",
+        "torch": "t",
+        "threads": 1,
+        "date": "d",
+        "wall_s": 1.0,
+        "num_requests": 1,
+        "prompt_tokens": 1,
+        "max_tokens": 1,
+        "kv_pages": 1,
+        "page_size": 1,
+        "max_num_seqs": 1,
+        "recorded_layers": "all",
+        "calibration_rows": 4,
+        "calibration_rms_s": 0.001,
+        "arrival_rate": 20.0,
+        "cost_model": {
+            "batch_sizes": [0, 1],
+            "batch_s": [0.05, 0.01],
+            "per_kv_token_s": 1e-7,
+            "per_prefill_token_s": 1e-4,
+        },
+    }
     assert "Poisson arrivals at 20 requests/s (seed 0, the first at t = 0)" in bench.markdown(
-        [row], meta)
+        [row], meta
+    )

@@ -11,8 +11,15 @@ from growpage.core.traces import read_trace, write_trace
 from growpage.errors import ConfigError
 from growpage.sim.synthetic import SyntheticSpec, synthetic_trace, write_synthetic_trace_set
 
-SMALL = SyntheticSpec(num_layers=2, num_q_heads=6, num_kv_heads=2, head_dim=32, prompt_len=64,
-                      gen_len=960, mean_regime_len=192)
+SMALL = SyntheticSpec(
+    num_layers=2,
+    num_q_heads=6,
+    num_kv_heads=2,
+    head_dim=32,
+    prompt_len=64,
+    gen_len=960,
+    mean_regime_len=192,
+)
 
 
 def _regimes(trace):
@@ -129,11 +136,21 @@ def test_write_synthetic_trace_set(tmp_path):
     assert traces[1].header.meta["seed"] == 6 and traces[1].num_generated == 50
 
 
-@pytest.mark.parametrize("field, value", [
-    ("num_layers", 0), ("head_dim", 6), ("head_dim", 33), ("num_q_heads", 3),
-    ("p_concentrated", 1.5), ("concentration", 0.0), ("diffuse_std", float("inf")),
-    ("schedule", "sometimes"), ("gen_len", 2.5), ("num_anchors", True),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_layers", 0),
+        ("head_dim", 6),
+        ("head_dim", 33),
+        ("num_q_heads", 3),
+        ("p_concentrated", 1.5),
+        ("concentration", 0.0),
+        ("diffuse_std", float("inf")),
+        ("schedule", "sometimes"),
+        ("gen_len", 2.5),
+        ("num_anchors", True),
+    ],
+)
 def test_spec_validation(field, value):
     with pytest.raises(ConfigError, match=f"SyntheticSpec.{field}"):
         attrs.evolve(SMALL, **{field: value})

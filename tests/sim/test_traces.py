@@ -27,8 +27,9 @@ from growpage.core.traces import (
 )
 from growpage.errors import ConfigError, TraceError
 
-FUZZ = settings(max_examples=60, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,7 @@ def _rewrite(src: Path, dst: Path, tensors=None, header=None, metadata=None) -> 
 
 # --- round trips --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("has_values", [True, False])
 def test_round_trip_is_exact_within_storage_dtype(tmp_path, make_trace, dtype, has_values):
@@ -83,6 +85,7 @@ def test_trace_properties(make_trace):
 
 
 # --- writer ---------------------------------------------------------------------------------------
+
 
 def _bad_shape(t: Trace) -> None:
     t.queries = t.queries[:, :-1]
@@ -145,7 +148,8 @@ def test_written_files_get_the_umask_like_any_other_file(tmp_path, make_trace, u
     files = [path, tmp_path / "set" / "index.json", *(tmp_path / "set").glob("*.safetensors")]
     assert len(files) == 3
     assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {
-        f.name: oct(expected) for f in files}
+        f.name: oct(expected) for f in files
+    }
 
 
 def test_rewriting_a_file_keeps_its_permissions(tmp_path, make_trace):
@@ -160,17 +164,20 @@ def test_writer_rejects_other_storage_dtypes(tmp_path, make_trace):
         write_trace(tmp_path / "a.safetensors", make_trace(), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("change, problem", [
-    ({"prompt_len": 13}, "prompt_len"),
-    ({"prompt_len": 0}, "prompt_len"),
-    ({"layer_ids": [3, 1]}, "layer_ids"),
-    ({"layer_ids": [1, 4]}, "layer_ids"),
-    ({"num_q_heads": 3}, "multiple"),
-    ({"rope": RopeConfig(head_dim=16)}, "rope.head_dim"),
-    ({"softmax_scale": float("nan")}, "softmax_scale"),
-    ({"token_ids": []}, "token_ids"),
-    ({"has_values": 1}, "has_values"),
-])
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"prompt_len": 13}, "prompt_len"),
+        ({"prompt_len": 0}, "prompt_len"),
+        ({"layer_ids": [3, 1]}, "layer_ids"),
+        ({"layer_ids": [1, 4]}, "layer_ids"),
+        ({"num_q_heads": 3}, "multiple"),
+        ({"rope": RopeConfig(head_dim=16)}, "rope.head_dim"),
+        ({"softmax_scale": float("nan")}, "softmax_scale"),
+        ({"token_ids": []}, "token_ids"),
+        ({"has_values": 1}, "has_values"),
+    ],
+)
 def test_header_validates_fields(make_trace, change, problem):
     import attrs
 
@@ -205,9 +212,11 @@ def test_reading_as_a_non_float_dtype_names_the_file(tmp_path, make_trace):
 
 # --- reader: each problem gets its own clear error -----------------------------------------------
 
+
 def _set(key, value):
     def f(d):
         d[key] = value
+
     return f
 
 
@@ -301,6 +310,7 @@ def test_missing_file(tmp_path):
 
 # --- corruption fuzzing: nothing but TraceError, ever --------------------------------------------
 
+
 def _read_or_trace_error(path: Path) -> None:
     try:
         trace = read_trace(path)
@@ -328,8 +338,9 @@ def test_flipped_bytes_never_raise_anything_else(tmp_path_factory, valid_file, d
     header_len = 8 + int.from_bytes(raw[:8], "little")
     # Half the flips land in the safetensors header, where they matter most.
     region = data.draw(st.sampled_from([(0, header_len), (0, len(raw))]))
-    for pos in data.draw(st.lists(st.integers(*region).filter(lambda i: i < len(raw)),
-                                  min_size=1, max_size=6)):
+    for pos in data.draw(
+        st.lists(st.integers(*region).filter(lambda i: i < len(raw)), min_size=1, max_size=6)
+    ):
         raw[pos] ^= data.draw(st.integers(1, 255))
     path = tmp_path_factory.mktemp("flip") / "t.safetensors"
     path.write_bytes(bytes(raw))
@@ -337,11 +348,16 @@ def test_flipped_bytes_never_raise_anything_else(tmp_path_factory, valid_file, d
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
     | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
-                                                                 max_size=3),
-    max_leaves=6)
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 
 
 @st.composite
@@ -356,6 +372,7 @@ def header_mutation(draw):
             else:
                 target[key] = draw(JSON)
         return d
+
     return mutate
 
 
@@ -368,6 +385,7 @@ def test_header_mutations_never_raise_anything_else(tmp_path_factory, valid_file
 
 # --- trace sets ------------------------------------------------------------------------------------
 
+
 def test_trace_set_round_trip_and_lazy_iteration(tmp_path, make_trace, monkeypatch):
     ts = TraceSet(tmp_path / "set", create=True)
     written = [make_trace(num_tokens=10 + i, request_id=f"r/{i}", seed=i) for i in range(3)]
@@ -378,15 +396,16 @@ def test_trace_set_round_trip_and_lazy_iteration(tmp_path, make_trace, monkeypat
     assert "/" not in entries[1].file
     calls = []
     real = trace_set_mod.read_trace
-    monkeypatch.setattr(trace_set_mod, "read_trace",
-                        lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(
+        trace_set_mod, "read_trace", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
     it = iter(reopened)
     first = next(it)
     assert len(calls) == 1 and first.header == written[0].header
     assert [t.request_id for t in it] == ["r/1", "r/2"]
     assert torch.equal(reopened.read("r/2").keys, written[2].keys.half().float())
     assert reopened.read(2).request_id == "r/2"
-    for position in (3, -1):   # no wrap-around: -1 is a mistake, not "the last one"
+    for position in (3, -1):  # no wrap-around: -1 is a mistake, not "the last one"
         with pytest.raises(TraceError, match=f"no trace at position {position} .*holds 3"):
             reopened.read(position)
     with pytest.raises(TypeError, match="a TraceEntry, a position or a request id"):
@@ -418,13 +437,16 @@ def _index(path: Path) -> dict:
     return json.loads((path / "index.json").read_text())
 
 
-@pytest.mark.parametrize("edit, problem", [
-    (lambda d: d.update(version=9), "unsupported version"),
-    (lambda d: d["traces"][0].update(file="../escape.safetensors"), "bad file name"),
-    (lambda d: d["traces"][0].update(prompt_len=99), "prompt_len > num_tokens"),
-    (lambda d: d["traces"].append(dict(d["traces"][0])), "duplicate"),
-    (lambda d: d["traces"][0].pop("num_tokens"), "must have exactly"),
-])
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (lambda d: d.update(version=9), "unsupported version"),
+        (lambda d: d["traces"][0].update(file="../escape.safetensors"), "bad file name"),
+        (lambda d: d["traces"][0].update(prompt_len=99), "prompt_len > num_tokens"),
+        (lambda d: d["traces"].append(dict(d["traces"][0])), "duplicate"),
+        (lambda d: d["traces"][0].pop("num_tokens"), "must have exactly"),
+    ],
+)
 def test_bad_index_is_rejected(tmp_path, make_trace, edit, problem):
     ts = TraceSet(tmp_path, create=True)
     ts.write(make_trace())
@@ -447,8 +469,9 @@ def test_index_disagreeing_with_file_is_rejected(tmp_path, make_trace):
 
 
 @pytest.mark.parametrize("damage", ["missing", "not-safetensors"])
-def test_check_finds_a_broken_file_without_reading_the_others(tmp_path, make_trace, damage,
-                                                               monkeypatch):
+def test_check_finds_a_broken_file_without_reading_the_others(
+    tmp_path, make_trace, damage, monkeypatch
+):
     ts = TraceSet(tmp_path, create=True)
     entries = [ts.write(make_trace(request_id=f"r{i}", seed=i)) for i in range(3)]
     ts.check()
@@ -490,8 +513,11 @@ def test_a_set_that_lost_its_index_is_not_overwritten(tmp_path, make_trace):
     ts.write(make_trace(request_id="r0"))
     before = (tmp_path / "set" / ts.index[0].file).read_bytes()
     (tmp_path / "set" / "index.json").unlink()
-    with pytest.raises(TraceError, match=r"holds trace files \(000000-r0.safetensors\) but no "
-                                         r"index.json"):
+    with pytest.raises(
+        TraceError,
+        match=r"holds trace files \(000000-r0.safetensors\) but no "
+        r"index.json",
+    ):
         TraceSet(tmp_path / "set", create=True)
     assert (tmp_path / "set" / ts.index[0].file).read_bytes() == before
     assert not (tmp_path / "set" / "index.json").exists()
@@ -513,8 +539,9 @@ def test_write_never_takes_a_file_name_in_use(tmp_path, make_trace):
     assert entry.file not in ("000000-x.safetensors", "000001-a_b.safetensors")
     again = read_trace_set(tmp_path)
     assert [t.request_id for t in again] == ["a_b", "a/b"]
-    assert torch.equal(again.read("a_b").keys, make_trace(request_id="a_b", seed=2).keys.half()
-                       .float())
+    assert torch.equal(
+        again.read("a_b").keys, make_trace(request_id="a_b", seed=2).keys.half().float()
+    )
 
 
 def test_tags_may_be_any_iterable_of_strings(tmp_path, make_trace):
@@ -554,13 +581,18 @@ def test_values_that_would_make_a_replay_compute_nan_are_refused(tmp_path, make_
     # A softmax scale the header check allows (finite, > 0) but that overflows the logits:
     # the replay used to report NaN masses as missing and decide on a delta of 0.
     with pytest.raises(TraceError, match=r"would overflow attention in float32"):
-        Trace(header=attrs.evolve(t.header, softmax_scale=1e300), queries=t.queries,
-              keys=t.keys, values=t.values)
+        Trace(
+            header=attrs.evolve(t.header, softmax_scale=1e300),
+            queries=t.queries,
+            keys=t.keys,
+            values=t.values,
+        )
     with pytest.raises(TraceError, match=r"would overflow attention in float32"):
         Trace(header=t.header, queries=t.queries * 1e20, keys=t.keys * 1e20, values=t.values)
     path = write_trace(tmp_path / "t.safetensors", t)
-    bad = _rewrite(path, tmp_path / "bad.safetensors",
-                   header=lambda d: d["rope"].update(scaling_factor=0.0))
+    bad = _rewrite(
+        path, tmp_path / "bad.safetensors", header=lambda d: d["rope"].update(scaling_factor=0.0)
+    )
     with pytest.raises(TraceError, match="rope.*scaling_factor must be a number > 0"):
         read_trace(bad)
     with pytest.raises(ValueError, match="low_freq_factor and high_freq_factor must differ"):
@@ -579,22 +611,68 @@ def test_results_name_the_traces_they_came_from(capsys, tmp_path):
     from growpage.cli import main
     from growpage.sim.synthetic import SyntheticSpec, write_synthetic_trace_set
 
-    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16,
-                         prompt_len=20, gen_len=1)
+    spec = SyntheticSpec(
+        num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16, prompt_len=20, gen_len=1
+    )
     write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[40], seed=2)
     small = ["--page-size", "16", "--recent-window", "4"]
-    assert main(["sim", "replay", "--traces", str(tmp_path / "set"), *small, "--out",
-                 str(tmp_path / "r")]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "replay",
+                "--traces",
+                str(tmp_path / "set"),
+                *small,
+                "--out",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "r" / "replay.json").read_text())["source"] == {
-        "traces": str(tmp_path / "set")}
-    assert main(["sim", "replay", "--synthetic", "1", "--gen-len", "40", *small, "--out",
-                 str(tmp_path / "s")]) == 0
+        "traces": str(tmp_path / "set")
+    }
+    assert (
+        main(
+            [
+                "sim",
+                "replay",
+                "--synthetic",
+                "1",
+                "--gen-len",
+                "40",
+                *small,
+                "--out",
+                str(tmp_path / "s"),
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "s" / "replay.json").read_text())["source"]["synthetic"] == 1
-    assert main(["sim", "serve", "--workload", "tiny", *small, "--kv-pages", "200",
-                 "--decisions", "trace", "--traces", str(tmp_path / "set"), "--out",
-                 str(tmp_path / "v")]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "serve",
+                "--workload",
+                "tiny",
+                *small,
+                "--kv-pages",
+                "200",
+                "--decisions",
+                "trace",
+                "--traces",
+                str(tmp_path / "set"),
+                "--out",
+                str(tmp_path / "v"),
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "v" / "metrics.json").read_text())["traces"] == str(
-        tmp_path / "set")
+        tmp_path / "set"
+    )
     capsys.readouterr()
 
 
@@ -607,5 +685,9 @@ def test_replay_json_records_the_synthetic_settings_it_used(capsys, tmp_path):
     small = ["--page-size", "16", "--recent-window", "4", "--fidelity-queries", "0"]
     assert main(["sim", "replay", "--synthetic", "1", *small, "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "replay.json").read_text())["source"] == {
-        "synthetic": 1, "gen_len": REPLAY_GEN_LEN, "schedule": REPLAY_SCHEDULE, "seed": 0}
+        "synthetic": 1,
+        "gen_len": REPLAY_GEN_LEN,
+        "schedule": REPLAY_SCHEDULE,
+        "seed": 0,
+    }
     capsys.readouterr()

@@ -31,8 +31,9 @@ class CappedGrowPage(CapacityPolicy):
     """GrowPage's trend signal, but never beyond ``max_pages`` pages."""
 
     name = "typed-capped-growpage"
-    max_pages: int = attrs.field(default=16, validator=[attrs.validators.instance_of(int),
-                                                        attrs.validators.gt(1)])
+    max_pages: int = attrs.field(
+        default=16, validator=[attrs.validators.instance_of(int), attrs.validators.gt(1)]
+    )
     tau: float = 0.0
 
     def decide(self, ctx: BoundaryContext) -> Decision:
@@ -69,8 +70,12 @@ class RecentFirst(CapacityPolicy):
         historical = keep - ctx.recent_window
         start = ctx.num_tokens - ctx.recent_window - historical
         chosen = torch.arange(start, start + historical, device=ctx.device)
-        return with_protected(chosen.expand(*ctx.shape, historical), ctx.num_tokens,
-                              ctx.recent_window, chosen_sorted=True)
+        return with_protected(
+            chosen.expand(*ctx.shape, historical),
+            ctx.num_tokens,
+            ctx.recent_window,
+            chosen_sorted=True,
+        )
 
 
 def build() -> list[CapacityPolicy]:
@@ -78,8 +83,9 @@ def build() -> list[CapacityPolicy]:
     registered: type[RecentFirst] = register_policy(RecentFirst)
     by_name = resolve_policy("typed-capped-growpage", max_pages=8)
     check_policy(capped)
-    controller = CapacityController(by_name, PagePool(num_pages=64, page_size=256),
-                                    GrowPageConfig())
+    controller = CapacityController(
+        by_name, PagePool(num_pages=64, page_size=256), GrowPageConfig()
+    )
     return [capped, registered(), controller.policy]
 
 
