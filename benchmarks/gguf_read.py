@@ -20,8 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from growpage.engine.gguf_file import GGUFFile  # noqa: E402
 from growpage.engine.loader import default_model_path  # noqa: E402
 

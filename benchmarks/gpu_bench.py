@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from growpage.kernels import (
     compact_kv,
     demand_attention,

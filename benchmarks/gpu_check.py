@@ -214,10 +214,9 @@ def _ms(ms: float | None) -> str:
 
 def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> dict:
     """One timed row of ``engine_throughput``."""
-    from growpage.kernels.variants import compiled_variants
-
     from growpage.engine.boundary_profile import profile_boundaries
     from growpage.engine.sampling_params import SamplingParams
+    from growpage.kernels.variants import compiled_variants
 
     # LLM() compiled every kernel variant (growpage.engine.warmup); this short run warms the
     # rest (allocator, torch's own kernels, the first CUDA graphs). A compile during the timed

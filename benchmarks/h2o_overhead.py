@@ -24,14 +24,13 @@ from pathlib import Path
 import attrs
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # boundary_ops, when loaded by path
 
 from boundary_ops import tiny_model  # noqa: E402  (imports growpage.kernels first)
-from growpage.kernels import without_index_checks  # noqa: E402
 
 from growpage.engine.llm import LLM  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
+from growpage.kernels import without_index_checks  # noqa: E402
 from growpage.policies.builtin import GrowPagePolicy  # noqa: E402
 
 

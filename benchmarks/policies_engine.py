@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from growpage.engine.llm import LLM  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402

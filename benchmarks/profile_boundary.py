@@ -16,11 +16,8 @@ import cProfile
 import io
 import pstats
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from growpage.engine.llm import LLM  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402

@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import attrs
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "data" / "traces" / "smollm2"

@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from growpage.core import selection  # noqa: E402
 
 #: (name, layers, KV heads): SmolLM2-135M, Llama-3-8B / Qwen3-8B-like.

@@ -40,8 +40,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from growpage.core.config import GrowPageConfig  # noqa: E402
 from growpage.core.context import BoundaryContext  # noqa: E402
 from growpage.core.decision import Decision  # noqa: E402

@@ -24,8 +24,6 @@ import time
 import attrs
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 from growpage.core.config import GrowPageConfig  # noqa: E402
 from growpage.sim.costmodel import load_cost_model  # noqa: E402
 from growpage.sim.replay import ReplayOptions, replay_trace  # noqa: E402

@@ -16,17 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 import timeit
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import growpage.kernels as K  # noqa: E402  (turns the interpreter on without CUDA)
+from growpage.engine.config import check_device  # noqa: E402
 from growpage.kernels import set_index_checks, without_index_checks  # noqa: E402
 from growpage.kernels.variants import stubbed_launches  # noqa: E402
-
-from growpage.engine.config import check_device  # noqa: E402
 
 # SmolLM2-135M: 30 layers, 9 query / 3 KV heads of 64; pages of 64, contexts of ~600
 LAYERS, HQ, HKV, D, PAGE, BATCH, PAGES = 30, 9, 3, 64, 64, 64, 10

@@ -4,7 +4,6 @@ rejoins; the tokens are those of the synchronous path, and no failure leaves pag
 
 from __future__ import annotations
 
-import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
 import pytest
 import torch
 from llm_helpers import (
@@ -22,6 +21,7 @@ from llm_helpers import (
     watch_steps,
 )
 
+import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import ConfigError, PolicyError
 from growpage.policies import GrowPagePolicy

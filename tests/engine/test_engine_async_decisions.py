@@ -6,7 +6,6 @@ preemption (``KVCacheManager.decides_late``)."""
 
 from __future__ import annotations
 
-import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,6 +24,7 @@ from llm_helpers import (
     watch_steps,
 )
 
+import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
 from growpage import Decision
 from growpage.engine.config import EngineConfig
 from growpage.engine.sampling_params import SamplingParams

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import random
 
-import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
 import pytest
 import torch
 from llm_helpers import assert_all_returned, tiny_model
 
+import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
 from growpage.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from growpage.engine.llm import LLM
 from growpage.engine.sampling_params import SamplingParams

@@ -4,11 +4,11 @@ copied on write, any policy object runs unchanged, the Triton backend's fused EM
 from __future__ import annotations
 
 import attrs
-import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
 import pytest
 import torch
 from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model
 
+import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before anything imports Triton
 from growpage.core.capacity import CapacityController
 from growpage.core.config import GrowPageConfig
 from growpage.core.decision import Decision

@@ -8,15 +8,14 @@ sums moved by compaction, restarted by a recompute, never leaking from a freed p
 
 from __future__ import annotations
 
-import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
 import pytest
 import torch
-from growpage.kernels.variants import record_variants
 from h2o_helpers import RowRecorder, SpyH2O, SumsReadingGrowPage, check_against_simulator
 from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model
 
 import growpage.engine.attention as attention_module
 import growpage.engine.attention_torch as attention_torch_module
+import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
 from growpage.core.config import GrowPageConfig
 from growpage.engine.config import EngineConfig
 from growpage.engine.kv_manager import KVCacheManager
@@ -24,6 +23,7 @@ from growpage.engine.model_runner import ModelRunner
 from growpage.engine.sampling_params import SamplingParams
 from growpage.engine.scheduler import SchedulerOutput
 from growpage.engine.sequence import Sequence
+from growpage.kernels.variants import record_variants
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.usefixtures("one_thread")

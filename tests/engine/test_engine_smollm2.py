@@ -132,12 +132,20 @@ def test_tokenizer_from_hf_directory(smol, tmp_path):
 
 
 def test_bf16_model_agrees_on_next_token(smol):
+    """At every position of a chat where fp32's best token leads by more than bf16 can blur
+    (half a logit: bf16 keeps 8 bits, 0.125 at these magnitudes), bf16 picks the same token.
+    Where two tokens are nearly tied (the last position of this chat: 0.08 apart), the choice
+    depends on the CPU's bf16 rounding, so only the clear positions are compared."""
     ours, tok = smol
     cfg, sd = load_checkpoint(None, dtype=torch.bfloat16)
     assert cfg == ours.config and sd["model.embed_tokens.weight"].dtype == torch.bfloat16
     bf16 = build_model(cfg, sd)
     ids = tok.encode_chat(CHATS[0])
     with use_context(prefill_context([len(ids)])), torch.inference_mode():
-        got = bf16.compute_logits(bf16(torch.tensor(ids), torch.arange(len(ids)))[-1:])
-        fp32 = ours.compute_logits(ours(torch.tensor(ids), torch.arange(len(ids)))[-1:])
-    assert got.dtype == torch.float32 and int(got.argmax()) == int(fp32.argmax())
+        got = bf16.compute_logits(bf16(torch.tensor(ids), torch.arange(len(ids))))
+    with use_context(prefill_context([len(ids)])), torch.inference_mode():
+        fp32 = ours.compute_logits(ours(torch.tensor(ids), torch.arange(len(ids))))
+    top2 = fp32.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.5
+    assert got.dtype == torch.float32 and int(clear.sum()) >= 20
+    assert torch.equal(got[clear].argmax(-1), fp32[clear].argmax(-1))

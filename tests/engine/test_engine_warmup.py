@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import random
 
-import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
-import growpage.kernels.decode_attention as decode_module
 import pytest
 import torch
-from growpage.kernels.variants import compiled_variants, record_variants
 from llm_helpers import assert_all_returned, tiny_model
 
+import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
+import growpage.kernels.decode_attention as decode_module
 from growpage.engine.llm import LLM
 from growpage.engine.sampling_params import SamplingParams
+from growpage.kernels.variants import compiled_variants, record_variants
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

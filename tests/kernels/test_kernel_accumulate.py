@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
-from growpage.kernels import accumulate_attention, compact_kv, reference
 from kernel_helpers import DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, TOL, gen, make_block_tables, randn
 from test_kernel_compaction import make_keep
+
+from growpage.kernels import accumulate_attention, compact_kv, reference
 
 NUM_KV_HEADS = 2
 HEAD_DIM = 64 if ON_CUDA else 16

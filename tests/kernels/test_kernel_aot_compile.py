@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from growpage.kernels._utils import default_block_n, tile_warps, vector_warps
 from kernel_helpers import ON_CUDA
+
+from growpage.kernels._utils import default_block_n, tile_warps, vector_warps
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "aot_compile.py"

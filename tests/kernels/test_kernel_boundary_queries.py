@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from growpage.kernels import boundary_queries, reference
 from kernel_helpers import DEVICE, gen, randn
 
 from growpage.core.demand import rms_calibrate
 from growpage.core.rope import RopeConfig, inv_frequencies_on, rope_at
+from growpage.kernels import boundary_queries, reference
 
 # Kernel and reference both build the angles as the same fp32 product inv_freq * float(position)
 # and take fp32 cos/sin of it, so even at position 131071 they agree to a few ulps: the tight

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from growpage.kernels import compact_kv, is_direct_safe, reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_helpers import DEVICE, ON_CUDA, gen, randn
+
+from growpage.kernels import compact_kv, is_direct_safe, reference
 
 LAYERS, KV_HEADS = 2, 2
 HEAD_DIM = 64 if ON_CUDA else 16

@@ -4,13 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from growpage.kernels import (
-    KernelInputError,
-    paged_decode_attention,
-    reference,
-    update_query_state,
-    without_index_checks,
-)
 from kernel_helpers import (
     DEVICE,
     DTYPE_IDS,
@@ -20,6 +13,14 @@ from kernel_helpers import (
     gen,
     make_block_tables,
     randn,
+)
+
+from growpage.kernels import (
+    KernelInputError,
+    paged_decode_attention,
+    reference,
+    update_query_state,
+    without_index_checks,
 )
 
 NUM_KV_HEADS = 2

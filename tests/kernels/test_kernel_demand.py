@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from growpage.kernels import demand_attention, estimate_demand, reference, working_set_sizes
 from kernel_helpers import DEVICE, DTYPES, ON_CUDA, covering_grid, gen, make_block_tables, randn
+
+from growpage.kernels import demand_attention, estimate_demand, reference, working_set_sizes
 
 LAYERS, KV_HEADS = 2, 2
 HEAD_DIM = 128 if ON_CUDA else 32

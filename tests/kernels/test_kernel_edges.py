@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import DEVICE, gen, randn
+
 from growpage.kernels import (
     accumulate_attention,
     compact_kv,
@@ -16,7 +18,6 @@ from growpage.kernels import (
     without_index_checks,
     working_set_sizes,
 )
-from kernel_helpers import DEVICE, gen, randn
 
 D = 16
 

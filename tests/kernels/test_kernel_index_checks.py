@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from kernel_helpers import DEVICE, ON_CUDA, gen, randn
+
 from growpage.kernels import _utils as kernel_utils
 from growpage.kernels import (
     accumulate_attention,
@@ -32,7 +34,6 @@ from growpage.kernels import (
     store_kv,
     update_query_state,
 )
-from kernel_helpers import DEVICE, ON_CUDA, gen, randn
 
 D = 16
 PAGE = 4

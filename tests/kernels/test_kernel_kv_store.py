@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from growpage.kernels import reference, store_kv
 from kernel_helpers import DEVICE, DTYPE_IDS, DTYPES, ON_CUDA, gen, randn
+
+from growpage.kernels import reference, store_kv
 
 HEAD_DIM = 128 if ON_CUDA else 32
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kernel_helpers import DEVICE, gen, make_block_tables, randn
+
 from growpage.kernels import (
     accumulate_attention,
     boundary_queries,
@@ -26,7 +28,6 @@ from growpage.kernels.variants import (
     record_variants,
     specialization_key,
 )
-from kernel_helpers import DEVICE, gen, make_block_tables, randn
 
 LAYERS, HQ, HKV, D, PAGE = 2, 4, 2, 16, 4
 

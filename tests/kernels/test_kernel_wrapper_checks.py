@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import DEVICE, gen, randn
+
 from growpage.kernels import (
     accumulate_attention,
     compact_kv,
@@ -17,7 +19,6 @@ from growpage.kernels import (
     store_kv,
     update_query_state,
 )
-from kernel_helpers import DEVICE, gen, randn
 
 D = 16
 META = torch.device("meta")

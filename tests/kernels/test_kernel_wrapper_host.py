@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from benchmark_scripts import load_benchmark
-from growpage.kernels.variants import KERNELS
 from kernel_helpers import DEVICE
+
+from growpage.kernels.variants import KERNELS
 
 
 def test_every_wrapper_is_timed_and_the_stubs_are_removed():
