@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     "growpage.policies.cli",
     "growpage.testing.cli",
     "growpage.engine.cli",
+    "growpage.engine.catalog_cli",
     "growpage.sim.cli",
 )
 

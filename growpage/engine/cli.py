@@ -152,7 +152,8 @@ def _common(
     p.add_argument(
         "--model",
         default=None,
-        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)",
+        help="GGUF file, Hugging Face directory, or a model name from `growpage models list` "
+        "(qwen2.5-coder-0.5b...; default: smollm2-135m, SmolLM2-135M-Instruct)",
     )
     if default_policy is not None:
         p.add_argument(

