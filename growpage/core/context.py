@@ -17,7 +17,7 @@ from collections.abc import Hashable
 
 import torch
 
-from growpage.core import demand
+from growpage.core import demand, observation
 from growpage.core.config import GrowPageConfig
 from growpage.core.kvview import KVView
 from growpage.core.rope import rope_at
@@ -66,6 +66,8 @@ class BoundaryContext:
         self._ratios: dict[float, torch.Tensor] = {}  # p -> [2, L, Hkv]
         self._deltas: dict[float, float] = {}  # p -> Delta_t (one host sync each)
         self._read_missing_sums = False  # accumulated_attention() answered None: for errors
+        self._read_missing_queries = False  # recent_queries() answered None: for errors
+        self._windows: dict[int, torch.Tensor | None] = {}  # window -> window_attention
 
     # ---- plain facts ----------------------------------------------------------------------
     @property
@@ -211,6 +213,38 @@ class BoundaryContext:
         self._read_missing_sums |= sums is None
         return None if sums is None else sums.clone()
 
+    def recent_queries(self, window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The post-RoPE queries of the last ``window`` tokens the request computed in this
+        residency, ``[L, W', Hq, d]`` fp32, and their positions ``[W']`` (ascending, the last
+        t - 1; ``W' < window`` early on or after a prefix hit); None when the view keeps none
+        (both worlds keep them for a policy with ``needs_recent_queries >= window``)."""
+        got = self.view.recent_queries(_window(window, "recent_queries"))
+        self._read_missing_queries |= got is None
+        return None if got is None else (got[0].clone(), got[1].clone())
+
+    def window_attention(self, window: int) -> torch.Tensor | None:
+        """SnapKV's observation-window attention ``[L, Hkv, N]`` fp32 over every resident slot:
+        the causal softmax weights of each of the last ``window`` queries, summed over them and
+        over each KV head's query group (``core.observation.window_attention``); None when the
+        view keeps no recent queries."""
+        window = _window(window, "window_attention")
+        if window not in self._windows:
+            got = self.view.recent_queries(window)
+            self._read_missing_queries |= got is None
+            self._windows[window] = (
+                None
+                if got is None
+                else observation.window_attention(
+                    got[0],
+                    got[1],
+                    self.view.keys(),
+                    self.view.positions(),
+                    self.view.softmax_scale,
+                )
+            )
+        attn = self._windows[window]
+        return None if attn is None else attn.clone()
+
     def positions(self) -> torch.Tensor:
         """Absolute positions held by each slot, ``[L, Hkv, N]``."""
         # NOTE: copies (as accumulated_attention's): a view may hand out its own storage (the
@@ -219,13 +253,29 @@ class BoundaryContext:
 
 
 def missing_sums_hint(ctx: BoundaryContext) -> str:
-    """For an error raised by a policy: a hint when it read sums the view does not record."""
-    if not getattr(ctx, "_read_missing_sums", False):  # a context of another class: none
-        return ""
-    return (
-        " -- accumulated_attention() was None here: a policy that reads it sets "
-        "needs_accumulated_attention = True"
-    )
+    """For an error raised by a policy: a hint when it read sums or recent queries the view
+    does not keep."""
+    hints = []
+    if getattr(ctx, "_read_missing_sums", False):  # a context of another class: none
+        hints.append(
+            " -- accumulated_attention() was None here: a policy that reads it sets "
+            "needs_accumulated_attention = True"
+        )
+    if getattr(ctx, "_read_missing_queries", False):
+        hints.append(
+            " -- recent_queries() / window_attention() was None here: a policy that reads "
+            "them sets needs_recent_queries to its window"
+        )
+    return "".join(hints)
+
+
+def _window(window: int, method: str) -> int:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(
+            f"BoundaryContext.{method}(window): the window must be a positive integer, "
+            f"got {window!r}"
+        )
+    return window
 
 
 class BoundaryBatch:

@@ -12,6 +12,7 @@ import abc
 import attrs
 import torch
 
+from growpage.core.observation import rotate_queries
 from growpage.core.rope import RopeConfig
 
 
@@ -73,6 +74,16 @@ class KVView(abc.ABC):
         slot, averaged over the query heads of each KV head, summed over queries; a compaction
         keeps the kept slots' sums. None when the view does not record it (both worlds record
         it for a policy with ``needs_accumulated_attention``).
+        """
+        return None
+
+    def recent_queries(self, window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The queries of the last ``window`` tokens the request computed in this residency
+        (SnapKV's observation window): post-RoPE, each at its own position, ``[L, W', Hq, d]``
+        fp32, and their positions ``[W']`` int64, ascending, the last one the current query's
+        (token t - 1). ``W' < window`` when fewer were computed: early on, or after a prefix
+        hit, whose cached tokens ran no query. None when the view does not keep them (both
+        worlds keep them for a policy whose ``needs_recent_queries`` is at least ``window``).
         """
         return None
 
@@ -152,6 +163,7 @@ class DenseKVView(KVView):
         self.summaries = torch.zeros(num_layers, 2, num_q_heads, head_dim, device=self._device)
         self.current_query = zeros
         self._has_queries = False
+        self._recent: tuple[torch.Tensor, torch.Tensor] | None = None  # pre-RoPE, positions
 
     @property
     def device(self) -> torch.device:
@@ -190,6 +202,23 @@ class DenseKVView(KVView):
         self.summaries = summaries
         self.current_query = current
         self._has_queries = True
+
+    def set_recent_queries(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
+        """Pre-RoPE (post q-norm) ``queries [L, n, Hq, d]`` of the tokens at ``positions [n]``
+        (consecutive, ascending, the last the current query's) for ``recent_queries``."""
+        if queries.shape[1] != positions.numel():
+            raise ValueError(
+                f"{queries.shape[1]} recent queries given with {positions.numel()} positions"
+            )
+        self._recent = queries, positions.to(torch.long)
+
+    def recent_queries(self, window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._recent is None:
+            return None
+        queries, positions = self._recent
+        start = max(positions.numel() - window, 0)
+        positions = positions[start:].to(self._device)
+        return rotate_queries(self.rope, queries[:, start:].to(self._device), positions), positions
 
     def clear_queries(self) -> None:
         """No query summary until the next ``set_queries`` (the request has not decoded since its

@@ -7,7 +7,9 @@ appendix E.2) registers every full page of prefilled tokens under a chained hash
 acquires the longest cached run of leading pages instead of recomputing it.
 
 For a policy that reads H2O accumulated attention (``needs_accumulated_attention``) it also
-holds the per-slot sums (``growpage.engine.accumulation``) and turns prefix caching off.
+holds the per-slot sums (``growpage.engine.accumulation``) and turns prefix caching off; for one
+that reads recent queries (``needs_recent_queries``, SnapKV) the ring of each running request's
+last queries (``growpage.engine.recent_queries``).
 
 With ``EngineConfig.async_compaction`` (paper appendix E.3) a compression decided while
 scheduling is only settled there (``make_room(seq, defer=True)``); ``run_deferred`` runs the
@@ -35,7 +37,9 @@ from growpage.engine.config import EngineConfig
 from growpage.engine.kv_view import EngineKVView
 from growpage.engine.model import ModelConfig
 from growpage.engine.query_state import QueryStatePool
+from growpage.engine.recent_queries import RecentQueryRing
 from growpage.engine.sequence import Sequence
+from growpage.errors import PolicyError
 from growpage.policies.base import CapacityPolicy
 
 
@@ -109,6 +113,20 @@ class KVCacheManager:
             gp.beta_short,
             gp.beta_long,
             config.device,
+        )
+        window = recent_window_of(policy)
+        self.recent = (
+            RecentQueryRing(
+                c.num_layers,
+                config.max_num_seqs,
+                window,
+                c.num_q_heads,
+                c.head_dim,
+                config.dtype,
+                config.device,
+            )
+            if window
+            else None
         )
         self.controller = CapacityController(policy, self.pool, gp)
         self.prefix_hit_tokens = 0
@@ -396,6 +414,7 @@ class KVCacheManager:
             use_kernels=self.config.boundary_kernels if use_kernels is None else use_kernels,
             accumulated=self.accumulated,
             recent_window=self.config.growpage.recent_window,
+            recent_queries=self.recent,
         )
 
     def append_slot(self, seq: Sequence) -> int:
@@ -411,6 +430,17 @@ class KVCacheManager:
         width = max(seq.state.num_pages for seq in seqs)
         rows = [seq.state.block_table + [-1] * (width - seq.state.num_pages) for seq in seqs]
         return torch.tensor(rows, dtype=torch.long)
+
+
+def recent_window_of(policy: CapacityPolicy) -> int:
+    """The policy's ``needs_recent_queries``, checked (0 for an object without it)."""
+    window = getattr(policy, "needs_recent_queries", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise PolicyError(
+            f"policy {getattr(policy, 'name', policy)!r}: needs_recent_queries must be an "
+            f"integer >= 0 (the queries it reads; 0 = none), got {window!r}"
+        )
+    return window
 
 
 def _stall_seconds(forward_done: torch.cuda.Event, idle: torch.cuda.Stream) -> float:

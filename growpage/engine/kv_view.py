@@ -13,6 +13,8 @@ reused), so all kept entries of a layer are gathered into a temporary before any
 With H2O sums (``accumulated [L, num_pages * page_size, Hkv]``, ``growpage.engine.accumulation``)
 ``accumulated_attention`` reads the request's slots and ``compact`` moves each kept slot's sum
 with its key and value; the sums of dropped slots are gone.
+With a recent-query ring (``growpage.engine.recent_queries``, SnapKV) ``recent_queries`` reads
+the request's last queries from its query-state slot and rotates them to their positions.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import functools
 import torch
 
 from growpage.core.kvview import KVView, QueryState
+from growpage.core.observation import rotate_queries
 from growpage.core.rope import RopeConfig
 from growpage.engine.accumulation import gather_sums
 from growpage.engine.query_state import QueryStatePool
+from growpage.engine.recent_queries import RecentQueryRing
 from growpage.engine.sequence import Sequence
 from growpage.engine.transfer import to_device
+from growpage.errors import EngineError
 
 
 def page_slots(
@@ -51,16 +56,19 @@ class EngineKVView(KVView):
         use_kernels: bool | None = None,
         accumulated: torch.Tensor | None = None,
         recent_window: int = 0,
+        recent_queries: RecentQueryRing | None = None,
     ) -> None:
         """``use_kernels``: demand estimation and compaction with the Triton kernels of
         ``growpage.kernels`` (default: on CUDA; on CPU only under ``TRITON_INTERPRET=1``).
         ``accumulated``: the engine's H2O sums, when its policy reads them.
         ``recent_window``: the protected window, so that the kernels' table of a boundary holds
-        the counts of both candidate sets (estimation and selection) in one copy."""
+        the counts of both candidate sets (estimation and selection) in one copy.
+        ``recent_queries``: the engine's ring of recent queries, when its policy reads them."""
         _, num_layers, _, page_size, num_kv_heads, head_dim = kv_cache.shape
         self.use_kernels = boundary_kernels_on(use_kernels, kv_cache)
         self.seq, self.kv_cache, self.query_pool = seq, kv_cache, query_pool
         self.accumulated = accumulated
+        self.recent = recent_queries
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_q_heads, self.rope = num_q_heads, rope
         self.softmax_scale = head_dim**-0.5
@@ -108,6 +116,24 @@ class EngineKVView(KVView):
         return gather_sums(
             self.accumulated, self._slots(self.seq.state.block_table, self.num_tokens)
         )
+
+    def recent_queries(self, window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The last ``window`` queries the request computed in this residency, rotated to
+        their positions (``[L, W', Hq, d]`` fp32, ``[W']``); None without a ring."""
+        if self.recent is None:
+            return None
+        if window > self.recent.window:
+            raise EngineError(
+                f"recent_queries({window}): the engine keeps the last {self.recent.window} "
+                "queries (the policy's needs_recent_queries when the engine was built)"
+            )
+        if self.seq.query_slot is None:
+            raise RuntimeError(f"{self.seq.request_id!r} has no query-state slot")
+        end = self.seq.state.position  # the current query is token end - 1's
+        start = min(max(end - window, self.seq.num_cached_tokens), end)
+        positions = torch.arange(start, end, device=self.device)
+        queries = self.recent.read(self.seq.query_slot, positions)
+        return rotate_queries(self.rope, queries, positions), positions
 
     def _table(self, pages: list[int] | list[list[int]]) -> torch.Tensor:
         return to_device(pages, torch.int32, self.device)  # queued: no host sync on CUDA

@@ -4,7 +4,8 @@ It reads block tables and positions, never allocates pages. Decode steps capture
 queries of every layer and update the query-state pool in place (paper appendix E.1: the
 regular decode path only updates the two EMAs; the demand estimation runs at boundaries).
 When the KV manager holds H2O sums, every step asks the backend to add its attention into
-them (``ctx.accumulation``).
+them (``ctx.accumulation``). When it holds a recent-query ring (SnapKV), every step writes its
+captured queries there: a decode step all rows, a prefill the last W of each sequence.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from growpage.engine.context import (
 )
 from growpage.engine.kv_manager import KVCacheManager
 from growpage.engine.model import CausalLM
+from growpage.engine.recent_queries import prefill_rows
 from growpage.engine.scheduler import SchedulerOutput
 from growpage.engine.sequence import Sequence
 from growpage.engine.transfer import to_device
@@ -124,6 +126,7 @@ class ModelRunner:
             hidden, ctx = self.graphs.run(list(out.seqs))  # static buffers, bucket rows
             assert ctx.capture is not None  # a graph's context records every layer
             capture = ctx.capture
+            positions = self.graphs.positions
         else:
             if out.is_prefill:
                 ctx, ids, positions = self._prepare_prefill(out, capture)
@@ -134,11 +137,13 @@ class ModelRunner:
         if self.recorder is not None:
             self.recorder.record(out, capture)
         if out.is_prefill:
+            if self.kv.recent is not None:
+                self._write_recent_prefill(out, capture)
             done = [i for i, seq in enumerate(out.seqs) if not seq.is_prefilling]
             rows = ctx.last_token_indices()[done].to(self.device)
             seqs = [out.seqs[i] for i in done]
         else:
-            self._update_query_state(out, capture, ctx)
+            self._update_query_state(out, capture, ctx, positions)
             rows, seqs = None, list(out.seqs)
         if not seqs:
             return [], hidden.new_zeros(0, 0)
@@ -178,7 +183,7 @@ class ModelRunner:
             self._tensor(slots),
             tables,
             [seq.state.num_tokens for seq in out.seqs],
-            capture=capture if self.recorder is not None else None,
+            capture=capture if self.recorder is not None or self.kv.recent is not None else None,
             accumulation=self.accumulation,
         )
         return ctx, self._tensor(ids), self._tensor(positions)
@@ -209,8 +214,27 @@ class ModelRunner:
             ctx = FusedStepContext(**attrs.asdict(ctx, recurse=False), query_state=fusion)
         return ctx, self._tensor(rows.ids), self._tensor(rows.positions)
 
+    def _write_recent_prefill(self, out: SchedulerOutput, capture: StepCapture) -> None:
+        """The last W new tokens' queries of each sequence of a prefill step into the ring."""
+        assert self.kv.recent is not None
+        rows, owners, positions = prefill_rows(
+            list(out.num_new_tokens), [s.state.position for s in out.seqs], self.kv.recent.window
+        )
+        index = self._tensor(rows)
+        queries = torch.stack(
+            [capture.queries[i][index] for i in range(self.model.config.num_layers)]
+        )
+        slots = query_slots(list(out.seqs))
+        self.kv.recent.write(
+            self._tensor([slots[b] for b in owners]), self._tensor(positions), queries
+        )
+
     def _update_query_state(
-        self, out: SchedulerOutput, capture: StepCapture, ctx: StepContext
+        self,
+        out: SchedulerOutput,
+        capture: StepCapture,
+        ctx: StepContext,
+        positions: torch.Tensor,
     ) -> None:
         num_layers, batch = self.model.config.num_layers, len(out.seqs)
         # [L, B, Hq, d]; a CUDA-graph step has more rows (its bucket's padding): the first B.
@@ -221,5 +245,7 @@ class ModelRunner:
         else:
             slots, first = self._slot_ids(list(out.seqs)), self._first_steps(list(out.seqs))
         self.kv.query_pool.update(slots, queries, first, summaries=not self.fuses_query_state)
+        if self.kv.recent is not None:
+            self.kv.recent.write(slots, positions[:batch], queries)
         for seq in out.seqs:
             seq.num_decode_steps += 1

@@ -11,6 +11,7 @@ from growpage.policies.builtin import (
     InversePolicy,
     RandomPolicy,
     ShrinkPolicy,
+    SnapKVPolicy,
     StreamingLLMPolicy,
 )
 from growpage.policies.registry import register_policy, registered_policies, resolve_policy
@@ -26,6 +27,7 @@ __all__ = [
     "InversePolicy",
     "RandomPolicy",
     "ShrinkPolicy",
+    "SnapKVPolicy",
     "StreamingLLMPolicy",
     "register_policy",
     "registered_policies",

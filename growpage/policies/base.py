@@ -29,6 +29,17 @@ class CapacityPolicy(abc.ABC):
     #: into it and turns prefix caching off (``growpage.engine.accumulation``).
     needs_accumulated_attention: ClassVar[bool] = False
 
+    @property
+    def needs_recent_queries(self) -> int:
+        """How many of the request's most recent queries ``select``/``decide`` read through
+        ``ctx.recent_queries(w)`` / ``ctx.window_attention(w)`` (SnapKV's observation window,
+        ``w`` at most this); 0 = none. The engine then keeps, per running request, a ring of
+        its last queries (``growpage.engine.recent_queries``); the simulator reads them from
+        the trace. A subclass overrides it with a property or a plain class attribute
+        (``needs_recent_queries = 8``; not annotated in an attrs class, which would make it a
+        field)."""
+        return 0
+
     @abc.abstractmethod
     def decide(self, ctx: BoundaryContext) -> Decision:
         """Return ``Decision.GROW``, ``Decision.COMPRESS`` or ``Decision.SHRINK``.

@@ -10,7 +10,8 @@ import torch
 
 from growpage.core.context import BoundaryContext
 from growpage.core.decision import Decision
-from growpage.core.selection import topk_slots, with_protected
+from growpage.core.observation import snapkv_scores
+from growpage.core.selection import top_slots, topk_slots, with_protected
 from growpage.errors import ConfigError
 from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import register_policy
@@ -33,6 +34,14 @@ def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(
             f"{type(inst).__name__}.{attribute.name} must be a positive integer, got {value!r}"
+        )
+
+
+def _odd(inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 2 == 0:
+        raise ConfigError(
+            f"{type(inst).__name__}.{attribute.name} must be a positive odd integer "
+            f"(a max pool centred on each slot), got {value!r}"
         )
 
 
@@ -202,3 +211,33 @@ class H2OPolicy(FixedBudgetPolicy):
             scores = ctx.scores()
         chosen = topk_slots(scores, keep - ctx.recent_window)
         return with_protected(chosen, ctx.num_tokens, ctx.recent_window)
+
+
+@register_policy
+@attrs.define(slots=False)
+class SnapKVPolicy(FixedBudgetPolicy):
+    """Fixed budget with SnapKV selection at decoding time: per layer and KV head, the slots
+    the last ``window`` queries attend to most (summed over the window and the query group,
+    max-pooled over ``kernel_size`` neighbouring slots) + recent window.
+
+    ``needs_recent_queries`` (= ``window``) makes both worlds keep the queries: the engine a
+    ring of each running request's last ``window`` queries, the simulator its trace's rows.
+    A view that keeps none (a custom one) falls back on the summaries' importance
+    (``ctx.scores()``), pooled alike.
+    """
+
+    name = "snapkv"
+    window: int = attrs.field(default=16, validator=_positive)
+    kernel_size: int = attrs.field(default=7, validator=_odd)
+
+    @property
+    def needs_recent_queries(self) -> int:
+        return self.window
+
+    def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
+        attn = ctx.window_attention(self.window)
+        if attn is None:
+            attn = ctx.scores()
+        scores = snapkv_scores(attn, ctx.num_selection_candidates, self.kernel_size)
+        chosen = top_slots(scores, keep - ctx.recent_window)  # ties to earlier slots, ascending
+        return with_protected(chosen, ctx.num_tokens, ctx.recent_window, chosen_sorted=True)

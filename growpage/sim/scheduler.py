@@ -226,7 +226,7 @@ class Scheduler:
     def _start(self, r: SimRequest, cached: list[int], now: float) -> None:
         if r.view is None or r.resuming:
             # A recompute starts from a fresh view: what its compressions dropped is back.
-            r.view = self.source.view_for(r.spec)
+            r.view = self.source.view_for(r.spec, len(cached) * self.page_size)
         r.prefill_target = self._prefill_need(r)
         new = math.ceil(r.prefill_target / self.page_size) - len(cached)
         self.prefix.take(r, cached)

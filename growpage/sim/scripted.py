@@ -43,6 +43,8 @@ SIGNALS = (
     "entropy_delta",
     "scores",
     "accumulated_attention",
+    "recent_queries",
+    "window_attention",
     "positions",
 )
 
@@ -136,6 +138,10 @@ class RecordingPolicy(CapacityPolicy):
         self.logs: dict[object, list[SignalLog]] = {}
         self._read: set[tuple[Any, ...]] = set()  # every signal key read at any boundary
 
+    @property
+    def needs_recent_queries(self) -> int:
+        return self.inner.needs_recent_queries
+
     def decide(self, ctx: BoundaryContext) -> Decision:
         log: SignalLog = {}
         self.logs.setdefault(ctx.request_id, []).append(log)
@@ -192,6 +198,12 @@ class ScriptedContext(BoundaryContext):
 
     def accumulated_attention(self) -> torch.Tensor | None:
         return self._signal(signal_key("accumulated_attention"))
+
+    def recent_queries(self, window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._signal(signal_key("recent_queries", window))
+
+    def window_attention(self, window: int) -> torch.Tensor | None:
+        return self._signal(signal_key("window_attention", window))
 
     def positions(self) -> torch.Tensor:
         return self._signal(signal_key("positions"))

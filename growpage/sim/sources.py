@@ -66,12 +66,15 @@ class TraceSource:
         self.controller = CapacityController(policy, pool, config)
         self.trace_of = trace_of
 
-    def view_for(self, request: WorkloadRequest) -> KVView:
+    def view_for(self, request: WorkloadRequest, num_cached_tokens: int = 0) -> KVView:
+        """A fresh view of ``request`` admitted with ``num_cached_tokens`` from the prefix
+        cache (whose queries never ran: ``TraceView.recent_queries`` starts after them)."""
         view = TraceView(
             self.trace_of(request),
             self.controller.config,
             track_accumulated=getattr(self.controller.policy, "needs_accumulated_attention", False),
         )
+        view.num_cached_tokens = num_cached_tokens
         view.write_until(request.prompt_tokens)
         return view
 
@@ -99,7 +102,7 @@ class ScriptSource:
         adapter = ScriptedPolicy(policy, config, self.book.lookup)
         self.controller = CapacityController(adapter, pool, page_units(config))
 
-    def view_for(self, request: WorkloadRequest) -> KVView:
+    def view_for(self, request: WorkloadRequest, num_cached_tokens: int = 0) -> KVView:
         return CountingView()
 
     def prepare(self, view: KVView, num_units: int, position: int, decoded: bool) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from growpage.core.config import GrowPageConfig
 from growpage.core.kvview import DenseKVView
+from growpage.core.observation import rotate_queries
 from growpage.core.rope import apply_rope, cos_sin
 from growpage.core.traces import Trace
 from growpage.sim.ema import ema_snapshots
@@ -36,6 +37,9 @@ class TraceView(DenseKVView):
         keys_by_head: ``[L, Hkv, T, d]`` post-RoPE keys of every position.
         values_by_head: ``[L, Hkv, T, d]`` values, or None.
         written: number of positions appended so far.
+        num_cached_tokens: leading tokens the request took from the prefix cache when it was
+            admitted (the serving simulator sets it): their queries never ran, so
+            ``recent_queries`` starts after them, as the engine's ring does.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class TraceView(DenseKVView):
             None if trace.values is None else trace.values.float().permute(0, 2, 1, 3).contiguous()
         )
         self.written = 0
+        self.num_cached_tokens = 0
         start = max(first_boundary(trace.prompt_len, b), trace.prompt_len)
         # A boundary at t reads the summaries after the update at t - 1 (docs/architecture.md).
         self._grid = [t - 1 for t in range(start, trace.num_tokens, b) if t > trace.prompt_len]
@@ -140,3 +145,12 @@ class TraceView(DenseKVView):
             attn = logits.softmax(dim=-1).nan_to_num(0.0).mean(dim=3).sum(dim=2)  # [L, Hkv, N]
             self.add_attention(attn)
         self.accumulated_until = position
+
+    def recent_queries(self, window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The trace's queries of the last ``window`` positions before ``written`` (the
+        boundary's; from ``num_cached_tokens`` on), rotated to their positions."""
+        end = self.written
+        start = min(max(end - window, self.num_cached_tokens), end)
+        positions = torch.arange(start, end)
+        queries = self.trace.queries[:, start:end].to(self.device)
+        return rotate_queries(self.rope, queries, positions), positions

@@ -153,8 +153,8 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
 
     Raises ``PolicyConformanceError`` naming the rule, with the shrunk (smallest) failing
     example. ``strategy_kwargs`` go to ``growpage.testing.boundary_cases``; a policy with
-    ``needs_accumulated_attention`` gets the accumulated sums in every example, as the
-    simulator and the engine give them to it. ``TypeError`` when ``policy`` is not a policy
+    ``needs_accumulated_attention`` gets the accumulated sums in every example, and one with
+    ``needs_recent_queries`` the recent queries, as the simulator and the engine give them. ``TypeError`` when ``policy`` is not a policy
     object (a class, a name: see ``resolve_policy``).
     """
     refuse_a_class(policy, "check_policy")
@@ -167,6 +167,8 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
         )
     if getattr(policy, "needs_accumulated_attention", False):
         strategy_kwargs.setdefault("accumulated", True)
+    if getattr(policy, "needs_recent_queries", 0):
+        strategy_kwargs.setdefault("recent_queries", True)
     failure: list[PolicyConformanceError] = []
     # Before any call: each example's history check copies it.
     pristine = copy_policy(policy, HISTORY)

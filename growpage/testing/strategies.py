@@ -11,7 +11,9 @@ when it ran, averaged over the KV head's query group and summed::
     acc[l, h, slot] = sum over queries q < t that saw the slot of  mean_g softmax(q . k)[slot]
 
 so they are non-negative, a slot holding position p collects at most t - p, and without
-compressions every (layer, head) sums to t.
+compressions every (layer, head) sums to t. A view that keeps recent queries (SnapKV's
+observation window) holds every query of the history, so ``recent_queries(w)`` gives the last
+``min(w, t)`` of them, rotated to their positions.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class BoundaryCase:
     seed: int
     sharpness: float  # scale of the queries: larger means more concentrated attention
     track_accumulated: bool
+    keeps_recent_queries: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +122,8 @@ class _CaseView(DenseKVView):
         super().compact(h.resident, [], [])
         self.set_queries(h.summaries.clone(), h.current.clone())
         self._sums_due = case.track_accumulated
+        if case.keeps_recent_queries:
+            self.set_recent_queries(h.queries, torch.arange(case.position))
 
     def _settle(self) -> None:
         if self._sums_due and self._acc is not None:
@@ -257,12 +262,15 @@ def boundary_cases(
     head_dims: tuple[int, ...] = (4, 8, 16),
     accumulated: bool | None = None,
     max_compressions: int = 4,
+    recent_queries: bool | None = None,
 ) -> st.SearchStrategy[BoundaryCase]:
     """Small random boundaries: shapes, page size, recent window, pool state and a history of
     up to ``max_compressions`` earlier compressions (each dropped one page of tokens).
 
     ``accumulated``: whether the view tracks H2O's accumulated attention (True for a policy
-    with ``needs_accumulated_attention``, which always gets it); None draws it. A knob out of
+    with ``needs_accumulated_attention``, which always gets it); None draws it.
+    ``recent_queries``: whether the view keeps the recent queries (True for a policy with
+    ``needs_recent_queries``, which always gets them); None draws it. A knob out of
     range is a ``ValueError`` (``TypeError`` for a wrong type) here, before anything is drawn.
     """
     for knob, value, low in (
@@ -290,8 +298,9 @@ def boundary_cases(
                     f"boundary_cases: {knob} must hold even integers (RoPE "
                     f"rotates pairs), got {v!r}"
                 )
-    if accumulated is not None and not isinstance(accumulated, bool):
-        raise TypeError(f"accumulated must be True, False or None, got {accumulated!r}")
+    for knob, flag in (("accumulated", accumulated), ("recent_queries", recent_queries)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{knob} must be True, False or None, got {flag!r}")
     return _boundary_cases(
         max_layers,
         max_kv_heads,
@@ -301,6 +310,7 @@ def boundary_cases(
         tuple(head_dims),
         accumulated,
         max_compressions,
+        recent_queries,
     )
 
 
@@ -333,6 +343,7 @@ def _boundary_cases(
     head_dims: tuple[int, ...],
     accumulated: bool | None,
     max_compressions: int,
+    recent_queries: bool | None,
 ) -> BoundaryCase:
     page_size = draw(st.sampled_from(page_sizes))
     return BoundaryCase(
@@ -348,6 +359,7 @@ def _boundary_cases(
         seed=draw(st.integers(0, 2**31 - 1)),
         sharpness=draw(st.sampled_from([0.1, 1.0, 4.0])),
         track_accumulated=draw(st.booleans()) if accumulated is None else accumulated,
+        keeps_recent_queries=draw(st.booleans()) if recent_queries is None else recent_queries,
     )
 
 

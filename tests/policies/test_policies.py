@@ -29,6 +29,7 @@ from growpage.policies import (
     InversePolicy,
     RandomPolicy,
     ShrinkPolicy,
+    SnapKVPolicy,
     StreamingLLMPolicy,
     registered_policies,
     resolve_policy,
@@ -45,6 +46,7 @@ BUILTINS = [
     EntropyPolicy(),
     StreamingLLMPolicy(budget_tokens=32),
     H2OPolicy(budget_tokens=32),
+    SnapKVPolicy(budget_tokens=32),
 ]
 
 
@@ -101,6 +103,7 @@ def test_all_builtins_are_registered():
         "entropy",
         "streamingllm",
         "h2o",
+        "snapkv",
     } <= names
     assert isinstance(resolve_policy("fixed", budget_tokens=512), FixedBudgetPolicy)
 
