@@ -81,7 +81,7 @@ def template_names() -> list[str]:
 
 
 def make_problem(
-    template: str | Template, rng: random.Random, difficulty: int = 1, id: str = ""
+    template: str | Template, rng: random.Random, difficulty: int = 1, problem_id: str = ""
 ) -> Problem:
     """One problem of ``template`` drawn with ``rng``; checks the template's promises."""
     if isinstance(template, str):
@@ -90,7 +90,13 @@ def make_problem(
         template = _BY_NAME[template]
     _check_difficulty(difficulty)
     question, steps = template.build(rng, difficulty)
-    problem = Problem(id or template.name, template.name, question, steps[-1][1], tuple(steps))
+    problem = Problem(
+        problem_id or template.name,
+        template.name,
+        question,
+        steps[-1][1] if steps else 0,
+        tuple(steps),
+    )
     _check(template, problem)
     return problem
 

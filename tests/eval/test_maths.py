@@ -230,6 +230,39 @@ def test_two_hundred_problems_are_distinct_and_positive_integers_where_promised(
     assert fractions and all(isinstance(p.answer, Fraction) for p in fractions)
 
 
+def test_a_repeated_question_is_redrawn_and_too_few_questions_are_refused(monkeypatch):
+    import growpage.eval.maths as maths
+
+    def four_questions(rng, difficulty):  # only four different questions to draw from
+        k = rng.randint(1, 4)
+        return f"What is {k} + {k}?", [(f"{k} + {k}", 2 * k), (f"{2 * k} * 1", 2 * k)]
+
+    monkeypatch.setattr(maths, "TEMPLATES", (maths.Template("tiny", "test", four_questions),))
+    problems = maths.generate_problems(4, seed=0)
+    assert sorted(p.answer for p in problems) == [2, 4, 6, 8]
+    with pytest.raises(ConfigError, match="cannot draw 5 distinct maths problems"):
+        maths.generate_problems(5, seed=0)
+
+
+def test_a_template_that_breaks_its_promises_is_a_bug_not_a_problem():
+    import random
+
+    import growpage.eval.maths as maths
+
+    def negative(rng, difficulty):
+        return "How much is 2 - 5, times 1?", [("2 - 5", -3), ("-3 * 1", -3)]
+
+    def one_step(rng, difficulty):
+        return "How much is 2 + 5?", [("2 + 5", 7)]
+
+    def halves(rng, difficulty):
+        return "Half of 5, plus 1?", [("5 / 2", Fraction(5, 2)), ("5 / 2 + 1", Fraction(7, 2))]
+
+    for build, message in [(negative, "not positive"), (one_step, "1 steps"), (halves, "whole")]:
+        with pytest.raises(RuntimeError, match=f"template bug in 'bad'.*{message}"):
+            maths.make_problem(maths.Template("bad", "test", build), random.Random(0))
+
+
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(ConfigError, match="difficulty must be one of"):
         generate_problems(3, difficulty=4)
