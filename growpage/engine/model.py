@@ -1,4 +1,7 @@
-"""Llama-architecture decoder (and the Qwen3 variant) over the paged KV cache.
+"""Llama-architecture decoder (and the Qwen2 and Qwen3 variants) over the paged KV cache.
+
+Qwen2 is Llama with biases on the q/k/v projections (``attention_bias``); Qwen3 adds RMS norms
+of q and k per head (``qk_norm``). All use rotate-half RoPE.
 
 State-dict names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``...) so that
 safetensors checkpoints load as they are. Inside, q/k/v and gate/up are each one fused
@@ -19,7 +22,7 @@ from growpage.engine.attention import AttentionBackend, TorchAttentionBackend
 from growpage.engine.context import get_context
 from growpage.engine.fused_linear import FusedLinear
 
-SUPPORTED_ARCHS = ("llama", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
@@ -29,7 +32,8 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
 
 @attrs.frozen
 class ModelConfig:
-    """Shape and numerics of a decoder; ``qk_norm`` selects the Qwen3 variant."""
+    """Shape and numerics of a decoder; ``attention_bias`` is Qwen2's q/k/v bias, ``qk_norm``
+    Qwen3's q/k norm."""
 
     arch: str = attrs.field(validator=attrs.validators.in_(SUPPORTED_ARCHS))
     vocab_size: int = attrs.field(validator=_positive)

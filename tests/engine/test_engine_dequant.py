@@ -1,4 +1,5 @@
-"""``growpage.engine.dequant``: GGUF blocks to fp32 with torch, bitwise what ``gguf`` gives."""
+"""``growpage.engine.dequant``: GGUF blocks to fp32 with torch, bitwise what ``gguf`` gives
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; random blocks, extreme scales, chunk seams)."""
 
 from __future__ import annotations
 
@@ -11,28 +12,82 @@ from growpage.engine import dequant
 gguf = pytest.importorskip("gguf")
 
 
-def random_blocks(qtype: int, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
+# Byte offsets of each type's fp16 fields (scales, minimums) in its block.
+FP16_AT = {
+    dequant.Q4_0: (0,),
+    dequant.Q4_1: (0, 2),
+    dequant.Q5_0: (0,),
+    dequant.Q5_1: (0, 2),
+    dequant.Q8_0: (0,),
+    dequant.Q4_K: (0, 2),
+    dequant.Q5_K: (0, 2),
+    dequant.Q6_K: (208,),
+}
+NAMES = {q: gguf.GGMLQuantizationType(q).name for q in FP16_AT}
+# fp16 extremes: the largest finite, the smallest normal and subnormal, signed zeros.
+EXTREMES = np.array([65504.0, -65504.0, 6.1035e-5, -5.96e-8, 5.96e-8, 0.0, -0.0], np.float16)
+
+
+def random_blocks(
+    qtype: int, rows: int, blocks_per_row: int, seed: int, extreme: bool = False
+) -> np.ndarray:
     """``[rows, bytes per row]`` uint8 of random blocks: finite fp16 scales (and minimums),
-    every bit pattern for the quants."""
+    half of them ``EXTREMES`` when ``extreme``, every bit pattern elsewhere (quants, packed
+    sub-block scales)."""
     rng = np.random.default_rng(seed)
     size = dequant._BLOCK_BYTES[qtype]
-    raw = rng.integers(0, 256, size=(rows * blocks_per_row, size), dtype=np.uint8)
-    halves = 2 if qtype == dequant.Q4_1 else 1  # d, and m for Q4_1
-    scales = (rng.standard_normal((rows * blocks_per_row, halves)) * 0.05).astype(np.float16)
-    raw[:, : 2 * halves] = scales.view(np.uint8).reshape(-1, 2 * halves)
+    n = rows * blocks_per_row
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for at in FP16_AT[qtype]:
+        scales = (rng.standard_normal(n) * 0.05).astype(np.float16)
+        if extreme:  # every other block, each extreme in turn
+            scales[::2] = np.resize(rng.permutation(EXTREMES), len(scales[::2]))
+        raw[:, at : at + 2] = scales.view(np.uint8).reshape(n, 2)
     return raw.reshape(rows, blocks_per_row * size)
 
 
-@pytest.mark.parametrize(
-    "qtype", [dequant.Q4_0, dequant.Q4_1, dequant.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"]
-)
-@pytest.mark.parametrize("rows,blocks", [(1, 1), (7, 3), (64, 18)])
-def test_the_same_bits_as_the_gguf_package(qtype, rows, blocks):
-    raw = random_blocks(qtype, rows, blocks, seed=rows * 100 + blocks)
+def reference(raw: np.ndarray, qtype: int) -> torch.Tensor:
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.asarray(want, dtype=np.float32))
+
+
+@pytest.mark.parametrize("qtype", list(FP16_AT), ids=NAMES.get)
+@pytest.mark.parametrize("rows,blocks", [(1, 1), (7, 3), (64, 18)])
+@pytest.mark.parametrize("extreme", [False, True], ids=["normal", "extreme"])
+def test_the_same_bits_as_the_gguf_package(qtype, rows, blocks, extreme):
+    raw = random_blocks(qtype, rows, blocks, seed=rows * 100 + blocks + qtype, extreme=extreme)
+    items = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)][0]
     got = dequant.dequantize(raw, qtype)
-    assert got.dtype == torch.float32 and tuple(got.shape) == (rows, blocks * 32)
-    assert torch.equal(got, torch.from_numpy(np.asarray(want, dtype=np.float32)))
+    assert got.dtype == torch.float32 and tuple(got.shape) == (rows, blocks * items)
+    want = reference(raw, qtype)
+    assert torch.equal(got, want)
+    if extreme and rows * blocks > 2 * len(EXTREMES):  # the output has huge and zero weights
+        assert want.abs().max() > 1e5 and (want == 0).any()
+
+
+@pytest.mark.parametrize("qtype", [dequant.Q4_K, dequant.Q6_K, dequant.Q5_0], ids=NAMES.get)
+def test_chunks_join_at_their_seams(monkeypatch, qtype):
+    """A tensor unpacked in many small chunks (one not full) equals the reference."""
+    monkeypatch.setattr(dequant, "CHUNK_WEIGHTS", 3 * 256)
+    raw = random_blocks(qtype, 5, 7, seed=qtype)
+    assert torch.equal(dequant.dequantize(raw, qtype), reference(raw, qtype))
+
+
+def test_q4_k_sub_block_scales_by_hand():
+    """One Q4_K super-block: the 6-bit scale and minimum of sub-block 5 are split between the
+    low nibble / high nibble of byte 9 and the top bits of bytes 1 and 5."""
+    block = np.zeros(144, dtype=np.uint8)
+    block[0:2] = np.array([0.5], np.float16).view(np.uint8)  # d
+    block[2:4] = np.array([0.25], np.float16).view(np.uint8)  # dmin
+    scales = block[4:16]
+    scales[9] = 0x3B  # sub-block 5: scale low 4 bits 0xB, minimum low 4 bits 0x3
+    scales[1] = 0b10 << 6  # scale bits 4-5 = 0b10: scale 0x2B = 43
+    scales[5] = 0b01 << 6  # minimum bits 4-5 = 0b01: minimum 0x13 = 19
+    block[16 + 64 : 16 + 96] = 0x70  # chunk 2: sub-block 4 nibbles 0, sub-block 5 nibbles 7
+    got = dequant.dequantize(block[None], dequant.Q4_K)[0].reshape(8, 32)
+    assert got[5].tolist() == [0.5 * 43 * 7 - 0.25 * 19] * 32
+    assert got[4].tolist() == [0.0] * 32  # scale and minimum 0 (their bits are all clear)
+    assert torch.equal(got.reshape(1, 256), reference(block[None], dequant.Q4_K))
 
 
 def test_leading_dimensions_are_kept_and_the_input_is_not_written():
@@ -71,12 +126,13 @@ def test_plain_types_are_copied_as_fp32(dtype, qtype):
 
 
 def test_other_types_go_to_the_gguf_package():
-    q5 = gguf.GGMLQuantizationType.Q5_0
-    data = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
-    raw = gguf.quants.quantize(data, q5)
-    got = dequant.dequantize(raw, int(q5))
-    assert got.dtype == torch.float32 and tuple(got.shape) == (4, 64)
-    assert torch.equal(got, torch.from_numpy(gguf.quants.dequantize(raw, q5)))
+    q3 = gguf.GGMLQuantizationType.Q3_K
+    assert int(q3) not in dequant._BLOCK_BYTES
+    raw = np.random.default_rng(1).integers(0, 256, size=(4, 110), dtype=np.uint8)
+    raw[:, 108:110] = np.array([0.01], np.float16).view(np.uint8)
+    got = dequant.dequantize(raw, int(q3))
+    assert got.dtype == torch.float32 and tuple(got.shape) == (4, 256)
+    assert torch.equal(got, torch.from_numpy(gguf.quants.dequantize(raw, q3)))
 
 
 def test_the_default_models_quantized_weights():
