@@ -305,7 +305,12 @@ def shared_prompts(spec):
         max_size=5,
     ),
     point=st.sampled_from(
-        [("fullkv", {}), ("fixed", {"budget_tokens": 8}), ("fixed", {"budget_tokens": 16})]
+        [
+            ("fullkv", {}),
+            ("fixed", {"budget_tokens": 8}),
+            ("fixed", {"budget_tokens": 16}),
+            ("snapkv", {"budget_tokens": 12, "window": 4}),  # keeps prefix caching on
+        ]
     ),
     slack=st.sampled_from([0, 0, 1, 200]),
     max_num_seqs=st.integers(1, 4),
@@ -329,7 +334,8 @@ def test_prefix_caching_shares_and_recomputes_alike(
     in the engine and the simulator alike: the same cached tokens, the same boundary decisions
     and each request's first and last tokens at the same step (until 2026-12-01 the simulator
     had no prefix cache). Also with asynchronous compaction and late boundaries, where a request
-    holding a shared page is decided at once."""
+    holding a shared page is decided at once, and under SnapKV (a budget that reads the recent
+    queries; prefix caching stays on for it)."""
     policy, params = point
     need = [math.ceil((p + (o - 1 if policy == "fullkv" else 1)) / 4) for _, _, p, o in spec]
     result = assert_serves_alike(
