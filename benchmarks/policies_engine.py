@@ -3,6 +3,7 @@
     python benchmarks/policies_engine.py                          # CPU preset, ~12 min here
     python benchmarks/policies_engine.py --preset full --device cuda   # ~4.5 min on one H200
     python benchmarks/policies_engine.py --preset smoke           # ~90 s: checks the pipeline
+    python benchmarks/policies_engine.py --preset full --device cuda --executor ray   # a GPU each
 
 What it does, in one run and with one seed:
 
@@ -15,6 +16,13 @@ What it does, in one run and with one seed:
    after the stretch is reproduced greedily, token for token).
 3. ``fixed`` runs at growpage's measured average budget (rounded to a page) and at twice it;
    ``random`` grows with growpage's measured grow ratio.
+
+The runs are points of a grid (``growpage.executors``): ``--jobs N`` runs N at once in local
+worker processes (one GPU each with ``--device cuda``), ``--executor ray`` on the Ray actors of a
+cluster (``--address``), one engine built per worker and a GPU per engine where the cluster has
+GPUs. Rows are the same, in the same order, whatever ran them; every finished run is kept under
+``<out>/finished-points/``, and ``--resume`` skips those. Runs side by side on one CPU share it:
+their TPS is lower than one at a time (``--jobs 1``, the default, times them alone).
 
 Writes ``<out>/table.md``, ``<out>/results.json`` and plots (quality vs TPS, trajectories);
 ``<out>`` is the repository's ``results/policies_engine/<preset>-<device>`` unless ``--out`` says
@@ -32,11 +40,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from growpage.engine.config import check_device  # noqa: E402
 from growpage.engine.llm import LLM  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 from growpage.eval.machine import describe_machine  # noqa: E402
@@ -45,6 +55,8 @@ from growpage.eval.workload import (  # noqa: E402
     retrieval_continuation,
     retrieval_items,
 )
+from growpage.executors import Executor, GridError, worker_state  # noqa: E402
+from growpage.executors.options import add_executor_arguments, make_executor  # noqa: E402
 
 PRESETS = {
     # The evaluation issue's size: 48 requests of 512 generated tokens.
@@ -89,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "median TPS (runs one after another drift: one pass is noisy to +-20%%)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_executor_arguments(p, jobs=1, what="policy runs")
     p.add_argument(
         "--out",
         default=None,
@@ -278,41 +291,159 @@ def plan(
     return [(f"random (q={q:.2f})", "random", {"grow_prob": round(q, 3), "seed": args.seed})]
 
 
+# Flags that say where the runs go, not what they compute (left out of a point's key).
+EXECUTOR_FLAGS = ("executor", "address", "jobs", "default_jobs", "resume", "out", "timing_passes")
+
+
+def bench_args(args: argparse.Namespace) -> dict:
+    """What a worker needs to build the ``Bench`` (the same for every point of a run)."""
+    return {k: v for k, v in vars(args).items() if k not in EXECUTOR_FLAGS}
+
+
+def worker_bench(settings: dict) -> Bench:
+    """This worker's ``Bench``: built on its first point, then kept (one engine per worker)."""
+
+    def build() -> Bench:
+        if settings["threads"]:
+            torch.set_num_threads(settings["threads"])
+        return Bench(argparse.Namespace(**settings))
+
+    return worker_state(json.dumps(settings, sort_keys=True), build)
+
+
+def reference_point(_: int, settings: dict) -> dict:
+    """fullkv's continuations (``Bench.references``) and the pool's size, as a row."""
+    bench = worker_bench(settings)
+    gen_row, conts, rconts, spans = bench.references()
+    return dict(
+        gen_row=gen_row,
+        conts=conts,
+        rconts=rconts,
+        spans=spans,
+        sample_text=bench.sample_text,
+        kv_pages=bench.kv_pages,
+        full_pages=bench.full_pages,
+        num_items=len(bench.items),
+    )
+
+
+def policy_point(run: tuple[str, str, dict], job: tuple[dict, dict]) -> dict:
+    """One policy's row (``Bench.run_policy``); ``job``: the settings and the references."""
+    settings, refs = job
+    label, policy, kwargs = run
+    return worker_bench(settings).run_policy(
+        label, policy, kwargs, refs["conts"], refs["rconts"], refs["spans"]
+    )
+
+
+def timing_point(run: tuple[str, dict, int], job: tuple[dict, list]) -> dict:
+    """Pass ``run[2]`` of one row's timing (``Bench.time_again``)."""
+    settings, conts = job
+    policy, kwargs, _ = run
+    return worker_bench(settings).time_again({"policy": policy, "kwargs": kwargs}, conts)
+
+
+def grid_executor(args: argparse.Namespace) -> Executor:
+    """The executor of ``--executor``/``--jobs``: one engine per worker, a GPU per engine on
+    ``--device cuda`` (Ray: actors of one GPU each; local: one visible GPU per process)."""
+    gpu = args.device.startswith("cuda")
+    out = Path(args.out)
+    if args.executor == "local":
+        check_device(args.device)  # here, before any work (a Ray cluster's workers may differ)
+    if args.executor == "ray":
+        return make_executor(
+            args, out, num_cpus=args.threads or 1, num_gpus=1 if gpu else 0, actors=True
+        )
+    envs = None
+    if args.device == "cuda" and (args.jobs or 1) > 1:
+        envs = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(torch.cuda.device_count())]
+    return make_executor(args, out, worker_env=envs)
+
+
+def checked(rows: list[dict]) -> list[dict]:
+    """``rows``, or a ``GridError`` naming the runs that failed (one bad run spoils the
+    table's comparisons)."""
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        raise GridError(
+            "policy runs failed: " + "; ".join(f"{r['label']}: {r['error']}" for r in failed)
+        )
+    return rows
+
+
 def run(args: argparse.Namespace, on_row=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
-    bench = Bench(args)
-    print(
-        f"[policies_engine] {args.num_requests} requests x {args.max_tokens} tokens, "
-        f"{len(bench.items)} retrieval items x {args.stretch}; pool {bench.kv_pages} pages of "
-        f"{args.page_size} ({bench.full_pages} needed for all at full length)",
-        flush=True,
-    )
-    t0 = time.perf_counter()
-    gen_row, conts, rconts, spans = bench.references()
-    print(
-        f"[policies_engine] references in {time.perf_counter() - t0:.0f} s; "
-        f"fullkv generate: {gen_row['tps']:.1f} tok/s",
-        flush=True,
-    )
-    rows: list[dict] = []
-    done_growpage = None
-    for name in policy_order(args.policies):
-        for label, policy, kwargs in plan(args, name, done_growpage):
-            print(f"[policies_engine] {label} ...", flush=True)
-            row = bench.run_policy(label, policy, kwargs, conts, rconts, spans)
-            rows.append(row)
-            print(
-                f"[policies_engine] {label}: {row['tps']:.1f} tok/s, C {row['avg_resident']:.1f}"
-                f", nll {row['nll']:.4f}, {row['wall_s']:.0f} s",
-                flush=True,
+    settings = bench_args(args)
+    with grid_executor(args) as executor:
+        t0 = time.perf_counter()
+        [refs] = checked(
+            executor.run(reference_point, [0], settings, [{"label": "references"}], "references")
+        )
+        bench = SimpleNamespace(**{k: refs[k] for k in ("kv_pages", "full_pages", "sample_text")})
+        gen_row = refs["gen_row"]
+        print(
+            f"[policies_engine] {args.num_requests} requests x {args.max_tokens} tokens, "
+            f"{refs['num_items']} retrieval items x {args.stretch}; pool {refs['kv_pages']} "
+            f"pages of {args.page_size} ({refs['full_pages']} needed for all at full length); "
+            f"references in {time.perf_counter() - t0:.0f} s; fullkv generate: "
+            f"{gen_row['tps']:.1f} tok/s",
+            flush=True,
+        )
+        names = policy_order(args.policies)
+        by_name: dict[str, list[dict]] = {}
+        # fixed and random are matched to growpage's run: they go after it, the rest first.
+        for stage in ([n for n in names if n not in MATCHED], [n for n in names if n in MATCHED]):
+            growpage_row = by_name.get("growpage", [None])[0]
+            runs = [(n, r) for n in stage for r in plan(args, n, growpage_row)]
+            rows = checked(
+                executor.run(
+                    policy_point,
+                    [r for _, r in runs],
+                    (settings, refs),
+                    [{"label": label} for _, (label, _, _) in runs],
+                    "policies",
+                )
             )
-            if policy == "growpage":
-                done_growpage = row
+            for (name, _), row in zip(runs, rows, strict=True):
+                by_name.setdefault(name, []).append(row)
+                print(
+                    f"[policies_engine] {row['label']}: {row['tps']:.1f} tok/s, "
+                    f"C {row['avg_resident']:.1f}, nll {row['nll']:.4f}, {row['wall_s']:.0f} s",
+                    flush=True,
+                )
             if on_row is not None:  # partial results survive a run cut short
-                on_row(finish(args, bench, gen_row, rows, t0))
-    timing_passes(bench, rows, conts, args.timing_passes)
+                done = [r for n in names for r in by_name.get(n, [])]
+                on_row(finish(args, bench, gen_row, done, t0))
+        rows = [r for n in names for r in by_name[n]]
+        timing_passes(
+            TimedOn(executor, settings, refs["conts"]), rows, refs["conts"], args.timing_passes
+        )
     return finish(args, bench, gen_row, rows, t0)
+
+
+MATCHED = ("fixed", "random")  # the policies ``plan`` matches to growpage's run
+
+
+class TimedOn:
+    """``timing_passes``' bench: each pass of a row is a point of ``executor``."""
+
+    def __init__(self, executor: Executor, settings: dict, conts: list) -> None:
+        self.executor, self.settings, self.conts = executor, settings, conts
+        self.passes: dict[str, int] = {}
+
+    def time_again(self, row: dict, conts) -> dict:
+        k = self.passes[row["label"]] = self.passes.get(row["label"], 1) + 1
+        [again] = checked(
+            self.executor.run(
+                timing_point,
+                [(row["policy"], row["kwargs"], k)],
+                (self.settings, self.conts),
+                [{"label": row["label"]}],
+                progress=False,
+            )
+        )
+        return again
 
 
 TIMED = ("tps", "tpot_ms", "total_s")

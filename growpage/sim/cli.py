@@ -1,6 +1,8 @@
 """``growpage sim replay|serve|sweep|check-traces`` and ``growpage calibrate``: argument parsing.
 
-The commands themselves are in ``sim.commands``; this module only declares their options.
+The commands themselves are in ``sim.commands``; this module only declares their options. With
+``sim.commands`` it is part of the ``growpage`` command line, a face over the simulator, which
+is why it may take the executor flags from ``growpage.executors``.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import argparse
 from collections.abc import Callable
 
 from growpage._argtypes import path_text, positive_int, size_list
+from growpage.executors.options import add_executor_arguments
 
 DEFAULT_POINTS = ["growpage", "fullkv", "fixed@budget_tokens=1024,2048,4096,8192"]
 
@@ -202,6 +205,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also measure Delta_t quality (Spearman, growth advantage; slower)",
     )
+    add_executor_arguments(p, jobs=1, what="traces")
     _common(p)
     p.set_defaults(func=_lazy("run_replay"), seed=None)  # None: not given (--synthetic only)
 
@@ -223,7 +227,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="NAME or NAME@key=v1,v2;key2=v3, values read as --param reads them "
         "(default: %(default)s)",
     )
-    p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    add_executor_arguments(p, jobs=2)
     p.add_argument(
         "--fidelity-traces",
         type=int,

@@ -27,11 +27,11 @@ from growpage.sim.costmodel import (
     load_cost_model,
     with_boundary_costs,
 )
-from growpage.sim.replay import ReplayOptions, replay_trace
+from growpage.sim.replay import ReplayOptions
 from growpage.sim.serving import SimConfig
 from growpage.sim.signal import signal_quality
 from growpage.sim.sources import traces_for
-from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
+from growpage.sim.synthetic import SyntheticSpec
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
 
@@ -117,7 +117,9 @@ def _deep_check(args: argparse.Namespace) -> bool:
     return args.check_traces == "deep"
 
 
-def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace]]:
+def _replay_grid(args: argparse.Namespace) -> tuple[list[Any], list[dict], dict[str, Any]]:
+    """The points of a replay (a trace set's entries, or synthetic trace numbers), what each
+    one's failed row says, and where ``ReplayJob`` finds the traces."""
     synthetic_only = {"--gen-len": args.gen_len, "--schedule": args.schedule, "--seed": args.seed}
     if args.traces:
         given = [flag for flag, value in synthetic_only.items() if value is not None]
@@ -130,12 +132,18 @@ def _replay_traces(args: argparse.Namespace) -> tuple[int, Callable[[int], Trace
         _note_layer_subset(
             args.traces, traces.check(deep=_deep_check(args), progress=not args.json)
         )
-        return len(traces), traces.read
+        entries = list(traces.index)
+        return entries, [{"request_id": e.request_id} for e in entries], {"traces": args.traces}
     _deep_check(args)  # refuses --check-traces without --traces
     _at_least("--synthetic", args.synthetic, 1)
     drawn = _synthetic_settings(args)
     spec = SyntheticSpec(gen_len=drawn["gen_len"], schedule=drawn["schedule"])
-    return args.synthetic, lambda i: synthetic_trace(spec, drawn["seed"] + i, f"synthetic-{i}")
+    numbers = list(range(args.synthetic))
+    return (
+        numbers,
+        [{"request_id": f"synthetic-{i}"} for i in numbers],
+        {"spec": spec, "seed": drawn["seed"]},
+    )
 
 
 def _synthetic_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -149,17 +157,31 @@ def _synthetic_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    from growpage.executors import GridError
+    from growpage.executors.grids import ReplayJob, replay_point, result_of
+    from growpage.executors.options import jobs_of, make_executor
+
     config = _setup(args)
     kwargs = parse_params(args.param)
     options = ReplayOptions(fidelity_queries=args.fidelity_queries, signals=args.signals)
-    count, read = _replay_traces(args)
+    _at_least("--jobs", jobs_of(args), 1)
+    items, identities, source = _replay_grid(args)
     resolve_policy(args.policy, **kwargs)  # a bad name or hyperparameter fails before the work
     out = _out_dir(args)
-    results = []
-    for i in tqdm(range(count), desc="replay", unit="trace", disable=args.json):
-        results.append(
-            replay_trace(read(i), resolve_policy(args.policy, **kwargs), config, options)
-        )
+    job = ReplayJob(
+        policy=args.policy,
+        params=tuple(kwargs.items()),
+        config=config,
+        options=options,
+        threads=args.threads,
+        **source,
+    )
+    with make_executor(args, out, progress=not args.json, num_cpus=args.threads) as executor:
+        grid = executor.run(replay_point, items, job, identities, desc="replay", unit="trace")
+    results = [result_of(row) for row in grid if "error" not in row]
+    failed = [row for row in grid if "error" in row]
+    if not results:
+        raise GridError(_failed_traces(failed, len(grid), None))
     rows = [r.summary() for r in results] + [reports.aggregate_replays(results, "ALL")]
     columns = [("request_id", "trace", "")] + reports.REPLAY_COLUMNS
     table = reports.format_table(rows, columns)
@@ -171,6 +193,8 @@ def run_replay(args: argparse.Namespace) -> int:
         "summary": rows[-1],
         "traces": [r.as_dict() for r in results],
     }
+    if failed:
+        payload["failed"] = failed
     if args.signals:
         quality = signal_quality(rec for r in results for rec in r.records)
         payload["signals"] = quality.as_dict()
@@ -208,7 +232,19 @@ def run_replay(args: argparse.Namespace) -> int:
             )
             files += ", signals.png"
         _note(args, f"results in {out}/ ({files})")
+    if failed:
+        raise GridError(_failed_traces(failed, len(grid), out))
     return 0
+
+
+def _failed_traces(failed: list[dict], total: int, out: Path | None) -> str:
+    head = f"{len(failed)} of {total} traces failed"
+    kept = total - len(failed)
+    if kept:
+        head += f" ({kept} replayed: their results are printed" + (
+            f" and written to {out}/)" if out is not None else ")"
+        )
+    return "\n".join([head + ":"] + [f"  {r['request_id']}: {r['error']}" for r in failed])
 
 
 def _source(args: argparse.Namespace) -> dict[str, Any]:
@@ -457,10 +493,11 @@ def _request_row(r: Any) -> dict:
 
 # ---- sweep and calibrate ---------------------------------------------------------------------
 def run_sweep(args: argparse.Namespace) -> int:
+    from growpage.executors.options import jobs_of, make_executor
     from growpage.sim.sweep import SweepError, SweepSettings, parse_points, run_sweep
 
     config = _setup(args)
-    _at_least("--jobs", args.jobs, 1)
+    _at_least("--jobs", jobs_of(args), 1)
     _at_least("--fidelity-traces", args.fidelity_traces, 0)
     rates = args.arrival_rate or [None]
     if len(set(rates)) != len(rates):
@@ -475,21 +512,24 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.traces:
         _trace_requests(args, setups[0][2])  # a bad set or trace name fails before the work
     rows = []
-    for rate, (sim, _, requests) in zip(rates, setups, strict=True):
-        settings = SweepSettings(
-            requests=requests,
-            config=config,
-            sim=sim,
-            cost=args.cost,
-            fidelity_traces=args.fidelity_traces,
-            seed=args.seed,
-            boundary_s=boundary_s,
-            compaction_s=compaction_s,
-            traces=args.traces,
-            threads=args.threads,
-        )
-        part = run_sweep(points, settings, jobs=args.jobs, progress=not args.json)
-        rows += part if rate is None else [_at_rate(row, rate) for row in part]
+    # NOTE: the cost model travels with the settings, so a worker on another machine needs
+    # no copy of a calibrated model's file.
+    with make_executor(args, out, progress=not args.json, num_cpus=args.threads) as executor:
+        for rate, (sim, cost, requests) in zip(rates, setups, strict=True):
+            settings = SweepSettings(
+                requests=requests,
+                config=config,
+                sim=sim,
+                cost=cost,
+                fidelity_traces=args.fidelity_traces,
+                seed=args.seed,
+                boundary_s=boundary_s,
+                compaction_s=compaction_s,
+                traces=args.traces,
+                threads=args.threads,
+            )
+            part = run_sweep(points, settings, executor, progress=not args.json)
+            rows += part if rate is None else [_at_rate(row, rate) for row in part]
     done, failed = [r for r in rows if "error" not in r], [r for r in rows if "error" in r]
     columns = (
         SWEEP_COLUMNS

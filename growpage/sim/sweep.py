@@ -11,14 +11,17 @@ serves, else synthetic ones (``fidelity_traces``).
 
 A point that raises does not stop the sweep: its row carries ``error`` (the exception and where
 it was raised) instead of metrics, and the other points run on.
+
+``run_sweep`` runs the points one after another in this process, or on the executor it is given
+(``growpage.executors``: worker processes, a Ray cluster), which returns the same rows in the
+same order. The simulator does not import the executors (DESIGN.md): it only calls ``run``.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -29,7 +32,7 @@ from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace
 from growpage.errors import ConfigError, GrowPageError, policy_raised_at, raised_at
 from growpage.policies.registry import parse_policy_value, resolve_policy
-from growpage.sim.costmodel import load_cost_model, with_boundary_costs
+from growpage.sim.costmodel import CostModel, load_cost_model, with_boundary_costs
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.reports import aggregate_replays
 from growpage.sim.serving import SimConfig, simulate
@@ -86,7 +89,7 @@ class SweepSettings:
     requests: tuple[WorkloadRequest, ...] = attrs.field(converter=_requests)
     config: GrowPageConfig
     sim: SimConfig
-    cost: str  # preset name or linear model JSON path
+    cost: str | CostModel  # preset name, a cost model's JSON path, or the model itself
     fidelity_traces: int = 4  # synthetic traces replayed per point (0: no fidelity)
     fidelity_gen_len: int = 4096  # tokens generated per fidelity trace
     seed: int = 0
@@ -117,9 +120,7 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
         resolve_policy(point.policy, **kwargs),
         settings.config,
         settings.sim,
-        with_boundary_costs(
-            load_cost_model(settings.cost), settings.boundary_s, settings.compaction_s
-        ),
+        with_boundary_costs(_cost_model(settings.cost), settings.boundary_s, settings.compaction_s),
         trace_of,
     )
     replays = [
@@ -142,6 +143,10 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
         "output_error": fidelity.get("output_error"),
         "replay_avg_budget": fidelity.get("avg_budget"),
     }
+
+
+def _cost_model(cost: str | CostModel) -> CostModel:
+    return load_cost_model(cost) if isinstance(cost, str) else cost
 
 
 def fidelity_traces(settings: SweepSettings) -> list[Trace]:
@@ -184,34 +189,41 @@ def try_point(point: SweepPoint, settings: SweepSettings) -> dict:
         return {**_identity(point), "error": _describe(exc)}
 
 
+class GridRunner(Protocol):
+    """What ``run_sweep`` needs of an executor (``growpage.executors.Executor`` is one)."""
+
+    def run(
+        self,
+        fn: Callable[[Any, Any], dict],
+        items: Sequence[Any],
+        shared: Any = None,
+        identities: Sequence[dict] | None = None,
+        desc: str = "grid",
+        unit: str = "point",
+    ) -> list[dict]: ...
+
+
 def run_sweep(
-    points: Sequence[SweepPoint], settings: SweepSettings, jobs: int = 2, progress: bool = True
+    points: Sequence[SweepPoint],
+    settings: SweepSettings,
+    executor: GridRunner | None = None,
+    progress: bool = True,
 ) -> list[dict]:
-    """Run every point (in ``jobs`` processes); rows in the order of ``points``.
+    """Run every point: one after another in this process, or on ``executor``; rows in the
+    order of ``points``.
 
     A point that fails gives a row with ``error`` (``try_point``); the others run on."""
     for p in points:  # fail fast on a bad policy name or hyperparameter
         resolve_policy(p.policy, **dict(p.params))
-    rows: dict[int, dict] = {}
+    if executor is not None:
+        identities = [_identity(p) for p in points]
+        return executor.run(try_point, points, settings, identities, desc="sweep")
+    rows: list[dict] = []
     with tqdm(total=len(points), desc="sweep", unit="point", disable=not progress) as bar:
-
-        def finish(i: int, row: dict) -> None:
-            rows[i] = row
-            bar.update()
-            failed = sum("error" in r for r in rows.values())
+        for p in points:
+            rows.append(try_point(p, settings))
+            failed = sum("error" in r for r in rows)
             if failed:
-                bar.set_postfix_str(f"{failed} failed")
-
-        if jobs <= 1:
-            for i, p in enumerate(points):
-                finish(i, try_point(p, settings))
-            return [rows[i] for i in range(len(points))]
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(try_point, p, settings): i for i, p in enumerate(points)}
-            for future in as_completed(futures):
-                i = futures[future]
-                try:
-                    finish(i, future.result())
-                except Exception as exc:  # noqa: BLE001 - the worker died (killed, out of memory)
-                    finish(i, {**_identity(points[i]), "error": _describe(exc)})
-    return [rows[i] for i in range(len(points))]
+                bar.set_postfix_str(f"{failed} failed", refresh=False)
+            bar.update()
+    return rows

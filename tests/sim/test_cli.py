@@ -243,8 +243,8 @@ def test_an_unusable_out_dir_fails_before_the_work(capsys, tmp_path, monkeypatch
     def no_work(*args, **kwargs):
         raise AssertionError("the work started before --out was checked")
 
-    for name in ("replay_trace", "tqdm"):
-        monkeypatch.setattr(commands, name, no_work)
+    monkeypatch.setattr(commands, "tqdm", no_work)
+    monkeypatch.setattr("growpage.executors.grids.replay_trace", no_work)
     monkeypatch.setattr("growpage.sim.sweep.run_sweep", no_work)
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -681,14 +681,15 @@ def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
 
 def test_a_broken_trace_in_a_set_is_found_before_any_replay(tmp_path, capsys, monkeypatch):
     from growpage.core.trace_set import TraceSet
-    from growpage.sim import commands
     from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
 
     ts = TraceSet(tmp_path / "set", create=True)
     spec = SyntheticSpec(gen_len=128)
     entries = [ts.write(synthetic_trace(spec, i, f"t{i}")) for i in range(2)]
     (tmp_path / "set" / entries[1].file).write_text("broken")
-    monkeypatch.setattr(commands, "replay_trace", lambda *a, **k: pytest.fail("replayed"))
+    monkeypatch.setattr(
+        "growpage.executors.grids.replay_trace", lambda *a, **k: pytest.fail("replayed")
+    )
     assert main(["sim", "replay", "--traces", str(tmp_path / "set")]) == 2
     assert entries[1].file in capsys.readouterr().err
 

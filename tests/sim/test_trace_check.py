@@ -216,11 +216,11 @@ def test_check_traces_command_refuses_what_is_not_a_set(tmp_path, capsys):
 def test_replay_serve_and_sweep_check_tensors_first_when_asked(
     tmp_path, make_trace, capsys, command, monkeypatch
 ):
-    from growpage.sim import commands
-
     files = _write_set(tmp_path, make_trace)
     _rewrite_tensors(files[2], BAD_TENSORS["inf"][0])
-    monkeypatch.setattr(commands, "replay_trace", lambda *a, **k: pytest.fail("replayed"))
+    monkeypatch.setattr(
+        "growpage.executors.grids.replay_trace", lambda *a, **k: pytest.fail("replayed")
+    )
     import growpage.sim.serving as serving
     import growpage.sim.sweep as sweep
 
