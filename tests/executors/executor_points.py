@@ -80,3 +80,39 @@ def builds_by_pid(shared: dict) -> dict[int, int]:
 
 def pid_of(item: int, shared: dict) -> dict:
     return {"item": item, "pid": os.getpid()}
+
+
+class FakeBench:
+    """``benchmarks/policies_engine.Bench`` without a model: rows that depend only on the run,
+    and a file under ``args.builds`` for every one built (one engine per worker)."""
+
+    def __init__(self, args) -> None:
+        _build({"builds": args.builds})
+        self.kv_pages, self.full_pages, self.sample_text, self.items = 24, 39, "text", []
+
+    def references(self) -> tuple[dict, list, list, list]:
+        gen = {"tps": 50.0, "avg_resident": 2.0, "preemptions": 0}
+        return gen, [[1, 2, 3], [4, 5]], [], []
+
+    def run_policy(self, label: str, policy: str, kwargs: dict, conts, rconts, spans) -> dict:
+        size = sum(map(len, conts)) + len(label) + len(kwargs)
+        return {
+            **self.time_again({"policy": policy, "kwargs": kwargs}, conts),
+            "label": label,
+            "policy": policy,
+            "kwargs": kwargs,
+            "avg_resident": 2.0,
+            "avg_budget": 64.0 + size,
+            "decided_grow": 3,
+            "decided_compress": 1,
+            "nll": 1.0 + size / 100,
+            "boundary_s": 0.0,
+            "trajectories": [[(3, 1, "grow"), (8, 2, "grow")]],
+            "prompt_lens": [3],
+            "wall_s": 1.0,
+        }
+
+    def time_again(self, row: dict, conts) -> dict:
+        tps = 100.0 + len(row["policy"]) + len(row["kwargs"])
+        events = dict(grow=3, compress=1, shrink=0, fallback=0, preemptions=0)
+        return {"tps": tps, "tpot_ms": 1000 / tps, "total_s": 10 / tps, **events}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -262,3 +263,27 @@ def test_ctrl_c_leaves_the_finished_points_and_resume_runs_the_rest(tmp_path):
     saved = json.loads((out / "sweep.json").read_text())
     assert saved == json.loads((tmp_path / "whole" / "sweep.json").read_text())
     assert len(saved["points"]) == 8
+
+
+def test_the_engine_table_gives_the_same_rows_on_one_or_two_workers(tmp_path, monkeypatch):
+    from benchmark_scripts import load_benchmark
+    from executor_points import FakeBench
+
+    bench = load_benchmark("policies_engine")
+    monkeypatch.setattr(bench, "Bench", FakeBench)  # forked workers inherit it
+    reports = {}
+    for jobs in ("1", "2"):
+        out = tmp_path / jobs
+        args = bench.parse_args(["--preset", "smoke", "--out", str(out), "--jobs", jobs])
+        args.builds = str(out / "builds")
+        (out / "builds").mkdir(parents=True)
+        reports[jobs] = bench.run(args)
+        builds = builds_by_pid({"builds": args.builds})
+        assert set(builds.values()) == {1} and len(builds) <= int(jobs), builds
+        if jobs == "1":
+            assert list(builds) == [os.getpid()]  # in this process, as before executors
+    assert reports["1"]["rows"] == reports["2"]["rows"]
+    growpage = next(r for r in reports["1"]["rows"] if r["policy"] == "growpage")
+    expected = [label for n in bench.ALL_POLICIES for label, _, _ in bench.plan(args, n, growpage)]
+    assert [r["label"] for r in reports["1"]["rows"]] == expected
+    assert reports["2"]["kv_pages"] == 24 and reports["2"]["fullkv_generate"]["tps"] == 50.0
