@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import ray
 
-    machine = describe_machine()
+    machine, measured = describe_machine(), commit()  # the code the commands run
     startup = min(startup_s() for _ in range(2))
     address, start_s = start_ray()
     print(f"[executors] Ray of {JOBS} CPUs at {address}, started in {start_s:.1f} s", flush=True)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_s = time.perf_counter() - stop
     report = {
         "date": time.strftime("%Y-%m-%d"),
-        "commit": commit(),
+        "commit": measured,
         "command": "python benchmarks/executors.py" + (" --smoke" if args.smoke else ""),
         "machine": f"{machine}, load average {os.getloadavg()[0]:.1f} at the end",
         "ray_version": ray.__version__,

@@ -2,7 +2,9 @@
 
 A point reads its trace where it runs: from the trace set's directory (a worker on another
 machine needs the set at the same path: shared storage), or, for synthetic traces, drawn from
-the spec and the seed. Its row is the replay's ``ReplayResult.as_dict()`` and its final
+the spec and the seed. A point may also be the ``Trace`` itself, read by the caller: Ray then
+moves it to the worker through its object store (no shared storage, but every trace passes
+through the caller's memory). Its row is the replay's ``ReplayResult.as_dict()`` and its final
 capacity, from which ``result_of`` gives the ``ReplayResult`` back, as the replay made it
 (less the per-head masses, which no report reads).
 """
@@ -16,6 +18,7 @@ import torch
 
 from growpage.core.config import GrowPageConfig
 from growpage.core.trace_set import TraceEntry, TraceSet
+from growpage.core.traces import Trace
 from growpage.policies.registry import resolve_policy
 from growpage.sim.records import BoundaryRecord, ReplayResult
 from growpage.sim.replay import ReplayOptions, replay_trace
@@ -39,10 +42,13 @@ class ReplayJob:
     threads: int = 1  # torch CPU threads of each point
 
 
-def replay_point(item: TraceEntry | int, job: ReplayJob) -> dict:
-    """Replay one trace (an entry of ``job.traces``, or synthetic trace ``item``): its row."""
+def replay_point(item: Trace | TraceEntry | int, job: ReplayJob) -> dict:
+    """Replay one trace (``item`` itself, an entry of ``job.traces``, or synthetic trace
+    ``item``): its row."""
     torch.set_num_threads(job.threads)
-    if isinstance(item, TraceEntry):
+    if isinstance(item, Trace):
+        trace = item
+    elif isinstance(item, TraceEntry):
         assert job.traces is not None, "a trace set's entry without the set"
         trace = TraceSet(job.traces).read(item)
     else:

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
+import torch
 
 from growpage.core.traces import atomic_write
 from growpage.errors import ConfigError
@@ -49,6 +51,13 @@ def _canonical(obj: Any) -> Any:
         return obj
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
+    if isinstance(obj, (torch.Tensor, np.ndarray)):  # by content: a repr elides the middle
+        if isinstance(obj, torch.Tensor):  # as bytes: numpy has no bfloat16
+            data = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        else:
+            data = np.ascontiguousarray(obj).tobytes()
+        digest = hashlib.sha256(data).hexdigest()
+        return {"__array__": [str(obj.dtype), list(obj.shape), digest]}
     if callable(obj) and hasattr(obj, "__qualname__"):
         return {"__callable__": f"{obj.__module__}.{obj.__qualname__}"}
     return {"__repr__": repr(obj)}

@@ -147,6 +147,17 @@ def test_fingerprints_ignore_order_and_keep_values_apart():
     assert fingerprint(math.nan) == fingerprint(float("nan"))
 
 
+def test_tensors_are_fingerprinted_by_their_whole_content():
+    import torch
+
+    a = torch.zeros(4000)
+    b = a.clone()
+    b[2000] = 1.0  # torch's repr elides the middle: the reprs are the same
+    assert repr(a) == repr(b) and fingerprint(a) != fingerprint(b)
+    assert fingerprint(a) == fingerprint(a.clone())
+    assert fingerprint(a.to(torch.bfloat16)) != fingerprint(a.to(torch.float16))
+
+
 def test_the_local_executor_builds_a_workers_state_once(tmp_path):
     shared = grid(tmp_path, sleep_s={i: 0.05 for i in range(8)})
     with LocalExecutor(2, progress=False) as ex:
@@ -201,6 +212,29 @@ def test_replay_in_worker_processes_gives_the_same_results(capsys):
         "synthetic-0",
         "synthetic-1",
         "synthetic-2",
+    ]
+
+
+def test_traces_handed_over_as_points_replay_as_their_set_does(tmp_path):
+    from growpage.core.config import GrowPageConfig
+    from growpage.executors.grids import ReplayJob, replay_point
+    from growpage.sim.replay import ReplayOptions
+    from growpage.sim.synthetic import SyntheticSpec, write_synthetic_trace_set
+
+    spec = SyntheticSpec(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=16, prompt_len=20)
+    traces = write_synthetic_trace_set(tmp_path / "set", spec, output_lens=[70, 90], seed=5)
+    job = ReplayJob(
+        policy="growpage",
+        config=GrowPageConfig(page_size=16, recent_window=4),
+        options=ReplayOptions(fidelity_queries=2),
+        traces=str(tmp_path / "set"),
+    )
+    with LocalExecutor(2, progress=False) as ex:
+        by_entry = ex.run(replay_point, traces.index, job)
+        by_value = ex.run(replay_point, list(traces), job)
+    assert by_value == by_entry and [r["request_id"] for r in by_entry] == [
+        "synthetic-0",
+        "synthetic-1",
     ]
 
 
