@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+from collections.abc import Hashable
 
 
 class GrowPageError(Exception):
@@ -15,7 +16,14 @@ class ConfigError(GrowPageError, ValueError):
 
 class PolicyError(GrowPageError):
     """A policy failed: it returned something the controller cannot execute, or raised (the
-    original exception is the cause), or it cannot be found or built. Nothing was changed."""
+    original exception is the cause), or it cannot be found or built. Nothing was changed.
+
+    ``request_id``: the request at whose capacity boundary it failed (None when it failed
+    outside one), so that a server can fail that request alone."""
+
+    def __init__(self, message: str, request_id: Hashable | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 class PoolExhaustedError(GrowPageError):

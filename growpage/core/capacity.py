@@ -197,7 +197,8 @@ class CapacityController:
             raise PolicyError(
                 f"policy {_name(self.policy)} returned {decision!r} from decide(); "
                 f"expected a growpage.Decision (request {ctx.request_id!r} at "
-                f"position {ctx.position})"
+                f"position {ctx.position})",
+                request_id=ctx.request_id,
             )
         self._count(state, f"decided_{decision.value}")
         delta = ctx.computed_delta()
@@ -334,7 +335,8 @@ class CapacityController:
         if problem:
             raise PolicyError(
                 f"policy {_name(self.policy)} select(): {problem} "
-                f"(request {ctx.request_id!r} at position {ctx.position})"
+                f"(request {ctx.request_id!r} at position {ctx.position})",
+                request_id=ctx.request_id,
             )
         assert ordered is not None  # no problem: the checked selection comes back
         return ordered
@@ -451,11 +453,13 @@ def _call(policy: object, method: str, ctx: BoundaryContext, *args: object) -> A
         # the policy's bug: name the policy and the boundary as for any other exception.
         raise PolicyError(
             f"policy {_name(policy)} {method}() raised ConfigError: {exc} "
-            f"(request {ctx.request_id!r} at position {ctx.position})"
+            f"(request {ctx.request_id!r} at position {ctx.position})",
+            request_id=ctx.request_id,
         ) from exc
     except Exception as exc:
         raise PolicyError(
             f"policy {_name(policy)} {method}() raised {type(exc).__name__}: "
             f"{exc} (request {ctx.request_id!r} at position {ctx.position})"
-            f"{missing_sums_hint(ctx)}"
+            f"{missing_sums_hint(ctx)}",
+            request_id=ctx.request_id,
         ) from exc

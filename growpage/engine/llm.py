@@ -319,17 +319,19 @@ class LLM:
     def _stream(
         self, work: list[_Work], use_tqdm: bool | None, arrivals: list[float] | None
     ) -> Iterator[StreamChunk]:
-        shown = [_Shown() for _ in work]
+        shown = [StreamProgress() for _ in work]
         for seqs in self._serve(work, use_tqdm, arrivals):  # noqa: B007
             for i, seq in enumerate(seqs):
-                chunk = None if seq is None else self._chunk(i, seq, shown[i])
+                chunk = None if seq is None else self.stream_chunk(i, seq, shown[i])
                 if chunk is not None:
                     yield chunk
 
-    def _chunk(self, index: int, seq: Sequence, shown: _Shown) -> StreamChunk | None:
-        """What ``seq`` produced since ``shown``; None when nothing new is visible. Text is
-        shown when it is settled (see ``IncrementalDetokenizer``) and cannot still turn out to
-        be the start of a stop string; the last chunk carries the rest of the final text."""
+    def stream_chunk(self, index: int, seq: Sequence, shown: StreamProgress) -> StreamChunk | None:
+        """What ``seq`` produced since ``shown`` (which it advances); None when nothing new is
+        visible. Text is shown when it is settled (see ``IncrementalDetokenizer``) and cannot
+        still turn out to be the start of a stop string; the last chunk carries the rest of
+        the final text. ``stream`` calls it after every step; a server that drives
+        ``engine`` itself calls it between steps, with one ``StreamProgress`` per request."""
         if shown.done:
             return None
         ids = seq.output_token_ids
@@ -514,8 +516,8 @@ def _check_chat(chat: object) -> None:
 
 
 @attrs.define
-class _Shown:
-    """What a stream has shown of one request."""
+class StreamProgress:
+    """What a stream has shown of one request (``LLM.stream_chunk`` advances it)."""
 
     num_tokens: int = 0
     num_chars: int = 0

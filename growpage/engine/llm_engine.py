@@ -174,11 +174,24 @@ class LLMEngine:
         """Finish every queued and running request as aborted (pages and slots returned)."""
         seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
         for seq in seqs:
-            self.scheduler.finish(seq, FinishReason.ABORT)
-            self.sampler.forget(seq.seq_id)
-            if self.recorder is not None:
-                self.recorder.discard(seq)
+            self._abort(seq)
         return seqs
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish the queued or running request ``request_id`` as aborted (its pages and query
+        slot go back, its recorded trace is dropped); None when no unfinished request has that
+        id. Between steps only: the engine is not thread-safe."""
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            if seq.request_id == request_id:
+                self._abort(seq)
+                return seq
+        return None
+
+    def _abort(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self.sampler.forget(seq.seq_id)
+        if self.recorder is not None:
+            self.recorder.discard(seq)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
