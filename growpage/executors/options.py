@@ -3,7 +3,7 @@ they ask for.
 
     --executor local|ray   where the points run (default local: no Ray needed)
     --address ADDR         ray: the cluster to join (default: RAY_ADDRESS, else a local Ray)
-    --jobs N               local: worker processes; ray: CPUs of the local Ray it starts
+    --jobs N               local: worker processes; ray: CPUs of a Ray it starts (default all)
     --resume               skip the points whose rows an earlier run left in --out
 """
 
@@ -40,8 +40,8 @@ def add_executor_arguments(p: argparse.ArgumentParser, jobs: int, what: str = "p
         "--jobs",
         type=int,
         default=None,
-        help=f"{what} run at once: local worker processes, or the CPUs of a Ray started for "
-        f"this run (default {jobs}; 1 with --executor local: in this process)",
+        help=f"{what} run at once: local worker processes (default {jobs}; 1: in this "
+        "process), or the CPUs of a Ray started for this run (default: every core)",
     )
     p.set_defaults(default_jobs=jobs)
     p.add_argument(
@@ -74,19 +74,26 @@ def make_executor(
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     if args.resume and out is None:
         raise ConfigError("--resume needs --out DIR: the finished points are kept there")
-    store = RowStore(out / FINISHED_DIR, resume=args.resume) if out is not None else None
-    if args.executor == "local":
-        if args.address is not None:
-            raise ConfigError("--address: for --executor ray only")
-        from growpage.executors.local import LocalExecutor
-
-        return LocalExecutor(jobs, worker_env=worker_env, store=store, progress=progress)
+    if args.executor == "local" and args.address is not None:
+        raise ConfigError("--address: for --executor ray only")
     joins = args.address is not None or bool(os.environ.get("RAY_ADDRESS"))
-    if joins and args.jobs is not None:
+    if args.executor == "ray" and joins and args.jobs is not None:
         raise ConfigError(
             "--jobs sizes a Ray started for this run; a cluster joined with --address or "
             "RAY_ADDRESS runs as many points at once as it has CPUs"
         )
+    if args.executor == "ray":
+        from growpage.executors.ray_executor import import_ray
+
+        import_ray()  # missing: said now, before the stored rows of an earlier run go
+    # NOTE: last, once every flag is checked: without --resume it clears the stored rows.
+    store = RowStore(out / FINISHED_DIR, resume=args.resume) if out is not None else None
+    if args.executor == "local":
+        from growpage.executors.local import LocalExecutor
+
+        return LocalExecutor(jobs, worker_env=worker_env, store=store, progress=progress)
     from growpage.executors.ray_executor import RayExecutor
 
-    return RayExecutor(args.address, local_cpus=jobs, store=store, progress=progress, **ray_options)
+    return RayExecutor(
+        args.address, local_cpus=args.jobs, store=store, progress=progress, **ray_options
+    )

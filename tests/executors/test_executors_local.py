@@ -171,13 +171,16 @@ def test_the_local_executor_builds_a_workers_state_once(tmp_path):
 
 
 # ---- the command line ------------------------------------------------------------------------
-def test_ray_missing_is_named_with_the_extra_to_install(capsys, monkeypatch):
+def test_ray_missing_is_named_with_the_extra_to_install(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    kept = tmp_path / FINISHED_DIR / ("d" * 40 + ".json")
+    RowStore(kept.parent).put("d" * 40, {"label": "from an earlier run"})
     argv = ["sim", "sweep", "--workload", "tiny", "--points", "fullkv", "--executor", "ray"]
-    assert main(argv) == 2
+    assert main([*argv, "--out", str(tmp_path)]) == 2
     assert "--executor ray needs Ray, an optional extra: pip install 'growpage[ray]'" in (
         capsys.readouterr().err
     )
+    assert kept.exists()  # the refused run cleared nothing
 
 
 @pytest.mark.parametrize(
