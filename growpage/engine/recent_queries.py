@@ -46,11 +46,14 @@ class RecentQueryRing:
         self.queries = torch.zeros(
             num_layers, max_slots, window, num_q_heads, head_dim, dtype=dtype, device=device
         )
+        # [L, M * W, Hq * d]: a row per (slot, ring index), written with one index_copy_
+        self._rows = self.queries.view(num_layers, max_slots * window, num_q_heads * head_dim)
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, queries: torch.Tensor) -> None:
         """Store ``queries [L, n, Hq, d]`` (pre-RoPE) of the tokens at ``positions [n]`` of the
         requests in query-state ``slots [n]``; at most one row per (slot, position % W)."""
-        self.queries[:, slots, positions % self.window] = queries.to(self.queries.dtype)
+        rows = slots * self.window + positions % self.window
+        self._rows.index_copy_(1, rows, queries.flatten(2).to(self.queries.dtype))
 
     def read(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
         """The stored pre-RoPE queries ``[L, n, Hq, d]`` of ``slot`` at ``positions [n]`` (the
