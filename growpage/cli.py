@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "growpage.engine.cli",
     "growpage.engine.catalog_cli",
     "growpage.sim.cli",
+    "growpage.server.cli",
     "growpage.eval.cli",
 )
 

@@ -1,0 +1,227 @@
+"""``growpage serve``: the engine behind an OpenAI-compatible HTTP server (uvicorn).
+
+SIGTERM (or Ctrl-C) drains: new requests get a 503 and the listening socket closes, requests
+in flight run on for up to ``--shutdown-timeout`` seconds, those still running are then aborted
+(their streams end with finish reason ``abort``), and the command exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from growpage._argtypes import positive_int
+from growpage.errors import GrowPageError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = "pip install 'growpage[serve]'"
+SHUTDOWN_BACKSTOP_S = 5.0  # after the shutdown timeout, how long uvicorn waits for the streams
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    s = subparsers.add_parser(
+        "serve",
+        help="serve the engine over HTTP with the OpenAI API (completions, chat, streaming), "
+        "plus /health and Prometheus /metrics",
+    )
+    s.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)",
+    )
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the name clients pass as 'model' (default: SmolLM2-135M-Instruct, or the model "
+        "file's or directory's name)",
+    )
+    s.add_argument(
+        "--policy",
+        default="growpage",
+        help="policy name, 'module:Class' or 'file.py:Class' (default growpage)",
+    )
+    s.add_argument(
+        "--param",
+        dest="policy_arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="policy hyperparameter, e.g. budget_tokens=512 (repeatable; read as the "
+        "simulator's --param)",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument(
+        "--max-waiting",
+        type=positive_int,
+        default=256,
+        help="most requests queued for admission; one more gets HTTP 429 (default 256)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may run on before they are aborted "
+        "(default 30)",
+    )
+    s.add_argument(
+        "--default-max-tokens",
+        type=positive_int,
+        default=512,
+        help="max_tokens of a chat request that gives none (completions: 16, as OpenAI's; "
+        "default 512)",
+    )
+    s.add_argument(
+        "--kv-pages", type=positive_int, default=None, help="KV cache pages (default: 512 MiB)"
+    )
+    s.add_argument(
+        "--page-size", type=positive_int, default=64, help="tokens per KV page (default 64)"
+    )
+    s.add_argument(
+        "--recent-window",
+        type=int,
+        default=None,
+        help="protected recent tokens (default 16, or page size / 4 for pages of 16 or fewer)",
+    )
+    s.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=64,
+        help="most requests running at once (default 64)",
+    )
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=4096,
+        help="prompt tokens per prefill step (default 4096)",
+    )
+    s.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share cached prompt pages between requests (default on)",
+    )
+    s.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling (default 0)")
+    s.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's)",
+    )
+    s.add_argument(
+        "--device",
+        default="auto",
+        help="'cpu', 'cuda' or 'cuda:N' (default auto: cuda when torch sees a GPU)",
+    )
+    s.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="auto (default): Triton on CUDA, torch on CPU",
+    )
+    s.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        default="info",
+        help="uvicorn's log level (default info: one line per request)",
+    )
+    s.set_defaults(func=run_serve)
+
+
+def _require_serve_extras() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise GrowPageError(
+            f"growpage serve needs {exc.name}, which is not installed: run `{INSTALL_HINT}`"
+        ) from None
+
+
+def served_model_name(model: str | None, given: str | None) -> str:
+    if given:
+        return given
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def build_llm(args: argparse.Namespace) -> Any:
+    """The ``LLM`` the flags describe."""
+    from growpage.engine.config import resolve_device
+    from growpage.engine.llm import LLM
+    from growpage.policies.registry import parse_policy_params
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    window = {} if args.recent_window is None else {"recent_window": args.recent_window}
+    return LLM(
+        args.model,
+        policy=args.policy,
+        policy_kwargs=parse_policy_params(args.policy_arg, "--param"),
+        kv_pages=args.kv_pages,
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.prefix_caching,
+        seed=args.seed,
+        device=resolve_device(args.device),
+        attention_backend=args.attention_backend,
+        **window,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    _require_serve_extras()
+    from growpage.server.app import ServerConfig, create_app
+
+    config = ServerConfig(
+        model_name=served_model_name(args.model, args.served_model_name),
+        max_waiting=args.max_waiting,
+        default_max_tokens=args.default_max_tokens,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    app = create_app(build_llm(args), config)
+    serve_app(app, args.host, args.port, args.log_level)
+    return 0
+
+
+def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    """Run ``app`` under uvicorn until SIGTERM or SIGINT, then drain (module docstring)."""
+    import uvicorn
+
+    from growpage.server.app import begin_draining
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            begin_draining(app)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        # The engine aborts what still runs at the shutdown timeout, and the streams end;
+        # uvicorn's own timeout (it cancels the handlers) is a backstop behind it.
+        timeout_graceful_shutdown=app.state.config.shutdown_timeout_s + SHUTDOWN_BACKSTOP_S,
+        lifespan="on",
+    )
+    # NOTE: uvicorn raises the signal it caught again once it has shut down, under the handler
+    # it found installed; this one ignores it, so a drained server exits with status 0.
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    try:
+        DrainingServer(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

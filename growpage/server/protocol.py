@@ -1,0 +1,286 @@
+"""The OpenAI wire format: request bodies (pydantic), response and chunk bodies, errors.
+
+Only what the server serves is modelled: ``/v1/completions`` and ``/v1/chat/completions`` with
+``n = 1``. Fields the engine cannot honour (``logprobs``, ``echo``, penalties, tools...) are
+refused with a 400 when set to anything but their default; fields the format has and that do
+not change the output (``user``, ``metadata``...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from growpage.engine.sampling_params import SamplingParams
+from growpage.errors import EngineError
+
+DONE = "data: [DONE]\n\n"  # the last server-sent event of a stream
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_STOPS = 4  # OpenAI's limit on stop sequences
+
+
+class ServerError(Exception):
+    """An error answered with ``status`` and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def internal_error(message: str) -> ServerError:
+    return ServerError(500, message, type="server_error", code="internal_error")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both endpoints share. ``ignore_eos`` is an extension (as vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        """``ServerError`` 400 for what the engine cannot do."""
+        if self.n != 1:
+            raise ServerError(400, f"only n = 1 is supported, got n = {self.n}", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ServerError(400, f"{name} is not supported (leave it 0)", param=name)
+        if self.logit_bias:
+            raise ServerError(400, "logit_bias is not supported", param="logit_bias")
+        stops = self.stop_list()
+        if len(stops) > MAX_STOPS:
+            raise ServerError(400, f"at most {MAX_STOPS} stop sequences, got {len(stops)}", "stop")
+        if any(not s for s in stops):
+            raise ServerError(400, "stop sequences must be non-empty strings", param="stop")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's ``SamplingParams``; ``max_tokens`` when the body gives none. OpenAI's
+        defaults: temperature 1, top_p 1."""
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                max_tokens=self.requested_max_tokens() or max_tokens,
+                seed=self.seed,
+                stop=self.stop_list(),
+                ignore_eos=self.ignore_eos,
+            )
+        except EngineError as exc:  # "SamplingParams.top_p: must lie in (0, 1], got 0"
+            field = str(exc).split(":", 1)[0].removeprefix("SamplingParams.")
+            raise ServerError(400, str(exc), param=field) from None
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: one prompt, text or token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name, default in (("echo", False), ("logprobs", None), ("suffix", None)):
+            if getattr(self, name) != default:
+                raise ServerError(400, f"{name} is not supported", param=name)
+        if self.best_of not in (None, 1):
+            raise ServerError(400, "only best_of = 1 is supported", param="best_of")
+
+    def single_prompt(self) -> str | list[int]:
+        """The request's one prompt (a list of one prompt is that prompt)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ServerError(
+                    400, f"one prompt per request (n = 1), got {len(p)}", param="prompt"
+                )
+            return p[0]
+        if isinstance(p, list) and not p:
+            raise ServerError(400, "the prompt is empty", param="prompt")
+        return p  # type: ignore[return-value]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """``{"role", "content"}`` for the chat template (``developer`` is the system role)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``: messages through the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    tools: list[Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise ServerError(400, "logprobs is not supported", param="logprobs")
+        if self.tools:
+            raise ServerError(400, "tools are not supported", param="tools")
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_tokens``, or its newer name ``max_completion_tokens``."""
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+
+# ---- responses ----------------------------------------------------------------------------
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def now_s() -> int:
+    """``created``: Unix seconds."""
+    return int(time.time())
+
+
+def completion_body(
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage_: dict[str, int] | None,
+    chunk: bool = False,
+) -> dict[str, Any]:
+    """A ``text_completion`` (``chunk``: one of its stream's chunks, ``usage_`` on the last
+    one only, with no choice)."""
+    choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [] if chunk and usage_ is not None else choices,
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def chat_body(
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage_: dict[str, int],
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    delta: dict[str, str] | None,
+    finish_reason: str | None = None,
+    usage_: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; ``delta`` None: the usage chunk (no choice)."""
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def sse(body: dict[str, Any]) -> str:
+    """One server-sent event holding ``body`` as JSON."""
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
