@@ -194,6 +194,7 @@ class _Handlers:
             "created": self.created,
             "owned_by": "growpage",
             "max_model_len": self.max_position,
+            "vocab_size": self.llm.model.config.vocab_size,  # for token-id prompts
         }
         return JSONResponse({"object": "list", "data": [card]})
 
