@@ -6,7 +6,8 @@ formats below are simple enough to unpack at once, with the same fp32 arithmetic
 order, so the weights come out bitwise equal (``tests/engine/test_engine_dequant.py``, and
 ``benchmarks/gguf_read.py`` on a real file). F32 and F16 are copied; any other type goes to
 ``gguf.quants.dequantize`` (the package is imported only then). A tensor is unpacked in chunks
-of about a million weights, so the temporaries stay small next to the fp32 result.
+of about 16 million weights, so the temporaries stay small next to the fp32 result;
+``one_thread()`` is the context a whole model's tensors are unpacked in (the loader's).
 
 Blocks of 32 weights (``d``, ``m``: fp16 scale and minimum; ``qh``: one high bit per weight,
 bit ``j`` of the little-endian u32 for weight ``j``)::
@@ -39,7 +40,8 @@ with ``s`` the weight's sub-block of 16.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -50,7 +52,7 @@ BLOCK = 32
 # gguf.GGMLQuantizationType values
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q4_K, Q5_K, Q6_K = 12, 13, 14
-CHUNK_WEIGHTS = 1 << 20  # weights unpacked per step
+CHUNK_WEIGHTS = 1 << 24  # weights unpacked per step
 
 _Unpack = Callable[[torch.Tensor, torch.Tensor], None]  # (blocks [n, bytes] u8, out [n, items])
 
@@ -79,47 +81,74 @@ def dequantize(raw: np.ndarray, qtype: int) -> torch.Tensor:
     return out.reshape(*lead, row_bytes // size * items)
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread inside, its setting put back after.
+
+    NOTE: unpacking is bound by memory, not arithmetic: a second thread gains nothing on an
+    idle machine, and on a busy one every operation waits at its barrier for a thread that lost
+    its core (Qwen2.5-Coder-1.5B's weights took 16 s on one thread against 70 s on two at a load
+    average of 9, 2 cores). Changing the setting costs milliseconds: wrap a whole model's
+    tensors, not each one."""
+    num_threads = torch.get_num_threads()
+    if num_threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
+
+
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The fp16 at byte ``at`` of each block as fp32 ``[n, 1]``."""
-    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
+    """The fp16 at (even) byte ``at`` of each block as fp32 ``[n, 1]``."""
+    return blocks.view(torch.float16)[:, at // 2 : at // 2 + 1].float()
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """``[..., k]`` bytes -> ``[..., 2, k]``: the low nibbles, then the high ones."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-2)
+def _nibbles(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """Blocks' bytes from ``at`` on, ``[n, k]`` -> ``[n, 2k]``: their low nibbles, then their
+    high ones. NOTE: whole-block bit operations, then one copy: an operation on a slice of
+    short rows costs several times one over the contiguous blocks."""
+    return torch.cat(((blocks & 0x0F)[:, at:], (blocks >> 4)[:, at:]), dim=1)
 
 
+# byte -> 8 int8, little-endian in an int64: 0 where bit i of the byte is set, -16 where it is
+# clear; added to a 5-bit quant's low nibble it gives ``(nibble | bit << 4) - 16`` (Q5_0).
+_MINUS_16_UNLESS_BIT = torch.tensor(
+    [sum((0 if (b >> i) & 1 else 0xF0) << (8 * i) for i in range(8)) for b in range(256)],
+    dtype=torch.uint64,
+).view(torch.int64)
 _BIT = torch.arange(8, dtype=torch.uint8)
 _PAIR = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
 
 
-def _high_bits_32(qh: torch.Tensor) -> torch.Tensor:
-    """``[n, 4]`` bytes of a little-endian u32 -> its 32 bits ``[n, 32]`` (bit 0 first)."""
-    return ((qh.unsqueeze(-1) >> _BIT) & 1).reshape(qh.shape[0], 32)
+def _high_bits_minus_16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The 32 high bits in bytes ``at..at+3`` (a little-endian u32, bit ``j`` for weight
+    ``j``) as int8 ``[n, 32]``: 0 for a set bit, -16 for a clear one."""
+    index = blocks[:, at : at + 4].reshape(-1).int()
+    return _MINUS_16_UNLESS_BIT.index_select(0, index).view(torch.int8).view(-1, BLOCK)
 
 
 def _unpack_q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(_nibbles(blocks[:, 2:]).reshape(out.shape))
+    out.copy_(_nibbles(blocks, 2))
     out.sub_(8).mul_(_f16(blocks, 0))
 
 
 def _unpack_q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(_nibbles(blocks[:, 4:]).reshape(out.shape))
+    out.copy_(_nibbles(blocks, 4))
     out.mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
 
 
-def _five_bits(blocks: torch.Tensor, qh_at: int) -> torch.Tensor:
-    low = _nibbles(blocks[:, qh_at + 4 :]).reshape(-1, BLOCK)
-    return low | (_high_bits_32(blocks[:, qh_at : qh_at + 4]) << 4)
-
-
 def _unpack_q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(_five_bits(blocks, 2))
-    out.sub_(16).mul_(_f16(blocks, 0))
+    quants = _nibbles(blocks, 6).view(torch.int8).add_(_high_bits_minus_16(blocks, 2))
+    out.copy_(quants)  # q - 16, exactly
+    out.mul_(_f16(blocks, 0))
 
 
 def _unpack_q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(_five_bits(blocks, 4))
+    quants = _nibbles(blocks, 8).view(torch.int8).add_(_high_bits_minus_16(blocks, 4))
+    out.copy_(quants).add_(16)  # q, exactly
     out.mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
 
 
@@ -139,15 +168,19 @@ def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale.unsqueeze(-1), minimum.unsqueeze(-1)
 
 
-def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """128 bytes of nibbles -> ``[n, 8, 32]``: chunk ``c`` gives sub-blocks ``2c``, ``2c+1``."""
-    return _nibbles(qs.reshape(-1, 4, 32)).reshape(-1, 8, 32)
+def _k_nibbles(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """128 bytes of nibbles from ``at`` -> ``[n, 8, 32]``: chunk ``c`` of 32 bytes gives
+    sub-blocks ``2c`` (low nibbles) and ``2c + 1`` (high nibbles)."""
+    n = blocks.shape[0]
+    low = (blocks & 0x0F)[:, at : at + 128].reshape(n, 4, 1, 32)
+    high = (blocks >> 4)[:, at : at + 128].reshape(n, 4, 1, 32)
+    return torch.cat((low, high), dim=2).view(n, 8, 32)
 
 
 def _unpack_q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     scale, minimum = _k_scales(blocks)
     w = out.view(-1, 8, 32)
-    w.copy_(_k_nibbles(blocks[:, 16:]))
+    w.copy_(_k_nibbles(blocks, 16))
     w.mul_(scale).sub_(minimum)
 
 
@@ -155,17 +188,25 @@ def _unpack_q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     scale, minimum = _k_scales(blocks)
     high = (blocks[:, 16:48].unsqueeze(1) >> _BIT.view(8, 1)) & 1  # [n, 8, 32]
     w = out.view(-1, 8, 32)
-    w.copy_(_k_nibbles(blocks[:, 48:]) | (high << 4))
+    w.copy_(_k_nibbles(blocks, 48).bitwise_or_(high << 4))
     w.mul_(scale).sub_(minimum)
 
 
 def _unpack_q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    low = _nibbles(blocks[:, :128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
-    high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> _PAIR.view(4, 1)) & 3
+    n = blocks.shape[0]
+    low = torch.cat(
+        (
+            (blocks & 0x0F)[:, :128].reshape(n, 2, 1, 64),
+            (blocks >> 4)[:, :128].reshape(n, 2, 1, 64),
+        ),
+        dim=2,
+    ).view(n, 8, 32)
+    high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _PAIR.view(4, 1)) & 3
     scale = _f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()  # [n, 16]
-    w = out.view(-1, 16, 16)
-    w.copy_((low | (high.reshape(-1, 8, 32) << 4)).reshape(-1, 16, 16))
-    w.sub_(32).mul_(scale.unsqueeze(-1))
+    quants = low.bitwise_or_((high << 4).view(n, 8, 32)).view(torch.int8).sub_(32)
+    w = out.view(n, 16, 16)
+    w.copy_(quants.view(n, 16, 16))
+    w.mul_(scale.unsqueeze(-1))
 
 
 _UNPACK: dict[int, _Unpack] = {

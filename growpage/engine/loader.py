@@ -223,21 +223,23 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from growpage.engine.dequant import dequantize
+    from growpage.engine.dequant import dequantize, one_thread
 
     reader = open_gguf(path)
     cfg = _gguf_config(reader, path, {t.name: list(t.shape) for t in reader.tensors})
     sd: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        name = _gguf_hf_name(tensor.name)
-        if name is None:
-            continue
-        w = dequantize(reader.raw(tensor), tensor.type).reshape(tuple(reversed(tensor.shape)))
-        if cfg.arch == "llama" and ".q_proj." in name:
-            w = unpermute_qk(w, cfg.num_q_heads)
-        elif cfg.arch == "llama" and ".k_proj." in name:
-            w = unpermute_qk(w, cfg.num_kv_heads)
-        sd[name] = w
+    with one_thread():
+        for tensor in reader.tensors:
+            name = _gguf_hf_name(tensor.name)
+            if name is None:
+                continue
+            w = dequantize(reader.raw(tensor), tensor.type).reshape(tuple(reversed(tensor.shape)))
+            # Only llama.cpp's Llama converter permutes q/k rows (Qwen2, Qwen3: HF's order).
+            if cfg.arch == "llama" and ".q_proj." in name:
+                w = unpermute_qk(w, cfg.num_q_heads)
+            elif cfg.arch == "llama" and ".k_proj." in name:
+                w = unpermute_qk(w, cfg.num_kv_heads)
+            sd[name] = w
     return cfg, sd
 
 

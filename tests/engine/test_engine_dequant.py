@@ -144,3 +144,17 @@ def test_the_default_models_quantized_weights():
     for t in quantized[:3] + [t for t in quantized if t.type == dequant.Q8_0]:
         want = gguf.quants.dequantize(f.raw(t), gguf.GGMLQuantizationType(t.type))
         assert torch.equal(dequant.dequantize(f.raw(t), t.type), torch.from_numpy(want))
+
+
+def test_one_thread_inside_and_the_setting_back_after():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with dequant.one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(KeyError), dequant.one_thread():
+            raise KeyError("x")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
