@@ -1,0 +1,102 @@
+"""The accuracy table: which runs it plans from growpage's row, that each row scores the outputs
+it stores, and that a table cut short resumes without running a finished row again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from growpage.errors import ConfigError
+from growpage.eval import accuracy
+from growpage.eval.accuracy import AccuracySettings, plan, run_table
+from growpage.eval.maths import generate_problems, is_correct
+
+GROWPAGE_ROW = {"avg_budget": 100.0, "decided_grow": 3, "decided_compress": 9}
+
+
+def test_plan_matches_the_baselines_to_growpage_s_row() -> None:
+    s = AccuracySettings(page_size=16)
+    assert [r.label for r in plan(s, None)] == ["fullkv", "growpage"]
+    runs = {r.label: r for r in plan(s, GROWPAGE_ROW)}
+    # 100 tokens -> 6 pages of 16 = 96; half 48 (3 pages); twice 192.
+    assert [k for k in runs if k.startswith("fixed")] == ["fixed-96", "fixed-48", "fixed-192"]
+    assert runs["fixed-48"].kwargs == {"budget_tokens": 48}
+    assert runs["random-q0.25"].kwargs == {"grow_prob": 0.25, "seed": 0}
+    assert runs["shrink"].kwargs == {"min_capacity_tokens": 48}
+    for name in ("streamingllm", "h2o", "snapkv"):
+        assert runs[f"{name}-96"].kwargs == {"budget_tokens": 96}
+    assert list(runs)[:3] == ["fullkv", "growpage", "inverse"]
+    assert len(runs) == 11
+
+
+def test_plan_keeps_budgets_of_at_least_two_pages_and_only_wanted_policies() -> None:
+    s = AccuracySettings(page_size=16, policies=("fullkv", "growpage", "fixed"))
+    runs = plan(s, {"avg_budget": 20.0, "decided_grow": 0, "decided_compress": 0})
+    assert [r.label for r in runs] == ["fullkv", "growpage", "fixed-32", "fixed-64"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"num_problems": 0},
+        {"pool_fraction": 0.0},
+        {"pool_fraction": 1.5},
+        {"policies": ("fullkv", "nope")},
+        {"difficulty": 4},
+        {"dtype": "float16"},
+    ],
+)
+def test_bad_settings_are_refused(bad: dict) -> None:
+    with pytest.raises((ConfigError, ValueError)):
+        AccuracySettings(**bad)
+
+
+@pytest.mark.slow
+def test_a_table_on_smollm2_scores_what_it_stores_and_resumes(tmp_path, monkeypatch) -> None:
+    settings = AccuracySettings(
+        model=None,  # the default real model, SmolLM2
+        num_problems=2,
+        max_tokens=6,
+        page_size=8,
+        max_num_seqs=2,
+        pool_fraction=0.5,
+        policies=("fullkv", "growpage", "random"),
+    )
+    calls: list[str] = []
+    real_run = accuracy.AccuracyRunner.run
+
+    def run_then_stop(self, run, progress=True):
+        calls.append(run.label)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_run(self, run, progress)
+
+    monkeypatch.setattr(accuracy.AccuracyRunner, "run", run_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run_table(settings, tmp_path, progress=False, log=lambda _: None)
+    stored = json.loads((tmp_path / "results.json").read_text())
+    assert [r["label"] for r in stored["rows"]] == ["fullkv"]
+    with pytest.raises(ConfigError, match="resume"):
+        run_table(settings, tmp_path, progress=False, log=lambda _: None)
+    other = AccuracySettings(**{**settings.to_dict(), "seed": 1, "model": None})
+    with pytest.raises(ConfigError, match="other settings"):
+        run_table(other, tmp_path, resume=True, progress=False, log=lambda _: None)
+
+    report = run_table(settings, tmp_path, resume=True, progress=False, log=lambda _: None)
+    labels = [r["label"] for r in report["rows"]]
+    assert labels[:2] == ["fullkv", "growpage"] and calls.count("fullkv") == 1
+    assert {lab for lab in labels[2:]} == {r.label for r in plan(settings, report["rows"][1])[2:]}
+    problems = generate_problems(2, seed=0)
+    for row in report["rows"]:
+        lines = (tmp_path / "outputs" / f"{row['label']}.jsonl").read_text().splitlines()
+        outputs = [json.loads(line) for line in lines]
+        assert [o["id"] for o in outputs] == [p.id for p in problems]
+        correct = [is_correct(p, o["output"]) for p, o in zip(problems, outputs, strict=True)]
+        assert [o["correct"] for o in outputs] == correct
+        assert row["num_correct"] == sum(correct) and row["num_problems"] == 2
+        assert row["mean_tokens"] == sum(o["num_tokens"] for o in outputs) / 2
+        assert 0 < row["mean_tokens"] <= 6 and row["tps"] > 0
+    table = (tmp_path / "table.md").read_text()
+    assert all(f"| {lab} |" in table for lab in labels)
+    assert (tmp_path / "accuracy_vs_tps.png").stat().st_size > 0
