@@ -1,6 +1,7 @@
 """Real SmolLM2 traces: record them, and measure the Delta_t signal and the policies on them.
 
     .venv/bin/python benchmarks/real_traces.py --record DIR [--num 16] [--max-tokens 1100]
+    .venv/bin/python benchmarks/real_traces.py --record DIR --model qwen2.5-coder-1.5b --task maths
     .venv/bin/python benchmarks/real_traces.py --shrink DIR          # DIR -> data/traces/smollm2
     .venv/bin/python benchmarks/real_traces.py [--traces DIR] [--page-size 64] [--out DIR]
 
@@ -47,9 +48,19 @@ def record(
     top_p: float,
     page_size: int,
     model: str | None = None,
+    task: str = "reasoning",
+    difficulty: int = 1,
 ) -> float:
-    """Record ``num`` reasoning prompts (chat) into the trace set ``out``; returns wall seconds."""
+    """Record ``num`` prompts (chat) into the trace set ``out``; returns wall seconds.
+
+    ``task="reasoning"``: ``reasoning_prompts()``, sampled past the end of turn (see the module
+    docstring). ``task="maths"``: the maths task's problems (``growpage.eval.maths``), answered
+    greedily and ended at the model's end of turn, so a trace holds the model's own answer and
+    nothing after it."""
     from growpage.engine.llm import LLM
+    from growpage.engine.sampling_params import SamplingParams
+    from growpage.eval.maths import generate_problems
+    from growpage.eval.maths import prompt as maths_prompt
     from growpage.eval.workload import reasoning_prompts
 
     pages_each = math.ceil((512 + max_tokens) / page_size)
@@ -63,8 +74,14 @@ def record(
         max_num_seqs=num,
         seed=seed,
     )
-    params = sampling_params(num, max_tokens, seed, temperature, top_p)
-    wall = record_with(llm, reasoning_prompts(num), params, out, chat=True)
+    if task == "maths":
+        problems = generate_problems(num, seed=seed, difficulty=difficulty)
+        prompts = [maths_prompt(p) for p in problems]
+        params: list = [SamplingParams(max_tokens=max_tokens) for _ in problems]
+    else:
+        prompts = reasoning_prompts(num)
+        params = sampling_params(num, max_tokens, seed, temperature, top_p)
+    wall = record_with(llm, prompts, params, out, chat=True)
     print(llm.last_stats.table())
     return wall
 
@@ -519,6 +536,16 @@ def main(argv: list[str] | None = None) -> int:
         help="record a new trace set into DIR and stop",
     )
     p.add_argument("--num", type=int, default=16, help="prompts to record (default 16)")
+    p.add_argument("--model", default=None, help="model name or path (default SmolLM2)")
+    p.add_argument(
+        "--task",
+        choices=("reasoning", "maths"),
+        default="reasoning",
+        help="what to record: reasoning prompts sampled past the end of turn (default), or the "
+        "maths task answered greedily up to the model's end of turn",
+    )
+    p.add_argument("--difficulty", type=int, default=1, help="maths task difficulty (1-3)")
+    p.add_argument("--record-page-size", type=int, default=64, help="pages while recording")
     p.add_argument("--max-tokens", type=int, default=1100)
     p.add_argument("--layers", default=",".join(map(str, RECORD_LAYERS)))
     p.add_argument("--seed", type=int, default=0)
@@ -584,7 +611,10 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             args.temperature,
             args.top_p,
-            page_size=64,
+            page_size=args.record_page_size,
+            model=args.model,
+            task=args.task,
+            difficulty=args.difficulty,
         )
         return 0
     if args.shrink is not None:
