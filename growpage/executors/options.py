@@ -83,9 +83,11 @@ def make_executor(
             "RAY_ADDRESS runs as many points at once as it has CPUs"
         )
     if args.executor == "ray":
-        from growpage.executors.ray_executor import import_ray
+        from growpage.executors.ray_executor import check_reachable, import_ray
 
         import_ray()  # missing: said now, before the stored rows of an earlier run go
+        if joins:
+            check_reachable(args.address or os.environ["RAY_ADDRESS"])
     # NOTE: last, once every flag is checked: without --resume it clears the stored rows.
     store = RowStore(out / FINISHED_DIR, resume=args.resume) if out is not None else None
     if args.executor == "local":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections import deque
 from collections.abc import Iterator
 from types import ModuleType
@@ -38,6 +39,21 @@ def import_ray() -> ModuleType:
     except ImportError as e:
         raise ConfigError(f"{RAY_MISSING} ({e})") from None
     return ray
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A ``ConfigError`` at once when ``host:port`` does not answer (Ray itself would retry
+    for minutes); other forms (``local``, ``auto``, ``ray://...``) are left to Ray."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(
+            f"--address {address}: no Ray cluster answers there ({e.strerror or e}); start one "
+            "with `ray start --head`, or leave --address out to start a local Ray"
+        ) from None
 
 
 class PointWorker:
@@ -88,6 +104,7 @@ class RayExecutor(Executor):
         if ray.is_initialized():
             return
         address = self.address or os.environ.get("RAY_ADDRESS") or "local"
+        check_reachable(address)
         options: dict[str, Any] = {"address": address, "logging_level": logging.WARNING}
         if address == "local":
             options.update(include_dashboard=False, num_cpus=self.local_cpus)

@@ -190,6 +190,7 @@ def test_ray_missing_is_named_with_the_extra_to_install(capsys, monkeypatch, tmp
         (["--resume"], "--resume needs --out DIR"),
         (["--executor", "ray", "--address", "auto", "--jobs", "2"], "--jobs sizes a Ray"),
         (["--jobs", "0"], "--jobs must be >= 1"),
+        (["--executor", "ray", "--address", "127.0.0.1:1"], "no Ray cluster answers there"),
     ],
 )
 @pytest.mark.parametrize(
