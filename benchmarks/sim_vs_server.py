@@ -1,0 +1,486 @@
+"""The serving simulator against ``growpage serve``: latencies under Poisson arrivals, over HTTP.
+
+``benchmarks/sim_vs_engine.py`` checks the simulator against the engine called in-process;
+this checks it against the server, as a client sees it: requests sent over HTTP at their
+Poisson arrival times, streamed, and timed on the client (``benchmarks/serve_load.py``), so
+HTTP, the event loop, per-step detokenization and the engine thread's hand-offs are all in the
+measurement and none of them in the simulator. Steps:
+
+1. **calibrate**: time the engine's forward passes (every batch size from 1 to the number of
+   requests; ``sim_vs_engine.calibration_shapes``), one pass before the server runs and one after
+   each, and fit ``PiecewiseCostModel`` on all of them (``growpage calibrate --kind piecewise``);
+   price capacity control per policy (``measure_boundary_costs``);
+2. **record**: run the workload once under ``fullkv`` in-process with a pool large enough for
+   everything, recording every layer's queries and keys (the simulator's trace mode decides on
+   them);
+3. **serve**: per policy, start ``growpage serve`` (a subprocess, one torch thread, prefix caching
+   off as in the simulator), send one warm-up request, run the load: the 16 chat prompts of
+   ``reasoning_prompts()`` as token-id prompts through ``/v1/completions`` (the chat template
+   applied here, so the server sees exactly the recorded tokens), each generating
+   ``--max-tokens`` tokens (``ignore_eos``), arriving as a Poisson process (seed 0, the first at
+   t = 0); stop the server with SIGTERM;
+4. **simulate**: ``growpage sim serve`` on the same workload (written as ``workload.csv``: the
+   arrival times sent, the recorded lengths, the trace of each request) in trace mode with the
+   calibrated cost model and the server's pool, page size and limits;
+5. compare TTFT and TPOT at p50 and p90, and throughput (output tokens per second from the first
+   arrival to the last finish); the target is +-20% on each.
+
+``--http-overhead`` (on by default) adds the server's fixed cost per request that the simulator
+does not see, measured once on the idle server before the load: the client's TTFT of a
+one-token request minus the engine's own (``/metrics``' TTFT histogram), added to the
+simulator's TTFTs (reported beside the plain prediction).
+
+Run: ``.venv/bin/python benchmarks/sim_vs_server.py`` (about 15 minutes on the 2-core machine);
+writes ``results/sim_vs_server/report.md``, ``sim_vs_server.json``, ``workload.csv``,
+``costmodel.json``, the load results and the simulator's outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import attrs
+import numpy as np
+import serve_load
+import sim_vs_engine
+import torch
+
+from growpage.eval.machine import describe_machine
+from growpage.sim.calibrate import fit_piecewise
+from growpage.sim.sweep import SweepPoint, parse_points
+from growpage.sim.workload_csv import WorkloadRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = 0.20  # relative error the simulator should stay within on each gated metric
+MODEL_NAME = "SmolLM2-135M-Instruct"
+#: (key, label, format); every one is gated
+METRICS = [
+    ("ttft_p50_s", "TTFT p50 (s)", ".3f"),
+    ("ttft_p90_s", "TTFT p90 (s)", ".3f"),
+    ("tpot_p50_ms", "TPOT p50 (ms)", ".1f"),
+    ("tpot_p90_ms", "TPOT p90 (ms)", ".1f"),
+    ("tps", "throughput (tok/s)", ".1f"),
+]
+SHOWN = [  # reported, not gated
+    ("e2e_p50_s", "E2E p50 (s)", ".1f"),
+    ("total_time_s", "total time (s)", ".1f"),
+]
+
+
+# ---- the server side -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, timeout: float = 2.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+def start_server(
+    point: SweepPoint, scenario: sim_vs_engine.Scenario, port: int, threads: int, log: Path
+) -> subprocess.Popen:
+    """``growpage serve`` with the scenario's engine, ready (``/health`` answers)."""
+    growpage = Path(sys.executable).parent / "growpage"
+    command = [str(growpage), "serve", "--port", str(port), "--policy", point.policy]
+    for key, value in point.params:
+        command += ["--param", f"{key}={json.dumps(value)}"]
+    command += ["--page-size", str(scenario.page_size), "--kv-pages", str(scenario.kv_pages)]
+    command += ["--max-num-seqs", str(scenario.max_num_seqs), "--no-prefix-caching"]
+    command += ["--max-num-batched-tokens", str(scenario.max_num_batched_tokens)]
+    command += ["--threads", str(threads), "--log-level", "warning"]
+    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"growpage serve exited with {proc.returncode}: see {log}")
+        try:
+            _get(f"http://127.0.0.1:{port}/health")
+            return proc
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"growpage serve did not start in 300 s: see {log}") from None
+            time.sleep(0.5)
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=120)
+
+
+def engine_ttft_total(url: str) -> tuple[float, float]:
+    """``(sum, count)`` of the server's TTFT histogram (``/metrics``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {
+        s.name: s.value
+        for family in text_string_to_metric_families(_get(url + "/metrics").decode())
+        for s in family.samples
+    }
+    return (
+        values["growpage_time_to_first_token_seconds_sum"],
+        values["growpage_time_to_first_token_seconds_count"],
+    )
+
+
+def http_overhead(url: str, ids: list[int], repeats: int = 5) -> float:
+    """Seconds a client's TTFT exceeds the engine's on an idle server: the median over
+    ``repeats`` one-token streamed requests of (client TTFT - the engine's TTFT of it)."""
+    excess = []
+    for i in range(repeats + 1):  # the first warms the server up
+        before = engine_ttft_total(url)
+        request = WorkloadRequest(f"probe-{i}", 0.0, len(ids), 1)
+        [result], _ = asyncio.run(
+            serve_load.run_load(url, [request], [0.0], [ids], MODEL_NAME, progress=False)
+        )
+        after = engine_ttft_total(url)
+        assert result.ok and after[1] == before[1] + 1, result.error
+        if i:
+            excess.append(result.ttft_s - (after[0] - before[0]))
+    return float(np.median(excess))
+
+
+def serve_point(
+    point: SweepPoint,
+    scenario: sim_vs_engine.Scenario,
+    requests: list[WorkloadRequest],
+    send_s: list[float],
+    ids: list[list[int]],
+    out: Path,
+    threads: int,
+) -> tuple[dict, float, list]:
+    """The load on a fresh server: ``(summary, http overhead s, per-request results)``."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(point, scenario, port, threads, out / f"server-{_slug(point)}.log")
+    try:
+        overhead = http_overhead(url, ids[0][:64])
+        time.sleep(1.0)
+        results, _ = asyncio.run(serve_load.run_load(url, requests, send_s, ids, MODEL_NAME))
+    finally:
+        status = stop_server(proc)
+    if status != 0:
+        raise RuntimeError(f"growpage serve exited with status {status} after SIGTERM")
+    summary = serve_load.summarize(results)
+    if summary["num_failed"]:
+        raise RuntimeError(f"{summary['num_failed']} requests failed: {summary['errors']}")
+    return summary, overhead, results
+
+
+def server_row(summary: dict) -> dict:
+    return {
+        "ttft_p50_s": summary["ttft_p50_s"],
+        "ttft_p90_s": summary["ttft_p90_s"],
+        "tpot_p50_ms": summary["tpot_p50_ms"],
+        "tpot_p90_ms": summary["tpot_p90_ms"],
+        "tps": summary["throughput_tok_s"],
+        "e2e_p50_s": summary["e2e_p50_s"],
+        "total_time_s": summary["duration_s"],
+    }
+
+
+# ---- the simulator side ----------------------------------------------------------------------
+def write_workload(path: Path, requests: list[WorkloadRequest]) -> None:
+    """The simulator's CSV workload (with each request's trace)."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["arrival_s", "prompt_tokens", "output_tokens", "trace"])
+        for r in requests:
+            writer.writerow([repr(r.arrival_s), r.prompt_tokens, r.output_tokens, r.trace])
+
+
+def sim_command(
+    point: SweepPoint, scenario: sim_vs_engine.Scenario, out: Path, prices: dict
+) -> list[str]:
+    """``growpage sim serve`` of the workload in trace mode, as the server runs it."""
+    command = ["growpage", "sim", "serve", "--workload", str(out / "workload.csv")]
+    command += ["--decisions", "trace", "--traces", str(out / "traces")]
+    command += ["--cost", str(out / "costmodel.json"), "--policy", point.policy]
+    for key, value in point.params:
+        command += ["--param", f"{key}={json.dumps(value)}"]
+    command += ["--boundary-ms", f"{1e3 * prices['boundary_s']:.4f}"]
+    command += ["--compaction-ms", f"{1e3 * prices['compaction_s']:.4f}"]
+    command += ["--page-size", str(scenario.page_size), "--kv-pages", str(scenario.kv_pages)]
+    command += ["--max-num-seqs", str(scenario.max_num_seqs)]
+    command += ["--max-num-batched-tokens", str(scenario.max_num_batched_tokens)]
+    command += ["--no-prefix-caching", "--admission-reserve", "0"]
+    command += ["--out", str(out / "sim" / _slug(point))]
+    return command
+
+
+def run_sim(command: list[str], out: Path) -> dict:
+    """Run ``command`` (``growpage`` from this venv) and read its ``metrics.json``."""
+    growpage = str(Path(sys.executable).parent / "growpage")
+    subprocess.run([growpage, *command[1:]], check=True, stdout=subprocess.DEVNULL)
+    return json.loads((Path(command[-1]) / "metrics.json").read_text())["metrics"]
+
+
+def sim_row(metrics: dict, http_s: float = 0.0) -> dict:
+    """The simulator's numbers; ``http_s`` added to its TTFTs (the server's fixed cost per
+    request, which it does not model)."""
+    return {
+        "ttft_p50_s": metrics["ttft_p50_s"] + http_s,
+        "ttft_p90_s": metrics["ttft_p90_s"] + http_s,
+        "tpot_p50_ms": metrics["tpot_p50_ms"],
+        "tpot_p90_ms": metrics["tpot_p90_ms"],
+        "tps": metrics["tps"],
+        "e2e_p50_s": metrics["e2e_p50_s"] + http_s,
+        "total_time_s": metrics["total_time_s"],
+    }
+
+
+# ---- comparison ------------------------------------------------------------------------------
+def _slug(point: SweepPoint) -> str:
+    return point.label.replace(" ", "_").replace("=", "-")
+
+
+def compare(label: str, server: dict, sim: dict, plain: dict) -> dict:
+    rel = sim_vs_engine.relative_error
+    errors = {k: rel(sim[k], server[k]) for k, _, _ in METRICS + SHOWN}
+    plain_errors = {k: rel(plain[k], server[k]) for k, _, _ in METRICS + SHOWN}
+    return {
+        "point": label,
+        "server": server,
+        "sim": sim,
+        "sim_without_http": plain,
+        "rel_error": errors,
+        "rel_error_without_http": plain_errors,
+        "within_target": all(
+            errors[k] is not None and abs(errors[k]) <= TARGET for k, _, _ in METRICS
+        ),
+    }
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        "| point | metric | server (measured) | simulator | error | without HTTP term |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        for key, name, fmt in METRICS + SHOWN:
+            err, plain = row["rel_error"][key], row["rel_error_without_http"][key]
+            gated = any(key == k for k, _, _ in METRICS)
+            mark = " **!**" if gated and (err is None or abs(err) > TARGET) else ""
+            lines.append(
+                f"| {row['point']} | {name} | {row['server'][key]:{fmt}} | "
+                f"{row['sim'][key]:{fmt}} | {err:+.1%}{mark} | {plain:+.1%} |"
+            )
+    c = meta["cost_model"]
+    table = ", ".join(
+        f"{n}: {1e3 * t:.1f}" for n, t in zip(c["batch_sizes"], c["batch_s"], strict=True)
+    )
+    http = "; ".join(f"{k} {1e3 * v:.1f} ms" for k, v in meta["http_overhead_s"].items())
+    return "\n".join(
+        [
+            "# Simulator vs server (CPU, SmolLM2-135M-Instruct over HTTP)",
+            "",
+            f"Command: `{meta['command']}`",
+            "",
+            f"Machine: {meta['machine']}; torch {meta['torch']}, {meta['threads']} thread(s); "
+            f"commit {meta['commit']}; measured {meta['date']}; whole benchmark "
+            f"{meta['wall_s']:.0f} s.",
+            "",
+            f"Workload: {meta['num_requests']} chat prompts from `reasoning_prompts()` sent as "
+            f"token ids to `/v1/completions` ({meta['prompt_tokens']} prompt tokens in all), "
+            f"{meta['max_tokens']} generated tokens each (EOS ignored), streamed, Poisson "
+            f"arrivals at {meta['arrival_rate']:g} requests/s (seed 0, the first at t = 0); "
+            f"`growpage serve` with a pool of {meta['kv_pages']} pages x {meta['page_size']} "
+            f"tokens, max_num_seqs {meta['max_num_seqs']}, prefix caching off, one torch "
+            "thread. Latencies are timed on the client (`benchmarks/serve_load.py`).",
+            "",
+            f"Simulator: `growpage sim serve` in trace mode on `workload.csv` (the arrival times "
+            f"sent, the recorded traces), piecewise cost model fitted on "
+            f"{meta['calibration_rows']} forward passes (rms {1e3 * meta['calibration_rms_s']:.1f}"
+            f" ms; fixed ms per step by batch size: {table}; + "
+            f"{1e6 * c['per_kv_token_s']:.2f} us/KV token + "
+            f"{1e3 * c['per_prefill_token_s']:.3f} ms/prefill token, KV padded to the longest as "
+            "the torch backend reads it); capacity control priced per policy "
+            "(`measure_boundary_costs`). One simulator command, e.g. "
+            f"`{' '.join(meta['sim_commands'][0])}`.",
+            "",
+            f"HTTP term (the client's TTFT minus the engine's on the idle server, median of 5 "
+            f"one-token requests, measured on each server before its load): {http}; added to "
+            "the simulator's TTFT and E2E (the last column is the error without it).",
+            "",
+            *lines,
+            "",
+            f"Target: TTFT and TPOT p50 and p90 and throughput within +-{TARGET:.0%} "
+            "(**!** marks a miss).",
+            "",
+        ]
+    )
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--kv-pages", type=int, default=64)
+    ap.add_argument("--arrival-rate", type=float, default=0.5, metavar="REQ_PER_S")
+    ap.add_argument(
+        "--points", nargs="+", default=["fullkv", "growpage", "fixed@budget_tokens=128"]
+    )
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2, help="timings per calibration shape")
+    ap.add_argument(
+        "--no-http-overhead",
+        dest="http_overhead",
+        action="store_false",
+        help="compare the simulator's TTFT without the measured HTTP term",
+    )
+    ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_server"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
+    commit, machine = git_commit(), describe_machine()
+    scenario = sim_vs_engine.Scenario(
+        num_requests=args.num_requests,
+        max_tokens=args.max_tokens,
+        page_size=args.page_size,
+        kv_pages=args.kv_pages,
+        arrival_rate=args.arrival_rate,
+    )
+    points = parse_points(args.points)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from growpage.engine.loader import load_model
+    from growpage.engine.tokenizer import load_tokenizer
+    from growpage.eval.workload import reasoning_prompts
+
+    model, tokenizer = load_model(), load_tokenizer()
+    prompts = reasoning_prompts(scenario.num_requests)
+    ids = [tokenizer.encode_chat(p) for p in prompts]
+    shapes = sim_vs_engine.calibration_shapes(scenario, sum(map(len, ids)))
+    steps = 2 + 2 * len(points)
+    passes: list[np.ndarray] = []
+
+    def calibration_pass(step: int) -> None:
+        print(f"[{step}/{steps}] calibration pass {len(passes) + 1}", flush=True)
+        passes.append(sim_vs_engine.measure(model, shapes, args.repeats))
+
+    calibration_pass(1)
+    print(f"[2/{steps}] recording fullkv traces", flush=True)
+    traces, outs = sim_vs_engine.record_traces(model, tokenizer, scenario, prompts, out / "traces")
+    send_s = scenario.arrivals()
+    assert send_s is not None
+    requests = [
+        WorkloadRequest(e.request_id, t, e.prompt_len, len(o.token_ids), e.request_id)
+        for e, o, t in zip(traces.index, outs, send_s, strict=True)
+    ]
+    assert [r.prompt_tokens for r in requests] == [len(x) for x in ids]
+    write_workload(out / "workload.csv", requests)
+
+    served: dict[str, tuple[dict, float]] = {}
+    for i, point in enumerate(points):
+        print(f"[{3 + 2 * i}/{steps}] growpage serve: {point.label}", flush=True)
+        summary, overhead, results = serve_point(
+            point, scenario, requests, send_s, ids, out, args.threads
+        )
+        served[point.label] = (summary, overhead)
+        serve_load.write_json(
+            out / f"load-{_slug(point)}.json",
+            {
+                "summary": summary,
+                "http_overhead_s": overhead,
+                "requests": [
+                    {
+                        "arrival_s": r.arrival_s,
+                        "sent_s": r.sent_s,
+                        "ttft_s": r.ttft_s,
+                        "tpot_s": r.tpot_s,
+                        "e2e_s": r.e2e_s,
+                        "num_tokens": r.num_tokens,
+                    }
+                    for r in results
+                ],
+            },
+        )
+        print(serve_load.table(summary), flush=True)
+        print(f"HTTP term (client TTFT - engine TTFT, idle server): {1e3 * overhead:.1f} ms")
+        calibration_pass(4 + 2 * i)
+    from growpage.engine.profile import decode_pads_kv
+
+    table = np.concatenate(passes)
+    cost = fit_piecewise(table, padded_kv=decode_pads_kv(model))
+    cost.save(out / "costmodel.json")
+    rms = float(
+        np.sqrt(np.mean((cost.step_time(table[:, 0], table[:, 1], table[:, 2]) - table[:, 3]) ** 2))
+    )
+    rows, commands = [], []
+    for point in points:
+        prices = sim_vs_engine.boundary_prices(model, point, scenario)
+        command = sim_command(point, scenario, out, prices)
+        commands.append(command)
+        metrics = run_sim(command, out)
+        summary, overhead = served[point.label]
+        http_s = overhead if args.http_overhead else 0.0
+        rows.append(
+            compare(point.label, server_row(summary), sim_row(metrics, http_s), sim_row(metrics))
+        )
+    meta = {
+        "command": "python " + " ".join(["benchmarks/sim_vs_server.py", *sys.argv[1:]]),
+        "commit": commit,
+        "machine": machine,
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "date": started,
+        "wall_s": time.perf_counter() - start,
+        "num_requests": scenario.num_requests,
+        "prompt_tokens": sum(map(len, ids)),
+        "max_tokens": scenario.max_tokens,
+        "arrival_rate": scenario.arrival_rate,
+        "kv_pages": scenario.kv_pages,
+        "page_size": scenario.page_size,
+        "max_num_seqs": scenario.max_num_seqs,
+        "calibration_rows": len(table),
+        "calibration_rms_s": rms,
+        "cost_model": attrs.asdict(cost),
+        "http_overhead_s": {label: o for label, (_, o) in served.items()},
+        "sim_commands": [
+            [c if not c.startswith(str(ROOT)) else os.path.relpath(c, ROOT) for c in cmd]
+            for cmd in commands
+        ],
+    }
+    report = markdown(rows, meta)
+    (out / "report.md").write_text(report)
+    serve_load.write_json(
+        out / "sim_vs_server.json",
+        {"meta": meta, "rows": rows, "calibration": table.tolist()},
+    )
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    from script_main import run_main
+
+    raise SystemExit(run_main(main))
