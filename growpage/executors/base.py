@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -88,6 +89,16 @@ def worker_state(key: str, build: Callable[[], T]) -> T:
     return state
 
 
+def timed_point(fn: PointFn, item: Any, shared: Any, identity: Row) -> tuple[Row, float]:
+    """``call_point`` and the seconds it took, measured where it ran."""
+    start = time.perf_counter()
+    row = call_point(fn, item, shared, identity)
+    return row, time.perf_counter() - start
+
+
+Completion = tuple[int, Row, float | None]  # (index, row, seconds; None: no run finished)
+
+
 def died_row(identity: Row, runs: int, why: str = "") -> Row:
     """The failed row of a point whose worker died every time it ran."""
     times = "once" if runs == 1 else f"{runs} times"
@@ -115,6 +126,7 @@ class Executor(abc.ABC):
         if max_retries < 0:
             raise ConfigError(f"max_retries must be >= 0, got {max_retries}")
         self.store, self.progress, self.max_retries = store, progress, max_retries
+        self.point_s: list[float | None] = []  # the last grid's seconds per point (ran here)
 
     def run(
         self,
@@ -135,6 +147,7 @@ class Executor(abc.ABC):
             raise ConfigError(f"{len(idents)} identities for {len(items)} points")
         keys = self._keys(fn, items, shared)
         rows: dict[int, Row] = {}
+        self.point_s = [None] * len(items)
         if self.store is not None:
             for i, key in enumerate(keys):
                 row = self.store.get(key)
@@ -150,15 +163,15 @@ class Executor(abc.ABC):
         ) as bar:
             failed = 0
             try:
-                for i, row in self._completions(fn, todo, shared):
+                for i, row, seconds in self._completions(fn, todo, shared):
                     if i in rows:  # NOTE: one row per point, even if a retry ran it twice
                         continue
-                    rows[i] = row
+                    rows[i], self.point_s[i] = row, seconds
                     if "error" in row:
                         failed += 1
                         bar.set_postfix_str(f"{failed} failed", refresh=False)
                     elif self.store is not None:
-                        self.store.put(keys[i], row)
+                        self.store.put(keys[i], row, seconds)
                     bar.update()
             except KeyboardInterrupt:
                 self._interrupt()
@@ -185,11 +198,10 @@ class Executor(abc.ABC):
         print(f"growpage: interrupted: {done} of {total} points finished{where}", file=sys.stderr)
 
     @abc.abstractmethod
-    def _completions(
-        self, fn: PointFn, tasks: list[Task], shared: Any
-    ) -> Iterator[tuple[int, Row]]:
-        """Run ``tasks``; yield ``(task.index, row)`` as each finishes, in any order, exactly
-        once per task (a failed row for a point whose worker died past its retries)."""
+    def _completions(self, fn: PointFn, tasks: list[Task], shared: Any) -> Iterator[Completion]:
+        """Run ``tasks`` (``timed_point``); yield ``(task.index, row, seconds)`` as each
+        finishes, in any order, exactly once per task (a failed row for a point whose worker
+        died past its retries)."""
 
     def _interrupt(self) -> None:  # noqa: B027 - optional hook
         """Stop the running points at once (Ctrl-C); ``close`` still follows."""

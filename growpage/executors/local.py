@@ -18,8 +18,15 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from growpage.errors import ConfigError
-from growpage.executors.base import Executor, PointFn, Task, call_point, describe_error, died_row
-from growpage.executors.store import Row
+from growpage.executors.base import (
+    Completion,
+    Executor,
+    PointFn,
+    Task,
+    describe_error,
+    died_row,
+    timed_point,
+)
 
 
 def _set_worker_env(envs: Any) -> None:
@@ -66,12 +73,10 @@ class LocalExecutor(Executor):
             initargs=(envs,),
         )
 
-    def _completions(
-        self, fn: PointFn, tasks: list[Task], shared: Any
-    ) -> Iterator[tuple[int, Row]]:
+    def _completions(self, fn: PointFn, tasks: list[Task], shared: Any) -> Iterator[Completion]:
         if self.jobs == 1 and not self.worker_env:
             for t in tasks:
-                yield t.index, call_point(fn, t.item, shared, t.identity)
+                yield t.index, *timed_point(fn, t.item, shared, t.identity)
             return
         pending, alone = deque(tasks), deque[Task]()
         deaths: dict[int, int] = {}  # point -> times it died running alone
@@ -82,7 +87,7 @@ class LocalExecutor(Executor):
             source, limit = (alone, 1) if alone else (pending, self.jobs)
             while source and len(running) < limit:
                 t = source.popleft()
-                running[self._pool.submit(call_point, fn, t.item, shared, t.identity)] = t
+                running[self._pool.submit(timed_point, fn, t.item, shared, t.identity)] = t
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             if any(isinstance(f.exception(), BrokenProcessPool) for f in done):
                 wait(running)  # the pool is broken: every running future ends now
@@ -94,16 +99,16 @@ class LocalExecutor(Executor):
                 if isinstance(error, BrokenProcessPool):
                     lost.append(t)
                 elif error is not None:  # the row did not pickle, say
-                    yield t.index, {**t.identity, "error": describe_error(error)}
+                    yield t.index, {**t.identity, "error": describe_error(error)}, None
                 else:
-                    yield t.index, future.result()
+                    yield t.index, *future.result()
             if lost:
                 self._drop_pool()
                 yield from self._retry(lost, alone, deaths)
 
     def _retry(
         self, lost: list[Task], alone: deque[Task], deaths: dict[int, int]
-    ) -> Iterator[tuple[int, Row]]:
+    ) -> Iterator[Completion]:
         """Queue the points of a dead worker to run again alone; a point that died alone
         ``max_retries + 1`` times gets its failed row."""
         if len(lost) > 1:
@@ -112,7 +117,7 @@ class LocalExecutor(Executor):
         t = lost[0]
         deaths[t.index] = deaths.get(t.index, 0) + 1
         if deaths[t.index] > self.max_retries:
-            yield t.index, died_row(t.identity, deaths[t.index])
+            yield t.index, died_row(t.identity, deaths[t.index]), None
         else:
             alone.appendleft(t)
 

@@ -26,7 +26,15 @@ from types import ModuleType
 from typing import Any
 
 from growpage.errors import ConfigError
-from growpage.executors.base import Executor, PointFn, Task, call_point, describe_error, died_row
+from growpage.executors.base import (
+    Completion,
+    Executor,
+    PointFn,
+    Task,
+    describe_error,
+    died_row,
+    timed_point,
+)
 from growpage.executors.store import Row
 
 RAY_MISSING = "--executor ray needs Ray, an optional extra: pip install 'growpage[ray]'"
@@ -59,8 +67,8 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
 class PointWorker:
     """A Ray actor's body: runs points in one long-lived process (see ``actors``)."""
 
-    def run(self, fn: PointFn, item: Any, shared: Any, identity: Row) -> Row:
-        return call_point(fn, item, shared, identity)
+    def run(self, fn: PointFn, item: Any, shared: Any, identity: Row) -> tuple[Row, float]:
+        return timed_point(fn, item, shared, identity)
 
     def pid(self) -> int:
         return os.getpid()
@@ -114,9 +122,7 @@ class RayExecutor(Executor):
             raise ConfigError(f"--address {address}: cannot join the Ray cluster ({e})") from None
         self._started = True
 
-    def _completions(
-        self, fn: PointFn, tasks: list[Task], shared: Any
-    ) -> Iterator[tuple[int, Row]]:
+    def _completions(self, fn: PointFn, tasks: list[Task], shared: Any) -> Iterator[Completion]:
         if not tasks:
             return
         self._connect()
@@ -126,7 +132,7 @@ class RayExecutor(Executor):
             yield from self._on_actors(fn_ref, shared_ref, tasks)
             return
         if self._remote is None:
-            self._remote = ray.remote(call_point).options(
+            self._remote = ray.remote(timed_point).options(
                 num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_retries=self.max_retries
             )
         refs = {self._remote.remote(fn_ref, t.item, shared_ref, t.identity): t for t in tasks}
@@ -136,18 +142,19 @@ class RayExecutor(Executor):
             for ref in done:
                 t = refs.pop(ref)
                 self._running.pop(ref, None)
-                yield t.index, self._row(ref, t)[0]
+                row, seconds, _ = self._row(ref, t)
+                yield t.index, row, seconds
 
-    def _row(self, ref: Any, t: Task) -> tuple[Row, bool]:
-        """The point's row, and whether its worker died (past its retries)."""
+    def _row(self, ref: Any, t: Task) -> tuple[Row, float | None, bool]:
+        """The point's row, its seconds, and whether its worker died (past its retries)."""
         errors = self.ray.exceptions
         try:
-            row: Row = self.ray.get(ref)
+            row, seconds = self.ray.get(ref)
         except (errors.RayActorError, errors.WorkerCrashedError, errors.NodeDiedError) as e:
-            return died_row(t.identity, self.max_retries + 1, type(e).__name__), True
+            return died_row(t.identity, self.max_retries + 1, type(e).__name__), None, True
         except errors.RayError as e:
-            return {**t.identity, "error": describe_error(e)}, False
-        return row, False
+            return {**t.identity, "error": describe_error(e)}, None, False
+        return row, seconds, False
 
     def _new_actor(self) -> Any:
         if self._actor_class is None:
@@ -174,9 +181,7 @@ class RayExecutor(Executor):
             fit = int(resources.get("CPU", 1) // max(self.num_cpus, 1e-9))
         return max(1, min(fit, num_tasks))
 
-    def _on_actors(
-        self, fn_ref: Any, shared_ref: Any, tasks: list[Task]
-    ) -> Iterator[tuple[int, Row]]:
+    def _on_actors(self, fn_ref: Any, shared_ref: Any, tasks: list[Task]) -> Iterator[Completion]:
         ray = self.ray
         while len(self._pool) < self._num_actors(len(tasks)):
             self._pool.append(self._new_actor())
@@ -191,13 +196,13 @@ class RayExecutor(Executor):
             for ref in done:
                 actor, t = running.pop(ref)
                 self._running.pop(ref, None)
-                row, died = self._row(ref, t)
+                row, seconds, died = self._row(ref, t)
                 if died:  # past its restarts: a new actor takes its place
                     self._pool.remove(actor)
                     actor = self._new_actor()
                     self._pool.append(actor)
                 idle.append(actor)
-                yield t.index, row
+                yield t.index, row, seconds
 
     def worker_pids(self) -> list[int]:
         """The process ids of the live actors (``actors`` only)."""

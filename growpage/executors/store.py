@@ -1,6 +1,7 @@
 """The finished rows of a grid on disk, for ``--resume``: one JSON file per point.
 
-    DIR/<key>.json   {"key": ..., "row": {...}}   written atomically (temp file + rename)
+    DIR/<key>.json   {"key": ..., "row": {...}, "point_s": ...}   written atomically
+                                                              (temp file + rename)
 
 A row is written the moment its point finishes, so a run that is interrupted (Ctrl-C, a killed
 driver, a lost cluster) leaves every finished row on disk, whole; a file is never half written.
@@ -135,7 +136,9 @@ class RowStore:
     def get(self, key: str) -> Row | None:
         return self._rows.get(key)
 
-    def put(self, key: str, row: Row) -> None:
-        text = json.dumps({"key": key, "row": _json_ready(row)}, allow_nan=False)
+    def put(self, key: str, row: Row, point_s: float | None = None) -> None:
+        """Keep ``row`` under ``key``, with the seconds its point took (None: not known)."""
+        saved = {"key": key, "row": _json_ready(row), "point_s": point_s}
+        text = json.dumps(saved, allow_nan=False)
         atomic_write(self.directory / f"{key}.json", lambda tmp: Path(tmp).write_text(text))
         self._rows[key] = row

@@ -45,10 +45,13 @@ def oracle(items, shared) -> list[dict]:
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_rows_come_back_in_order_whichever_point_finishes_first(tmp_path, jobs):
     shared = grid(tmp_path, sleep_s={0: 0.4})  # point 0 finishes last with two workers
-    with LocalExecutor(jobs, progress=False) as ex:
+    with LocalExecutor(jobs, store=RowStore(tmp_path / "rows"), progress=False) as ex:
         rows = ex.run(square, range(6), shared)
     assert rows == oracle(range(6), shared)
     assert [runs_of(shared, i) for i in range(6)] == [1] * 6
+    assert ex.point_s[0] >= 0.4 and all(0 <= s < 0.4 for s in ex.point_s[1:])  # as they ran
+    saved = [json.loads(p.read_text()) for p in (tmp_path / "rows").iterdir()]
+    assert sorted(s["point_s"] for s in saved) == sorted(ex.point_s)
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
