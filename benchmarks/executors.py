@@ -1,7 +1,7 @@
 """Ray against local processes for the simulator's grids, side by side on this machine.
 
-    .venv/bin/python benchmarks/executors.py            # ~30 min on 2 busy cores
-    .venv/bin/python benchmarks/executors.py --smoke    # ~1 min: checks the pipeline
+    .venv/bin/python benchmarks/executors.py            # ~40 min on 2 busy cores
+    .venv/bin/python benchmarks/executors.py --smoke    # ~2 min: checks the pipeline
 
 Two grids, each command run in a fresh process and timed around it:
 
@@ -12,13 +12,19 @@ Two grids, each command run in a fresh process and timed around it:
 
 Each grid runs with ``--jobs 2`` (two local processes) and with ``--executor ray --address A``,
 joining a Ray of 2 CPUs that this script starts first (its start-up is timed apart: a cluster
-is started once and serves many commands). The replay also runs with ``--executor ray`` alone,
-which starts and stops a Ray of its own: what a single command on one machine pays.
+is started once and serves many commands), one after the other (the replay twice each, in
+turns). The replay also runs with ``--executor ray`` alone, which starts and stops a Ray of its
+own: what a single command on one machine pays.
 
-Ray's overhead per point is ``(wall with Ray - wall local) / points``, and its share is that
-difference over the local wall time. A point's own time, ``per_point_s``, is the local wall time
-less a process's start-up (``process_start_s``: imports), times ``--jobs``, over the points. The rows of the runs of a grid must be identical (the
-script fails otherwise). Writes ``<out>/executors.json`` (default ``results/executors``).
+The machine is shared, and its load moves the points' own times by tens of percent from one
+run to the next, more than Ray costs. So every run is measured against itself: its points'
+seconds, ``busy_s`` (each measured where it ran, from ``--out``'s finished points), over the 2
+workers, leave ``idle_s = wall - process start - busy_s / 2``: start-up, scheduling, moving
+arguments and rows, and the tail where one worker waits for the other. Ray's overhead per
+point is ``(idle with Ray - idle local) / points``; its share is that over the local wall time.
+A point's own time, ``point_s``, is the local ``busy_s`` over the points. The rows of every run
+of a grid must be identical (the script fails otherwise). Writes ``<out>/executors.json``
+(default ``results/executors``).
 """
 
 from __future__ import annotations
@@ -27,17 +33,22 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from growpage.core.traces import atomic_write
 from growpage.eval.machine import describe_machine
+from growpage.executors.options import FINISHED_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 GROWPAGE = Path(sys.executable).parent / "growpage"
 JOBS = 2
+STARTUP = [0.0]  # seconds of a fresh process's imports (startup_s), measured first
+REPS = {"replay": 2, "sweep": 1}  # runs of each kind, in turns
 
 SWEEP_POINTS = [  # 12 + 4 + 8 + 16 + 8 = 48 points
     "growpage@tau=-0.01,0,0.01,0.02;p=0.95,0.99,0.999",
@@ -75,14 +86,19 @@ SMOKE = {
 }
 
 
-def timed(argv: list[str]) -> tuple[float, dict]:
-    """Wall seconds of ``growpage ARGV --json`` in a fresh process, and its JSON."""
+def timed(argv: list[str], out: Path) -> dict:
+    """``growpage ARGV --json --out OUT`` in a fresh process: its wall seconds, the seconds
+    of its points (``busy_s``) and its JSON (``rows``)."""
     start = time.perf_counter()
-    proc = subprocess.run([str(GROWPAGE), *argv, "--json"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(GROWPAGE), *argv, "--json", "--out", str(out)], capture_output=True, text=True
+    )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"growpage {' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
-    return wall, json.loads(proc.stdout)
+    finished = [json.loads(p.read_text()) for p in (out / FINISHED_DIR).glob("*.json")]
+    busy = sum(f["point_s"] for f in finished)
+    return {"wall_s": wall, "busy_s": busy, "rows": json.loads(proc.stdout)}
 
 
 def startup_s() -> float:
@@ -104,35 +120,47 @@ def start_ray() -> tuple[str, float]:
 
 
 def measure(
-    name: str, argv: list[str], points: int, address: str, cold: bool, startup: float
+    name: str, argv: list[str], points: int, address: str, reps: int, cold: bool, work: Path
 ) -> dict:
-    print(f"[executors] {name}: local, --jobs {JOBS} ...", flush=True)
-    local_s, local = timed([*argv, "--jobs", str(JOBS)])
-    print(f"[executors] {name}: local {local_s:.1f} s; Ray (joined) ...", flush=True)
-    ray_s, joined = timed([*argv, "--executor", "ray", "--address", address])
-    print(f"[executors] {name}: Ray (joined) {ray_s:.1f} s", flush=True)
-    result = {
-        "command": "growpage " + " ".join(argv),
-        "points": points,
-        "local_s": local_s,
-        "ray_joined_s": ray_s,
-        "per_point_s": (local_s - startup) * JOBS / points,
-        "ray_overhead_per_point_s": (ray_s - local_s) / points,
-        "ray_overhead_share": (ray_s - local_s) / local_s,
-        "rows_identical": joined == local,
-    }
+    """Local and Ray runs of one grid, in turns; see the module docstring."""
+    kinds = {"local": ["--jobs", str(JOBS)], "ray": ["--executor", "ray", "--address", address]}
     if cold:
-        print(f"[executors] {name}: Ray (started by the command) ...", flush=True)
-        cold_s, alone = timed([*argv, "--executor", "ray", "--jobs", str(JOBS)])
-        result.update(
-            ray_cold_s=cold_s,
-            ray_cold_overhead_per_point_s=(cold_s - local_s) / points,
-            ray_cold_overhead_share=(cold_s - local_s) / local_s,
-            rows_identical=result["rows_identical"] and alone == local,
-        )
-    if not result["rows_identical"]:
-        raise SystemExit(f"{name}: the Ray rows differ from the local ones")
-    return result
+        kinds["ray_cold"] = ["--executor", "ray", "--jobs", str(JOBS)]
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
+    for rep in range(reps):
+        for kind, flags in kinds.items():
+            print(f"[executors] {name}, {kind}, run {rep + 1} ...", flush=True)
+            run = timed([*argv, *flags], work / f"{name}-{kind}-{rep}")
+            print(f"[executors] {name}, {kind}: {run['wall_s']:.1f} s", flush=True)
+            runs[kind].append(run)
+    local_rows = runs["local"][0]["rows"]
+    if any(r["rows"] != local_rows for rs in runs.values() for r in rs):
+        raise SystemExit(f"{name}: the rows of the runs differ")
+    return summary(argv, points, runs)
+
+
+def summary(argv: list[str], points: int, runs: dict[str, list[dict]]) -> dict:
+    """Per kind of run: wall, busy and idle seconds (each run, and their median)."""
+    out: dict = {"command": "growpage " + " ".join(argv), "points": points}
+    idle: dict[str, float] = {}
+    for kind, rs in runs.items():
+        walls = [r["wall_s"] for r in rs]
+        idles = [r["wall_s"] - STARTUP[0] - r["busy_s"] / JOBS for r in rs]
+        idle[kind] = statistics.median(idles)
+        out[kind] = {
+            "wall_s": walls,
+            "busy_s": [r["busy_s"] for r in rs],
+            "idle_s": idles,
+        }
+    local_wall = statistics.median(out["local"]["wall_s"])
+    out["point_s"] = statistics.median(out["local"]["busy_s"]) / points
+    for kind in runs:
+        if kind != "local":
+            extra = idle[kind] - idle["local"]
+            out[f"{kind}_overhead_per_point_s"] = extra / points
+            out[f"{kind}_overhead_share"] = extra / local_wall
+    out["rows_identical"] = True
+    return out
 
 
 def commit() -> str:
@@ -153,14 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     machine, measured = describe_machine(), commit()  # the code the commands run
-    startup = min(startup_s() for _ in range(2))
+    STARTUP[0] = min(startup_s() for _ in range(2))
     address, start_s = start_ray()
     print(f"[executors] Ray of {JOBS} CPUs at {address}, started in {start_s:.1f} s", flush=True)
     try:
-        grids = {
-            name: measure(name, grid_argv, points, address, name == "replay", startup)
-            for name, (grid_argv, points) in (SMOKE if args.smoke else GRIDS).items()
-        }
+        with tempfile.TemporaryDirectory() as work:
+            grids = {
+                name: measure(
+                    name,
+                    grid_argv,
+                    points,
+                    address,
+                    1 if args.smoke else REPS[name],
+                    name == "replay",
+                    Path(work),
+                )
+                for name, (grid_argv, points) in (SMOKE if args.smoke else GRIDS).items()
+            }
     finally:
         stop = time.perf_counter()
         ray.shutdown()
@@ -172,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{machine}, load average {os.getloadavg()[0]:.1f} at the end",
         "ray_version": ray.__version__,
         "jobs": JOBS,
-        "process_start_s": startup,
+        "process_start_s": STARTUP[0],
         "ray_start_s": start_s,
         "ray_stop_s": stop_s,
         "grids": grids,
@@ -183,15 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
     for name, g in grids.items():
         cold = (
-            f"; started by the command {g['ray_cold_s']:.1f} s "
-            f"({g['ray_cold_overhead_per_point_s']:+.2f} s per point)"
-            if "ray_cold_s" in g
+            f"; a Ray of its own {g['ray_cold_overhead_per_point_s']:+.2f} s per point "
+            f"({g['ray_cold_overhead_share']:+.1%})"
+            if "ray_cold_overhead_per_point_s" in g
             else ""
         )
         print(
-            f"{name}: {g['points']} points of ~{g['per_point_s']:.1f} s; local --jobs {JOBS} "
-            f"{g['local_s']:.1f} s, Ray {g['ray_joined_s']:.1f} s: "
-            f"{g['ray_overhead_per_point_s']:+.2f} s per point "
+            f"{name}: {g['points']} points of ~{g['point_s']:.1f} s; Ray over local --jobs "
+            f"{JOBS}: {g['ray_overhead_per_point_s']:+.2f} s per point "
             f"({g['ray_overhead_share']:+.1%}){cold}; rows identical"
         )
     print(f"Ray start {start_s:.1f} s, stop {stop_s:.1f} s; wrote {path}")
