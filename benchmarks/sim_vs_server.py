@@ -7,9 +7,11 @@ HTTP, the event loop, per-step detokenization and the engine thread's hand-offs 
 measurement and none of them in the simulator. Steps:
 
 1. **calibrate**: time the engine's forward passes (every batch size from 1 to the number of
-   requests; ``sim_vs_engine.calibration_shapes``), one pass before the server runs and one after
-   each, and fit ``PiecewiseCostModel`` on all of them (``growpage calibrate --kind piecewise``);
-   price capacity control per policy (``measure_boundary_costs``);
+   requests; ``sim_vs_engine.calibration_shapes``) before the first server run and after each;
+   each run's ``PiecewiseCostModel`` (``growpage calibrate --kind piecewise``) is fitted on the
+   passes right before and after it, and its policy's capacity control is priced right after
+   it (``measure_boundary_costs``): the machine is shared, and its speed drifts by 2x within
+   minutes as other jobs come and go;
 2. **record**: run the workload once under ``fullkv`` in-process with a pool large enough for
    everything, recording every layer's queries and keys (the simulator's trace mode decides on
    them);
@@ -32,7 +34,7 @@ simulator's TTFTs (reported beside the plain prediction).
 
 Run: ``.venv/bin/python benchmarks/sim_vs_server.py`` (about 15 minutes on the 2-core machine);
 writes ``results/sim_vs_server/report.md``, ``sim_vs_server.json``, ``workload.csv``,
-``costmodel.json``, the load results and the simulator's outputs.
+``costmodel-<point>.json``, ``load-<point>.json``, the servers' logs and the simulator's outputs.
 """
 
 from __future__ import annotations
@@ -181,6 +183,19 @@ def serve_point(
     return summary, overhead, results
 
 
+def write_load(path: Path, summary: dict, overhead: float, results: list) -> None:
+    requests = [
+        {
+            k: getattr(r, k)
+            for k in ("arrival_s", "sent_s", "ttft_s", "tpot_s", "e2e_s", "num_tokens")
+        }
+        for r in results
+    ]
+    serve_load.write_json(
+        path, {"summary": summary, "http_overhead_s": overhead, "requests": requests}
+    )
+
+
 def server_row(summary: dict) -> dict:
     return {
         "ttft_p50_s": summary["ttft_p50_s"],
@@ -204,12 +219,12 @@ def write_workload(path: Path, requests: list[WorkloadRequest]) -> None:
 
 
 def sim_command(
-    point: SweepPoint, scenario: sim_vs_engine.Scenario, out: Path, prices: dict
+    point: SweepPoint, scenario: sim_vs_engine.Scenario, out: Path, prices: dict, cost: Path
 ) -> list[str]:
     """``growpage sim serve`` of the workload in trace mode, as the server runs it."""
     command = ["growpage", "sim", "serve", "--workload", str(out / "workload.csv")]
     command += ["--decisions", "trace", "--traces", str(out / "traces")]
-    command += ["--cost", str(out / "costmodel.json"), "--policy", point.policy]
+    command += ["--cost", str(cost), "--policy", point.policy]
     for key, value in point.params:
         command += ["--param", f"{key}={json.dumps(value)}"]
     command += ["--boundary-ms", f"{1e3 * prices['boundary_s']:.4f}"]
@@ -279,11 +294,22 @@ def markdown(rows: list[dict], meta: dict) -> str:
                 f"| {row['point']} | {name} | {row['server'][key]:{fmt}} | "
                 f"{row['sim'][key]:{fmt}} | {err:+.1%}{mark} | {plain:+.1%} |"
             )
-    c = meta["cost_model"]
-    table = ", ".join(
-        f"{n}: {1e3 * t:.1f}" for n, t in zip(c["batch_sizes"], c["batch_s"], strict=True)
-    )
-    http = "; ".join(f"{k} {1e3 * v:.1f} ms" for k, v in meta["http_overhead_s"].items())
+    calibration = [
+        "| point | load average (before / after) | step ms at batch 1 / 8 / 16 | "
+        "us per KV token | ms per prefill token | rms ms | capacity control ms "
+        "(decision + compaction) | HTTP term ms |",
+        "|---|---|---|---:|---:|---:|---|---:|",
+    ]
+    for label, p in meta["points"].items():
+        c, bp = p["cost_model"], p["boundary_prices"]
+        batch = dict(zip(c["batch_sizes"], c["batch_s"], strict=True))
+        fixed = " / ".join(f"{1e3 * batch[n]:.0f}" if n in batch else "-" for n in (1, 8, 16))
+        calibration.append(
+            f"| {label} | {p['load_average'][0]:.1f} / {p['load_average'][1]:.1f} | {fixed} | "
+            f"{1e6 * c['per_kv_token_s']:.2f} | {1e3 * c['per_prefill_token_s']:.3f} | "
+            f"{1e3 * p['calibration_rms_s']:.1f} | {1e3 * bp['boundary_s']:.2f} + "
+            f"{1e3 * bp['compaction_s']:.2f} | {1e3 * p['http_overhead_s']:.1f} |"
+        )
     return "\n".join(
         [
             "# Simulator vs server (CPU, SmolLM2-135M-Instruct over HTTP)",
@@ -302,19 +328,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"tokens, max_num_seqs {meta['max_num_seqs']}, prefix caching off, one torch "
             "thread. Latencies are timed on the client (`benchmarks/serve_load.py`).",
             "",
-            f"Simulator: `growpage sim serve` in trace mode on `workload.csv` (the arrival times "
-            f"sent, the recorded traces), piecewise cost model fitted on "
-            f"{meta['calibration_rows']} forward passes (rms {1e3 * meta['calibration_rms_s']:.1f}"
-            f" ms; fixed ms per step by batch size: {table}; + "
-            f"{1e6 * c['per_kv_token_s']:.2f} us/KV token + "
-            f"{1e3 * c['per_prefill_token_s']:.3f} ms/prefill token, KV padded to the longest as "
-            "the torch backend reads it); capacity control priced per policy "
-            "(`measure_boundary_costs`). One simulator command, e.g. "
+            "Simulator: `growpage sim serve` in trace mode on `workload.csv` (the arrival times "
+            "sent, the recorded traces), with a piecewise cost model fitted on the calibration "
+            "passes right before and after the point's server run (forward passes of every batch "
+            "size, KV padded to the longest as the torch backend reads it; the machine is shared "
+            "and its speed drifts as other jobs come and go) and capacity control priced right "
+            "after it (`measure_boundary_costs`). The HTTP term is the client's TTFT minus the "
+            "engine's on the idle server (median of 5 one-token requests, measured on each "
+            "server before its load), added to the simulator's TTFT and E2E; the last column is "
+            "the error without it. One of the simulator's commands: "
             f"`{' '.join(meta['sim_commands'][0])}`.",
             "",
-            f"HTTP term (the client's TTFT minus the engine's on the idle server, median of 5 "
-            f"one-token requests, measured on each server before its load): {http}; added to "
-            "the simulator's TTFT and E2E (the last column is the error without it).",
+            *calibration,
             "",
             *lines,
             "",
@@ -380,15 +405,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts = reasoning_prompts(scenario.num_requests)
     ids = [tokenizer.encode_chat(p) for p in prompts]
     shapes = sim_vs_engine.calibration_shapes(scenario, sum(map(len, ids)))
-    steps = 2 + 2 * len(points)
+    steps = 3 + 3 * len(points)
+    step = iter(range(1, steps + 1))
     passes: list[np.ndarray] = []
+    loads: list[float] = []  # the 1-minute load average at each pass
 
-    def calibration_pass(step: int) -> None:
-        print(f"[{step}/{steps}] calibration pass {len(passes) + 1}", flush=True)
+    def calibration_pass() -> None:
+        print(f"[{next(step)}/{steps}] calibration pass {len(passes) + 1}", flush=True)
+        loads.append(os.getloadavg()[0])
         passes.append(sim_vs_engine.measure(model, shapes, args.repeats))
 
-    calibration_pass(1)
-    print(f"[2/{steps}] recording fullkv traces", flush=True)
+    print(f"[{next(step)}/{steps}] recording fullkv traces", flush=True)
     traces, outs = sim_vs_engine.record_traces(model, tokenizer, scenario, prompts, out / "traces")
     send_s = scenario.arrivals()
     assert send_s is not None
@@ -399,53 +426,44 @@ def main(argv: list[str] | None = None) -> int:
     assert [r.prompt_tokens for r in requests] == [len(x) for x in ids]
     write_workload(out / "workload.csv", requests)
 
-    served: dict[str, tuple[dict, float]] = {}
-    for i, point in enumerate(points):
-        print(f"[{3 + 2 * i}/{steps}] growpage serve: {point.label}", flush=True)
+    # NOTE: the machine is shared and its speed drifts by 2x within minutes as other jobs come
+    # and go: each run is bracketed by calibration passes (one before, one after) and its cost
+    # model is fitted on those two, and capacity control is priced right after it.
+    from growpage.engine.profile import decode_pads_kv
+
+    calibration_pass()
+    rows, commands, meta_points = [], [], {}
+    for point in points:
+        print(f"[{next(step)}/{steps}] growpage serve: {point.label}", flush=True)
         summary, overhead, results = serve_point(
             point, scenario, requests, send_s, ids, out, args.threads
         )
-        served[point.label] = (summary, overhead)
-        serve_load.write_json(
-            out / f"load-{_slug(point)}.json",
-            {
-                "summary": summary,
-                "http_overhead_s": overhead,
-                "requests": [
-                    {
-                        "arrival_s": r.arrival_s,
-                        "sent_s": r.sent_s,
-                        "ttft_s": r.ttft_s,
-                        "tpot_s": r.tpot_s,
-                        "e2e_s": r.e2e_s,
-                        "num_tokens": r.num_tokens,
-                    }
-                    for r in results
-                ],
-            },
-        )
+        write_load(out / f"load-{_slug(point)}.json", summary, overhead, results)
         print(serve_load.table(summary), flush=True)
         print(f"HTTP term (client TTFT - engine TTFT, idle server): {1e3 * overhead:.1f} ms")
-        calibration_pass(4 + 2 * i)
-    from growpage.engine.profile import decode_pads_kv
-
-    table = np.concatenate(passes)
-    cost = fit_piecewise(table, padded_kv=decode_pads_kv(model))
-    cost.save(out / "costmodel.json")
-    rms = float(
-        np.sqrt(np.mean((cost.step_time(table[:, 0], table[:, 1], table[:, 2]) - table[:, 3]) ** 2))
-    )
-    rows, commands = [], []
-    for point in points:
+        calibration_pass()
+        print(f"[{next(step)}/{steps}] pricing capacity control, simulating", flush=True)
         prices = sim_vs_engine.boundary_prices(model, point, scenario)
-        command = sim_command(point, scenario, out, prices)
+        table = np.concatenate(passes[-2:])
+        cost = fit_piecewise(table, padded_kv=decode_pads_kv(model))
+        cost_file = out / f"costmodel-{_slug(point)}.json"
+        cost.save(cost_file)
+        command = sim_command(point, scenario, out, prices, cost_file)
         commands.append(command)
         metrics = run_sim(command, out)
-        summary, overhead = served[point.label]
         http_s = overhead if args.http_overhead else 0.0
         rows.append(
             compare(point.label, server_row(summary), sim_row(metrics, http_s), sim_row(metrics))
         )
+        fitted = cost.step_time(table[:, 0], table[:, 1], table[:, 2])
+        meta_points[point.label] = {
+            "cost_model": attrs.asdict(cost),
+            "calibration_rows": len(table),
+            "calibration_rms_s": float(np.sqrt(np.mean((fitted - table[:, 3]) ** 2))),
+            "load_average": loads[-2:],
+            "boundary_prices": prices,
+            "http_overhead_s": overhead,
+        }
     meta = {
         "command": "python " + " ".join(["benchmarks/sim_vs_server.py", *sys.argv[1:]]),
         "commit": commit,
@@ -461,10 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_pages": scenario.kv_pages,
         "page_size": scenario.page_size,
         "max_num_seqs": scenario.max_num_seqs,
-        "calibration_rows": len(table),
-        "calibration_rms_s": rms,
-        "cost_model": attrs.asdict(cost),
-        "http_overhead_s": {label: o for label, (_, o) in served.items()},
+        "points": meta_points,
         "sim_commands": [
             [c if not c.startswith(str(ROOT)) else os.path.relpath(c, ROOT) for c in cmd]
             for cmd in commands
@@ -474,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.md").write_text(report)
     serve_load.write_json(
         out / "sim_vs_server.json",
-        {"meta": meta, "rows": rows, "calibration": table.tolist()},
+        {"meta": meta, "rows": rows, "calibration": [p.tolist() for p in passes]},
     )
     print(report)
     return 0
