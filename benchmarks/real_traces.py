@@ -311,12 +311,18 @@ def describe_traces(traces: list) -> tuple[str, dict]:
         f"{min(info['prompt_len'])}–{max(info['prompt_len'])} tokens, "
         f"{min(gen)}–{max(gen)} generated tokens per trace. "
     )
-    if eos_known:
+    ignored = [t.header.meta.get("sampling", {}).get("ignore_eos", True) for t in traces]
+    if eos_known and any(ignored):
         text += (
             f"First end of turn (ignored) after {min(eos_known)}–{max(eos_known)} "
             f"generated tokens (median {sorted(eos_known)[len(eos_known) // 2]}) in "
             f"{len(eos_known)} of {len(traces)} traces; the rest of each trace is the "
             f"model continuing past it."
+        )
+    elif eos_known:
+        text += (
+            f"Each trace is the model's own answer, ended at its end of turn ({len(eos_known)} "
+            f"of {len(traces)} ended there, the others at the token limit); greedy decoding."
         )
     return text, info
 
@@ -331,14 +337,15 @@ def write_report(
     trace_text, trace_info = describe_traces(traces)
     _plot_signals(out, analysis, b)
     lines = [
-        "# Real SmolLM2 traces: the Δt signal and the policies",
+        f"# Real traces of {traces[0].header.model}: the Δt signal and the policies",
         "",
         f"Command: `{command}` ({wall_s:.0f} s wall). Machine: shared 2-core CPU box, "
         f"torch {torch.__version__}, 1 thread.",
         "",
         trace_text,
         "",
-        f"Page size b = {b} (the traces are ~1.1k tokens; the paper uses 256 on 8k–15k "
+        f"Page size b = {b} (the traces are {min(t.num_tokens for t in traces)}–"
+        f"{max(t.num_tokens for t in traces)} tokens; the paper uses 256 on 8k–15k "
         f"token traces), recent window {analysis.settings.config().recent_window}, "
         f"βS = 0.9, βL = 0.999, p = 0.99, τ = 0, {analysis.settings.fidelity_queries} "
         f"sampled future queries per boundary. Δt is computed over the recorded layers "
@@ -415,7 +422,7 @@ def _plot_signals(out: Path, analysis, page_size: int) -> None:
     plot_signal_scatter(
         sig["pairs"],
         out / "scatter.png",
-        title=f"real SmolLM2 traces, growpage, b={page_size}: "
+        title=f"real traces, growpage, b={page_size}: "
         f"rho={_rho(sig['spearman'], sig['num_boundaries'])}",
     )
     plot_advantage(analysis.signals, out / "advantage.png")
