@@ -20,7 +20,9 @@ measurement and none of them in the simulator. Steps:
    ``reasoning_prompts()`` as token-id prompts through ``/v1/completions`` (the chat template
    applied here, so the server sees exactly the recorded tokens), each generating
    ``--max-tokens`` tokens (``ignore_eos``), arriving as a Poisson process (seed 0, the first at
-   t = 0); stop the server with SIGTERM;
+   t = 0); stop the server with SIGTERM; then (unless ``--no-engine``) run the same requests
+   in-process (``LLM.generate`` with the same arrival times), which shows how much of a miss
+   is the server's and how much the machine's speed moving between runs;
 4. **simulate**: ``growpage sim serve`` on the same workload (written as ``workload.csv``: the
    arrival times sent, the recorded lengths, the trace of each request) in trace mode with the
    calibrated cost model and the server's pool, page size and limits;
@@ -51,6 +53,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -77,6 +80,9 @@ METRICS = [
 SHOWN = [  # reported, not gated
     ("e2e_p50_s", "E2E p50 (s)", ".1f"),
     ("total_time_s", "total time (s)", ".1f"),
+    ("grows", "grow", ".0f"),
+    ("compresses", "compress", ".0f"),
+    ("preemptions", "preempt", ".0f"),
 ]
 
 
@@ -173,6 +179,7 @@ def serve_point(
         overhead = http_overhead(url, ids[0][:64])
         time.sleep(1.0)
         results, _ = asyncio.run(serve_load.run_load(url, requests, send_s, ids, MODEL_NAME))
+        counts = server_counts(url)
     finally:
         status = stop_server(proc)
     if status != 0:
@@ -180,7 +187,27 @@ def serve_point(
     summary = serve_load.summarize(results)
     if summary["num_failed"]:
         raise RuntimeError(f"{summary['num_failed']} requests failed: {summary['errors']}")
+    summary["engine"] = counts
     return summary, overhead, results
+
+
+def server_counts(url: str) -> dict[str, float]:
+    """The server engine's steps, step seconds and capacity events (``/metrics``), less the
+    HTTP-term probes' (one prefill and no boundary each: their steps are few and short)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {
+        s.name: s.value
+        for family in text_string_to_metric_families(_get(url + "/metrics").decode())
+        for s in family.samples
+    }
+    return {
+        "num_steps": values["growpage_step_seconds_count"],
+        "step_s": values["growpage_step_seconds_sum"],
+        "grows": values["growpage_grows_total"],
+        "compresses": values["growpage_compressions_total"],
+        "preemptions": values["growpage_preemptions_total"],
+    }
 
 
 def write_load(path: Path, summary: dict, overhead: float, results: list) -> None:
@@ -205,6 +232,25 @@ def server_row(summary: dict) -> dict:
         "tps": summary["throughput_tok_s"],
         "e2e_p50_s": summary["e2e_p50_s"],
         "total_time_s": summary["duration_s"],
+        "grows": summary["engine"]["grows"],
+        "compresses": summary["engine"]["compresses"],
+        "preemptions": summary["engine"]["preemptions"],
+    }
+
+
+def engine_row(stats: Any) -> dict:
+    """The in-process engine (``LLM.generate`` with the same arrivals) in the same terms."""
+    return {
+        "ttft_p50_s": stats.ttft_p50_s,
+        "ttft_p90_s": stats.ttft_p90_s,
+        "tpot_p50_ms": 1e3 * stats.tpot_p50_s,
+        "tpot_p90_ms": 1e3 * stats.tpot_p90_s,
+        "tps": stats.tps,
+        "e2e_p50_s": stats.e2e_p50_s,
+        "total_time_s": stats.total_time_s,
+        "grows": stats.events.get("grow", 0),
+        "compresses": stats.events.get("compress", 0),
+        "preemptions": stats.num_preemptions,
     }
 
 
@@ -255,6 +301,9 @@ def sim_row(metrics: dict, http_s: float = 0.0) -> dict:
         "tps": metrics["tps"],
         "e2e_p50_s": metrics["e2e_p50_s"] + http_s,
         "total_time_s": metrics["total_time_s"],
+        "grows": metrics["grows"],
+        "compresses": metrics["compresses"],
+        "preemptions": metrics["preemptions"],
     }
 
 
@@ -263,7 +312,7 @@ def _slug(point: SweepPoint) -> str:
     return point.label.replace(" ", "_").replace("=", "-")
 
 
-def compare(label: str, server: dict, sim: dict, plain: dict) -> dict:
+def compare(label: str, server: dict, sim: dict, plain: dict, engine: dict | None) -> dict:
     rel = sim_vs_engine.relative_error
     errors = {k: rel(sim[k], server[k]) for k, _, _ in METRICS + SHOWN}
     plain_errors = {k: rel(plain[k], server[k]) for k, _, _ in METRICS + SHOWN}
@@ -272,6 +321,7 @@ def compare(label: str, server: dict, sim: dict, plain: dict) -> dict:
         "server": server,
         "sim": sim,
         "sim_without_http": plain,
+        "engine": engine,
         "rel_error": errors,
         "rel_error_without_http": plain_errors,
         "within_target": all(
@@ -282,17 +332,24 @@ def compare(label: str, server: dict, sim: dict, plain: dict) -> dict:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
-        "| point | metric | server (measured) | simulator | error | without HTTP term |",
-        "|---|---|---:|---:|---:|---:|",
+        "| point | metric | server (measured) | simulator | error | without HTTP term "
+        "| in-process engine, just after |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
+
+    def cell(err: float | None) -> str:
+        return "n/a" if err is None else f"{err:+.1%}"
+
     for row in rows:
         for key, name, fmt in METRICS + SHOWN:
             err, plain = row["rel_error"][key], row["rel_error_without_http"][key]
             gated = any(key == k for k, _, _ in METRICS)
             mark = " **!**" if gated and (err is None or abs(err) > TARGET) else ""
+            engine = row["engine"]
+            beside = "-" if engine is None else format(engine[key], fmt)
             lines.append(
                 f"| {row['point']} | {name} | {row['server'][key]:{fmt}} | "
-                f"{row['sim'][key]:{fmt}} | {err:+.1%}{mark} | {plain:+.1%} |"
+                f"{row['sim'][key]:{fmt}} | {cell(err)}{mark} | {cell(plain)} | {beside} |"
             )
     calibration = [
         "| point | load average (before / after) | step ms at batch 1 / 8 / 16 | "
@@ -335,8 +392,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "and its speed drifts as other jobs come and go) and capacity control priced right "
             "after it (`measure_boundary_costs`). The HTTP term is the client's TTFT minus the "
             "engine's on the idle server (median of 5 one-token requests, measured on each "
-            "server before its load), added to the simulator's TTFT and E2E; the last column is "
-            "the error without it. One of the simulator's commands: "
+            "server before its load), added to the simulator's TTFT and E2E (the column "
+            "'without HTTP term' gives the error without it). The last column is the same "
+            "requests served in-process "
+            "(`LLM.generate` with the same arrival times) right after the server run: no HTTP, "
+            "the same engine. One of the simulator's commands: "
             f"`{' '.join(meta['sim_commands'][0])}`.",
             "",
             *calibration,
@@ -381,6 +441,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="compare the simulator's TTFT without the measured HTTP term",
     )
+    ap.add_argument(
+        "--no-engine",
+        dest="engine",
+        action="store_false",
+        help="skip the in-process engine run after each server run (LLM.generate with the "
+        "same arrivals; it shows how far the machine's speed moved between runs)",
+    )
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_server"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -405,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = reasoning_prompts(scenario.num_requests)
     ids = [tokenizer.encode_chat(p) for p in prompts]
     shapes = sim_vs_engine.calibration_shapes(scenario, sum(map(len, ids)))
-    steps = 3 + 3 * len(points)
+    steps = 3 + (4 if args.engine else 3) * len(points)
     step = iter(range(1, steps + 1))
     passes: list[np.ndarray] = []
     loads: list[float] = []  # the 1-minute load average at each pass
@@ -441,6 +508,11 @@ def main(argv: list[str] | None = None) -> int:
         write_load(out / f"load-{_slug(point)}.json", summary, overhead, results)
         print(serve_load.table(summary), flush=True)
         print(f"HTTP term (client TTFT - engine TTFT, idle server): {1e3 * overhead:.1f} ms")
+        engine = None
+        if args.engine:
+            print(f"[{next(step)}/{steps}] in-process engine: {point.label}", flush=True)
+            stats, _ = sim_vs_engine.run_engine(model, tokenizer, scenario, point, prompts)
+            engine = engine_row(stats)
         calibration_pass()
         print(f"[{next(step)}/{steps}] pricing capacity control, simulating", flush=True)
         prices = sim_vs_engine.boundary_prices(model, point, scenario)
@@ -453,7 +525,13 @@ def main(argv: list[str] | None = None) -> int:
         metrics = run_sim(command, out)
         http_s = overhead if args.http_overhead else 0.0
         rows.append(
-            compare(point.label, server_row(summary), sim_row(metrics, http_s), sim_row(metrics))
+            compare(
+                point.label,
+                server_row(summary),
+                sim_row(metrics, http_s),
+                sim_row(metrics),
+                engine,
+            )
         )
         fitted = cost.step_time(table[:, 0], table[:, 1], table[:, 2])
         meta_points[point.label] = {
