@@ -6,36 +6,20 @@ from typing import Any
 
 import attrs
 
-from growpage.errors import ConfigError
+from growpage.validators import (
+    Check,
+    check,
+    in_range,
+    is_int,
+    non_negative_int,
+    optional,
+    positive_int,
+)
 
-
-def _check(cond: bool, field: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"GrowPageConfig.{field}: {msg}")
-
-
-def _open_unit(inst: object, attribute: attrs.Attribute, value: float) -> None:
-    _check(0.0 < value < 1.0, attribute.name, f"must lie in (0, 1), got {value!r}")
-
-
-def _beta(inst: object, attribute: attrs.Attribute, value: float) -> None:
-    _check(0.0 <= value < 1.0, attribute.name, f"must lie in [0, 1), got {value!r}")
-
-
-def _positive_int(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    _check(
-        isinstance(value, int) and value > 0,
-        attribute.name,
-        f"must be a positive integer, got {value!r}",
-    )
-
-
-def _non_negative_int(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    _check(
-        isinstance(value, int) and value >= 0,
-        attribute.name,
-        f"must be a non-negative integer, got {value!r}",
-    )
+_BETA = in_range(0, 1, hi_open=True)
+_MIN_CAPACITY = Check(
+    "an integer >= 2 (a boundary needs a historical page)", lambda v: is_int(v) and v >= 2
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -54,43 +38,23 @@ class GrowPageConfig:
         watermark: free pages the pool keeps back from policy-driven growth.
     """
 
-    page_size: int = attrs.field(default=256, validator=_positive_int)
-    recent_window: int = attrs.field(default=16, validator=_non_negative_int)
-    min_capacity: int = attrs.field(default=2, validator=_positive_int)
-    beta_short: float = attrs.field(default=0.9, validator=_beta)
-    beta_long: float = attrs.field(default=0.999, validator=_beta)
-    top_p: float = attrs.field(default=0.99, validator=_open_unit)
-    tau: float = attrs.field(default=0.0)
-    k_loc: int | None = attrs.field(default=None)
-    watermark: int = attrs.field(default=0, validator=_non_negative_int)
+    page_size: int = attrs.field(default=256, validator=positive_int)
+    recent_window: int = attrs.field(default=16, validator=non_negative_int)
+    min_capacity: int = attrs.field(default=2, validator=_MIN_CAPACITY)
+    beta_short: float = attrs.field(default=0.9, validator=_BETA)
+    beta_long: float = attrs.field(default=0.999, validator=_BETA)
+    top_p: float = attrs.field(default=0.99, validator=in_range(0, 1, lo_open=True, hi_open=True))
+    tau: float = attrs.field(default=0.0, validator=in_range(-1, 1))
+    k_loc: int | None = attrs.field(default=None, validator=optional(non_negative_int))
+    watermark: int = attrs.field(default=0, validator=non_negative_int)
 
     def __attrs_post_init__(self) -> None:
-        _check(
-            self.recent_window < self.page_size,
-            "recent_window",
-            f"must be smaller than page_size ({self.page_size}), got {self.recent_window}",
+        b = self.page_size
+        check(self, "recent_window", self.recent_window < b, f"< page_size ({b})")
+        check(
+            self, "beta_short", self.beta_short < self.beta_long, f"< beta_long ({self.beta_long})"
         )
-        _check(
-            self.min_capacity >= 2,
-            "min_capacity",
-            f"must be at least 2 pages (a boundary needs a historical page), got {self.min_capacity}",
-        )
-        _check(
-            self.beta_short < self.beta_long,
-            "beta_short",
-            f"must be smaller than beta_long ({self.beta_long}), got {self.beta_short}",
-        )
-        _check(
-            isinstance(self.tau, (int, float)) and -1.0 <= self.tau <= 1.0,
-            "tau",
-            f"must be a number in [-1, 1] (delta is a difference of ratios), got {self.tau!r}",
-        )
-        if self.k_loc is not None:
-            _check(
-                isinstance(self.k_loc, int) and 0 <= self.k_loc <= self.page_size,
-                "k_loc",
-                f"must be an integer in [0, page_size={self.page_size}] or None, got {self.k_loc!r}",
-            )
+        check(self, "k_loc", self.k_loc is None or self.k_loc <= b, f"<= page_size ({b})")
 
     @property
     def local_quota(self) -> int:

@@ -31,6 +31,7 @@ from typing import IO
 import attrs
 
 from growpage.errors import EngineError
+from growpage.validators import positive_int
 
 MODELS_DIR_ENV = "GROWPAGE_MODELS_DIR"
 DEFAULT_MODEL = "smollm2-135m"
@@ -62,9 +63,9 @@ class CatalogModel:
     packages: tuple[str, ...]  # PyPI names, in part order
     version: str  # of every package
     part_paths: tuple[str, ...]  # the part's path inside its package's wheel
-    num_bytes: int = attrs.field(validator=attrs.validators.gt(0))
+    num_bytes: int = attrs.field(validator=positive_int)
     sha256: str = attrs.field(validator=attrs.validators.matches_re(_SHA256_RE))
-    part_num_bytes: int = attrs.field(validator=[attrs.validators.gt(0), _check_layout])
+    part_num_bytes: int = attrs.field(validator=attrs.validators.and_(positive_int, _check_layout))
 
     @property
     def file_name(self) -> str:

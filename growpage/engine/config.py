@@ -12,6 +12,7 @@ import torch
 from growpage.core.config import GrowPageConfig
 from growpage.engine.sampling_params import SEED_RANGE
 from growpage.errors import ConfigError
+from growpage.validators import Check, flag, is_int, one_of, optional, positive_int
 
 DTYPES = {
     "float32": torch.float32,
@@ -38,20 +39,6 @@ def _to_dtype(value: str | torch.dtype) -> torch.dtype:
             f"EngineConfig.dtype: unknown dtype {value!r} (one of {', '.join(DTYPES)})"
         )
     return DTYPES[value]
-
-
-def _optional_positive(inst: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ConfigError(
-            f"EngineConfig.{attribute.name} must be a positive integer or None, got {value!r}"
-        )
-
-
-def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(
-            f"EngineConfig.{attribute.name} must be a positive integer, got {value!r}"
-        )
 
 
 def resolve_device(name: str) -> str:
@@ -115,9 +102,10 @@ def _plain_bool(value: object) -> object:
     return bool(value) if isinstance(value, np.bool_) else value
 
 
-def _flag(inst: object, attribute: attrs.Attribute, value: bool) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"EngineConfig.{attribute.name} must be True or False, got {value!r:.80}")
+_FLAG_OR_AUTO = Check("True, False or None (automatic)", optional(flag).accepts)
+_SEED = Check(
+    "an integer in [-2**63, 2**64)", lambda v: is_int(v) and SEED_RANGE[0] <= v < SEED_RANGE[1]
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -168,55 +156,29 @@ class EngineConfig:
     """
 
     growpage: GrowPageConfig = attrs.field(factory=GrowPageConfig)
-    kv_pages: int | None = attrs.field(default=None, validator=_optional_positive)
-    kv_cache_memory: int | None = attrs.field(default=None, validator=_optional_positive)
-    max_num_seqs: int = attrs.field(default=64, validator=_positive)
-    max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive)
-    enable_prefix_caching: bool = attrs.field(default=True, converter=_plain_bool, validator=_flag)
+    kv_pages: int | None = attrs.field(default=None, validator=optional(positive_int))
+    kv_cache_memory: int | None = attrs.field(default=None, validator=optional(positive_int))
+    max_num_seqs: int = attrs.field(default=64, validator=positive_int)
+    max_num_batched_tokens: int = attrs.field(default=4096, validator=positive_int)
+    enable_prefix_caching: bool = attrs.field(default=True, converter=_plain_bool, validator=flag)
     dtype: torch.dtype = attrs.field(default=torch.float32, converter=_to_dtype)
     device: str = attrs.field(default="cpu", converter=str)
-    attention_backend: str = attrs.field(default="auto")
-    boundary_kernels: bool | None = attrs.field(default=None, converter=_plain_bool)
-    warmup: bool | None = attrs.field(default=None, converter=_plain_bool)
-    cuda_graphs: bool | None = attrs.field(default=None, converter=_plain_bool)
-    async_compaction: bool | None = attrs.field(default=None, converter=_plain_bool)
-    async_decisions: bool = attrs.field(default=False, converter=_plain_bool)
+    attention_backend: str = attrs.field(default="auto", validator=one_of(BACKENDS))
+    boundary_kernels: bool | None = attrs.field(
+        default=None, converter=_plain_bool, validator=_FLAG_OR_AUTO
+    )
+    warmup: bool | None = attrs.field(default=None, converter=_plain_bool, validator=_FLAG_OR_AUTO)
+    cuda_graphs: bool | None = attrs.field(
+        default=None, converter=_plain_bool, validator=_FLAG_OR_AUTO
+    )
+    async_compaction: bool | None = attrs.field(
+        default=None, converter=_plain_bool, validator=_FLAG_OR_AUTO
+    )
+    async_decisions: bool = attrs.field(default=False, converter=_plain_bool, validator=flag)
     record_traces: str | None = None
     record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
-    record_values: bool = attrs.field(default=True, converter=_plain_bool, validator=_flag)
-    seed: int = attrs.field(default=0)
-
-    @attention_backend.validator
-    def _backend(self, attribute: attrs.Attribute, value: str) -> None:
-        if value not in BACKENDS:
-            raise ConfigError(
-                f"EngineConfig.attention_backend must be one of "
-                f"{', '.join(BACKENDS)}, got {value!r}"
-            )
-
-    @cuda_graphs.validator
-    @async_compaction.validator
-    @boundary_kernels.validator
-    @warmup.validator
-    def _flag_or_auto(self, attribute: attrs.Attribute, value: bool | None) -> None:
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(
-                f"EngineConfig.{attribute.name} must be True, False or None "
-                f"(automatic), got {value!r}"
-            )
-
-    @async_decisions.validator
-    def _late(self, attribute: attrs.Attribute, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise ConfigError(f"EngineConfig.async_decisions must be True or False, got {value!r}")
-
-    @seed.validator
-    def _seed(self, attribute: attrs.Attribute, value: int) -> None:
-        low, high = SEED_RANGE
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
-            raise ConfigError(
-                f"EngineConfig.seed must be an integer in [-2**63, 2**64), got {value!r}"
-            )
+    record_values: bool = attrs.field(default=True, converter=_plain_bool, validator=flag)
+    seed: int = attrs.field(default=0, validator=_SEED)
 
     @device.validator
     def _device(self, attribute: attrs.Attribute, value: str) -> None:

@@ -21,13 +21,9 @@ from growpage.core.rope import RopeConfig, inv_frequencies_on
 from growpage.engine.attention import AttentionBackend, TorchAttentionBackend
 from growpage.engine.context import get_context
 from growpage.engine.fused_linear import FusedLinear
+from growpage.validators import one_of, positive_int
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"ModelConfig.{attribute.name} must be > 0, got {value}")
 
 
 @attrs.frozen
@@ -35,14 +31,14 @@ class ModelConfig:
     """Shape and numerics of a decoder; ``attention_bias`` is Qwen2's q/k/v bias, ``qk_norm``
     Qwen3's q/k norm."""
 
-    arch: str = attrs.field(validator=attrs.validators.in_(SUPPORTED_ARCHS))
-    vocab_size: int = attrs.field(validator=_positive)
-    hidden_size: int = attrs.field(validator=_positive)
-    intermediate_size: int = attrs.field(validator=_positive)
-    num_layers: int = attrs.field(validator=_positive)
-    num_q_heads: int = attrs.field(validator=_positive)
-    num_kv_heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)
+    arch: str = attrs.field(validator=one_of(SUPPORTED_ARCHS))
+    vocab_size: int = attrs.field(validator=positive_int)
+    hidden_size: int = attrs.field(validator=positive_int)
+    intermediate_size: int = attrs.field(validator=positive_int)
+    num_layers: int = attrs.field(validator=positive_int)
+    num_q_heads: int = attrs.field(validator=positive_int)
+    num_kv_heads: int = attrs.field(validator=positive_int)
+    head_dim: int = attrs.field(validator=positive_int)
     rope: RopeConfig
     rms_eps: float = 1e-6
     tie_word_embeddings: bool = False

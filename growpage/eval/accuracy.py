@@ -30,7 +30,8 @@ from typing import Any
 import attrs
 
 from growpage.errors import ConfigError
-from growpage.eval.maths import generate_problems, prompt, score
+from growpage.eval.maths import DIFFICULTIES, generate_problems, prompt, score
+from growpage.validators import in_range, items, one_of, optional, positive_int
 
 ALL_POLICIES = (
     "fullkv",
@@ -49,22 +50,6 @@ FIXED_SCALES = (1.0, 0.5, 2.0)
 AT_GROWPAGE_BUDGET = ("streamingllm", "h2o", "snapkv")
 
 
-def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{attribute.name} must be a whole number >= 1, got {value!r}")
-
-
-def _fraction(_: object, attribute: attrs.Attribute, value: float) -> None:
-    if not 0 < value <= 1:
-        raise ConfigError(f"{attribute.name} must be in (0, 1], got {value!r}")
-
-
-def _policies(_: object, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
-    unknown = sorted(set(value) - set(ALL_POLICIES))
-    if unknown or not value:
-        raise ConfigError(f"policies must be among {list(ALL_POLICIES)}, got {list(value)}")
-
-
 @attrs.frozen
 class AccuracySettings:
     """What one accuracy table is run on; stored with its results so that a resumed run can
@@ -76,19 +61,17 @@ class AccuracySettings:
     """
 
     model: str = "qwen2.5-coder-0.5b"
-    num_problems: int = attrs.field(default=200, validator=_positive)
+    num_problems: int = attrs.field(default=200, validator=positive_int)
     seed: int = 0
-    difficulty: int = attrs.field(default=1, validator=attrs.validators.in_((1, 2, 3)))
-    max_tokens: int = attrs.field(default=512, validator=_positive)
-    page_size: int = attrs.field(default=16, validator=_positive)
-    kv_pages: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
-    pool_fraction: float = attrs.field(default=0.5, validator=_fraction)
-    max_num_seqs: int = attrs.field(default=32, validator=_positive)
-    dtype: str = attrs.field(
-        default="float32", validator=attrs.validators.in_(("float32", "bfloat16"))
-    )
+    difficulty: int = attrs.field(default=1, validator=one_of(DIFFICULTIES))
+    max_tokens: int = attrs.field(default=512, validator=positive_int)
+    page_size: int = attrs.field(default=16, validator=positive_int)
+    kv_pages: int | None = attrs.field(default=None, validator=optional(positive_int))
+    pool_fraction: float = attrs.field(default=0.5, validator=in_range(0, 1, lo_open=True))
+    max_num_seqs: int = attrs.field(default=32, validator=positive_int)
+    dtype: str = attrs.field(default="float32", validator=one_of(("float32", "bfloat16")))
     policies: tuple[str, ...] = attrs.field(
-        default=ALL_POLICIES, converter=tuple, validator=_policies
+        default=ALL_POLICIES, converter=tuple, validator=items(one_of(ALL_POLICIES))
     )
 
     def to_dict(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import attrs
 
 from growpage.errors import ConfigError, WorkloadError
 from growpage.eval.maths_templates import TEMPLATES, Number, Step, Template, format_number, normal
+from growpage.validators import is_int, non_negative_int
 
 __all__ = [
     "DIFFICULTIES",
@@ -106,9 +107,9 @@ def generate_problems(n: int, seed: int = 0, difficulty: int = 1) -> list[Proble
     problems from the start holds every template once, in an order shuffled by ``seed``.
     Deterministic in (n, seed, difficulty), and the first ``k`` of ``n`` problems are the ``k``
     problems of ``generate_problems(k, ...)``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if not non_negative_int.accepts(n):
         raise ConfigError(f"n must be a whole number >= 0, got {n!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise ConfigError(f"seed must be an integer, got {seed!r}")
     _check_difficulty(difficulty)
     problems: list[Problem] = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import attrs
 import torch
@@ -12,44 +11,15 @@ from growpage.core.context import BoundaryContext
 from growpage.core.decision import Decision
 from growpage.core.observation import snapkv_scores
 from growpage.core.selection import top_slots, topk_slots, with_protected
-from growpage.errors import ConfigError
 from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import register_policy
+from growpage.validators import Check, in_range, integer, optional, positive_int
 
-
-def _in_range(lo: float, hi: float) -> Callable[[object, attrs.Attribute, float | None], None]:
-    def check(inst: object, attribute: attrs.Attribute, value: float | None) -> None:
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-            raise ConfigError(
-                f"{type(inst).__name__}.{attribute.name} must be a number in "
-                f"[{lo}, {hi}], got {value!r}"
-            )
-
-    return check
-
-
-def _positive(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} must be a positive integer, got {value!r}"
-        )
-
-
-def _odd(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 2 == 0:
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} must be a positive odd integer "
-            f"(a max pool centred on each slot), got {value!r}"
-        )
-
-
-def _integer(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} must be an integer, got {value!r}"
-        )
+_ODD = Check(
+    "a positive odd integer (a max pool centred on each slot)",
+    lambda v: positive_int.accepts(v) and v % 2 == 1,
+)
+_TAU = optional(in_range(-1, 1))
 
 
 # NOTE: the built-in policies are dict-based attrs classes (slots=False). An author's subclass
@@ -70,8 +40,8 @@ class GrowPagePolicy(CapacityPolicy):
     """
 
     name = "growpage"
-    tau: float | None = attrs.field(default=None, validator=_in_range(-1.0, 1.0))
-    p: float | None = attrs.field(default=None, validator=_in_range(1e-9, 1.0))
+    tau: float | None = attrs.field(default=None, validator=_TAU)
+    p: float | None = attrs.field(default=None, validator=optional(in_range(1e-9, 1)))
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         tau = ctx.config.tau if self.tau is None else self.tau
@@ -96,7 +66,7 @@ class EntropyPolicy(CapacityPolicy):
     """Delta_t from attention entropy instead of the top-p working set (Table 2 ablation)."""
 
     name = "entropy"
-    tau: float | None = attrs.field(default=None, validator=_in_range(-1.0, 1.0))
+    tau: float | None = attrs.field(default=None, validator=_TAU)
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         tau = ctx.config.tau if self.tau is None else self.tau
@@ -112,9 +82,9 @@ class ShrinkPolicy(CapacityPolicy):
     """
 
     name = "shrink"
-    shrink_below: float = attrs.field(default=-0.005, validator=_in_range(-1.0, 1.0))
-    tau: float | None = attrs.field(default=None, validator=_in_range(-1.0, 1.0))
-    min_capacity_tokens: int = attrs.field(default=1024, validator=_positive)
+    shrink_below: float = attrs.field(default=-0.005, validator=in_range(-1, 1))
+    tau: float | None = attrs.field(default=None, validator=_TAU)
+    min_capacity_tokens: int = attrs.field(default=1024, validator=positive_int)
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         tau = ctx.config.tau if self.tau is None else self.tau
@@ -135,7 +105,7 @@ class FixedBudgetPolicy(CapacityPolicy):
     """Zipage-style fixed budget: grow up to ``budget_tokens`` of capacity, then always compress."""
 
     name = "fixed"
-    budget_tokens: int = attrs.field(default=4096, validator=_positive)
+    budget_tokens: int = attrs.field(default=4096, validator=positive_int)
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         return _grow_if(ctx.capacity + ctx.page_size <= self.budget_tokens)
@@ -164,8 +134,8 @@ class RandomPolicy(CapacityPolicy):
     """
 
     name = "random"
-    grow_prob: float = attrs.field(default=0.3, validator=_in_range(0.0, 1.0))
-    seed: int = attrs.field(default=0, validator=_integer)
+    grow_prob: float = attrs.field(default=0.3, validator=in_range(0, 1))
+    seed: int = attrs.field(default=0, validator=integer)
 
     def decide(self, ctx: BoundaryContext) -> Decision:
         rng = random.Random(f"{self.seed}:{ctx.request_id}:{ctx.position}")
@@ -179,7 +149,7 @@ class StreamingLLMPolicy(FixedBudgetPolicy):
     recent ones (attention sinks + sliding window)."""
 
     name = "streamingllm"
-    num_sinks: int = attrs.field(default=4, validator=_positive)
+    num_sinks: int = attrs.field(default=4, validator=positive_int)
 
     def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
         sinks = min(self.num_sinks, keep - ctx.recent_window)
@@ -227,8 +197,8 @@ class SnapKVPolicy(FixedBudgetPolicy):
     """
 
     name = "snapkv"
-    window: int = attrs.field(default=16, validator=_positive)
-    kernel_size: int = attrs.field(default=7, validator=_odd)
+    window: int = attrs.field(default=16, validator=positive_int)
+    kernel_size: int = attrs.field(default=7, validator=_ODD)
 
     @property
     def needs_recent_queries(self) -> int:

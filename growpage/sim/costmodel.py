@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import itertools
 import json
 import math
 import os
@@ -36,37 +37,20 @@ import numpy as np
 
 from growpage.errors import ConfigError
 from growpage.sim.hardware import PRESETS, HardwareSpec, ModelSpec
+from growpage.validators import (
+    check,
+    flag,
+    in_range,
+    is_finite,
+    is_number,
+    non_negative_int,
+    non_negative_number,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
 ArrayLike = float | int | np.ndarray
-
-
-def _finite_non_negative(value: object) -> bool:
-    """A number (not a bool) that is finite as a float and >= 0 (an int too large for a float
-    is not)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return 0 <= float(value) < float("inf")
-    except OverflowError:
-        return False
-
-
-def _non_negative(inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if not _finite_non_negative(value):
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} must be a finite number >= 0, "
-            f"got {value!r:.80}"
-        )
-
-
-def _boolean(inst: object, attribute: attrs.Attribute, value: bool) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} must be true or false, got {value!r}"
-        )
 
 
 def _plain_number(value: Any) -> Any:
@@ -79,13 +63,6 @@ def _plain_number(value: Any) -> Any:
 
 def _plain_bool(value: Any) -> Any:
     return bool(value) if isinstance(value, np.bool_) else value
-
-
-def _unit(inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} must lie in (0, 1], got {value!r}"
-        )
 
 
 class CostModel(abc.ABC):
@@ -169,30 +146,32 @@ class _FittedCostModel(CostModel):
     """What the fitted models share: per-token costs, capacity-control prices, ``padded_kv``."""
 
     per_kv_token_s: float = attrs.field(
-        default=0.0, converter=_plain_number, validator=_non_negative
+        default=0.0, converter=_plain_number, validator=non_negative_number
     )
     per_prefill_token_s: float = attrs.field(
-        default=0.0, converter=_plain_number, validator=_non_negative
+        default=0.0, converter=_plain_number, validator=non_negative_number
     )
     boundary_s: float = attrs.field(
         default=0.0,
         converter=_plain_number,  # per decision
-        validator=_non_negative,
+        validator=non_negative_number,
     )
     compaction_s: float = attrs.field(
         default=0.0,
         converter=_plain_number,  # per compaction
-        validator=_non_negative,
+        validator=non_negative_number,
     )
-    padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=_boolean)
+    padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=flag)
 
 
 @attrs.frozen(kw_only=True)
 class LinearCostModel(_FittedCostModel):
     """Linear step time (seconds); coefficients in seconds per unit."""
 
-    base_s: float = attrs.field(default=0.0, converter=_plain_number, validator=_non_negative)
-    per_seq_s: float = attrs.field(default=0.0, converter=_plain_number, validator=_non_negative)
+    base_s: float = attrs.field(default=0.0, converter=_plain_number, validator=non_negative_number)
+    per_seq_s: float = attrs.field(
+        default=0.0, converter=_plain_number, validator=non_negative_number
+    )
     name: str = "linear"
 
     def step_time(
@@ -258,37 +237,19 @@ def _load(
 
 
 def _batch_sizes(inst: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
-    if (
-        not isinstance(value, tuple)
-        or not value
-        or any(
-            isinstance(b, bool) or not isinstance(b, int) or not _finite_non_negative(b)
-            for b in value
-        )
-        or any(value[i] >= value[i + 1] for i in range(len(value) - 1))
-    ):
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} must be one or more "
-            f"increasing whole numbers >= 0, got {value!r:.80}"
-        )
+    ok = isinstance(value, tuple) and len(value) > 0
+    ok = ok and all(non_negative_int.accepts(b) and is_finite(b) for b in value)
+    ok = ok and all(a < b for a, b in itertools.pairwise(value))
+    check(inst, attribute.name, ok, "one or more increasing whole numbers >= 0")
 
 
 def _batch_seconds(
     inst: PiecewiseCostModel, attribute: attrs.Attribute, value: tuple[float, ...]
 ) -> None:
-    if not isinstance(value, tuple):
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} must be a list of seconds, got {value!r:.80}"
-        )
-    if len(value) != len(inst.batch_sizes):
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} needs one value per batch "
-            f"size ({len(inst.batch_sizes)}), got {len(value)}"
-        )
-    if not all(_finite_non_negative(x) for x in value):
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} must be finite numbers >= 0, got {value!r:.80}"
-        )
+    check(inst, attribute.name, isinstance(value, tuple), "a list of seconds")
+    n = len(inst.batch_sizes)
+    check(inst, attribute.name, len(value) == n, f"one value per batch size ({n} values)")
+    check(inst, attribute.name, all(is_number(x) and x >= 0 for x in value), "finite numbers >= 0")
 
 
 def _plain_tuple(value: Any, kind: type, numpy_kind: type) -> Any:
@@ -406,22 +367,26 @@ class RooflineCostModel(CostModel):
     hardware: HardwareSpec
     model: ModelSpec
     # achieved shares of peak FLOP/s and of peak bandwidth
-    mfu: float = attrs.field(default=0.5, converter=_plain_number, validator=_unit)
-    mbu: float = attrs.field(default=0.8, converter=_plain_number, validator=_unit)
+    mfu: float = attrs.field(
+        default=0.5, converter=_plain_number, validator=in_range(0, 1, lo_open=True)
+    )
+    mbu: float = attrs.field(
+        default=0.8, converter=_plain_number, validator=in_range(0, 1, lo_open=True)
+    )
     overhead_s: float = attrs.field(
         default=0.002,
         converter=_plain_number,  # per step
-        validator=_non_negative,
+        validator=non_negative_number,
     )
     boundary_s: float = attrs.field(
         default=0.0,
         converter=_plain_number,  # per decision
-        validator=_non_negative,
+        validator=non_negative_number,
     )
     compaction_s: float = attrs.field(
         default=0.0,
         converter=_plain_number,  # per compaction
-        validator=_non_negative,
+        validator=non_negative_number,
     )
     name: str = "roofline"
 

@@ -9,19 +9,9 @@ from __future__ import annotations
 import attrs
 
 from growpage.errors import ConfigError
+from growpage.validators import positive_number
 
 GIB = 1024**3  # bytes
-
-
-def _positive(inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 < value < float("inf")
-    ):
-        raise ConfigError(
-            f"{type(inst).__name__}.{attribute.name} must be a finite number > 0, got {value!r}"
-        )
 
 
 @attrs.frozen(kw_only=True)
@@ -29,9 +19,9 @@ class HardwareSpec:
     """One accelerator."""
 
     name: str
-    peak_flops: float = attrs.field(validator=_positive)  # dense bf16 FLOP/s
-    memory_bandwidth: float = attrs.field(validator=_positive)  # bytes/s
-    memory_bytes: float = attrs.field(validator=_positive)  # bytes
+    peak_flops: float = attrs.field(validator=positive_number)  # dense bf16 FLOP/s
+    memory_bandwidth: float = attrs.field(validator=positive_number)  # bytes/s
+    memory_bytes: float = attrs.field(validator=positive_number)  # bytes
     memory_utilization: float = 0.9  # share of memory the engine may use (vLLM default 0.9)
     activation_bytes: float = 4 * GIB  # bytes kept back for activations and workspace
 
@@ -54,11 +44,11 @@ class ModelSpec:
     """A dense decoder-only model."""
 
     name: str
-    num_params: float = attrs.field(validator=_positive)
-    num_layers: int = attrs.field(validator=_positive)
-    num_q_heads: int = attrs.field(validator=_positive)
-    num_kv_heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)
+    num_params: float = attrs.field(validator=positive_number)
+    num_layers: int = attrs.field(validator=positive_number)
+    num_q_heads: int = attrs.field(validator=positive_number)
+    num_kv_heads: int = attrs.field(validator=positive_number)
+    head_dim: int = attrs.field(validator=positive_number)
     bytes_per_param: float = 2.0  # bf16 weights
     bytes_per_kv: float = 2.0  # bf16 KV cache
 

@@ -41,23 +41,7 @@ from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.reports import aggregate_replays
 from growpage.sim.signal import signal_quality, spearman
 from growpage.sim.traceview import TraceView
-
-
-def _positive_ints(inst: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
-    if not value or any(not isinstance(v, int) or v <= 0 for v in value):
-        raise ConfigError(
-            f"RealTraceSettings.{attribute.name} must be positive integers, got {value!r}"
-        )
-
-
-def _int_at_least(low: int) -> Any:
-    def check(inst: object, attribute: attrs.Attribute, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(
-                f"RealTraceSettings.{attribute.name} must be an integer >= {low}, got {value!r}"
-            )
-
-    return check
+from growpage.validators import items, non_negative_int, optional, positive_int
 
 
 @attrs.frozen(kw_only=True)
@@ -74,17 +58,15 @@ class RealTraceSettings:
         seed: seed of the bootstrap and of ``random``.
     """
 
-    page_size: int = attrs.field(default=64, validator=_int_at_least(1))
-    fidelity_queries: int = attrs.field(default=8, validator=_int_at_least(1))
+    page_size: int = attrs.field(default=64, validator=positive_int)
+    fidelity_queries: int = attrs.field(default=8, validator=positive_int)
     budgets: tuple[int, ...] = attrs.field(
-        default=(256, 512, 768), converter=int_tuple, validator=_positive_ints
+        default=(256, 512, 768), converter=int_tuple, validator=items(positive_int)
     )
-    baseline_budget: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_int_at_least(1))
-    )
-    shrink_min_tokens: int = attrs.field(default=256, validator=_int_at_least(1))
-    bootstrap: int = attrs.field(default=1000, validator=_int_at_least(0))
-    seed: int = attrs.field(default=0, validator=_int_at_least(0))
+    baseline_budget: int | None = attrs.field(default=None, validator=optional(positive_int))
+    shrink_min_tokens: int = attrs.field(default=256, validator=positive_int)
+    bootstrap: int = attrs.field(default=1000, validator=non_negative_int)
+    seed: int = attrs.field(default=0, validator=non_negative_int)
 
     def config(self) -> GrowPageConfig:
         """The paper's defaults, with the recent window scaled to small pages (b // 4 <= 16)."""

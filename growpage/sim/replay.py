@@ -29,17 +29,7 @@ from growpage.policies.registry import resolve_policy
 from growpage.sim.fidelity import Fidelity, FutureAttention
 from growpage.sim.records import BoundaryRecord, ReplayResult
 from growpage.sim.traceview import TraceView
-
-
-def _non_negative(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"ReplayOptions.{attribute.name} must be an int >= 0, got {value!r}")
-
-
-def _flag(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    # NOTE: only True or False: a string such as "false" would read as on.
-    if not isinstance(value, bool):
-        raise ConfigError(f"ReplayOptions.{attribute.name} must be True or False, got {value!r}")
+from growpage.validators import flag, non_negative_int
 
 
 @attrs.frozen(kw_only=True)
@@ -55,10 +45,10 @@ class ReplayOptions:
         release: return the request's pages to the pool when the replay ends.
     """
 
-    fidelity_queries: int = attrs.field(default=8, validator=_non_negative)
-    output_error: bool = attrs.field(default=True, validator=_flag)
-    signals: bool = attrs.field(default=False, validator=_flag)
-    release: bool = attrs.field(default=True, validator=_flag)
+    fidelity_queries: int = attrs.field(default=8, validator=non_negative_int)
+    output_error: bool = attrs.field(default=True, validator=flag)
+    signals: bool = attrs.field(default=False, validator=flag)
+    release: bool = attrs.field(default=True, validator=flag)
 
     def __attrs_post_init__(self) -> None:
         if self.signals and not self.fidelity_queries:

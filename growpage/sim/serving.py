@@ -38,28 +38,9 @@ from growpage.sim.scheduler import Scheduler
 from growpage.sim.sources import SCRIPT_SPEC, ScriptSource, TraceSource, synthetic_trace_of
 from growpage.sim.synthetic import SyntheticSpec
 from growpage.sim.workload_csv import WorkloadRequest
+from growpage.validators import flag, in_range, one_of, positive_int
 
 DECISION_MODES = ("script", "trace")
-
-
-def _positive(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"SimConfig.{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _fraction(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ConfigError(f"SimConfig.{attribute.name} must lie in [0, 1), got {value!r}")
-
-
-def _flag(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"SimConfig.{attribute.name} must be True or False, got {value!r}")
-
-
-def _mode(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if value not in DECISION_MODES:
-        raise ConfigError(f"SimConfig.decisions must be one of {DECISION_MODES}, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -99,18 +80,18 @@ class SimConfig:
             the step.
     """
 
-    num_kv_pages: int = attrs.field(default=1500, validator=_positive)
-    max_num_seqs: int = attrs.field(default=256, validator=_positive)
-    max_num_batched_tokens: int = attrs.field(default=16384, validator=_positive)
-    chunked_prefill: bool = attrs.field(default=True, validator=_flag)
-    prefix_caching: bool = attrs.field(default=True, validator=_flag)
-    decisions: str = attrs.field(default="script", validator=_mode)
-    admission_reserve: float = attrs.field(default=0.05, validator=_fraction)
-    num_scripts: int = attrs.field(default=8, validator=_positive)
+    num_kv_pages: int = attrs.field(default=1500, validator=positive_int)
+    max_num_seqs: int = attrs.field(default=256, validator=positive_int)
+    max_num_batched_tokens: int = attrs.field(default=16384, validator=positive_int)
+    chunked_prefill: bool = attrs.field(default=True, validator=flag)
+    prefix_caching: bool = attrs.field(default=True, validator=flag)
+    decisions: str = attrs.field(default="script", validator=one_of(DECISION_MODES))
+    admission_reserve: float = attrs.field(default=0.05, validator=in_range(0, 1, hi_open=True))
+    num_scripts: int = attrs.field(default=8, validator=positive_int)
     seed: int = 0
     record_events: bool = False
-    async_compaction: bool = attrs.field(default=False, validator=_flag)
-    async_decisions: bool = attrs.field(default=False, validator=_flag)
+    async_compaction: bool = attrs.field(default=False, validator=flag)
+    async_decisions: bool = attrs.field(default=False, validator=flag)
 
 
 @attrs.define

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -38,7 +37,7 @@ import torch
 from growpage.core.rope import RopeConfig, apply_rope, inv_frequencies
 from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace, TraceHeader
-from growpage.errors import ConfigError
+from growpage.validators import check, flag, in_range, one_of, positive_int, positive_number
 
 SCHEDULES = ("random", "switch", "reverse_switch", "concentrated", "diffuse")
 VOCAB_SIZE = 49152  # token ids are drawn from [0, VOCAB_SIZE) (SmolLM2's vocabulary)
@@ -46,65 +45,31 @@ QUERY_ANCHOR_FRACTION = 0.9  # share of a concentrated query's norm along its co
 QUERY_BASE_SHARE = 0.5  # share of the non-codebook query energy in a fixed per-head direction
 
 
-def _check(ok: bool, attribute: attrs.Attribute, value: Any, what: str) -> None:
-    if not ok:
-        raise ConfigError(f"SyntheticSpec.{attribute.name} must be {what}, got {value!r}")
-
-
-def _positive_int(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    _check(ok, attribute, value, "an int >= 1")
-
-
-def _one_of(choices: tuple[str, ...]) -> Callable[[Any, attrs.Attribute, Any], None]:
-    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-        _check(value in choices, attribute, value, f"one of {', '.join(choices)}")
-
-    return check
-
-
-def _bool(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    _check(isinstance(value, bool), attribute, value, "a bool")
-
-
-def _positive_float(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
-    _check(ok, attribute, value, "a finite number > 0")
-
-
 @attrs.frozen(kw_only=True)
 class SyntheticSpec:
     """Shape and regime parameters of a synthetic trace (docs/trace-format.md lists them)."""
 
-    num_layers: int = attrs.field(default=2, validator=_positive_int)  # recorded layers
-    num_q_heads: int = attrs.field(default=4, validator=_positive_int)
-    num_kv_heads: int = attrs.field(default=2, validator=_positive_int)
-    head_dim: int = attrs.field(default=64, validator=_positive_int)  # even, >= 8
-    prompt_len: int = attrs.field(default=64, validator=_positive_int)  # tokens
-    gen_len: int = attrs.field(default=448, validator=_positive_int)  # tokens
-    rope_theta: float = attrs.field(default=10000.0, validator=_positive_float)
-    schedule: str = attrs.field(default="random", validator=_one_of(SCHEDULES))
-    mean_regime_len: float = attrs.field(default=512.0, validator=_positive_float)  # tokens
-    p_concentrated: float = attrs.field(default=0.5)  # "random": P(regime is concentrated)
-    concentration: float = attrs.field(default=16.0, validator=_positive_float)  # nats
-    diffuse_std: float = attrs.field(default=1.0, validator=_positive_float)  # nats
-    num_anchors: int = attrs.field(default=4, validator=_positive_int)  # per regime and head
-    with_values: bool = attrs.field(default=True, validator=_bool)
+    num_layers: int = attrs.field(default=2, validator=positive_int)  # recorded layers
+    num_q_heads: int = attrs.field(default=4, validator=positive_int)
+    num_kv_heads: int = attrs.field(default=2, validator=positive_int)
+    head_dim: int = attrs.field(default=64, validator=positive_int)  # even, >= 8
+    prompt_len: int = attrs.field(default=64, validator=positive_int)  # tokens
+    gen_len: int = attrs.field(default=448, validator=positive_int)  # tokens
+    rope_theta: float = attrs.field(default=10000.0, validator=positive_number)
+    schedule: str = attrs.field(default="random", validator=one_of(SCHEDULES))
+    mean_regime_len: float = attrs.field(default=512.0, validator=positive_number)  # tokens
+    # "random": P(a regime is concentrated)
+    p_concentrated: float = attrs.field(default=0.5, validator=in_range(0, 1))
+    concentration: float = attrs.field(default=16.0, validator=positive_number)  # nats
+    diffuse_std: float = attrs.field(default=1.0, validator=positive_number)  # nats
+    num_anchors: int = attrs.field(default=4, validator=positive_int)  # per regime and head
+    with_values: bool = attrs.field(default=True, validator=flag)
     model: str = "synthetic"
 
-    @p_concentrated.validator
-    def _probability(self, attribute: attrs.Attribute, value: Any) -> None:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
-        _check(ok, attribute, value, "a probability in [0, 1]")
-
     def __attrs_post_init__(self) -> None:
-        if self.head_dim % 2 or self.head_dim < 8:
-            raise ConfigError(f"SyntheticSpec.head_dim must be even and >= 8, got {self.head_dim}")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"SyntheticSpec.num_q_heads={self.num_q_heads} must be a multiple "
-                f"of num_kv_heads={self.num_kv_heads}"
-            )
+        check(self, "head_dim", self.head_dim % 2 == 0 and self.head_dim >= 8, "even and >= 8")
+        kv = self.num_kv_heads
+        check(self, "num_q_heads", self.num_q_heads % kv == 0, f"a multiple of num_kv_heads ({kv})")
 
     @property
     def num_tokens(self) -> int:

@@ -31,10 +31,12 @@ import math
 import numbers
 import os
 from pathlib import Path
+from typing import NoReturn, TypeGuard
 
 import attrs
 
 from growpage.errors import WorkloadError
+from growpage.validators import is_finite, is_int, non_empty_str, non_negative_number
 
 REQUIRED = ("arrival_s", "prompt_tokens", "output_tokens")
 OPTIONAL = ("trace", "prefix", "prefix_tokens")
@@ -46,32 +48,23 @@ MAX_ARRIVAL_S = 1 << 32
 MAX_FILE_BYTES = 1 << 28
 
 
-def _check_id(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise WorkloadError(
-            f"WorkloadRequest.{attribute.name} must be a non-empty string, got {value!r}"
-        )
+def _refuse(inst: WorkloadRequest, field: str, what: str, value: object) -> NoReturn:
+    raise WorkloadError(
+        f"WorkloadRequest {inst.request_id!r}: {field} must be {what}, got {value!r}"
+    )
 
 
-def _finite(value: numbers.Real | float) -> bool:
-    """``math.isfinite``, False (not OverflowError) for an int too large for a float."""
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
+def _is_integral(value: object) -> TypeGuard[int]:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> TypeGuard[float]:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and is_finite(value)
 
 
 def _check_arrival(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not _finite(value)
-        or value < 0
-    ):
-        raise WorkloadError(
-            f"WorkloadRequest {inst.request_id!r}: arrival_s must be a finite "
-            f"number >= 0, got {value!r}"
-        )
+    if not _is_real(value) or value < 0:
+        _refuse(inst, "arrival_s", "a finite number >= 0", value)
     if float(value) > MAX_ARRIVAL_S:
         raise WorkloadError(f"WorkloadRequest {inst.request_id!r}: {_too_late(value)}")
 
@@ -84,41 +77,24 @@ def _too_late(value: object) -> str:
 
 
 def _check_tokens(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or not 1 <= int(value) <= MAX_TOKENS
-    ):
-        raise WorkloadError(
-            f"WorkloadRequest {inst.request_id!r}: {attribute.name} must be an "
-            f"integer in [1, {MAX_TOKENS}], got {value!r}"
-        )
+    if not _is_integral(value) or not 1 <= int(value) <= MAX_TOKENS:
+        _refuse(inst, attribute.name, f"an integer in [1, {MAX_TOKENS}]", value)
 
 
 def _check_optional_str(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
     if value is not None and not isinstance(value, str):
-        raise WorkloadError(
-            f"WorkloadRequest {inst.request_id!r}: {attribute.name} must be a "
-            f"string or None, got {value!r}"
-        )
+        _refuse(inst, attribute.name, "a string or None", value)
 
 
 def _check_kind(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, str):
-        raise WorkloadError(
-            f"WorkloadRequest {inst.request_id!r}: kind must be a string, got {value!r}"
-        )
+        _refuse(inst, "kind", "a string", value)
 
 
 def _check_prefix(inst: WorkloadRequest, attribute: attrs.Attribute, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or not 0 <= int(value) <= inst.prompt_tokens
-    ):
-        raise WorkloadError(
-            f"WorkloadRequest {inst.request_id!r}: prefix_tokens must be an "
-            f"integer in [0, prompt_tokens = {inst.prompt_tokens}], got {value!r}"
+    if not _is_integral(value) or not 0 <= int(value) <= inst.prompt_tokens:
+        _refuse(
+            inst, "prefix_tokens", f"an integer in [0, prompt_tokens = {inst.prompt_tokens}]", value
         )
     if (inst.prefix is None) != (value == 0):
         raise WorkloadError(
@@ -127,9 +103,7 @@ def _check_prefix(inst: WorkloadRequest, attribute: attrs.Attribute, value: obje
             f"{inst.prefix!r}, prefix_tokens={value!r}"
         )
     if inst.prefix == "":
-        raise WorkloadError(
-            f"WorkloadRequest {inst.request_id!r}: prefix must be a non-empty string or None"
-        )
+        _refuse(inst, "prefix", "a non-empty string or None", "")
 
 
 @attrs.frozen
@@ -137,7 +111,7 @@ class WorkloadRequest:
     """One request of a workload (lengths in tokens, arrival in seconds); checked as the CSV
     format's rows are (``WorkloadError`` naming the request and the field)."""
 
-    request_id: str = attrs.field(validator=_check_id)
+    request_id: str = attrs.field(validator=non_empty_str.raising(WorkloadError))
     arrival_s: float = attrs.field(validator=_check_arrival)
     prompt_tokens: int = attrs.field(validator=_check_tokens)
     output_tokens: int = attrs.field(validator=_check_tokens)
@@ -251,7 +225,7 @@ def parse_workload_csv(text: str, source: str = "<workload>") -> list[WorkloadRe
 
 
 def _json_tokens(value: object, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise WorkloadError(f"{where}: {name} must be an integer, got {value!r}")
     return _token_count(value, name, where)
 
@@ -271,12 +245,7 @@ def _json_request(obj: object, i: int, where: str) -> WorkloadRequest:
             + f" (keys: {', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)})"
         )
     arrival = obj["arrival_s"]
-    if (
-        isinstance(arrival, bool)
-        or not isinstance(arrival, (int, float))
-        or not _finite(arrival)
-        or arrival < 0
-    ):
+    if not non_negative_number.accepts(arrival):
         raise WorkloadError(f"{where}: arrival_s must be a finite number >= 0, got {arrival!r}")
     trace = obj.get("trace")
     if trace is not None and not isinstance(trace, str):

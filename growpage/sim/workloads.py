@@ -23,6 +23,14 @@ import numpy as np
 
 from growpage.errors import WorkloadError
 from growpage.sim.workload_csv import WorkloadRequest, load_workload_csv, load_workload_jsonl
+from growpage.validators import (
+    instance_of,
+    non_empty_str,
+    non_negative_int,
+    non_negative_number,
+    one_of,
+    positive_number,
+)
 
 __all__ = [
     "LengthDist",
@@ -39,11 +47,7 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 ARRIVALS = ("offline", "poisson")
 
 
-def _check_dist(inst: LengthDist, attribute: attrs.Attribute, value: object) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise WorkloadError(
-            f"LengthDist.{attribute.name} must be a finite number >= 0, got {value!r}"
-        )
+_LENGTH = non_negative_number.raising(WorkloadError)
 
 
 @attrs.frozen
@@ -53,10 +57,10 @@ class LengthDist:
     ``sigma = 0`` gives the constant ``mean`` (clipped).
     """
 
-    mean: float = attrs.field(validator=_check_dist)
-    sigma: float = attrs.field(default=0.0, validator=_check_dist)
-    low: int = attrs.field(default=1, validator=_check_dist)
-    high: int = attrs.field(default=32768, validator=_check_dist)
+    mean: float = attrs.field(validator=_LENGTH)
+    sigma: float = attrs.field(default=0.0, validator=_LENGTH)
+    low: int = attrs.field(default=1, validator=_LENGTH)
+    high: int = attrs.field(default=32768, validator=_LENGTH)
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.low <= self.high:
@@ -72,31 +76,14 @@ class LengthDist:
         return np.clip(np.rint(x), self.low, self.high).astype(np.int64)
 
 
-def _check_class(inst: RequestClass, attribute: attrs.Attribute, value: object) -> None:
-    ok = {
-        "name": lambda v: isinstance(v, str) and bool(v),
-        "count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-        "prompt": lambda v: isinstance(v, LengthDist),
-        "output": lambda v: isinstance(v, LengthDist),
-    }[attribute.name]
-    what = {
-        "name": "a non-empty string",
-        "count": "an int >= 0",
-        "prompt": "a LengthDist",
-        "output": "a LengthDist",
-    }[attribute.name]
-    if not ok(value):
-        raise WorkloadError(f"RequestClass.{attribute.name} must be {what}, got {value!r}")
-
-
 @attrs.frozen
 class RequestClass:
     """``count`` requests of one kind (a dataset, e.g. "aime24")."""
 
-    name: str = attrs.field(validator=_check_class)
-    count: int = attrs.field(validator=_check_class)
-    prompt: LengthDist = attrs.field(validator=_check_class)
-    output: LengthDist = attrs.field(validator=_check_class)
+    name: str = attrs.field(validator=non_empty_str.raising(WorkloadError))
+    count: int = attrs.field(validator=non_negative_int.raising(WorkloadError))
+    prompt: LengthDist = attrs.field(validator=instance_of(LengthDist).raising(WorkloadError))
+    output: LengthDist = attrs.field(validator=instance_of(LengthDist).raising(WorkloadError))
 
 
 def _classes(values: Iterable[RequestClass]) -> tuple[RequestClass, ...]:
@@ -112,18 +99,6 @@ def _check_classes(inst: WorkloadSpec, attribute: attrs.Attribute, value: tuple)
         raise WorkloadError(f"WorkloadSpec {inst.name!r}: its classes hold no requests")
 
 
-def _check_rate(inst: WorkloadSpec, attribute: attrs.Attribute, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise WorkloadError(
-            f"WorkloadSpec {inst.name!r}: rate_per_s must be a finite number > 0, got {value!r}"
-        )
-
-
 @attrs.frozen(kw_only=True)
 class WorkloadSpec:
     """A synthetic workload.
@@ -135,15 +110,8 @@ class WorkloadSpec:
 
     name: str
     classes: tuple[RequestClass, ...] = attrs.field(converter=_classes, validator=_check_classes)
-    arrival: str = attrs.field(default="offline")
-    rate_per_s: float = attrs.field(default=1.0, validator=_check_rate)
-
-    @arrival.validator
-    def _check_arrival(self, attribute: attrs.Attribute, value: object) -> None:
-        if value not in ARRIVALS:
-            raise WorkloadError(
-                f"WorkloadSpec {self.name!r}: arrival must be one of {ARRIVALS}, got {value!r}"
-            )
+    arrival: str = attrs.field(default="offline", validator=one_of(ARRIVALS).raising(WorkloadError))
+    rate_per_s: float = attrs.field(default=1.0, validator=positive_number.raising(WorkloadError))
 
     @property
     def num_requests(self) -> int:
@@ -151,7 +119,7 @@ class WorkloadSpec:
 
     def requests(self, seed: int = 0) -> list[WorkloadRequest]:
         """Draw the requests (shuffled across classes), in arrival order."""
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        if not non_negative_int.accepts(seed):
             raise WorkloadError(
                 f"WorkloadSpec {self.name!r}: seed must be an int >= 0, got {seed!r}"
             )

@@ -67,5 +67,7 @@ def test_llm_page_size_of_the_wrong_type_is_a_config_error(monkeypatch):
     from growpage.engine import llm as llm_module
 
     monkeypatch.setattr(llm_module, "_load", lambda *a: pytest.fail("model loaded"))
-    with pytest.raises(ConfigError, match="page_size: must be a positive integer, got '16'"):
+    with pytest.raises(
+        ConfigError, match="GrowPageConfig.page_size must be a positive integer, got '16'"
+    ):
         llm_module.LLM(page_size="16")

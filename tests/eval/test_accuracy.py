@@ -4,6 +4,7 @@ it stores, and that a table cut short resumes without running a finished row aga
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -48,8 +49,10 @@ def test_plan_keeps_budgets_of_at_least_two_pages_and_only_wanted_policies() -> 
     ],
 )
 def test_bad_settings_are_refused(bad: dict) -> None:
-    with pytest.raises((ConfigError, ValueError)):
+    [(field, value)] = bad.items()
+    with pytest.raises(ConfigError, match=re.escape(f"AccuracySettings.{field} must be")) as e:
         AccuracySettings(**bad)
+    assert str(e.value).endswith(f"got {value!r}")
 
 
 @pytest.mark.slow

@@ -116,7 +116,7 @@ def test_piecewise_warns_of_what_the_measurements_cannot_fit():
         ({"batch_sizes": (1,), "batch_s": (0.1,), "per_kv_token_s": -1.0}, "per_kv_token_s"),
         (
             {"batch_sizes": (1,), "batch_s": (0.1,), "padded_kv": 1},
-            "padded_kv must be true or false",
+            "padded_kv must be True or False, got 1",
         ),
     ],
 )

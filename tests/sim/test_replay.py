@@ -181,24 +181,25 @@ def test_replay_options_are_validated():
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "low"),
+    ("field", "value", "what"),
     [
-        ("page_size", 0, 1),
-        ("fidelity_queries", 0, 1),
-        ("baseline_budget", -5, 1),
-        ("shrink_min_tokens", 2.5, 1),
-        ("bootstrap", -1, 0),
-        ("seed", True, 0),
+        ("page_size", 0, "a positive integer"),
+        ("fidelity_queries", 0, "a positive integer"),
+        ("baseline_budget", -5, "a positive integer or None"),
+        ("shrink_min_tokens", 2.5, "a positive integer"),
+        ("bootstrap", -1, "an integer >= 0"),
+        ("seed", True, "an integer >= 0"),
+        ("budgets", (256, 0), "a non-empty tuple, each item a positive integer"),
     ],
 )
-def test_real_trace_settings_are_validated(field, value, low):
+def test_real_trace_settings_are_validated(field, value, what):
     """Until 2026-12 only the budgets were checked: bootstrap -1 meant none, a page size of 0
     failed deep inside the analysis."""
     from growpage.sim.realtrace import RealTraceSettings
 
     with pytest.raises(
         ConfigError,
-        match=re.escape(f"RealTraceSettings.{field} must be an integer >= {low}, got {value!r}"),
+        match=re.escape(f"RealTraceSettings.{field} must be {what}, got {value!r}"),
     ):
         RealTraceSettings(**{field: value})
     assert RealTraceSettings(baseline_budget=None).baseline_budget is None

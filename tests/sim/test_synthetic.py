@@ -157,5 +157,5 @@ def test_spec_validation(field, value):
 
 
 def test_spec_with_values_must_be_a_bool():
-    with pytest.raises(ConfigError, match="SyntheticSpec.with_values must be a bool"):
+    with pytest.raises(ConfigError, match="SyntheticSpec.with_values must be True or False, got 1"):
         attrs.evolve(SMALL, with_values=1)
