@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import json
 import os
@@ -63,6 +64,7 @@ import torch
 
 from growpage.eval.machine import describe_machine
 from growpage.sim.calibrate import fit_piecewise
+from growpage.sim.costmodel import PiecewiseCostModel
 from growpage.sim.sweep import SweepPoint, parse_points
 from growpage.sim.workload_csv import WorkloadRequest
 
@@ -178,8 +180,12 @@ def serve_point(
     try:
         overhead = http_overhead(url, ids[0][:64])
         time.sleep(1.0)
+        cpu, steps = thread_cpu_s(proc.pid), server_counts(url)["step_s"]
         results, _ = asyncio.run(serve_load.run_load(url, requests, send_s, ids, MODEL_NAME))
         counts = server_counts(url)
+        counts["cpu_share"] = engine_cpu_share(
+            cpu, thread_cpu_s(proc.pid), counts["step_s"] - steps
+        )
     finally:
         status = stop_server(proc)
     if status != 0:
@@ -189,6 +195,24 @@ def serve_point(
         raise RuntimeError(f"{summary['num_failed']} requests failed: {summary['errors']}")
     summary["engine"] = counts
     return summary, overhead, results
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process ``pid`` (Linux ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def engine_cpu_share(before: dict[int, float], after: dict[int, float], step_s: float) -> float:
+    """The engine thread's CPU seconds per wall second of its steps over a load: the share of a
+    core it got (the thread that used the most CPU is the engine's)."""
+    used = max(after[t] - before.get(t, 0.0) for t in after)
+    return used / step_s if step_s > 0 else 1.0
 
 
 def server_counts(url: str) -> dict[str, float]:
@@ -265,7 +289,12 @@ def write_workload(path: Path, requests: list[WorkloadRequest]) -> None:
 
 
 def sim_command(
-    point: SweepPoint, scenario: sim_vs_engine.Scenario, out: Path, prices: dict, cost: Path
+    point: SweepPoint,
+    scenario: sim_vs_engine.Scenario,
+    out: Path,
+    prices: dict,
+    cost: Path,
+    suffix: str = "",
 ) -> list[str]:
     """``growpage sim serve`` of the workload in trace mode, as the server runs it."""
     command = ["growpage", "sim", "serve", "--workload", str(out / "workload.csv")]
@@ -279,8 +308,20 @@ def sim_command(
     command += ["--max-num-seqs", str(scenario.max_num_seqs)]
     command += ["--max-num-batched-tokens", str(scenario.max_num_batched_tokens)]
     command += ["--no-prefix-caching", "--admission-reserve", "0"]
-    command += ["--out", str(out / "sim" / _slug(point))]
+    command += ["--out", str(out / "sim" / (_slug(point) + suffix))]
     return command
+
+
+def scaled(cost: PiecewiseCostModel, factor: float) -> PiecewiseCostModel:
+    """``cost`` with every price multiplied by ``factor``."""
+    return attrs.evolve(
+        cost,
+        batch_s=tuple(factor * t for t in cost.batch_s),
+        per_kv_token_s=factor * cost.per_kv_token_s,
+        per_prefill_token_s=factor * cost.per_prefill_token_s,
+        boundary_s=factor * cost.boundary_s,
+        compaction_s=factor * cost.compaction_s,
+    )
 
 
 def run_sim(command: list[str], out: Path) -> dict:
@@ -312,50 +353,56 @@ def _slug(point: SweepPoint) -> str:
     return point.label.replace(" ", "_").replace("=", "-")
 
 
-def compare(label: str, server: dict, sim: dict, plain: dict, engine: dict | None) -> dict:
+def compare(label: str, server: dict, sim: dict, adjusted: dict, engine: dict | None) -> dict:
     rel = sim_vs_engine.relative_error
-    errors = {k: rel(sim[k], server[k]) for k, _, _ in METRICS + SHOWN}
-    plain_errors = {k: rel(plain[k], server[k]) for k, _, _ in METRICS + SHOWN}
+    keys = [k for k, _, _ in METRICS + SHOWN]
+    errors = {k: rel(sim[k], server[k]) for k in keys}
+    adjusted_errors = {k: rel(adjusted[k], server[k]) for k in keys}
+
+    def within(errs: dict) -> bool:
+        return all(errs[k] is not None and abs(errs[k]) <= TARGET for k, _, _ in METRICS)
+
     return {
         "point": label,
         "server": server,
         "sim": sim,
-        "sim_without_http": plain,
+        "sim_cpu_share": adjusted,
         "engine": engine,
         "rel_error": errors,
-        "rel_error_without_http": plain_errors,
-        "within_target": all(
-            errors[k] is not None and abs(errors[k]) <= TARGET for k, _, _ in METRICS
-        ),
+        "rel_error_cpu_share": adjusted_errors,
+        "within_target": within(errors),
+        "within_target_cpu_share": within(adjusted_errors),
     }
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
-        "| point | metric | server (measured) | simulator | error | without HTTP term "
-        "| in-process engine, just after |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| point | metric | server (measured) | simulator | error | simulator, CPU share "
+        "| error | in-process engine, just after |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def cell(err: float | None) -> str:
-        return "n/a" if err is None else f"{err:+.1%}"
+    def cell(err: float | None, gated: bool) -> str:
+        if err is None:
+            return "n/a"
+        return f"{err:+.1%}" + (" **!**" if gated and abs(err) > TARGET else "")
 
     for row in rows:
         for key, name, fmt in METRICS + SHOWN:
-            err, plain = row["rel_error"][key], row["rel_error_without_http"][key]
             gated = any(key == k for k, _, _ in METRICS)
-            mark = " **!**" if gated and (err is None or abs(err) > TARGET) else ""
             engine = row["engine"]
             beside = "-" if engine is None else format(engine[key], fmt)
             lines.append(
                 f"| {row['point']} | {name} | {row['server'][key]:{fmt}} | "
-                f"{row['sim'][key]:{fmt}} | {cell(err)}{mark} | {cell(plain)} | {beside} |"
+                f"{row['sim'][key]:{fmt}} | {cell(row['rel_error'][key], gated)} | "
+                f"{row['sim_cpu_share'][key]:{fmt}} | "
+                f"{cell(row['rel_error_cpu_share'][key], gated)} | {beside} |"
             )
     calibration = [
         "| point | load average (before / after) | step ms at batch 1 / 8 / 16 | "
         "us per KV token | ms per prefill token | rms ms | capacity control ms "
-        "(decision + compaction) | HTTP term ms |",
-        "|---|---|---|---:|---:|---:|---|---:|",
+        "(decision + compaction) | CPU share: calibration / server | HTTP term ms |",
+        "|---|---|---|---:|---:|---:|---|---|---:|",
     ]
     for label, p in meta["points"].items():
         c, bp = p["cost_model"], p["boundary_prices"]
@@ -365,8 +412,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {label} | {p['load_average'][0]:.1f} / {p['load_average'][1]:.1f} | {fixed} | "
             f"{1e6 * c['per_kv_token_s']:.2f} | {1e3 * c['per_prefill_token_s']:.3f} | "
             f"{1e3 * p['calibration_rms_s']:.1f} | {1e3 * bp['boundary_s']:.2f} + "
-            f"{1e3 * bp['compaction_s']:.2f} | {1e3 * p['http_overhead_s']:.1f} |"
+            f"{1e3 * bp['compaction_s']:.2f} | "
+            + " + ".join(f"{x:.2f}" for x in p["cpu_share_calibration"])
+            + f" / {p['cpu_share_server']:.2f} | {1e3 * p['http_overhead_s']:.1f} |"
         )
+    met = [r["point"] for r in rows if r["within_target"]]
+    met_cpu = [r["point"] for r in rows if r["within_target_cpu_share"]]
     return "\n".join(
         [
             "# Simulator vs server (CPU, SmolLM2-135M-Instruct over HTTP)",
@@ -388,23 +439,26 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "Simulator: `growpage sim serve` in trace mode on `workload.csv` (the arrival times "
             "sent, the recorded traces), with a piecewise cost model fitted on the calibration "
             "passes right before and after the point's server run (forward passes of every batch "
-            "size, KV padded to the longest as the torch backend reads it; the machine is shared "
-            "and its speed drifts as other jobs come and go) and capacity control priced right "
-            "after it (`measure_boundary_costs`). The HTTP term is the client's TTFT minus the "
-            "engine's on the idle server (median of 5 one-token requests, measured on each "
-            "server before its load), added to the simulator's TTFT and E2E (the column "
-            "'without HTTP term' gives the error without it). The last column is the same "
-            "requests served in-process "
-            "(`LLM.generate` with the same arrival times) right after the server run: no HTTP, "
-            "the same engine. One of the simulator's commands: "
-            f"`{' '.join(meta['sim_commands'][0])}`.",
+            "size, KV padded to the longest as the torch backend reads it) and capacity control "
+            "priced right after it (`measure_boundary_costs`). Both simulator columns add the "
+            "HTTP term: the client's TTFT minus the engine's on the idle server (median of 5 "
+            "one-token requests, measured on each server before its load), to TTFT and E2E. "
+            "'Simulator, CPU share' prices every step and boundary times the CPU share the "
+            "calibration got over the share the server's engine thread got during the load "
+            "(its thread's CPU seconds per wall second of its steps, from /proc): the machine is "
+            "shared, and the CPU other jobs leave moves by 2x within minutes. The last column "
+            "is the same requests served in-process (`LLM.generate` with the same arrival times) "
+            "right after the server run: the same engine, no HTTP. One of the simulator's "
+            f"commands: `{' '.join(meta['sim_commands'][0])}`.",
             "",
             *calibration,
             "",
             *lines,
             "",
             f"Target: TTFT and TPOT p50 and p90 and throughput within +-{TARGET:.0%} "
-            "(**!** marks a miss).",
+            "(**!** marks a miss). Within it on every gated metric: "
+            f"{', '.join(met) or 'none'} (simulator); {', '.join(met_cpu) or 'none'} "
+            "(simulator, CPU share).",
             "",
         ]
     )
@@ -476,11 +530,14 @@ def main(argv: list[str] | None = None) -> int:
     step = iter(range(1, steps + 1))
     passes: list[np.ndarray] = []
     loads: list[float] = []  # the 1-minute load average at each pass
+    shares: list[float] = []  # CPU seconds per wall second of each pass (one thread)
 
     def calibration_pass() -> None:
         print(f"[{next(step)}/{steps}] calibration pass {len(passes) + 1}", flush=True)
         loads.append(os.getloadavg()[0])
+        wall, cpu = time.perf_counter(), time.process_time()
         passes.append(sim_vs_engine.measure(model, shapes, args.repeats))
+        shares.append((time.process_time() - cpu) / (time.perf_counter() - wall))
 
     print(f"[{next(step)}/{steps}] recording fullkv traces", flush=True)
     traces, outs = sim_vs_engine.record_traces(model, tokenizer, scenario, prompts, out / "traces")
@@ -523,13 +580,22 @@ def main(argv: list[str] | None = None) -> int:
         command = sim_command(point, scenario, out, prices, cost_file)
         commands.append(command)
         metrics = run_sim(command, out)
+        # The same prices scaled by how much less (or more) CPU the server's engine thread got
+        # than the calibration did: the machine's load, not the server, sets that ratio.
+        scale = float(np.mean(shares[-2:])) / summary["engine"]["cpu_share"]
+        adjusted_file = out / f"costmodel-{_slug(point)}-cpu-share.json"
+        scaled(cost, scale).save(adjusted_file)
+        adjusted_prices = {k: scale * prices[k] for k in ("boundary_s", "compaction_s")}
+        adjusted = run_sim(
+            sim_command(point, scenario, out, adjusted_prices, adjusted_file, "-cpu-share"), out
+        )
         http_s = overhead if args.http_overhead else 0.0
         rows.append(
             compare(
                 point.label,
                 server_row(summary),
                 sim_row(metrics, http_s),
-                sim_row(metrics),
+                sim_row(adjusted, http_s),
                 engine,
             )
         )
@@ -539,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
             "calibration_rows": len(table),
             "calibration_rms_s": float(np.sqrt(np.mean((fitted - table[:, 3]) ** 2))),
             "load_average": loads[-2:],
+            "cpu_share_calibration": shares[-2:],
+            "cpu_share_server": summary["engine"]["cpu_share"],
+            "scale": scale,
             "boundary_prices": prices,
             "http_overhead_s": overhead,
         }
