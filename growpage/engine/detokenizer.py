@@ -81,9 +81,12 @@ class IncrementalDetokenizer:
         """The last ``n`` characters of ``text`` (all of it when shorter); O(n)."""
         if n <= 0:
             return ""
+        pieces = self._pieces
+        if pieces and len(pieces[-1]) >= n:  # the common case: within the last piece
+            return pieces[-1][-n:]
         parts: list[str] = []
         need = n
-        for piece in reversed(self._pieces):
+        for piece in reversed(pieces):
             parts.append(piece[-need:])
             need -= len(parts[-1])
             if need <= 0:
@@ -94,16 +97,16 @@ class IncrementalDetokenizer:
 
     def update(self, ids: Sequence[int]) -> str:
         """Take the ids (all of them, not only the new ones); return the newly settled text."""
-        n = len(ids)
-        known = self._start + len(self._seen)
-        if n < known or list(ids[self._start : known]) != self._seen:
+        start, seen = self._start, self._seen
+        window = ids[start:] if type(ids) is list else list(ids[start:])
+        num_seen = len(seen)
+        if len(window) < num_seen or window[:num_seen] != seen:
             raise ValueError(
                 "IncrementalDetokenizer.update: ids must extend the ids given "
-                f"before ({known} ids known, got {n} that differ or are fewer)"
+                f"before ({start + num_seen} ids known, got {len(ids)} that differ or are fewer)"
             )
-        if n == known:
+        if len(window) == num_seen:
             return ""
-        window = list(ids[self._start :])
         self._seen = window
         text = self._decode(window)
         new = text[len(self._start_text) :]
@@ -116,8 +119,9 @@ class IncrementalDetokenizer:
             self._fold()
         self.pending = ""
         # The next window starts with the ids settled now: the context its text is measured from.
-        self._start, self._read = self._read, n
-        self._seen = list(ids[self._start : n])
+        read = self._read
+        self._start, self._read = read, start + len(window)
+        self._seen = window[read - start :]
         self._start_text = self._decode(self._seen)
         return new
 
@@ -125,3 +129,28 @@ class IncrementalDetokenizer:
         if self._pieces:
             self._head += "".join(self._pieces)
             self._pieces.clear()
+
+
+class CachedDecode:
+    """``decode(ids)`` that remembers the text of each single token it decoded.
+
+    An incremental detokenizer decodes two windows per new token, and in running text the
+    second is that token alone (the context of the next window): with the engine's requests
+    sharing one ``CachedDecode`` it is a dict lookup. ``decode`` must be a pure function of
+    the ids (a tokenizer's decode is).
+    """
+
+    __slots__ = ("_decode", "_single")
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._single: dict[int, str] = {}
+
+    def __call__(self, ids: list[int]) -> str:
+        if len(ids) != 1:
+            return self._decode(ids)
+        token = ids[0]
+        text = self._single.get(token)
+        if text is None:
+            text = self._single[token] = self._decode(ids)
+        return text

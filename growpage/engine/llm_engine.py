@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from growpage.engine.config import EngineConfig
-from growpage.engine.detokenizer import IncrementalDetokenizer
+from growpage.engine.detokenizer import CachedDecode, IncrementalDetokenizer
 from growpage.engine.kv_manager import KVCacheManager
 from growpage.engine.model import CausalLM
 from growpage.engine.model_runner import ModelRunner
@@ -31,6 +31,8 @@ class LLMEngine:
     ``detokenize(ids) -> str`` is needed only for stop strings.
     """
 
+    _decode: CachedDecode | None = None  # detokenize, single tokens remembered (first use)
+
     def __init__(
         self,
         model: CausalLM,
@@ -48,6 +50,7 @@ class LLMEngine:
         config = config.resolved(graphs_can_run)
         self.model, self.config, self.policy = model, config, policy
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._max_position = model.config.max_position
         self.detokenize = detokenize
         self.kv = KVCacheManager(model.config, config, policy)
         self.scheduler = Scheduler(config, self.kv)
@@ -229,30 +232,33 @@ class LLMEngine:
     ) -> list[Sequence]:
         """Append each sequence's next token (sampled, or forced when scoring); finish those
         that are done."""
-        for seq in out.seqs:
-            if out.is_prefill:
+        if out.is_prefill:
+            for seq in out.seqs:
                 self.kv.register_full_pages(seq)
         if not seqs:
             return []
         forced = [s.forced_token_ids is not None for s in seqs]
-        tokens = (
-            self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
-            if not all(forced)
-            else [0] * len(seqs)
-        )
         if any(forced):
+            tokens = (
+                [0] * len(seqs)
+                if all(forced)
+                else self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
+            )
             tokens = [
                 s.forced_token_ids[s.num_output_tokens] if s.forced_token_ids else t
                 for s, t in zip(seqs, tokens, strict=True)
             ]
             logprobs, ranks = self.sampler.logprobs(logits, tokens)
+            for i, seq in enumerate(seqs):
+                if forced[i]:
+                    seq.token_logprobs.append(logprobs[i])
+                    seq.token_ranks.append(ranks[i])
+        else:
+            tokens = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
         now = time.perf_counter()
         finished = []
-        for i, seq in enumerate(seqs):
-            seq.output_token_ids.append(tokens[i])
-            if forced[i]:
-                seq.token_logprobs.append(logprobs[i])
-                seq.token_ranks.append(ranks[i])
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = self._finish_reason(seq)
@@ -262,17 +268,17 @@ class LLMEngine:
         return finished
 
     def _finish_reason(self, seq: Sequence) -> FinishReason | None:
-        p, token = seq.params, seq.output_token_ids[-1]
+        p, out = seq.params, seq.output_token_ids
+        token = out[-1]
         if seq.forced_token_ids is not None:
-            done = seq.num_output_tokens >= len(seq.forced_token_ids)
-            return FinishReason.LENGTH if done else None
+            return FinishReason.LENGTH if len(out) >= len(seq.forced_token_ids) else None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             return FinishReason.STOP
         if p.stop and self._cut_at_stop(seq):
             return FinishReason.STOP
-        if seq.num_output_tokens >= p.max_tokens:
+        if len(out) >= p.max_tokens:
             return FinishReason.LENGTH
-        if seq.num_total_tokens >= self.model.config.max_position:
+        if len(seq.prompt_token_ids) + len(out) >= self._max_position:
             return FinishReason.LENGTH
         return None
 
@@ -281,7 +287,9 @@ class LLMEngine:
         call decodes only the tokens added since the last one (and a little context)."""
         assert self.detokenize is not None
         if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self.detokenize)
+            if self._decode is None:
+                self._decode = CachedDecode(self.detokenize)
+            seq.detokenizer = IncrementalDetokenizer(self._decode)
         seq.detokenizer.update(seq.output_token_ids)
         return seq.detokenizer
 
@@ -289,13 +297,21 @@ class LLMEngine:
         """Whether the text now contains a stop string; sets ``stop_text_len`` to the first.
         Searches only where a match can be new: from one stop's length before the text already
         searched, through the unsettled tail (what a full decode shows)."""
-        det = self.detokenizer(seq)
-        start = max(0, seq.stop_searched_len - max(map(len, seq.params.stop)) + 1)
-        region = det.tail(det.num_chars - start) + det.pending
-        hits = [start + i for i in (region.find(s) for s in seq.params.stop) if i >= 0]
-        seq.stop_searched_len = det.num_chars
+        det = seq.detokenizer
+        if det is None:
+            det = self.detokenizer(seq)
+        else:
+            det.update(seq.output_token_ids)
+        stops = seq.params.stop
+        num_chars = det.num_chars
+        start = seq.stop_searched_len - max(map(len, stops)) + 1
+        if start < 0:
+            start = 0
+        region = det.tail(num_chars - start) + det.pending
+        seq.stop_searched_len = num_chars
+        hits = [i for i in map(region.find, stops) if i >= 0]
         if hits:
-            seq.stop_text_len = min(hits)
+            seq.stop_text_len = start + min(hits)
         return bool(hits)
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:

@@ -11,7 +11,7 @@ captured queries there: a decode step all rows, a prefill the last W of each seq
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -21,7 +21,6 @@ from growpage.engine.backends import QueryStateFusion
 from growpage.engine.context import (
     StepCapture,
     StepContext,
-    decode_context,
     prefill_context,
     use_context,
 )
@@ -59,29 +58,77 @@ class DecodeRows:
     first: list[bool]
 
     @classmethod
-    def of(cls, kv: KVCacheManager, seqs: list[Sequence]) -> DecodeRows:
+    def of(cls, kv: KVCacheManager, seqs: Seq[Sequence]) -> DecodeRows:
         b = kv.page_size
-        slots = []
-        for seq in seqs:
-            i = seq.state.num_tokens - 1
-            slots.append(seq.state.block_table[i // b] * b + i % b)
+        states = [s.state for s in seqs]
+        lens = [st.num_tokens for st in states]
         return cls(
             [s.last_token_id for s in seqs],
-            [s.state.position - 1 for s in seqs],
-            slots,
-            [s.state.num_tokens for s in seqs],
+            [st.position - 1 for st in states],
+            [
+                st.block_table[(n - 1) // b] * b + (n - 1) % b
+                for st, n in zip(states, lens, strict=True)
+            ],
+            lens,
             query_slots(seqs),
             [s.num_decode_steps == 0 for s in seqs],
         )
 
+    def packed(self, tables: list[list[int]]) -> tuple[list[int], int]:
+        """Every row and the block tables (``-1`` padded) as one flat list, for one tensor and
+        one host-to-device copy; and the tables' width. Layout: ids, positions, slots, lens,
+        query slots, first flags, each padded to an even length (so that every row starts
+        16-byte aligned, as a tensor of its own would: kernels are specialized on it), then
+        the ``[B, width]`` tables."""
+        width = max(map(len, tables), default=0)
+        pad = [0] * (len(self.ids) % 2)
+        flat = [*self.ids, *pad, *self.positions, *pad, *self.slots, *pad, *self.lens, *pad]
+        flat += [*self.query_slots, *pad, *self.first, *pad]
+        for table in tables:
+            flat += table
+            if len(table) < width:
+                flat += [-1] * (width - len(table))
+        return flat, width
 
-def query_slots(seqs: list[Sequence]) -> list[int]:
+
+@attrs.frozen
+class DecodeInputs:
+    """Device tensors of a decode step, views of one packed copy (``DecodeRows.packed``)."""
+
+    ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    slots: torch.Tensor  # [B] int64, the new token's cache slot
+    lens: torch.Tensor  # [B] int64
+    query_slots: torch.Tensor  # [B] int64
+    first: torch.Tensor  # [B] int64, 1 on a sequence's first decode step
+    block_tables: torch.Tensor  # [B, width] int64, -1 padded
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, batch: int, width: int) -> DecodeInputs:
+        stride = batch + batch % 2
+        rows = packed[: 6 * stride].view(6, stride)[:, :batch]
+        ids, positions, slots, lens, query_slots, first = rows
+        tables = packed[6 * stride :].view(batch, width)
+        return cls(ids, positions, slots, lens, query_slots, first, tables)
+
+
+def query_slots(seqs: Seq[Sequence]) -> list[int]:
     """The query-state slot of each running sequence."""
-    slots = []
-    for seq in seqs:
-        assert seq.query_slot is not None, "a running sequence without a query slot"
-        slots.append(seq.query_slot)
-    return slots
+    slots = [seq.query_slot for seq in seqs]
+    if None in slots:
+        raise AssertionError("a running sequence without a query slot")
+    return slots  # type: ignore[return-value]
+
+
+def slot_range(slots: list[int]) -> slice | None:
+    """``slice(a, a + B)`` when ``slots`` are ``a, a + 1, ..., a + B - 1``, else None."""
+    if (
+        slots
+        and slots[-1] - slots[0] == len(slots) - 1
+        and slots == list(range(slots[0], slots[-1] + 1))
+    ):
+        return slice(slots[0], slots[-1] + 1)
+    return None
 
 
 class ModelRunner:
@@ -98,6 +145,8 @@ class ModelRunner:
         self.accumulation = (
             None if kv.accumulated is None else AttentionAccumulation(kv.accumulated, kv.cache)
         )
+        self._step_rows: tuple[DecodeInputs, DecodeRows] | None = None  # the decode step's
+        self._queries: torch.Tensor | None = None  # stacked queries (``_queries_buffer``)
         model.bind_kv_cache(kv.cache)
 
     def claim_model(self) -> None:
@@ -154,14 +203,6 @@ class ModelRunner:
     ) -> torch.Tensor:
         return to_device(values, dtype, self.device)  # queued: no host sync on CUDA
 
-    def _slot_ids(self, seqs: list[Sequence]) -> torch.Tensor:
-        """``[B]`` query-state slot of each running sequence."""
-        return self._tensor(query_slots(seqs))
-
-    def _first_steps(self, seqs: list[Sequence]) -> torch.Tensor:
-        """``[B]`` bool: the sequence's first decode step (its EMAs start from the query)."""
-        return self._tensor([seq.num_decode_steps == 0 for seq in seqs], torch.bool)
-
     def _prepare_prefill(
         self, out: SchedulerOutput, capture: StepCapture
     ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
@@ -191,28 +232,33 @@ class ModelRunner:
     def _prepare_decode(
         self, out: SchedulerOutput, capture: StepCapture
     ) -> tuple[StepContext, torch.Tensor, torch.Tensor]:
-        seqs = list(out.seqs)
+        seqs = out.seqs
         rows = DecodeRows.of(self.kv, seqs)
-        ctx = decode_context(
-            self._tensor(rows.slots),
-            self._tensor(self.kv.block_tables(seqs)),
-            self._tensor(rows.lens),
-            capture,
+        flat, width = rows.packed([s.state.block_table for s in seqs])
+        inputs = DecodeInputs.of(self._tensor(flat), len(seqs), width)  # one copy
+        self._step_rows = (inputs, rows)
+        fields: dict[str, Any] = dict(
+            is_prefill=False,
+            slot_mapping=inputs.slots,
+            block_tables=inputs.block_tables,
+            context_lens=inputs.lens,
+            max_seqlen_q=1,
             max_seqlen_k=max(rows.lens, default=0),
+            capture=capture,
             accumulation=self.accumulation,
         )
-        if self.fuses_query_state:  # the backend updates the EMAs inside decode attention
-            pool = self.kv.query_pool
-            fusion = QueryStateFusion(
-                pool.summaries,
-                self._tensor(rows.query_slots),
-                self._tensor(rows.first, torch.int32),  # int32: not converted in every layer
-                self.kv.cache,
-                pool.beta_short,
-                pool.beta_long,
-            )  # reused after the forward
-            ctx = FusedStepContext(**attrs.asdict(ctx, recurse=False), query_state=fusion)
-        return ctx, self._tensor(rows.ids), self._tensor(rows.positions)
+        if not self.fuses_query_state:
+            return StepContext(**fields), inputs.ids, inputs.positions
+        pool = self.kv.query_pool
+        fusion = QueryStateFusion(  # the backend updates the EMAs inside decode attention
+            pool.summaries,
+            inputs.query_slots,
+            inputs.first.to(torch.int32),  # int32: not converted in every layer
+            self.kv.cache,
+            pool.beta_short,
+            pool.beta_long,
+        )  # reused after the forward
+        return FusedStepContext(**fields, query_state=fusion), inputs.ids, inputs.positions
 
     def _write_recent_prefill(self, out: SchedulerOutput, capture: StepCapture) -> None:
         """The last W new tokens' queries of each sequence of a prefill step into the ring."""
@@ -237,15 +283,37 @@ class ModelRunner:
         positions: torch.Tensor,
     ) -> None:
         num_layers, batch = self.model.config.num_layers, len(out.seqs)
+        pool = self.kv.query_pool
+        consecutive = slot_range(query_slots(out.seqs))  # slots a..a+B-1: no gather/scatter
         # [L, B, Hq, d]; a CUDA-graph step has more rows (its bucket's padding): the first B.
-        queries = torch.stack([capture.queries[i][:batch] for i in range(num_layers)])
+        layers = [capture.queries[i][:batch] for i in range(num_layers)]
+        if consecutive is not None and layers[0].dtype == pool.current.dtype:
+            target = pool.current[:, consecutive]  # stacked where the pool keeps them
+        else:
+            target = self._queries_buffer(layers[0], batch)
+        queries = torch.stack(layers, out=target)
         fusion = getattr(ctx, "query_state", None)
         if fusion is not None:  # the same rows the kernel used: no second copy
-            slots, first = fusion.slot_ids[:batch], fusion.is_first[:batch]
+            slots = fusion.slot_ids[:batch]
+            pool.update(consecutive or slots, queries, fusion.is_first[:batch], summaries=False)
         else:
-            slots, first = self._slot_ids(list(out.seqs)), self._first_steps(list(out.seqs))
-        self.kv.query_pool.update(slots, queries, first, summaries=not self.fuses_query_state)
+            assert self._step_rows is not None  # set by _prepare_decode in this step
+            inputs, rows = self._step_rows
+            slots = inputs.query_slots
+            first = inputs.first.bool()
+            pool.update(consecutive or slots, queries, first, any_first=any(rows.first))
         if self.kv.recent is not None:
             self.kv.recent.write(slots, positions[:batch], queries)
         for seq in out.seqs:
             seq.num_decode_steps += 1
+
+    def _queries_buffer(self, like: torch.Tensor, batch: int) -> torch.Tensor:
+        """``[L, *like.shape]`` storage for a step's stacked queries (``like``: one layer's
+        ``[B, Hq, d]``), allocated once (no per-step allocation)."""
+        num_layers = self.model.config.num_layers
+        n = num_layers * like.numel()
+        buf = self._queries
+        if buf is None or buf.dtype != like.dtype or buf.device != like.device or buf.numel() < n:
+            rows = max(batch, self.kv.query_pool.max_slots)
+            buf = self._queries = like.new_empty(n // batch * rows)
+        return buf[:n].view(num_layers, *like.shape)

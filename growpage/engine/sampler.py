@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from growpage.engine.sampling_params import SamplingParams
+from growpage.engine.sampling_params import GREEDY_BELOW, SamplingParams
 from growpage.engine.transfer import to_device
 
 
@@ -45,9 +45,9 @@ class Sampler:
         request's CPU generator, so a seed gives the same tokens on every device.
         """
         logits = logits.float()
-        tokens = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not sampled:
+        tokens = logits.argmax(dim=-1).tolist()  # the step's one host sync
+        sampled = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
+        if not sampled:  # (not p.is_greedy, without a property call per row)
             return tokens
         rows = logits[sampled].cpu()
         for j, i in enumerate(sampled):
@@ -67,4 +67,7 @@ class Sampler:
         index = to_device(token_ids, torch.long, logp.device).unsqueeze(1)
         chosen = logits.gather(1, index)
         ranks = (logits > chosen).sum(dim=1)
-        return logp.gather(1, index).squeeze(1).tolist(), ranks.tolist()
+        # One host sync for both: fp32 log-probs and integer ranks (< 2**53) are exact in fp64.
+        both = torch.stack([logp.gather(1, index).squeeze(1).double(), ranks.double()])
+        values, counts = both.tolist()
+        return values, [int(r) for r in counts]

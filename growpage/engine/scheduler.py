@@ -163,16 +163,27 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput | None:
         scheduled: list[Sequence] = []
+        b = self.kv.page_size
+        running = SequenceStatus.RUNNING
         ready = [
             seq
             for seq in self.running
-            if seq.status is SequenceStatus.RUNNING and not seq.is_prefilling
+            if seq.status is running and seq.state.position >= seq.prefill_target
         ]
-        self.kv.prepare_boundaries(ready)  # their boundary signals in one pass
+        # Those at a capacity boundary (every slot used); the others only take their next slot.
+        at = [seq for seq in ready if seq.state.num_tokens >= len(seq.state.block_table) * b]
+        self.kv.prepare_boundaries(at)  # their boundary signals in one pass
         try:
             try:
                 for seq in ready:
-                    if seq.status is not SequenceStatus.RUNNING:
+                    state = seq.state
+                    if state.num_tokens < len(state.block_table) * b:
+                        if seq.status is running:  # (not preempted for an earlier one)
+                            state.num_tokens += 1  # kv.append_slot, without the slot
+                            state.position += 1
+                            scheduled.append(seq)
+                        continue
+                    if seq.status is not running:
                         continue  # preempted for an earlier one
                     if self._make_room(seq, scheduled):
                         self.kv.append_slot(seq)
