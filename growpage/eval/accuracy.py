@@ -217,6 +217,7 @@ class AccuracyRunner:
             mean_tokens=sum(len(o.token_ids) for o in outs) / len(outs),
             num_truncated=sum(o.finish_reason == "length" for o in outs),
             num_no_answer=sum(r.extracted is None for r in graded.records),
+            num_boxed=sum(r.form == "boxed" for r in graded.records),
             wall_s=wall_s,
         )
         row.update(stats_row(llm.last_stats))
@@ -340,7 +341,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     )
     cols = (
         "policy | accuracy [95% CI] | avg budget | mean tokens | TPS | C | grow | compress"
-        " | fallback | preempt | no answer | truncated"
+        " | fallback | preempt | boxed | no answer | truncated"
     )
     lines = [f"| {cols} |", "|" + "---|" * (cols.count("|") + 1)]
     for r in report["rows"]:
@@ -348,7 +349,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['label']} | {r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] | {r['avg_budget']:.0f}"
             f" | {r['mean_tokens']:.0f} | {r['tps']:.1f} | {r['avg_resident']:.1f} | {r['grow']}"
-            f" | {r['compress']} | {r['fallback']} | {r['preemptions']} | {r['num_no_answer']}"
+            f" | {r['compress']} | {r['fallback']} | {r['preemptions']} | {r.get('num_boxed', 0)}"
+            f" | {r['num_no_answer']}"
             f" | {r['num_truncated']} |"
         )
     return head + "\n".join(lines) + "\n"

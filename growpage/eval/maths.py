@@ -182,17 +182,35 @@ _ANSWER = re.compile(
 )
 
 
+_BOXED = re.compile(r"\\boxed\{")
+
+
 def extract_answer(text: str) -> Number | None:
-    """The number after the last ``####`` in ``text``: ``#### 1,234``, ``#### $12``,
-    ``#### 12.0`` (as 12), ``#### -3``, ``#### 3/4``, ``#### 1 3/4``, ``#### \\frac{3}{4}``,
-    with markdown or LaTeX around it and a trailing period or unit words allowed; ``None`` when
-    there is no ``####`` or no number right after the last one."""
+    """The final answer of ``text``: the number right after the last ``####`` (``#### 1,234``,
+    ``#### $12``, ``#### 12.0`` as 12, ``#### -3``, ``#### 3/4``, ``#### 1 3/4``,
+    ``#### \\frac{3}{4}``, with markdown or LaTeX around it and a trailing period or unit words
+    allowed); when the text has no ``####`` at all, the number that opens the last
+    ``\\boxed{...}``, the form Qwen models are trained to answer in. ``None`` when neither gives
+    a number (a ``####`` not followed by one is no answer, whatever is boxed before it)."""
+    return _answer(text)[0]
+
+
+def answer_form(text: str) -> str | None:
+    """Where ``extract_answer`` found the answer: ``"####"``, ``"boxed"``, or ``None``."""
+    return _answer(text)[1]
+
+
+def _answer(text: str) -> tuple[Number | None, str | None]:
     marks = list(_MARK.finditer(text))
-    if not marks:
-        return None
-    m = _ANSWER.match(text, marks[-1].end())
+    if marks:
+        m, form = _ANSWER.match(text, marks[-1].end()), "####"
+    else:
+        boxes = list(_BOXED.finditer(text))
+        if not boxes:
+            return None, None
+        m, form = _ANSWER.match(text, boxes[-1].start()), "boxed"
     if m is None:
-        return None
+        return None, None
     if m["fnum"] is not None:
         num, den = m["fnum"], m["fden"]
     elif m["bare"] is not None:
@@ -200,11 +218,11 @@ def extract_answer(text: str) -> Number | None:
     else:
         num, den = m["num"].replace(",", "") + (m["dec"] or ""), m["den"]
     if den is not None and int(den) == 0 or m["mden"] is not None and int(m["mden"]) == 0:
-        return None
+        return None, None
     value = Fraction(num) / int(den or 1)
     if m["mnum"] is not None:
         value += Fraction(int(m["mnum"]), int(m["mden"]))
-    return normal(-value if m["sign"] else value)
+    return normal(-value if m["sign"] else value), form
 
 
 def is_correct(problem: Problem, text: str) -> bool:
@@ -247,6 +265,7 @@ class MathsRecord:
     extracted: Number | None
     correct: bool
     num_output_chars: int
+    form: str | None = None  # "####", "boxed" or None: see ``answer_form``
 
 
 @attrs.frozen
@@ -291,10 +310,10 @@ def score(problems: Sequence[Problem], outputs: Sequence[str]) -> MathsScore:
     for problem, text in zip(problems, outputs, strict=True):
         if not isinstance(text, str):
             raise WorkloadError(f"output for {problem.id} is {type(text).__name__}, not text")
-        got = extract_answer(text)
+        got, form = _answer(text)
         right = got is not None and Fraction(got) == Fraction(problem.answer)
         records.append(
-            MathsRecord(problem.id, problem.template, problem.answer, got, right, len(text))
+            MathsRecord(problem.id, problem.template, problem.answer, got, right, len(text), form)
         )
     num_correct = sum(r.correct for r in records)
     return MathsScore(

@@ -315,8 +315,12 @@ def test_prompt_asks_for_steps_and_the_final_line():
         ("####42", 42),
         ("#### \\boxed{12}", 12),
         ("#### \\frac{5}{2}", Fraction(5, 2)),
-        ("The answer is \\boxed{12}.", None),  # not after ####
-        ("\\boxed{12}\n#### ", None),
+        ("The answer is \\boxed{12}.", 12),  # no #### at all: the last box
+        ("\\(\\boxed{3}\\) then \\(\\boxed{\\frac{1}{5}}\\)", Fraction(1, 5)),
+        ("\\[ \\boxed{3.67} \\]", Fraction(367, 100)),
+        ("\\boxed{x = 5}", None),
+        ("\\boxed{12}\n#### ", None),  # a #### with no number: the box before it is not read
+        ("\\boxed{12}\n#### 13", 13),
         ("#### Final answer: 12", None),  # no number right after the last ####
         ("#### 12\n#### Summary", None),
         ("#### 3/0", None),
@@ -327,6 +331,19 @@ def test_prompt_asks_for_steps_and_the_final_line():
 def test_extract_answer(text, expected):
     got = extract_answer(text)
     assert got == expected and type(got) is type(expected)
+
+
+def test_answer_form_says_where_the_answer_was_found():
+    from growpage.eval.maths import answer_form
+
+    assert answer_form("so 3 * 4 = 12\n#### 12") == "####"
+    assert answer_form("so \\(\\boxed{12}\\)") == "boxed"
+    assert answer_form("\\boxed{12}\n#### done") is None
+    assert answer_form("12") is None
+    problems = [Problem(str(i), "t", "q", 12, (("3 * 4", 12), ("12 * 1", 12))) for i in range(3)]
+    graded = score(problems, ["#### 12", "\\boxed{12}", "12"])
+    assert [r.form for r in graded.records] == ["####", "boxed", None]
+    assert [r.correct for r in graded.records] == [True, True, False]
 
 
 def test_is_correct_is_an_exact_numeric_match():
