@@ -7,11 +7,10 @@ HTTP, the event loop, per-step detokenization and the engine thread's hand-offs 
 measurement and none of them in the simulator. Steps:
 
 1. **calibrate**: time the engine's forward passes (every batch size from 1 to the number of
-   requests; ``sim_vs_engine.calibration_shapes``) before the first server run and after each;
-   each run's ``PiecewiseCostModel`` (``growpage calibrate --kind piecewise``) is fitted on the
-   passes right before and after it, and its policy's capacity control is priced right after
-   it (``measure_boundary_costs``): the machine is shared, and its speed drifts by 2x within
-   minutes as other jobs come and go;
+   requests; ``sim_vs_engine.calibration_shapes``) right before and right after each server
+   run, fit that run's ``PiecewiseCostModel`` (``growpage calibrate --kind piecewise``) on the
+   two, and price its policy's capacity control right after it (``measure_boundary_costs``):
+   the machine is shared, and its speed drifts by 2x within minutes as other jobs come and go;
 2. **record**: run the workload once under ``fullkv`` in-process with a pool large enough for
    everything, recording every layer's queries and keys (the simulator's trace mode decides on
    them);
@@ -448,7 +447,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "(its thread's CPU seconds per wall second of its steps, from /proc): the machine is "
             "shared, and the CPU other jobs leave moves by 2x within minutes. The last column "
             "is the same requests served in-process (`LLM.generate` with the same arrival times) "
-            "right after the server run: the same engine, no HTTP. One of the simulator's "
+            "right after the server run and the pricing: the same engine, no HTTP. One of the "
+            "simulator's "
             f"commands: `{' '.join(meta['sim_commands'][0])}`.",
             "",
             *calibration,
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = reasoning_prompts(scenario.num_requests)
     ids = [tokenizer.encode_chat(p) for p in prompts]
     shapes = sim_vs_engine.calibration_shapes(scenario, sum(map(len, ids)))
-    steps = 3 + (4 if args.engine else 3) * len(points)
+    steps = 1 + (5 if args.engine else 4) * len(points)
     step = iter(range(1, steps + 1))
     passes: list[np.ndarray] = []
     loads: list[float] = []  # the 1-minute load average at each pass
@@ -551,13 +551,13 @@ def main(argv: list[str] | None = None) -> int:
     write_workload(out / "workload.csv", requests)
 
     # NOTE: the machine is shared and its speed drifts by 2x within minutes as other jobs come
-    # and go: each run is bracketed by calibration passes (one before, one after) and its cost
-    # model is fitted on those two, and capacity control is priced right after it.
+    # and go: each run is bracketed by calibration passes (one right before, one right after),
+    # its cost model is fitted on those two, and capacity control is priced right after it.
     from growpage.engine.profile import decode_pads_kv
 
-    calibration_pass()
     rows, commands, meta_points = [], [], {}
     for point in points:
+        calibration_pass()
         print(f"[{next(step)}/{steps}] growpage serve: {point.label}", flush=True)
         summary, overhead, results = serve_point(
             point, scenario, requests, send_s, ids, out, args.threads
@@ -565,14 +565,14 @@ def main(argv: list[str] | None = None) -> int:
         write_load(out / f"load-{_slug(point)}.json", summary, overhead, results)
         print(serve_load.table(summary), flush=True)
         print(f"HTTP term (client TTFT - engine TTFT, idle server): {1e3 * overhead:.1f} ms")
+        calibration_pass()
+        print(f"[{next(step)}/{steps}] pricing capacity control", flush=True)
+        prices = sim_vs_engine.boundary_prices(model, point, scenario)
         engine = None
         if args.engine:
             print(f"[{next(step)}/{steps}] in-process engine: {point.label}", flush=True)
             stats, _ = sim_vs_engine.run_engine(model, tokenizer, scenario, point, prompts)
             engine = engine_row(stats)
-        calibration_pass()
-        print(f"[{next(step)}/{steps}] pricing capacity control, simulating", flush=True)
-        prices = sim_vs_engine.boundary_prices(model, point, scenario)
         table = np.concatenate(passes[-2:])
         cost = fit_piecewise(table, padded_kv=decode_pads_kv(model))
         cost_file = out / f"costmodel-{_slug(point)}.json"
@@ -582,7 +582,10 @@ def main(argv: list[str] | None = None) -> int:
         metrics = run_sim(command, out)
         # The same prices scaled by how much less (or more) CPU the server's engine thread got
         # than the calibration did: the machine's load, not the server, sets that ratio.
-        scale = float(np.mean(shares[-2:])) / summary["engine"]["cpu_share"]
+        # (Step times go as 1 / share: the fit averages the passes' times, so their harmonic
+        # mean share is the one it holds.)
+        held = 1.0 / float(np.mean([1.0 / x for x in shares[-2:]]))
+        scale = held / summary["engine"]["cpu_share"]
         adjusted_file = out / f"costmodel-{_slug(point)}-cpu-share.json"
         scaled(cost, scale).save(adjusted_file)
         adjusted_prices = {k: scale * prices[k] for k in ("boundary_s", "compaction_s")}
