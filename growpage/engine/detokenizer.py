@@ -41,6 +41,11 @@ class IncrementalDetokenizer:
     The settled text is kept as a string plus a list of the recent pieces, joined to the string
     every ``_FOLD`` pieces: an update copies 1/256 of the text on average, and ``tail(n)`` reads
     only its last ``n`` characters.
+
+    Each update decodes two windows: the new one, and in running text the token settled by it
+    alone (the next window's context). ``single``, a dict shared by the detokenizers of one
+    ``decode`` (the engine's requests), remembers the text of single tokens, so the second is a
+    lookup; ``decode`` must then be a pure function of the ids (a tokenizer's decode is).
     """
 
     __slots__ = (
@@ -53,10 +58,14 @@ class IncrementalDetokenizer:
         "_read",
         "_start_text",
         "_seen",
+        "_single",
     )
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(
+        self, decode: Callable[[list[int]], str], single: dict[int, str] | None = None
+    ) -> None:
         self._decode = decode
+        self._single = single  # text of single tokens, shared (see the class docstring)
         self.pending = ""
         self.num_chars = 0  # len(text)
         self._head = ""  # text = _head + "".join(_pieces)
@@ -121,36 +130,18 @@ class IncrementalDetokenizer:
         # The next window starts with the ids settled now: the context its text is measured from.
         read = self._read
         self._start, self._read = read, start + len(window)
-        self._seen = window[read - start :]
-        self._start_text = self._decode(self._seen)
+        self._seen = seen = window[read - start :]
+        single = self._single
+        if single is None or len(seen) != 1:
+            self._start_text = self._decode(seen)
+        else:  # running text: the context is the one token settled now
+            known_text = single.get(seen[0])
+            if known_text is None:
+                known_text = single[seen[0]] = self._decode(seen)
+            self._start_text = known_text
         return new
 
     def _fold(self) -> None:
         if self._pieces:
             self._head += "".join(self._pieces)
             self._pieces.clear()
-
-
-class CachedDecode:
-    """``decode(ids)`` that remembers the text of each single token it decoded.
-
-    An incremental detokenizer decodes two windows per new token, and in running text the
-    second is that token alone (the context of the next window): with the engine's requests
-    sharing one ``CachedDecode`` it is a dict lookup. ``decode`` must be a pure function of
-    the ids (a tokenizer's decode is).
-    """
-
-    __slots__ = ("_decode", "_single")
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self._decode = decode
-        self._single: dict[int, str] = {}
-
-    def __call__(self, ids: list[int]) -> str:
-        if len(ids) != 1:
-            return self._decode(ids)
-        token = ids[0]
-        text = self._single.get(token)
-        if text is None:
-            text = self._single[token] = self._decode(ids)
-        return text

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from growpage.engine.config import EngineConfig
-from growpage.engine.detokenizer import CachedDecode, IncrementalDetokenizer
+from growpage.engine.detokenizer import IncrementalDetokenizer
 from growpage.engine.kv_manager import KVCacheManager
 from growpage.engine.model import CausalLM
 from growpage.engine.model_runner import ModelRunner
@@ -31,7 +31,7 @@ class LLMEngine:
     ``detokenize(ids) -> str`` is needed only for stop strings.
     """
 
-    _decode: CachedDecode | None = None  # detokenize, single tokens remembered (first use)
+    _single_texts: dict[int, str] | None = None  # detokenize([t]) of tokens seen (first use)
 
     def __init__(
         self,
@@ -203,9 +203,8 @@ class LLMEngine:
         out: SchedulerOutput | None = None
         try:
             out = self.scheduler.schedule()
-            capacities = (
-                [] if out.is_prefill else [s.state.capacity(self.kv.page_size) for s in out.seqs]
-            )
+            b = self.kv.page_size
+            capacities = [] if out.is_prefill else [len(s.state.block_table) * b for s in out.seqs]
             seqs, logits = self.runner.run(out)
         except BaseException:
             self.kv.cancel_deferred()  # their requests are unchanged (still at the boundary)
@@ -287,28 +286,33 @@ class LLMEngine:
         call decodes only the tokens added since the last one (and a little context)."""
         assert self.detokenize is not None
         if seq.detokenizer is None:
-            if self._decode is None:
-                self._decode = CachedDecode(self.detokenize)
-            seq.detokenizer = IncrementalDetokenizer(self._decode)
+            if self._single_texts is None:
+                self._single_texts = {}
+            seq.detokenizer = IncrementalDetokenizer(self.detokenize, self._single_texts)
         seq.detokenizer.update(seq.output_token_ids)
         return seq.detokenizer
 
     def _cut_at_stop(self, seq: Sequence) -> bool:
         """Whether the text now contains a stop string; sets ``stop_text_len`` to the first.
         Searches only where a match can be new: from one stop's length before the text already
-        searched, through the unsettled tail (what a full decode shows)."""
+        searched (``stop_tail`` keeps those characters), through the unsettled tail (what a
+        full decode shows)."""
         det = seq.detokenizer
         if det is None:
             det = self.detokenizer(seq)
+            new = det.text
         else:
-            det.update(seq.output_token_ids)
+            new = det.update(seq.output_token_ids)
         stops = seq.params.stop
-        num_chars = det.num_chars
-        start = seq.stop_searched_len - max(map(len, stops)) + 1
-        if start < 0:
-            start = 0
-        region = det.tail(num_chars - start) + det.pending
+        searched, num_chars = seq.stop_searched_len, det.num_chars
+        if len(new) != num_chars - searched:  # text settled by another caller since
+            new = det.tail(num_chars - searched)
+        text = seq.stop_tail + new
+        start = searched - len(seq.stop_tail)
+        region = text + det.pending if det.pending else text
         seq.stop_searched_len = num_chars
+        keep = max(map(len, stops)) - 1
+        seq.stop_tail = text[-keep:] if keep > 0 else ""
         hits = [i for i in map(region.find, stops) if i >= 0]
         if hits:
             seq.stop_text_len = start + min(hits)

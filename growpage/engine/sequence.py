@@ -63,6 +63,7 @@ class Sequence:
         self.stop_text_len: int | None = None  # text cut at a stop string
         self.detokenizer: IncrementalDetokenizer | None = None  # output text, for stops/streams
         self.stop_searched_len = 0  # settled output text already searched for stop strings
+        self.stop_tail = ""  # its last characters, one stop string's length less one
         self.state = RequestState(request_id)
         self.prefill_target = 0
         self.query_slot: int | None = None

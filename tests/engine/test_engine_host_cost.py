@@ -13,7 +13,7 @@ import pytest
 import torch
 from benchmark_scripts import load_benchmark
 
-from growpage.engine.detokenizer import CachedDecode, IncrementalDetokenizer
+from growpage.engine.detokenizer import IncrementalDetokenizer
 from growpage.engine.model_runner import DecodeInputs, DecodeRows, slot_range
 from growpage.engine.query_state import QueryStatePool
 from growpage.engine.sampler import Sampler
@@ -116,25 +116,24 @@ class CountingDecode:
         return byte_decode(ids)
 
 
-def test_cached_decode_decodes_each_single_token_once():
-    inner = CountingDecode()
-    decode = CachedDecode(inner)
-    assert decode([104]) == "h" and decode([104]) == "h"
-    assert decode([104, 105]) == "hi" and decode([104, 105]) == "hi"
-    assert inner.calls == [[104], [104, 105], [104, 105]]
-
-
-def test_the_detokenizer_over_cached_decode_gives_the_full_decode():
+def test_the_detokenizer_with_shared_single_texts_gives_the_full_decode():
     ids = list("naïve ∑ 😀 text, more text ✓".encode()) * 4
     inner = CountingDecode()
-    det = IncrementalDetokenizer(CachedDecode(inner))
+    single: dict[int, str] = {}
+    det = IncrementalDetokenizer(inner, single)
+    other = IncrementalDetokenizer(inner, single)  # a second request sharing the texts
     plain = IncrementalDetokenizer(byte_decode)
     out: list[int] = []
     for t in ids:
         out.append(t)
         assert det.update(out) == plain.update(out)
         assert det.text + det.pending == byte_decode(out)
-    assert sum(len(c) == 1 for c in inner.calls) <= len(set(ids))
+    num_single = sum(len(c) == 1 for c in inner.calls)
+    assert num_single <= len(set(ids)) and single
+    for n in range(1, len(ids) + 1):  # every single token is known: only its first window
+        other.update(ids[:n])
+    assert other.text + other.pending == byte_decode(ids)
+    assert sum(len(c) == 1 for c in inner.calls) == num_single + 1
     with pytest.raises(ValueError, match="extend the ids"):
         det.update(out[:-1] + [out[-1] + 1])
 
