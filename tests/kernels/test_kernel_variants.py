@@ -5,12 +5,14 @@ compiled variant, so nothing compiles in the middle of a serving run."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import triton
 import triton.language as tl
 from kernel_helpers import DEVICE, gen, make_block_tables, randn
 
 from growpage.kernels import (
+    KernelInputError,
     accumulate_attention,
     boundary_queries,
     compact_kv,
@@ -27,6 +29,7 @@ from growpage.kernels.variants import (
     describe,
     record_variants,
     specialization_key,
+    stubbed_launches,
 )
 
 LAYERS, HQ, HKV, D, PAGE = 2, 4, 2, 16, 4
@@ -73,6 +76,20 @@ def test_recorder_sees_launches_nests_and_restores() -> None:
     with record_variants(later):
         store_kv(k.half(), k.half(), cache[0].half(), cache[1].half(), keys)
     assert list(later.new_since(outer)) == ["store_kv"] and outer.new_since(outer) == {}
+
+
+def test_stubbed_launches_run_the_wrappers_but_write_nothing_and_restore() -> None:
+    k = randn(4, HKV, D, g=gen(1))
+    cache = torch.zeros(2, 3, PAGE, HKV, D, device=DEVICE)
+    slots = torch.arange(4, device=DEVICE, dtype=torch.int32)
+    with stubbed_launches():
+        store_kv(k, k, cache[0], cache[1], slots)
+        assert not cache.any()
+        with pytest.raises(KernelInputError, match="one slot per token"):  # checks still run
+            store_kv(k, k, cache[0], cache[1], slots[:2])
+    assert all("run" not in kernel.__dict__ for kernel in KERNELS.values())
+    store_kv(k, k, cache[0], cache[1], slots)
+    assert torch.equal(cache[0].view(-1, HKV, D)[:4], k)
 
 
 def test_compiled_variants_is_empty_under_the_interpreter() -> None:
