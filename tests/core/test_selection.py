@@ -121,24 +121,3 @@ def test_both_ways_of_the_global_step_choose_the_same_slots(seed, m, block, data
             mp.setattr(selection, "keyed_top_k", keyed)
             chosen.append(block_local_topk(scores, k, block, k_loc))
     assert torch.equal(chosen[0], chosen[1])
-
-
-def test_selection_speed_benchmark_times_both_ways_on_the_same_slots(capsys):
-    from benchmark_scripts import load_benchmark
-
-    bench = load_benchmark("selection_speed")
-    row = bench.time_selection(
-        layers=2, heads=2, tokens=64, page=16, recent=4, local_quota=2, repeats=2
-    )
-    assert row["keyed_ms"] > 0 and row["argsort_ms"] > 0
-    assert row["speedup"] == pytest.approx(row["argsort_ms"] / row["keyed_ms"])
-    assert selection.keyed_top_k is None  # put back
-    assert (
-        bench.main(
-            ["--tokens", "64", "--page-size", "16", "--recent-window", "4", "--repeats", "1"]
-        )
-        == 0
-    )
-    assert "| smollm2-135m | 30 x 3 | 64 |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--tokens", "20"])  # less than two pages of 64
