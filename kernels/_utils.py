@@ -106,9 +106,9 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 class KernelInputError(ValueError, AssertionError):
     """A launch wrapper refused its arguments (shape, dtype, stride, device or index values).
 
-    A ``ValueError``; also an ``AssertionError``, which these checks raised until 2026-12-01 as
-    ``assert`` statements (gone under ``python -O``, which then let a bad shape reach a kernel
-    that reads past its tensors)."""
+    A ``ValueError``, and an ``AssertionError`` for callers that catch one. Raised, never
+    asserted: ``python -O`` must keep the checks, or a bad shape reaches a kernel that reads past
+    its tensors."""
 
 
 def check_device(*tensors: torch.Tensor) -> None:

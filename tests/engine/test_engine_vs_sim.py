@@ -184,8 +184,8 @@ def assert_preempt_alike(model, lengths, pages, decisions, chunk=4096):
 )
 def test_a_victim_that_compressed_comes_back_with_its_full_kv(model, lengths, pages, decisions):
     """The engine's recompute prefills every token again, so a victim that had compressed to 3
-    pages comes back on the 4 all its tokens take (until 2026-12-01 the simulator gave it back
-    its compressed KV: 3 pages, and every later boundary one page short)."""
+    pages comes back on the 4 all its tokens take (a simulator that gave it back its compressed
+    KV would hold 3 pages, every later boundary one page short)."""
     result = assert_preempt_alike(model, lengths, pages, decisions)
     assert compressed_victims(result.events) >= 1
 
@@ -251,8 +251,8 @@ def test_chunked_prefill_gives_each_request_its_tokens_at_the_same_steps(
     model, policy, params, lengths, chunk, max_num_seqs
 ):
     """A prompt longer than what is left of a step's token budget prefills in chunks on both
-    sides (until 2026-12-01 the simulator ran it whole, alone, in one step): at one second a
-    step, each request's first and last tokens come at the same step in both."""
+    sides (not whole, alone, in one step): at one second a step, each request's first and last
+    tokens come at the same step in both."""
     llm = tiny_llm(
         model,
         policy=policy,
@@ -332,8 +332,7 @@ def test_prefix_caching_shares_and_recomputes_alike(
     """With prefix caching (the engine's default) a request whose leading pages are cached, a
     shared prefix or its own pages after a preemption, takes them instead of computing them,
     in the engine and the simulator alike: the same cached tokens, the same boundary decisions
-    and each request's first and last tokens at the same step (until 2026-12-01 the simulator
-    had no prefix cache). Also with asynchronous compaction and late boundaries, where a request
+    and each request's first and last tokens at the same step. Also with asynchronous compaction and late boundaries, where a request
     holding a shared page is decided at once, and under SnapKV (a budget that reads the recent
     queries; prefix caching stays on for it)."""
     policy, params = point
@@ -398,8 +397,7 @@ def assert_serves_alike(model, spec, policy, params, pages, max_num_seqs, chunk,
 def test_a_boundary_unshared_by_its_preemption_is_decided_late(model, decisions):
     """Late boundaries: r0's compression must copy its page shared with r2 and, the pool full,
     preempts r2 first; then nothing is shared, and the engine, asked again, files r0's boundary
-    as a late one (until 2026-12-01 the simulator decided it at once: r1 finished 4 steps
-    late)."""
+    as a late one (deciding it at once would finish r1 4 steps late)."""
     result = assert_serves_alike(
         model,
         [("a", 4, 5, 10), (None, 0, 5, 10), ("a", 4, 5, 10)],
@@ -417,8 +415,8 @@ def test_a_boundary_unshared_by_its_preemption_is_decided_late(model, decisions)
 @pytest.mark.parametrize("decisions", ["script", "trace"])
 def test_h2o_runs_without_the_prefix_cache_as_in_the_engine(model, decisions):
     """A policy that reads accumulated attention keeps per-slot sums, which a shared page
-    cannot hold: the engine turns prefix caching off for it, and so does the simulator (it
-    took 24 cached tokens before 2026-12-01)."""
+    cannot hold: the engine turns prefix caching off for it, and so does the simulator (with
+    the cache on, it would take 24 cached tokens here)."""
     result = assert_serves_alike(
         model, [("a", 12, 16, 6)] * 3, "h2o", {"budget_tokens": 16}, 64, 4, 8, decisions, {}
     )
@@ -447,9 +445,8 @@ def test_a_waiting_request_is_admitted_at_the_engines_step(
     model, policy, lengths, pages, watermark
 ):
     """A page freed by a boundary admits the waiting request at the next step, as in the
-    engine (until 2026-12-01 the simulator waited for the next event, 3 steps late here), and
-    a request admitted when nothing runs may use the watermark's pages, as in the engine (the
-    simulator refused it)."""
+    engine (waiting for the next event would be 3 steps late here), and a request admitted
+    when nothing runs may use the watermark's pages, as in the engine."""
     llm = tiny_llm(
         model,
         policy=policy,

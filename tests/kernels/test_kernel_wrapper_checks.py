@@ -230,8 +230,8 @@ except ValueError as exc:
 
 
 def test_checks_survive_python_dash_o(tmp_path):
-    """Until 2026-12-01 the shape, dtype and stride checks were ``assert`` statements, which
-    ``python -O`` strips: a bad shape then reached a kernel that reads past its tensors."""
+    """The shape, dtype and stride checks are raised, not asserted: ``python -O`` would strip
+    an ``assert``, and a bad shape would reach a kernel that reads past its tensors."""
     import subprocess
     import sys
 

@@ -381,9 +381,8 @@ def test_state_carried_from_decide_to_select_breaks_order_independence():
 @attrs.define
 class PlansInDecide(CapacityPolicy):
     """decide() notes the request's length, select() keeps the last slots by that note: right
-    only when the other request of the order check differs in length (until 2026-12-01 it had
-    the same shape and length, and this passed the kit, then failed in the engine with
-    asynchronous compaction)."""
+    only when the other request of the order check differs in length (with the same shape and
+    length this would pass the kit, then fail in the engine with asynchronous compaction)."""
 
     name = "plans-in-decide"
     _plan: int = 0
@@ -405,7 +404,7 @@ def test_a_length_carried_from_decide_to_select_breaks_order_independence():
 
 def test_a_crash_keeps_the_policys_own_traceback():
     """The smallest failing example's error is chained to the policy's exception, whose
-    traceback ends in the policy's line (until 2026-12-01 the kit dropped it)."""
+    traceback ends in the policy's line."""
     import traceback
 
     with pytest.raises(PolicyConformanceError) as info:

@@ -145,7 +145,7 @@ class CappedGrowPage(CapacityPolicy):
 def test_a_policy_that_stops_reading_a_signal_at_its_cap_serves_in_script_mode():
     """Its script run reaches the cap and stops reading delta(); in serving, fallbacks keep the
     request below the cap, where it reads delta() again at that boundary: the script logs
-    every signal read before at each boundary (until 2026-12-01 this was a SimulationError)."""
+    every signal read before at each boundary, so this is no SimulationError."""
     requests = [WorkloadRequest(f"r{i}", 0.0, 40, 600) for i in range(6)]
     result = simulate(
         requests, CappedGrowPage(), CONFIG, SimConfig(num_kv_pages=14, admission_reserve=0.0), COST

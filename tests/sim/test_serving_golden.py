@@ -236,7 +236,7 @@ def test_the_first_decode_step_of_a_full_prompt_grows_without_asking_the_policy(
 def test_a_prompt_filling_the_pool_cannot_decode_even_under_a_compressing_policy():
     # 12 prompt tokens fill the 3 pages; the first decode step needs a fourth before any query
     # summary exists. Refused up front, as the engine does (prompt + 1 tokens must fit, even
-    # for one output token: until 2026-12-01 the simulator served that one).
+    # for one output token).
     for output in (2, 1):
         with pytest.raises(
             ConfigError,
