@@ -22,7 +22,7 @@ growpage_boundary_seconds_total               counter  wall time in capacity con
 growpage_prompt_tokens_total                  counter  prompt tokens of accepted requests
 growpage_generation_tokens_total              counter  tokens generated
 growpage_requests_finished_total{reason}      counter  stop, length, abort (client or shutdown), error
-growpage_requests_rejected_total{reason}      counter  invalid (4xx), queue_full (429), shutting_down
+growpage_requests_rejected_total{reason}      counter  invalid (400), queue_full, shutting_down
 growpage_time_to_first_token_seconds          hist.    arrival at the server to the first token
 growpage_time_per_output_token_seconds        hist.    (finish - first token) / (tokens - 1)
 growpage_e2e_request_latency_seconds          hist.    arrival to finish

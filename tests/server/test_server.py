@@ -472,3 +472,32 @@ def _try_post(port: int) -> tuple[int | None, str]:
         return response.status, response.read().decode()
     except OSError as exc:
         return None, str(exc)
+
+
+def test_sim_vs_server_writes_a_workload_and_a_command_the_simulator_takes(tmp_path):
+    """``benchmarks/sim_vs_server.py``'s simulator side: its workload file reads back as
+    written, and its ``growpage sim serve`` command parses with the server's engine settings."""
+    from benchmark_scripts import load_benchmark
+
+    from growpage.cli import build_parser
+    from growpage.sim.sweep import SweepPoint
+    from growpage.sim.workload_csv import load_workload_csv
+
+    for name in ("serve_load", "sim_vs_engine"):  # what the script imports by name
+        sys.modules.setdefault(name, load_benchmark(name))
+    bench = load_benchmark("sim_vs_server")
+    requests = [WorkloadRequest(f"req-{i}", 0.1 * i + 1 / 3, 10 + i, 5, str(i)) for i in range(3)]
+    bench.write_workload(tmp_path / "workload.csv", requests)
+    back = load_workload_csv(tmp_path / "workload.csv")
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.trace) for r in back] == [
+        (r.arrival_s, r.prompt_tokens, r.output_tokens, r.trace) for r in requests
+    ]
+    scenario = bench.sim_vs_engine.Scenario(kv_pages=48, page_size=16, arrival_rate=1.0)
+    point = SweepPoint("fixed", (("budget_tokens", 128),))
+    prices = {"boundary_s": 0.001, "compaction_s": 0.002}
+    command = bench.sim_command(point, scenario, tmp_path, prices, tmp_path / "cost.json")
+    args = build_parser().parse_args(command[1:])
+    assert (args.kv_pages, args.page_size, args.max_num_seqs) == (48, 16, scenario.max_num_seqs)
+    assert (args.policy, args.param, args.decisions) == ("fixed", ["budget_tokens=128"], "trace")
+    assert (args.boundary_ms, args.compaction_ms, args.admission_reserve) == (1.0, 2.0, 0.0)
+    assert args.prefix_caching is False
