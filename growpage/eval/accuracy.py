@@ -6,10 +6,10 @@ its 95% interval, average KV budget, mean generated tokens per problem, TPS, C (
 requests), and the grow, compress, fallback and preempt counts. Compression can lengthen the
 reasoning, which costs throughput: the table shows both.
 
-The runs, in order (``plan``): ``fullkv``, ``growpage``, then the policies matched to growpage's
-run: ``fixed`` at growpage's average budget (rounded to a page) and at half and twice it,
-``random`` at growpage's grow ratio, ``inverse``, ``shrink`` (never under half of that budget),
-and the fixed-budget baselines ``streamingllm``, ``h2o`` and ``snapkv`` at growpage's budget.
+The runs (``plan``): ``fullkv``, ``growpage``, then the policies matched to growpage's run:
+``fixed`` at growpage's average budget (rounded to a page) and at half and twice it, ``random``
+at growpage's grow ratio, the fixed-budget baselines ``h2o``, ``snapkv`` and ``streamingllm`` at
+growpage's budget, ``inverse``, and ``shrink`` (never under half of that budget).
 
 Each finished run is stored at once (``results.json``, written atomically, and the outputs of
 every problem in ``outputs/<label>.jsonl``), so a run cut short resumes where it stopped
@@ -95,30 +95,40 @@ def round_to_page(tokens: float, page_size: int, min_pages: int = 2) -> int:
 
 
 def plan(settings: AccuracySettings, growpage_row: dict[str, Any] | None) -> list[Run]:
-    """The runs of the table in order; those matched to growpage only once its row exists
-    (``growpage_row``), the others always."""
+    """The runs of the table, the most telling first (a table cut short still answers the
+    main question): fullkv and growpage, then, once growpage's row exists, fixed at its
+    budget, the two strongest baselines at that budget (h2o, snapkv), random at its grow ratio,
+    fixed at half and twice the budget, streamingllm, inverse and shrink."""
     wanted = settings.policies
-    runs = [Run(name, name) for name in ("fullkv", "growpage", "inverse") if name in wanted]
+    runs = [Run(name, name) for name in ("fullkv", "growpage") if name in wanted]
     if growpage_row is None:
-        return [r for r in runs if r.policy != "inverse"]
+        return runs
     b = settings.page_size
     budget = round_to_page(growpage_row["avg_budget"], b)
-    if "fixed" in wanted:
-        budgets = dict.fromkeys(round_to_page(budget * s, b) for s in FIXED_SCALES)
-        runs += [Run(f"fixed-{t}", "fixed", {"budget_tokens": t}) for t in budgets]
-    if "random" in wanted:
-        decided = growpage_row["decided_grow"] + growpage_row["decided_compress"]
-        q = round(growpage_row["decided_grow"] / decided, 3) if decided else 0.5
-        runs.append(Run(f"random-q{q:g}", "random", {"grow_prob": q, "seed": settings.seed}))
-    if "shrink" in wanted:
-        floor = round_to_page(budget / 2, b)
-        runs.append(Run("shrink", "shrink", {"min_capacity_tokens": floor}))
-    runs += [
-        Run(f"{name}-{budget}", name, {"budget_tokens": budget})
-        for name in AT_GROWPAGE_BUDGET
-        if name in wanted
+    fixed = [
+        Run(f"fixed-{t}", "fixed", {"budget_tokens": t})
+        for t in dict.fromkeys(round_to_page(budget * s, b) for s in FIXED_SCALES)
     ]
-    return runs
+    at_budget = {
+        name: Run(f"{name}-{budget}", name, {"budget_tokens": budget})
+        for name in AT_GROWPAGE_BUDGET
+    }
+    decided = growpage_row["decided_grow"] + growpage_row["decided_compress"]
+    q = round(growpage_row["decided_grow"] / decided, 3) if decided else 0.5
+    later = [
+        (fixed[:1], "fixed"),
+        ([at_budget["h2o"]], "h2o"),
+        ([at_budget["snapkv"]], "snapkv"),
+        ([Run(f"random-q{q:g}", "random", {"grow_prob": q, "seed": settings.seed})], "random"),
+        (fixed[1:], "fixed"),
+        ([at_budget["streamingllm"]], "streamingllm"),
+        ([Run("inverse", "inverse")], "inverse"),
+        (
+            [Run("shrink", "shrink", {"min_capacity_tokens": round_to_page(budget / 2, b)})],
+            "shrink",
+        ),
+    ]
+    return runs + [run for group, name in later if name in wanted for run in group]
 
 
 def stats_row(stats: Any) -> dict[str, Any]:

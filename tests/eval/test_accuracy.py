@@ -27,8 +27,19 @@ def test_plan_matches_the_baselines_to_growpage_s_row() -> None:
     assert runs["shrink"].kwargs == {"min_capacity_tokens": 48}
     for name in ("streamingllm", "h2o", "snapkv"):
         assert runs[f"{name}-96"].kwargs == {"budget_tokens": 96}
-    assert list(runs)[:3] == ["fullkv", "growpage", "inverse"]
-    assert len(runs) == 11
+    assert list(runs) == [
+        "fullkv",
+        "growpage",
+        "fixed-96",
+        "h2o-96",
+        "snapkv-96",
+        "random-q0.25",
+        "fixed-48",
+        "fixed-192",
+        "streamingllm-96",
+        "inverse",
+        "shrink",
+    ]
 
 
 def test_plan_keeps_budgets_of_at_least_two_pages_and_only_wanted_policies() -> None:
