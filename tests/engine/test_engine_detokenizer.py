@@ -167,17 +167,3 @@ def test_each_token_is_decoded_a_bounded_number_of_times(model, mode):
     assert len(out.token_ids) == n and out.finish_reason == "length"
     assert out.text == byte_decode(out.token_ids)
     assert tok.decoded_ids <= 12 * n, tok.decoded_ids
-
-
-def test_detokenize_benchmark_gives_both_ways_the_same_text(capsys, tmp_path):
-    from benchmark_scripts import load_benchmark
-
-    bench = load_benchmark("detokenize")
-    row = bench.time_both(byte_decode, list("naïve ∑ 😀".encode()) * 3)
-    assert row["tokens"] == 3 * len("naïve ∑ 😀".encode())
-    assert row["speedup"] == pytest.approx(row["full_s"] / row["incremental_s"])
-    out = tmp_path / "rows.json"
-    assert bench.main(["--tokens", "50", "--json", str(out)]) == 0
-    assert "| 50 |" in capsys.readouterr().out and '"tokens": 50' in out.read_text()
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--tokens", "0"])
