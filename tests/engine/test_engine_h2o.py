@@ -241,29 +241,3 @@ def test_static_decode_pads_without_touching_the_sums():
         static.engine.kv.accumulated, eager.engine.kv.accumulated, atol=1e-5, rtol=0
     )
     assert static.engine.kv.accumulated.abs().sum() > 0
-
-
-def test_overhead_benchmark_runs(capsys):
-    from benchmark_scripts import load_benchmark
-
-    report = load_benchmark("h2o_overhead").main(
-        [
-            "--requests",
-            "2",
-            "--prompt-len",
-            "9",
-            "--max-tokens",
-            "6",
-            "--page-size",
-            "4",
-            "--kv-pages",
-            "64",
-            "--repeats",
-            "1",
-            "--device",
-            "cpu",
-        ]
-    )
-    assert set(report) == {"plain", "recording"}
-    assert all(v > 0 for kinds in report.values() for v in kinds.values())
-    assert "decode" in capsys.readouterr().out
