@@ -1,8 +1,9 @@
-"""Real SmolLM2 traces: record them, and measure the Delta_t signal and the policies on them.
+"""Real traces (SmolLM2, or a Qwen2.5-Coder on the maths task): record them, and measure the
+Delta_t signal and the policies on them.
 
     .venv/bin/python benchmarks/real_traces.py --record DIR [--num 16] [--max-tokens 1100]
     .venv/bin/python benchmarks/real_traces.py --record DIR --model qwen2.5-coder-1.5b --task maths
-    .venv/bin/python benchmarks/real_traces.py --shrink DIR          # DIR -> data/traces/smollm2
+    .venv/bin/python benchmarks/real_traces.py --shrink DIR [--traces DEST]  # default DEST: smollm2
     .venv/bin/python benchmarks/real_traces.py [--traces DIR] [--page-size 64] [--out DIR]
 
 ``--record`` runs the engine (SmolLM2-135M-Instruct, ``fullkv``) on
@@ -171,10 +172,17 @@ def shrink(
     out = TraceSet(dest, create=True)
     for i in range(min(num, len(src))):
         trace = subset_trace(src.read(i, dtype=torch.float16), layers, values, max_generated)
-        out.write(trace, tags=["smollm2", "real"])
+        out.write(trace, tags=[_model_tag(trace.header.model), "real"])
     size = sum(f.stat().st_size for f in dest.iterdir())
     print(f"wrote {len(out)} traces ({size / 2**20:.1f} MiB) into {dest}")
     return size
+
+
+def _model_tag(model: str) -> str:
+    """A short tag for a model name (``"Qwen2.5 Coder 1.5B Instruct GGUF"`` -> ``qwen2.5-coder-1.5b``)."""
+    words = [w.lower() for w in model.replace("-", " ").replace("_", " ").split()]
+    keep = [w for w in words if w not in ("instruct", "gguf", "hf")]
+    return "-".join(keep) or "model"
 
 
 # ---- report ----------------------------------------------------------------------------------
