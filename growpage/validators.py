@@ -68,8 +68,13 @@ class Check:
     error: type[GrowPageError] = ConfigError
 
     def __call__(self, inst: object, attribute: attrs.Attribute, value: object) -> None:
+        self.require(f"{type(inst).__name__}.{attribute.name}", value)
+
+    def require(self, name: str, value: object) -> None:
+        """Raise ``error`` saying ``"<name> must be <what>, got <value>"`` unless this check
+        accepts ``value`` (outside an attrs class: an argument, a command-line flag)."""
         if not self.accepts(value):
-            raise self.error(message(inst, attribute.name, self.what, value))
+            raise self.error(f"{name} must be {self.what}, got {value!r:.80}")
 
     def raising(self, error: type[GrowPageError]) -> Check:
         """This check raising ``error`` instead."""
@@ -83,6 +88,11 @@ positive_number = Check("a finite number > 0", lambda v: is_number(v) and v > 0)
 non_negative_number = Check("a finite number >= 0", lambda v: is_number(v) and v >= 0)
 flag = Check("True or False", lambda v: isinstance(v, bool))
 non_empty_str = Check("a non-empty string", lambda v: isinstance(v, str) and v != "")
+
+
+def at_least(low: int) -> Check:
+    """An integer ``>= low`` (``at_least(0)`` is ``non_negative_int``)."""
+    return Check(f"an integer >= {low}", lambda v: is_int(v) and v >= low)
 
 
 def _bound(x: float) -> str:

@@ -21,6 +21,7 @@ TABLE = [
     (v.integer, [0, -3, 7, 2**70, HUGE], [True, False, 1.0, "1", None, NAN, 2.5]),
     (v.positive_int, [1, 5, 2**70], [0, -1, 1.0, 2.5, *NOT_NUMBERS[:-2]]),
     (v.non_negative_int, [0, 1, 2**70], [-1, 0.0, -0.0, 1.5, *NOT_NUMBERS[:-2]]),
+    (v.at_least(2), [2, 3, 2**70], [1, 0, -2, 2.0, 2.5, *NOT_NUMBERS[:-2]]),
     (v.positive_number, [1, 0.5, 1e-300, 2**70, 1e308], [0, 0.0, -0.0, -1, -1e-300, *NOT_NUMBERS]),
     (v.non_negative_number, [0, 0.0, -0.0, 3, 2.5, 1e308], [-1, -1e-300, *NOT_NUMBERS]),
     (v.flag, [True, False], [0, 1, 0.0, "false", "True", "", None, [True]]),
@@ -61,7 +62,8 @@ def test_each_validator_accepts_and_refuses(check, accepted, refused):
 
 def test_what_each_validator_says():
     assert v.positive_int.what == "a positive integer"
-    assert v.non_negative_int.what == "an integer >= 0"
+    assert v.non_negative_int.what == "an integer >= 0" == v.at_least(0).what
+    assert v.at_least(3).what == "an integer >= 3"
     assert v.positive_number.what == "a finite number > 0"
     assert v.non_negative_number.what == "a finite number >= 0"
     assert v.flag.what == "True or False"
@@ -127,6 +129,14 @@ def test_raising_another_error_keeps_the_message():
     with pytest.raises(WorkloadError, match=r"^Holder\.field must be a finite number > 0, got -1$"):
         check(Holder(-1), attrs.fields(Holder).field, -1)
     assert v.optional(check).error is WorkloadError and v.items(check).error is WorkloadError
+
+
+def test_require_checks_a_value_outside_an_attrs_class():
+    v.positive_int.require("--jobs", 3)  # raises nothing
+    with pytest.raises(ConfigError, match=r"^--jobs must be a positive integer, got 0$"):
+        v.positive_int.require("--jobs", 0)
+    with pytest.raises(WorkloadError, match=r"^n must be an integer >= 1, got 'x'$"):
+        v.at_least(1).raising(WorkloadError).require("n", "x")
 
 
 def test_validators_run_on_evolve():

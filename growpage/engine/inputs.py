@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch
 from growpage.engine.config import plural
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError
+from growpage.validators import is_finite
 
 Prompt = str | list[int]
 ARRAYS = (torch.Tensor, np.ndarray)  # token ids: [N] one prompt, [B, N] B of them
@@ -146,7 +147,7 @@ def arrival_offsets(arrival_times: object, n: int) -> list[float] | None:
     return [t - first for t in times]
 
 
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> TypeGuard[float]:
     """A real number, not a bool (numpy scalars included)."""
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
@@ -154,27 +155,21 @@ def _is_real(value: object) -> bool:
 def seconds_of(value: object) -> float | None:
     """``value`` as seconds (a float): a real number, finite and >= 0 (an int too large for a
     float is not finite); None for anything else."""
-    if not _is_real(value):
-        return None
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except OverflowError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+    return float(value) if _is_real(value) and is_finite(value) and value >= 0 else None
 
 
 def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     """``n`` arrival times (seconds, ascending) of a Poisson process of ``rate_per_s`` requests
     per second, for ``LLM.generate(..., arrival_times=...)``: exponential gaps, seeded, drawn as
     the simulator draws a workload's (``WorkloadSpec(arrival="poisson")``)."""
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+    if not (_is_token(n) and n >= 0):
         raise EngineError(f"poisson_arrivals: n must be an int >= 0, got {n!r}")
     rate = seconds_of(rate_per_s)  # a real number, finite (an int too large is not) and >= 0
     if rate is None or rate <= 0:
         raise EngineError(
             f"poisson_arrivals: rate_per_s must be a finite number > 0, got {rate_per_s!r:.40}"
         )
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+    if not (_is_token(seed) and seed >= 0):
         raise EngineError(f"poisson_arrivals: seed must be an int >= 0, got {seed!r}")
     # NOTE: a rate near the smallest float has a mean gap (1 / rate), or a sum of gaps, past the
     # largest float: inf times, which ``arrival_offsets`` would refuse later as arrival_times

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from growpage.engine.inputs import encode_prompt, seconds_of
 from growpage.engine.outputs import StreamChunk
-from growpage.errors import ConfigError, EngineError
+from growpage.errors import EngineError
 from growpage.server.engine_loop import Accepted, EngineLoop, EngineRequest, Event
 from growpage.server.metrics import CONTENT_TYPE, ServerMetrics
 from growpage.server.protocol import (
@@ -49,28 +49,13 @@ from growpage.server.protocol import (
     sse,
     usage,
 )
+from growpage.validators import Check, non_empty_str, optional, positive_int
 
 if TYPE_CHECKING:
     from growpage.engine.llm import LLM
 
 _DISCONNECTED = object()  # put in a request's event queue when its client goes away
-
-
-def _positive_int(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"ServerConfig.{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _positive_int_or_none(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if value is not None:
-        _positive_int(inst, attribute, value)
-
-
-def _seconds(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if seconds_of(value) is None:
-        raise ConfigError(
-            f"ServerConfig.{attribute.name} must be a finite number of seconds >= 0, got {value!r}"
-        )
+_seconds = Check("a finite number of seconds >= 0", lambda v: seconds_of(v) is not None)
 
 
 @attrs.frozen(kw_only=True)
@@ -86,9 +71,9 @@ class ServerConfig:
             aborted (``growpage serve``).
     """
 
-    model_name: str = attrs.field(validator=attrs.validators.min_len(1))
-    max_waiting: int | None = attrs.field(default=256, validator=_positive_int_or_none)
-    default_max_tokens: int = attrs.field(default=512, validator=_positive_int)
+    model_name: str = attrs.field(validator=non_empty_str)
+    max_waiting: int | None = attrs.field(default=256, validator=optional(positive_int))
+    default_max_tokens: int = attrs.field(default=512, validator=positive_int)
     shutdown_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
 
 

@@ -119,8 +119,8 @@ class _GenerationRequest(BaseModel):
                 stop=self.stop_list(),
                 ignore_eos=self.ignore_eos,
             )
-        except EngineError as exc:  # "SamplingParams.top_p: must lie in (0, 1], got 0"
-            field = str(exc).split(":", 1)[0].removeprefix("SamplingParams.")
+        except EngineError as exc:  # "SamplingParams.top_p must be a number in (0, 1], got 0"
+            field = str(exc).removeprefix("SamplingParams.").split(" ", 1)[0]
             raise ServerError(400, str(exc), param=field) from None
 
 

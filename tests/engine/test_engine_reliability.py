@@ -405,7 +405,7 @@ def test_inputs_the_engine_audit_found_are_refused_by_name_and_the_llm_stays_usa
         == 3
     )
     with pytest.raises(
-        EngineError, match="stop: must be a string or a list of strings, got {'a': 1}"
+        EngineError, match="stop must be a string or a list of strings, got {'a': 1}"
     ):
         SamplingParams(stop={"a": 1})
     bad_llms = [

@@ -42,16 +42,19 @@ def test_greedy_ties_go_to_the_first_index():
 @pytest.mark.parametrize(
     "field,value,words",
     [
-        ("seed", 2**64, r"seed: must be an integer in \[-2\*\*63, 2\*\*64\) or None, got 18446"),
-        ("seed", -(2**63) - 1, r"seed: must be an integer in \[-2\*\*63, 2\*\*64\)"),
-        ("stop", 5, "stop: must be a string or a list of strings, got 5"),
-        ("stop", [5], "stop: must be non-empty strings"),
-        ("stop_token_ids", 5, "stop_token_ids: must be a list of token ids, got 5"),
-        ("ignore_eos", "no", "ignore_eos: must be True or False, got 'no'"),
+        ("temperature", float("nan"), "temperature must be a finite number >= 0, got nan"),
+        ("top_p", 0, r"top_p must be a number in \(0, 1\], got 0"),
+        ("max_tokens", True, "max_tokens must be a positive integer, got True"),
+        ("seed", 2**64, r"seed must be an integer in \[-2\*\*63, 2\*\*64\) or None, got 18446"),
+        ("seed", -(2**63) - 1, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
+        ("stop", 5, "stop must be a string or a list of strings, got 5"),
+        ("stop", [5], "stop must be non-empty strings"),
+        ("stop_token_ids", 5, "stop_token_ids must be a list of token ids, got 5"),
+        ("ignore_eos", "no", "ignore_eos must be True or False, got 'no'"),
     ],
 )
 def test_bad_sampling_params_name_the_field(field, value, words):
-    with pytest.raises(EngineError, match=words):
+    with pytest.raises(EngineError, match=r"^SamplingParams\." + words):
         SamplingParams(**{field: value})
 
 

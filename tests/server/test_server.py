@@ -244,6 +244,8 @@ def test_bad_requests_get_4xx_openai_error_bodies(served, client):
         )
     status, body = _post(url, "/v1/completions", {**ok, "n": 2})
     assert status == 400 and body["error"]["param"] == "n"
+    status, body = _post(url, "/v1/completions", {**ok, "stop": ["x", ""]})  # SamplingParams'
+    assert status == 400 and body["error"]["param"] == "stop"
     status, body = _post(url, "/v1/chat/completions", {"model": MODEL_NAME, "messages": []})
     assert status == 400 and body["error"]["param"] == "messages"
     status, body = _post(url, "/v1/nothing", ok)
