@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from growpage.errors import ConfigError, PoolExhaustedError
+from growpage.validators import is_int, positive_int
 
 
 def chain_hash(prev_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -38,11 +39,9 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_size: int, watermark: int = 0) -> None:
-        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages <= 0:
-            raise ConfigError(f"PagePool.num_pages must be a positive integer, got {num_pages!r}")
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
-            raise ConfigError(f"PagePool.page_size must be a positive integer, got {page_size!r}")
-        if not isinstance(watermark, int) or not 0 <= watermark < num_pages:
+        positive_int.require("PagePool.num_pages", num_pages)
+        positive_int.require("PagePool.page_size", page_size)
+        if not (is_int(watermark) and 0 <= watermark < num_pages):
             raise ConfigError(f"PagePool.watermark must be in [0, num_pages), got {watermark!r}")
         self.num_pages = num_pages
         self.page_size = page_size
@@ -246,7 +245,7 @@ class PagePool:
             self._forget(child)
 
     def _check_index(self, page: int) -> None:
-        if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:
+        if not (is_int(page) and 0 <= page < self.num_pages):
             raise ValueError(f"page id {page!r} out of range [0, {self.num_pages})")
 
     def _check_held(self, page: int) -> None:

@@ -12,38 +12,26 @@ import math
 import attrs
 import torch
 
+from growpage.validators import Check, optional, positive_int, positive_number
+
+_EVEN = Check("an even positive integer", lambda v: positive_int.accepts(v) and v % 2 == 0)
+
 
 @attrs.frozen
 class RopeConfig:
     """RoPE parameters as they appear in a model config (and a trace header)."""
 
-    head_dim: int = attrs.field(validator=attrs.validators.gt(0))
-    theta: float = attrs.field(default=10000.0, validator=attrs.validators.gt(0))
+    head_dim: int = attrs.field(validator=_EVEN)
+    theta: float = attrs.field(default=10000.0, validator=positive_number)
     # Llama-3 style frequency scaling; None means plain RoPE.
-    scaling_factor: float | None = None
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-
-    @head_dim.validator
-    def _even(self, attribute: attrs.Attribute, value: int) -> None:
-        if value % 2:
-            raise ValueError(f"RopeConfig.head_dim must be even, got {value}")
+    # NOTE: a zero scaling factor or equal frequency factors divide by zero in
+    # inv_frequencies, which would turn every rotated query and key into NaN.
+    scaling_factor: float | None = attrs.field(default=None, validator=optional(positive_number))
+    low_freq_factor: float = attrs.field(default=1.0, validator=positive_number)
+    high_freq_factor: float = attrs.field(default=4.0, validator=positive_number)
+    original_max_position: int = attrs.field(default=8192, validator=positive_number)
 
     def __attrs_post_init__(self) -> None:
-        # NOTE: a zero scaling factor or equal frequency factors divide by zero in
-        # inv_frequencies, which would turn every rotated query and key into NaN.
-        positive = {
-            "scaling_factor": self.scaling_factor,
-            "low_freq_factor": self.low_freq_factor,
-            "high_freq_factor": self.high_freq_factor,
-            "original_max_position": self.original_max_position,
-        }
-        for name, value in positive.items():
-            if value is not None and not (
-                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-            ):
-                raise ValueError(f"RopeConfig.{name} must be a number > 0, got {value!r}")
         if self.scaling_factor is not None and self.low_freq_factor == self.high_freq_factor:
             raise ValueError(
                 f"RopeConfig: low_freq_factor and high_freq_factor must differ "

@@ -25,6 +25,7 @@ from growpage.engine.attention import AttentionBackend
 from growpage.engine.attention_torch import PagedTorchBackend
 from growpage.engine.context import StepCapture
 from growpage.errors import EngineError
+from growpage.validators import in_range
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 INTERPRETER_WARNING = (
@@ -52,9 +53,7 @@ def _check_rows(instance: QueryStateFusion, attribute: attrs.Attribute, rows: to
         )
 
 
-def _check_beta(instance: QueryStateFusion, attribute: attrs.Attribute, beta: float) -> None:
-    if not 0.0 < beta < 1.0:
-        raise EngineError(f"QueryStateFusion.{attribute.name} must be in (0, 1), got {beta}")
+_BETA = in_range(0, 1, lo_open=True, hi_open=True).raising(EngineError)
 
 
 @attrs.frozen
@@ -75,8 +74,8 @@ class QueryStateFusion:
     slot_ids: torch.Tensor = attrs.field(validator=_check_rows)
     is_first: torch.Tensor = attrs.field(validator=_check_rows)
     kv_cache: torch.Tensor
-    beta_short: float = attrs.field(default=BETA_SHORT, validator=_check_beta)
-    beta_long: float = attrs.field(default=BETA_LONG, validator=_check_beta)
+    beta_short: float = attrs.field(default=BETA_SHORT, validator=_BETA)
+    beta_long: float = attrs.field(default=BETA_LONG, validator=_BETA)
 
     def __attrs_post_init__(self) -> None:
         if self.slot_ids.shape != self.is_first.shape:

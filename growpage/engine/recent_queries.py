@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from growpage.errors import EngineError
+from growpage.validators import positive_int
 
 
 class RecentQueryRing:
@@ -40,8 +41,7 @@ class RecentQueryRing:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise EngineError(f"a recent-query window must be a positive integer, got {window!r}")
+        positive_int.raising(EngineError).require("a recent-query window", window)
         self.window = window
         self.queries = torch.zeros(
             num_layers, max_slots, window, num_q_heads, head_dim, dtype=dtype, device=device

@@ -34,6 +34,7 @@ from growpage.sim.sources import traces_for
 from growpage.sim.synthetic import SyntheticSpec
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
+from growpage.validators import at_least, non_negative_number, positive_number
 
 REPLAY_GEN_LEN, REPLAY_SCHEDULE = 4096, "random"  # replay --synthetic's defaults (tokens)
 LONG_REQUEST_TOKENS = 1 << 16  # beyond this, replaying a synthetic trace takes a while
@@ -70,12 +71,6 @@ def _out_dir(args: argparse.Namespace) -> Path | None:
     """``--out DIR``, created before the work starts, so that a bad directory fails at once
     rather than after a long run."""
     return reports.make_output_dir(args.out) if args.out else None
-
-
-def _at_least(flag: str, value: int, low: int) -> int:
-    if value < low:
-        raise ConfigError(f"{flag} must be >= {low}, got {value}")
-    return value
 
 
 def _emit(args: argparse.Namespace, table: str, payload: dict) -> None:
@@ -135,7 +130,7 @@ def _replay_grid(args: argparse.Namespace) -> tuple[list[Any], list[dict], dict[
         entries = list(traces.index)
         return entries, [{"request_id": e.request_id} for e in entries], {"traces": args.traces}
     _deep_check(args)  # refuses --check-traces without --traces
-    _at_least("--synthetic", args.synthetic, 1)
+    at_least(1).require("--synthetic", args.synthetic)
     drawn = _synthetic_settings(args)
     spec = SyntheticSpec(gen_len=drawn["gen_len"], schedule=drawn["schedule"])
     numbers = list(range(args.synthetic))
@@ -164,7 +159,7 @@ def run_replay(args: argparse.Namespace) -> int:
     config = _setup(args)
     kwargs = parse_params(args.param)
     options = ReplayOptions(fidelity_queries=args.fidelity_queries, signals=args.signals)
-    _at_least("--jobs", jobs_of(args), 1)
+    at_least(1).require("--jobs", jobs_of(args))
     items, identities, source = _replay_grid(args)
     resolve_policy(args.policy, **kwargs)  # a bad name or hyperparameter fails before the work
     out = _out_dir(args)
@@ -341,10 +336,8 @@ def _serving_setup(
             "--traces is used only with --decisions trace (script mode draws synthetic traces)"
         )
     _deep_check(args)  # refuses --check-traces without --traces
-    if rate is not None and not (rate > 0 and rate != float("inf")):
-        raise ConfigError(
-            f"--arrival-rate must be a finite number > 0 (requests per second), got {rate}"
-        )
+    if rate is not None:
+        positive_number.require("--arrival-rate (requests per second)", rate)
     requests = resolve_workload(args.workload, args.seed, rate)
     if not args.traces and any(r.trace for r in requests):
         _warn(
@@ -399,8 +392,8 @@ def _boundary_prices(args: argparse.Namespace) -> tuple[float | None, float | No
     """``--boundary-ms`` / ``--compaction-ms`` in seconds (None where not given)."""
     prices = []
     for flag, ms in (("--boundary-ms", args.boundary_ms), ("--compaction-ms", args.compaction_ms)):
-        if ms is not None and not (ms >= 0 and ms != float("inf")):
-            raise ConfigError(f"{flag} must be a finite number >= 0, got {ms}")
+        if ms is not None:
+            non_negative_number.require(flag, ms)
         prices.append(None if ms is None else ms / 1000.0)
     return prices[0], prices[1]
 
@@ -497,8 +490,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     from growpage.sim.sweep import SweepError, SweepSettings, parse_points, run_sweep
 
     config = _setup(args)
-    _at_least("--jobs", jobs_of(args), 1)
-    _at_least("--fidelity-traces", args.fidelity_traces, 0)
+    at_least(1).require("--jobs", jobs_of(args))
+    at_least(0).require("--fidelity-traces", args.fidelity_traces)
     rates = args.arrival_rate or [None]
     if len(set(rates)) != len(rates):
         raise ConfigError(f"--arrival-rate: a rate is given twice ({rates})")

@@ -30,13 +30,7 @@ from growpage.core.config import GrowPageConfig
 from growpage.core.context import BoundaryContext
 from growpage.core.kvview import DenseKVView
 from growpage.core.rope import RopeConfig, apply_rope, cos_sin
-
-
-def _non_negative(inst: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"BoundaryCase.{attribute.name} must be a non-negative integer, got {value!r}"
-        )
+from growpage.validators import is_int, non_negative_int
 
 
 @attrs.frozen
@@ -51,7 +45,7 @@ class BoundaryCase:
     recent_window: int
     num_pages: int
     num_free_pages: int
-    gap: int = attrs.field(validator=_non_negative)  # tokens evicted: position = num_tokens + gap
+    gap: int = attrs.field(validator=non_negative_int)  # tokens evicted: position - num_tokens
     seed: int
     sharpness: float  # scale of the queries: larger means more concentrated attention
     track_accumulated: bool
@@ -317,7 +311,7 @@ def boundary_cases(
 def check_knob(strategy: str, knob: str, value: object, low: int, why: str = "") -> None:
     """A strategy's integer knob: ``TypeError`` when it is not an integer, ``ValueError`` when
     it is below ``low`` (the same for every strategy of the kit)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{strategy}: {knob} must be an integer, got {value!r}")
     if value < low:
         raise ValueError(f"{strategy}: {knob} must be at least {low}{why}, got {value!r}")

@@ -179,15 +179,15 @@ def test_sweep_runs_points_and_writes_a_pareto_plot(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["sim", "replay", "--synthetic", "0"], "--synthetic must be >= 1"),
-        (["sim", "replay", "--synthetic", "-2"], "--synthetic must be >= 1"),
+        (["sim", "replay", "--synthetic", "0"], "--synthetic must be an integer >= 1, got 0"),
+        (["sim", "replay", "--synthetic", "-2"], "--synthetic must be an integer >= 1, got -2"),
         (
             ["sim", "sweep", "--workload", "tiny", "--points", "fullkv", "--jobs", "0"],
-            "--jobs must be >= 1",
+            "--jobs must be an integer >= 1, got 0",
         ),
         (
             ["sim", "sweep", "--workload", "tiny", "--points", "fullkv", "--fidelity-traces", "-1"],
-            "--fidelity-traces must be >= 0",
+            "--fidelity-traces must be an integer >= 0, got -1",
         ),
     ],
 )

@@ -269,8 +269,8 @@ def test_a_bad_arrival_rate_is_refused(capsys, rate):
     assert main(["sim", "serve", "--workload", "tiny", "--arrival-rate", rate]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        f"growpage: error: --arrival-rate must be a finite number > 0 (requests "
-        f"per second), got {float(rate)}"
+        f"growpage: error: --arrival-rate (requests per second) must be a finite number > 0, "
+        f"got {float(rate)}"
     ]
 
 
