@@ -9,6 +9,9 @@ characters). A config class's checks read as its field declarations::
     top_p: float = attrs.field(default=0.99, validator=in_range(0, 1, lo_open=True, hi_open=True))
     kv_pages: int | None = attrs.field(default=None, validator=optional(positive_int))
 
+and an argument or a command-line flag in one line: ``at_least(1).require("--jobs", jobs)``
+raises ``--jobs must be an integer >= 1, got 0``.
+
 A bool is never a number here (``True`` is no page size), an integer is an ``int`` and a number
 an ``int`` or ``float`` (numpy scalars are a converter's business), and a number is finite as a
 float. A flag is exactly True or False: a string such as ``"false"`` would read as on.
@@ -44,9 +47,10 @@ def is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and is_finite(value)
 
 
-def message(inst: object, field: str, what: str, value: object) -> str:
-    """The one message shape: ``"<Class>.<field> must be <what>, got <value!r:.80>"``."""
-    return f"{type(inst).__name__}.{field} must be {what}, got {value!r:.80}"
+def message(name: str, what: str, value: object) -> str:
+    """The one message shape: ``"<name> must be <what>, got <value!r:.80>"``, ``name`` being
+    ``<Class>.<field>`` for a config class."""
+    return f"{name} must be {what}, got {value!r:.80}"
 
 
 def check(
@@ -55,7 +59,7 @@ def check(
     """Raise ``error`` saying that ``inst.<field>`` must be ``what`` unless ``ok`` (a check
     across fields, in ``__attrs_post_init__``)."""
     if not ok:
-        raise error(message(inst, field, what, getattr(inst, field)))
+        raise error(message(f"{type(inst).__name__}.{field}", what, getattr(inst, field)))
 
 
 @attrs.frozen
@@ -74,7 +78,7 @@ class Check:
         """Raise ``error`` saying ``"<name> must be <what>, got <value>"`` unless this check
         accepts ``value`` (outside an attrs class: an argument, a command-line flag)."""
         if not self.accepts(value):
-            raise self.error(f"{name} must be {self.what}, got {value!r:.80}")
+            raise self.error(message(name, self.what, value))
 
     def raising(self, error: type[GrowPageError]) -> Check:
         """This check raising ``error`` instead."""
