@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 import numpy as np
 import torch
 
+from growpage._argtypes import positive_int as positive_arg
 from growpage.core.config import GrowPageConfig
 from growpage.engine.sampling_params import SEED_RANGE
 from growpage.errors import ConfigError
@@ -108,77 +110,162 @@ _SEED = Check(
 )
 
 
+def _help(text: str, **flag: Any) -> dict[str, Any]:
+    """attrs metadata of an engine setting: its one-line ``help`` (the ``growpage`` flag's, and
+    ``LLM``'s docstring's) and the ``flag`` options its type does not give (``type``,
+    ``choices``; ``name``: a flag name other than the field's; ``default``: the commands'
+    default where it differs from the field's), read by ``growpage.engine.cli.add_engine_flags``."""
+    return {"help": text, "flag": flag}
+
+
+def _device_name(value: object) -> str:
+    return resolve_device(str(value))
+
+
+def _path_text(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
-    """Settings of one engine.
+    """Settings of one engine: ``growpage`` (capacity control; ``page_size`` is the KV page
+    size b) and the engine settings, each field with its one-line help in its metadata
+    (``settings_help()`` lists them). ``LLM`` takes each setting as a keyword and the
+    ``growpage`` commands as a flag; both take their defaults from here.
 
-    Attributes:
-        growpage: capacity-control settings (``page_size`` is the KV page size b).
-        kv_pages: pages in the KV cache; None sizes it from ``kv_cache_memory``.
-        kv_cache_memory: bytes for the KV cache, instead of ``kv_pages`` (default, when neither is
-            given: 512 MiB); giving both is a ``ConfigError``.
-        max_num_seqs: most requests resident (running) at once; also the query-state slots.
-        max_num_batched_tokens: prefill tokens per step; longer prompts prefill in chunks.
-        enable_prefix_caching: share full prompt pages across requests (PagePool hash table).
-        dtype: model weights and KV cache dtype.
-        device: torch device of the model and the cache.
-        attention_backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"torch"`` or
-            ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``: slow, for tests).
-        boundary_kernels: run demand estimation and compaction at capacity boundaries with the
-            Triton kernels; None (default) = on CUDA. True on CPU needs the interpreter (tests,
-            ``benchmarks/boundary_ops.py``).
-        warmup: launch every Triton kernel variant the engine can need once when it is built
-            (``growpage.engine.warmup``), so no compile stalls a step while serving; None
-            (default) = when a Triton path runs on CUDA.
-        cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket
-            (``growpage.engine.cuda_graphs``); needs CUDA and the Triton backend, and no
-            trace recording. None (default) = wherever it can run: on CUDA with the Triton
-            backend (``"auto"`` picks it there) and without trace recording. True where it
-            cannot run is a ``ConfigError``.
-        async_compaction: a request whose boundary is decided as a compression sits that
-            decode step out and compresses beside it, on a side CUDA stream, then rejoins
-            (paper appendix E.3; ``growpage.engine.scheduler``). The tokens are the ones the
-            synchronous path gives. None (default) = with CUDA graphs: the overlap needs the
-            host free while the forward runs, which graph replay gives (without graphs the
-            H200 check measured no gain); on the CPU there is nothing to overlap.
-            ``resolved`` turns both Nones into True or False.
-        async_decisions: beyond the paper, which decides synchronously: a request at a
-            boundary its policy decides sits that decode step out, and the whole boundary,
-            decision included, runs beside the forward (as ``async_compaction`` runs a
-            compression), so with CUDA graphs nothing of it is left on the step's critical
-            path; the request's decision is the one it would get synchronously (same inputs),
-            one step later. Only where no outcome can need a preemption: a policy that falls
-            back to compressing, and no shared (prefix-cached) page to copy. Off by default.
-        record_traces: directory of a trace set to record every finished request into.
-        record_layers: model layers to record (None: all).
-        record_values: record the values too (``has_values``).
-        seed: seed of the engine's sampling RNG (requests without their own seed).
+    NOTE: ``cuda_graphs`` needs CUDA and the Triton backend, and no trace recording; True
+    where it cannot run is a ``ConfigError``. ``async_compaction``: a request whose boundary
+    is decided as a compression sits that decode step out and compresses beside it on a side
+    CUDA stream, then rejoins with the tokens the synchronous path gives (paper E.3); by
+    default with CUDA graphs, whose replay leaves the host free while the forward runs (without
+    graphs the H200 check measured no gain). ``resolved`` turns both Nones into True or False.
+    ``async_decisions`` (beyond the paper, which decides synchronously): the whole boundary of
+    a request, decision included, runs beside the forward while the request sits the step out;
+    its decision is the synchronous one (same inputs), one step later. Only where no outcome can
+    need a preemption: a policy that falls back to compressing, and no shared page to copy.
+    ``attention_backend="triton"`` and ``boundary_kernels=True`` run on the CPU only under
+    ``TRITON_INTERPRET=1`` (slow: tests, ``benchmarks/boundary_ops.py``).
     """
 
     growpage: GrowPageConfig = attrs.field(factory=GrowPageConfig)
-    kv_pages: int | None = attrs.field(default=None, validator=optional(positive_int))
-    kv_cache_memory: int | None = attrs.field(default=None, validator=optional(positive_int))
-    max_num_seqs: int = attrs.field(default=64, validator=positive_int)
-    max_num_batched_tokens: int = attrs.field(default=4096, validator=positive_int)
-    enable_prefix_caching: bool = attrs.field(default=True, converter=_plain_bool, validator=flag)
-    dtype: torch.dtype = attrs.field(default=torch.float32, converter=_to_dtype)
-    device: str = attrs.field(default="cpu", converter=str)
-    attention_backend: str = attrs.field(default="auto", validator=one_of(BACKENDS))
-    boundary_kernels: bool | None = attrs.field(
-        default=None, converter=_plain_bool, validator=_FLAG_OR_AUTO
+    kv_pages: int | None = attrs.field(
+        default=None,
+        validator=optional(positive_int),
+        metadata=_help(
+            "pages in the KV cache (default: as many as kv_cache_memory holds)", type=positive_arg
+        ),
     )
-    warmup: bool | None = attrs.field(default=None, converter=_plain_bool, validator=_FLAG_OR_AUTO)
+    kv_cache_memory: int | None = attrs.field(
+        default=None,
+        validator=optional(positive_int),
+        metadata=_help(
+            "bytes for the KV cache, instead of kv_pages (default: 512 MiB)", type=positive_arg
+        ),
+    )
+    max_num_seqs: int = attrs.field(
+        default=64,
+        validator=positive_int,
+        metadata=_help(
+            "most requests running at once (also the query-state slots)", type=positive_arg
+        ),
+    )
+    max_num_batched_tokens: int = attrs.field(
+        default=4096,
+        validator=positive_int,
+        metadata=_help(
+            "prompt tokens per prefill step; longer prompts prefill in chunks", type=positive_arg
+        ),
+    )
+    enable_prefix_caching: bool = attrs.field(
+        default=True,
+        converter=_plain_bool,
+        validator=flag,
+        metadata=_help(
+            "share full prompt pages between requests (off when recording, or for a policy "
+            "that reads H2O accumulated attention)",
+            name="prefix-caching",
+        ),
+    )
+    dtype: torch.dtype = attrs.field(
+        default=torch.float32,
+        converter=_to_dtype,
+        metadata=_help("dtype of the model weights and the KV cache", choices=tuple(DTYPES)),
+    )
+    device: str = attrs.field(
+        default="cpu",
+        converter=_device_name,
+        # The commands run on the GPU torch sees; LLM and EngineConfig stay on the CPU.
+        metadata=_help(
+            "'cpu', 'cuda', 'cuda:N', or 'auto': cuda when torch sees a GPU",
+            type=resolve_device,
+            default="auto",
+        ),
+    )
+    attention_backend: str = attrs.field(
+        default="auto",
+        validator=one_of(BACKENDS),
+        metadata=_help("auto: Triton on CUDA, torch elsewhere", choices=BACKENDS),
+    )
+    boundary_kernels: bool | None = attrs.field(
+        default=None,
+        converter=_plain_bool,
+        validator=_FLAG_OR_AUTO,
+        metadata=_help(
+            "demand estimation and compaction at capacity boundaries with the Triton kernels "
+            "(default: on CUDA)"
+        ),
+    )
+    warmup: bool | None = attrs.field(
+        default=None,
+        converter=_plain_bool,
+        validator=_FLAG_OR_AUTO,
+        metadata=_help(
+            "launch every Triton kernel variant once when the engine is built, so no compile "
+            "stalls a step (growpage.engine.warmup; default: when Triton runs on CUDA)"
+        ),
+    )
     cuda_graphs: bool | None = attrs.field(
-        default=None, converter=_plain_bool, validator=_FLAG_OR_AUTO
+        default=None,
+        converter=_plain_bool,
+        validator=_FLAG_OR_AUTO,
+        metadata=_help(
+            "replay decode steps as CUDA graphs (default: on CUDA with the Triton backend, "
+            "when not recording)"
+        ),
     )
     async_compaction: bool | None = attrs.field(
-        default=None, converter=_plain_bool, validator=_FLAG_OR_AUTO
+        default=None,
+        converter=_plain_bool,
+        validator=_FLAG_OR_AUTO,
+        metadata=_help("compress beside the decode step (paper E.3; default: with CUDA graphs)"),
     )
-    async_decisions: bool = attrs.field(default=False, converter=_plain_bool, validator=flag)
-    record_traces: str | None = None
-    record_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers)
-    record_values: bool = attrs.field(default=True, converter=_plain_bool, validator=flag)
-    seed: int = attrs.field(default=0, validator=_SEED)
+    async_decisions: bool = attrs.field(
+        default=False,
+        converter=_plain_bool,
+        validator=flag,
+        metadata=_help("decide whole boundaries beside the decode step (beyond the paper)"),
+    )
+    record_traces: str | None = attrs.field(
+        default=None,
+        converter=_path_text,
+        metadata=_help("trace-set directory to record every finished request into (fullkv)"),
+    )
+    record_layers: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_layers, metadata=_help("model layers to record (default: all)")
+    )
+    record_values: bool = attrs.field(
+        default=True,
+        converter=_plain_bool,
+        validator=flag,
+        metadata=_help("record the values too (has_values)"),
+    )
+    seed: int = attrs.field(
+        default=0,
+        validator=_SEED,
+        metadata=_help(
+            "seed of the engine's sampling generator (requests without their own)", type=int
+        ),
+    )
 
     @device.validator
     def _device(self, attribute: attrs.Attribute, value: str) -> None:
@@ -244,3 +331,15 @@ class EngineConfig:
                 f"min_capacity = {least}"
             )
         return int(pages)
+
+
+#: The engine settings: every ``EngineConfig`` field but ``growpage`` (whose fields ``LLM``
+#: takes as keywords of their own).
+SETTINGS: tuple[attrs.Attribute, ...] = tuple(
+    f for f in attrs.fields(EngineConfig) if f.name != "growpage"
+)
+
+
+def settings_help(indent: str = "    ") -> str:
+    """One line per engine setting: ``name (default): help``."""
+    return "\n".join(f"{indent}{f.name} ({f.default!r}): {f.metadata['help']}" for f in SETTINGS)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from growpage.core.config import GrowPageConfig, fitted_recent_window
-from growpage.engine.config import EngineConfig, resolve_device
+from growpage.engine.config import SETTINGS, EngineConfig, settings_help
 from growpage.engine.inputs import (
     Prompt,
     arrival_offsets,
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from growpage.engine.attention import AttentionBackend
 
 _GROWPAGE_FIELDS = {f.name for f in attrs.fields(GrowPageConfig)}
+_ENGINE_FIELDS = {f.name for f in SETTINGS}
 _MAX_IDLE_S = 60.0  # longest sleep waiting for an arrival (time.sleep refuses ~300 years)
 # One request of a call: prompt ids, params, forced continuation ids (score), prompt text.
 _Work = tuple[list[int], SamplingParams, list[int] | None, str | None]
@@ -58,16 +59,17 @@ def _close_keywords(unknown: set[str]) -> str:
     import difflib
     import inspect
 
-    known = _GROWPAGE_FIELDS | set(inspect.signature(LLM.__init__).parameters) - {
-        "self",
-        "growpage_fields",
-    }
+    own = set(inspect.signature(LLM.__init__).parameters) - {"self", "settings"}
+    known = own | _ENGINE_FIELDS | _GROWPAGE_FIELDS
     close = [
         match for name in sorted(unknown) for match in difflib.get_close_matches(name, known, n=1)
     ]
     if close:
         return f"; did you mean {', '.join(map(repr, close))}?"
-    return "; LLM takes its own keywords and GrowPageConfig's fields (docs/engine.md, Parameters)"
+    return (
+        "; LLM takes its own keywords and GrowPageConfig's fields; its own include "
+        "EngineConfig's settings (help(LLM) lists them; docs/engine.md, Parameters)"
+    )
 
 
 class LLM:
@@ -82,18 +84,16 @@ class LLM:
             given as a keyword (``recent_window=8``...) override it. With a ``page_size`` not
             above the default recent window (16) and no ``recent_window``, the window is
             ``page_size // 4``.
-        device: ``"cpu"`` (default), ``"cuda"``, ``"cuda:N"``, or ``"auto"`` (CUDA when torch
-            sees a GPU).
-        kv_pages / kv_cache_memory / max_num_seqs / max_num_batched_tokens /
-        enable_prefix_caching / dtype / attention_backend / boundary_kernels / warmup /
-        cuda_graphs / async_compaction / async_decisions / record_traces / record_layers /
-        record_values / seed:
-        see ``EngineConfig``. Recording needs ``policy="fullkv"`` and turns prefix caching off;
-        so does a policy that reads H2O accumulated attention (``needs_accumulated_attention``,
-        e.g. ``"h2o"``).
+        **settings: ``GrowPageConfig`` fields, and ``EngineConfig``'s engine settings, with
+            their defaults there (listed below). Recording needs ``policy="fullkv"`` and turns
+            prefix caching off; so does a policy that reads H2O accumulated attention
+            (``needs_accumulated_attention``, e.g. ``"h2o"``).
 
     ``last_stats`` holds the ``EngineStats`` of the last ``generate`` / ``score`` call; it is
     None from the start of a call until the call returns, so a failed call leaves None.
+
+    Engine settings, ``name (default): what`` (``EngineConfig``)::
+
     """
 
     def __init__(
@@ -104,26 +104,9 @@ class LLM:
         *,
         tokenizer: Any = None,
         config: GrowPageConfig | None = None,
-        kv_pages: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 4096,
-        enable_prefix_caching: bool = True,
-        dtype: str | torch.dtype = "float32",
-        device: str = "cpu",
-        attention_backend: str = "auto",
-        boundary_kernels: bool | None = None,
-        warmup: bool | None = None,
-        cuda_graphs: bool | None = None,
-        async_compaction: bool | None = None,
-        async_decisions: bool = False,
-        record_traces: str | Path | None = None,
-        record_layers: Seq[int] | None = None,
-        record_values: bool = True,
-        seed: int = 0,
-        **growpage_fields: Any,
+        **settings: Any,
     ) -> None:
-        unknown = set(growpage_fields) - _GROWPAGE_FIELDS
+        unknown = set(settings) - _ENGINE_FIELDS - _GROWPAGE_FIELDS
         if unknown:
             raise TypeError(
                 f"LLM() got unexpected keyword argument(s) {sorted(unknown)}"
@@ -140,41 +123,23 @@ class LLM:
                 f"hyperparameters, got {type(policy_kwargs).__name__} "
                 f"{policy_kwargs!r:.80}"
             )
+        engine = {k: v for k, v in settings.items() if k in _ENGINE_FIELDS}
+        growpage_fields = {k: v for k, v in settings.items() if k in _GROWPAGE_FIELDS}
         base = config or GrowPageConfig()
         page_size = growpage_fields.get("page_size")
         if isinstance(page_size, int) and "recent_window" not in growpage_fields:
             growpage_fields["recent_window"] = fitted_recent_window(base.recent_window, page_size)
         gp = base.replace(**growpage_fields)
         policy_obj = resolve_policy(policy, **(policy_kwargs or {}))
-        if record_traces is not None and getattr(policy_obj, "name", "") != "fullkv":
+        recording = engine.get("record_traces") is not None
+        if recording and getattr(policy_obj, "name", "") != "fullkv":
             raise EngineError("trace recording needs policy='fullkv' (traces hold full KV)")
         # Per-slot H2O sums cannot live in shared prompt pages (growpage.engine.accumulation).
         sums = bool(getattr(policy_obj, "needs_accumulated_attention", False))
-        self.config = EngineConfig(
-            growpage=gp,
-            kv_pages=kv_pages,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            # A non-bool goes through as given, for the config to refuse.
-            enable_prefix_caching=(
-                enable_prefix_caching and record_traces is None and not sums
-                if isinstance(enable_prefix_caching, bool)
-                else enable_prefix_caching
-            ),
-            dtype=dtype,
-            device=resolve_device(device),
-            attention_backend=attention_backend,
-            boundary_kernels=boundary_kernels,
-            warmup=warmup,
-            cuda_graphs=cuda_graphs,
-            async_compaction=async_compaction,
-            async_decisions=async_decisions,
-            record_traces=None if record_traces is None else str(record_traces),
-            record_layers=record_layers,
-            record_values=record_values,
-            seed=seed,
-        )
+        # A non-bool goes through as given, for the config to refuse.
+        if (recording or sums) and isinstance(engine.get("enable_prefix_caching", True), bool):
+            engine["enable_prefix_caching"] = False
+        self.config = EngineConfig(growpage=gp, **engine)
         self.model, self.tokenizer = _load(model, tokenizer, self.config)
         eos = set(self.model.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -551,3 +516,6 @@ def _progress(work: list[_Work], enabled: bool | None) -> ProgressBar[NoReturn] 
     return tqdm(
         total=work[0][1].max_tokens, desc="tokens", unit="tok", dynamic_ncols=True, disable=disable
     )
+
+
+LLM.__doc__ = f"{(LLM.__doc__ or '').rstrip(' ')}{settings_help(' ' * 8)}\n"
