@@ -129,12 +129,14 @@ def test_engine_guide_documents_every_llm_keyword_and_output_field() -> None:
 
     import attrs
 
+    from growpage.engine.config import SETTINGS
     from growpage.engine.llm import LLM
     from growpage.engine.outputs import EngineStats, RequestOutput
     from growpage.engine.sampling_params import SamplingParams
 
     params = section("docs/engine.md", "## Parameters")
-    keywords = set(inspect.signature(LLM.__init__).parameters) - {"self", "growpage_fields"}
+    keywords = set(inspect.signature(LLM.__init__).parameters) - {"self", "settings"}
+    keywords |= {f.name for f in SETTINGS}  # LLM's **settings
     assert keywords <= names(params) | {"model", "policy", "policy_kwargs"}
     assert {f.name for f in attrs.fields(SamplingParams)} <= names(params)
     stats = section("docs/engine.md", "## Statistics (`EngineStats`)")
@@ -161,6 +163,9 @@ def cli_options(command: str) -> set[str]:
 
 
 def test_engine_guide_cli_synopsis_matches_the_parsers() -> None:
+    from growpage.engine.cli import NO_FLAG, flag_name
+    from growpage.engine.config import SETTINGS
+
     text = (ROOT / "docs/engine.md").read_text()
     synopsis = text[
         text.index("growpage generate --prompt") : text.index(
@@ -170,6 +175,8 @@ def test_engine_guide_cli_synopsis_matches_the_parsers() -> None:
     generate, record = synopsis.split("growpage record")
     for command, block in (("generate", generate), ("record", record)):
         shown = set(re.findall(r"--[a-z][a-z-]*", block))
+        if "[ENGINE FLAGS]" in block:  # generated: one per engine setting (docs: Parameters)
+            shown |= {flag_name(f) for f in SETTINGS if f.name not in NO_FLAG}
         shown |= {f"--no-{o[2:]}" for o in shown if f"--no-{o[2:]}" in cli_options(command)}
         assert shown == cli_options(command), (command, shown ^ cli_options(command))
 
@@ -245,6 +252,7 @@ def test_engine_guide_defaults_are_the_codes() -> None:
 
     import attrs
 
+    from growpage.engine.config import SETTINGS
     from growpage.engine.llm import LLM
     from growpage.engine.sampling_params import SamplingParams
 
@@ -253,7 +261,7 @@ def test_engine_guide_defaults_are_the_codes() -> None:
         name: p.default
         for name, p in inspect.signature(LLM.__init__).parameters.items()
         if p.kind is p.KEYWORD_ONLY
-    }
+    } | {f.name: f.default for f in SETTINGS}  # LLM's **settings
     sampling = {f.name: f.default for f in attrs.fields(SamplingParams)}
     for table, actual in ((llm_table, llm), (sampling_table, sampling)):
         documented = documented_defaults(table)

@@ -4,18 +4,63 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
+import torch
+
 from growpage._argtypes import path_arg, positive_int
-from growpage.engine.config import plural
+from growpage.engine.config import SETTINGS, plural
 from growpage.errors import ConfigError, EngineError
 from growpage.policies.registry import parse_policy_params
 
 if TYPE_CHECKING:
     from growpage.engine.llm import LLM
     from growpage.engine.outputs import EngineStats, RequestOutput, StreamChunk
+
+
+#: Engine settings ``generate`` and ``record`` have no flag for, and why.
+NO_FLAG = {
+    "seed": "--seed seeds the requests' sampling here (the engine's generator starts from 0)",
+    "record_traces": "record's --out (generate does not record)",
+    "record_layers": "record's --layers",
+    "record_values": "record's --no-values",
+}
+
+
+def add_engine_flags(p: argparse.ArgumentParser, skip: Mapping[str, str]) -> None:
+    """A flag for each engine setting (``EngineConfig``'s fields, ``SETTINGS``) but those in
+    ``skip`` (name: why not), named, typed, defaulted and explained by the field."""
+    for field in SETTINGS:
+        if field.name in skip:
+            continue
+        options = dict(field.metadata["flag"])
+        options.pop("name", None)
+        flag = flag_name(field)
+        default = options.pop("default", field.default)
+        if isinstance(default, torch.dtype):
+            default = str(default).removeprefix("torch.")  # its name among the choices
+        text = field.metadata["help"]
+        if str(field.type).startswith("bool"):
+            options["action"] = argparse.BooleanOptionalAction
+            default_text = {True: "on", False: "off", None: None}[default]
+        else:
+            default_text = default
+        if default_text is not None:
+            text += f" (default {default_text})"
+        p.add_argument(flag, dest=field.name, default=default, help=text, **options)
+
+
+def flag_name(field: attrs.Attribute) -> str:
+    """``--max-num-seqs`` for ``max_num_seqs``, unless the field's metadata names another."""
+    return "--" + field.metadata["flag"].get("name", field.name.replace("_", "-"))
+
+
+def engine_settings(args: argparse.Namespace, skip: Mapping[str, str]) -> dict[str, Any]:
+    """The ``LLM`` keywords of the flags ``add_engine_flags(p, skip)`` gave ``p``."""
+    return {f.name: getattr(args, f.name) for f in SETTINGS if f.name not in skip}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -66,23 +111,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="seed of the requests' sampling (default: none; a run is reproducible "
         "anyway, the engine's generator starting from seed 0)",
-    )
-    g.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="replay decode steps as CUDA graphs (default: on CUDA with the Triton backend)",
-    )
-    g.add_argument(
-        "--async-compaction",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compress beside the decode step (paper E.3; default: with CUDA graphs)",
-    )
-    g.add_argument(
-        "--async-decisions",
-        action="store_true",
-        help="decide whole boundaries beside the decode step (beyond the paper)",
     )
     g.add_argument(
         "--progress",
@@ -178,9 +206,6 @@ def _common(
         help=f"most tokens to generate per prompt (default {default_max_tokens})",
     )
     p.add_argument(
-        "--kv-pages", type=int, default=None, help="KV cache pages (default: 512 MiB worth)"
-    )
-    p.add_argument(
         "--page-size",
         type=int,
         default=64,
@@ -206,17 +231,7 @@ def _common(
         default=True,
         help="apply the model's chat template (default on)",
     )
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="'cpu', 'cuda' or 'cuda:N' (default auto: cuda when torch sees a GPU)",
-    )
-    p.add_argument(
-        "--attention-backend",
-        choices=["auto", "torch", "triton"],
-        default="auto",
-        help="auto (default): Triton on CUDA, torch on CPU",
-    )
+    add_engine_flags(p, NO_FLAG)
 
 
 def _build_llm(**kwargs: Any) -> LLM:
@@ -228,21 +243,15 @@ def _build_llm(**kwargs: Any) -> LLM:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``LLM`` arguments of the engine flags (``--threads`` is applied here, to torch)."""
-    from growpage.engine.config import resolve_device
-
     if args.threads is not None:
-        import torch
-
         torch.set_num_threads(args.threads)
 
     window = {} if args.recent_window is None else {"recent_window": args.recent_window}
     return {
         "model": args.model,
-        "kv_pages": args.kv_pages,
         "page_size": args.page_size,
-        "device": resolve_device(args.device),
-        "attention_backend": args.attention_backend,
         **window,
+        **engine_settings(args, NO_FLAG),
     }
 
 
@@ -289,18 +298,10 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     if args.out is not None:
         _make_out_dir(args.out, "an output directory")
-    extra = {
-        name: getattr(args, name)
-        for name in ("cuda_graphs", "async_compaction")
-        if getattr(args, name) is not None
-    }
-    if args.async_decisions:
-        extra["async_decisions"] = True
     llm = _build_llm(
         policy=args.policy,
         policy_kwargs=parse_policy_params(args.policy_arg, "--param"),
         **_engine_kwargs(args),
-        **extra,
     )
     if args.stream:
         out = _print_stream(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from growpage._argtypes import positive_int
+from growpage.engine.cli import add_engine_flags, engine_settings
 from growpage.errors import GrowPageError
 
 if TYPE_CHECKING:
@@ -21,6 +22,10 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install 'growpage[serve]'"
 SHUTDOWN_BACKSTOP_S = 5.0  # after the shutdown timeout, how long uvicorn waits for the streams
+#: Engine settings ``serve`` has no flag for, and why.
+NO_FLAG = dict.fromkeys(
+    ("record_traces", "record_layers", "record_values"), "traces are recorded by growpage record"
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,9 +84,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "default 512)",
     )
     s.add_argument(
-        "--kv-pages", type=positive_int, default=None, help="KV cache pages (default: 512 MiB)"
-    )
-    s.add_argument(
         "--page-size", type=positive_int, default=64, help="tokens per KV page (default 64)"
     )
     s.add_argument(
@@ -91,41 +93,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="protected recent tokens (default 16, or page size / 4 for pages of 16 or fewer)",
     )
     s.add_argument(
-        "--max-num-seqs",
-        type=positive_int,
-        default=64,
-        help="most requests running at once (default 64)",
-    )
-    s.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=4096,
-        help="prompt tokens per prefill step (default 4096)",
-    )
-    s.add_argument(
-        "--prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="share cached prompt pages between requests (default on)",
-    )
-    s.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling (default 0)")
-    s.add_argument(
         "--threads",
         type=positive_int,
         default=None,
         help="torch CPU threads (default: torch's)",
     )
-    s.add_argument(
-        "--device",
-        default="auto",
-        help="'cpu', 'cuda' or 'cuda:N' (default auto: cuda when torch sees a GPU)",
-    )
-    s.add_argument(
-        "--attention-backend",
-        choices=["auto", "torch", "triton"],
-        default="auto",
-        help="auto (default): Triton on CUDA, torch on CPU",
-    )
+    add_engine_flags(s, NO_FLAG)
     s.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -157,7 +130,6 @@ def served_model_name(model: str | None, given: str | None) -> str:
 
 def build_llm(args: argparse.Namespace) -> Any:
     """The ``LLM`` the flags describe."""
-    from growpage.engine.config import resolve_device
     from growpage.engine.llm import LLM
     from growpage.policies.registry import parse_policy_params
 
@@ -170,15 +142,9 @@ def build_llm(args: argparse.Namespace) -> Any:
         args.model,
         policy=args.policy,
         policy_kwargs=parse_policy_params(args.policy_arg, "--param"),
-        kv_pages=args.kv_pages,
         page_size=args.page_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.prefix_caching,
-        seed=args.seed,
-        device=resolve_device(args.device),
-        attention_backend=args.attention_backend,
         **window,
+        **engine_settings(args, NO_FLAG),
     )
 
 
