@@ -110,9 +110,9 @@ def run(args: argparse.Namespace) -> int:
         make_output_dir,
         write_json,
     )
+    from growpage.validators import at_least
 
-    if args.traces < 1:
-        raise ConfigError(f"--traces must be >= 1, got {args.traces}")
+    at_least(1).require("--traces", args.traces)
     if args.page_size <= RECENT_WINDOW:
         raise ConfigError(
             f"--page-size must be > {RECENT_WINDOW} (the demo protects the "

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from growpage.errors import ConfigError, GrowPageError, policy_raised_at, raised_at
 from growpage.executors.store import Row, RowStore, fingerprint, point_key
+from growpage.validators import non_negative_int
 
 PointFn = Callable[[Any, Any], Row]
 E = TypeVar("E", bound="Executor")
@@ -123,8 +124,7 @@ class Executor(abc.ABC):
         progress: bool = True,
         max_retries: int = DEFAULT_RETRIES,
     ) -> None:
-        if max_retries < 0:
-            raise ConfigError(f"max_retries must be >= 0, got {max_retries}")
+        non_negative_int.require("max_retries", max_retries)
         self.store, self.progress, self.max_retries = store, progress, max_retries
         self.point_s: list[float | None] = []  # the last grid's seconds per point (ran here)
 

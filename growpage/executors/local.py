@@ -17,7 +17,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from growpage.errors import ConfigError
 from growpage.executors.base import (
     Completion,
     Executor,
@@ -27,6 +26,7 @@ from growpage.executors.base import (
     died_row,
     timed_point,
 )
+from growpage.validators import at_least
 
 
 def _set_worker_env(envs: Any) -> None:
@@ -53,8 +53,7 @@ class LocalExecutor(Executor):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if jobs < 1:
-            raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+        at_least(1).require("--jobs", jobs)
         self.worker_env = list(worker_env or [])
         self.jobs = min(jobs, len(self.worker_env)) if self.worker_env else jobs
         self._context = multiprocessing.get_context("spawn" if self.worker_env else None)

@@ -17,6 +17,7 @@ from typing import Any
 from growpage.errors import ConfigError
 from growpage.executors.base import Executor
 from growpage.executors.store import RowStore
+from growpage.validators import at_least
 
 FINISHED_DIR = "finished-points"  # under --out: one file per finished point (RowStore)
 
@@ -70,8 +71,7 @@ def make_executor(
     GPU per worker), ``ray_options`` to ``RayExecutor`` (the resources of one point,
     ``actors``)."""
     jobs = jobs_of(args)
-    if jobs < 1:
-        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    at_least(1).require("--jobs", jobs)
     if args.resume and out is None:
         raise ConfigError("--resume needs --out DIR: the finished points are kept there")
     if args.executor == "local" and args.address is not None:

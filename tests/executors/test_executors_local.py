@@ -192,7 +192,7 @@ def test_ray_missing_is_named_with_the_extra_to_install(capsys, monkeypatch, tmp
         (["--address", "auto"], "--address: for --executor ray only"),
         (["--resume"], "--resume needs --out DIR"),
         (["--executor", "ray", "--address", "auto", "--jobs", "2"], "--jobs sizes a Ray"),
-        (["--jobs", "0"], "--jobs must be >= 1"),
+        (["--jobs", "0"], "--jobs must be an integer >= 1, got 0"),
         (["--executor", "ray", "--address", "127.0.0.1:1"], "no Ray cluster answers there"),
     ],
 )

@@ -10,7 +10,7 @@ from growpage.cli import main
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--traces", "0"], "--traces must be >= 1"),
+        (["--traces", "0"], "--traces must be an integer >= 1, got 0"),
         (["--page-size", "16"], "--page-size must be > 16"),
     ],
 )
