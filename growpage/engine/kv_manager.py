@@ -23,7 +23,6 @@ decides and acts on it beside the forward, so the whole boundary leaves the crit
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from growpage.core.capacity import BoundaryOutcome, CapacityController, PendingCompaction
 from growpage.core.context import BoundaryBatch
 from growpage.core.pages import PagePool
+from growpage.core.residency import fits_pool, pages_for
 from growpage.engine.accumulation import allocate_sums, sum_bytes
 from growpage.engine.attention import allocate_kv_cache, check_kv_cache_fits, kv_cache_bytes
 from growpage.engine.config import EngineConfig
@@ -146,11 +146,11 @@ class KVCacheManager:
 
     # ---- sizes ----------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether ``num_tokens`` plus the next generated token fit in the whole pool."""
-        return self.pages_for(num_tokens + 1) <= self.num_pages
+        return fits_pool(num_tokens, self.page_size, self.num_pages)
 
     # ---- admission ------------------------------------------------------------------------
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -26,6 +26,7 @@ from collections import deque
 
 import attrs
 
+from growpage.core.residency import pick_victim
 from growpage.engine.config import EngineConfig, plural
 from growpage.engine.kv_manager import KVCacheManager
 from growpage.engine.sampling_params import SamplingParams
@@ -232,7 +233,7 @@ class Scheduler:
                 return False
             if outcome is None or not outcome.needs_preemption:
                 return True
-            victim = self._pick_victim()
+            victim = pick_victim(self.running, lambda v: self.kv.can_ever_fit(v.num_total_tokens))
             if victim is None:
                 return False
             self.preempt(victim)
@@ -240,10 +241,3 @@ class Scheduler:
                 scheduled.remove(victim)
             if victim is seq:
                 return False
-
-    def _pick_victim(self) -> Sequence | None:
-        """The most recently admitted running sequence whose recompute can fit the pool."""
-        for seq in reversed(self.running):
-            if self.kv.can_ever_fit(seq.num_total_tokens):
-                return seq
-        return None

@@ -7,11 +7,11 @@ as in the engine) or decodes one token for every running request. Decode steps r
 but token counts, so a segment of ``k`` steps is priced at once and nothing is done per token. A request's counters
 are brought up to date (``_sync``) only when it has an event.
 
-Preemption is by recompute, the victim being the most recently admitted running request (as in
-vLLM): its pages are freed and it goes back to the front of the queue; when re-admitted it pays a
-prefill of all its tokens (prompt + generated, the last sampled one included), which, as in the
-engine, rebuilds its full KV (what its compressions had dropped is back, on the pages all its
-tokens take) and samples its next output token.
+Preemption is by recompute (``core.residency``): the victim, the most recently admitted running
+request whose recompute fits the pool, frees its pages and goes back to the front of the queue;
+when re-admitted it pays a prefill of all its tokens (prompt + generated, the last sampled one
+included), which rebuilds its full KV and samples its next output token. When no victim fits,
+the request that needs a page sits the next step out.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from growpage.core.capacity import BoundaryOutcome, PendingCompaction
 from growpage.core.decision import Action
 from growpage.core.events import EventCounters
 from growpage.core.request import RequestState
+from growpage.core.residency import fits_pool, pick_victim
 from growpage.errors import ConfigError
 from growpage.sim.prefix import PrefixCache
 from growpage.sim.requests import SimRequest
@@ -53,7 +54,12 @@ class _FiledLate:
     holding no shared page, is decided late (filed, as the engine's ``make_room``)."""
 
 
-_LATE = _FiledLate()
+class _Waits:
+    """``Scheduler._boundary``'s answer when no victim's recompute fits the pool: the request
+    sits the next step out at its boundary, decided again after it."""
+
+
+_LATE, _WAITS = _FiledLate(), _Waits()
 
 
 class Scheduler:
@@ -276,6 +282,7 @@ class Scheduler:
         events = self.controller.events
         decided, compactions = _work(events)
         compacted, late = [], []
+        waits: list[SimRequest] = []  # no victim fits: they sit the next step out
         deferred: list[tuple[SimRequest, bool]] = []  # (request, a late boundary?) in order
         for r in self._pop_due():
             if not r.is_running:
@@ -288,6 +295,9 @@ class Scheduler:
             outcome = self._boundary(
                 r, now, defer=self.defer_compactions, late_decisions=late_decisions
             )
+            if isinstance(outcome, _Waits):
+                waits.append(r)
+                continue
             if isinstance(outcome, _FiledLate):
                 # Its boundary had to preempt another request first, which left it holding no
                 # shared page: the engine's make_room, asked again, files it as a late one.
@@ -312,7 +322,20 @@ class Scheduler:
                 Action.SHRINK,
             ):
                 compacted.append(r)
+        waits = [r for r in waits if r.is_running]
+        if waits and len(waits) == len(self.running):
+            raise ConfigError(
+                f"the pool ({self.pool.num_pages} pages) cannot make progress: every running "
+                "request needs a KV page and no preemption victim's recompute fits it"
+            )
+        self.sit_out(waits)
         return [r for r in compacted if r.is_running], [r for r in late if r.is_running]
+
+    def _can_recompute(self, r: SimRequest) -> bool:
+        """Whether the recompute of running ``r`` (every token it has now, see ``_start``)
+        fits the pool."""
+        num_tokens = r.prompt_tokens + r.generated + self.step - r.sync_step + 1
+        return fits_pool(num_tokens, self.page_size, self.pool.num_pages)
 
     def _decides_late(self, r: SimRequest) -> bool:
         """``KVCacheManager.decides_late`` for ``r`` at its boundary now."""
@@ -339,7 +362,7 @@ class Scheduler:
 
     def _boundary(
         self, r: SimRequest, now: float, defer: bool = False, late_decisions: bool = False
-    ) -> BoundaryOutcome | _FiledLate | None:
+    ) -> BoundaryOutcome | _FiledLate | _Waits | None:
         """One boundary of ``r``: its outcome, None when ``r`` itself was preempted. With
         ``defer`` a compression is only settled (its outcome's ``pending``; ``_run_pending``
         runs it). With ``late_decisions``, ``_LATE`` when a preemption for it left it deciding
@@ -364,9 +387,11 @@ class Scheduler:
                 self.log(now, "fallback", r)
             if outcome.action is not Action.PREEMPT:
                 break
-            victim = self.running[-1]
-            if victim is r and len(self.running) == 1:
+            victim = pick_victim(self.running, self._can_recompute)
+            if len(self.running) == 1:
                 raise ConfigError(self._alone_error(r))
+            if victim is None:
+                return _WAITS
             self.preempt(victim, now)
             if victim is r:
                 return None
