@@ -1,5 +1,5 @@
-"""Serving rules the engine and the simulator share: who is preempted and what its recompute
-costs.
+"""Serving rules the engine and the simulator share: admission with the prefix cache and the
+watermark, and who is preempted and what its recompute costs.
 
 The engine's ``Scheduler`` and ``KVCacheManager`` and the simulator's ``Scheduler`` call these
 functions; each world keeps its own stepping (tensors and streams in the engine, event segments
@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
+
+from growpage.core.pages import PagePool
 
 R = TypeVar("R")
 
@@ -39,3 +41,50 @@ def pick_victim(running: Sequence[R], can_recompute: Callable[[R], bool]) -> R |
         if can_recompute(r):
             return r
     return None
+
+
+def cached_prefix(
+    pool: PagePool, ids: Sequence[int], num_tokens: int, page_tokens: int
+) -> list[int]:
+    """The cached pages a prefill of ``num_tokens`` tokens takes (not taken yet): those of the
+    longest cached run of its full leading pages (``ids``: its token ids in the pool's units),
+    never all its tokens (the last one is computed for its logits)."""
+    pages = pool.match_prefix(ids)
+    if pages and len(pages) * page_tokens >= num_tokens:
+        pages = pages[:-1]
+    return pages
+
+
+def admission_pages(pool: PagePool, cached: Sequence[int], num_tokens: int, page_size: int) -> int:
+    """Free pages that admitting a prefill of ``num_tokens`` tokens whose first pages are
+    ``cached`` uses up: new pages for the rest, and the freed cached pages it revives."""
+    revived = sum(1 for page in cached if pool.refcounts[page] == 0)
+    return pages_for(num_tokens, page_size) - len(cached) + revived
+
+
+def can_admit(
+    pool: PagePool,
+    cached: Sequence[int],
+    num_tokens: int,
+    page_size: int,
+    num_running: int,
+    reserve: int = 0,
+) -> bool:
+    """Whether a prefill of ``num_tokens`` tokens (first pages ``cached``) can be admitted now:
+    while ``num_running`` requests run it leaves the pool's watermark and ``reserve`` more
+    pages free for them to grow into; a request alone may take every page."""
+    running = num_running > 0
+    need = admission_pages(pool, cached, num_tokens, page_size) + (reserve if running else 0)
+    return pool.can_allocate(need, respect_watermark=running)
+
+
+def admit(pool: PagePool, cached: list[int], num_tokens: int, page_size: int) -> list[int]:
+    """The block table of an admitted prefill: ``cached`` (acquired) and new pages for the
+    rest. All or nothing: check ``can_admit`` first; on failure nothing is held."""
+    for page in cached:
+        pool.acquire(page)
+    try:
+        return cached + pool.allocate(pages_for(num_tokens, page_size) - len(cached))
+    except BaseException:
+        pool.free(cached)
+        raise

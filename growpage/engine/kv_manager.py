@@ -27,10 +27,10 @@ import time
 
 import torch
 
+from growpage.core import residency
 from growpage.core.capacity import BoundaryOutcome, CapacityController, PendingCompaction
 from growpage.core.context import BoundaryBatch
 from growpage.core.pages import PagePool
-from growpage.core.residency import fits_pool, pages_for
 from growpage.engine.accumulation import allocate_sums, sum_bytes
 from growpage.engine.attention import allocate_kv_cache, check_kv_cache_fits, kv_cache_bytes
 from growpage.engine.config import EngineConfig
@@ -146,30 +146,24 @@ class KVCacheManager:
 
     # ---- sizes ----------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
-        return pages_for(num_tokens, self.page_size)
+        return residency.pages_for(num_tokens, self.page_size)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether ``num_tokens`` plus the next generated token fit in the whole pool."""
-        return fits_pool(num_tokens, self.page_size, self.num_pages)
+        return residency.fits_pool(num_tokens, self.page_size, self.num_pages)
 
     # ---- admission ------------------------------------------------------------------------
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         if not self.prefix_caching:
             return []
         tokens = seq.token_ids
-        pages = self.pool.match_prefix(tokens)
-        if pages and len(pages) * self.page_size >= len(tokens):
-            pages = pages[:-1]  # the last token must be computed to get its logits
-        return pages
+        return residency.cached_prefix(self.pool, tokens, len(tokens), self.page_size)
 
-    def can_admit(self, seq: Sequence, respect_watermark: bool) -> bool:
+    def can_admit(self, seq: Sequence, num_running: int) -> bool:
         """Whether ``seq`` can get all pages of its prefill now (and a query-state slot)."""
-        if not self.query_pool.can_bind():
-            return False
-        cached = self._cached_prefix(seq)
-        num_new = self.pages_for(seq.num_total_tokens) - len(cached)
-        num_revived = sum(1 for p in cached if self.pool.refcounts[p] == 0)
-        return self.pool.can_allocate(num_new + num_revived, respect_watermark)
+        return self.query_pool.can_bind() and residency.can_admit(
+            self.pool, self._cached_prefix(seq), seq.num_total_tokens, self.page_size, num_running
+        )
 
     def admit(self, seq: Sequence) -> None:
         """Give ``seq`` its prefill pages (cached prefix + new pages) and a query slot.
@@ -177,16 +171,10 @@ class KVCacheManager:
         All or nothing: call ``can_admit`` first; on failure nothing is held.
         """
         cached = self._cached_prefix(seq)
-        for page in cached:
-            self.pool.acquire(page)
-        try:
-            new = self.pool.allocate(self.pages_for(seq.num_total_tokens) - len(cached))
-        except BaseException:
-            self.pool.free(cached)
-            raise
+        table = residency.admit(self.pool, cached, seq.num_total_tokens, self.page_size)
         seq.reset_residency()
         seq.query_slot = self.query_pool.bind()
-        seq.state.block_table = cached + new
+        seq.state.block_table = table
         seq.state.num_tokens = seq.state.position = len(cached) * self.page_size
         seq.prefill_target = seq.num_total_tokens
         seq.num_cached_tokens = len(cached) * self.page_size

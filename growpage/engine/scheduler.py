@@ -145,7 +145,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.kv.can_admit(seq, respect_watermark=bool(self.running)):
+            if not self.kv.can_admit(seq, len(self.running)):
                 break
             self.waiting.popleft()
             self.kv.admit(seq)

@@ -26,6 +26,7 @@ pool counts pages (a page is shared when all its tokens lie in the prefix).
 from __future__ import annotations
 
 from growpage.core.pages import PagePool
+from growpage.core.residency import cached_prefix
 from growpage.sim.requests import SimRequest
 
 _SPAN = 1 << 40  # ids per group or request: more units than any request has
@@ -63,19 +64,10 @@ class PrefixCache:
         never all of them: the last token is computed for its logits."""
         if not self.enabled:
             return []
-        pages = self.pool.match_prefix(self._ids(r, num_tokens))
-        if pages and len(pages) * self.page_tokens >= num_tokens:
-            pages = pages[:-1]
-        return pages
+        return cached_prefix(self.pool, self._ids(r, num_tokens), num_tokens, self.page_tokens)
 
-    def pages_to_take(self, cached: list[int]) -> int:
-        """Free pages that taking ``cached`` uses up: the freed ones it revives."""
-        return sum(1 for page in cached if self.pool.refcounts[page] == 0)
-
-    def take(self, r: SimRequest, cached: list[int]) -> None:
-        """``r`` holds ``cached`` (its block table begins with them) and has computed them."""
-        for page in cached:
-            self.pool.acquire(page)
+    def took(self, r: SimRequest, cached: list[int]) -> None:
+        """``r`` was admitted holding ``cached`` (``residency.admit``) and has computed them."""
         r.registered, r.last_hash, r.last_cached = 0, None, None
         self.hit_tokens += len(cached) * self.page_tokens
 

@@ -17,7 +17,6 @@ the request that needs a page sits the next step out.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -27,7 +26,7 @@ from growpage.core.capacity import BoundaryOutcome, PendingCompaction
 from growpage.core.decision import Action
 from growpage.core.events import EventCounters
 from growpage.core.request import RequestState
-from growpage.core.residency import fits_pool, pick_victim
+from growpage.core.residency import admit, can_admit, fits_pool, pages_for, pick_victim
 from growpage.errors import ConfigError
 from growpage.sim.prefix import PrefixCache
 from growpage.sim.requests import SimRequest
@@ -188,7 +187,7 @@ class Scheduler:
                 break
             if not fits:
                 if not self.running:
-                    pages = math.ceil(self._prefill_need(r) / self.page_size)
+                    pages = pages_for(self._prefill_need(r), self.page_size)
                     raise ConfigError(
                         f"request {r.request_id!r} needs {pages} KV pages; the pool "
                         f"has {self.pool.num_pages}"
@@ -212,13 +211,13 @@ class Scheduler:
 
     def _admission(self, r: SimRequest) -> tuple[list[int], int, bool]:
         """For waiting ``r`` now: the cached pages it would take, the tokens its prefill would
-        compute, and whether its pages fit (as the engine's: leaving ``admission_reserve`` and
-        the pool's watermark free unless nothing runs)."""
+        compute, and whether its pages fit (``residency.can_admit``, leaving
+        ``admission_reserve`` free too)."""
         need = self._prefill_need(r)
         cached = self.prefix.cached_pages(r, need)
-        take = math.ceil(need / self.page_size) - len(cached) + self.prefix.pages_to_take(cached)
-        reserve = self.admission_reserve if self.running else 0
-        fits = self.pool.can_allocate(take + reserve, respect_watermark=bool(self.running))
+        fits = can_admit(
+            self.pool, cached, need, self.page_size, len(self.running), self.admission_reserve
+        )
         return cached, need - len(cached) * self.page_size, fits
 
     def can_admit(self) -> bool:
@@ -234,9 +233,8 @@ class Scheduler:
             # A recompute starts from a fresh view: what its compressions dropped is back.
             r.view = self.source.view_for(r.spec, len(cached) * self.page_size)
         r.prefill_target = self._prefill_need(r)
-        new = math.ceil(r.prefill_target / self.page_size) - len(cached)
-        self.prefix.take(r, cached)
-        r.state.block_table = cached + self.pool.allocate(new, respect_watermark=bool(self.running))
+        r.state.block_table = admit(self.pool, cached, r.prefill_target, self.page_size)
+        self.prefix.took(r, cached)
         r.prefill_left = r.prefill_target - len(cached) * self.page_size
         self.prefix.register(r, len(cached) * self.page_size)
         self.prefilling.append(r)
@@ -425,7 +423,7 @@ class Scheduler:
             f"{self.page_size} tokens, watermark {self.pool.watermark}) is too small"
         )
         if not self.controller.policy.fallback_to_compress:
-            need = math.ceil((total - 1) / self.page_size) + self.pool.watermark
+            need = pages_for(total - 1, self.page_size) + self.pool.watermark
             text += (
                 f"; policy {self.controller.policy.name!r} never compresses, so it needs "
                 f"{need} pages (--kv-pages {need})"

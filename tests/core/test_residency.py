@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from growpage.core.residency import fits_pool, pages_for, pick_victim
+import pytest
+
+from growpage.core.pages import PagePool
+from growpage.core.residency import (
+    admission_pages,
+    admit,
+    cached_prefix,
+    can_admit,
+    fits_pool,
+    pages_for,
+    pick_victim,
+)
+from growpage.errors import PoolExhaustedError
 
 
 def test_pages_for_rounds_up():
@@ -27,3 +39,45 @@ def test_the_victim_is_the_latest_admitted_whose_recompute_fits():
     assert pick_victim(["c", "d"], fits.__getitem__) is None  # none fits: the caller waits
     assert pick_victim([], fits.__getitem__) is None
     assert pick_victim(running, lambda r: True) == "d"  # all fit: the latest admitted
+
+
+def pool_with_cached_prefix() -> tuple[PagePool, list[int]]:
+    """8 pages of 4 tokens, watermark 1; tokens 0..7 cached on two freed pages."""
+    pool = PagePool(8, 4, watermark=1)
+    pages = pool.allocate(2)
+    assert pool.register_prefix(pages, list(range(8))) == 2
+    pool.free(reversed(pages))
+    return pool, pages
+
+
+def test_a_prefill_takes_its_cached_leading_pages_but_never_its_last_token():
+    pool, pages = pool_with_cached_prefix()
+    assert cached_prefix(pool, list(range(10)), 10, 4) == pages  # 8 cached, 2 to compute
+    assert cached_prefix(pool, list(range(8)), 8, 4) == pages[:1]  # the 8th is computed
+    assert cached_prefix(pool, list(range(3)), 3, 4) == []  # no full page
+    assert cached_prefix(pool, [9] + list(range(1, 10)), 10, 4) == []  # another first page
+
+
+def test_admission_counts_new_and_revived_pages_and_keeps_the_watermark_while_others_run():
+    pool, cached = pool_with_cached_prefix()
+    # 10 tokens take 3 pages: 1 new, and the 2 cached ones leave the free list.
+    assert admission_pages(pool, cached, 10, 4) == 3
+    assert can_admit(pool, cached, 10, 4, num_running=0, reserve=7)  # alone: every page
+    assert can_admit(pool, cached, 10, 4, num_running=1, reserve=4)  # 3 + 4 <= 8 - 1
+    assert not can_admit(pool, cached, 10, 4, num_running=1, reserve=5)
+    table = admit(pool, cached, 10, 4)
+    assert table[:2] == cached and len(table) == 3
+    assert [pool.refcounts[p] for p in table] == [1, 1, 1] and pool.num_free_pages == 5
+    # A second request of the same prompt shares the held pages: only 1 new page.
+    assert admission_pages(pool, cached, 10, 4) == 1
+
+
+def test_a_failed_admission_holds_nothing():
+    pool, cached = pool_with_cached_prefix()
+    others = pool.allocate(5)  # 1 free page left
+    assert not can_admit(pool, cached, 16, 4, num_running=1)
+    with pytest.raises(PoolExhaustedError):
+        admit(pool, cached, 16, 4)  # 2 cached + 2 new, 1 free
+    assert [pool.refcounts[p] for p in cached] == [0, 0] and pool.num_free_pages == 3
+    assert cached_prefix(pool, list(range(10)), 10, 4) == cached  # still cached
+    pool.free(others)
