@@ -1,5 +1,6 @@
 """Serving rules the engine and the simulator share: admission with the prefix cache and the
-watermark, and who is preempted and what its recompute costs.
+watermark, whether a boundary is decided while scheduling or late, and who is preempted and
+what its recompute costs.
 
 The engine's ``Scheduler`` and ``KVCacheManager`` and the simulator's ``Scheduler`` call these
 functions; each world keeps its own stepping (tensors and streams in the engine, event segments
@@ -15,9 +16,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from growpage.core.pages import PagePool
+
+if TYPE_CHECKING:  # (they import torch)
+    from growpage.core.capacity import CapacityController
+    from growpage.core.kvview import KVView
+    from growpage.core.request import RequestState
 
 R = TypeVar("R")
 
@@ -88,3 +94,17 @@ def admit(pool: PagePool, cached: list[int], num_tokens: int, page_size: int) ->
     except BaseException:
         pool.free(cached)
         raise
+
+
+def decides_late(controller: CapacityController, state: RequestState, view: KVView) -> bool:
+    """Whether a boundary can be decided beside the next step (``async_decisions``) instead of
+    while scheduling it: its policy decides it (``CapacityController.will_decide``) and no
+    outcome can need a preemption, which only scheduling can settle. A refused growth falls
+    back to compressing (``fallback_to_compress``), and a compression needs no page when none
+    of the request's pages is shared (no copy-on-write; pages become shared only at
+    admission)."""
+    return (
+        bool(getattr(controller.policy, "fallback_to_compress", True))
+        and not any(controller.pool.is_shared(page) for page in state.block_table)
+        and controller.will_decide(state, view)
+    )

@@ -280,18 +280,9 @@ class KVCacheManager:
 
     # ---- asynchronous compaction ----------------------------------------------------------
     def decides_late(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s boundary can be decided beside the forward (``async_decisions``):
-        its policy decides it (not a forced growth) and no outcome can need a preemption, so
-        nothing has to be settled while scheduling. A refused growth falls back to compressing
-        (``fallback_to_compress``), and a compression needs no page when none of the request's
-        pages is shared (no copy-on-write; pages become shared only at admission, in prefill
-        steps)."""
-        state = seq.state
-        return (
-            bool(getattr(self.controller.policy, "fallback_to_compress", True))
-            and not any(self.pool.is_shared(page) for page in state.block_table)
-            and self.controller.will_decide(state, self.view(seq))
-        )
+        """Whether ``seq``'s boundary can be decided beside the forward (``async_decisions``;
+        ``residency.decides_late``)."""
+        return residency.decides_late(self.controller, seq.state, self.view(seq))
 
     def is_deferred(self, seq: Sequence) -> bool:
         """Whether ``seq`` has a compression or a late boundary pending (it sits this decode

@@ -25,8 +25,15 @@ import attrs
 from growpage.core.capacity import BoundaryOutcome, PendingCompaction
 from growpage.core.decision import Action
 from growpage.core.events import EventCounters
-from growpage.core.request import RequestState
-from growpage.core.residency import admit, can_admit, fits_pool, pages_for, pick_victim
+from growpage.core.kvview import KVView
+from growpage.core.residency import (
+    admit,
+    can_admit,
+    decides_late,
+    fits_pool,
+    pages_for,
+    pick_victim,
+)
 from growpage.errors import ConfigError
 from growpage.sim.prefix import PrefixCache
 from growpage.sim.requests import SimRequest
@@ -268,9 +275,8 @@ class Scheduler:
         ones whose boundary was decided late.
 
         As the engine's scheduler: the requests are taken in admission order. With late
-        decisions a request whose boundary can be decided beside the next step (its policy
-        decides it and falls back to compressing, and it holds no shared page, so no outcome
-        needs a preemption) is only filed; with ``defer_compactions`` (the engine's
+        decisions a request whose boundary can be decided beside the next step
+        (``residency.decides_late``) is only filed; with ``defer_compactions`` (the engine's
         ``async_compaction``) a compression is settled (its copy-on-write pages taken) but not
         run. Both kinds then run after all the others, in the order they were filed, as the
         engine's ``run_deferred`` does beside the step: a page two requests share is copied
@@ -335,17 +341,22 @@ class Scheduler:
         num_tokens = r.prompt_tokens + r.generated + self.step - r.sync_step + 1
         return fits_pool(num_tokens, self.page_size, self.pool.num_pages)
 
-    def _decides_late(self, r: SimRequest) -> bool:
-        """``KVCacheManager.decides_late`` for ``r`` at its boundary now."""
-        return (
-            bool(getattr(self.controller.policy, "fallback_to_compress", True))
-            and r.num_pages >= self.controller.config.min_capacity
-            and self.step > r.admit_step  # a query summary exists
-            and not (
-                self.prefix.enabled
-                and any(self.pool.is_shared(page) for page in r.state.block_table)
-            )
+    def _prepare(self, r: SimRequest) -> KVView:
+        """Bring ``r``'s controller state and view to its boundary now; returns the view."""
+        state, view = r.state, r.view
+        state.num_tokens = r.num_tokens // self.source.scale
+        state.position = r.prompt_tokens + r.generated
+        assert view is not None  # given when the request was admitted
+        # No decode step since its admission: no query summary yet (a prompt that fills its
+        # last page, or the first step after a recompute), so the controller grows.
+        self.source.prepare(
+            view, state.num_tokens, state.position, decoded=self.step > r.admit_step
         )
+        return view
+
+    def _decides_late(self, r: SimRequest) -> bool:
+        """``residency.decides_late`` for ``r`` at its boundary now."""
+        return decides_late(self.controller, r.state, self._prepare(r))
 
     def sit_out(self, requests: list[SimRequest]) -> None:
         """``requests`` skip the next decode step (asynchronous compaction: their compaction
@@ -365,18 +376,9 @@ class Scheduler:
         ``defer`` a compression is only settled (its outcome's ``pending``; ``_run_pending``
         runs it). With ``late_decisions``, ``_LATE`` when a preemption for it left it deciding
         late (``_decides_late``): as the engine's ``make_room`` asked again, it is only filed."""
-        scale = self.source.scale
+        state = r.state
         while True:
-            state: RequestState = r.state
-            state.num_tokens = r.num_tokens // scale
-            state.position = r.prompt_tokens + r.generated
-            view = r.view
-            assert view is not None  # given when the request was admitted
-            # No decode step since its admission: no query summary yet (a prompt that fills its
-            # last page, or the first step after a recompute), so the controller grows.
-            self.source.prepare(
-                view, state.num_tokens, state.position, decoded=self.step > r.admit_step
-            )
+            view = self._prepare(r)
             fallbacks = state.events.fallback
             outcome = self.controller.on_boundary(state, view, defer=defer)
             if state.events.fallback > fallbacks:

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+from growpage.core.capacity import CapacityController
+from growpage.core.config import GrowPageConfig
 from growpage.core.pages import PagePool
+from growpage.core.request import RequestState
 from growpage.core.residency import (
     admission_pages,
     admit,
     cached_prefix,
     can_admit,
+    decides_late,
     fits_pool,
     pages_for,
     pick_victim,
 )
 from growpage.errors import PoolExhaustedError
+from growpage.policies import resolve_policy
+from growpage.sim.scripted import CountingView
 
 
 def test_pages_for_rounds_up():
@@ -81,3 +87,35 @@ def test_a_failed_admission_holds_nothing():
     assert [pool.refcounts[p] for p in cached] == [0, 0] and pool.num_free_pages == 3
     assert cached_prefix(pool, list(range(10)), 10, 4) == cached  # still cached
     pool.free(others)
+
+
+def at_boundary(pool: PagePool, num_pages: int) -> RequestState:
+    """A request holding ``num_pages`` full pages of 4 tokens (at a capacity boundary)."""
+    return RequestState("r", pool.allocate(num_pages), num_tokens=4 * num_pages)
+
+
+@pytest.mark.parametrize(
+    "policy, num_pages, decoded, shared, late",
+    [
+        ("growpage", 3, True, False, True),  # the policy decides; nothing needs a preemption
+        ("growpage", 1, True, False, False),  # below min_capacity = 2: a forced growth
+        ("growpage", 3, False, False, False),  # no query summary yet: a forced growth
+        ("growpage", 3, True, True, False),  # a compression would copy its shared page
+        ("fullkv", 3, True, False, False),  # a refused growth preempts
+    ],
+)
+def test_a_boundary_is_decided_late_only_when_no_outcome_can_preempt(
+    policy, num_pages, decoded, shared, late
+):
+    pool = PagePool(8, 4)
+    controller = CapacityController(
+        resolve_policy(policy), pool, GrowPageConfig(page_size=4, recent_window=1)
+    )
+    state = at_boundary(pool, num_pages)
+    if shared:
+        pool.fork(state.block_table[:1])
+    view = CountingView(state.num_tokens)
+    view.decoded = decoded
+    assert decides_late(controller, state, view) is late
+    state.num_tokens -= 1  # a free slot: no boundary at all
+    assert not decides_late(controller, state, view)
