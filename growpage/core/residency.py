@@ -1,6 +1,6 @@
 """Serving rules the engine and the simulator share: admission with the prefix cache and the
-watermark, whether a boundary is decided while scheduling or late, and who is preempted and
-what its recompute costs.
+watermark, a resident request's entries in the prefix cache (``PrefixChain``), whether a
+boundary is decided while scheduling or late, and the preemption victim.
 
 The engine's ``Scheduler`` and ``KVCacheManager`` and the simulator's ``Scheduler`` call these
 functions; each world keeps its own stepping (tensors and streams in the engine, event segments
@@ -18,9 +18,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
+import attrs
+
 from growpage.core.pages import PagePool
 
-if TYPE_CHECKING:  # (they import torch)
+if TYPE_CHECKING:  # (capacity and kvview import torch)
     from growpage.core.capacity import CapacityController
     from growpage.core.kvview import KVView
     from growpage.core.request import RequestState
@@ -94,6 +96,41 @@ def admit(pool: PagePool, cached: list[int], num_tokens: int, page_size: int) ->
     except BaseException:
         pool.free(cached)
         raise
+
+
+@attrs.define
+class PrefixChain:
+    """How far a resident request's full pages are entered in the prefix cache; a new one at
+    each admission.
+
+    Attributes:
+        num_registered_pages: its leading pages entered (or tried).
+        last_page_hash: the chain hash through its last entered page.
+        last_cached_page: the cached page holding that prefix (its own, or an equal one
+            cached before it); None when that prefix is not cached.
+    """
+
+    num_registered_pages: int = 0
+    last_page_hash: int | None = None
+    last_cached_page: int | None = None
+
+    def register(
+        self, pool: PagePool, block_table: Sequence[int], ids: Sequence[int], num_full: int
+    ) -> None:
+        """Enter the request's first ``num_full`` full pages (``ids``: its token ids in the
+        pool's units), each chained to the cached page of the prefix before it, so that a page
+        another request cached first is found in its place."""
+        b = pool.page_size
+        while self.num_registered_pages < num_full:
+            i = self.num_registered_pages
+            self.last_page_hash, self.last_cached_page = pool.extend_chain(
+                block_table[i],
+                ids[i * b : (i + 1) * b],
+                self.last_page_hash,
+                self.last_cached_page,
+                first=i == 0,
+            )
+            self.num_registered_pages += 1
 
 
 def decides_late(controller: CapacityController, state: RequestState, view: KVView) -> bool:

@@ -191,25 +191,11 @@ class KVCacheManager:
         seq.reset_residency()
 
     def register_full_pages(self, seq: Sequence) -> None:
-        """Enter the full, uncompacted pages of computed tokens in the prefix cache.
-
-        A page is chained to the cached page of the prefix before it, which is the request's
-        own page or, when another request cached an equal page first (both prefilled in one
-        step), that one: the request's later pages are then found after it.
-        """
-        if not self.prefix_caching or seq.kept_positions is not None:
-            return
-        b, tokens = self.page_size, seq.token_ids
-        while (seq.num_registered_pages + 1) * b <= seq.state.position:
-            i = seq.num_registered_pages
-            seq.last_page_hash, seq.last_cached_page = self.pool.extend_chain(
-                seq.state.block_table[i],
-                tokens[i * b : (i + 1) * b],
-                seq.last_page_hash,
-                seq.last_cached_page,
-                first=i == 0,
-            )
-            seq.num_registered_pages += 1
+        """Enter the full, uncompacted pages of computed tokens in the prefix cache
+        (``PrefixChain.register``)."""
+        if self.prefix_caching and seq.kept_positions is None:
+            full = seq.state.position // self.page_size
+            seq.prefix_chain.register(self.pool, seq.state.block_table, seq.token_ids, full)
 
     # ---- slots ----------------------------------------------------------------------------
     def slots(self, seq: Sequence, start: int, num: int) -> list[int]:

@@ -20,6 +20,7 @@ import enum
 import torch
 
 from growpage.core.request import RequestState
+from growpage.core.residency import PrefixChain
 from growpage.engine.detokenizer import IncrementalDetokenizer
 from growpage.engine.sampling_params import SamplingParams
 
@@ -69,11 +70,7 @@ class Sequence:
         self.query_slot: int | None = None
         self.num_decode_steps = 0  # in this residency; EMAs start at the first
         self.num_cached_tokens = 0  # prefix-cache hit tokens of the last admission
-        self.num_registered_pages = 0  # leading pages entered in the prefix cache
-        self.last_page_hash: int | None = None
-        # the cached page holding its last registered prefix page (its own, or an equal one
-        # cached before it); None when that prefix is not cached
-        self.last_cached_page: int | None = None
+        self.prefix_chain = PrefixChain()  # its pages in the prefix cache
         self.kept_positions: torch.Tensor | None = None
         self.tail_start = 0
         self.num_preemptions = 0
@@ -124,9 +121,7 @@ class Sequence:
         self.prefill_target = 0
         self.query_slot = None
         self.num_decode_steps = 0
-        self.num_registered_pages = 0
-        self.last_page_hash = None
-        self.last_cached_page = None
+        self.prefix_chain = PrefixChain()
         self.kept_positions = None
         self.tail_start = 0
 

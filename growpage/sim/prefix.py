@@ -26,7 +26,7 @@ pool counts pages (a page is shared when all its tokens lie in the prefix).
 from __future__ import annotations
 
 from growpage.core.pages import PagePool
-from growpage.core.residency import cached_prefix
+from growpage.core.residency import PrefixChain, cached_prefix
 from growpage.sim.requests import SimRequest
 
 _SPAN = 1 << 40  # ids per group or request: more units than any request has
@@ -68,27 +68,13 @@ class PrefixCache:
 
     def took(self, r: SimRequest, cached: list[int]) -> None:
         """``r`` was admitted holding ``cached`` (``residency.admit``) and has computed them."""
-        r.registered, r.last_hash, r.last_cached = 0, None, None
+        r.prefix_chain = PrefixChain()
         self.hit_tokens += len(cached) * self.page_tokens
 
     def register(self, r: SimRequest, computed: int) -> None:
         """Enter ``r``'s full pages of its first ``computed`` tokens in the cache, each chained
-        to the cached page before it (its own, or an equal one another request cached first),
-        as ``KVCacheManager.register_full_pages``."""
-        if not self.enabled:
-            return
-        per_page = self.pool.page_size
+        to the cached page before it (``PrefixChain.register``)."""
         full = computed // self.page_tokens
-        if r.registered >= full:
-            return
-        ids = self._ids(r, full * self.page_tokens)
-        while r.registered < full:
-            i = r.registered
-            r.last_hash, r.last_cached = self.pool.extend_chain(
-                r.state.block_table[i],
-                ids[i * per_page : (i + 1) * per_page],
-                r.last_hash,
-                r.last_cached,
-                first=i == 0,
-            )
-            r.registered += 1
+        if self.enabled and r.prefix_chain.num_registered_pages < full:
+            ids = self._ids(r, full * self.page_tokens)
+            r.prefix_chain.register(self.pool, r.state.block_table, ids, full)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from growpage.core.kvview import KVView
 from growpage.core.request import RequestState
+from growpage.core.residency import PrefixChain
 from growpage.sim.workload_csv import WorkloadRequest
 
 
@@ -39,9 +40,7 @@ class SimRequest:
         "resuming",
         "prefill_target",
         "prefill_left",
-        "registered",
-        "last_hash",
-        "last_cached",
+        "prefix_chain",
         "preemptions",
         "budget_tokens",
         "first_token_s",
@@ -62,9 +61,7 @@ class SimRequest:
         self.resuming = False  # preempted, waiting for its recompute
         self.prefill_target = 0  # tokens its current prefill computes, cached ones included
         self.prefill_left = 0  # of those, not computed yet (chunked prefill)
-        self.registered = 0  # prefix caching: leading pages entered (or tried) this time
-        self.last_hash: int | None = None  # chain hash of its last entered page
-        self.last_cached: int | None = None  # the cached page of its prefix so far
+        self.prefix_chain = PrefixChain()  # its pages in the prefix cache (this residency)
         self.preemptions = 0
         self.budget_tokens = 0
         self.first_token_s: float | None = None

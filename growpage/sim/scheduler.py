@@ -16,6 +16,7 @@ the request that needs a page sits the next step out.
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections import deque
 from collections.abc import Sequence
@@ -55,17 +56,11 @@ class PrefillStep:
         return sum(self.chunks)
 
 
-class _FiledLate:
-    """``Scheduler._boundary``'s answer for a boundary that, once a preemption for it left it
-    holding no shared page, is decided late (filed, as the engine's ``make_room``)."""
+class _Unsettled(enum.Enum):
+    """``Scheduler._boundary``'s answer for a boundary it did not settle."""
 
-
-class _Waits:
-    """``Scheduler._boundary``'s answer when no victim's recompute fits the pool: the request
-    sits the next step out at its boundary, decided again after it."""
-
-
-_LATE, _WAITS = _FiledLate(), _Waits()
+    LATE = "late"  # a preemption for it left it holding no shared page: filed, decided late
+    WAITS = "waits"  # no victim's recompute fits the pool: it sits the next step out
 
 
 class Scheduler:
@@ -299,10 +294,10 @@ class Scheduler:
             outcome = self._boundary(
                 r, now, defer=self.defer_compactions, late_decisions=late_decisions
             )
-            if isinstance(outcome, _Waits):
+            if outcome is _Unsettled.WAITS:
                 waits.append(r)
                 continue
-            if isinstance(outcome, _FiledLate):
+            if outcome is _Unsettled.LATE:
                 # Its boundary had to preempt another request first, which left it holding no
                 # shared page: the engine's make_room, asked again, files it as a late one.
                 late.append(r)
@@ -371,11 +366,11 @@ class Scheduler:
 
     def _boundary(
         self, r: SimRequest, now: float, defer: bool = False, late_decisions: bool = False
-    ) -> BoundaryOutcome | _FiledLate | _Waits | None:
+    ) -> BoundaryOutcome | _Unsettled | None:
         """One boundary of ``r``: its outcome, None when ``r`` itself was preempted. With
         ``defer`` a compression is only settled (its outcome's ``pending``; ``_run_pending``
-        runs it). With ``late_decisions``, ``_LATE`` when a preemption for it left it deciding
-        late (``_decides_late``): as the engine's ``make_room`` asked again, it is only filed."""
+        runs it). With ``late_decisions``, ``_Unsettled.LATE`` when a preemption for it left
+        it deciding late: as the engine's ``make_room`` asked again, it is only filed."""
         state = r.state
         while True:
             view = self._prepare(r)
@@ -391,12 +386,12 @@ class Scheduler:
             if len(self.running) == 1:
                 raise ConfigError(self._alone_error(r))
             if victim is None:
-                return _WAITS
+                return _Unsettled.WAITS
             self.preempt(victim, now)
             if victim is r:
                 return None
             if late_decisions and self._decides_late(r):
-                return _LATE
+                return _Unsettled.LATE
         if outcome.pending is not None:
             self._pending[r.request_id] = outcome.pending
         else:

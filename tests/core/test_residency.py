@@ -9,6 +9,7 @@ from growpage.core.config import GrowPageConfig
 from growpage.core.pages import PagePool
 from growpage.core.request import RequestState
 from growpage.core.residency import (
+    PrefixChain,
     admission_pages,
     admit,
     cached_prefix,
@@ -119,3 +120,22 @@ def test_a_boundary_is_decided_late_only_when_no_outcome_can_preempt(
     assert decides_late(controller, state, view) is late
     state.num_tokens -= 1  # a free slot: no boundary at all
     assert not decides_late(controller, state, view)
+
+
+def test_a_prefix_chain_enters_full_pages_and_chains_to_an_equal_page_cached_first():
+    pool = PagePool(8, 4)
+    a, b = PrefixChain(), PrefixChain()
+    table_a, table_b = pool.allocate(3), pool.allocate(3)
+    ids_a = list(range(12))
+    ids_b = list(range(4)) + [100 + i for i in range(8)]  # the same first page, then its own
+    a.register(pool, table_a, ids_a, 2)
+    assert (a.num_registered_pages, a.last_cached_page) == (2, table_a[1])
+    a.register(pool, table_a, ids_a, 2)  # nothing new
+    assert a.num_registered_pages == 2
+    # b's first page equals a's, cached first: b's second page chains to a's first.
+    b.register(pool, table_b, ids_b, 1)
+    assert b.last_cached_page == table_a[0] and not pool.is_cached(table_b[0])
+    b.register(pool, table_b, ids_b, 3)
+    assert b.num_registered_pages == 3 and b.last_cached_page == table_b[2]
+    assert pool.match_prefix(ids_b) == [table_a[0], table_b[1], table_b[2]]
+    assert pool.match_prefix(ids_a) == table_a[:2]  # its third page was never entered

@@ -17,8 +17,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from llm_helpers import prompt, tiny_llm, tiny_model
 
+import growpage.engine.scheduler
+import growpage.sim.scheduler
 from growpage import Decision
+from growpage.core.residency import pick_victim
 from growpage.engine.sampling_params import SamplingParams
+from growpage.errors import ConfigError, EngineError
 from growpage.policies import FixedBudgetPolicy, resolve_policy
 from growpage.sim.costmodel import LinearCostModel
 from growpage.sim.serving import SimConfig, simulate
@@ -210,6 +214,39 @@ def test_a_budget_policy_without_fallback_preempts_alike(model, lengths, slack, 
     # compress at 2 pages' budget, and the growths find the pool full.
     pages = max(math.ceil((p + o - 1) / 4) for p, o in lengths) + slack
     assert_preempt_alike(model, lengths, pages, "script", chunk)
+
+
+def no_victim_above(num_pages):
+    """``pick_victim`` for a pool where no request holding more than ``num_pages`` pages can
+    be recomputed (a stand-in for a request that compressed past the pool's size)."""
+
+    def pick(running, can_recompute):
+        fits = lambda r: len(r.state.block_table) <= num_pages and can_recompute(r)  # noqa: E731
+        return pick_victim(running, fits)
+
+    return pick
+
+
+def test_a_victim_that_cannot_be_recomputed_is_skipped_alike(model, monkeypatch):
+    """Both worlds skip a victim whose recompute cannot fit (``residency.pick_victim``) and take
+    the next latest admitted, or the request waits at its boundary (the simulator's request
+    sits the step out); when every running request waits, both stop with an error."""
+    pick = no_victim_above(3)
+    monkeypatch.setattr(growpage.engine.scheduler, "pick_victim", pick)
+    monkeypatch.setattr(growpage.sim.scheduler, "pick_victim", pick)
+    lengths = [(12, 22), (8, 6), (1, 12), (10, 10)]
+    llm, engine_events, engine_paths, outputs = engine_run(model, lengths, "fullkv", {}, 11, 4)
+    assert outputs == [o for _, o in lengths]
+    result, sim_events, sim_paths = sim_run(llm, lengths, "fullkv", {}, 11, 4)
+    assert (sim_events, sim_paths) == (engine_events, engine_paths)
+    assert result.metrics.preemptions == llm.last_stats.num_preemptions == 2
+    assert result.metrics.prefill_steps + result.metrics.decode_steps == llm.last_stats.num_steps
+    # Here a request waits until every other one does too: nothing can go on.
+    lengths = [(2, 14), (3, 17), (11, 22), (11, 19)]
+    with pytest.raises(EngineError, match="cannot make progress"):
+        engine_run(model, lengths, "fullkv", {}, 9, 4)
+    with pytest.raises(ConfigError, match="cannot make progress"):
+        sim_run(llm, lengths, "fullkv", {}, 9, 4)
 
 
 def engine_token_steps(llm, lengths):
