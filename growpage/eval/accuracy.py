@@ -149,6 +149,7 @@ def stats_row(stats: Any) -> dict[str, Any]:
         "decided_compress": e.get("decided_compress", 0),
         "output_tokens": stats.num_output_tokens,
         "max_pages_used": stats.max_pages_used,
+        "steps": stats.num_steps,
     }
 
 
@@ -212,6 +213,7 @@ class AccuracyRunner:
             dtype=s.dtype,
             seed=s.seed,
         )
+        load_start = os.getloadavg()[0]
         start = time.perf_counter()
         outs = llm.generate(
             self.prompts, SamplingParams(max_tokens=s.max_tokens), chat=True, use_tqdm=progress
@@ -229,6 +231,7 @@ class AccuracyRunner:
             num_no_answer=sum(r.extracted is None for r in graded.records),
             num_boxed=sum(r.form == "boxed" for r in graded.records),
             wall_s=wall_s,
+            load_avg=[round(load_start, 2), round(os.getloadavg()[0], 2)],
         )
         row.update(stats_row(llm.last_stats))
         records: list[dict[str, Any]] = graded.to_dict()["records"]  # type: ignore[assignment]
@@ -351,7 +354,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     )
     cols = (
         "policy | accuracy [95% CI] | avg budget | mean tokens | TPS | C | grow | compress"
-        " | fallback | preempt | boxed | no answer | truncated"
+        " | fallback | preempt | boxed | no answer | truncated | steps | load"
     )
     lines = [f"| {cols} |", "|" + "---|" * (cols.count("|") + 1)]
     for r in report["rows"]:
@@ -360,10 +363,18 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| {r['label']} | {r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] | {r['avg_budget']:.0f}"
             f" | {r['mean_tokens']:.0f} | {r['tps']:.1f} | {r['avg_resident']:.1f} | {r['grow']}"
             f" | {r['compress']} | {r['fallback']} | {r['preemptions']} | {r.get('num_boxed', 0)}"
-            f" | {r['num_no_answer']}"
-            f" | {r['num_truncated']} |"
+            f" | {r['num_no_answer']} | {r['num_truncated']} | {r.get('steps', '-')}"
+            f" | {_load(r.get('load_avg'))} |"
         )
-    return head + "\n".join(lines) + "\n"
+    note = (
+        "\nTPS compares across rows only at like loads: `load` is the machine's 1-minute load "
+        "average at the start and end of each run (C and steps do not depend on it).\n"
+    )
+    return head + "\n".join(lines) + "\n" + note
+
+
+def _load(load: list[float] | None) -> str:
+    return "-" if not load else f"{load[0]:.1f}-{load[1]:.1f}"
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:

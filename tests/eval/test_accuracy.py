@@ -111,6 +111,10 @@ def test_a_table_on_smollm2_scores_what_it_stores_and_resumes(tmp_path, monkeypa
         assert row["num_correct"] == sum(correct) and row["num_problems"] == 2
         assert row["mean_tokens"] == sum(o["num_tokens"] for o in outputs) / 2
         assert 0 < row["mean_tokens"] <= 6 and row["tps"] > 0
+        # one token per request per decode step at most; the loads are the machine's
+        assert row["steps"] >= max(o["num_tokens"] for o in outputs)
+        assert len(row["load_avg"]) == 2 and all(x >= 0 for x in row["load_avg"])
     table = (tmp_path / "table.md").read_text()
     assert all(f"| {lab} |" in table for lab in labels)
+    assert "| steps | load |" in table and "at like loads" in table
     assert (tmp_path / "accuracy_vs_tps.png").stat().st_size > 0
