@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TARGET_BW_PCT, TARGET_EMA_PCT = 70.0, 3.0
-SECTIONS = "tests,sweep,decode,ema,boundary,hostwork,engine"
+SECTIONS = "tests,sweep,decode,ema,boundary,hostwork,engine,paper"
+PAPER_BOUNDARY_PCT = 0.32  # paper: boundary work under 0.32% of decode (8B model, pages of 256)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,6 +84,7 @@ def run_kernel_tests(timeout_s: int, workers: int = 0, log: Path | None = None) 
         "tests/kernels",
         "tests/engine/test_engine_triton_backend.py",
         "tests/engine/test_engine_cuda.py",
+        "tests/engine/test_engine_cuda_bf16.py",
         "tests/engine/test_engine_warmup.py",
         "tests/engine/test_engine_cuda_graphs.py",
         "tests/engine/test_engine_boundary_profile.py",
@@ -134,6 +136,7 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
         page_size=page,
         kv_pages=8,
         device=device,
+        dtype="float32",  # the rows below share this model: it must load in float32
         attention_backend=attention_backend,
     )
     kv_pages = gpu_check_pool(
@@ -147,8 +150,10 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
         "backend": base.engine.runner.model.backend.name,
     }
     # (policy, CUDA graphs, deferred): deferred is "" (synchronous), "async" (compressions
-    # beside the forward, paper E.3) or "async-decisions" (whole boundaries beside it, beyond
-    # the paper). Rows with graphs or deferred work are extras: an error there is reported.
+    # beside the forward, paper E.3), "async-decisions" (whole boundaries beside it, beyond
+    # the paper) or "defaults" (what LLM(device="cuda") runs: bf16, graphs, async compaction).
+    # All but the defaults rows run in float32 with every option named. Rows with graphs or
+    # deferred work are extras: an error there is reported.
     runs = [
         ("fullkv", False, ""),
         ("growpage", False, ""),
@@ -161,10 +166,14 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
             ("growpage", True, ""),
             ("growpage", True, "async"),
             ("growpage", True, "async-decisions"),
+            # last: they turn the shared model to bf16 in place
+            ("fullkv", True, "defaults"),
+            ("growpage", True, "defaults"),
         ]
     for policy, graphs, deferred in runs:
-        name = policy + ("+graphs" if graphs else "") + (f"+{deferred}" if deferred else "")
-        llm_kwargs = dict(
+        name = policy + ("+graphs" if graphs and deferred != "defaults" else "")
+        name += f"+{deferred}" if deferred else ""
+        llm_kwargs: dict = dict(
             policy=policy,
             tokenizer=base.tokenizer,
             page_size=page,
@@ -173,10 +182,14 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
             device=device,
             attention_backend=attention_backend,
             min_capacity=4,
-            cuda_graphs=graphs,
-            async_compaction=bool(deferred),
-            async_decisions=deferred == "async-decisions",
         )
+        if deferred != "defaults":
+            llm_kwargs.update(
+                dtype="float32",
+                cuda_graphs=graphs,
+                async_compaction=bool(deferred),
+                async_decisions=deferred == "async-decisions",
+            )
         try:
             rows[name] = _engine_run(
                 LLM(base.model, **llm_kwargs),
@@ -195,12 +208,125 @@ def engine_throughput(smoke: bool, model: str | None, attention_backend: str) ->
     return rows
 
 
+def paper_scale(smoke: bool) -> dict:
+    """The paper's scale on the device: a Llama-3-8B-shaped model (32 layers, 32 query and 8 KV
+    heads of 128, vocabulary 128256) with random weights drawn on the device in the engine's
+    default dtype there (bf16; no file to carry), 64 requests of 128 random prompt tokens x
+    2048 generated tokens (EOS ignored), pages of 256, ``fullkv`` and ``growpage`` with the
+    engine's defaults (CUDA graphs, asynchronous compaction) under one pool of 40% of what
+    fullkv needs. The boundary share of the run is compared with the paper's < 0.32% of
+    decode. ``smoke``: a tiny model of the same kind on the CPU."""
+    import random
+
+    import torch
+    from boundary_share import gpu_check_pool
+
+    from growpage.engine.config import EngineConfig
+    from growpage.engine.llm import LLM
+    from growpage.engine.loader import build_model, meta_shapes
+    from growpage.engine.model import ModelConfig, RopeConfig
+
+    device = "cpu" if smoke else "cuda"
+    if smoke:
+        dims = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2)
+        heads, num, prompt_len, max_tokens, page = (4, 2, 16), 2, 12, 24, 8
+    else:
+        dims = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32)
+        heads, num, prompt_len, max_tokens, page = (32, 8, 128), 64, 128, 2048, 256
+    cfg = ModelConfig(
+        arch="llama",
+        **dims,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=heads[2],
+        rope=RopeConfig(head_dim=heads[2], theta=500000.0),
+        rms_eps=1e-5,
+        max_position=8192,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="llama-8b-shaped-random" if not smoke else "tiny-random",
+    )
+    dtype = EngineConfig(device=device).dtype  # the engine's default there
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = {}
+    for name, shape in meta_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape, device=device, dtype=dtype)
+        else:  # unit-variance activations through each matmul
+            w = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+            weights[name] = w.mul_(1.0 / shape[-1] ** 0.5)
+    model = build_model(cfg, weights, device=device)
+    del weights
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(prompt_len)] for _ in range(num)]
+    kv_pages = gpu_check_pool([prompt_len] * num, max_tokens, page)
+    rows: dict = {
+        "model": cfg.name,
+        "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
+        "dtype": str(dtype).removeprefix("torch."),
+        "requests": num,
+        "prompt_tokens": prompt_len,
+        "max_tokens": max_tokens,
+        "page_size": page,
+        "kv_pages": kv_pages,
+        "paper_boundary_pct": PAPER_BOUNDARY_PCT,
+    }
+    for policy in ("fullkv", "growpage"):
+        llm = LLM(
+            model,
+            policy=policy,
+            page_size=page,
+            kv_pages=kv_pages,
+            max_num_seqs=num,
+            device=device,
+        )
+        rows[policy] = _engine_run(llm, prompts, max_tokens, 2 * page if not smoke else 16)
+        _print_row(f"paper {policy}", rows[policy])
+        del llm
+        if not smoke:
+            torch.cuda.empty_cache()
+    rows["growpage_vs_fullkv_tps"] = (
+        rows["growpage"]["tokens_per_s"] / rows["fullkv"]["tokens_per_s"]
+    )
+    return rows
+
+
+def _row_table(rows: dict, names: tuple[str, ...]) -> list[str]:
+    """The markdown table of the engine rows ``names`` that ``rows`` holds."""
+    lines = [
+        "| row | dtype | tok/s | total s | ms per step | C | avg budget | boundary s | "
+        "boundary % | ms per decided boundary | shared steps (boundaries) | deferred s "
+        "(waited for) | waited-for boundary % | warm-up s | compiles in run |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in names:
+        e = rows.get(name)
+        if e is None:
+            continue
+        if "error" in e:
+            lines.append(f"| {name} | error: {e['error'][:200]} |")
+            continue
+        compiles = sum(e.get("compiles_during_run", {}).values())
+        lines.append(
+            f"| {name} | {e['dtype']} | {e['tokens_per_s']:.1f} | {e['total_s']:.2f} | "
+            f"{e['ms_per_step']:.2f} | {e['avg_resident']:.1f} | {e['avg_kv_budget']:.0f} | "
+            f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} | "
+            f"{_ms(e['ms_per_decided_boundary'])} | "
+            f"{e.get('shared_steps', 0)} ({e.get('shared_boundaries', 0)}) | "
+            f"{e.get('deferred_s', 0.0):.3f} ({e.get('deferred_stall_s', 0.0):.3f})"
+            f" | {e.get('boundary_critical_pct', e['boundary_pct']):.2f} | "
+            f"{e.get('warmup_s', 0.0):.2f} | {compiles} |"
+        )
+    return lines
+
+
 def _print_row(name: str, row: dict) -> None:
     if "error" in row:
         print(f"[gpu_check] engine {name}: error {row['error'][:200]}", flush=True)
         return
     print(
-        f"[gpu_check] engine {name}: {row['tokens_per_s']:.1f} tok/s, boundary "
+        f"[gpu_check] engine {name}: {row['tokens_per_s']:.1f} tok/s, "
+        f"{row['ms_per_step']:.2f} ms per step ({row['dtype']}), boundary "
         f"{row['boundary_pct']:.2f}% ({_ms(row['ms_per_decided_boundary'])} ms per decided), "
         f"waited-for {row['boundary_critical_pct']:.2f}%, compiles in run "
         f"{sum(row['compiles_during_run'].values())}",
@@ -237,8 +363,13 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     decided = sum(st.events.get(f"decided_{d}", 0) for d in ("grow", "compress", "shrink"))
     graphs = llm.engine.runner.graphs
     return {
+        "dtype": str(llm.config.dtype).removeprefix("torch."),
+        "cuda_graphs": llm.config.cuda_graphs,
+        "async_compaction": llm.config.async_compaction,
         "tokens_per_s": st.tps,
         "total_s": st.total_time_s,
+        "steps": st.num_steps,
+        "ms_per_step": 1000 * st.total_time_s / max(st.num_steps, 1),
         "decided_boundaries": decided,
         "ms_per_decided_boundary": (1000 * st.boundary_time_s / decided if decided else None),
         "avg_resident": st.avg_resident,
@@ -385,6 +516,8 @@ def run(args: argparse.Namespace) -> dict:
             args.attention_backend,
             partial=partial,
         )
+    if "paper" in sections:
+        timed(report, "paper", paper_scale, args.smoke, partial=partial)
     report["targets"] = check_targets(report)
     return report
 
@@ -410,6 +543,8 @@ def check_targets(r: dict) -> dict:
         for name, row in engine.items()
         if "+async" in name and isinstance(row, dict) and "boundary_critical_pct" in row
     ]
+    paper = r.get("paper") if isinstance(r.get("paper"), dict) else {}
+    paper_pct = paper.get("growpage", {}).get("boundary_critical_pct")
     # Kernel binaries compiled inside the timed engine runs (the warm-up should leave none).
     compiles = {
         name: sum(row.get("compiles_during_run", {}).values())
@@ -425,6 +560,8 @@ def check_targets(r: dict) -> dict:
         "boundary_met_async": bool(critical) and min(critical) <= 1.0,
         "min_pct_peak_big": min(pcts) if pcts else None,
         "bandwidth_met": bool(pcts) and min(pcts) >= TARGET_BW_PCT,
+        "paper_boundary_critical_pct": paper_pct,
+        "paper_boundary_met": paper_pct is not None and paper_pct < PAPER_BOUNDARY_PCT,
         "max_fused_ema_overhead_pct": max(ema) if ema else None,
         "ema_met": bool(ema) and max(ema) <= TARGET_EMA_PCT,
     }
@@ -492,50 +629,52 @@ def to_markdown(r: dict) -> str:
             f"Engine ({engine['requests']} requests x {engine['max_tokens']} tokens, "
             f"{engine['kv_pages']} pages x {engine['page_size']}, {engine['backend']}):",
             "",
-            "| policy | tok/s | total s | C | avg budget | boundary s | boundary % | "
-            "ms per decided boundary | shared steps (boundaries) | deferred s "
-            "(waited for) | waited-for boundary % | warm-up s | compiles in run |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for name in (
-            "fullkv",
-            "growpage",
-            "growpage+async",
-            "growpage+async-decisions",
-            "fullkv+graphs",
-            "growpage+graphs",
-            "growpage+graphs+async",
-            "growpage+graphs+async-decisions",
-        ):
-            e = engine.get(name)
-            if e is None:
-                continue
-            if "error" in e:
-                lines.append(f"| {name} | error: {e['error'][:200]} |")
-                continue
-            compiles = sum(e.get("compiles_during_run", {}).values())
-            lines.append(
-                f"| {name} | {e['tokens_per_s']:.1f} | {e['total_s']:.2f} | "
-                f"{e['avg_resident']:.1f} | {e['avg_kv_budget']:.0f} | "
-                f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} | "
-                f"{_ms(e['ms_per_decided_boundary'])} | "
-                f"{e.get('shared_steps', 0)} ({e.get('shared_boundaries', 0)}) | "
-                f"{e.get('deferred_s', 0.0):.3f} ({e.get('deferred_stall_s', 0.0):.3f})"
-                f" | {e.get('boundary_critical_pct', e['boundary_pct']):.2f} | "
-                f"{e.get('warmup_s', 0.0):.2f} | "
-                f"{compiles} |"
-            )
+        lines += _row_table(
+            engine,
+            (
+                "fullkv",
+                "growpage",
+                "growpage+async",
+                "growpage+async-decisions",
+                "fullkv+graphs",
+                "growpage+graphs",
+                "growpage+graphs+async",
+                "growpage+graphs+async-decisions",
+                "fullkv+defaults",
+                "growpage+defaults",
+            ),
+        )
         lines += [
             "",
             f"growpage / fullkv throughput: {engine['growpage_vs_fullkv_tps']:.2f}x; "
             "target: boundary work <= 1% of the run. Rows +async defer compressions to "
             "beside the forward (paper E.3), rows +async-decisions whole boundaries "
             "(beyond the paper); their waited-for share counts only what ran after the "
-            "forward had finished.",
+            'forward had finished. Rows +defaults are what `LLM(device="cuda")` runs '
+            "(bf16, graphs, asynchronous compaction); the others run float32.",
         ]
         lines += _phase_table(engine)
     else:
         lines += ["", f"Engine: {json.dumps(engine)}"]
+    paper = r.get("paper")
+    if isinstance(paper, dict) and "growpage" in paper:
+        lines += [
+            "",
+            f"Paper scale ({paper['model']}, {paper['params_b']:.2f} B parameters, "
+            f"{paper['dtype']}; {paper['requests']} requests x {paper['prompt_tokens']} + "
+            f"{paper['max_tokens']} tokens, {paper['kv_pages']} pages x {paper['page_size']}, "
+            "the engine's defaults):",
+            "",
+        ]
+        lines += _row_table(paper, ("fullkv", "growpage"))
+        lines += [
+            "",
+            f"growpage / fullkv throughput: {paper['growpage_vs_fullkv_tps']:.2f}x; the "
+            f"paper's boundary share: < {paper['paper_boundary_pct']}% of decode.",
+        ]
+    elif paper is not None:
+        lines += ["", f"Paper scale: {json.dumps(paper)}"]
     lines += [
         "",
         f"Targets: {json.dumps(r.get('targets'))}",

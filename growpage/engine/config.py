@@ -25,10 +25,17 @@ DTYPES = {
     "fp16": torch.float16,
 }
 BACKENDS = ("auto", "torch", "triton")
+#: What ``dtype=None`` or ``"auto"`` means: bfloat16 weights and KV on CUDA (the greedy tokens
+#: agree with float32 wherever float32's best token leads by more than bf16 can blur:
+#: tests/engine/test_engine_cuda_bf16.py), float32 on the CPU, where bf16 matmuls are slower.
+AUTO_DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20  # bytes, when neither kv_pages nor a budget is given
 
 
-def _to_dtype(value: str | torch.dtype) -> torch.dtype:
+def _to_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    # None / "auto": decided by the device in EngineConfig.__attrs_post_init__.
+    if value is None or value == "auto":
+        return None
     if isinstance(value, torch.dtype):
         if value not in (*DTYPES.values(), torch.float64):
             raise ConfigError(
@@ -38,7 +45,7 @@ def _to_dtype(value: str | torch.dtype) -> torch.dtype:
         return value
     if not isinstance(value, str) or value not in DTYPES:
         raise ConfigError(
-            f"EngineConfig.dtype: unknown dtype {value!r} (one of {', '.join(DTYPES)})"
+            f"EngineConfig.dtype: unknown dtype {value!r} (one of auto, {', '.join(DTYPES)})"
         )
     return DTYPES[value]
 
@@ -187,9 +194,13 @@ class EngineConfig:
         ),
     )
     dtype: torch.dtype = attrs.field(
-        default=torch.float32,
+        default=None,
         converter=_to_dtype,
-        metadata=_help("dtype of the model weights and the KV cache", choices=tuple(DTYPES)),
+        metadata=_help(
+            "dtype of the model weights and the KV cache (default auto: bfloat16 on CUDA, "
+            "float32 on the CPU)",
+            choices=("auto", *DTYPES),
+        ),
     )
     device: str = attrs.field(
         default="cpu",
@@ -272,6 +283,9 @@ class EngineConfig:
         check_device(value)
 
     def __attrs_post_init__(self) -> None:
+        if self.dtype is None:  # None or "auto": the device's default
+            auto = AUTO_DTYPES.get(torch.device(self.device).type, torch.float32)
+            object.__setattr__(self, "dtype", auto)
         # NOTE: every request grows to min_capacity pages before its policy may compress.
         least = self.growpage.min_capacity
         if self.kv_pages is not None and self.kv_cache_memory is not None:

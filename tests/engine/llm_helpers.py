@@ -40,7 +40,10 @@ def hf_nll(model, ids: list[int], continuation: list[int]) -> list[float]:
 
 
 def tiny_llm(model, policy: str = "fullkv", **kwargs) -> LLM:
-    """An ``LLM`` over the tiny model: 4-token pages, recent window 2, 256 pages by default."""
+    """An ``LLM`` over the tiny model: 4-token pages, recent window 2, 256 pages, float32 by
+    default (also on CUDA, whose own default is bfloat16: the tests compare against float32
+    references on the CPU)."""
+    kwargs.setdefault("dtype", torch.float32)
     kwargs.setdefault("page_size", 4)
     kwargs.setdefault("recent_window", 2)
     kwargs.setdefault("kv_pages", 256)

@@ -43,6 +43,7 @@ def kernel_llm(graphs: bool, model, policy: str = "growpage", kv_pages: int = 40
         kv_pages=kv_pages,
         max_num_seqs=6,
         device=DEVICE,
+        dtype=torch.float32,  # CUDA's default is bf16; the eager reference here is fp32
         attention_backend="triton",
         boundary_kernels=True,
         warmup=False,

@@ -66,7 +66,10 @@ def test_compaction_moves_the_sums_with_the_keys(use_kernels, pages):
     """Each kept slot's sum lands where its key lands; dropped slots' sums are gone."""
     model = tiny_model().to(DEVICE)
     config = EngineConfig(
-        growpage=GrowPageConfig(page_size=4, recent_window=2), kv_pages=24, device=DEVICE
+        growpage=GrowPageConfig(page_size=4, recent_window=2),
+        kv_pages=24,
+        device=DEVICE,
+        dtype=torch.float32,  # the tiny model's (CUDA's default would be bf16)
     )
     kv = KVCacheManager(model.config, config, SumsReadingGrowPage())
     assert config.enable_prefix_caching and not kv.prefix_caching  # refused: slots private

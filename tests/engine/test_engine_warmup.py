@@ -35,6 +35,7 @@ def kernel_llm(policy: str = "growpage", warmup: bool = True, **kwargs) -> LLM:
         recent_window=2,
         max_num_seqs=4,
         device=DEVICE,
+        dtype=torch.float32,  # as the tiny model (CUDA's default would be bf16)
         attention_backend="triton",
         boundary_kernels=True,
         warmup=warmup,

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,7 +32,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     report = json.loads(out.with_suffix(".json").read_text())
     # Written after every section, so a run cut short by a timeout keeps what it measured.
     partial = json.loads(out.with_suffix(".partial.json").read_text())
-    assert {"decode", "ema", "boundary", "hostwork", "engine"} <= set(partial)
+    assert {"decode", "ema", "boundary", "hostwork", "engine", "paper"} <= set(partial)
     assert "[gpu_check] engine growpage+async: " in proc.stdout  # each engine row as it ends
     assert "[gpu_check] engine growpage+async-decisions: " in proc.stdout
     assert report["smoke"] and report["tests"] == {"skipped": "--smoke/--skip-tests/--sections"}
@@ -70,6 +72,21 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         row["boundary_critical_pct"] for row in rows
     )
     assert report["targets"]["no_compiles_met"]
+    # The paper's scale, shrunk: a random Llama-shaped model built in place, both policies with
+    # the engine's defaults, the boundary share set against the paper's.
+    paper = report["paper"]
+    assert paper["requests"] == 2 and paper["dtype"] == "float32"  # the CPU's default
+    for policy in ("fullkv", "growpage"):
+        row = paper[policy]
+        assert row["tokens_per_s"] > 0 and row["steps"] > 0
+        assert row["ms_per_step"] == pytest.approx(1000 * row["total_s"] / row["steps"])
+    assert paper["growpage"]["events"]["boundaries"] > 0
+    assert (
+        report["targets"]["paper_boundary_critical_pct"]
+        == (paper["growpage"]["boundary_critical_pct"])
+    )
+    assert "[gpu_check] engine paper growpage: " in proc.stdout
+    assert "Paper scale (tiny-random" in out.with_suffix(".md").read_text()
     markdown = out.with_suffix(".md").read_text()
     assert "| batch | context |" in markdown and "Boundary event" in markdown
     assert "| growpage |" in markdown and "Host work per boundary" in markdown
