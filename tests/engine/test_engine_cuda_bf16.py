@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from growpage.engine.context import prefill_context, use_context
 from growpage.engine.config import EngineConfig
+from growpage.engine.context import prefill_context, use_context
 from growpage.engine.llm import LLM
 from growpage.engine.loader import load_model
 from growpage.engine.sampling_params import SamplingParams
