@@ -271,7 +271,10 @@ def paper_scale(smoke: bool) -> dict:
         "kv_pages": kv_pages,
         "paper_boundary_pct": PAPER_BOUNDARY_PCT,
     }
-    for policy in ("fullkv", "growpage"):
+    # growpage+async-decisions: the defaults plus whole boundaries decided beside the forward
+    # (LLM(async_decisions=True), beyond the paper)
+    for name in ("fullkv", "growpage", "growpage+async-decisions"):
+        policy, _, late = name.partition("+")
         llm = LLM(
             model,
             policy=policy,
@@ -279,9 +282,10 @@ def paper_scale(smoke: bool) -> dict:
             kv_pages=kv_pages,
             max_num_seqs=num,
             device=device,
+            async_decisions=bool(late),
         )
-        rows[policy] = _engine_run(llm, prompts, max_tokens, 2 * page if not smoke else 16)
-        _print_row(f"paper {policy}", rows[policy])
+        rows[name] = _engine_run(llm, prompts, max_tokens, 2 * page if not smoke else 16)
+        _print_row(f"paper {name}", rows[name])
         del llm
         if not smoke:
             torch.cuda.empty_cache()
@@ -667,7 +671,7 @@ def to_markdown(r: dict) -> str:
             "the engine's defaults):",
             "",
         ]
-        lines += _row_table(paper, ("fullkv", "growpage"))
+        lines += _row_table(paper, ("fullkv", "growpage", "growpage+async-decisions"))
         lines += [
             "",
             f"growpage / fullkv throughput: {paper['growpage_vs_fullkv_tps']:.2f}x; the "

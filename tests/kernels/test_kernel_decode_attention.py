@@ -19,6 +19,7 @@ from growpage.kernels import (
     KernelInputError,
     paged_decode_attention,
     reference,
+    set_index_checks,
     update_query_state,
     without_index_checks,
 )
@@ -88,8 +89,12 @@ def test_decode_odd_head_dim_and_overlong_context() -> None:
     assert_close(
         out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens), torch.float32
     )
-    with pytest.raises(KernelInputError, match=r"context_lens\[0\] = 107"):
-        paged_decode_attention(q, k_cache, v_cache, tables, lens + 100)
+    previous = set_index_checks(True)  # on CUDA they are off unless asked for
+    try:
+        with pytest.raises(KernelInputError, match=r"context_lens\[0\] = 107"):
+            paged_decode_attention(q, k_cache, v_cache, tables, lens + 100)
+    finally:
+        set_index_checks(previous)
     with without_index_checks():
         overlong = paged_decode_attention(q, k_cache, v_cache, tables, lens + 100)
     assert_close(
