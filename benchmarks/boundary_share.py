@@ -14,7 +14,7 @@ cost next to nothing either:
     python benchmarks/boundary_share.py --policies growpage --async-decisions --prompt-len 45-75
 
 It prints, per policy, the run's seconds, the boundary seconds and share, ms per decided
-boundary, and the boundary phases (``growpage.engine.boundary_profile``). With
+boundary, and the boundary phases (``growpage.engine.profiling.boundary_profile``). With
 ``--async-compaction`` each policy also runs with compressions deferred to beside the forward
 (``LLM(async_compaction=True)``): its ``decision %`` is the boundary share left when the deferred
 work is hidden entirely, the best a GPU's overlap can do (here, on the CPU, the step waits for
@@ -44,10 +44,10 @@ import torch
 # when there is no CUDA device.
 import growpage.kernels  # noqa: E402, F401
 from growpage.core.rope import RopeConfig  # noqa: E402
-from growpage.engine.boundary_profile import profile_boundaries  # noqa: E402
 from growpage.engine.llm import LLM  # noqa: E402
-from growpage.engine.loader import build_model, meta_shapes  # noqa: E402
-from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
+from growpage.engine.loading.loader import build_model, meta_shapes  # noqa: E402
+from growpage.engine.modeling.model import CausalLM, ModelConfig  # noqa: E402
+from growpage.engine.profiling.boundary_profile import profile_boundaries  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 from growpage.kernels import without_index_checks  # noqa: E402
 from growpage.kernels.variants import stubbed_launches  # noqa: E402

@@ -214,11 +214,11 @@ def _ms(ms: float | None) -> str:
 
 def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> dict:
     """One timed row of ``engine_throughput``."""
-    from growpage.engine.boundary_profile import profile_boundaries
+    from growpage.engine.profiling.boundary_profile import profile_boundaries
     from growpage.engine.sampling_params import SamplingParams
     from growpage.kernels.variants import compiled_variants
 
-    # LLM() compiled every kernel variant (growpage.engine.warmup); this short run warms the
+    # LLM() compiled every kernel variant (growpage.engine.loop.warmup); this short run warms the
     # rest (allocator, torch's own kernels, the first CUDA graphs). A compile during the timed
     # run would stall it: counted below, and it should be 0.
     llm.generate(
@@ -547,7 +547,7 @@ def to_markdown(r: dict) -> str:
 
 
 def _phase_table(engine: dict) -> list[str]:
-    """ms per decided boundary by phase (``growpage.engine.boundary_profile``), per policy."""
+    """ms per decided boundary by phase (``growpage.engine.profiling.boundary_profile``), per policy."""
     rows = {
         name: e["boundary_phases"]
         for name, e in engine.items()

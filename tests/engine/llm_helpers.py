@@ -63,7 +63,7 @@ def tiny_models(seed: int = 1234):
 
 def tiny_model(seed: int = 1234):
     """Only our tiny Llama (same weights as ``tiny_models(seed)[0]``), without transformers."""
-    from growpage.engine.loader import build_model
+    from growpage.engine.loading.loader import build_model
 
     cfg = tiny_config("llama")
     return build_model(cfg, random_state_dict(cfg, seed=seed))

@@ -95,7 +95,7 @@ def test_preemption_and_prefix_caching_on_cuda(cpu_model):
 
 def test_queued_host_to_device_copies_arrive_intact():
     """``to_device`` queues pinned copies (no host sync); many in a row, then used at once."""
-    from growpage.engine.transfer import to_device
+    from growpage.engine.loop.transfer import to_device
 
     device = torch.device("cuda")
     rows = [[i, i + 1, -1] for i in range(64)]

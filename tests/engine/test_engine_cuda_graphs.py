@@ -1,4 +1,4 @@
-"""CUDA-graph decode (``growpage.engine.cuda_graphs``): static buffers padded to batch buckets.
+"""CUDA-graph decode (``growpage.engine.loop.cuda_graphs``): static buffers padded to batch buckets.
 
 On CPU the static-shape forward runs eagerly (``capture=False``) under Triton's interpreter:
 it must give the ordinary decode path's tokens, decisions and cache contents, so the padding
@@ -14,8 +14,8 @@ import torch
 from llm_helpers import assert_all_returned, tiny_model
 
 import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
-from growpage.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from growpage.engine.llm import LLM
+from growpage.engine.loop.cuda_graphs import DecodeGraphs, batch_buckets
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import ConfigError
 

@@ -186,7 +186,7 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
     """Equal prompts reach their boundaries in the same decode steps: their Delta_t comes from
     one ``BoundaryBatch`` pass, and every Delta_t, token, decision and page is what it is
     without."""
-    from growpage.engine.kv_manager import KVCacheManager
+    from growpage.engine.loop.kv_manager import KVCacheManager
 
     prompts = [prompt(11, 40 + i) for i in range(4)]
     params = SamplingParams(max_tokens=30 if kernels else 60, ignore_eos=True)
@@ -211,7 +211,7 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
         prepare(self, seqs)
         sizes.append(0 if self._batch is None else len(self._batch))
 
-    from growpage.engine.kv_view import EngineKVView
+    from growpage.engine.loop.kv_view import EngineKVView
 
     batched = []
     batch_signals = EngineKVView.batch_boundary_signals

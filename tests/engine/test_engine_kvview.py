@@ -10,16 +10,16 @@ from engine_helpers import tiny_pair
 
 from growpage.core.config import GrowPageConfig
 from growpage.core.demand import update_query_summaries
-from growpage.engine.attention import TorchAttentionBackend
 from growpage.engine.config import EngineConfig
-from growpage.engine.context import decode_context
-from growpage.engine.kv_manager import KVCacheManager
-from growpage.engine.kv_view import EngineKVView, direct_copy_safe, page_slots
-from growpage.engine.model_runner import ModelRunner
-from growpage.engine.query_state import QueryStatePool
+from growpage.engine.loop.kv_manager import KVCacheManager
+from growpage.engine.loop.kv_view import EngineKVView, direct_copy_safe, page_slots
+from growpage.engine.loop.model_runner import ModelRunner
+from growpage.engine.loop.query_state import QueryStatePool
+from growpage.engine.loop.scheduler import SchedulerOutput
+from growpage.engine.loop.sequence import Sequence
+from growpage.engine.modeling.attention import TorchAttentionBackend
+from growpage.engine.modeling.context import decode_context
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.scheduler import SchedulerOutput
-from growpage.engine.sequence import Sequence
 from growpage.policies import FullKVPolicy
 
 PAGE = 4

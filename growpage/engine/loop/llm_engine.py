@@ -7,17 +7,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from growpage.engine.config import EngineConfig
-from growpage.engine.detokenizer import IncrementalDetokenizer
-from growpage.engine.kv_manager import KVCacheManager
-from growpage.engine.model import CausalLM
-from growpage.engine.model_runner import ModelRunner
-from growpage.engine.recorder import TraceRecorder
-from growpage.engine.sampler import Sampler
+from growpage.engine.loop.detokenizer import IncrementalDetokenizer
+from growpage.engine.loop.kv_manager import KVCacheManager
+from growpage.engine.loop.model_runner import ModelRunner
+from growpage.engine.loop.recorder import TraceRecorder
+from growpage.engine.loop.sampler import Sampler
+from growpage.engine.loop.scheduler import Scheduler, SchedulerOutput
+from growpage.engine.loop.sequence import FinishReason, Sequence
+from growpage.engine.loop.stats import StatsCollector
+from growpage.engine.loop.warmup import WarmupReport, warm_up
+from growpage.engine.modeling.model import CausalLM
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.scheduler import Scheduler, SchedulerOutput
-from growpage.engine.sequence import FinishReason, Sequence
-from growpage.engine.stats import StatsCollector
-from growpage.engine.warmup import WarmupReport, warm_up
 from growpage.errors import EngineError
 from growpage.policies.base import CapacityPolicy
 
@@ -74,7 +74,7 @@ class LLMEngine:
             self._enable_cuda_graphs()
 
     def _enable_cuda_graphs(self) -> None:
-        from growpage.engine.cuda_graphs import DecodeGraphs
+        from growpage.engine.loop.cuda_graphs import DecodeGraphs
 
         if not self.kv.cache.is_cuda or not self.runner.fuses_query_state:
             raise EngineError(

@@ -7,9 +7,9 @@ appendix E.2) registers every full page of prefilled tokens under a chained hash
 acquires the longest cached run of leading pages instead of recomputing it.
 
 For a policy that reads H2O accumulated attention (``needs_accumulated_attention``) it also
-holds the per-slot sums (``growpage.engine.accumulation``) and turns prefix caching off; for one
+holds the per-slot sums (``growpage.engine.modeling.accumulation``) and turns prefix caching off; for one
 that reads recent queries (``needs_recent_queries``, SnapKV) the ring of each running request's
-last queries (``growpage.engine.recent_queries``).
+last queries (``growpage.engine.loop.recent_queries``).
 
 With ``EngineConfig.async_compaction`` (paper appendix E.3) a compression decided while
 scheduling is only settled there (``make_room(seq, defer=True)``); ``run_deferred`` runs the
@@ -31,14 +31,18 @@ from growpage.core import residency
 from growpage.core.capacity import BoundaryOutcome, CapacityController, PendingCompaction
 from growpage.core.context import BoundaryBatch
 from growpage.core.pages import PagePool
-from growpage.engine.accumulation import allocate_sums, sum_bytes
-from growpage.engine.attention import allocate_kv_cache, check_kv_cache_fits, kv_cache_bytes
 from growpage.engine.config import EngineConfig
-from growpage.engine.kv_view import EngineKVView
-from growpage.engine.model import ModelConfig
-from growpage.engine.query_state import QueryStatePool
-from growpage.engine.recent_queries import RecentQueryRing
-from growpage.engine.sequence import Sequence
+from growpage.engine.loop.kv_view import EngineKVView
+from growpage.engine.loop.query_state import QueryStatePool
+from growpage.engine.loop.recent_queries import RecentQueryRing
+from growpage.engine.loop.sequence import Sequence
+from growpage.engine.modeling.accumulation import allocate_sums, sum_bytes
+from growpage.engine.modeling.attention import (
+    allocate_kv_cache,
+    check_kv_cache_fits,
+    kv_cache_bytes,
+)
+from growpage.engine.modeling.model import ModelConfig
 from growpage.errors import PolicyError
 from growpage.policies.base import CapacityPolicy
 

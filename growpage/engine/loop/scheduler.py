@@ -28,9 +28,9 @@ import attrs
 
 from growpage.core.residency import pick_victim
 from growpage.engine.config import EngineConfig, plural
-from growpage.engine.kv_manager import KVCacheManager
+from growpage.engine.loop.kv_manager import KVCacheManager
+from growpage.engine.loop.sequence import FinishReason, Sequence, SequenceStatus
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.sequence import FinishReason, Sequence, SequenceStatus
 from growpage.errors import EngineError
 
 
