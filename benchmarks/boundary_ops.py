@@ -200,7 +200,7 @@ def measure(args: argparse.Namespace) -> dict:
     # stable argsort, not the CPU's keyed partial top-k; the same slots either way), and no
     # checks of the kernels' index values (the interpreter always checks them, a GPU by default
     # does not).
-    from growpage.core.context import BoundaryBatch
+    from growpage.core.boundary_context import BoundaryBatch
 
     keyed, pad = selection.keyed_top_k, BoundaryBatch.pad
     if args.path == "triton":

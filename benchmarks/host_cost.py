@@ -94,7 +94,7 @@ class FixedForward:
         self.clock: Callable[[], float] = time.perf_counter
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        from growpage.engine.modeling.context import get_context
+        from growpage.engine.modeling.step_context import get_context
 
         start = self.clock()
         capture = get_context().capture

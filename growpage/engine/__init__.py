@@ -3,7 +3,7 @@
 Submodules import torch; this package stays light so ``import growpage.engine`` is cheap:
 ``LLM``, ``SamplingParams``, ``EngineConfig`` and ``poisson_arrivals`` are imported on first use. Everything else
 comes from the submodules: ``growpage.engine.loading.loader.load_model``,
-``growpage.engine.loading.tokenizer.load_tokenizer``, ``growpage.engine.modeling.context.use_context``.
+``growpage.engine.loading.tokenizer.load_tokenizer``, ``growpage.engine.modeling.step_context.use_context``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from growpage.core.context import BoundaryContext
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.decision import Decision
 from growpage.core.selection import growpage_select
 

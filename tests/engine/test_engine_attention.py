@@ -17,7 +17,7 @@ from growpage.engine.modeling.attention import (
     kv_cache_bytes,
 )
 from growpage.engine.modeling.attention_torch import PagedTorchBackend
-from growpage.engine.modeling.context import decode_context, prefill_context
+from growpage.engine.modeling.step_context import decode_context, prefill_context
 
 BACKENDS = [TorchAttentionBackend, PagedTorchBackend]
 

@@ -11,7 +11,7 @@ from llm_helpers import GREEDY, prompt, tiny_llm, tiny_model
 import growpage.core.capacity as capacity_module
 from growpage import Decision
 from growpage.core import demand
-from growpage.engine.loop.kv_view import EngineKVView
+from growpage.engine.loop.paged_kv_view import EngineKVView
 from growpage.engine.profiling.boundary_profile import PHASES, BoundaryPhases, profile_boundaries
 from growpage.errors import PolicyError
 from growpage.policies.base import CapacityPolicy

@@ -12,7 +12,7 @@ import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before 
 from growpage.core.capacity import CapacityController
 from growpage.core.config import GrowPageConfig
 from growpage.core.decision import Decision
-from growpage.core.kvview import DenseKVView
+from growpage.core.kv_view import DenseKVView
 from growpage.core.pages import PagePool
 from growpage.core.request import RequestState
 from growpage.engine.sampling_params import SamplingParams
@@ -211,7 +211,7 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
         prepare(self, seqs)
         sizes.append(0 if self._batch is None else len(self._batch))
 
-    from growpage.engine.loop.kv_view import EngineKVView
+    from growpage.engine.loop.paged_kv_view import EngineKVView
 
     batched = []
     batch_signals = EngineKVView.batch_boundary_signals

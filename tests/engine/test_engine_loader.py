@@ -16,7 +16,7 @@ from engine_helpers import hf_logits, hf_model, random_state_dict, tiny_config
 from growpage.engine.loading import loader
 from growpage.engine.loading.loader import build_model, load_checkpoint, load_model, unpermute_qk
 from growpage.engine.loading.tokenizer import load_tokenizer
-from growpage.engine.modeling.context import prefill_context, use_context
+from growpage.engine.modeling.step_context import prefill_context, use_context
 from growpage.errors import EngineError
 
 IDS = [5, 17, 99, 3, 64, 12, 12, 101, 7, 45, 88]

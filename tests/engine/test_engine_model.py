@@ -10,8 +10,8 @@ import torch
 from engine_helpers import PagedDriver, greedy_paged, hf_logits, tiny_config
 
 from growpage.core.rope import RopeConfig, apply_rope, cos_sin
-from growpage.engine.modeling.context import StepCapture, prefill_context, use_context
 from growpage.engine.modeling.model import ModelConfig
+from growpage.engine.modeling.step_context import StepCapture, prefill_context, use_context
 
 ATOL = 1e-4
 

@@ -17,8 +17,8 @@ from growpage.engine.llm import LLM
 from growpage.engine.loading import loader
 from growpage.engine.loading.loader import build_model, load_checkpoint, load_model
 from growpage.engine.loading.tokenizer import tokenizer_from_gguf
-from growpage.engine.modeling.context import prefill_context, use_context
 from growpage.engine.modeling.model import ModelConfig
+from growpage.engine.modeling.step_context import prefill_context, use_context
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError
 

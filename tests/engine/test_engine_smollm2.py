@@ -19,7 +19,7 @@ from growpage.engine.loading.loader import (
     load_model,
 )
 from growpage.engine.loading.tokenizer import load_tokenizer
-from growpage.engine.modeling.context import prefill_context, use_context
+from growpage.engine.modeling.step_context import prefill_context, use_context
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from growpage import cli
 from growpage.core.trace_set import TraceSet
 from growpage.engine import cli as engine_cli
 from growpage.engine.llm import LLM
-from growpage.engine.modeling.context import prefill_context, use_context
+from growpage.engine.modeling.step_context import prefill_context, use_context
 from growpage.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model
 import growpage.engine.loop.model_runner as model_runner_module
 import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
 from growpage.core.observation import rotate_queries
-from growpage.engine.modeling.context import StepCapture
+from growpage.engine.modeling.step_context import StepCapture
 from growpage.engine.sampling_params import SamplingParams
 from growpage.policies import SnapKVPolicy
 from growpage.sim.replay import replay_trace

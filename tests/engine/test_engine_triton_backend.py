@@ -21,8 +21,13 @@ from growpage.engine.loading.loader import build_model
 from growpage.engine.modeling import backends
 from growpage.engine.modeling.attention import AttentionBackend, TorchAttentionBackend
 from growpage.engine.modeling.backends import QueryStateFusion, make_attention_backend
-from growpage.engine.modeling.context import StepCapture, StepContext, decode_context, use_context
 from growpage.engine.modeling.model import CausalLM
+from growpage.engine.modeling.step_context import (
+    StepCapture,
+    StepContext,
+    decode_context,
+    use_context,
+)
 from growpage.engine.modeling.triton_backend import TritonAttentionBackend
 from growpage.errors import EngineError
 

@@ -36,7 +36,12 @@ import torch
 from growpage.engine.loop.sequence import Sequence
 from growpage.engine.loop.transfer import copy_into
 from growpage.engine.modeling.backends import QueryStateFusion
-from growpage.engine.modeling.context import StepCapture, StepContext, decode_context, use_context
+from growpage.engine.modeling.step_context import (
+    StepCapture,
+    StepContext,
+    decode_context,
+    use_context,
+)
 
 if TYPE_CHECKING:
     from growpage.engine.loop.model_runner import ModelRunner

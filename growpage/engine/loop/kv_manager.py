@@ -28,11 +28,11 @@ import time
 import torch
 
 from growpage.core import residency
+from growpage.core.boundary_context import BoundaryBatch
 from growpage.core.capacity import BoundaryOutcome, CapacityController, PendingCompaction
-from growpage.core.context import BoundaryBatch
 from growpage.core.pages import PagePool
 from growpage.engine.config import EngineConfig
-from growpage.engine.loop.kv_view import EngineKVView
+from growpage.engine.loop.paged_kv_view import EngineKVView
 from growpage.engine.loop.query_state import QueryStatePool
 from growpage.engine.loop.recent_queries import RecentQueryRing
 from growpage.engine.loop.sequence import Sequence

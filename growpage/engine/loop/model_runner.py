@@ -23,13 +23,13 @@ from growpage.engine.loop.sequence import Sequence
 from growpage.engine.loop.transfer import to_device
 from growpage.engine.modeling.accumulation import AttentionAccumulation
 from growpage.engine.modeling.backends import QueryStateFusion
-from growpage.engine.modeling.context import (
+from growpage.engine.modeling.model import CausalLM
+from growpage.engine.modeling.step_context import (
     StepCapture,
     StepContext,
     prefill_context,
     use_context,
 )
-from growpage.engine.modeling.model import CausalLM
 from growpage.errors import EngineError
 
 if TYPE_CHECKING:

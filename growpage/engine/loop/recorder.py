@@ -17,8 +17,8 @@ from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace, TraceHeader
 from growpage.engine.loop.scheduler import SchedulerOutput
 from growpage.engine.loop.sequence import Sequence
-from growpage.engine.modeling.context import StepCapture
 from growpage.engine.modeling.model import ModelConfig
+from growpage.engine.modeling.step_context import StepCapture
 from growpage.errors import EngineError
 
 KINDS = ("q", "k", "v")

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from growpage.core.context import BoundaryContext
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.decision import Decision
-from growpage.engine.loop.kv_view import boundary_kernels_on
+from growpage.engine.loop.paged_kv_view import boundary_kernels_on
 from growpage.engine.sampling_params import SamplingParams
 from growpage.policies.base import CapacityPolicy
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from growpage.engine.modeling.accumulation import DecodeIndex, add_decode, add_prefill, table_slots
-from growpage.engine.modeling.context import StepContext
 from growpage.engine.modeling.host_memory import available_memory
+from growpage.engine.modeling.step_context import StepContext
 from growpage.errors import EngineError
 
 

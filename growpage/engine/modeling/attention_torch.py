@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from growpage.engine.modeling.accumulation import DecodeIndex, add_decode, group_attention
 from growpage.engine.modeling.attention import TorchAttentionBackend
-from growpage.engine.modeling.context import StepContext
+from growpage.engine.modeling.step_context import StepContext
 
 
 class PagedTorchBackend(TorchAttentionBackend):

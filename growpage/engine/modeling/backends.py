@@ -23,7 +23,7 @@ import torch
 from growpage.engine.modeling.accumulation import layer_index
 from growpage.engine.modeling.attention import AttentionBackend
 from growpage.engine.modeling.attention_torch import PagedTorchBackend
-from growpage.engine.modeling.context import StepCapture
+from growpage.engine.modeling.step_context import StepCapture
 from growpage.errors import EngineError
 from growpage.validators import in_range
 

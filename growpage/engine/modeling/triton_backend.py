@@ -28,7 +28,7 @@ import torch
 
 from growpage.engine.modeling.attention import AttentionBackend, TorchAttentionBackend
 from growpage.engine.modeling.backends import QueryStateFusion
-from growpage.engine.modeling.context import StepContext
+from growpage.engine.modeling.step_context import StepContext
 from growpage.kernels import accumulate_attention, paged_decode_attention, store_kv
 
 

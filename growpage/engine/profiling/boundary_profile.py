@@ -32,7 +32,7 @@ import torch
 
 import growpage.core.capacity as capacity_module
 from growpage.core import demand as demand_module
-from growpage.engine.loop.kv_view import EngineKVView
+from growpage.engine.loop.paged_kv_view import EngineKVView
 
 #: Phase names in report order; ``control`` is whatever capacity control does outside the others.
 PHASES = ("queries", "attention", "demand", "decide", "select", "check", "compact", "control")

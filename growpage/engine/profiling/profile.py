@@ -18,13 +18,13 @@ from tqdm import tqdm
 
 from growpage.engine.modeling.attention import allocate_kv_cache
 from growpage.engine.modeling.backends import make_attention_backend
-from growpage.engine.modeling.context import (
+from growpage.engine.modeling.model import CausalLM
+from growpage.engine.modeling.step_context import (
     StepContext,
     decode_context,
     prefill_context,
     use_context,
 )
-from growpage.engine.modeling.model import CausalLM
 
 if TYPE_CHECKING:
     from growpage.policies.base import CapacityPolicy

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from growpage.core.kvview import KVView, QueryState
+from growpage.core.kv_view import KVView, QueryState
 from growpage.core.observation import rotate_queries
 from growpage.core.rope import RopeConfig
 from growpage.engine.loop.query_state import QueryStatePool
