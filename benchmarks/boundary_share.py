@@ -21,7 +21,7 @@ work is hidden entirely, the best a GPU's overlap can do (here, on the CPU, the 
 all of it). ``--async-decisions`` adds rows that defer whole boundaries as well
 (``LLM(async_decisions=True)``, beyond the paper): their ``decision %`` is what stays on the
 critical path, the registration of late boundaries while scheduling and the boundaries that must
-stay synchronous (``KVCacheManager.decides_late``).
+stay synchronous (``DeferredBoundaries.decides_late``).
 
 NOTE: an estimate, not a measurement. With launches stubbed the kernels' outputs are left
 unwritten, so the decisions differ from a real run's; and torch ops still compute on the CPU, so
@@ -140,10 +140,10 @@ def run(args: argparse.Namespace) -> dict:
             "total_s": st.total_time_s,
             "boundary_s": st.boundary_time_s,
             "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
-            "deferred_s": kv.deferred_seconds,
-            "deferred_compactions": kv.deferred_compactions,
-            "deferred_decisions": kv.deferred_decisions,
-            "decision_pct": 100 * (st.boundary_time_s - kv.deferred_seconds) / st.total_time_s,
+            "deferred_s": kv.deferred.seconds,
+            "deferred_compactions": kv.deferred.num_compactions,
+            "deferred_decisions": kv.deferred.num_decisions,
+            "decision_pct": 100 * (st.boundary_time_s - kv.deferred.seconds) / st.total_time_s,
             "steps": st.num_steps,
             "decided": phases.decided,
             "ms_per_decided": (

@@ -227,7 +227,7 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     before = compiled_variants()
     kv = llm.engine.kv
     shared = (kv.shared_steps, kv.shared_boundaries)
-    deferred, late = kv.deferred_compactions, kv.deferred_decisions
+    deferred, late = kv.deferred.num_compactions, kv.deferred.num_decisions
     with profile_boundaries(llm) as phases:  # ~1 us per timed call: the run's own numbers
         llm.generate(
             prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
@@ -255,8 +255,8 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
         "shared_boundaries": kv.shared_boundaries - shared[1],
         # asynchronous compaction: compressions run beside the forward, their seconds, and
         # of those the part after the forward had finished (what the steps waited for)
-        "deferred_compactions": kv.deferred_compactions - deferred,
-        "deferred_decisions": kv.deferred_decisions - late,
+        "deferred_compactions": kv.deferred.num_compactions - deferred,
+        "deferred_decisions": kv.deferred.num_decisions - late,
         "deferred_s": st.deferred_time_s,
         "deferred_stall_s": st.deferred_waited_s,
         "boundary_critical_pct": 100

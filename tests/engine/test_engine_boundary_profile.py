@@ -67,8 +67,9 @@ def test_phases_account_for_every_boundary_and_change_nothing(model, deferred) -
     # Everything restored.
     assert originals() == before
     assert llm.engine.kv.controller.policy is policy
-    assert not {"make_room", "prepare_boundaries", "run_deferred"} & set(llm.engine.kv.__dict__)
-    assert (llm.engine.kv.deferred_compactions > 0) == deferred
+    assert not {"make_room", "prepare_boundaries"} & set(llm.engine.kv.__dict__)
+    assert "run" not in llm.engine.kv.deferred.__dict__
+    assert (llm.engine.kv.deferred.num_compactions > 0) == deferred
 
 
 def test_kernel_path_charges_queries_and_attention(model) -> None:

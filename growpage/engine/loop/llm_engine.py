@@ -96,8 +96,8 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_hit_tokens": kv.prefix_hit_tokens,
             "boundary_seconds": kv.boundary_seconds,
-            "deferred_seconds": kv.deferred_seconds,
-            "deferred_stall_seconds": kv.deferred_stall_seconds,
+            "deferred_seconds": kv.deferred.seconds,
+            "deferred_stall_seconds": kv.deferred.stall_seconds,
         }
 
     # ---- requests -------------------------------------------------------------------------
@@ -207,12 +207,12 @@ class LLMEngine:
             capacities = [] if out.is_prefill else [len(s.state.block_table) * b for s in out.seqs]
             seqs, logits = self.runner.run(out)
         except BaseException:
-            self.kv.cancel_deferred()  # their requests are unchanged (still at the boundary)
+            self.kv.deferred.cancel()  # their requests are unchanged (still at the boundary)
             if out is not None:  # the forward failed: its slots and chunks are computed again
                 self.scheduler.unschedule(out)
             raise
         try:
-            self.kv.run_deferred()  # compressions that sat this step out, beside its forward
+            self.kv.deferred.run()  # compressions that sat this step out, beside its forward
         except BaseException:
             self.update(out, seqs, logits)  # the forward ran: its requests keep their tokens
             raise
