@@ -50,10 +50,10 @@ import growpage.kernels  # noqa: E402, F401
 from growpage.core import selection  # noqa: E402
 from growpage.core.decision import Action  # noqa: E402
 from growpage.core.rope import RopeConfig  # noqa: E402
-from growpage.engine.boundary_profile import profile_boundaries  # noqa: E402
 from growpage.engine.llm import LLM  # noqa: E402
-from growpage.engine.loader import build_model, meta_shapes  # noqa: E402
-from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
+from growpage.engine.loading.loader import build_model, meta_shapes  # noqa: E402
+from growpage.engine.modeling.model import CausalLM, ModelConfig  # noqa: E402
+from growpage.engine.profiling.boundary_profile import profile_boundaries  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 from growpage.kernels import without_index_checks  # noqa: E402
 from growpage.kernels.variants import stubbed_launches  # noqa: E402
@@ -200,7 +200,7 @@ def measure(args: argparse.Namespace) -> dict:
     # stable argsort, not the CPU's keyed partial top-k; the same slots either way), and no
     # checks of the kernels' index values (the interpreter always checks them, a GPU by default
     # does not).
-    from growpage.core.context import BoundaryBatch
+    from growpage.core.boundary_context import BoundaryBatch
 
     keyed, pad = selection.keyed_top_k, BoundaryBatch.pad
     if args.path == "triton":
@@ -390,7 +390,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--phases",
         action="store_true",
         help="also time each boundary phase, the device synced per phase on CUDA "
-        "(growpage.engine.boundary_profile), in a run of its own (with "
+        "(growpage.engine.profiling.boundary_profile), in a run of its own (with "
         "--host-only: in the same run)",
     )
     p.add_argument(

@@ -14,14 +14,14 @@ cost next to nothing either:
     python benchmarks/boundary_share.py --policies growpage --async-decisions --prompt-len 45-75
 
 It prints, per policy, the run's seconds, the boundary seconds and share, ms per decided
-boundary, and the boundary phases (``growpage.engine.boundary_profile``). With
+boundary, and the boundary phases (``growpage.engine.profiling.boundary_profile``). With
 ``--async-compaction`` each policy also runs with compressions deferred to beside the forward
 (``LLM(async_compaction=True)``): its ``decision %`` is the boundary share left when the deferred
 work is hidden entirely, the best a GPU's overlap can do (here, on the CPU, the step waits for
 all of it). ``--async-decisions`` adds rows that defer whole boundaries as well
 (``LLM(async_decisions=True)``, beyond the paper): their ``decision %`` is what stays on the
 critical path, the registration of late boundaries while scheduling and the boundaries that must
-stay synchronous (``KVCacheManager.decides_late``).
+stay synchronous (``DeferredBoundaries.decides_late``).
 
 NOTE: an estimate, not a measurement. With launches stubbed the kernels' outputs are left
 unwritten, so the decisions differ from a real run's; and torch ops still compute on the CPU, so
@@ -44,10 +44,10 @@ import torch
 # when there is no CUDA device.
 import growpage.kernels  # noqa: E402, F401
 from growpage.core.rope import RopeConfig  # noqa: E402
-from growpage.engine.boundary_profile import profile_boundaries  # noqa: E402
 from growpage.engine.llm import LLM  # noqa: E402
-from growpage.engine.loader import build_model, meta_shapes  # noqa: E402
-from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
+from growpage.engine.loading.loader import build_model, meta_shapes  # noqa: E402
+from growpage.engine.modeling.model import CausalLM, ModelConfig  # noqa: E402
+from growpage.engine.profiling.boundary_profile import profile_boundaries  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 from growpage.kernels import without_index_checks  # noqa: E402
 from growpage.kernels.variants import stubbed_launches  # noqa: E402
@@ -140,10 +140,10 @@ def run(args: argparse.Namespace) -> dict:
             "total_s": st.total_time_s,
             "boundary_s": st.boundary_time_s,
             "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
-            "deferred_s": kv.deferred_seconds,
-            "deferred_compactions": kv.deferred_compactions,
-            "deferred_decisions": kv.deferred_decisions,
-            "decision_pct": 100 * (st.boundary_time_s - kv.deferred_seconds) / st.total_time_s,
+            "deferred_s": kv.deferred.seconds,
+            "deferred_compactions": kv.deferred.num_compactions,
+            "deferred_decisions": kv.deferred.num_decisions,
+            "decision_pct": 100 * (st.boundary_time_s - kv.deferred.seconds) / st.total_time_s,
             "steps": st.num_steps,
             "decided": phases.decided,
             "ms_per_decided": (

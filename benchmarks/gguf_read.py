@@ -1,5 +1,5 @@
 """Reading a GGUF file: ``GGUFFile`` vs ``gguf.GGUFReader``, the weights' dequantization:
-``growpage.engine.dequant`` vs ``gguf.quants.dequantize``, and ``load_model``'s wall time.
+``growpage.engine.loading.dequant`` vs ``gguf.quants.dequantize``, and ``load_model``'s wall time.
 
     python benchmarks/gguf_read.py [--repeat 3] [--path model.gguf] [--threads N] [--no-load]
 
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from growpage.engine.gguf_file import GGUFFile, GGUFTensor  # noqa: E402
-from growpage.engine.loader import default_model_path, load_model  # noqa: E402
+from growpage.engine.loading.gguf_file import GGUFFile, GGUFTensor  # noqa: E402
+from growpage.engine.loading.loader import default_model_path, load_model  # noqa: E402
 from growpage.errors import EngineError  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def package(path: Path) -> int:
 
 
 def dequantize_ours(f: GGUFFile, t: GGUFTensor) -> torch.Tensor:
-    from growpage.engine.dequant import dequantize
+    from growpage.engine.loading.dequant import dequantize
 
     return dequantize(f.raw(t), t.type)
 
@@ -79,7 +79,7 @@ def compare_dequantization(path: Path, repeat: int) -> tuple[dict, dict, set[str
 
     f = GGUFFile(path)
     pairs = (
-        ("growpage.engine.dequant", dequantize_ours),
+        ("growpage.engine.loading.dequant", dequantize_ours),
         ("gguf.quants.dequantize", dequantize_package),
     )
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -132,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     counts, seconds, differ = compare_dequantization(path, args.repeat)
     print("\ndequantization to fp32, tensor by tensor (seconds summed per type):")
     print(f"  {'type':6s} {'tensors':>7s} {'weights':>13s} {'ours s':>8s} {'gguf s':>8s}  bits")
-    total = {"growpage.engine.dequant": 0.0, "gguf.quants.dequantize": 0.0}
+    total = {"growpage.engine.loading.dequant": 0.0, "gguf.quants.dequantize": 0.0}
     for kind, (num, weights) in sorted(counts.items()):
         s_ours, s_pkg = seconds[kind].values()
-        total["growpage.engine.dequant"] += s_ours
+        total["growpage.engine.loading.dequant"] += s_ours
         total["gguf.quants.dequantize"] += s_pkg
         same = "DIFFERENT" if kind in differ else "same"
         print(f"  {kind:6s} {num:7d} {weights:13,d} {s_ours:8.3f} {s_pkg:8.3f}  {same}")

@@ -344,11 +344,11 @@ def _ms(ms: float | None) -> str:
 
 def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> dict:
     """One timed row of ``engine_throughput``."""
-    from growpage.engine.boundary_profile import profile_boundaries
+    from growpage.engine.profiling.boundary_profile import profile_boundaries
     from growpage.engine.sampling_params import SamplingParams
     from growpage.kernels.variants import compiled_variants
 
-    # LLM() compiled every kernel variant (growpage.engine.warmup); this short run warms the
+    # LLM() compiled every kernel variant (growpage.engine.loop.warmup); this short run warms the
     # rest (allocator, torch's own kernels, the first CUDA graphs). A compile during the timed
     # run would stall it: counted below, and it should be 0.
     llm.generate(
@@ -357,7 +357,7 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     before = compiled_variants()
     kv = llm.engine.kv
     shared = (kv.shared_steps, kv.shared_boundaries)
-    deferred, late = kv.deferred_compactions, kv.deferred_decisions
+    deferred, late = kv.deferred.num_compactions, kv.deferred.num_decisions
     with profile_boundaries(llm) as phases:  # ~1 us per timed call: the run's own numbers
         llm.generate(
             prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
@@ -390,8 +390,8 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
         "shared_boundaries": kv.shared_boundaries - shared[1],
         # asynchronous compaction: compressions run beside the forward, their seconds, and
         # of those the part after the forward had finished (what the steps waited for)
-        "deferred_compactions": kv.deferred_compactions - deferred,
-        "deferred_decisions": kv.deferred_decisions - late,
+        "deferred_compactions": kv.deferred.num_compactions - deferred,
+        "deferred_decisions": kv.deferred.num_decisions - late,
         "deferred_s": st.deferred_time_s,
         "deferred_stall_s": st.deferred_waited_s,
         "boundary_critical_pct": 100
@@ -690,7 +690,7 @@ def to_markdown(r: dict) -> str:
 
 
 def _phase_table(engine: dict) -> list[str]:
-    """ms per decided boundary by phase (``growpage.engine.boundary_profile``), per policy."""
+    """ms per decided boundary by phase (``growpage.engine.profiling.boundary_profile``), per policy."""
     rows = {
         name: e["boundary_phases"]
         for name, e in engine.items()

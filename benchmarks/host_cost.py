@@ -94,7 +94,7 @@ class FixedForward:
         self.clock: Callable[[], float] = time.perf_counter
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        from growpage.engine.context import get_context
+        from growpage.engine.modeling.step_context import get_context
 
         start = self.clock()
         capture = get_context().capture
@@ -145,8 +145,8 @@ class PhaseClock:
 
 def narrow_model(head_dim: int, vocab: int, layers: int) -> Any:
     from growpage.core.rope import RopeConfig
-    from growpage.engine.loader import build_model, meta_shapes
-    from growpage.engine.model import ModelConfig
+    from growpage.engine.loading.loader import build_model, meta_shapes
+    from growpage.engine.modeling.model import ModelConfig
 
     cfg = ModelConfig(
         arch="llama",
@@ -347,10 +347,10 @@ def fingerprint(seqs: list[Any]) -> str:
 def worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     import growpage.kernels  # noqa: F401  (first: it turns Triton's interpreter on)
-    from growpage.engine.tokenizer import load_tokenizer
+    from growpage.engine.loading.tokenizer import load_tokenizer
 
     if args.real:
-        from growpage.engine.loader import load_model
+        from growpage.engine.loading.loader import load_model
 
         model = load_model(None, dtype=torch.float32, device="cpu")
     else:
@@ -527,13 +527,13 @@ def profile_point(args: argparse.Namespace) -> int:
     backend, policy, batch = (args.profile.split(":") + ["64"])[:3]
     torch.set_num_threads(args.threads)
     import growpage.kernels  # noqa: F401  (first: it turns Triton's interpreter on)
-    from growpage.engine.tokenizer import load_tokenizer
+    from growpage.engine.loading.tokenizer import load_tokenizer
 
     parts = {
         "model": narrow_model(args.head_dim, args.vocab, args.layers),
         "tokenizer": load_tokenizer(None),
     }
-    from growpage.engine.boundary_profile import profile_boundaries
+    from growpage.engine.profiling.boundary_profile import profile_boundaries
 
     boundary: list[Any] = []
 

@@ -39,8 +39,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 from growpage.core.traces import atomic_write  # noqa: E402
-from growpage.engine.context import prefill_context, use_context  # noqa: E402
 from growpage.engine.llm import LLM  # noqa: E402
+from growpage.engine.modeling.step_context import prefill_context, use_context  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 from growpage.errors import EngineError  # noqa: E402
 

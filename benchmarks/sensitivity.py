@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from growpage.core.boundary_context import BoundaryContext  # noqa: E402
 from growpage.core.config import GrowPageConfig  # noqa: E402
-from growpage.core.context import BoundaryContext  # noqa: E402
 from growpage.core.decision import Decision  # noqa: E402
 from growpage.core.selection import growpage_select  # noqa: E402
 from growpage.core.trace_set import read_trace_set  # noqa: E402

@@ -8,7 +8,7 @@ wall-clock time on the engine (``LLM.generate(arrival_times=...)``) and in simul
 the simulator. Steps:
 
 1. **calibrate**: time the engine's forward passes over the workload's shapes (every batch size
-   from 1 to the number of requests; ``growpage.engine.profile.measure_step_times``) and fit the
+   from 1 to the number of requests; ``growpage.engine.profiling.profile.measure_step_times``) and fit the
    simulator's ``PiecewiseCostModel`` (``growpage.sim.calibrate.fit_piecewise``), as ``growpage
    calibrate --kind piecewise`` does; a ``LinearCostModel`` fitted on the same rows is reported
    beside it. Both price a decode step's KV as the engine's torch backend reads it, padded to
@@ -149,8 +149,8 @@ def measure(
     progress: bool = True,
 ) -> np.ndarray:
     """One calibration pass: ``[n, 4]`` rows (num_seqs, kv_tokens, prefill_tokens, step_s) of
-    the engine's forward passes (``growpage.engine.profile``, best of ``repeats + 1``)."""
-    from growpage.engine.profile import measure_step_times
+    the engine's forward passes (``growpage.engine.profiling.profile``, best of ``repeats + 1``)."""
+    from growpage.engine.profiling.profile import measure_step_times
 
     rows = measure_step_times(model, *shapes, repeats=repeats, progress=progress)
     return np.array(
@@ -254,8 +254,8 @@ def run_sim(
 
 def boundary_prices(model: Any, point: SweepPoint, scenario: Scenario) -> dict:
     """Seconds per capacity decision and per compaction of ``point``'s policy on this engine
-    (``growpage.engine.profile.measure_boundary_costs``)."""
-    from growpage.engine.profile import measure_boundary_costs
+    (``growpage.engine.profiling.profile.measure_boundary_costs``)."""
+    from growpage.engine.profiling.profile import measure_boundary_costs
 
     print(f"pricing capacity control: {point.label}", flush=True)
     policy = resolve_policy(point.policy, **dict(point.params))
@@ -489,8 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from growpage.engine.loader import load_model
-    from growpage.engine.tokenizer import load_tokenizer
+    from growpage.engine.loading.loader import load_model
+    from growpage.engine.loading.tokenizer import load_tokenizer
     from growpage.eval.workload import reasoning_prompts
 
     model, tokenizer = load_model(), load_tokenizer()
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: the passes are spread over the benchmark, so the fit sees the machine's load as the
     # engine runs did (the machine is shared; one pass alone can be off by tens of percent).
     table = np.concatenate(passes)
-    from growpage.engine.profile import decode_pads_kv
+    from growpage.engine.profiling.profile import decode_pads_kv
 
     # The torch backend pads every sequence's KV to the batch's longest: the simulator prices
     # a decode step's KV so (the calibration's contexts are uniform, so the fit is the same).

@@ -518,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from growpage.engine.loader import load_model
-    from growpage.engine.tokenizer import load_tokenizer
+    from growpage.engine.loading.loader import load_model
+    from growpage.engine.loading.tokenizer import load_tokenizer
     from growpage.eval.workload import reasoning_prompts
 
     model, tokenizer = load_model(), load_tokenizer()
@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: the machine is shared and its speed drifts by 2x within minutes as other jobs come
     # and go: each run is bracketed by calibration passes (one right before, one right after),
     # its cost model is fitted on those two, and capacity control is priced right after it.
-    from growpage.engine.profile import decode_pads_kv
+    from growpage.engine.profiling.profile import decode_pads_kv
 
     rows, commands, meta_points = [], [], {}
     for point in points:

@@ -6,12 +6,12 @@ and the paged-attention engine (``growpage.engine``).
 
 from typing import TYPE_CHECKING
 
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.capacity import BoundaryOutcome, CapacityController
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryContext
 from growpage.core.decision import Action, Decision
 from growpage.core.events import EventCounters
-from growpage.core.kvview import DenseKVView, KVView, QueryState
+from growpage.core.kv_view import DenseKVView, KVView, QueryState
 from growpage.core.pages import PagePool
 from growpage.core.request import RequestState
 from growpage.errors import (

@@ -17,7 +17,7 @@ SUBCOMMAND_MODULES = (
     "growpage.policies.cli",
     "growpage.testing.cli",
     "growpage.engine.cli",
-    "growpage.engine.catalog_cli",
+    "growpage.engine.loading.catalog_cli",
     "growpage.sim.cli",
     "growpage.server.cli",
     "growpage.eval.cli",

@@ -14,7 +14,7 @@ be scored against the cached, already rotated keys (paper appendix E.1):
 
 Output ``[2, L, Hq, d]`` fp32 (view 0 short, 1 long) is the ``queries`` input of
 ``demand.demand_attention``. The torch path is ``rope_at(cfg, rms_calibrate(s, cur), position)``
-per view (``growpage.core.context``); this kernel replaces its ~30 small ops with one launch.
+per view (``growpage.core.boundary_context``); this kernel replaces its ~30 small ops with one launch.
 
 One program per (layer, block of query heads, request) handles both views: it loads the current
 rows once, then per view the rows and their rotate-half partners (permuted offsets

@@ -8,7 +8,7 @@ tensor's address is 16-byte aligned. A compile takes a fraction of a second to s
 serving engine every launch whose key is new *during serving* is a stall of that length, so the
 kernels keep every per-call quantity (context lengths, candidate counts, split counts, slot
 numbers, table widths, addresses of sliced tensors) out of their keys, and the engine compiles
-the few keys left once, at start-up (``growpage.engine.warmup``).
+the few keys left once, at start-up (``growpage.engine.loop.warmup``).
 
 Two views of it:
 

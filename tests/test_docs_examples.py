@@ -147,8 +147,13 @@ def test_engine_guide_documents_every_llm_keyword_and_output_field() -> None:
 
 
 def test_file_tables_list_every_module() -> None:
-    engine = names(section("docs/engine.md", "## Files").replace(".py`", "`"))
-    modules = {p.stem for p in (ROOT / "growpage/engine").glob("*.py")} - {"__init__"}
+    engine = set(re.findall(r"`([\w/]+)\.py`", section("docs/engine.md", "## Files")))
+    package = ROOT / "growpage/engine"
+    modules = {
+        p.relative_to(package).with_suffix("").as_posix()
+        for p in package.rglob("*.py")
+        if p.stem != "__init__"
+    }
     assert modules <= engine, sorted(modules - engine)
     core = set(re.findall(r"`core/(\w+)\.py`", (ROOT / "docs/architecture.md").read_text()))
     modules = {p.stem for p in (ROOT / "growpage/core").glob("*.py")} - {"__init__"}

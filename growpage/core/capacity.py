@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from growpage.core.boundary_context import BoundaryBatch, BoundaryContext, missing_sums_hint
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryBatch, BoundaryContext, missing_sums_hint
 from growpage.core.decision import Action, Decision
 from growpage.core.events import EventCounters
-from growpage.core.kvview import KVView
+from growpage.core.kv_view import KVView
 from growpage.core.pages import PagePool
 from growpage.core.request import RequestState
 from growpage.errors import ConfigError, GrowPageError, PolicyError

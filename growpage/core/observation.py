@@ -9,7 +9,7 @@ queries and over the query heads of each KV head's group::
 
 and a 1-D max pool of odd width along the slots ('same' padding) smooths it, so that a kept
 token keeps its neighbours (SnapKV's clustering). Both worlds call these functions: the engine's
-view rotates its ring of pre-RoPE queries (``growpage.engine.recent_queries``), the simulator's
+view rotates its ring of pre-RoPE queries (``growpage.engine.loop.recent_queries``), the simulator's
 the rows of its trace; the same inputs give the same scores.
 """
 

@@ -22,9 +22,9 @@ import attrs
 
 from growpage.core.pages import PagePool
 
-if TYPE_CHECKING:  # (capacity and kvview import torch)
+if TYPE_CHECKING:  # (capacity and kv_view import torch)
     from growpage.core.capacity import CapacityController
-    from growpage.core.kvview import KVView
+    from growpage.core.kv_view import KVView
     from growpage.core.request import RequestState
 
 R = TypeVar("R")

@@ -2,8 +2,8 @@
 
 Submodules import torch; this package stays light so ``import growpage.engine`` is cheap:
 ``LLM``, ``SamplingParams``, ``EngineConfig`` and ``poisson_arrivals`` are imported on first use. Everything else
-comes from the submodules: ``growpage.engine.loader.load_model``,
-``growpage.engine.tokenizer.load_tokenizer``, ``growpage.engine.context.use_context``.
+comes from the submodules: ``growpage.engine.loading.loader.load_model``,
+``growpage.engine.loading.tokenizer.load_tokenizer``, ``growpage.engine.modeling.step_context.use_context``.
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ class EngineConfig:
         validator=_FLAG_OR_AUTO,
         metadata=_help(
             "launch every Triton kernel variant once when the engine is built, so no compile "
-            "stalls a step (growpage.engine.warmup; default: when Triton runs on CUDA)"
+            "stalls a step (growpage.engine.loop.warmup; default: when Triton runs on CUDA)"
         ),
     )
     cuda_graphs: bool | None = attrs.field(

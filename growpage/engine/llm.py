@@ -32,11 +32,11 @@ from growpage.engine.inputs import (
     per_prompt_params,
     where,
 )
-from growpage.engine.llm_engine import LLMEngine
-from growpage.engine.model import CausalLM
+from growpage.engine.loop.llm_engine import LLMEngine
+from growpage.engine.loop.sequence import Sequence
+from growpage.engine.modeling.model import CausalLM
 from growpage.engine.outputs import EngineStats, RequestOutput, ScoreOutput, StreamChunk
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.sequence import Sequence
 from growpage.errors import ConfigError, EngineError
 from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import resolve_policy
@@ -44,7 +44,7 @@ from growpage.policies.registry import resolve_policy
 if TYPE_CHECKING:
     from tqdm import tqdm as ProgressBar
 
-    from growpage.engine.attention import AttentionBackend
+    from growpage.engine.modeling.attention import AttentionBackend
 
 _GROWPAGE_FIELDS = {f.name for f in attrs.fields(GrowPageConfig)}
 _ENGINE_FIELDS = {f.name for f in SETTINGS}
@@ -134,7 +134,7 @@ class LLM:
         recording = engine.get("record_traces") is not None
         if recording and getattr(policy_obj, "name", "") != "fullkv":
             raise EngineError("trace recording needs policy='fullkv' (traces hold full KV)")
-        # Per-slot H2O sums cannot live in shared prompt pages (growpage.engine.accumulation).
+        # Per-slot H2O sums cannot live in shared prompt pages (growpage.engine.modeling.accumulation).
         sums = bool(getattr(policy_obj, "needs_accumulated_attention", False))
         # A non-bool goes through as given, for the config to refuse.
         if (recording or sums) and isinstance(engine.get("enable_prefix_caching", True), bool):
@@ -456,8 +456,8 @@ def _load(
         model.to(device=torch.device(config.device), dtype=config.dtype)
         model.set_backend(backend)
         return model, tokenizer
-    from growpage.engine.loader import load_model
-    from growpage.engine.tokenizer import load_tokenizer
+    from growpage.engine.loading.loader import load_model
+    from growpage.engine.loading.tokenizer import load_tokenizer
 
     loaded = load_model(model, dtype=config.dtype, device=config.device, backend=backend)
     return loaded, tokenizer if tokenizer is not None else load_tokenizer(model)
@@ -465,7 +465,7 @@ def _load(
 
 def _attention_backend(config: EngineConfig) -> AttentionBackend:
     """``"torch"`` (``PagedTorchBackend``), ``"triton"``, or ``"auto"`` (triton on CUDA)."""
-    from growpage.engine.backends import make_attention_backend
+    from growpage.engine.modeling.backends import make_attention_backend
 
     return make_attention_backend(config.attention_backend, config.device)
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from growpage.core.context import BoundaryContext
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.decision import Decision
 from growpage.core.selection import growpage_select
 
@@ -26,7 +26,7 @@ class CapacityPolicy(abc.ABC):
     #: True when ``select``/``decide`` read ``ctx.accumulated_attention()`` (H2O): the simulator's
     #: trace views then accumulate every replayed query's attention, which costs replay time;
     #: the engine keeps a per-slot fp32 sum beside the KV cache, adds every step's attention
-    #: into it and turns prefix caching off (``growpage.engine.accumulation``).
+    #: into it and turns prefix caching off (``growpage.engine.modeling.accumulation``).
     needs_accumulated_attention: ClassVar[bool] = False
 
     @property
@@ -34,7 +34,7 @@ class CapacityPolicy(abc.ABC):
         """How many of the request's most recent queries ``select``/``decide`` read through
         ``ctx.recent_queries(w)`` / ``ctx.window_attention(w)`` (SnapKV's observation window,
         ``w`` at most this); 0 = none. The engine then keeps, per running request, a ring of
-        its last queries (``growpage.engine.recent_queries``); the simulator reads them from
+        its last queries (``growpage.engine.loop.recent_queries``); the simulator reads them from
         the trace. A subclass overrides it with a property or a plain class attribute
         (``needs_recent_queries = 8``; not annotated in an attrs class, which would make it a
         field)."""

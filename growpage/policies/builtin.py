@@ -7,7 +7,7 @@ import random
 import attrs
 import torch
 
-from growpage.core.context import BoundaryContext
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.decision import Decision
 from growpage.core.observation import snapkv_scores
 from growpage.core.selection import top_slots, topk_slots, with_protected

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 import attrs
 
 from growpage.engine.llm import StreamProgress
+from growpage.engine.loop.sequence import Sequence
 from growpage.engine.outputs import StreamChunk
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.sequence import Sequence
 from growpage.errors import EngineError, PolicyError
 from growpage.server.metrics import EngineSnapshot, ServerMetrics
 from growpage.server.protocol import ServerError, internal_error

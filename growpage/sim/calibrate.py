@@ -6,7 +6,7 @@ Measurements are rows of ``num_seqs, kv_tokens, prefill_tokens, step_s`` (a deco
 tokens; ``step_s`` seconds), from a CSV file with that header or a JSON list of objects.
 
 ``measure_engine`` times the local engine's steps for such rows
-(``growpage.engine.profile.measure_step_times(**options) -> list[dict]``); ``growpage calibrate
+(``growpage.engine.profiling.profile.measure_step_times(**options) -> list[dict]``); ``growpage calibrate
 --measurements FILE`` fits rows measured elsewhere (another engine, another machine).
 """
 
@@ -27,7 +27,7 @@ from growpage.errors import ConfigError, EngineError
 from growpage.sim.costmodel import STEP_COEFFICIENTS, LinearCostModel, PiecewiseCostModel
 
 COLUMNS = ("num_seqs", "kv_tokens", "prefill_tokens", "step_s")
-ENGINE_PROFILER = "growpage.engine.profile"
+ENGINE_PROFILER = "growpage.engine.profiling.profile"
 
 
 def _fields_problem(d: Any) -> str:
@@ -296,7 +296,7 @@ def measure_engine(**options: Any) -> np.ndarray:
     try:
         profiler = importlib.import_module(ENGINE_PROFILER)
     except ModuleNotFoundError as e:
-        if e.name not in (ENGINE_PROFILER, "growpage.engine"):
+        if e.name not in (ENGINE_PROFILER, "growpage.engine.profiling", "growpage.engine"):
             raise
         raise EngineError(
             f"the engine cannot be measured yet: {ENGINE_PROFILER}."
@@ -309,5 +309,5 @@ def measure_engine(**options: Any) -> np.ndarray:
 
 def engine_pads_kv() -> bool:
     """Whether the local engine's decode steps, as ``measure_engine`` times them, pad every
-    sequence's KV to the longest (``growpage.engine.profile.decode_pads_kv``)."""
+    sequence's KV to the longest (``growpage.engine.profiling.profile.decode_pads_kv``)."""
     return bool(importlib.import_module(ENGINE_PROFILER).decode_pads_kv())

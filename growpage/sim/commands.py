@@ -673,7 +673,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for text in fit_warnings(rows, args.kind):
         _warn(text)
     if not args.measurements and args.boundaries:  # capacity control on the same engine
-        from growpage.engine.profile import measure_boundary_costs
+        from growpage.engine.profiling.profile import measure_boundary_costs
 
         costs = measure_boundary_costs(policy=args.boundary_policy or "growpage")
         model = with_boundary_costs(model, costs["boundary_s"], costs["compaction_s"])

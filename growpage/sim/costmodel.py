@@ -119,7 +119,7 @@ class CostModel(abc.ABC):
         ``boundary_s`` per decision plus ``compaction_s`` per compaction; both 0 unless set,
         which is the paper's asynchronous pipeline (appendix E.3: compaction overlaps decoding
         and the decision's cost is not modelled). ``growpage calibrate`` measures both on the
-        local engine (``growpage.engine.profile.measure_boundary_costs``).
+        local engine (``growpage.engine.profiling.profile.measure_boundary_costs``).
         """
         return decided * getattr(self, "boundary_s", 0.0) + compactions * getattr(
             self, "compaction_s", 0.0

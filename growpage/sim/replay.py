@@ -16,9 +16,9 @@ import math
 import attrs
 import torch
 
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.capacity import BoundaryOutcome, CapacityController
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryContext
 from growpage.core.decision import Action
 from growpage.core.pages import PagePool
 from growpage.core.request import RequestState

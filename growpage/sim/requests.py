@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from growpage.core.kvview import KVView
+from growpage.core.kv_view import KVView
 from growpage.core.request import RequestState
 from growpage.core.residency import PrefixChain
 from growpage.sim.workload_csv import WorkloadRequest

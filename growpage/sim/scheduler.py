@@ -26,7 +26,7 @@ import attrs
 from growpage.core.capacity import BoundaryOutcome, PendingCompaction
 from growpage.core.decision import Action
 from growpage.core.events import EventCounters
-from growpage.core.kvview import KVView
+from growpage.core.kv_view import KVView
 from growpage.core.residency import (
     admit,
     can_admit,

@@ -28,10 +28,10 @@ from typing import Any, cast
 
 import torch
 
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryContext
 from growpage.core.decision import Decision
-from growpage.core.kvview import KVView, QueryState
+from growpage.core.kv_view import KVView, QueryState
 from growpage.core.rope import RopeConfig
 from growpage.errors import SimulationError
 from growpage.policies.base import CapacityPolicy

@@ -25,7 +25,7 @@ import numpy as np
 
 from growpage.core.capacity import CapacityController
 from growpage.core.config import GrowPageConfig
-from growpage.core.kvview import KVView
+from growpage.core.kv_view import KVView
 from growpage.core.pages import PagePool
 from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace, TraceHeader

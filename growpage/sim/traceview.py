@@ -17,7 +17,7 @@ import math
 import torch
 
 from growpage.core.config import GrowPageConfig
-from growpage.core.kvview import DenseKVView
+from growpage.core.kv_view import DenseKVView
 from growpage.core.observation import rotate_queries
 from growpage.core.rope import apply_rope, cos_sin
 from growpage.core.traces import Trace

@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Flaky
 
+from growpage.core.boundary_context import changed_signals
 from growpage.core.capacity import selection_problem
-from growpage.core.context import changed_signals
 from growpage.core.decision import Decision
 from growpage.testing.history import HISTORY, check_history, check_order
 from growpage.testing.rules import (

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 import torch
 
-from growpage.core.context import BoundaryContext
+from growpage.core.boundary_context import BoundaryContext
 from growpage.testing.rules import PolicyConformanceError, copy_policy, keeps_of, seeded_call
 from growpage.testing.strategies import BoundaryCase
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from growpage.core.context import BoundaryContext, missing_sums_hint
+from growpage.core.boundary_context import BoundaryContext, missing_sums_hint
 from growpage.errors import GrowPageError
 
 if TYPE_CHECKING:

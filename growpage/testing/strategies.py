@@ -26,9 +26,9 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryContext
-from growpage.core.kvview import DenseKVView
+from growpage.core.kv_view import DenseKVView
 from growpage.core.rope import RopeConfig, apply_rope, cos_sin
 from growpage.validators import is_int, non_negative_int
 

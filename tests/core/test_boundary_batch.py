@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from growpage.core import demand
+from growpage.core.boundary_context import BoundaryBatch
 from growpage.core.capacity import CapacityController
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryBatch
 from growpage.core.pages import PagePool
 from growpage.core.request import RequestState
 from growpage.policies import GrowPagePolicy

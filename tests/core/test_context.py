@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from growpage.core import demand
-from growpage.core.context import BoundaryContext
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.rope import rope_at
 from growpage.testing import BoundaryCase
 

@@ -346,7 +346,7 @@ def test_long_decode_loop_keeps_invariants(policy):
 
 
 def test_boundary_before_any_decode_query_grows_without_the_policy():
-    from growpage.core.kvview import DenseKVView
+    from growpage.core.kv_view import DenseKVView
     from growpage.core.rope import RopeConfig
 
     ctrl, state, _, pool, policy = setup([Decision.COMPRESS], pages=3)

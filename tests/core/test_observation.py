@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryContext
-from growpage.core.kvview import DenseKVView
+from growpage.core.kv_view import DenseKVView
 from growpage.core.observation import max_pool, rotate_queries, snapkv_scores, window_attention
 from growpage.core.rope import RopeConfig
 from growpage.errors import ConfigError

@@ -19,9 +19,9 @@ import math
 import pytest
 import torch
 
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.config import GrowPageConfig
-from growpage.core.context import BoundaryContext
-from growpage.core.kvview import DenseKVView
+from growpage.core.kv_view import DenseKVView
 from growpage.core.rope import RopeConfig
 
 THETA = 10000.0

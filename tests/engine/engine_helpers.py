@@ -12,10 +12,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 from growpage.core.rope import RopeConfig  # noqa: E402
-from growpage.engine.attention import allocate_kv_cache  # noqa: E402
-from growpage.engine.context import decode_context, prefill_context, use_context  # noqa: E402
-from growpage.engine.loader import build_model, meta_shapes  # noqa: E402
-from growpage.engine.model import CausalLM, ModelConfig  # noqa: E402
+from growpage.engine.loading.loader import build_model, meta_shapes  # noqa: E402
+from growpage.engine.modeling.attention import allocate_kv_cache  # noqa: E402
+from growpage.engine.modeling.model import CausalLM, ModelConfig  # noqa: E402
+from growpage.engine.modeling.step_context import decode_context, prefill_context, use_context  # noqa: E402
 
 TINY = dict(
     vocab_size=128,

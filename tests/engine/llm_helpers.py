@@ -66,7 +66,7 @@ def tiny_models(seed: int = 1234):
 
 def tiny_model(seed: int = 1234):
     """Only our tiny Llama (same weights as ``tiny_models(seed)[0]``), without transformers."""
-    from growpage.engine.loader import build_model
+    from growpage.engine.loading.loader import build_model
 
     cfg = tiny_config("llama")
     return build_model(cfg, random_state_dict(cfg, seed=seed))
@@ -94,7 +94,9 @@ def watch_steps(llm: LLM) -> list[tuple[set[str], set[str]]]:
         out = schedule()
         if not out.is_prefill:
             deferred = {
-                seq.request_id for seq in engine.scheduler.running if engine.kv.is_deferred(seq)
+                seq.request_id
+                for seq in engine.scheduler.running
+                if engine.kv.deferred.is_deferred(seq)
             }
             steps.append(({seq.request_id for seq in out.seqs}, deferred))
         return out
@@ -165,12 +167,12 @@ def fail_the_first_step_with_deferred_work(
     seen: dict = {}
 
     def failing(out):
-        if engine.kv.num_deferred and not seen:
+        if engine.kv.deferred.num_pending and not seen:
             seen.update(
                 {
                     s.request_id: (s.state.num_tokens, list(s.state.block_table))
                     for s in engine.scheduler.running
-                    if engine.kv.is_deferred(s)
+                    if engine.kv.deferred.is_deferred(s)
                 }
             )
             raise RuntimeError("device lost")
@@ -197,7 +199,7 @@ def assert_left_at_their_boundaries(llm: LLM, seen: dict) -> None:
     """After a failed step: nothing pending, and the requests that sat it out unchanged, still
     at their boundaries."""
     engine = llm.engine
-    assert engine.kv.num_deferred == 0
+    assert engine.kv.deferred.num_pending == 0
     for seq in engine.scheduler.running:
         if seq.request_id in seen:
             assert (seq.state.num_tokens, seq.state.block_table) == seen[seq.request_id]

@@ -9,8 +9,8 @@ import pytest
 from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model
 
 from growpage.core.capacity import Decision
+from growpage.engine.loop.sequence import FinishReason
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.sequence import FinishReason
 from growpage.errors import PolicyError
 from growpage.policies.base import CapacityPolicy
 

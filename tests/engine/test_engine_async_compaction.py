@@ -47,15 +47,15 @@ def test_async_compaction_gives_the_synchronous_tokens_and_trajectories(model):
     assert [o.trajectory for o in got] == [o.trajectory for o in want]
     kv, stats = llm.engine.kv, llm.last_stats
     assert stats.events["compress"] == sync.last_stats.events["compress"] > 0
-    assert kv.deferred_compactions == stats.events["compress"]
+    assert kv.deferred.num_compactions == stats.events["compress"]
     # Each deferred compression costs its request one step the others decode in.
     assert stats.num_steps > sync.last_stats.num_steps
     # Deferred work is boundary time; on the CPU the step waits for all of it.
-    assert 0 < kv.deferred_seconds < kv.boundary_seconds
-    assert kv.deferred_stall_seconds == pytest.approx(kv.deferred_seconds)
+    assert 0 < kv.deferred.seconds < kv.boundary_seconds
+    assert kv.deferred.stall_seconds == pytest.approx(kv.deferred.seconds)
     # The call's statistics say so too (and only for this call).
-    assert stats.deferred_time_s == pytest.approx(kv.deferred_seconds)
-    assert stats.deferred_waited_s == pytest.approx(kv.deferred_stall_seconds)
+    assert stats.deferred_time_s == pytest.approx(kv.deferred.seconds)
+    assert stats.deferred_waited_s == pytest.approx(kv.deferred.stall_seconds)
     assert "deferred work" in stats.table()
     assert sync.last_stats.deferred_time_s == 0 and "deferred" not in sync.last_stats.table()
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)
@@ -81,7 +81,7 @@ def test_every_compressing_policy_gets_its_synchronous_tokens(model, policy, kwa
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.trajectory for o in got] == [o.trajectory for o in want]
     events = llm.last_stats.events
-    assert llm.engine.kv.deferred_compactions == events["compress"] + events["shrink"] > 0
+    assert llm.engine.kv.deferred.num_compactions == events["compress"] + events["shrink"] > 0
     assert events == sync.last_stats.events
     assert_all_returned(llm)
 
@@ -95,7 +95,7 @@ def test_scoring_with_async_compaction_keeps_the_decisions_and_nlls(model):
     want = tiny_llm(model, "growpage").score(PROMPTS, conts)
     llm = tiny_llm(model, "growpage", async_compaction=True)
     got = llm.score(PROMPTS, conts)
-    assert llm.engine.kv.deferred_compactions > 0
+    assert llm.engine.kv.deferred.num_compactions > 0
     for a, b in zip(got, want, strict=True):
         assert a.trajectory == b.trajectory
         assert a.token_nlls == pytest.approx(b.token_nlls, abs=1e-4)
@@ -106,7 +106,7 @@ def test_a_compressing_request_sits_one_step_out_and_rejoins_the_next(model):
     llm = tiny_llm(model, "growpage", async_compaction=True)
     steps = watch_steps(llm)
     llm.generate(PROMPTS, LONG, use_tqdm=False)
-    assert assert_sat_out_one_step(steps) == llm.engine.kv.deferred_compactions
+    assert assert_sat_out_one_step(steps) == llm.engine.kv.deferred.num_compactions
 
 
 def test_a_lone_request_compresses_at_once(model):
@@ -115,7 +115,7 @@ def test_a_lone_request_compresses_at_once(model):
         model, "growpage", [prompt(10, 5)], LONG, "async_compaction", kv_pages=8
     )
     assert got.token_ids == want.token_ids and got.trajectory == want.trajectory
-    assert llm.engine.kv.deferred_compactions == got.events["compress"] > 0
+    assert llm.engine.kv.deferred.num_compactions == got.events["compress"] > 0
     assert llm.last_stats.num_steps == sync.last_stats.num_steps
     assert_all_returned(llm)
 
@@ -145,7 +145,7 @@ def test_shared_prefix_pages_are_copied_on_write_when_the_compression_is_deferre
     got = llm.generate(SHARING, LONG, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.last_stats.events["cow_pages"] == sync.last_stats.events["cow_pages"] > 0
-    assert kv.deferred_compactions == llm.last_stats.events["compress"]
+    assert kv.deferred.num_compactions == llm.last_stats.events["compress"]
     for i, page in enumerate(cached):
         if kv.pool.is_cached(page):
             assert torch.equal(kv.cache[:, :, page], before[:, :, i])
@@ -159,22 +159,22 @@ def test_preempting_a_request_whose_compression_is_pending_cancels_it(model):
         engine.add_request(str(i), ids, LONG)
     for _ in range(200):
         out = engine.scheduler.schedule()
-        pending = [s for s in engine.scheduler.running if engine.kv.is_deferred(s)]
-        if pending and any(p.fresh for _, p in engine.kv._deferred.values()):
+        pending = [s for s in engine.scheduler.running if engine.kv.deferred.is_deferred(s)]
+        if pending and any(p.fresh for _, p in engine.kv.deferred._items.values()):
             break
         engine.update(out, *engine.runner.run(out))
-        engine.kv.run_deferred()
+        engine.kv.deferred.run()
     else:
         pytest.fail("no compression with copy-on-write pages was deferred")
     victim = pending[0]
     before = (victim.state.num_tokens, list(victim.state.block_table))
     assert (victim.state.num_tokens, victim.state.block_table) == before
     engine.scheduler.preempt(victim)
-    assert not engine.kv.is_deferred(victim) and victim.state.block_table == []
+    assert not engine.kv.deferred.is_deferred(victim) and victim.state.block_table == []
     # The victim's copy-on-write pages went back: the pool holds exactly the tables' pages.
     assert engine.kv.pool.num_used_pages == len(table_pages(llm))
     engine.runner.run(out)
-    engine.kv.run_deferred()
+    engine.kv.deferred.run()
     engine.kv.pool.check_invariants()
     engine.abort_all()
     assert_all_returned(llm)
@@ -186,11 +186,11 @@ def test_a_failed_step_cancels_its_pending_compressions(model):
     state = {}
 
     def failing(out):
-        if engine.kv.num_deferred:
+        if engine.kv.deferred.num_pending:
             state["pending"] = [
                 (s, s.state.num_tokens, list(s.state.block_table))
                 for s in engine.scheduler.running
-                if engine.kv.is_deferred(s)
+                if engine.kv.deferred.is_deferred(s)
             ]
             raise RuntimeError("device lost")
         return run(out)
@@ -198,7 +198,7 @@ def test_a_failed_step_cancels_its_pending_compressions(model):
     engine.runner.run = failing
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(PROMPTS, LONG, use_tqdm=False)
-    assert state["pending"] and engine.kv.num_deferred == 0
+    assert state["pending"] and engine.kv.deferred.num_pending == 0
     assert_all_returned(llm)
 
 
@@ -249,7 +249,7 @@ def test_a_bad_selection_in_a_deferred_compression_aborts_cleanly(model):
     llm = tiny_llm(model, BadSelection(), async_compaction=True, min_capacity=2)
     with pytest.raises(PolicyError, match="out of range"):
         llm.generate(PROMPTS, LONG, use_tqdm=False)
-    assert llm.engine.kv.num_deferred == 0
+    assert llm.engine.kv.deferred.num_pending == 0
     assert_all_returned(llm)
 
 

@@ -1,8 +1,8 @@
 """Late boundaries (``EngineConfig.async_decisions``, beyond the paper): a request at a boundary
 its policy decides sits that decode step out, and its decision and action run beside the
-forward (``KVCacheManager.run_deferred``). Its inputs are the ones it would have had at once,
+forward (``DeferredBoundaries.run``). Its inputs are the ones it would have had at once,
 so its decisions and tokens are the synchronous engine's; only where no outcome could need a
-preemption (``KVCacheManager.decides_late``)."""
+preemption (``DeferredBoundaries.decides_late``)."""
 
 from __future__ import annotations
 
@@ -53,10 +53,10 @@ def test_late_decisions_give_the_synchronous_tokens_and_trajectories(model):
     assert events["compress"] > 0 and events["decided_grow"] > 0, events
     # Every decided boundary was decided late (the pool never ran short, nothing is shared);
     # its compression ran with it, not as a deferred compaction of its own.
-    assert kv.deferred_decisions == decided(events) > 0 and kv.deferred_compactions == 0
+    assert kv.deferred.num_decisions == decided(events) > 0 and kv.deferred.num_compactions == 0
     assert stats.num_steps > sync.last_stats.num_steps  # each costs its request one step
     # Filing a late boundary while scheduling is boundary time too, outside the deferred part.
-    assert 0 < kv.deferred_seconds < kv.boundary_seconds
+    assert 0 < kv.deferred.seconds < kv.boundary_seconds
     assert_all_returned(llm)
 
 
@@ -78,7 +78,7 @@ def test_every_deciding_policy_gets_its_synchronous_tokens(model, policy, kwargs
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.trajectory for o in got] == [o.trajectory for o in want]
     assert llm.last_stats.events == sync.last_stats.events
-    assert llm.engine.kv.deferred_decisions == decided(llm.last_stats.events) > 0
+    assert llm.engine.kv.deferred.num_decisions == decided(llm.last_stats.events) > 0
     assert_all_returned(llm)
 
 
@@ -86,7 +86,7 @@ def test_a_deciding_request_sits_one_step_out_and_rejoins_the_next(model):
     llm = tiny_llm(model, "growpage", async_decisions=True)
     steps = watch_steps(llm)
     llm.generate(PROMPTS, LONG, use_tqdm=False)
-    assert assert_sat_out_one_step(steps) == llm.engine.kv.deferred_decisions
+    assert assert_sat_out_one_step(steps) == llm.engine.kv.deferred.num_decisions
 
 
 def test_steps_with_several_late_boundaries_share_one_batch(model):
@@ -97,7 +97,7 @@ def test_steps_with_several_late_boundaries_share_one_batch(model):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     kv = llm.engine.kv
     assert kv.shared_boundaries == sync.engine.kv.shared_boundaries > 0
-    assert kv.deferred_decisions == decided(llm.last_stats.events)
+    assert kv.deferred.num_decisions == decided(llm.last_stats.events)
 
 
 def test_a_lone_request_decides_at_once(model):
@@ -106,7 +106,7 @@ def test_a_lone_request_decides_at_once(model):
         model, "growpage", [prompt(10, 5)], LONG, "async_decisions", kv_pages=8
     )
     assert got.token_ids == want.token_ids and got.trajectory == want.trajectory
-    assert llm.engine.kv.deferred_decisions == decided(got.events) > 0
+    assert llm.engine.kv.deferred.num_decisions == decided(got.events) > 0
     assert llm.last_stats.num_steps == sync.last_stats.num_steps
     assert_all_returned(llm)
 
@@ -118,7 +118,7 @@ def test_a_tight_pool_falls_back_beside_the_step(model):
     outs = llm.generate(PROMPTS, LONG, use_tqdm=False)
     assert all(len(o.token_ids) == 80 for o in outs)
     events = llm.last_stats.events
-    assert events["fallback"] > 0 and llm.engine.kv.deferred_decisions > 0, events
+    assert events["fallback"] > 0 and llm.engine.kv.deferred.num_decisions > 0, events
     assert_all_returned(llm)
 
 
@@ -129,7 +129,7 @@ def test_fullkv_never_decides_late(model):
         model, "fullkv", PROMPTS, LONG, "async_decisions", kv_pages=30
     )
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert llm.engine.kv.deferred_decisions == 0 and llm.last_stats.num_preemptions > 0
+    assert llm.engine.kv.deferred.num_decisions == 0 and llm.last_stats.num_preemptions > 0
     assert_all_returned(llm)
 
 
@@ -154,7 +154,7 @@ def test_shared_prefix_pages_keep_the_boundary_synchronous(model):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     events = llm.last_stats.events
     assert events["cow_pages"] == sync.last_stats.events["cow_pages"] > 0
-    assert 0 < llm.engine.kv.deferred_decisions < decided(events)
+    assert 0 < llm.engine.kv.deferred.num_decisions < decided(events)
     assert_all_returned(llm)
 
 
@@ -193,7 +193,7 @@ def test_a_policy_error_beside_the_step_aborts_cleanly(model):
     llm = tiny_llm(model, FailingLate(), async_decisions=True)
     with pytest.raises(PolicyError, match="policy bug"):
         llm.generate(PROMPTS, LONG, use_tqdm=False)
-    assert llm.engine.kv.num_deferred == 0
+    assert llm.engine.kv.deferred.num_pending == 0
     assert_all_returned(llm)
 
 

@@ -10,14 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from growpage.engine.attention import (
+from growpage.engine.modeling.attention import (
     TorchAttentionBackend,
     allocate_kv_cache,
     gather_pages,
     kv_cache_bytes,
 )
-from growpage.engine.attention_torch import PagedTorchBackend
-from growpage.engine.context import decode_context, prefill_context
+from growpage.engine.modeling.attention_torch import PagedTorchBackend
+from growpage.engine.modeling.step_context import decode_context, prefill_context
 
 BACKENDS = [TorchAttentionBackend, PagedTorchBackend]
 

@@ -47,7 +47,7 @@ def shared(report):
     """Four requests of equal prompt length: their boundaries fall in the same steps. Members
     are padded as on a GPU (on the CPU only equal candidate counts are sorted together), so
     every step's attention is one batch."""
-    from growpage.core.context import BoundaryBatch
+    from growpage.core.boundary_context import BoundaryBatch
 
     bench = load_benchmark("boundary_ops")
     before = BoundaryBatch.pad

@@ -11,8 +11,8 @@ from llm_helpers import GREEDY, prompt, tiny_llm, tiny_model
 import growpage.core.capacity as capacity_module
 from growpage import Decision
 from growpage.core import demand
-from growpage.engine.boundary_profile import PHASES, BoundaryPhases, profile_boundaries
-from growpage.engine.kv_view import EngineKVView
+from growpage.engine.loop.paged_kv_view import EngineKVView
+from growpage.engine.profiling.boundary_profile import PHASES, BoundaryPhases, profile_boundaries
 from growpage.errors import PolicyError
 from growpage.policies.base import CapacityPolicy
 
@@ -67,8 +67,9 @@ def test_phases_account_for_every_boundary_and_change_nothing(model, deferred) -
     # Everything restored.
     assert originals() == before
     assert llm.engine.kv.controller.policy is policy
-    assert not {"make_room", "prepare_boundaries", "run_deferred"} & set(llm.engine.kv.__dict__)
-    assert (llm.engine.kv.deferred_compactions > 0) == deferred
+    assert not {"make_room", "prepare_boundaries"} & set(llm.engine.kv.__dict__)
+    assert "run" not in llm.engine.kv.deferred.__dict__
+    assert (llm.engine.kv.deferred.num_compactions > 0) == deferred
 
 
 def test_kernel_path_charges_queries_and_attention(model) -> None:

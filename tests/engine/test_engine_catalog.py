@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from growpage.cli import main
-from growpage.engine import catalog
-from growpage.engine.loader import default_model_path, resolve_model_path
+from growpage.engine.loading import catalog
+from growpage.engine.loading.loader import default_model_path, resolve_model_path
 from growpage.errors import EngineError
 
 FAKE = "fake-model"

@@ -233,7 +233,7 @@ class _Answers:
         from types import SimpleNamespace
 
         from growpage.core.events import EventCounters
-        from growpage.engine.stats import StatsCollector
+        from growpage.engine.loop.stats import StatsCollector
 
         self.params = None
         self.config = SimpleNamespace(max_num_seqs=4)

@@ -95,7 +95,7 @@ def test_preemption_and_prefix_caching_on_cuda(cpu_model):
 
 def test_queued_host_to_device_copies_arrive_intact():
     """``to_device`` queues pinned copies (no host sync); many in a row, then used at once."""
-    from growpage.engine.transfer import to_device
+    from growpage.engine.loop.transfer import to_device
 
     device = torch.device("cuda")
     rows = [[i, i + 1, -1] for i in range(64)]
@@ -118,8 +118,8 @@ def test_async_compaction_on_cuda(cpu_model, backend, graphs):
     llm = on_cuda(cpu_model, "growpage", backend, cuda_graphs=graphs, async_compaction=True)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     kv = llm.engine.kv
-    assert kv.deferred_compactions == llm.last_stats.events["compress"] > 0
-    assert 0 <= kv.deferred_stall_seconds <= kv.deferred_seconds < kv.boundary_seconds
+    assert kv.deferred.num_compactions == llm.last_stats.events["compress"] > 0
+    assert 0 <= kv.deferred.stall_seconds <= kv.deferred.seconds < kv.boundary_seconds
     assert all(len(a.token_ids) == 80 for a in got)
     assert_same_until_the_first_compression(got, want)
     assert_all_returned(llm)
@@ -137,15 +137,15 @@ def test_deferred_compressions_overlap_a_long_forward_on_cuda(cpu_model):
 
     def slow_forward(out):
         result = run(out)
-        if kv.num_deferred:
+        if kv.deferred.num_pending:
             torch.cuda._sleep(200_000_000)  # ~0.1 s of device time on the main stream
             slowed.append(out)
         return result
 
     engine.runner.run = slow_forward
-    before = (kv.deferred_seconds, kv.deferred_stall_seconds)
+    before = (kv.deferred.seconds, kv.deferred.stall_seconds)
     llm.generate(PROMPTS, params, use_tqdm=False)
-    deferred, stall = kv.deferred_seconds - before[0], kv.deferred_stall_seconds - before[1]
+    deferred, stall = kv.deferred.seconds - before[0], kv.deferred.stall_seconds - before[1]
     assert slowed and deferred > 0
     assert stall <= 0.1 * deferred + 1e-3 * len(slowed), (stall, deferred, len(slowed))
     assert deferred < 0.05 * len(slowed) + 0.05, (deferred, len(slowed))  # not the 0.1 s waits
@@ -164,7 +164,7 @@ def test_defaults_on_cuda_are_graphs_and_async_compaction_with_the_same_tokens(c
     plain = on_cuda(cpu_model, "growpage", "triton", cuda_graphs=False, async_compaction=False)
     want = plain.generate(PROMPTS, params, use_tqdm=False)
     assert llm.engine.runner.graphs.num_captured > 0
-    assert llm.engine.kv.deferred_compactions == llm.last_stats.events["compress"] > 0
+    assert llm.engine.kv.deferred.num_compactions == llm.last_stats.events["compress"] > 0
     assert_same_until_the_first_compression(got, want)
     assert_all_returned(llm)
 
@@ -181,8 +181,8 @@ def test_late_boundaries_on_cuda(cpu_model, graphs):
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     kv, events = llm.engine.kv, llm.last_stats.events
     decided = sum(events.get(f"decided_{d}", 0) for d in ("grow", "compress", "shrink"))
-    assert kv.deferred_decisions == decided > 0 and events["compress"] > 0
-    assert 0 <= kv.deferred_stall_seconds <= kv.deferred_seconds <= kv.boundary_seconds
+    assert kv.deferred.num_decisions == decided > 0 and events["compress"] > 0
+    assert 0 <= kv.deferred.stall_seconds <= kv.deferred.seconds <= kv.boundary_seconds
     assert all(len(a.token_ids) == 80 for a in got)
     assert_same_until_the_first_compression(got, want)
     assert_all_returned(llm)

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (``growpage.engine.cuda_graphs``): static buffers padded to batch buckets.
+"""CUDA-graph decode (``growpage.engine.loop.cuda_graphs``): static buffers padded to batch buckets.
 
 On CPU the static-shape forward runs eagerly (``capture=False``) under Triton's interpreter:
 it must give the ordinary decode path's tokens, decisions and cache contents, so the padding
@@ -14,8 +14,8 @@ import torch
 from llm_helpers import assert_all_returned, tiny_model
 
 import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
-from growpage.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from growpage.engine.llm import LLM
+from growpage.engine.loop.cuda_graphs import DecodeGraphs, batch_buckets
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import ConfigError
 
@@ -102,7 +102,7 @@ def test_static_decode_with_async_compaction_matches_the_ordinary_path():
     want = eager.generate(prompts, params, use_tqdm=False)
     got = static.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert static.engine.kv.deferred_compactions == eager.engine.kv.deferred_compactions > 0
+    assert static.engine.kv.deferred.num_compactions == eager.engine.kv.deferred.num_compactions > 0
     torch.testing.assert_close(static.engine.kv.cache, eager.engine.kv.cache, atol=1e-5, rtol=0)
     assert_all_returned(static)
 

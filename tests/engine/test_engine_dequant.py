@@ -1,4 +1,4 @@
-"""``growpage.engine.dequant``: GGUF blocks to fp32 with torch, bitwise what ``gguf`` gives
+"""``growpage.engine.loading.dequant``: GGUF blocks to fp32 with torch, bitwise what ``gguf`` gives
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; random blocks, extreme scales, chunk seams)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from growpage.engine import dequant
+from growpage.engine.loading import dequant
 
 gguf = pytest.importorskip("gguf")
 
@@ -136,7 +136,7 @@ def test_other_types_go_to_the_gguf_package():
 
 
 def test_the_default_models_quantized_weights():
-    from growpage.engine.loader import default_model_path, open_gguf
+    from growpage.engine.loading.loader import default_model_path, open_gguf
 
     f = open_gguf(default_model_path())
     quantized = [t for t in f.tensors if t.type in dequant._BLOCK_BYTES]

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llm_helpers import prompt, tiny_llm, tiny_models
 
-from growpage.engine.detokenizer import IncrementalDetokenizer
-from growpage.engine.llm_engine import LLMEngine
+from growpage.engine.loop.detokenizer import IncrementalDetokenizer
+from growpage.engine.loop.llm_engine import LLMEngine
+from growpage.engine.loop.sequence import Sequence
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.sequence import Sequence
 
 
 def byte_decode(ids):
@@ -69,7 +69,7 @@ def test_byte_tokens_settle_exactly_as_a_full_decode(pieces):
 
 @pytest.fixture(scope="module")
 def smol_tokenizer():
-    from growpage.engine.tokenizer import load_tokenizer
+    from growpage.engine.loading.tokenizer import load_tokenizer
 
     return load_tokenizer()
 

@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 
-from growpage.engine.gguf_file import GGUFFile
-from growpage.engine.loader import default_model_path
+from growpage.engine.loading.gguf_file import GGUFFile
+from growpage.engine.loading.loader import default_model_path
 from growpage.errors import EngineError
 
 
@@ -144,7 +144,7 @@ def test_read_benchmark_compares_both_readers(tmp_path, capsys):
 
 
 def test_block_sizes_are_ggmls_and_other_types_are_looked_up(tmp_path):
-    from growpage.engine.gguf_file import QUANT_SIZES, _quant_size
+    from growpage.engine.loading.gguf_file import QUANT_SIZES, _quant_size
 
     for kind, size in QUANT_SIZES.items():
         assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)] == size, kind

@@ -12,7 +12,7 @@ import growpage.kernels  # noqa: F401 - sets up Triton's CPU interpreter before 
 from growpage.core.capacity import CapacityController
 from growpage.core.config import GrowPageConfig
 from growpage.core.decision import Decision
-from growpage.core.kvview import DenseKVView
+from growpage.core.kv_view import DenseKVView
 from growpage.core.pages import PagePool
 from growpage.core.request import RequestState
 from growpage.engine.sampling_params import SamplingParams
@@ -186,7 +186,7 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
     """Equal prompts reach their boundaries in the same decode steps: their Delta_t comes from
     one ``BoundaryBatch`` pass, and every Delta_t, token, decision and page is what it is
     without."""
-    from growpage.engine.kv_manager import KVCacheManager
+    from growpage.engine.loop.kv_manager import KVCacheManager
 
     prompts = [prompt(11, 40 + i) for i in range(4)]
     params = SamplingParams(max_tokens=30 if kernels else 60, ignore_eos=True)
@@ -211,7 +211,7 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
         prepare(self, seqs)
         sizes.append(0 if self._batch is None else len(self._batch))
 
-    from growpage.engine.kv_view import EngineKVView
+    from growpage.engine.loop.paged_kv_view import EngineKVView
 
     batched = []
     batch_signals = EngineKVView.batch_boundary_signals

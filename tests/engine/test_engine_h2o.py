@@ -1,4 +1,4 @@
-"""H2O accumulated attention in the engine (``growpage.engine.accumulation``).
+"""H2O accumulated attention in the engine (``growpage.engine.modeling.accumulation``).
 
 The oracle is the simulator: ``TraceView`` replays each request's computed rows (recorded in
 fp32 from the same run) with the engine's own decisions, and its sums must equal what the
@@ -13,16 +13,16 @@ import torch
 from h2o_helpers import RowRecorder, SpyH2O, SumsReadingGrowPage, check_against_simulator
 from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model
 
-import growpage.engine.attention as attention_module
-import growpage.engine.attention_torch as attention_torch_module
+import growpage.engine.modeling.attention as attention_module
+import growpage.engine.modeling.attention_torch as attention_torch_module
 import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
 from growpage.core.config import GrowPageConfig
 from growpage.engine.config import EngineConfig
-from growpage.engine.kv_manager import KVCacheManager
-from growpage.engine.model_runner import ModelRunner
+from growpage.engine.loop.kv_manager import KVCacheManager
+from growpage.engine.loop.model_runner import ModelRunner
+from growpage.engine.loop.scheduler import SchedulerOutput
+from growpage.engine.loop.sequence import Sequence
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.scheduler import SchedulerOutput
-from growpage.engine.sequence import Sequence
 from growpage.kernels.variants import record_variants
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -214,7 +214,7 @@ def test_triton_backend_gives_the_torch_backends_sums():
 def test_static_decode_pads_without_touching_the_sums():
     """CUDA-graph decode (static buffers; eager on CPU): padding rows have length 0, so the
     accumulation kernel adds nothing for them; same tokens and the same sums everywhere."""
-    from growpage.engine.cuda_graphs import DecodeGraphs
+    from growpage.engine.loop.cuda_graphs import DecodeGraphs
 
     prompts, params = (
         [prompt(5 + 4 * i, 70 + i) for i in range(3)],

@@ -13,10 +13,10 @@ import pytest
 import torch
 from benchmark_scripts import load_benchmark
 
-from growpage.engine.detokenizer import IncrementalDetokenizer
-from growpage.engine.model_runner import DecodeInputs, DecodeRows, slot_range
-from growpage.engine.query_state import QueryStatePool
-from growpage.engine.sampler import Sampler
+from growpage.engine.loop.detokenizer import IncrementalDetokenizer
+from growpage.engine.loop.model_runner import DecodeInputs, DecodeRows, slot_range
+from growpage.engine.loop.query_state import QueryStatePool
+from growpage.engine.loop.sampler import Sampler
 
 L, M, HQ, D = 3, 9, 4, 8
 
@@ -156,7 +156,7 @@ def bench():
 
 
 def test_host_cost_point_decodes_the_batch_and_splits_its_time(bench):
-    from growpage.engine.tokenizer import load_tokenizer
+    from growpage.engine.loading.tokenizer import load_tokenizer
 
     args = bench.parse_args(["--max-tokens", "40", "--page-size", "16", "--layers", "2"])
     parts = {"model": bench.narrow_model(8, 512, 2), "tokenizer": load_tokenizer()}

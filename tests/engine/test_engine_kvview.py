@@ -10,16 +10,16 @@ from engine_helpers import tiny_pair
 
 from growpage.core.config import GrowPageConfig
 from growpage.core.demand import update_query_summaries
-from growpage.engine.attention import TorchAttentionBackend
 from growpage.engine.config import EngineConfig
-from growpage.engine.context import decode_context
-from growpage.engine.kv_manager import KVCacheManager
-from growpage.engine.kv_view import EngineKVView, direct_copy_safe, page_slots
-from growpage.engine.model_runner import ModelRunner
-from growpage.engine.query_state import QueryStatePool
+from growpage.engine.loop.kv_manager import KVCacheManager
+from growpage.engine.loop.model_runner import ModelRunner
+from growpage.engine.loop.paged_kv_view import EngineKVView, direct_copy_safe, page_slots
+from growpage.engine.loop.query_state import QueryStatePool
+from growpage.engine.loop.scheduler import SchedulerOutput
+from growpage.engine.loop.sequence import Sequence
+from growpage.engine.modeling.attention import TorchAttentionBackend
+from growpage.engine.modeling.step_context import decode_context
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.scheduler import SchedulerOutput
-from growpage.engine.sequence import Sequence
 from growpage.policies import FullKVPolicy
 
 PAGE = 4
@@ -143,7 +143,7 @@ def test_query_state_pool_matches_core_ema():
 def test_kernel_path_matches_torch_path(model, tables):
     """Demand estimation and compaction through the Triton kernels (interpreter on CPU, compiled
     on CUDA) give what the torch path gives, on the same live cache."""
-    from growpage.core.context import BoundaryContext
+    from growpage.core.boundary_context import BoundaryContext
 
     kv, seq = prefilled(model, prompt_len=5 * PAGE + 2)
     c = model.config

@@ -69,7 +69,7 @@ def test_names_match_the_simulators():
 
 def test_a_summary_without_finished_requests_has_zero_latencies():
     from growpage.core.events import EventCounters
-    from growpage.engine.stats import StatsCollector
+    from growpage.engine.loop.stats import StatsCollector
 
     stats = StatsCollector(EventCounters()).summary("growpage", page_size=16, num_pages=8)
     assert stats.num_requests == 0

@@ -183,7 +183,7 @@ def test_llms_sharing_one_model_each_use_their_own_cache(models, expected):
 
 
 def test_an_llm_refuses_a_shared_model_moved_to_another_dtype(models):
-    from growpage.engine.loader import build_model
+    from growpage.engine.loading.loader import build_model
     from growpage.errors import EngineError
 
     model = build_model(models[0].config, models[0].state_dict())

@@ -13,10 +13,10 @@ import pytest
 import torch
 from engine_helpers import hf_logits, hf_model, random_state_dict, tiny_config
 
-from growpage.engine import loader
-from growpage.engine.context import prefill_context, use_context
-from growpage.engine.loader import build_model, load_checkpoint, load_model, unpermute_qk
-from growpage.engine.tokenizer import load_tokenizer
+from growpage.engine.loading import loader
+from growpage.engine.loading.loader import build_model, load_checkpoint, load_model, unpermute_qk
+from growpage.engine.loading.tokenizer import load_tokenizer
+from growpage.engine.modeling.step_context import prefill_context, use_context
 from growpage.errors import EngineError
 
 IDS = [5, 17, 99, 3, 64, 12, 12, 101, 7, 45, 88]
@@ -322,7 +322,7 @@ def write_tokenizer_gguf(path, add_bos: bool, pre: str = "gpt2", model: str = "g
 
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_gguf_tokenizer_bpe_bos_and_template(tmp_path, add_bos):
-    from growpage.engine.tokenizer import tokenizer_from_gguf
+    from growpage.engine.loading.tokenizer import tokenizer_from_gguf
 
     write_tokenizer_gguf(tmp_path / "tok.gguf", add_bos)
     tok = tokenizer_from_gguf(tmp_path / "tok.gguf")
@@ -337,7 +337,7 @@ def test_gguf_tokenizer_bpe_bos_and_template(tmp_path, add_bos):
 
 
 def test_gguf_tokenizer_rejects_unsupported_kinds(tmp_path):
-    from growpage.engine.tokenizer import tokenizer_from_gguf
+    from growpage.engine.loading.tokenizer import tokenizer_from_gguf
 
     write_tokenizer_gguf(tmp_path / "spm.gguf", False, model="llama")
     with pytest.raises(EngineError, match="tokenizer model 'llama'"):
@@ -363,7 +363,7 @@ def test_gguf_tokenizer_with_broken_metadata_raises_engine_error(
     IndexError or ValueError from deep inside."""
     import gguf
 
-    from growpage.engine.tokenizer import tokenizer_from_gguf
+    from growpage.engine.loading.tokenizer import tokenizer_from_gguf
 
     path = tmp_path / "broken.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -404,7 +404,7 @@ def test_build_model_rejects_mismatched_state_dict():
 def test_a_bad_llama3_rope_scaling_names_the_config_file(scaling, problem):
     from pathlib import Path
 
-    from growpage.engine.loader import _hf_rope
+    from growpage.engine.loading.loader import _hf_rope
     from growpage.errors import EngineError
 
     hf = {

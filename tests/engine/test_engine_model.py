@@ -10,8 +10,8 @@ import torch
 from engine_helpers import PagedDriver, greedy_paged, hf_logits, tiny_config
 
 from growpage.core.rope import RopeConfig, apply_rope, cos_sin
-from growpage.engine.context import StepCapture, prefill_context, use_context
-from growpage.engine.model import ModelConfig
+from growpage.engine.modeling.model import ModelConfig
+from growpage.engine.modeling.step_context import StepCapture, prefill_context, use_context
 
 ATOL = 1e-4
 
@@ -166,7 +166,7 @@ def test_model_config_validation_and_roundtrip():
 @pytest.mark.parametrize("shape", [(5, 576), (64, 9, 64), (3, 128)])
 def test_rms_norm_is_hugging_faces_expression(dtype, shape):
     """The fused forms round exactly where Hugging Face's LlamaRMSNorm does (bitwise on CPU)."""
-    from growpage.engine.model import RMSNorm
+    from growpage.engine.modeling.model import RMSNorm
 
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(*shape, generator=gen) * 3).to(dtype)

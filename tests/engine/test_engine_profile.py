@@ -3,9 +3,9 @@
 import numpy as np
 from engine_helpers import random_state_dict, tiny_config
 
-from growpage.engine.backends import make_attention_backend
-from growpage.engine.loader import build_model
-from growpage.engine.profile import measure_step_times
+from growpage.engine.loading.loader import build_model
+from growpage.engine.modeling.backends import make_attention_backend
+from growpage.engine.profiling.profile import measure_step_times
 from growpage.sim.calibrate import fit_linear
 
 
@@ -34,7 +34,7 @@ def test_measure_step_times_rows_and_fit():
 
 
 def test_measure_boundary_costs_prices_decisions_and_compactions():
-    from growpage.engine.profile import measure_boundary_costs
+    from growpage.engine.profiling.profile import measure_boundary_costs
     from growpage.sim.costmodel import with_boundary_costs
 
     cfg = tiny_config("llama")
@@ -57,7 +57,7 @@ def test_measure_boundary_costs_prices_decisions_and_compactions():
 def test_a_batched_prefill_is_timed_as_that_many_prompts(monkeypatch):
     import pytest
 
-    from growpage.engine import profile
+    from growpage.engine.profiling import profile
 
     cfg = tiny_config("llama")
     model = build_model(

@@ -13,13 +13,13 @@ import torch
 from engine_helpers import PagedDriver, greedy_paged, hf_logits, random_state_dict
 
 from growpage.core.rope import RopeConfig
-from growpage.engine import loader
-from growpage.engine.context import prefill_context, use_context
 from growpage.engine.llm import LLM
-from growpage.engine.loader import build_model, load_checkpoint, load_model
-from growpage.engine.model import ModelConfig
+from growpage.engine.loading import loader
+from growpage.engine.loading.loader import build_model, load_checkpoint, load_model
+from growpage.engine.loading.tokenizer import tokenizer_from_gguf
+from growpage.engine.modeling.model import ModelConfig
+from growpage.engine.modeling.step_context import prefill_context, use_context
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.tokenizer import tokenizer_from_gguf
 from growpage.errors import EngineError
 
 gguf = pytest.importorskip("gguf")

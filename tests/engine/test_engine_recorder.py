@@ -7,7 +7,7 @@ import torch
 from llm_helpers import GREEDY, prompt, tiny_llm, tiny_model
 
 from growpage.core.trace_set import TraceSet
-from growpage.engine.context import StepCapture, prefill_context, use_context
+from growpage.engine.modeling.step_context import StepCapture, prefill_context, use_context
 
 PROMPTS = [prompt(7, 41), prompt(13, 42), prompt(4, 43)]
 

@@ -13,9 +13,9 @@ from engine_helpers import random_state_dict, tiny_config
 from llm_helpers import GREEDY, assert_all_returned, prompt, tiny_llm, tiny_models
 
 from growpage.core.decision import Decision
-from growpage.engine.host_memory import MemoryFigure
 from growpage.engine.llm import LLM
-from growpage.engine.loader import build_model
+from growpage.engine.loading.loader import build_model
+from growpage.engine.modeling.host_memory import MemoryFigure
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError, PolicyError
 from growpage.policies import CapacityPolicy, GrowPagePolicy
@@ -150,7 +150,7 @@ def test_the_model_context_bounds_prompts_scores_and_generation():
 
 
 def test_a_kv_cache_the_host_cannot_hold_is_an_engine_error(model, monkeypatch):
-    from growpage.engine import attention
+    from growpage.engine.modeling import attention
 
     monkeypatch.setattr(
         attention, "available_memory", lambda root: MemoryFigure(10**6, "cgroup v2 limit: ...")

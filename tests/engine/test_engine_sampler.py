@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from growpage.engine.config import EngineConfig
-from growpage.engine.sampler import Sampler, top_p_filter
+from growpage.engine.loop.sampler import Sampler, top_p_filter
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import ConfigError, EngineError
 

@@ -12,9 +12,14 @@ import pytest
 import torch
 from engine_helpers import greedy_paged, hf_logits
 
-from growpage.engine.context import prefill_context, use_context
-from growpage.engine.loader import build_model, default_model_path, load_checkpoint, load_model
-from growpage.engine.tokenizer import load_tokenizer
+from growpage.engine.loading.loader import (
+    build_model,
+    default_model_path,
+    load_checkpoint,
+    load_model,
+)
+from growpage.engine.loading.tokenizer import load_tokenizer
+from growpage.engine.modeling.step_context import prefill_context, use_context
 
 pytestmark = pytest.mark.slow
 

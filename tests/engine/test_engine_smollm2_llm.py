@@ -12,8 +12,8 @@ from llm_helpers import assert_all_returned, hf_from_ours, hf_greedy
 from growpage import cli
 from growpage.core.trace_set import TraceSet
 from growpage.engine import cli as engine_cli
-from growpage.engine.context import prefill_context, use_context
 from growpage.engine.llm import LLM
+from growpage.engine.modeling.step_context import prefill_context, use_context
 from growpage.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""SnapKV at decoding time in the engine (``growpage.engine.recent_queries``).
+"""SnapKV at decoding time in the engine (``growpage.engine.loop.recent_queries``).
 
 Two oracles. The ring: after every step each running request's ``recent_queries`` must be its
 last W computed queries (the ones the model ran, caught from the step capture by this test)
@@ -16,10 +16,10 @@ import torch
 from h2o_helpers import RowRecorder
 from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_model
 
-import growpage.engine.model_runner as model_runner_module
+import growpage.engine.loop.model_runner as model_runner_module
 import growpage.kernels  # noqa: F401  (turns the interpreter on without CUDA)
 from growpage.core.observation import rotate_queries
-from growpage.engine.context import StepCapture
+from growpage.engine.modeling.step_context import StepCapture
 from growpage.engine.sampling_params import SamplingParams
 from growpage.policies import SnapKVPolicy
 from growpage.sim.replay import replay_trace
@@ -209,7 +209,7 @@ def test_a_prefix_hit_starts_the_window_after_the_cached_tokens(model, monkeypat
 def test_the_static_decode_path_writes_the_ring():
     """CUDA-graph style decode (static buffers, bucket rows; eager on the CPU): only the
     batch's rows reach the ring, at their own slots and positions."""
-    from growpage.engine.cuda_graphs import DecodeGraphs
+    from growpage.engine.loop.cuda_graphs import DecodeGraphs
 
     llm = snapkv_llm(
         tiny_model(),

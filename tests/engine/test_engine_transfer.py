@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from growpage.engine.transfer import to_device
+from growpage.engine.loop.transfer import to_device
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.long, torch.bool])

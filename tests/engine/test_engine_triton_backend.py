@@ -17,13 +17,18 @@ from engine_helpers import PagedDriver, random_state_dict, tiny_config
 
 from growpage import kernels
 from growpage.core.demand import update_query_summaries
-from growpage.engine import backends
-from growpage.engine.attention import AttentionBackend, TorchAttentionBackend
-from growpage.engine.backends import QueryStateFusion, make_attention_backend
-from growpage.engine.context import StepCapture, StepContext, decode_context, use_context
-from growpage.engine.loader import build_model
-from growpage.engine.model import CausalLM
-from growpage.engine.triton_backend import TritonAttentionBackend
+from growpage.engine.loading.loader import build_model
+from growpage.engine.modeling import backends
+from growpage.engine.modeling.attention import AttentionBackend, TorchAttentionBackend
+from growpage.engine.modeling.backends import QueryStateFusion, make_attention_backend
+from growpage.engine.modeling.model import CausalLM
+from growpage.engine.modeling.step_context import (
+    StepCapture,
+    StepContext,
+    decode_context,
+    use_context,
+)
+from growpage.engine.modeling.triton_backend import TritonAttentionBackend
 from growpage.errors import EngineError
 
 ON_CUDA = torch.cuda.is_available()

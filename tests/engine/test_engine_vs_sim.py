@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from llm_helpers import prompt, tiny_llm, tiny_model
 
-import growpage.engine.scheduler
+import growpage.engine.loop.scheduler
 import growpage.sim.scheduler
 from growpage import Decision
 from growpage.core.residency import pick_victim
@@ -232,7 +232,7 @@ def test_a_victim_that_cannot_be_recomputed_is_skipped_alike(model, monkeypatch)
     the next latest admitted, or the request waits at its boundary (the simulator's request
     sits the step out); when every running request waits, both stop with an error."""
     pick = no_victim_above(3)
-    monkeypatch.setattr(growpage.engine.scheduler, "pick_victim", pick)
+    monkeypatch.setattr(growpage.engine.loop.scheduler, "pick_victim", pick)
     monkeypatch.setattr(growpage.sim.scheduler, "pick_victim", pick)
     lengths = [(12, 22), (8, 6), (1, 12), (10, 10)]
     llm, engine_events, engine_paths, outputs = engine_run(model, lengths, "fullkv", {}, 11, 4)

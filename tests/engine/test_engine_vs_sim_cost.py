@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llm_helpers import prompt, tiny_llm, tiny_model
 
-from growpage.engine.attention_torch import PagedTorchBackend
-from growpage.engine.profile import decode_pads_kv
+from growpage.engine.modeling.attention_torch import PagedTorchBackend
+from growpage.engine.profiling.profile import decode_pads_kv
 from growpage.engine.sampling_params import SamplingParams
 from growpage.policies import resolve_policy
 from growpage.sim.costmodel import CostModel, LinearCostModel

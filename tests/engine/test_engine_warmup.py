@@ -1,5 +1,5 @@
 """``LLM(warmup=True)``: every Triton kernel variant a serving run launches is launched once
-when the engine is built (``growpage.engine.warmup``), and the engine's state is untouched.
+when the engine is built (``growpage.engine.loop.warmup``), and the engine's state is untouched.
 
 Runs the kernels under Triton's CPU interpreter (on a GPU, on the GPU); the compile keys come
 from ``growpage.kernels.variants``, which applies Triton's own specialization rules.

@@ -89,5 +89,5 @@ def test_async_compaction_keeps_the_bookkeeping(policy, workload, kv_pages, max_
         **kwargs,
     )
     events, kv = llm.last_stats.events, llm.engine.kv
-    assert kv.num_deferred == 0
-    assert kv.deferred_compactions == events["compress"] + events["shrink"]
+    assert kv.deferred.num_pending == 0
+    assert kv.deferred.num_compactions == events["compress"] + events["shrink"]

@@ -55,7 +55,7 @@ def write_tiny_model(path: Path, seed: int = 1234) -> Path:
     decoding is far from ties) that ``LLM(path)`` and ``growpage serve --model`` load."""
     from safetensors.torch import save_file
 
-    from growpage.engine.loader import hf_config_to_model_config, meta_shapes
+    from growpage.engine.loading.loader import hf_config_to_model_config, meta_shapes
 
     path.mkdir(parents=True, exist_ok=True)
     cfg = hf_config_to_model_config(TINY_CONFIG, path)

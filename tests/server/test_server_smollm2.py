@@ -10,9 +10,9 @@ import torch
 from server_helpers import ServerThread
 
 from growpage.engine.llm import LLM
-from growpage.engine.loader import load_model
+from growpage.engine.loading.loader import load_model
+from growpage.engine.loading.tokenizer import load_tokenizer
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.tokenizer import load_tokenizer
 from growpage.server.app import ServerConfig, create_app
 
 pytestmark = pytest.mark.slow

@@ -166,7 +166,7 @@ def test_calibrate_refuses_engine_settings_it_would_not_use(tmp_path, capsys, fl
 def test_calibrate_prices_the_boundary_policy_on_the_engine(
     tmp_path, monkeypatch, capsys, argv, priced
 ):
-    import growpage.engine.profile as profile
+    import growpage.engine.profiling.profile as profile
 
     rows = [
         {"num_seqs": s, "kv_tokens": kv, "prefill_tokens": p, "step_s": t}
@@ -214,7 +214,7 @@ def test_bad_measurements_are_config_errors(tmp_path, content, match):
 
 
 def test_engine_measurement_goes_through_the_engine_profiler(monkeypatch):
-    import growpage.engine.profile as profile
+    import growpage.engine.profiling.profile as profile
 
     rows = [{"num_seqs": 2, "kv_tokens": 100, "prefill_tokens": 0, "step_s": 0.5}]
     monkeypatch.setattr(profile, "measure_step_times", lambda **kw: rows)
@@ -344,7 +344,7 @@ def test_a_step_measured_at_0_seconds_is_a_config_error(tmp_path, monkeypatch):
         ),
     ):
         load_measurements(path)
-    import growpage.engine.profile as profile
+    import growpage.engine.profiling.profile as profile
 
     monkeypatch.setattr(
         profile,

@@ -206,7 +206,7 @@ def test_size_list_reads_lists_and_ranges():
 
 
 def test_calibrate_piecewise_measures_every_batch_size(tmp_path, monkeypatch, capsys):
-    import growpage.engine.profile as profile
+    import growpage.engine.profiling.profile as profile
 
     asked = {}
 

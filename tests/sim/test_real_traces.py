@@ -162,8 +162,8 @@ def test_subset_trace_cuts_layers_values_and_tokens(make_trace):
 def test_recorder_writes_an_annotated_trace_from_a_tiny_model(tmp_path):
     from growpage.core.rope import RopeConfig
     from growpage.engine.llm import LLM
-    from growpage.engine.loader import build_model, meta_shapes
-    from growpage.engine.model import ModelConfig
+    from growpage.engine.loading.loader import build_model, meta_shapes
+    from growpage.engine.modeling.model import ModelConfig
 
     cfg = ModelConfig(
         vocab_size=64,

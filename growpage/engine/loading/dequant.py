@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from growpage.engine.gguf_file import QUANT_SIZES
+from growpage.engine.loading.gguf_file import QUANT_SIZES
 
 BLOCK = 32
 # gguf.GGMLQuantizationType values

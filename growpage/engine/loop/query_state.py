@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from growpage.core.kvview import QueryState
+from growpage.core.kv_view import QueryState
 from growpage.errors import EngineError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from growpage.engine import catalog
+from growpage.engine.loading import catalog
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -16,25 +16,25 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from growpage.engine.accumulation import AttentionAccumulation
-from growpage.engine.backends import QueryStateFusion
-from growpage.engine.context import (
+from growpage.engine.loop.kv_manager import KVCacheManager
+from growpage.engine.loop.recent_queries import prefill_rows
+from growpage.engine.loop.scheduler import SchedulerOutput
+from growpage.engine.loop.sequence import Sequence
+from growpage.engine.loop.transfer import to_device
+from growpage.engine.modeling.accumulation import AttentionAccumulation
+from growpage.engine.modeling.backends import QueryStateFusion
+from growpage.engine.modeling.model import CausalLM
+from growpage.engine.modeling.step_context import (
     StepCapture,
     StepContext,
     prefill_context,
     use_context,
 )
-from growpage.engine.kv_manager import KVCacheManager
-from growpage.engine.model import CausalLM
-from growpage.engine.recent_queries import prefill_rows
-from growpage.engine.scheduler import SchedulerOutput
-from growpage.engine.sequence import Sequence
-from growpage.engine.transfer import to_device
 from growpage.errors import EngineError
 
 if TYPE_CHECKING:
-    from growpage.engine.cuda_graphs import DecodeGraphs
-    from growpage.engine.recorder import TraceRecorder
+    from growpage.engine.loop.cuda_graphs import DecodeGraphs
+    from growpage.engine.loop.recorder import TraceRecorder
 
 
 @attrs.define

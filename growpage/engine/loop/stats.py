@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 
 from growpage.core.events import EventCounters
+from growpage.engine.loop.sequence import Sequence
 from growpage.engine.outputs import EngineStats
-from growpage.engine.sequence import Sequence
 from growpage.latency import percentile_fields
 
 

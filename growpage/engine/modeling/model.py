@@ -7,7 +7,7 @@ State-dict names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight``
 safetensors checkpoints load as they are. Inside, q/k/v and gate/up are each one fused
 projection (one GEMM): ``FusedLinear`` concatenates the HF weights on load and splits them again
 in ``state_dict()``. Tokens of all sequences of a step are packed into one ``[T]`` batch;
-attention metadata comes from the step context (``engine.context``).
+attention metadata comes from the step context (``modeling.step_context``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from torch import nn
 
 from growpage._convert import int_tuple
 from growpage.core.rope import RopeConfig, inv_frequencies_on
-from growpage.engine.attention import AttentionBackend, TorchAttentionBackend
-from growpage.engine.context import get_context
-from growpage.engine.fused_linear import FusedLinear
+from growpage.engine.modeling.attention import AttentionBackend, TorchAttentionBackend
+from growpage.engine.modeling.fused_linear import FusedLinear
+from growpage.engine.modeling.step_context import get_context
 from growpage.validators import one_of, positive_int
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")

@@ -19,7 +19,7 @@ import torch
 
 from growpage.core import demand, observation
 from growpage.core.config import GrowPageConfig
-from growpage.core.kvview import KVView
+from growpage.core.kv_view import KVView
 from growpage.core.rope import rope_at
 from growpage.core.selection import importance
 from growpage.errors import ConfigError

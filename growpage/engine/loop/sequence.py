@@ -21,7 +21,7 @@ import torch
 
 from growpage.core.request import RequestState
 from growpage.core.residency import PrefixChain
-from growpage.engine.detokenizer import IncrementalDetokenizer
+from growpage.engine.loop.detokenizer import IncrementalDetokenizer
 from growpage.engine.sampling_params import SamplingParams
 
 

@@ -7,63 +7,40 @@ appendix E.2) registers every full page of prefilled tokens under a chained hash
 acquires the longest cached run of leading pages instead of recomputing it.
 
 For a policy that reads H2O accumulated attention (``needs_accumulated_attention``) it also
-holds the per-slot sums (``growpage.engine.accumulation``) and turns prefix caching off; for one
+holds the per-slot sums (``growpage.engine.modeling.accumulation``) and turns prefix caching off; for one
 that reads recent queries (``needs_recent_queries``, SnapKV) the ring of each running request's
-last queries (``growpage.engine.recent_queries``).
+last queries (``growpage.engine.loop.recent_queries``).
 
-With ``EngineConfig.async_compaction`` (paper appendix E.3) a compression decided while
-scheduling is only settled there (``make_room(seq, defer=True)``); ``run_deferred`` runs the
-step's compressions after the decode step's forward has been launched, on a side CUDA stream,
-so the selection and compaction of the requests that compress overlap the others' decoding.
-With ``EngineConfig.async_decisions`` (beyond the paper) a boundary the policy decides is not
-even decided there: ``make_room`` only registers it (``LateBoundary``), and ``run_deferred``
-decides and acts on it beside the forward, so the whole boundary leaves the critical path.
+The boundary work that runs beside a decode step's forward (``async_compaction``,
+``async_decisions``) is filed in ``deferred``, a ``DeferredBoundaries``
+(``growpage.engine.loop.deferred``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
 from growpage.core import residency
-from growpage.core.capacity import BoundaryOutcome, CapacityController, PendingCompaction
-from growpage.core.context import BoundaryBatch
+from growpage.core.boundary_context import BoundaryBatch
+from growpage.core.capacity import BoundaryOutcome, CapacityController
 from growpage.core.pages import PagePool
-from growpage.engine.accumulation import allocate_sums, sum_bytes
-from growpage.engine.attention import allocate_kv_cache, check_kv_cache_fits, kv_cache_bytes
 from growpage.engine.config import EngineConfig
-from growpage.engine.kv_view import EngineKVView
-from growpage.engine.model import ModelConfig
-from growpage.engine.query_state import QueryStatePool
-from growpage.engine.recent_queries import RecentQueryRing
-from growpage.engine.sequence import Sequence
+from growpage.engine.loop.deferred import DeferredBoundaries, LateBoundary
+from growpage.engine.loop.paged_kv_view import EngineKVView
+from growpage.engine.loop.query_state import QueryStatePool
+from growpage.engine.loop.recent_queries import RecentQueryRing
+from growpage.engine.loop.sequence import Sequence
+from growpage.engine.modeling.accumulation import allocate_sums, sum_bytes
+from growpage.engine.modeling.attention import (
+    allocate_kv_cache,
+    check_kv_cache_fits,
+    kv_cache_bytes,
+)
+from growpage.engine.modeling.model import ModelConfig
 from growpage.errors import PolicyError
 from growpage.policies.base import CapacityPolicy
-
-
-class LateBoundary:
-    """A boundary registered while scheduling and decided in ``run_deferred``
-    (``EngineConfig.async_decisions``): the request sits the step out unchanged, so its
-    decision reads what it would have read at once (summaries, keys, sums)."""
-
-    def __init__(self, kv: KVCacheManager, seq: Sequence) -> None:
-        self.kv, self.seq = kv, seq
-
-    def run(self, batch: BoundaryBatch | None) -> BoundaryOutcome:
-        """Decide and act (grow, or compress at once); never a preemption (see
-        ``KVCacheManager.decides_late``)."""
-        seq = self.seq
-        outcome = self.kv.controller.on_boundary(seq.state, self.kv.view(seq), batch)
-        if outcome.needs_preemption:  # decides_late rules it out; a broken rule is a bug
-            raise RuntimeError(
-                f"request {seq.request_id!r}: a late boundary asked for a preemption"
-            )
-        return outcome
-
-    def cancel(self) -> None:
-        """Nothing was settled: the request stays at its boundary, decided next step."""
 
 
 class KVCacheManager:
@@ -134,15 +111,9 @@ class KVCacheManager:
         self._batch: BoundaryBatch | None = None  # this decode step's (prepare_boundaries)
         self.shared_steps = 0  # decode steps whose decided boundaries shared a batch
         self.shared_boundaries = 0  # the boundaries prepared in those batches (running totals)
-        # Asynchronous compaction: this step's deferred compressions (and with async_decisions
-        # its late boundaries), in decision order.
-        self._deferred: dict[int, tuple[Sequence, PendingCompaction | LateBoundary]] = {}
-        self.deferred_compactions = 0  # compressions run by run_deferred (running total)
-        self.deferred_decisions = 0  # late boundaries decided by run_deferred (running total)
-        self.deferred_seconds = 0.0  # their part of boundary_seconds (running total)
-        self.deferred_stall_seconds = 0.0  # of that, what the step waited for (running total)
-        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        self._ready: torch.cuda.Event | None = None  # the step's boundary work, before forward
+        # This step's deferred compressions (async_compaction) and late boundaries
+        # (async_decisions), run beside its forward.
+        self.deferred = DeferredBoundaries(self)
 
     # ---- sizes ----------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -184,7 +155,7 @@ class KVCacheManager:
     def release(self, seq: Sequence) -> None:
         """Return ``seq``'s pages (tail first, so cached heads stay longest) and its slot; a
         compression of it still pending is cancelled."""
-        self.cancel_deferred(seq)
+        self.deferred.cancel(seq)
         self.pool.free(list(reversed(seq.state.block_table)))
         if seq.query_slot is not None:
             self.query_pool.release(seq.query_slot)
@@ -210,44 +181,49 @@ class KVCacheManager:
         start = time.perf_counter()
         at = [seq for seq in seqs if self.controller.needs_decision(seq.state)]
         if self.config.async_decisions and at:  # late ones are decided beside the forward
-            at = [seq for seq in at if not self.decides_late(seq)]
+            at = [seq for seq in at if not self.deferred.decides_late(seq)]
             self.boundary_seconds += time.perf_counter() - start  # the filter is boundary work
             start = time.perf_counter()
         self._batch = None
         if len(at) < 2:
             return
-        batch = self.controller.prepare((seq.state, self.view(seq)) for seq in at)
-        self._batch = batch if len(batch) > 1 else None
-        if self._batch is not None:
-            self.shared_steps += 1
-            self.shared_boundaries += len(batch)
+        self._batch = self.shared_batch(at)
         self.boundary_seconds += time.perf_counter() - start
+
+    def shared_batch(self, seqs: list[Sequence]) -> BoundaryBatch | None:
+        """One ``BoundaryBatch`` for the boundaries of ``seqs`` (None for fewer than two),
+        counted in ``shared_steps`` and ``shared_boundaries``; the late boundaries of
+        ``deferred`` share one too."""
+        if len(seqs) < 2:
+            return None
+        batch = self.controller.prepare((seq.state, self.view(seq)) for seq in seqs)
+        if len(batch) < 2:
+            return None
+        self.shared_steps += 1
+        self.shared_boundaries += len(batch)
+        return batch
 
     def end_boundaries(self) -> None:
         self._batch = None
-        if self._deferred and self.cache.is_cuda:
-            # What the deferred compressions read was computed before this point; the forward
-            # queued next on this stream is what they must not wait for.
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        self.deferred.mark_ready()
 
     def make_room(self, seq: Sequence, defer: bool | None = None) -> BoundaryOutcome | None:
         """Run capacity control when ``seq`` is at a boundary (None when it has a free slot).
 
         A ``PREEMPT`` outcome changed nothing; the caller frees pages and asks again. With
         ``defer`` (None: ``EngineConfig.async_compaction``) a compression is settled, not run:
-        the outcome's ``pending`` is set and ``seq`` is unchanged (``is_deferred``) until
-        ``run_deferred`` (or ``cancel_deferred``) in this step. With
-        ``EngineConfig.async_decisions`` a boundary that ``decides_late`` is only filed: None is
-        returned, ``seq`` is unchanged and ``is_deferred``, and ``run_deferred`` decides it.
+        the outcome's ``pending`` is set and ``seq`` is unchanged (``deferred.is_deferred``)
+        until ``deferred.run`` (or ``deferred.cancel``) in this step. With
+        ``EngineConfig.async_decisions`` a boundary that ``deferred.decides_late`` is only filed:
+        None is returned, ``seq`` is unchanged and deferred, and ``deferred.run`` decides it.
         """
         if not self.controller.needs_decision(seq.state):
             return None
-        if seq.seq_id in self._deferred:
+        if self.deferred.is_deferred(seq):
             raise ValueError(f"request {seq.request_id!r} already has boundary work pending")
         start = time.perf_counter()
-        if self.config.async_decisions and self.decides_late(seq):
-            self._deferred[seq.seq_id] = (seq, LateBoundary(self, seq))
+        if self.config.async_decisions and self.deferred.decides_late(seq):
+            self.deferred.add(seq, LateBoundary(self, seq))
             self.boundary_seconds += time.perf_counter() - start  # filing it is boundary work
             return None  # unchanged, no room yet: is_deferred says it sits the step out
         try:
@@ -257,116 +233,12 @@ class KVCacheManager:
                 seq.state, self.view(seq), self._batch, defer=defer
             )
             if outcome.pending is not None:
-                self._deferred[seq.seq_id] = (seq, outcome.pending)
+                self.deferred.add(seq, outcome.pending)
             return outcome
         finally:
             if self.cache.is_cuda:
                 torch.cuda.synchronize(self.cache.device)  # count the kernels it launched
             self.boundary_seconds += time.perf_counter() - start
-
-    # ---- asynchronous compaction ----------------------------------------------------------
-    def decides_late(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s boundary can be decided beside the forward (``async_decisions``;
-        ``residency.decides_late``)."""
-        return residency.decides_late(self.controller, seq.state, self.view(seq))
-
-    def is_deferred(self, seq: Sequence) -> bool:
-        """Whether ``seq`` has a compression or a late boundary pending (it sits this decode
-        step out)."""
-        return seq.seq_id in self._deferred
-
-    @property
-    def num_deferred(self) -> int:
-        return len(self._deferred)
-
-    def cancel_deferred(self, seq: Sequence | None = None) -> None:
-        """Drop the pending compression of ``seq`` (None: all): its copy-on-write pages return
-        to the pool, the request stays at its boundary and is decided again next step."""
-        if seq is None:
-            items, self._deferred = list(self._deferred.values()), {}
-        else:
-            item = self._deferred.pop(seq.seq_id, None)
-            items = [] if item is None else [item]
-        for _, pending in items:
-            pending.cancel()
-
-    def run_deferred(self) -> list[Sequence]:
-        """Run this step's pending compressions, in decision order; returns their sequences.
-
-        On CUDA they run on a side stream that waits only for the boundary work of scheduling
-        (not for the forward launched since), so the device overlaps them with the decode step
-        and the host does their Python while the forward runs. The time is boundary time
-        (``deferred_seconds`` says how much); ``deferred_stall_seconds`` is the part of it
-        after the forward had finished, which the step waited for (all of it on the CPU).
-        A compression that fails cancels the ones after it and raises.
-        """
-        if not self._deferred:
-            return []
-        items, self._deferred = list(self._deferred.values()), {}
-        late = [seq for seq, pending in items if isinstance(pending, LateBoundary)]
-        start = time.perf_counter()
-        streams = self._side_streams()
-        forward_done = None
-        if streams is not None:
-            forward_done = torch.cuda.Event(enable_timing=True)
-            forward_done.record()  # after everything queued on the main stream: the forward
-        done = 0
-        try:
-            side = contextlib.nullcontext() if streams is None else torch.cuda.stream(streams[0])
-            with side:
-                if streams is not None and self._ready is not None:
-                    streams[0].wait_event(self._ready)
-                batch = self._late_batch(late)
-                for _, pending in items:
-                    done += 1
-                    if isinstance(pending, LateBoundary):
-                        pending.run(batch)
-                    else:
-                        pending.run()
-        except BaseException:
-            for _, pending in items[done:]:
-                pending.cancel()
-            raise
-        finally:
-            self._ready = None
-            if streams is not None:
-                streams[0].synchronize()
-                torch.cuda.current_stream().wait_stream(streams[0])
-            elapsed = time.perf_counter() - start  # before waiting for the forward below
-            stall = (
-                elapsed
-                if streams is None or forward_done is None
-                else min(_stall_seconds(forward_done, streams[1]), elapsed)
-            )
-            self.boundary_seconds += elapsed
-            self.deferred_seconds += elapsed
-            self.deferred_stall_seconds += stall
-        self.deferred_compactions += len(items) - len(late)
-        self.deferred_decisions += len(late)
-        return [seq for seq, _ in items]
-
-    def _late_batch(self, late: list[Sequence]) -> BoundaryBatch | None:
-        """One ``BoundaryBatch`` for the step's late boundaries (``prepare_boundaries``'s, for
-        the boundaries decided beside the forward)."""
-        if len(late) < 2:
-            return None
-        batch = self.controller.prepare((seq.state, self.view(seq)) for seq in late)
-        if len(batch) < 2:
-            return None
-        self.shared_steps += 1
-        self.shared_boundaries += len(batch)
-        return batch
-
-    def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
-        """(compaction stream, an idle stream to read the device clock on); None on the CPU."""
-        if not self.cache.is_cuda:
-            return None
-        if self._streams is None:
-            self._streams = (
-                torch.cuda.Stream(self.cache.device),
-                torch.cuda.Stream(self.cache.device),
-            )
-        return self._streams
 
     def view(self, seq: Sequence, use_kernels: bool | None = None) -> EngineKVView:
         """``seq``'s KV view over the cache (``use_kernels`` None: the config's choice)."""
@@ -406,14 +278,3 @@ def recent_window_of(policy: CapacityPolicy) -> int:
             f"integer >= 0 (the queries it reads; 0 = none), got {window!r}"
         )
     return window
-
-
-def _stall_seconds(forward_done: torch.cuda.Event, idle: torch.cuda.Stream) -> float:
-    """Seconds from the forward's end on the device to now (0 when it is still running): how
-    long the deferred work kept the step from going on. ``now`` is an event on an idle stream,
-    which the device stamps at once."""
-    now = torch.cuda.Event(enable_timing=True)
-    now.record(idle)
-    forward_done.synchronize()  # the sampler waits for it next anyway
-    now.synchronize()
-    return max(forward_done.elapsed_time(now), 0.0) / 1000.0

@@ -7,17 +7,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from growpage.engine.config import EngineConfig
-from growpage.engine.detokenizer import IncrementalDetokenizer
-from growpage.engine.kv_manager import KVCacheManager
-from growpage.engine.model import CausalLM
-from growpage.engine.model_runner import ModelRunner
-from growpage.engine.recorder import TraceRecorder
-from growpage.engine.sampler import Sampler
+from growpage.engine.loop.detokenizer import IncrementalDetokenizer
+from growpage.engine.loop.kv_manager import KVCacheManager
+from growpage.engine.loop.model_runner import ModelRunner
+from growpage.engine.loop.recorder import TraceRecorder
+from growpage.engine.loop.sampler import Sampler
+from growpage.engine.loop.scheduler import Scheduler, SchedulerOutput
+from growpage.engine.loop.sequence import FinishReason, Sequence
+from growpage.engine.loop.stats import StatsCollector
+from growpage.engine.loop.warmup import WarmupReport, warm_up
+from growpage.engine.modeling.model import CausalLM
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.scheduler import Scheduler, SchedulerOutput
-from growpage.engine.sequence import FinishReason, Sequence
-from growpage.engine.stats import StatsCollector
-from growpage.engine.warmup import WarmupReport, warm_up
 from growpage.errors import EngineError
 from growpage.policies.base import CapacityPolicy
 
@@ -74,7 +74,7 @@ class LLMEngine:
             self._enable_cuda_graphs()
 
     def _enable_cuda_graphs(self) -> None:
-        from growpage.engine.cuda_graphs import DecodeGraphs
+        from growpage.engine.loop.cuda_graphs import DecodeGraphs
 
         if not self.kv.cache.is_cuda or not self.runner.fuses_query_state:
             raise EngineError(
@@ -96,8 +96,8 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_hit_tokens": kv.prefix_hit_tokens,
             "boundary_seconds": kv.boundary_seconds,
-            "deferred_seconds": kv.deferred_seconds,
-            "deferred_stall_seconds": kv.deferred_stall_seconds,
+            "deferred_seconds": kv.deferred.seconds,
+            "deferred_stall_seconds": kv.deferred.stall_seconds,
         }
 
     # ---- requests -------------------------------------------------------------------------
@@ -207,12 +207,12 @@ class LLMEngine:
             capacities = [] if out.is_prefill else [len(s.state.block_table) * b for s in out.seqs]
             seqs, logits = self.runner.run(out)
         except BaseException:
-            self.kv.cancel_deferred()  # their requests are unchanged (still at the boundary)
+            self.kv.deferred.cancel()  # their requests are unchanged (still at the boundary)
             if out is not None:  # the forward failed: its slots and chunks are computed again
                 self.scheduler.unschedule(out)
             raise
         try:
-            self.kv.run_deferred()  # compressions that sat this step out, beside its forward
+            self.kv.deferred.run()  # compressions that sat this step out, beside its forward
         except BaseException:
             self.update(out, seqs, logits)  # the forward ran: its requests keep their tokens
             raise

@@ -16,10 +16,15 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from growpage.engine.attention import allocate_kv_cache
-from growpage.engine.backends import make_attention_backend
-from growpage.engine.context import StepContext, decode_context, prefill_context, use_context
-from growpage.engine.model import CausalLM
+from growpage.engine.modeling.attention import allocate_kv_cache
+from growpage.engine.modeling.backends import make_attention_backend
+from growpage.engine.modeling.model import CausalLM
+from growpage.engine.modeling.step_context import (
+    StepContext,
+    decode_context,
+    prefill_context,
+    use_context,
+)
 
 if TYPE_CHECKING:
     from growpage.policies.base import CapacityPolicy
@@ -93,7 +98,7 @@ def measure_step_times(
     Returns rows ``{num_seqs, kv_tokens, prefill_tokens, step_s}`` (best of ``repeats``).
     """
     if not isinstance(model, CausalLM):
-        from growpage.engine.loader import load_model
+        from growpage.engine.loading.loader import load_model
 
         model = load_model(model, backend=make_attention_backend("auto", "cpu"))
     cfg = model.config
@@ -151,14 +156,14 @@ def measure_boundary_costs(
     estimates demand), so price the policy you simulate. Runs ``policy`` (a name or an
     instance) on ``num_requests`` random prompts in a pool with room for 40% of what they
     would need at full length (so that requests both grow and compress) and splits the boundary
-    time by phase (``growpage.engine.boundary_profile``): ``compaction_s`` is the selection, its
+    time by phase (``growpage.engine.profiling.boundary_profile``): ``compaction_s`` is the selection, its
     check and the compaction per compaction; ``boundary_s`` the rest per decided boundary.
     Returns ``{"boundary_s", "compaction_s", "decided", "compactions"}``.
     """
     import random
 
-    from growpage.engine.boundary_profile import profile_boundaries
     from growpage.engine.llm import LLM
+    from growpage.engine.profiling.boundary_profile import profile_boundaries
     from growpage.engine.sampling_params import SamplingParams
 
     rng = random.Random(0)

@@ -10,7 +10,7 @@
   Triton prefill would buy little; decode is memory-bound and is where paging costs.
 
 Optional fused EMA: when the step context carries ``query_state``
-(a ``growpage.engine.backends.QueryStateFusion``; read with ``getattr``, default None), decode
+(a ``growpage.engine.modeling.backends.QueryStateFusion``; read with ``getattr``, default None), decode
 also updates that layer's query summaries in the same launch. See docs/kernels.md.
 
 Optional H2O sums: when the step context carries ``accumulation``, decode launches
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from growpage.engine.attention import AttentionBackend, TorchAttentionBackend
-from growpage.engine.backends import QueryStateFusion
-from growpage.engine.context import StepContext
+from growpage.engine.modeling.attention import AttentionBackend, TorchAttentionBackend
+from growpage.engine.modeling.backends import QueryStateFusion
+from growpage.engine.modeling.step_context import StepContext
 from growpage.kernels import accumulate_attention, paged_decode_attention, store_kv
 
 

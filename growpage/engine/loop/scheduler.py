@@ -13,11 +13,11 @@ Cached prefix pages often survive, so the recompute is partly free.
 
 With ``EngineConfig.async_compaction`` (paper appendix E.3) a sequence whose boundary is
 decided as a compression sits the decode step out: its compression is settled while
-scheduling and runs beside the step's forward (``KVCacheManager.run_deferred``); it rejoins
+scheduling and runs beside the step's forward (``DeferredBoundaries.run``); it rejoins
 the next step. Growth still decodes at once. When no other sequence would decode, the
 compressions run at once and the step decodes them. With ``EngineConfig.async_decisions`` a
 sequence whose boundary its policy decides sits the step out before any decision, and the
-decision and its action run beside the forward (``KVCacheManager.decides_late`` says when).
+decision and its action run beside the forward (``DeferredBoundaries.decides_late`` says when).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import attrs
 
 from growpage.core.residency import pick_victim
 from growpage.engine.config import EngineConfig, plural
-from growpage.engine.kv_manager import KVCacheManager
+from growpage.engine.loop.kv_manager import KVCacheManager
+from growpage.engine.loop.sequence import FinishReason, Sequence, SequenceStatus
 from growpage.engine.sampling_params import SamplingParams
-from growpage.engine.sequence import FinishReason, Sequence, SequenceStatus
 from growpage.errors import EngineError
 
 
@@ -191,9 +191,9 @@ class Scheduler:
                         scheduled.append(seq)
             finally:
                 self.kv.end_boundaries()
-            if not scheduled and self.kv.num_deferred:
+            if not scheduled and self.kv.deferred.num_pending:
                 # Nothing else decodes this step: compress now and decode the compressed ones.
-                for seq in self.kv.run_deferred():
+                for seq in self.kv.deferred.run():
                     self.kv.append_slot(seq)
                     scheduled.append(seq)
         except BaseException:
@@ -224,12 +224,14 @@ class Scheduler:
         """Capacity control for ``seq``'s next token; preempts until it has a free slot.
 
         False when ``seq`` does not decode this step: it was preempted, must wait (no victim can
-        be recomputed) or compresses beside the step (``async_compaction``: ``kv.is_deferred``;
-        with ``async_decisions`` its whole boundary is decided there).
+        be recomputed) or compresses beside the step (``async_compaction``:
+        ``kv.deferred.is_deferred``; with ``async_decisions`` its whole boundary is decided there).
         """
         while True:
             outcome = self.kv.make_room(seq)
-            if self.kv.is_deferred(seq):  # a compression, or its whole boundary, beside the step
+            if self.kv.deferred.is_deferred(
+                seq
+            ):  # a compression, or its whole boundary, beside the step
                 return False
             if outcome is None or not outcome.needs_preemption:
                 return True

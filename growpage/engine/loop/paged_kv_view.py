@@ -10,10 +10,10 @@ The controller reads keys and query summaries through it at a capacity boundary 
 NOTE: destination slots may overlap source slots (pages not replaced by copy-on-write are
 reused), so all kept entries of a layer are gathered into a temporary before any is written.
 
-With H2O sums (``accumulated [L, num_pages * page_size, Hkv]``, ``growpage.engine.accumulation``)
+With H2O sums (``accumulated [L, num_pages * page_size, Hkv]``, ``growpage.engine.modeling.accumulation``)
 ``accumulated_attention`` reads the request's slots and ``compact`` moves each kept slot's sum
 with its key and value; the sums of dropped slots are gone.
-With a recent-query ring (``growpage.engine.recent_queries``, SnapKV) ``recent_queries`` reads
+With a recent-query ring (``growpage.engine.loop.recent_queries``, SnapKV) ``recent_queries`` reads
 the request's last queries from its query-state slot and rotates them to their positions.
 """
 
@@ -23,14 +23,14 @@ import functools
 
 import torch
 
-from growpage.core.kvview import KVView, QueryState
+from growpage.core.kv_view import KVView, QueryState
 from growpage.core.observation import rotate_queries
 from growpage.core.rope import RopeConfig
-from growpage.engine.accumulation import gather_sums
-from growpage.engine.query_state import QueryStatePool
-from growpage.engine.recent_queries import RecentQueryRing
-from growpage.engine.sequence import Sequence
-from growpage.engine.transfer import to_device
+from growpage.engine.loop.query_state import QueryStatePool
+from growpage.engine.loop.recent_queries import RecentQueryRing
+from growpage.engine.loop.sequence import Sequence
+from growpage.engine.loop.transfer import to_device
+from growpage.engine.modeling.accumulation import gather_sums
 from growpage.errors import EngineError
 
 

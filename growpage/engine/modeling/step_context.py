@@ -22,7 +22,7 @@ import attrs
 import torch
 
 if TYPE_CHECKING:
-    from growpage.engine.accumulation import AttentionAccumulation
+    from growpage.engine.modeling.accumulation import AttentionAccumulation
 
 
 @attrs.define
@@ -70,7 +70,7 @@ class StepContext:
         max_seqlen_q / max_seqlen_k: largest new-token count / context length in the batch.
         capture: optional recorder of pre-RoPE queries (and keys/values) per layer.
         accumulation: optional request to add the step's attention into the H2O sums
-            (``growpage.engine.accumulation``); None = nothing extra.
+            (``growpage.engine.modeling.accumulation``); None = nothing extra.
     """
 
     is_prefill: bool

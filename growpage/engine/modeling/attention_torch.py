@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from growpage.engine.accumulation import DecodeIndex, add_decode, group_attention
-from growpage.engine.attention import TorchAttentionBackend
-from growpage.engine.context import StepContext
+from growpage.engine.modeling.accumulation import DecodeIndex, add_decode, group_attention
+from growpage.engine.modeling.attention import TorchAttentionBackend
+from growpage.engine.modeling.step_context import StepContext
 
 
 class PagedTorchBackend(TorchAttentionBackend):

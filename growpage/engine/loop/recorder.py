@@ -15,10 +15,10 @@ import torch
 
 from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace, TraceHeader
-from growpage.engine.context import StepCapture
-from growpage.engine.model import ModelConfig
-from growpage.engine.scheduler import SchedulerOutput
-from growpage.engine.sequence import Sequence
+from growpage.engine.loop.scheduler import SchedulerOutput
+from growpage.engine.loop.sequence import Sequence
+from growpage.engine.modeling.model import ModelConfig
+from growpage.engine.modeling.step_context import StepCapture
 from growpage.errors import EngineError
 
 KINDS = ("q", "k", "v")

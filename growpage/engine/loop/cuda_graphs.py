@@ -33,13 +33,18 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from growpage.engine.backends import QueryStateFusion
-from growpage.engine.context import StepCapture, StepContext, decode_context, use_context
-from growpage.engine.sequence import Sequence
-from growpage.engine.transfer import copy_into
+from growpage.engine.loop.sequence import Sequence
+from growpage.engine.loop.transfer import copy_into
+from growpage.engine.modeling.backends import QueryStateFusion
+from growpage.engine.modeling.step_context import (
+    StepCapture,
+    StepContext,
+    decode_context,
+    use_context,
+)
 
 if TYPE_CHECKING:
-    from growpage.engine.model_runner import ModelRunner
+    from growpage.engine.loop.model_runner import ModelRunner
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -128,7 +133,7 @@ class DecodeGraphs:
     # ---- internals ------------------------------------------------------------------------
     def _fill(self, seqs: list[Sequence], bucket: int, width: int) -> None:
         """Rows ``0..B-1`` from ``seqs``, rows ``B..bucket-1`` padding; one queued copy each."""
-        from growpage.engine.model_runner import DecodeRows
+        from growpage.engine.loop.model_runner import DecodeRows
 
         rows, pad = DecodeRows.of(self.runner.kv, seqs), bucket - len(seqs)
         tables = [s.state.block_table + [-1] * (width - s.state.num_pages) for s in seqs]
@@ -152,7 +157,7 @@ class DecodeGraphs:
         return table
 
     def _context(self, bucket: int, width: int) -> StepContext:
-        from growpage.engine.model_runner import FusedStepContext
+        from growpage.engine.loop.model_runner import FusedStepContext
 
         kv = self.runner.kv
         ctx = decode_context(

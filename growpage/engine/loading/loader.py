@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from growpage.core.rope import RopeConfig
-from growpage.engine import catalog
-from growpage.engine.attention import AttentionBackend
-from growpage.engine.gguf_file import GGUFFile
-from growpage.engine.model import SUPPORTED_ARCHS, CausalLM, ModelConfig
+from growpage.engine.loading import catalog
+from growpage.engine.loading.gguf_file import GGUFFile
+from growpage.engine.modeling.attention import AttentionBackend
+from growpage.engine.modeling.model import SUPPORTED_ARCHS, CausalLM, ModelConfig
 from growpage.errors import EngineError
 
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -52,7 +52,7 @@ def default_model_path() -> Path:
 
 def resolve_model_path(path: str | Path | None) -> Path:
     """``None`` -> the default model; an existing GGUF file or HF directory; or a model name
-    from ``growpage.engine.catalog`` (``growpage models list``) -> its file in the cache.
+    from ``growpage.engine.loading.catalog`` (``growpage models list``) -> its file in the cache.
 
     A known name whose file is missing is an ``EngineError`` naming the command that fetches
     it; a path that does not exist and is no known name lists the known names."""
@@ -223,7 +223,7 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from growpage.engine.dequant import dequantize, one_thread
+    from growpage.engine.loading.dequant import dequantize, one_thread
 
     reader = open_gguf(path)
     cfg = _gguf_config(reader, path, {t.name: list(t.shape) for t in reader.tensors})

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from growpage.core.context import BoundaryContext
+from growpage.core.boundary_context import BoundaryContext
 from growpage.core.decision import Decision
-from growpage.engine.kv_view import boundary_kernels_on
+from growpage.engine.loop.paged_kv_view import boundary_kernels_on
 from growpage.engine.sampling_params import SamplingParams
 from growpage.policies.base import CapacityPolicy
 
 if TYPE_CHECKING:
-    from growpage.engine.llm_engine import LLMEngine
-    from growpage.engine.sequence import Sequence
+    from growpage.engine.loop.llm_engine import LLMEngine
+    from growpage.engine.loop.sequence import Sequence
 
 
 @attrs.frozen
@@ -74,8 +74,8 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
 
     Nothing of ``engine`` changes; the model is bound back to its KV cache and backend.
     """
-    from growpage.engine.llm_engine import LLMEngine
-    from growpage.engine.triton_backend import TritonAttentionBackend
+    from growpage.engine.loop.llm_engine import LLMEngine
+    from growpage.engine.modeling.triton_backend import TritonAttentionBackend
     from growpage.kernels.variants import record_variants
 
     decode, boundary = uses_kernels(engine)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from growpage.engine.loop.transfer import to_device
 from growpage.engine.sampling_params import GREEDY_BELOW, SamplingParams
-from growpage.engine.transfer import to_device
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

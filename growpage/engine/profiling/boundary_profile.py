@@ -32,7 +32,7 @@ import torch
 
 import growpage.core.capacity as capacity_module
 from growpage.core import demand as demand_module
-from growpage.engine.kv_view import EngineKVView
+from growpage.engine.loop.paged_kv_view import EngineKVView
 
 #: Phase names in report order; ``control`` is whatever capacity control does outside the others.
 PHASES = ("queries", "attention", "demand", "decide", "select", "check", "compact", "control")
@@ -155,13 +155,14 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
             return prepare(seqs)  # nothing to share: no batch is built
         return timed_prepare(seqs)
 
-    run_deferred = kv.run_deferred
+    deferred = kv.deferred
+    run_deferred = deferred.run
     timed_run_deferred = phases.timed("control", run_deferred)
 
     def counted_run_deferred() -> Any:
         # Compressions deferred to beside the forward (async compaction): their selection,
         # check and compaction are charged to those phases, the rest to ``control``.
-        return timed_run_deferred() if kv.num_deferred else run_deferred()
+        return timed_run_deferred() if deferred.num_pending else run_deferred()
 
     def counted_decide(*args: Any, **kwargs: Any) -> Any:
         phases.decided += 1
@@ -180,9 +181,10 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     # Instance-level wrappers already there (a benchmark's counters) are put back afterwards.
-    own = {
-        name: kv.__dict__.get(name) for name in ("make_room", "prepare_boundaries", "run_deferred")
-    }
+    own = [
+        (owner, name, owner.__dict__.get(name))
+        for owner, name in ((kv, "make_room"), (kv, "prepare_boundaries"), (deferred, "run"))
+    ]
     policy = controller.policy
     timed_policy = _TimedPolicy(policy, phases)
     decide = timed_policy.decide
@@ -195,14 +197,14 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
         controller.policy = timed_policy
         kv.make_room = counted_make_room
         kv.prepare_boundaries = counted_prepare
-        kv.run_deferred = counted_run_deferred
+        deferred.run = counted_run_deferred
         yield phases
     finally:
-        for name, wrapper in own.items():
+        for holder, name, wrapper in own:
             if wrapper is None:
-                delattr(kv, name)
+                delattr(holder, name)
             else:
-                setattr(kv, name, wrapper)
+                setattr(holder, name, wrapper)
         controller.policy = policy
         for owner, name, original in saved:
             setattr(owner, name, original)

@@ -20,10 +20,10 @@ import warnings
 import attrs
 import torch
 
-from growpage.engine.accumulation import layer_index
-from growpage.engine.attention import AttentionBackend
-from growpage.engine.attention_torch import PagedTorchBackend
-from growpage.engine.context import StepCapture
+from growpage.engine.modeling.accumulation import layer_index
+from growpage.engine.modeling.attention import AttentionBackend
+from growpage.engine.modeling.attention_torch import PagedTorchBackend
+from growpage.engine.modeling.step_context import StepCapture
 from growpage.errors import EngineError
 from growpage.validators import in_range
 
@@ -143,7 +143,7 @@ def _triton_backend(device: torch.device) -> AttentionBackend:
             f"TRITON_INTERPRET=1), not on {device.type}"
         )
     try:
-        from growpage.engine.triton_backend import TritonAttentionBackend
+        from growpage.engine.modeling.triton_backend import TritonAttentionBackend
         from growpage.kernels._utils import is_interpreter
     except ImportError as exc:
         raise EngineError(f"the triton attention backend needs triton: {exc}") from exc

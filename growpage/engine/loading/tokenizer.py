@@ -14,7 +14,7 @@ from growpage.errors import EngineError
 if TYPE_CHECKING:
     import tokenizers
 
-    from growpage.engine.gguf_file import GGUFFile
+    from growpage.engine.loading.gguf_file import GGUFFile
 
 # GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -106,7 +106,7 @@ class Tokenizer:
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """Tokenizer of a GGUF file or HF directory; ``None`` = the default model."""
-    from growpage.engine.loader import resolve_model_path
+    from growpage.engine.loading.loader import resolve_model_path
 
     p = resolve_model_path(path)
     return _tokenizer_from_hf_dir(p) if p.is_dir() else tokenizer_from_gguf(p)
@@ -117,7 +117,7 @@ def tokenizer_from_gguf(path: str | Path, reader: GGUFFile | None = None) -> Tok
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
 
-    from growpage.engine.loader import gguf_value, open_gguf
+    from growpage.engine.loading.loader import gguf_value, open_gguf
 
     reader = reader if reader is not None else open_gguf(Path(path))
     kind = gguf_value(reader, "tokenizer.ggml.model")
@@ -179,7 +179,7 @@ def tokenizer_from_gguf(path: str | Path, reader: GGUFFile | None = None) -> Tok
 def _tokenizer_from_hf_dir(path: Path) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
-    from growpage.engine.loader import read_json
+    from growpage.engine.loading.loader import read_json
 
     if not (path / "tokenizer.json").is_file():
         raise EngineError(f"{path}: no tokenizer.json")

@@ -1,0 +1,1 @@
+"""Weights, tokenizers and the models known by name: GGUF and Hugging Face loaders, the catalog."""

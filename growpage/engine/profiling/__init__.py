@@ -1,0 +1,1 @@
+"""Step-time and capacity-boundary measurements of the local engine (``growpage calibrate``)."""
