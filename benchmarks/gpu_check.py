@@ -221,10 +221,11 @@ def paper_scale(smoke: bool) -> dict:
     import torch
     from boundary_share import gpu_check_pool
 
+    from growpage.core.rope import RopeConfig
     from growpage.engine.config import EngineConfig
     from growpage.engine.llm import LLM
-    from growpage.engine.loader import build_model, meta_shapes
-    from growpage.engine.model import ModelConfig, RopeConfig
+    from growpage.engine.loading.loader import build_model, meta_shapes
+    from growpage.engine.modeling.model import ModelConfig
 
     device = "cpu" if smoke else "cuda"
     if smoke:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from growpage.engine.config import EngineConfig
-from growpage.engine.context import prefill_context, use_context
 from growpage.engine.llm import LLM
-from growpage.engine.loader import load_model
+from growpage.engine.loading.loader import load_model
+from growpage.engine.modeling.step_context import prefill_context, use_context
 from growpage.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
