@@ -368,7 +368,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         )
     note = (
         "\nTPS compares across rows only at like loads: `load` is the machine's 1-minute load "
-        "average at the start and end of each run (C and steps do not depend on it).\n"
+        "average at the start and end of each run (steps do not depend on it; C, weighted by step "
+        "time, does).\n"
     )
     return head + "\n".join(lines) + "\n" + note
 
