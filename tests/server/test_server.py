@@ -255,8 +255,8 @@ def test_bad_requests_get_4xx_openai_error_bodies(served, client):
 
 
 def test_a_full_queue_gets_a_429(model_dir):
-    """One request runs at a time and one may wait: of four sent together, those that find
-    the queue full get a 429; the others finish."""
+    """One request runs at a time and one may wait: once one runs, of three more sent together
+    those that find the queue full get a 429; the others finish."""
     llm = _llm(model_dir, policy="fullkv", kv_pages=256, max_num_seqs=1)
     config = ServerConfig(model_name=MODEL_NAME, max_waiting=1)
     with ServerThread(create_app(llm, config)) as server:
@@ -274,7 +274,13 @@ def test_a_full_queue_gets_a_429(model_dir):
         threads = [
             threading.Thread(target=lambda i=i: results.__setitem__(i, one(i))) for i in range(4)
         ]
-        for t in threads:
+        threads[0].start()
+        # the others are sent once the first runs (before, it would hold the waiting place)
+        deadline = time.monotonic() + 30
+        while _metrics(server.url)["growpage_requests_running"] < 1:
+            assert time.monotonic() < deadline, "the first request never started"
+            time.sleep(0.005)
+        for t in threads[1:]:
             t.start()
         for t in threads:
             t.join(60)
