@@ -200,11 +200,14 @@ def test_boundary_share_without_decided_boundaries_says_n_a(capsys, tmp_path):
 def test_gpu_check_engine_row_without_decided_boundaries_says_n_a(capsys):
     bench = load_benchmark("gpu_check")
     row = {
+        "dtype": "float32",
         "tokens_per_s": 10.0,
+        "ms_per_step": 12.5,
         "boundary_pct": 0.5,
         "ms_per_decided_boundary": None,
         "boundary_critical_pct": 0.5,
         "compiles_during_run": {},
     }
     bench._print_row("growpage", row)
-    assert "(n/a ms per decided)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(n/a ms per decided)" in out and "12.50 ms per step (float32)" in out
