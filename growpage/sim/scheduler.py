@@ -274,8 +274,8 @@ class Scheduler:
         (``residency.decides_late``) is only filed; with ``defer_compactions`` (the engine's
         ``async_compaction``) a compression is settled (its copy-on-write pages taken) but not
         run. Both kinds then run after all the others, in the order they were filed, as the
-        engine's ``run_deferred`` does beside the step: a page two requests share is copied
-        by both, and stays cached. ``synchronous_work`` is then the decisions and compactions
+        engine's ``DeferredBoundaries.run`` does beside the step: a page two requests share is
+        copied by both, and stays cached. ``synchronous_work`` is then the decisions and compactions
         that ran at once, before those (the engine's, while scheduling the step).
         """
         events = self.controller.events
