@@ -379,8 +379,8 @@ def _load(load: list[float] | None) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    """Accuracy (with its interval) against TPS and against C, one point per run: TPS is what a
-    user gets, C what the pool allows whatever else loads the machine."""
+    """Accuracy (with its interval) against TPS and against C (requests resident, weighted by
+    step time), one point per run."""
     import matplotlib
 
     matplotlib.use("Agg")

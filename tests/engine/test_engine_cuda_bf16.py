@@ -55,7 +55,7 @@ def test_bf16_greedy_tokens_are_fp32s_wherever_fp32_is_clear(bf16_cuda, fp32_cpu
     outs = bf16_cuda.generate(CHATS, params, use_tqdm=False)
     model = fp32_cpu
     compared = clear_total = 0
-    for out in outs:
+    for chat, out in zip(CHATS, outs, strict=True):
         ids = list(out.prompt_token_ids) + list(out.token_ids)
         with use_context(prefill_context([len(ids)])):
             logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
@@ -67,7 +67,7 @@ def test_bf16_greedy_tokens_are_fp32s_wherever_fp32_is_clear(bf16_cuda, fp32_cpu
         mismatch = clear & (rows.argmax(-1) != got)
         assert not bool(mismatch.any()), (
             f"bf16 left fp32's clear choice at generated positions "
-            f"{mismatch.nonzero().flatten().tolist()} of {CHATS[outs.index(out)]!r}"
+            f"{mismatch.nonzero().flatten().tolist()} of {chat!r}"
         )
         compared += len(out.token_ids)
         clear_total += int(clear.sum())
