@@ -137,18 +137,16 @@ def run(args: argparse.Namespace) -> dict:
         kv = llm.engine.kv
         name = policy + ("" if shared else " (alone)") + (f"+{deferred}" if deferred else "")
         report["rows"][name] = {
-            "total_s": st.total_time_s,
-            "boundary_s": st.boundary_time_s,
-            "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
-            "deferred_s": kv.deferred.seconds,
+            "total_s": st.total_s,
+            "boundary_s": st.boundary_s,
+            "boundary_pct": 100 * st.boundary_s / st.total_s,
+            "deferred_s": kv.deferred.work_s,
             "deferred_compactions": kv.deferred.num_compactions,
             "deferred_decisions": kv.deferred.num_decisions,
-            "decision_pct": 100 * (st.boundary_time_s - kv.deferred.seconds) / st.total_time_s,
+            "decision_pct": 100 * (st.boundary_s - kv.deferred.work_s) / st.total_s,
             "steps": st.num_steps,
             "decided": phases.decided,
-            "ms_per_decided": (
-                1000 * st.boundary_time_s / phases.decided if phases.decided else None
-            ),
+            "ms_per_decided": (1000 * st.boundary_s / phases.decided if phases.decided else None),
             "events": dict(st.events),
             "phases": phases.as_dict(),
             "shared_steps": llm.engine.kv.shared_steps,

@@ -317,7 +317,7 @@ def _row_table(rows: dict, names: tuple[str, ...]) -> list[str]:
             f"{e['boundary_s']:.3f} | {e['boundary_pct']:.2f} | "
             f"{_ms(e['ms_per_decided_boundary'])} | "
             f"{e.get('shared_steps', 0)} ({e.get('shared_boundaries', 0)}) | "
-            f"{e.get('deferred_s', 0.0):.3f} ({e.get('deferred_stall_s', 0.0):.3f})"
+            f"{e.get('deferred_s', 0.0):.3f} ({e.get('deferred_waited_s', 0.0):.3f})"
             f" | {e.get('boundary_critical_pct', e['boundary_pct']):.2f} | "
             f"{e.get('warmup_s', 0.0):.2f} | {compiles} |"
         )
@@ -371,15 +371,15 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
         "cuda_graphs": llm.config.cuda_graphs,
         "async_compaction": llm.config.async_compaction,
         "tokens_per_s": st.tps,
-        "total_s": st.total_time_s,
+        "total_s": st.total_s,
         "steps": st.num_steps,
-        "ms_per_step": 1000 * st.total_time_s / max(st.num_steps, 1),
+        "ms_per_step": 1000 * st.total_s / max(st.num_steps, 1),
         "decided_boundaries": decided,
-        "ms_per_decided_boundary": (1000 * st.boundary_time_s / decided if decided else None),
+        "ms_per_decided_boundary": (1000 * st.boundary_s / decided if decided else None),
         "avg_resident": st.avg_resident,
         "avg_kv_budget": st.avg_kv_budget,
-        "boundary_s": st.boundary_time_s,
-        "boundary_pct": 100 * st.boundary_time_s / st.total_time_s,
+        "boundary_s": st.boundary_s,
+        "boundary_pct": 100 * st.boundary_s / st.total_s,
         "preemptions": st.num_preemptions,
         "events": st.events,
         "warmup_s": llm.engine.warmup_report.seconds,
@@ -392,11 +392,11 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
         # of those the part after the forward had finished (what the steps waited for)
         "deferred_compactions": kv.deferred.num_compactions - deferred,
         "deferred_decisions": kv.deferred.num_decisions - late,
-        "deferred_s": st.deferred_time_s,
-        "deferred_stall_s": st.deferred_waited_s,
+        "deferred_s": st.deferred_s,
+        "deferred_waited_s": st.deferred_waited_s,
         "boundary_critical_pct": 100
-        * (st.boundary_time_s - st.deferred_time_s + st.deferred_waited_s)
-        / st.total_time_s,
+        * (st.boundary_s - st.deferred_s + st.deferred_waited_s)
+        / st.total_s,
         "compiles_during_run": {
             k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)
         },
@@ -444,8 +444,8 @@ def timed(report: dict, name: str, fn, *args, partial: Path | None = None) -> No
         report[name] = fn(*args)
     except Exception as exc:  # keep the other sections' numbers
         report[name] = {"error": repr(exc)[:500]}
-    report.setdefault("section_seconds", {})[name] = round(time.perf_counter() - start, 2)
-    print(f"[gpu_check] {name}: {report['section_seconds'][name]} s", flush=True)
+    report.setdefault("section_s", {})[name] = round(time.perf_counter() - start, 2)
+    print(f"[gpu_check] {name}: {report['section_s'][name]} s", flush=True)
     if partial is not None:
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(report, indent=2, default=str))
@@ -683,7 +683,7 @@ def to_markdown(r: dict) -> str:
         "",
         f"Targets: {json.dumps(r.get('targets'))}",
         "",
-        f"Section seconds: {r.get('section_seconds')}",
+        f"Section seconds: {r.get('section_s')}",
         "",
     ]
     return "\n".join(lines)
@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     start = time.perf_counter()
     report = run(args)
-    report["total_seconds"] = round(time.perf_counter() - start, 2)
+    report["total_s"] = round(time.perf_counter() - start, 2)
     out = Path(args.out)
     out = out.with_suffix("") if out.suffix in (".json", ".md") else out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -311,7 +311,7 @@ def _decode_all(
     num_steps, wall_s, cpu_s = 0, 0.0, 0.0
     while engine.has_unfinished():
         before = dict(clock.seconds)
-        boundary_before = engine.kv.boundary_seconds
+        boundary_before = engine.kv.boundary_s
         forward_before = getattr(engine.runner.model, "seconds", 0.0)
         cpu = time.thread_time()
         start = time.perf_counter()
@@ -324,7 +324,7 @@ def _decode_all(
         wall_s += elapsed
         cpu_s += cpu
         phases = {k: clock.seconds[k] - before[k] for k in PHASES}
-        phases["boundary"] = engine.kv.boundary_seconds - boundary_before
+        phases["boundary"] = engine.kv.boundary_s - boundary_before
         phases["schedule"] -= phases["boundary"]  # no deferred work: all of it scheduling
         if not real:
             phases["forward"] = engine.runner.model.seconds - forward_before

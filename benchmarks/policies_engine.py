@@ -241,7 +241,7 @@ def row_from_stats(st) -> dict:
     return dict(
         tps=st.tps,
         tpot_ms=1000 * st.tpot_s,
-        total_s=st.total_time_s,
+        total_s=st.total_s,
         avg_resident=st.avg_resident,
         avg_budget=st.avg_kv_budget,
         grow=e.get("grow", 0),
@@ -251,7 +251,7 @@ def row_from_stats(st) -> dict:
         preemptions=st.num_preemptions,
         decided_grow=e.get("decided_grow", 0),
         decided_compress=e.get("decided_compress", 0),
-        boundary_s=st.boundary_time_s,
+        boundary_s=st.boundary_s,
         output_tokens=st.num_output_tokens,
         max_pages_used=st.max_pages_used,
     )

@@ -262,9 +262,9 @@ def serve_row(setup: ServeSetup, tau: float, k_loc: int | None, edges: Sequence[
         "avg_kv_budget": m.avg_kv_budget,
         "grow_ratio": m.grow_ratio,
         "fallbacks": m.fallbacks,
-        "preemptions": m.preemptions,
+        "preemptions": m.num_preemptions,
         "tpot_ms": m.tpot_ms,
-        "total_time_s": m.total_time_s,
+        "total_s": m.total_s,
         **{
             f"fidelity_{k}": fidelity.get(k)
             for k in ("mass_mean", "mass_min", "output_error", "avg_budget")

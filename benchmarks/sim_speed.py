@@ -87,12 +87,11 @@ def bench_serving(workload: str) -> None:
         f"serve '{workload}' ({len(requests)} req) growpage",
         wall,
         60.0,
-        f"simulated {m.total_time_s:.0f} s = {m.total_time_s / 3600:.2f} h, "
-        f"ratio {m.total_time_s / wall:.0f}x",
+        f"simulated {m.total_s:.0f} s = {m.total_s / 3600:.2f} h, ratio {m.total_s / wall:.0f}x",
     )
     print(
         f"{'':44s} TPS {m.tps:.0f}, C {m.avg_resident:.1f}, avg budget {m.avg_kv_budget:.0f}, "
-        f"grow ratio {m.grow_ratio:.1%}, fallbacks {m.fallbacks}, preemptions {m.preemptions}, "
+        f"grow ratio {m.grow_ratio:.1%}, fallbacks {m.fallbacks}, preemptions {m.num_preemptions}, "
         f"{m.output_tokens} output tokens"
     )
 

@@ -4,7 +4,7 @@ Scenario: 16 chat prompts from ``growpage.eval.workload.reasoning_prompts()``, e
 generating exactly ``--max-tokens`` tokens (``ignore_eos``), all submitted at once to the engine
 (SmolLM2-135M-Instruct, fp32, torch backend) with a KV pool too small for ``fullkv`` to keep
 every request resident; ``--arrival-rate R`` has them arrive as a Poisson process instead, in
-wall-clock time on the engine (``LLM.generate(arrival_times=...)``) and in simulated time in
+wall-clock time on the engine (``LLM.generate(arrival_s=...)``) and in simulated time in
 the simulator. Steps:
 
 1. **calibrate**: time the engine's forward passes over the workload's shapes (every batch size
@@ -34,7 +34,7 @@ Modelling choices that make both sides count the same thing:
   pages the chat template's shared system prompt would fill at most one page anyway);
 * the simulator's ``admission_reserve`` is 0 (the engine admits greedily; its watermark is 0);
 * the engine's boundary work (capacity control: scoring and compaction) is measured by the
-  engine (``EngineStats.boundary_time_s``); the simulator prices it per decision and per
+  engine (``EngineStats.boundary_s``); the simulator prices it per decision and per
   compaction as a separate growpage run measured it (``measure_boundary_costs``; off with
   ``--no-boundaries``), and both sides report it (``boundary s``).
 
@@ -202,7 +202,7 @@ def run_engine(
         sampling_params(scenario),
         chat=scenario.chat,
         use_tqdm=progress,
-        arrival_times=scenario.arrivals(),
+        arrival_s=scenario.arrivals(),
     )
     return llm.last_stats, llm.config.growpage
 
@@ -270,7 +270,7 @@ def engine_row(stats: Any) -> dict:
     return {
         "tps": stats.tps,
         "avg_resident": stats.avg_resident,
-        "total_time_s": stats.total_time_s,
+        "total_s": stats.total_s,
         "output_tokens": stats.num_output_tokens,
         "num_requests": stats.num_requests,
         "grows": e.get("grow", 0),
@@ -278,7 +278,7 @@ def engine_row(stats: Any) -> dict:
         "fallbacks": e.get("fallback", 0),
         "preemptions": stats.num_preemptions,
         "avg_kv_budget": stats.avg_kv_budget,
-        "boundary_time_s": stats.boundary_time_s,
+        "boundary_s": stats.boundary_s,
         "num_steps": stats.num_steps,
         **{
             f"{name}_p{q}_{unit}": scale * getattr(stats, f"{name}_p{q}_s")
@@ -294,16 +294,16 @@ def sim_row(result: ServingResult) -> dict:
     return {
         "tps": m.tps,
         "avg_resident": m.avg_resident,
-        "total_time_s": m.total_time_s,
+        "total_s": m.total_s,
         "output_tokens": m.output_tokens,
         "num_requests": m.num_requests,
         "grows": m.grows,
         "compresses": m.compresses,
         "fallbacks": m.fallbacks,
-        "preemptions": m.preemptions,
+        "preemptions": m.num_preemptions,
         "avg_kv_budget": sum(r.budget_tokens for r in result.requests) / max(decoded, 1),
         "num_steps": m.decode_steps + m.prefill_steps,
-        "boundary_time_s": m.boundary_time_s,
+        "boundary_s": m.boundary_s,
         **{
             f"{name}_p{q}_{unit}": getattr(m, f"{name}_p{q}_{unit}")
             for name, unit, _ in LATENCIES
@@ -317,14 +317,14 @@ LATENCIES = (("ttft", "s", 1.0), ("tpot", "ms", 1e3), ("e2e", "s", 1.0))
 METRICS = [
     ("tps", "TPS (tok/s)", ".1f"),
     ("avg_resident", "C", ".2f"),
-    ("total_time_s", "total time (s)", ".1f"),
+    ("total_s", "total time (s)", ".1f"),
     ("avg_kv_budget", "KV budget (tok)", ".0f"),
     ("num_steps", "steps", "d"),
     ("grows", "grow", "d"),
     ("compresses", "compress", "d"),
     ("fallbacks", "fallback", "d"),
     ("preemptions", "preempt", "d"),
-    ("boundary_time_s", "boundary s", ".2f"),
+    ("boundary_s", "boundary s", ".2f"),
     ("ttft_p50_s", "TTFT p50 (s)", ".2f"),
     ("ttft_p99_s", "TTFT p99 (s)", ".2f"),
     ("tpot_p50_ms", "TPOT p50 (ms)", ".1f"),
@@ -332,7 +332,7 @@ METRICS = [
     ("e2e_p50_s", "E2E p50 (s)", ".1f"),
     ("e2e_p99_s", "E2E p99 (s)", ".1f"),
 ]
-GATED = ("tps", "avg_resident", "total_time_s")
+GATED = ("tps", "avg_resident", "total_s")
 
 
 def relative_error(sim: float, measured: float) -> float | None:
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="REQ_PER_S",
         help="requests arrive as a Poisson process of this rate (seed 0, the first "
-        "at once) on both sides: LLM.generate(arrival_times=...) over wall-clock "
+        "at once) on both sides: LLM.generate(arrival_s=...) over wall-clock "
         "time, the simulator over simulated time (default: all at t = 0)",
     )
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_engine"))

@@ -80,7 +80,7 @@ METRICS = [
 ]
 SHOWN = [  # reported, not gated
     ("e2e_p50_s", "E2E p50 (s)", ".1f"),
-    ("total_time_s", "total time (s)", ".1f"),
+    ("total_s", "total time (s)", ".1f"),
     ("grows", "grow", ".0f"),
     ("compresses", "compress", ".0f"),
     ("preemptions", "preempt", ".0f"),
@@ -254,7 +254,7 @@ def server_row(summary: dict) -> dict:
         "tpot_p90_ms": summary["tpot_p90_ms"],
         "tps": summary["throughput_tok_s"],
         "e2e_p50_s": summary["e2e_p50_s"],
-        "total_time_s": summary["duration_s"],
+        "total_s": summary["duration_s"],
         "grows": summary["engine"]["grows"],
         "compresses": summary["engine"]["compresses"],
         "preemptions": summary["engine"]["preemptions"],
@@ -270,7 +270,7 @@ def engine_row(stats: Any) -> dict:
         "tpot_p90_ms": 1e3 * stats.tpot_p90_s,
         "tps": stats.tps,
         "e2e_p50_s": stats.e2e_p50_s,
-        "total_time_s": stats.total_time_s,
+        "total_s": stats.total_s,
         "grows": stats.events.get("grow", 0),
         "compresses": stats.events.get("compress", 0),
         "preemptions": stats.num_preemptions,
@@ -340,10 +340,10 @@ def sim_row(metrics: dict, http_s: float = 0.0) -> dict:
         "tpot_p90_ms": metrics["tpot_p90_ms"],
         "tps": metrics["tps"],
         "e2e_p50_s": metrics["e2e_p50_s"] + http_s,
-        "total_time_s": metrics["total_time_s"],
+        "total_s": metrics["total_s"],
         "grows": metrics["grows"],
         "compresses": metrics["compresses"],
-        "preemptions": metrics["preemptions"],
+        "preemptions": metrics["num_preemptions"],
     }
 
 

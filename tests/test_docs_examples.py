@@ -60,7 +60,7 @@ def test_engine_guide_examples_run(capsys) -> None:
     exec(compile(arrivals, "docs/engine.md arrivals", "exec"), short)
     stats = scope["llm"].last_stats
     assert stats.num_requests == 8 and "throughput (TPS)" in capsys.readouterr().out
-    assert stats.total_time_s >= short["times"][-1] - short["times"][0]
+    assert stats.total_s >= short["times"][-1] - short["times"][0]
 
     # The profiling example, with the names it takes from the surrounding text.
     # Long enough (EOS ignored) to cross a few page boundaries of 64.

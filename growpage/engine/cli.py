@@ -311,7 +311,7 @@ def run_generate(args: argparse.Namespace) -> int:
         outs = [out]
     else:
         outs = llm.generate(
-            prompts, params, chat=args.chat, use_tqdm=args.progress, arrival_times=arrivals
+            prompts, params, chat=args.chat, use_tqdm=args.progress, arrival_s=arrivals
         )
         for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
             if len(outs) > 1:

@@ -116,32 +116,29 @@ def encode_continuation(cont: Prompt, tokenizer: Any, at: str = "") -> list[int]
     return ids
 
 
-def arrival_offsets(arrival_times: object, n: int) -> list[float] | None:
-    """``arrival_times`` of ``n`` prompts (seconds, one per prompt; None: all at once) as
+def arrival_offsets(arrival_s: object, n: int) -> list[float] | None:
+    """``arrival_s`` of ``n`` prompts (seconds, one per prompt; None: all at once) as
     offsets from the earliest: the run starts when the first request arrives."""
-    if arrival_times is None:
+    if arrival_s is None:
         return None
-    if isinstance(arrival_times, ARRAYS):
-        arrival_times = arrival_times.tolist()
-    if not isinstance(arrival_times, Seq) or isinstance(arrival_times, (str, bytes, bytearray)):
+    if isinstance(arrival_s, ARRAYS):
+        arrival_s = arrival_s.tolist()
+    if not isinstance(arrival_s, Seq) or isinstance(arrival_s, (str, bytes, bytearray)):
         raise EngineError(
-            f"arrival_times must be a list of seconds, one per prompt, got "
-            f"{type(arrival_times).__name__}"
+            f"arrival_s must be a list of seconds, one per prompt, got {type(arrival_s).__name__}"
         )
-    given = list(arrival_times)
+    given = list(arrival_s)
     if len(given) != n:
-        raise EngineError(
-            f"arrival_times has {plural(len(given), 'value')} for {plural(n, 'prompt')}"
-        )
+        raise EngineError(f"arrival_s has {plural(len(given), 'value')} for {plural(n, 'prompt')}")
     times = []
     for i, t in enumerate(given):
         if not _is_real(t):
             raise EngineError(
-                f"arrival_times[{i}] must be a number of seconds, got {type(t).__name__} {t!r:.40}"
+                f"arrival_s[{i}] must be a number of seconds, got {type(t).__name__} {t!r:.40}"
             )
         seconds = seconds_of(t)
         if seconds is None:
-            raise EngineError(f"arrival_times[{i}] must be finite and >= 0, got {t!r:.40}")
+            raise EngineError(f"arrival_s[{i}] must be finite and >= 0, got {t!r:.40}")
         times.append(seconds)
     first = min(times, default=0.0)
     return [t - first for t in times]
@@ -160,7 +157,7 @@ def seconds_of(value: object) -> float | None:
 
 def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     """``n`` arrival times (seconds, ascending) of a Poisson process of ``rate_per_s`` requests
-    per second, for ``LLM.generate(..., arrival_times=...)``: exponential gaps, seeded, drawn as
+    per second, for ``LLM.generate(..., arrival_s=...)``: exponential gaps, seeded, drawn as
     the simulator draws a workload's (``WorkloadSpec(arrival="poisson")``)."""
     if not (_is_token(n) and n >= 0):
         raise EngineError(f"poisson_arrivals: n must be an int >= 0, got {n!r}")
@@ -172,7 +169,7 @@ def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     if not (_is_token(seed) and seed >= 0):
         raise EngineError(f"poisson_arrivals: seed must be an int >= 0, got {seed!r}")
     # NOTE: a rate near the smallest float has a mean gap (1 / rate), or a sum of gaps, past the
-    # largest float: inf times, which ``arrival_offsets`` would refuse later as arrival_times
+    # largest float: inf times, which ``arrival_offsets`` would refuse later as arrival_s
     # the caller never wrote. Refused here, without numpy's overflow warning.
     with np.errstate(over="ignore"):
         times = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, int(n)))

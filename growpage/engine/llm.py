@@ -163,7 +163,7 @@ class LLM:
         *,
         chat: bool = False,
         use_tqdm: bool | None = None,
-        arrival_times: Seq[float] | None = None,
+        arrival_s: Seq[float] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids as a list or a tensor: ``[N]`` is one
         prompt, ``[B, N]`` B of them); outputs in prompt order.
@@ -172,7 +172,7 @@ class LLM:
         request), False none, None (default) one over requests when there are several and
         stderr is a terminal (not in a log file).
 
-        ``arrival_times`` (seconds, one per prompt; default: all at once) serves the prompts as
+        ``arrival_s`` (seconds, one per prompt; default: all at once) serves the prompts as
         requests arriving over wall-clock time, the earliest at once: a request joins the
         engine at the first step boundary after its arrival, the engine waits idle when nothing
         has arrived yet, and its TTFT and end-to-end latency count from its arrival. This is
@@ -182,7 +182,7 @@ class LLM:
         self._check_idle()  # first: an open stream keeps its last_stats
         self.last_stats = None  # a call that fails leaves none, not the previous call's
         _check_chat(chat)
-        work, arrivals = self._work(prompts, params, chat, arrival_times)
+        work, arrivals = self._work(prompts, params, chat, arrival_s)
         seqs = self._run(work, use_tqdm, arrivals)
         return [self._request_output(s) for s in seqs]
 
@@ -191,7 +191,7 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None,
         chat: bool,
-        arrival_times: object,
+        arrival_s: object,
     ) -> tuple[list[_Work], list[float] | None]:
         """The requests of a ``generate`` or ``stream`` call, checked as ``add_request`` would
         check them (before any runs: a request arriving late must not fail mid-run), and the
@@ -201,7 +201,7 @@ class LLM:
             SamplingParams() if params is None else params, len(prompt_list)
         )
         n = len(prompt_list)
-        arrivals = arrival_offsets(arrival_times, n)
+        arrivals = arrival_offsets(arrival_s, n)
         rank = {i: r for r, i in enumerate(_joining_order(n, arrivals))}  # ids go by joining
         work: list[_Work] = []
         for i, (prompt, prm) in enumerate(zip(prompt_list, params_list, strict=True)):
@@ -264,7 +264,7 @@ class LLM:
         *,
         chat: bool = False,
         use_tqdm: bool | None = False,
-        arrival_times: Seq[float] | None = None,
+        arrival_s: Seq[float] | None = None,
     ) -> Iterator[StreamChunk]:
         """``generate``, yielding each request's new text after every engine step.
 
@@ -273,12 +273,12 @@ class LLM:
         ``generate`` returns. Leaving the loop early aborts the requests still running (their
         pages come back). ``last_stats`` is set when every request has finished. One stream
         at a time: another call while a stream is open raises ``EngineError``.
-        ``arrival_times`` as for ``generate``: a request's chunks start after it arrives.
+        ``arrival_s`` as for ``generate``: a request's chunks start after it arrives.
         """
         self._check_idle()
         self.last_stats = None
         _check_chat(chat)
-        work, arrivals = self._work(prompts, params, chat, arrival_times)
+        work, arrivals = self._work(prompts, params, chat, arrival_s)
         return self._stream(work, use_tqdm, arrivals)
 
     def _stream(
@@ -371,7 +371,7 @@ class LLM:
                         params,
                         forced,
                         text,
-                        arrival_time=start + (0.0 if arrivals is None else arrivals[i]),
+                        arrival_s=start + (0.0 if arrivals is None else arrivals[i]),
                     )
                 except EngineError as e:  # say which of the caller's prompts it was
                     raise EngineError(f"{e}{where('prompts', i, len(work))}") from None
@@ -421,9 +421,9 @@ class LLM:
         text = "" if self.tokenizer is None else self.tokenizer.decode(s.output_token_ids)
         if s.stop_text_len is not None:
             text = text[: s.stop_text_len]
-        ttft = (s.first_token_time or s.arrival_time) - s.arrival_time
+        ttft = (s.first_token_s or s.arrival_s) - s.arrival_s
         n = s.num_output_tokens
-        tpot = ((s.finish_time or 0) - (s.first_token_time or 0)) / (n - 1) if n > 1 else 0.0
+        tpot = ((s.finish_s or 0) - (s.first_token_s or 0)) / (n - 1) if n > 1 else 0.0
         return RequestOutput(
             request_id=s.request_id,
             prompt=s.prompt,
@@ -437,8 +437,8 @@ class LLM:
             num_cached_tokens=s.num_cached_tokens,
             ttft_s=ttft,
             tpot_s=tpot,
-            e2e_s=(s.finish_time or s.arrival_time) - s.arrival_time,
-            arrival_s=s.arrival_time - self.engine.stats.start,
+            e2e_s=(s.finish_s or s.arrival_s) - s.arrival_s,
+            arrival_s=s.arrival_s - self.engine.stats.start,
         )
 
 

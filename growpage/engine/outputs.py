@@ -19,7 +19,7 @@ class RequestOutput:
         ttft_s / tpot_s: time to first token; mean time per output token after the first.
         e2e_s: time from submission (or arrival) to the last token.
         arrival_s: when the request arrived, in seconds after the first of its call arrived
-            (``generate(..., arrival_times=...)``; 0 for a call whose requests all arrive at
+            (``generate(..., arrival_s=...)``; 0 for a call whose requests all arrive at
             once).
     """
 
@@ -108,8 +108,8 @@ class EngineStats:
         avg_resident: C, the time-averaged number of requests resident (running).
         avg_kv_budget: mean KV capacity (tokens) a decoding request held, over decode steps.
         events: the controller's event counts (grow, compress, shrink, fallback, ...).
-        boundary_time_s: wall time spent in capacity control (decisions, scoring, compaction).
-        deferred_time_s: of that, the work run beside a decode step's forward: compressions
+        boundary_s: wall time spent in capacity control (decisions, scoring, compaction).
+        deferred_s: of that, the work run beside a decode step's forward: compressions
             (``async_compaction``) and late boundaries (``async_decisions``); 0 without them.
         deferred_waited_s: of that, what the steps waited for: the part after the forward had
             finished (on the CPU, all of it).
@@ -130,7 +130,7 @@ class EngineStats:
     num_prompt_tokens: int
     num_output_tokens: int
     num_steps: int
-    total_time_s: float
+    total_s: float
     tps: float
     tpot_s: float
     ttft_s: float
@@ -140,8 +140,8 @@ class EngineStats:
     num_preemptions: int
     prefix_hit_tokens: int
     events: dict[str, int]
-    boundary_time_s: float = 0.0
-    deferred_time_s: float = 0.0
+    boundary_s: float = 0.0
+    deferred_s: float = 0.0
     deferred_waited_s: float = 0.0
     e2e_s: float = 0.0
     ttft_p50_s: float = 0.0
@@ -161,18 +161,17 @@ class EngineStats:
             [
                 (
                     "deferred work",
-                    f"{self.deferred_time_s:.2f} s of it, "
-                    f"{self.deferred_waited_s:.2f} s waited for",
+                    f"{self.deferred_s:.2f} s of it, {self.deferred_waited_s:.2f} s waited for",
                 )
             ]
-            if self.deferred_time_s > 0
+            if self.deferred_s > 0
             else []
         )
         return [
             ("policy", self.policy),
             ("requests", str(self.num_requests)),
             ("prompt / output tokens", f"{self.num_prompt_tokens} / {self.num_output_tokens}"),
-            ("total time", f"{self.total_time_s:.2f} s"),
+            ("total time", f"{self.total_s:.2f} s"),
             ("throughput (TPS)", f"{self.tps:.1f} tok/s"),
             ("TPOT", f"{1000 * self.tpot_s:.1f} ms"),
             ("TTFT", f"{1000 * self.ttft_s:.1f} ms"),
@@ -189,8 +188,7 @@ class EngineStats:
             ),
             (
                 "boundary time",
-                f"{self.boundary_time_s:.2f} s "
-                f"({100 * self.boundary_time_s / max(self.total_time_s, 1e-9):.1f}%)",
+                f"{self.boundary_s:.2f} s ({100 * self.boundary_s / max(self.total_s, 1e-9):.1f}%)",
             ),
             *deferred,
             ("fallbacks", str(e.get("fallback", 0))),

@@ -137,7 +137,7 @@ def stats_row(stats: Any) -> dict[str, Any]:
     return {
         "tps": stats.tps,
         "tpot_ms": 1000 * stats.tpot_s,
-        "total_s": stats.total_time_s,
+        "total_s": stats.total_s,
         "avg_resident": stats.avg_resident,
         "avg_budget": stats.avg_kv_budget,
         "grow": e.get("grow", 0),

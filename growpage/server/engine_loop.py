@@ -52,7 +52,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
-    arrival_time: float
+    arrival_s: float
 
 
 @attrs.frozen
@@ -205,7 +205,7 @@ class EngineLoop:
                 request.prompt_token_ids,
                 request.params,
                 prompt=request.prompt,
-                arrival_time=request.arrival_time,
+                arrival_s=request.arrival_s,
             )
         except EngineError as exc:  # cannot fit the KV pool, a token id out of range...
             self._reject(sink, "invalid", ServerError(400, str(exc)))
@@ -226,7 +226,7 @@ class EngineLoop:
             self._finished["abort"] += 1
 
     def _step(self) -> None:
-        start, boundary = time.perf_counter(), self.engine.kv.boundary_seconds
+        start, boundary = time.perf_counter(), self.engine.kv.boundary_s
         try:
             self.engine.step()
         except PolicyError as exc:
@@ -239,7 +239,7 @@ class EngineLoop:
             self._fail_all(exc)
         if self.metrics is not None:
             self.metrics.observe_step(
-                time.perf_counter() - start, self.engine.kv.boundary_seconds - boundary
+                time.perf_counter() - start, self.engine.kv.boundary_s - boundary
             )
 
     def _fail(self, request_id: str, error: ServerError) -> None:
@@ -289,7 +289,7 @@ class EngineLoop:
             events=kv.controller.events.as_dict(),
             num_preemptions=engine.scheduler.num_preemptions,
             prefix_hit_tokens=kv.prefix_hit_tokens,
-            boundary_seconds=kv.boundary_seconds,
+            boundary_s=kv.boundary_s,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             finished=dict(self._finished),

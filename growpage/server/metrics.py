@@ -68,7 +68,7 @@ class EngineSnapshot:
     events: dict[str, int] = attrs.field(factory=dict)
     num_preemptions: int = 0
     prefix_hit_tokens: int = 0
-    boundary_seconds: float = 0.0
+    boundary_s: float = 0.0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     finished: dict[str, int] = attrs.field(factory=dict)  # by FINISH_REASONS
@@ -104,7 +104,7 @@ class _SnapshotCollector(Collector):
                 "prompt tokens taken from the prefix cache",
                 s.prefix_hit_tokens,
             ),
-            ("growpage_boundary_seconds", "wall seconds in capacity control", s.boundary_seconds),
+            ("growpage_boundary_seconds", "wall seconds in capacity control", s.boundary_s),
             ("growpage_prompt_tokens", "prompt tokens of accepted requests", s.num_prompt_tokens),
             ("growpage_generation_tokens", "tokens generated", s.num_generation_tokens),
         )
@@ -158,19 +158,17 @@ class ServerMetrics:
 
     def observe_finished(self, seq: Sequence) -> None:
         """A request's latencies, as ``EngineStats`` defines them (seconds)."""
-        if seq.first_token_time is None or seq.finish_time is None:
+        if seq.first_token_s is None or seq.finish_s is None:
             return
-        self.ttft.observe(seq.first_token_time - seq.arrival_time)
-        self.e2e.observe(seq.finish_time - seq.arrival_time)
+        self.ttft.observe(seq.first_token_s - seq.arrival_s)
+        self.e2e.observe(seq.finish_s - seq.arrival_s)
         if seq.num_output_tokens > 1:
-            self.tpot.observe(
-                (seq.finish_time - seq.first_token_time) / (seq.num_output_tokens - 1)
-            )
+            self.tpot.observe((seq.finish_s - seq.first_token_s) / (seq.num_output_tokens - 1))
 
-    def observe_step(self, seconds: float, boundary_seconds: float) -> None:
+    def observe_step(self, seconds: float, boundary_s: float) -> None:
         self.step.observe(seconds)
-        if boundary_seconds > 0:
-            self.step_boundary.observe(boundary_seconds)
+        if boundary_s > 0:
+            self.step_boundary.observe(boundary_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,8 +18,8 @@ class ServingMetrics:
     """Aggregate metrics of one simulated run.
 
     Attributes:
-        total_time_s: simulated seconds from the first arrival until every request finished.
-        tps: output tokens per second over ``total_time_s``.
+        total_s: simulated seconds from the first arrival until every request finished.
+        tps: output tokens per second over ``total_s``.
         tpot_ms: mean over requests of (finish - end of first prefill) / (output tokens - 1),
             as the engine's (requests of one output token have none).
         ttft_s: mean seconds from arrival to the end of the request's first prefill.
@@ -28,10 +28,10 @@ class ServingMetrics:
             (requests that never decoded, of one output token, are left out, as from TPOT).
         grow_ratio: share of policy decisions that were GROW, before fallback (Table 9).
         grows: executed growths (forced ones included); compresses, shrinks, fallbacks as the
-            controller counted them; preemptions: requests preempted by the scheduler.
+            controller counted them; num_preemptions: requests preempted by the scheduler.
         peak_pages: most pages in use at once.
-        boundary_time_s: simulated seconds of capacity control (``CostModel.boundary_time``),
-            part of ``total_time_s``; 0 unless the cost model prices it.
+        boundary_s: simulated seconds of capacity control (``CostModel.boundary_time``),
+            part of ``total_s``; 0 unless the cost model prices it.
         prefix_hit_tokens: prompt tokens (recomputes' tokens included) taken from the prefix
             cache instead of computed, as the engine's ``EngineStats.prefix_hit_tokens``.
         e2e_s: mean seconds from arrival to the request's last output token.
@@ -43,7 +43,7 @@ class ServingMetrics:
     policy: str
     num_requests: int
     output_tokens: int
-    total_time_s: float
+    total_s: float
     tps: float
     tpot_ms: float
     ttft_s: float
@@ -55,12 +55,12 @@ class ServingMetrics:
     compresses: int
     shrinks: int
     fallbacks: int
-    preemptions: int
+    num_preemptions: int
     decode_steps: int
     prefill_steps: int
     peak_pages: int
     num_pages: int
-    boundary_time_s: float = 0.0
+    boundary_s: float = 0.0
     e2e_s: float = 0.0
     ttft_p50_s: float = 0.0
     ttft_p90_s: float = 0.0
@@ -81,17 +81,17 @@ def compute_metrics(
     policy: str,
     requests: list[SimRequest],
     events: EventCounters,
-    total_time_s: float,
-    resident_seconds: float,
+    total_s: float,
+    resident_s: float,
     num_preemptions: int,
     decode_steps: int,
     prefill_steps: int,
     peak_pages: int,
     num_pages: int,
-    boundary_time_s: float = 0.0,
+    boundary_s: float = 0.0,
     prefix_hit_tokens: int = 0,
 ) -> ServingMetrics:
-    """Metrics of a finished run; ``resident_seconds`` is the integral of the batch size."""
+    """Metrics of a finished run; ``resident_s`` is the integral of the batch size."""
     out_tokens = sum(r.output_tokens for r in requests)
     latencies = {
         "ttft": _known(r.ttft_s for r in requests),
@@ -106,12 +106,12 @@ def compute_metrics(
         policy=policy,
         num_requests=len(requests),
         output_tokens=out_tokens,
-        total_time_s=total_time_s,
-        tps=out_tokens / total_time_s if total_time_s else 0.0,
+        total_s=total_s,
+        tps=out_tokens / total_s if total_s else 0.0,
         tpot_ms=means["tpot"],
         ttft_s=means["ttft"],
         e2e_s=means["e2e"],
-        avg_resident=resident_seconds / total_time_s if total_time_s else 0.0,
+        avg_resident=resident_s / total_s if total_s else 0.0,
         avg_kv_budget=means["budget"],
         grow_ratio=events.grow_ratio,
         grows=events.grow,
@@ -119,12 +119,12 @@ def compute_metrics(
         compresses=events.compress,
         shrinks=events.shrink,
         fallbacks=events.fallback,
-        preemptions=num_preemptions,
+        num_preemptions=num_preemptions,
         decode_steps=decode_steps,
         prefill_steps=prefill_steps,
         peak_pages=peak_pages,
         num_pages=num_pages,
-        boundary_time_s=boundary_time_s,
+        boundary_s=boundary_s,
         prefix_hit_tokens=prefix_hit_tokens,
         **percentile_fields(latencies, {"ttft": "s", "tpot": "ms", "e2e": "s"}),
     )

@@ -31,7 +31,7 @@ SERVING_COLUMNS: list[Column] = [
     ("policy", "policy", ""),
     ("tps", "TPS", ".0f"),
     ("tpot_ms", "TPOT ms", ".1f"),
-    ("total_time_s", "time s", SIGNIFICANT),
+    ("total_s", "time s", SIGNIFICANT),
     ("avg_resident", "C", ".1f"),
     ("avg_kv_budget", "avg budget", ".0f"),
     ("grow_ratio", "grow %", ".1%"),
@@ -39,8 +39,8 @@ SERVING_COLUMNS: list[Column] = [
     ("compresses", "compress", "d"),
     ("shrinks", "shrink", "d"),
     ("fallbacks", "fallback", "d"),
-    ("preemptions", "preempt", "d"),
-    ("boundary_time_s", "boundary s", SIGNIFICANT),
+    ("num_preemptions", "preempt", "d"),
+    ("boundary_s", "boundary s", SIGNIFICANT),
 ]
 
 

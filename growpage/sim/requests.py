@@ -41,7 +41,7 @@ class SimRequest:
         "prefill_target",
         "prefill_left",
         "prefix_chain",
-        "preemptions",
+        "num_preemptions",
         "budget_tokens",
         "first_token_s",
         "finish_s",
@@ -62,7 +62,7 @@ class SimRequest:
         self.prefill_target = 0  # tokens its current prefill computes, cached ones included
         self.prefill_left = 0  # of those, not computed yet (chunked prefill)
         self.prefix_chain = PrefixChain()  # its pages in the prefix cache (this residency)
-        self.preemptions = 0
+        self.num_preemptions = 0
         self.budget_tokens = 0
         self.first_token_s: float | None = None
         self.finish_s: float | None = None
@@ -82,7 +82,7 @@ class SimRequest:
         """Mean capacity in tokens over its decode steps (as the engine's: not over the token
         each recompute after a preemption writes, which ``generated`` counts too); None before
         its first decode step (a request of one output token has none), as ``tpot_ms``."""
-        decoded = self.generated - self.preemptions
+        decoded = self.generated - self.num_preemptions
         return self.budget_tokens / decoded if decoded > 0 else None
 
     @property

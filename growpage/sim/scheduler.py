@@ -433,7 +433,7 @@ class Scheduler:
         self.log(now, "preempt", r)
         r.resuming = True
         self._release(r)
-        r.preemptions += 1
+        r.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(r)
         r.capacity.append((now, 0))

@@ -148,11 +148,11 @@ class _Run:
     num_requests: int
     next_arrival_s: float = float("inf")
     idle: simpy.Event | None = None
-    resident_seconds: float = 0.0
+    resident_s: float = 0.0
     prefill_steps: int = 0
     decode_steps: int = 0
     peak_pages: int = 0
-    boundary_seconds: float = 0.0
+    boundary_s: float = 0.0
     async_compaction: bool = False
     async_decisions: bool = False
     on_progress: Callable[[int], object] | None = None  # called with the finished count
@@ -162,7 +162,7 @@ class _Run:
     timeline: list[tuple[float, int, int]] = attrs.Factory(lambda: [(0.0, 0, 0)])
 
     def spend(self, env: simpy.Environment, seconds: float) -> simpy.Timeout:
-        self.resident_seconds += len(self.scheduler.running) * seconds
+        self.resident_s += len(self.scheduler.running) * seconds
         if seconds > 0:  # a state held for no time (a free prefill) is not in pool_timeline()
             self.peak_pages = max(self.peak_pages, self.scheduler.pool.num_used_pages)
             self.mark(env.now)
@@ -221,7 +221,7 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
             # (When every request would sit out, the engine runs it all at once: below.)
             # NOTE: the synchronous boundaries (a policy's that never compresses, a request's
             # holding a shared page) ran while scheduling, before the step: paid first.
-            run.boundary_seconds += decisions_s + compactions_s
+            run.boundary_s += decisions_s + compactions_s
             before_s = _synchronous_s(run)
             if before_s > 0:
                 yield run.spend(env, before_s)
@@ -234,14 +234,14 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
         ):
             # Their compactions run beside the next step, which they sit out (engine's
             # async_compaction); the step waits only for compaction work longer than itself.
-            run.boundary_seconds += decisions_s + compactions_s
+            run.boundary_s += decisions_s + compactions_s
             if decisions_s > 0:
                 yield run.spend(env, decisions_s)
             num_steps, seconds = 1, max(_sit_out_step(run, compacted), compactions_s)
         else:
             seconds = decisions_s + compactions_s
             if seconds > 0:  # capacity control as the cost model prices it (0: free)
-                run.boundary_seconds += seconds
+                run.boundary_s += seconds
                 yield run.spend(env, seconds)
             if not sched.running:
                 continue
@@ -476,13 +476,13 @@ def simulate(
         sim_requests,
         source.controller.events,
         env.now - first,
-        run.resident_seconds,
+        run.resident_s,
         sched.num_preemptions,
         run.decode_steps,
         run.prefill_steps,
         run.peak_pages,
         sched.pool.num_pages,
-        run.boundary_seconds,
+        run.boundary_s,
         sched.prefix.hit_tokens,
     )
     return ServingResult(metrics, sim_requests, sched.events, sched.pool, run.timeline)

@@ -1,4 +1,4 @@
-"""Requests arriving over wall-clock time (``LLM.generate(..., arrival_times=...)``): each joins
+"""Requests arriving over wall-clock time (``LLM.generate(..., arrival_s=...)``): each joins
 at the first step boundary after its arrival, the engine idles while nothing has arrived, and
 latencies count from the arrival, as in the serving simulator."""
 
@@ -33,7 +33,7 @@ def _watch_admissions(llm) -> list[tuple[float, str, float]]:
 
     def watched(*args, **kwargs):
         seq = add(*args, **kwargs)
-        added.append((time.perf_counter(), seq.request_id, seq.arrival_time))
+        added.append((time.perf_counter(), seq.request_id, seq.arrival_s))
         return seq
 
     llm.engine.add_request = watched
@@ -47,7 +47,7 @@ def test_requests_join_after_they_arrive_and_the_engine_idles_between(model):
     together = llm.generate(prompts, params, use_tqdm=False)
     added = _watch_admissions(llm)
     offsets = [0.0, 0.25, 0.6]  # each far after the one before has finished (a few ms)
-    outs = llm.generate(prompts, params, use_tqdm=False, arrival_times=offsets)
+    outs = llm.generate(prompts, params, use_tqdm=False, arrival_s=offsets)
     stats = llm.last_stats
     start = llm.engine.stats.start
     assert [o.token_ids for o in outs] == [o.token_ids for o in together]
@@ -59,7 +59,7 @@ def test_requests_join_after_they_arrive_and_the_engine_idles_between(model):
         assert 0 < out.ttft_s <= out.e2e_s < 0.2  # no request waited for another
         assert out.arrival_s == pytest.approx(offset, abs=1e-9)
     assert [o.arrival_s for o in together] == [0.0, 0.0, 0.0]  # all at once: at the start
-    assert stats.total_time_s >= 0.6 and stats.num_requests == 3
+    assert stats.total_s >= 0.6 and stats.num_requests == 3
     # One request at a time and idle gaps between them: on average fewer than one resident.
     assert 0 < stats.avg_resident < 0.5
     assert_all_returned(llm)
@@ -72,7 +72,7 @@ def test_times_count_from_the_earliest_and_requests_join_in_arrival_order(model)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     begin = time.perf_counter()
     outs = llm.generate(
-        prompts, params, use_tqdm=False, arrival_times=np.array([5.1, 5.0, 5.1])
+        prompts, params, use_tqdm=False, arrival_s=np.array([5.1, 5.0, 5.1])
     )  # unsorted, numpy
     assert time.perf_counter() - begin < 2.0  # the earliest, at 5.0, starts the run
     order = [rid for _, rid, _ in added]
@@ -85,23 +85,23 @@ def test_times_count_from_the_earliest_and_requests_join_in_arrival_order(model)
 @pytest.mark.parametrize(
     "times, words",
     [
-        ([0.0, 1.0], "arrival_times has 2 values for 3 prompts"),
-        ([0.0], "arrival_times has 1 value for 3 prompts"),
-        ("012", "arrival_times must be a list of seconds, one per prompt, got str"),
+        ([0.0, 1.0], "arrival_s has 2 values for 3 prompts"),
+        ([0.0], "arrival_s has 1 value for 3 prompts"),
+        ("012", "arrival_s must be a list of seconds, one per prompt, got str"),
         ({0: 0.0}, "got dict"),
-        ([0.0, True, 1.0], "arrival_times[1] must be a number of seconds, got bool"),
-        ([0.0, "1", 1.0], "arrival_times[1] must be a number of seconds, got str"),
-        ([0.0, 1.0, math.nan], "arrival_times[2] must be finite and >= 0, got nan"),
-        ([0.0, -1.0, 1.0], "arrival_times[1] must be finite and >= 0, got -1.0"),
-        ([0.0, math.inf, 1.0], "arrival_times[1] must be finite and >= 0, got inf"),
-        ([0.0, 10**400, 1.0], "arrival_times[1] must be finite and >= 0, got 1000000"),
+        ([0.0, True, 1.0], "arrival_s[1] must be a number of seconds, got bool"),
+        ([0.0, "1", 1.0], "arrival_s[1] must be a number of seconds, got str"),
+        ([0.0, 1.0, math.nan], "arrival_s[2] must be finite and >= 0, got nan"),
+        ([0.0, -1.0, 1.0], "arrival_s[1] must be finite and >= 0, got -1.0"),
+        ([0.0, math.inf, 1.0], "arrival_s[1] must be finite and >= 0, got inf"),
+        ([0.0, 10**400, 1.0], "arrival_s[1] must be finite and >= 0, got 1000000"),
     ],
 )
 def test_bad_arrival_times_are_refused_before_anything_runs(model, times, words):
     llm = tiny_llm(model)
     added = _watch_admissions(llm)
     with pytest.raises(EngineError) as err:
-        llm.generate([prompt(5, i) for i in range(3)], use_tqdm=False, arrival_times=times)
+        llm.generate([prompt(5, i) for i in range(3)], use_tqdm=False, arrival_s=times)
     assert words in str(err.value)
     assert added == [] and llm.last_stats is None
     assert_all_returned(llm)
@@ -114,11 +114,11 @@ def test_a_late_request_that_cannot_run_fails_before_the_first_step(model):
     added = _watch_admissions(llm)
     too_long = prompt(model.config.max_position, 7)
     with pytest.raises(EngineError, match=r"leaves no room to generate \(prompts\[1\]\)"):
-        llm.generate([prompt(5, 0), too_long], use_tqdm=False, arrival_times=[0.0, 30.0])
+        llm.generate([prompt(5, 0), too_long], use_tqdm=False, arrival_s=[0.0, 30.0])
     # Named by the id it would have had: ids go in joining order (here prompts[1] joins first).
     first = llm._num_requests
     with pytest.raises(EngineError, match=rf"request '{first}': .* \(prompts\[1\]\)"):
-        llm.generate([prompt(5, 0), too_long], use_tqdm=False, arrival_times=[30.0, 0.0])
+        llm.generate([prompt(5, 0), too_long], use_tqdm=False, arrival_s=[30.0, 0.0])
     assert added == []  # refused up front, not after 30 s of serving the first
     assert_all_returned(llm)
 
@@ -128,9 +128,7 @@ def test_a_late_request_too_big_for_the_pool_fails_before_the_first_step(model):
     added = _watch_admissions(llm)
     params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=100, ignore_eos=True)]
     with pytest.raises(EngineError, match=r"cannot fit in the KV cache .*\(prompts\[1\]\)"):
-        llm.generate(
-            [prompt(5, 0), prompt(5, 1)], params, use_tqdm=False, arrival_times=[0.0, 30.0]
-        )
+        llm.generate([prompt(5, 0), prompt(5, 1)], params, use_tqdm=False, arrival_s=[0.0, 30.0])
     assert added == []  # refused up front, as when all arrive at once
     assert_all_returned(llm)
 
@@ -140,13 +138,13 @@ def test_stream_with_arrivals_gives_each_request_s_chunks_once_it_has_arrived(mo
     prompts = [prompt(7, i) for i in range(2)]
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     expected = llm.generate(prompts, params, use_tqdm=False)
-    chunks = list(llm.stream(prompts, params, arrival_times=[0.3, 0.0]))
+    chunks = list(llm.stream(prompts, params, arrival_s=[0.3, 0.0]))
     finals = {c.index: c.output for c in chunks if c.output is not None}
     assert [finals[i].token_ids for i in range(2)] == [o.token_ids for o in expected]
     # Request 0 arrives 0.3 s after request 1, which has long finished: its chunks come last.
     indices = [c.index for c in chunks]
     assert indices == sorted(indices, reverse=True) and indices[0] == 1
-    assert llm.last_stats.total_time_s >= 0.3
+    assert llm.last_stats.total_s >= 0.3
     assert_all_returned(llm)
 
 
@@ -166,7 +164,7 @@ def test_a_request_arriving_while_the_stream_s_reader_holds_a_chunk_joins_the_ne
     chunks = llm.stream(
         [prompt(6, 0), prompt(6, 1), prompt(6, 2)],
         [short, short, long],
-        arrival_times=[0.0, 0.2, 0.0],
+        arrival_s=[0.0, 0.2, 0.0],
     )
     first = next(chunks)  # request 0 finished in the first step (the prefill)
     assert first.index == 0 and len(ends) == 1
@@ -196,10 +194,10 @@ def test_idle_time_counts_what_the_engine_slept_not_what_it_asked_for(model, mon
         [prompt(6, 0), prompt(6, 1)],
         SamplingParams(max_tokens=3, ignore_eos=True),
         use_tqdm=False,
-        arrival_times=[0.0, 0.2],
+        arrival_s=[0.0, 0.2],
     )
-    assert len(slept) == 1 and llm.engine.stats.step_time >= slept[0]  # all of it idle
-    assert llm.last_stats.total_time_s >= slept[0]
+    assert len(slept) == 1 and llm.engine.stats.step_s >= slept[0]  # all of it idle
+    assert llm.last_stats.total_s >= slept[0]
 
 
 def test_an_arrival_ages_away_waits_in_short_sleeps(model, monkeypatch):
@@ -216,7 +214,7 @@ def test_an_arrival_ages_away_waits_in_short_sleeps(model, monkeypatch):
             [prompt(6, 0), prompt(6, 1)],
             SamplingParams(max_tokens=3),
             use_tqdm=False,
-            arrival_times=[0.0, 1e300],
+            arrival_s=[0.0, 1e300],
         )
     assert len(asked) == 1 and 0 < asked[0] <= 60  # the first request served, then the wait
     assert llm.last_stats is None and not llm._serving
@@ -259,7 +257,7 @@ def test_poisson_arrivals_refuse_bad_arguments(kwargs, words):
         # An int too large for a float is not finite (it raised a bare OverflowError).
         ({"n": 2, "rate_per_s": 10**400}, "rate_per_s must be a finite number > 0, got 1000000"),
         # A rate so small that 1 / rate, or the sum of the gaps, passes the largest float: the
-        # times were inf, which generate refused only later, as arrival_times the caller never gave
+        # times were inf, which generate refused only later, as arrival_s the caller never gave
         # (the CLI after loading the model).
         ({"n": 2, "rate_per_s": 1e-320}, "rate_per_s 1e-320 is too small for 2 arrivals"),
         ({"n": 40, "rate_per_s": 1e-307}, "rate_per_s 1e-307 is too small for 40 arrivals"),
@@ -295,21 +293,21 @@ def _generate_kwargs(monkeypatch, capsys, argv: list[str]) -> dict:
 
 def test_cli_arrival_rate_and_jsonl_arrival_times(monkeypatch, capsys, tmp_path):
     kwargs = _generate_kwargs(monkeypatch, capsys, ["--prompt", "a", "--prompt", "b"])
-    assert kwargs["arrival_times"] is None
+    assert kwargs["arrival_s"] is None
     kwargs = _generate_kwargs(
         monkeypatch,
         capsys,
         ["--prompt", "a", "--prompt", "b", "--arrival-rate", "2", "--arrival-seed", "5"],
     )
-    assert kwargs["arrival_times"] == poisson_arrivals(2, 2.0, seed=5)
+    assert kwargs["arrival_s"] == poisson_arrivals(2, 2.0, seed=5)
     kwargs = _generate_kwargs(
         monkeypatch, capsys, ["--prompt", "a", "--prompt", "b", "--arrival-rate", "2"]
     )
-    assert kwargs["arrival_times"] == poisson_arrivals(2, 2.0, seed=0)  # the default seed
+    assert kwargs["arrival_s"] == poisson_arrivals(2, 2.0, seed=0)  # the default seed
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a", "arrival_s": 1.5}\n\n{"prompt": "b", "arrival_s": 0}\n')
     kwargs = _generate_kwargs(monkeypatch, capsys, ["--prompts", str(path)])
-    assert kwargs["prompts"] == ["a", "b"] and kwargs["arrival_times"] == [1.5, 0.0]
+    assert kwargs["prompts"] == ["a", "b"] and kwargs["arrival_s"] == [1.5, 0.0]
     assert engine_cli.read_prompts(path) == ["a", "b"]  # record ignores the times
 
 

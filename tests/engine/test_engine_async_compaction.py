@@ -51,16 +51,16 @@ def test_async_compaction_gives_the_synchronous_tokens_and_trajectories(model):
     # Each deferred compression costs its request one step the others decode in.
     assert stats.num_steps > sync.last_stats.num_steps
     # Deferred work is boundary time; on the CPU the step waits for all of it.
-    assert 0 < kv.deferred.seconds < kv.boundary_seconds
-    assert kv.deferred.stall_seconds == pytest.approx(kv.deferred.seconds)
+    assert 0 < kv.deferred.work_s < kv.boundary_s
+    assert kv.deferred.waited_s == pytest.approx(kv.deferred.work_s)
     # The call's statistics say so too (and only for this call).
-    assert stats.deferred_time_s == pytest.approx(kv.deferred.seconds)
-    assert stats.deferred_waited_s == pytest.approx(kv.deferred.stall_seconds)
+    assert stats.deferred_s == pytest.approx(kv.deferred.work_s)
+    assert stats.deferred_waited_s == pytest.approx(kv.deferred.waited_s)
     assert "deferred work" in stats.table()
-    assert sync.last_stats.deferred_time_s == 0 and "deferred" not in sync.last_stats.table()
+    assert sync.last_stats.deferred_s == 0 and "deferred" not in sync.last_stats.table()
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)
-    assert llm.last_stats.deferred_time_s == 0  # no boundary in that call
-    assert llm.last_stats.boundary_time_s < stats.boundary_time_s
+    assert llm.last_stats.deferred_s == 0  # no boundary in that call
+    assert llm.last_stats.boundary_s < stats.boundary_s
     assert_all_returned(llm)
 
 

@@ -56,7 +56,7 @@ def test_late_decisions_give_the_synchronous_tokens_and_trajectories(model):
     assert kv.deferred.num_decisions == decided(events) > 0 and kv.deferred.num_compactions == 0
     assert stats.num_steps > sync.last_stats.num_steps  # each costs its request one step
     # Filing a late boundary while scheduling is boundary time too, outside the deferred part.
-    assert 0 < kv.deferred.seconds < kv.boundary_seconds
+    assert 0 < kv.deferred.work_s < kv.boundary_s
     assert_all_returned(llm)
 
 

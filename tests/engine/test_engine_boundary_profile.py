@@ -61,7 +61,7 @@ def test_phases_account_for_every_boundary_and_change_nothing(model, deferred) -
     assert phases.calls["queries"] == decided  # None on the torch path, still asked for
     # Exclusive times: the phases add up to the engine's own boundary time plus the timers'
     # overhead (inclusive ones would count the nested phases twice, ``control`` all of them).
-    assert stats.boundary_time_s <= phases.total_s <= 1.1 * stats.boundary_time_s + 0.005
+    assert stats.boundary_s <= phases.total_s <= 1.1 * stats.boundary_s + 0.005
     assert all(s >= 0 for s in phases.seconds.values())
     assert set(phases.per_decided_ms()) == set(PHASES)
     # Everything restored.

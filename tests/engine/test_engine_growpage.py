@@ -44,8 +44,8 @@ def test_growpage_compresses_on_small_pages_and_output_stays_valid(model):
         assert out.token_ids[:n] == ref.token_ids[:n]
     assert llm.last_stats.avg_kv_budget < fullkv.last_stats.avg_kv_budget
     # Capacity control is timed: a part of the call, counted once per call.
-    assert 0 < llm.last_stats.boundary_time_s < llm.last_stats.total_time_s
-    assert llm.engine.kv.boundary_seconds == pytest.approx(llm.last_stats.boundary_time_s)
+    assert 0 < llm.last_stats.boundary_s < llm.last_stats.total_s
+    assert llm.engine.kv.boundary_s == pytest.approx(llm.last_stats.boundary_s)
     assert "boundary time" in llm.last_stats.table()
     assert_all_returned(llm)
 

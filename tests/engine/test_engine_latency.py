@@ -43,7 +43,7 @@ def test_percentiles_are_those_of_the_requests(model):
     timeline = stats.pool_timeline
     assert len(timeline) == stats.num_steps
     times = [t for t, _, _ in timeline]
-    assert times == sorted(times) and 0 < times[-1] <= stats.total_time_s
+    assert times == sorted(times) and 0 < times[-1] <= stats.total_s
     assert max(pages for _, pages, _ in timeline) == stats.max_pages_used
     assert max(n for _, _, n in timeline) == 3 and timeline[-1][2] == 0  # 3 seats; all done
     assert "pool_timeline" not in repr(stats)

@@ -144,7 +144,7 @@ def test_fullkv_preempts_and_recomputes_alike_on_a_tight_pool(
     result, sim_events, sim_paths = sim_run(llm, lengths, "fullkv", {}, pages, max_num_seqs)
     assert (sim_events, sim_paths) == (engine_events, engine_paths)
     m = result.metrics
-    assert m.preemptions == llm.last_stats.num_preemptions
+    assert m.num_preemptions == llm.last_stats.num_preemptions
     assert m.prefill_steps + m.decode_steps == llm.last_stats.num_steps
 
 
@@ -173,7 +173,7 @@ def assert_preempt_alike(model, lengths, pages, decisions, chunk=4096):
     result, sim_events, sim_paths = sim_run(llm, lengths, policy, {}, pages, 4, decisions)
     assert (sim_events, sim_paths) == (engine_events, engine_paths)
     m = result.metrics
-    assert m.preemptions == llm.last_stats.num_preemptions
+    assert m.num_preemptions == llm.last_stats.num_preemptions
     assert m.prefill_steps + m.decode_steps == llm.last_stats.num_steps
     return result
 
@@ -239,7 +239,7 @@ def test_a_victim_that_cannot_be_recomputed_is_skipped_alike(model, monkeypatch)
     assert outputs == [o for _, o in lengths]
     result, sim_events, sim_paths = sim_run(llm, lengths, "fullkv", {}, 11, 4)
     assert (sim_events, sim_paths) == (engine_events, engine_paths)
-    assert result.metrics.preemptions == llm.last_stats.num_preemptions == 2
+    assert result.metrics.num_preemptions == llm.last_stats.num_preemptions == 2
     assert result.metrics.prefill_steps + result.metrics.decode_steps == llm.last_stats.num_steps
     # Here a request waits until every other one does too: nothing can go on.
     lengths = [(2, 14), (3, 17), (11, 22), (11, 19)]
@@ -378,7 +378,7 @@ def test_prefix_caching_shares_and_recomputes_alike(
         model, spec, policy, params, max(need + [2]) + slack, max_num_seqs, chunk, decisions, flags
     )
     event(f"prefix hits: {result.metrics.prefix_hit_tokens > 0}")
-    event(f"preemptions: {result.metrics.preemptions > 0}")
+    event(f"preemptions: {result.metrics.num_preemptions > 0}")
 
 
 def assert_serves_alike(model, spec, policy, params, pages, max_num_seqs, chunk, decisions, flags):
@@ -420,7 +420,7 @@ def assert_serves_alike(model, spec, policy, params, pages, max_num_seqs, chunk,
     assert {r.request_id: round(r.first_token_s) for r in result.requests} == first
     assert {r.request_id: round(r.finish_s) for r in result.requests} == last
     events = {s.request_id: (s.num_preemptions, s.state.events.as_dict()) for s in seqs}
-    sim_events = {r.request_id: (r.preemptions, Counter()) for r in result.requests}
+    sim_events = {r.request_id: (r.num_preemptions, Counter()) for r in result.requests}
     for _, kind, rid, _ in result.events:
         if kind in KINDS:
             sim_events[rid][1][kind] += 1
@@ -446,7 +446,7 @@ def test_a_boundary_unshared_by_its_preemption_is_decided_late(model, decisions)
         decisions,
         {"async_decisions": True},
     )
-    assert result.metrics.preemptions >= 1 and result.metrics.prefix_hit_tokens > 0
+    assert result.metrics.num_preemptions >= 1 and result.metrics.prefix_hit_tokens > 0
 
 
 @pytest.mark.parametrize("decisions", ["script", "trace"])

@@ -66,7 +66,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     # for all of it; the target takes the best of them.
     rows = [engine["growpage+async"], engine["growpage+async-decisions"]]
     for deferred in rows:
-        assert "error" not in deferred and deferred["deferred_s"] == deferred["deferred_stall_s"]
+        assert "error" not in deferred and deferred["deferred_s"] == deferred["deferred_waited_s"]
         assert deferred["boundary_critical_pct"] == deferred["boundary_pct"]
     assert report["targets"]["boundary_critical_pct_async"] == min(
         row["boundary_critical_pct"] for row in rows

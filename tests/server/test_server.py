@@ -406,7 +406,7 @@ def test_metrics_parse_and_match_the_engine(served):
     assert m["growpage_fallbacks_total"] == events.fallback
     assert m["growpage_preemptions_total"] == engine.scheduler.num_preemptions
     assert m["growpage_prefix_cache_hit_tokens_total"] == kv.prefix_hit_tokens
-    assert m["growpage_boundary_seconds_total"] == pytest.approx(kv.boundary_seconds)
+    assert m["growpage_boundary_seconds_total"] == pytest.approx(kv.boundary_s)
     assert m["growpage_requests_running"] == m["growpage_requests_waiting"] == 0
     assert m["growpage_kv_pages_used"] == kv.pool.num_used_pages == 0
     assert m["growpage_kv_pages_free"] == m["growpage_kv_pages_total"] == kv.num_pages

@@ -630,10 +630,10 @@ def test_serving_tables_print_seconds_with_three_significant_digits():
     from growpage.sim.reports import SERVING_COLUMNS, format_table
 
     rows = [
-        {"total_time_s": t, "boundary_time_s": b}
+        {"total_s": t, "boundary_s": b}
         for t, b in [(0.04123, 0.0), (43.18, 0.0061), (10800.4, 2.5)]
     ]
-    columns = [c for c in SERVING_COLUMNS if c[0] in ("total_time_s", "boundary_time_s")]
+    columns = [c for c in SERVING_COLUMNS if c[0] in ("total_s", "boundary_s")]
     lines = format_table(rows, columns).splitlines()
     assert [line.split() for line in lines[2:]] == [
         ["0.0412", "0"],

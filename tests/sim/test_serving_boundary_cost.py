@@ -52,11 +52,9 @@ def test_priced_boundaries_add_exactly_their_cost_when_all_arrive_at_once():
     decided, compactions = decided_and_compactions(free)
     assert decided > 0 and compactions > 0 and free.metrics.fallbacks > 0
     charge = 0.002 * decided + 0.005 * compactions
-    assert free.metrics.boundary_time_s == 0.0
-    assert priced.metrics.boundary_time_s == pytest.approx(charge, rel=1e-9)
-    assert priced.metrics.total_time_s == pytest.approx(
-        free.metrics.total_time_s + charge, rel=1e-9
-    )
+    assert free.metrics.boundary_s == 0.0
+    assert priced.metrics.boundary_s == pytest.approx(charge, rel=1e-9)
+    assert priced.metrics.total_s == pytest.approx(free.metrics.total_s + charge, rel=1e-9)
     assert priced.metrics.tps < free.metrics.tps
 
 
@@ -73,7 +71,7 @@ def test_fullkv_pays_for_its_decisions_only():
     )
     decided = free.metrics.grows - free.metrics.forced_grows
     assert free.metrics.compresses == 0 and decided > 0
-    assert priced.metrics.boundary_time_s == pytest.approx(0.001 * decided)
+    assert priced.metrics.boundary_s == pytest.approx(0.001 * decided)
 
 
 def test_prices_are_validated_and_kept_in_the_linear_model_file(tmp_path):
@@ -129,7 +127,7 @@ def test_serve_cli_charges_the_given_prices():
         return json.loads(out)["metrics"]
 
     free, priced = serve(), serve("--boundary-ms", "2", "--compaction-ms", "5")
-    assert free["boundary_time_s"] == 0.0 and priced["boundary_time_s"] > 0
+    assert free["boundary_s"] == 0.0 and priced["boundary_s"] > 0
     bad = subprocess.run(
         [
             sys.executable,
@@ -159,7 +157,7 @@ def test_a_synchronous_boundary_is_paid_before_the_step_beside_late_ones(decisio
     its decision and compaction (0.1 s each) come first; z's and s2's, late, hide behind the
     step s1 decodes alone. Every later boundary is late and hidden too: the run lasts 0.2 s
     longer than when capacity control is free, and pays for all 9 decisions and 9
-    compactions in ``boundary_time_s``."""
+    compactions in ``boundary_s``."""
     config = GrowPageConfig(page_size=4, recent_window=1, min_capacity=2)
     requests = [
         WorkloadRequest("s1", 0.0, 6, 12, prefix="p", prefix_tokens=4),
@@ -177,6 +175,6 @@ def test_a_synchronous_boundary_is_paid_before_the_step_beside_late_ones(decisio
         ).metrics
 
     free, paid = run(0.0), run(0.1)
-    assert (free.total_time_s, free.compresses, free.prefix_hit_tokens) == (16.0, 9, 4)
-    assert paid.total_time_s == pytest.approx(16.2)
-    assert paid.boundary_time_s == pytest.approx(0.1 * (9 + 9))
+    assert (free.total_s, free.compresses, free.prefix_hit_tokens) == (16.0, 9, 4)
+    assert paid.total_s == pytest.approx(16.2)
+    assert paid.boundary_s == pytest.approx(0.1 * (9 + 9))

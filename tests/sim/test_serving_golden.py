@@ -69,8 +69,14 @@ def test_grow_is_refused_when_the_pool_is_empty_and_falls_back_to_compress():
         (14.0, "finish", "r1", 2),
     ]
     m = result.metrics
-    assert (m.grows, m.forced_grows, m.compresses, m.fallbacks, m.preemptions) == (3, 2, 3, 3, 0)
-    assert m.total_time_s == 14.0 and m.tps == 20 / 14.0
+    assert (m.grows, m.forced_grows, m.compresses, m.fallbacks, m.num_preemptions) == (
+        3,
+        2,
+        3,
+        3,
+        0,
+    )
+    assert m.total_s == 14.0 and m.tps == 20 / 14.0
 
 
 def test_forced_growth_without_a_page_preempts_the_most_recent_request():
@@ -94,11 +100,11 @@ def test_forced_growth_without_a_page_preempts_the_most_recent_request():
         (17.5, "grow", "r1", 3),
         (19.5, "finish", "r1", 3),
     ]
-    assert result.metrics.preemptions == 1
+    assert result.metrics.num_preemptions == 1
     assert (result.metrics.prefill_steps, result.metrics.decode_steps) == (2, 6 + 5)
     r1 = result.requests[1]
     assert (
-        r1.preemptions == 1
+        r1.num_preemptions == 1
         and r1.generated == 6
         and r1.capacity == [(0, 1), (5.0, 0), (11.0, 2), (17.5, 3), (19.5, 0)]
     )
@@ -114,7 +120,7 @@ def test_fullkv_preempts_instead_of_compressing():
     assert "compress" not in kinds and "fallback" not in kinds
     assert result.events[7] == (9.0, "preempt", "r1", 2)
     assert [e[2] for e in result.events if e[1] == "finish"] == ["r0", "r1"]
-    assert result.metrics.preemptions >= 1 and result.metrics.compresses == 0
+    assert result.metrics.num_preemptions >= 1 and result.metrics.compresses == 0
 
 
 def test_shrink_releases_a_page_and_the_request_grows_again():
@@ -155,7 +161,7 @@ def test_a_later_arrival_cuts_the_decode_segment_and_is_admitted_next():
         (14.0, "finish", "r0", 3),
     ]
     m = result.metrics
-    assert m.total_time_s == 14.0 and m.prefill_steps == 2 and m.decode_steps == 8
+    assert m.total_s == 14.0 and m.prefill_steps == 2 and m.decode_steps == 8
     # TTFT: r0 3 s (prefill end), r1 8 - 4.5 = 3.5 s.
     assert m.ttft_s == (3.0 + 3.5) / 2
 

@@ -98,15 +98,15 @@ def test_engine_and_simulator_count_the_same_work(
     assert engine["num_requests"] == sim["num_requests"] == NUM_REQUESTS
     assert engine["output_tokens"] == sim["output_tokens"] == NUM_REQUESTS * MAX_TOKENS
     for side in (engine, sim):
-        for key in ("tps", "avg_resident", "total_time_s", "avg_kv_budget"):
+        for key in ("tps", "avg_resident", "total_s", "avg_kv_budget"):
             assert math.isfinite(side[key]) and side[key] > 0, (key, side)
         assert side["avg_resident"] <= NUM_REQUESTS
-        assert side["tps"] == pytest.approx(side["output_tokens"] / side["total_time_s"], rel=1e-6)
+        assert side["tps"] == pytest.approx(side["output_tokens"] / side["total_s"], rel=1e-6)
         # No request ever holds more than the pool.
         assert side["avg_kv_budget"] <= scenario.kv_pages * scenario.page_size
         # Latencies, named alike on both sides: a first token before the last, within the run.
         assert 0 < side["ttft_p50_s"] <= side["ttft_p99_s"] <= side["e2e_p99_s"]
-        assert side["e2e_p50_s"] <= side["e2e_p99_s"] <= side["total_time_s"] * (1 + 1e-9)
+        assert side["e2e_p50_s"] <= side["e2e_p99_s"] <= side["total_s"] * (1 + 1e-9)
         assert 0 < side["tpot_p50_ms"] <= side["tpot_p99_ms"]
     if spec == "fullkv":  # never compresses; the pool is too small to keep everyone resident
         assert engine["compresses"] == sim["compresses"] == 0
@@ -161,7 +161,7 @@ def test_relative_error_and_report(bench):
     assert "| p | TPS (tok/s) | 10.0 | 12.0 | +20.0% **!** |" in text
     assert "(0: 50.0, 1: 10.0, 2: 12.5; 0 = prefill)" in text
     assert "linear model" not in text  # no linear rows given
-    linear = bench.compare("p", engine, {**engine, "total_time_s": 9})
+    linear = bench.compare("p", engine, {**engine, "total_s": 9})
     text = bench.markdown([row], meta, [linear])
     assert "rms 2.00 ms: base 10.00 ms + 1.000 ms/seq" in text
     assert "| p | +0.0% | +0.0% | -10.0% |" in text
@@ -186,7 +186,7 @@ def test_poisson_arrivals_reach_both_sides(bench, model, scenario, prompts, reco
     engine, sim = row["engine"], row["sim"]
     assert engine["output_tokens"] == sim["output_tokens"] == NUM_REQUESTS * MAX_TOKENS
     for side in (engine, sim):  # the last request arrives times[-1] after the first
-        assert side["total_time_s"] > times[-1]
+        assert side["total_s"] > times[-1]
     assert [r.spec.arrival_s for r in result.requests] == times
     meta = {
         "command": "x",

@@ -61,8 +61,8 @@ class DeferredBoundaries:
         self._items: dict[int, tuple[Sequence, PendingCompaction | LateBoundary]] = {}
         self.num_compactions = 0  # compressions run by run (running total)
         self.num_decisions = 0  # late boundaries decided by run (running total)
-        self.seconds = 0.0  # their part of kv.boundary_seconds (running total)
-        self.stall_seconds = 0.0  # of that, what the step waited for (running total)
+        self.work_s = 0.0  # their part of kv.boundary_s (running total)
+        self.waited_s = 0.0  # of that, what the step waited for (running total)
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._ready: torch.cuda.Event | None = None  # the step's boundary work, before forward
 
@@ -108,7 +108,7 @@ class DeferredBoundaries:
         On CUDA they run on a side stream that waits only for the boundary work of scheduling
         (not for the forward launched since), so the device overlaps them with the decode step
         and the host does their Python while the forward runs. The time is boundary time
-        (``seconds`` says how much); ``stall_seconds`` is the part of it after the forward had
+        (``work_s`` says how much); ``waited_s`` is the part of it after the forward had
         finished, which the step waited for (all of it on the CPU). A compression that fails
         cancels the ones after it and raises.
         """
@@ -148,11 +148,11 @@ class DeferredBoundaries:
             stall = (
                 elapsed
                 if streams is None or forward_done is None
-                else min(_stall_seconds(forward_done, streams[1]), elapsed)
+                else min(_stall_s(forward_done, streams[1]), elapsed)
             )
-            self.kv.boundary_seconds += elapsed
-            self.seconds += elapsed
-            self.stall_seconds += stall
+            self.kv.boundary_s += elapsed
+            self.work_s += elapsed
+            self.waited_s += stall
         self.num_compactions += len(items) - len(late)
         self.num_decisions += len(late)
         return [seq for seq, _ in items]
@@ -167,7 +167,7 @@ class DeferredBoundaries:
         return self._streams
 
 
-def _stall_seconds(forward_done: torch.cuda.Event, idle: torch.cuda.Stream) -> float:
+def _stall_s(forward_done: torch.cuda.Event, idle: torch.cuda.Stream) -> float:
     """Seconds from the forward's end on the device to now (0 when it is still running): how
     long the deferred work kept the step from going on. ``now`` is an event on an idle stream,
     which the device stamps at once."""

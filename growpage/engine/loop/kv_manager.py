@@ -107,7 +107,7 @@ class KVCacheManager:
         )
         self.controller = CapacityController(policy, self.pool, gp)
         self.prefix_hit_tokens = 0
-        self.boundary_seconds = 0.0  # wall time spent in capacity control (running total)
+        self.boundary_s = 0.0  # wall time spent in capacity control (running total)
         self._batch: BoundaryBatch | None = None  # this decode step's (prepare_boundaries)
         self.shared_steps = 0  # decode steps whose decided boundaries shared a batch
         self.shared_boundaries = 0  # the boundaries prepared in those batches (running totals)
@@ -182,13 +182,13 @@ class KVCacheManager:
         at = [seq for seq in seqs if self.controller.needs_decision(seq.state)]
         if self.config.async_decisions and at:  # late ones are decided beside the forward
             at = [seq for seq in at if not self.deferred.decides_late(seq)]
-            self.boundary_seconds += time.perf_counter() - start  # the filter is boundary work
+            self.boundary_s += time.perf_counter() - start  # the filter is boundary work
             start = time.perf_counter()
         self._batch = None
         if len(at) < 2:
             return
         self._batch = self.shared_batch(at)
-        self.boundary_seconds += time.perf_counter() - start
+        self.boundary_s += time.perf_counter() - start
 
     def shared_batch(self, seqs: list[Sequence]) -> BoundaryBatch | None:
         """One ``BoundaryBatch`` for the boundaries of ``seqs`` (None for fewer than two),
@@ -224,7 +224,7 @@ class KVCacheManager:
         start = time.perf_counter()
         if self.config.async_decisions and self.deferred.decides_late(seq):
             self.deferred.add(seq, LateBoundary(self, seq))
-            self.boundary_seconds += time.perf_counter() - start  # filing it is boundary work
+            self.boundary_s += time.perf_counter() - start  # filing it is boundary work
             return None  # unchanged, no room yet: is_deferred says it sits the step out
         try:
             if defer is None:
@@ -238,7 +238,7 @@ class KVCacheManager:
         finally:
             if self.cache.is_cuda:
                 torch.cuda.synchronize(self.cache.device)  # count the kernels it launched
-            self.boundary_seconds += time.perf_counter() - start
+            self.boundary_s += time.perf_counter() - start
 
     def view(self, seq: Sequence, use_kernels: bool | None = None) -> EngineKVView:
         """``seq``'s KV view over the cache (``use_kernels`` None: the config's choice)."""

@@ -95,9 +95,9 @@ class LLMEngine:
         return {
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_hit_tokens": kv.prefix_hit_tokens,
-            "boundary_seconds": kv.boundary_seconds,
-            "deferred_seconds": kv.deferred.seconds,
-            "deferred_stall_seconds": kv.deferred.stall_seconds,
+            "boundary_s": kv.boundary_s,
+            "deferred_s": kv.deferred.work_s,
+            "deferred_waited_s": kv.deferred.waited_s,
         }
 
     # ---- requests -------------------------------------------------------------------------
@@ -108,14 +108,14 @@ class LLMEngine:
         params: SamplingParams,
         forced_token_ids: list[int] | None = None,
         prompt: str | None = None,
-        arrival_time: float | None = None,
+        arrival_s: float | None = None,
     ) -> Sequence:
         """Queue a request (``EngineError`` when it is empty or can never fit).
 
         Prompt and output share the model's context (``max_position`` tokens): the prompt must
         leave room for a token, a scored continuation must fit beside its prompt, and
         generation stops with finish reason ``length`` when the context is full.
-        ``arrival_time`` (``time.perf_counter()`` seconds; default now) is when the request
+        ``arrival_s`` (``time.perf_counter()`` seconds; default now) is when the request
         arrived, what its TTFT and end-to-end latency count from.
         """
         self.check_request(request_id, prompt_token_ids, params, forced_token_ids)
@@ -126,7 +126,7 @@ class LLMEngine:
             params,
             forced_token_ids,
             prompt,
-            arrival_time=(time.perf_counter() if arrival_time is None else arrival_time),
+            arrival_s=(time.perf_counter() if arrival_s is None else arrival_s),
         )
         self.scheduler.add(seq)
         self._next_id += 1
@@ -258,8 +258,8 @@ class LLMEngine:
         finished = []
         for seq, token in zip(seqs, tokens, strict=True):
             seq.output_token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
+            if seq.first_token_s is None:
+                seq.first_token_s = now
             reason = self._finish_reason(seq)
             if reason is not None:
                 self._finish(seq, reason, now)
@@ -319,7 +319,7 @@ class LLMEngine:
         return bool(hits)
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
-        seq.finish_time = now
+        seq.finish_s = now
         self.scheduler.finish(seq, reason)
         self.sampler.forget(seq.seq_id)
         self.stats.on_finish(seq)

@@ -48,7 +48,7 @@ class Sequence:
         params: SamplingParams,
         forced_token_ids: list[int] | None = None,
         prompt: str | None = None,
-        arrival_time: float = 0.0,
+        arrival_s: float = 0.0,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -74,9 +74,9 @@ class Sequence:
         self.kept_positions: torch.Tensor | None = None
         self.tail_start = 0
         self.num_preemptions = 0
-        self.arrival_time = arrival_time
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
+        self.arrival_s = arrival_s
+        self.first_token_s: float | None = None
+        self.finish_s: float | None = None
 
     # ---- tokens -------------------------------------------------------------------------
     @property

@@ -32,8 +32,8 @@ class StatsCollector:
         self.events_at_start = self._events.as_dict()
         self.totals_at_start = self._totals()
         self.num_steps = 0
-        self.resident_time = 0.0  # sum of (running requests * step seconds)
-        self.step_time = 0.0
+        self.resident_s = 0.0  # sum of (running requests * step seconds)
+        self.step_s = 0.0
         self.budget_tokens = 0  # sum over decode steps and requests of capacity (tokens)
         self.budget_samples = 0
         self.max_pages_used = 0
@@ -52,8 +52,8 @@ class StatsCollector:
         ``resident_after`` are the pool's and the batch's state when it ended."""
         self.timeline.append((time.perf_counter() - self.start, pages_used, resident_after))
         self.num_steps += 1
-        self.step_time += seconds
-        self.resident_time += seconds * num_running
+        self.step_s += seconds
+        self.resident_s += seconds * num_running
         self.budget_tokens += sum(decode_capacities)
         self.budget_samples += len(decode_capacities)
         self.max_pages_used = max(self.max_pages_used, pages_used)
@@ -61,7 +61,7 @@ class StatsCollector:
     def on_idle(self, seconds: float) -> None:
         """The engine waited ``seconds`` with nothing to run (requests still to arrive): part
         of the time that ``avg_resident`` averages over, with none resident."""
-        self.step_time += seconds
+        self.step_s += seconds
 
     def on_finish(self, seq: Sequence) -> None:
         self.finished.append(seq)
@@ -71,16 +71,12 @@ class StatsCollector:
         seqs = self.finished
         num_out = sum(s.num_output_tokens for s in seqs)
         tpots = [
-            (s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
+            (s.finish_s - s.first_token_s) / (s.num_output_tokens - 1)
             for s in seqs
-            if s.num_output_tokens > 1
-            and s.first_token_time is not None
-            and s.finish_time is not None
+            if s.num_output_tokens > 1 and s.first_token_s is not None and s.finish_s is not None
         ]
-        ttfts = [
-            s.first_token_time - s.arrival_time for s in seqs if s.first_token_time is not None
-        ]
-        e2es = [s.finish_time - s.arrival_time for s in seqs if s.finish_time is not None]
+        ttfts = [s.first_token_s - s.arrival_s for s in seqs if s.first_token_s is not None]
+        e2es = [s.finish_s - s.arrival_s for s in seqs if s.finish_s is not None]
         now = self._events.as_dict()
         events = {k: v - self.events_at_start.get(k, 0) for k, v in now.items()}
         grown = {k: v - self.totals_at_start.get(k, 0) for k, v in self._totals().items()}
@@ -92,7 +88,7 @@ class StatsCollector:
             num_prompt_tokens=sum(len(s.prompt_token_ids) for s in seqs),
             num_output_tokens=num_out,
             num_steps=self.num_steps,
-            total_time_s=total,
+            total_s=total,
             tps=num_out / total if total > 0 else 0.0,
             tpot_s=sum(tpots) / len(tpots) if tpots else 0.0,
             ttft_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
@@ -100,7 +96,7 @@ class StatsCollector:
             **percentile_fields(
                 {"ttft": ttfts, "tpot": tpots, "e2e": e2es}, {"ttft": "s", "tpot": "s", "e2e": "s"}
             ),
-            avg_resident=self.resident_time / self.step_time if self.step_time else 0.0,
+            avg_resident=self.resident_s / self.step_s if self.step_s else 0.0,
             avg_kv_budget=(
                 self.budget_tokens / self.budget_samples if self.budget_samples else 0.0
             ),
@@ -108,8 +104,8 @@ class StatsCollector:
             num_preemptions=int(grown.get("num_preemptions", 0)),
             prefix_hit_tokens=int(grown.get("prefix_hit_tokens", 0)),
             events=events,
-            boundary_time_s=grown.get("boundary_seconds", 0.0),
-            deferred_time_s=grown.get("deferred_seconds", 0.0),
-            deferred_waited_s=grown.get("deferred_stall_seconds", 0.0),
+            boundary_s=grown.get("boundary_s", 0.0),
+            deferred_s=grown.get("deferred_s", 0.0),
+            deferred_waited_s=grown.get("deferred_waited_s", 0.0),
             pool_timeline=list(self.timeline),
         )

@@ -1,6 +1,6 @@
 """Where the engine's capacity-boundary time goes, phase by phase.
 
-``EngineStats.boundary_time_s`` says how long capacity control took in all; this says which part
+``EngineStats.boundary_s`` says how long capacity control took in all; this says which part
 of it: the summaries' calibration, the attention estimate, the demand maths, the policy's own
 code, the selection, its validation, the compaction, and the controller's bookkeeping::
 
