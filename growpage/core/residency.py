@@ -1,6 +1,7 @@
 """Serving rules the engine and the simulator share: admission with the prefix cache and the
 watermark, a resident request's entries in the prefix cache (``PrefixChain``), whether a
-boundary is decided while scheduling or late, and the preemption victim.
+boundary is decided while scheduling or late, who sits out a step for deferred boundary work,
+and the preemption victim.
 
 The engine's ``Scheduler`` and ``KVCacheManager`` and the simulator's ``Scheduler`` call these
 functions; each world keeps its own stepping (tensors and streams in the engine, event segments
@@ -145,3 +146,13 @@ def decides_late(controller: CapacityController, state: RequestState, view: KVVi
         and not any(controller.pool.is_shared(page) for page in state.block_table)
         and controller.will_decide(state, view)
     )
+
+
+def defers_beside_step(num_deferred: int, num_others: int) -> bool:
+    """Whether the boundary work deferred while scheduling a decode step (``async_compaction``'s
+    compressions, ``async_decisions``' late boundaries) runs beside that step, which its
+    ``num_deferred`` requests then sit out: only when ``num_others`` requests decode in it.
+    Otherwise the work runs at once and its requests decode in the step (a step of nobody
+    would only wait for it). The step waits for the deferred work only where it outlasts the
+    forward."""
+    return num_deferred > 0 and num_others > 0

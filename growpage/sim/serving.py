@@ -27,6 +27,7 @@ import simpy
 from growpage.core.config import GrowPageConfig
 from growpage.core.events import EventCounters
 from growpage.core.pages import PagePool
+from growpage.core.residency import defers_beside_step
 from growpage.core.traces import Trace
 from growpage.errors import ConfigError, WorkloadError
 from growpage.policies.base import CapacityPolicy
@@ -215,12 +216,12 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
         # Compacted at once (decided while scheduling): with async_compaction they too sit out.
         compacted = [r for r in compacted if r not in late]
         sitting = late + compacted if run.async_compaction else late
-        if late and len(sitting) < len(sched.running):
-            # Their whole boundaries ran beside the next step, which they sit out (engine's
-            # async_decisions); the step waits only for boundary work longer than itself.
-            # (When every request would sit out, the engine runs it all at once: below.)
-            # NOTE: the synchronous boundaries (a policy's that never compresses, a request's
-            # holding a shared page) ran while scheduling, before the step: paid first.
+        if defers_beside_step(len(sitting), len(sched.running) - len(sitting)):
+            # Their deferred work (async_decisions: whole boundaries; async_compaction:
+            # compactions) runs beside the next step, which they sit out. The boundary work
+            # that ran while scheduling is paid first (``_synchronous_s``: a policy's that never
+            # compresses, a request's holding a shared page, every decision without
+            # async_decisions); the step waits only for deferred work longer than itself.
             run.boundary_s += decisions_s + compactions_s
             before_s = _synchronous_s(run)
             if before_s > 0:
@@ -229,15 +230,6 @@ def engine(env: simpy.Environment, run: _Run) -> Generator[simpy.Event, None, No
                 1,
                 max(_sit_out_step(run, sitting), decisions_s + compactions_s - before_s),
             )
-        elif (
-            not late and run.async_compaction and compacted and len(compacted) < len(sched.running)
-        ):
-            # Their compactions run beside the next step, which they sit out (engine's
-            # async_compaction); the step waits only for compaction work longer than itself.
-            run.boundary_s += decisions_s + compactions_s
-            if decisions_s > 0:
-                yield run.spend(env, decisions_s)
-            num_steps, seconds = 1, max(_sit_out_step(run, compacted), compactions_s)
         else:
             seconds = decisions_s + compactions_s
             if seconds > 0:  # capacity control as the cost model prices it (0: free)

@@ -15,6 +15,7 @@ from growpage.core.residency import (
     cached_prefix,
     can_admit,
     decides_late,
+    defers_beside_step,
     fits_pool,
     pages_for,
     pick_victim,
@@ -55,6 +56,12 @@ def pool_with_cached_prefix() -> tuple[PagePool, list[int]]:
     assert pool.register_prefix(pages, list(range(8))) == 2
     pool.free(reversed(pages))
     return pool, pages
+
+
+def test_deferred_work_runs_beside_a_step_only_when_another_request_decodes_in_it():
+    # (requests with deferred work, the others decoding) -> whether the work is deferred.
+    cases = {(0, 0): False, (0, 3): False, (2, 0): False, (1, 1): True, (3, 5): True}
+    assert {c: defers_beside_step(*c) for c in cases} == cases
 
 
 def test_a_prefill_takes_its_cached_leading_pages_but_never_its_last_token():

@@ -26,7 +26,7 @@ from collections import deque
 
 import attrs
 
-from growpage.core.residency import pick_victim
+from growpage.core.residency import defers_beside_step, pick_victim
 from growpage.engine.config import EngineConfig, plural
 from growpage.engine.loop.kv_manager import KVCacheManager
 from growpage.engine.loop.sequence import FinishReason, Sequence, SequenceStatus
@@ -191,8 +191,9 @@ class Scheduler:
                         scheduled.append(seq)
             finally:
                 self.kv.end_boundaries()
-            if not scheduled and self.kv.deferred.num_pending:
-                # Nothing else decodes this step: compress now and decode the compressed ones.
+            pending = self.kv.deferred.num_pending
+            if pending and not defers_beside_step(pending, len(scheduled)):
+                # Nothing else decodes this step: run the work now and decode its requests.
                 for seq in self.kv.deferred.run():
                     self.kv.append_slot(seq)
                     scheduled.append(seq)
