@@ -148,7 +148,7 @@ class DeferredBoundaries:
             stall = (
                 elapsed
                 if streams is None or forward_done is None
-                else min(_stall_s(forward_done, streams[1]), elapsed)
+                else min(_stall_time(forward_done, streams[1]), elapsed)
             )
             self.kv.boundary_s += elapsed
             self.work_s += elapsed
@@ -167,7 +167,7 @@ class DeferredBoundaries:
         return self._streams
 
 
-def _stall_s(forward_done: torch.cuda.Event, idle: torch.cuda.Stream) -> float:
+def _stall_time(forward_done: torch.cuda.Event, idle: torch.cuda.Stream) -> float:
     """Seconds from the forward's end on the device to now (0 when it is still running): how
     long the deferred work kept the step from going on. ``now`` is an event on an idle stream,
     which the device stamps at once."""
