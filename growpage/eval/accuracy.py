@@ -13,7 +13,7 @@ growpage's budget, ``inverse``, and ``shrink`` (never under half of that budget)
 
 Each finished run is stored at once (``results.json``, written atomically, and the outputs of
 every problem in ``outputs/<label>.jsonl``), so a run cut short resumes where it stopped
-(``resume=True``) with the same settings.
+(``resume=True``) with the same settings; a resumed table may ask for more policies.
 """
 
 from __future__ import annotations
@@ -250,21 +250,29 @@ class AccuracyRunner:
         return row, outputs
 
 
-def load_results(out: Path, settings: AccuracySettings) -> list[dict[str, Any]]:
-    """The rows already stored in ``out`` for ``settings``; refuses results of others."""
+def load_results(
+    out: Path, settings: AccuracySettings
+) -> tuple[list[dict[str, Any]], AccuracySettings]:
+    """The rows already stored in ``out`` for ``settings``, and the settings the table goes on
+    with: ``settings`` with the stored table's policies added (a resumed table may ask for more
+    policies, and keeps the rows of the others). Refuses results of other settings."""
     path = Path(out) / "results.json"
     if not path.is_file():
-        return []
+        return [], settings
     try:
         stored = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc}); move it away to start over") from None
-    if stored.get("settings") != settings.to_dict():
+    given = stored.get("settings")
+    mine = settings.to_dict()
+    if not isinstance(given, dict) or {**given, "policies": None} != {**mine, "policies": None}:
         raise ConfigError(
-            f"{path} holds results of other settings ({stored.get('settings')}); "
-            "use another --out, or the same settings to resume"
+            f"{path} holds results of other settings ({given}); "
+            "use another --out, or the same settings to resume (--policies may differ)"
         )
-    return list(stored.get("rows", []))
+    wanted = set(settings.policies) | set(given.get("policies") or ())
+    merged = AccuracySettings(**{**mine, "policies": [p for p in ALL_POLICIES if p in wanted]})
+    return list(stored.get("rows", [])), merged
 
 
 def run_table(
@@ -278,7 +286,7 @@ def run_table(
     """Runs every row of ``plan`` not yet stored in ``out`` and returns the report."""
     out = Path(out)
     (out / "outputs").mkdir(parents=True, exist_ok=True)
-    rows = load_results(out, settings) if resume else []
+    rows, stored_as = load_results(out, settings) if resume else ([], settings)
     if not resume and (out / "results.json").exists():
         raise ConfigError(
             f"{out / 'results.json'} exists: pass resume to continue it, or another output folder"
@@ -293,7 +301,7 @@ def run_table(
 
     def report() -> dict[str, Any]:
         return {
-            "settings": settings.to_dict(),
+            "settings": stored_as.to_dict(),
             "kv_pages": runner.kv_pages,
             "date": time.strftime("%Y-%m-%d"),
             "commit": _commit(),

@@ -114,6 +114,15 @@ def test_a_table_on_smollm2_scores_what_it_stores_and_resumes(tmp_path, monkeypa
         # one token per request per decode step at most; the loads are the machine's
         assert row["steps"] >= max(o["num_tokens"] for o in outputs)
         assert len(row["load_avg"]) == 2 and all(x >= 0 for x in row["load_avg"])
+    # A resumed table may ask for another policy: only its row runs, the others are kept, and
+    # the stored settings name every policy of the table.
+    more = AccuracySettings(**{**settings.to_dict(), "policies": ["inverse"], "model": None})
+    calls.clear()
+    report = run_table(more, tmp_path, resume=True, progress=False, log=lambda _: None)
+    assert calls == ["inverse"] and [r["label"] for r in report["rows"]] == [*labels, "inverse"]
+    stored = json.loads((tmp_path / "results.json").read_text())
+    assert stored["settings"]["policies"] == ["fullkv", "growpage", "random", "inverse"]
+    labels.append("inverse")
     table = (tmp_path / "table.md").read_text()
     assert all(f"| {lab} |" in table for lab in labels)
     assert "| steps | load |" in table and "at like loads" in table
