@@ -1,9 +1,10 @@
 """The paged LLM engine: models, loaders, tokenizer, attention backends, scheduler, ``LLM``.
 
 Submodules import torch; this package stays light so ``import growpage.engine`` is cheap:
-``LLM``, ``SamplingParams``, ``EngineConfig`` and ``poisson_arrivals`` are imported on first use. Everything else
-comes from the submodules: ``growpage.engine.loading.loader.load_model``,
-``growpage.engine.loading.tokenizer.load_tokenizer``, ``growpage.engine.modeling.step_context.use_context``.
+``LLM``, ``SamplingParams``, ``EngineConfig`` and ``poisson_arrivals`` are imported on first
+use. Everything else comes from the submodules: ``growpage.engine.loading.loader.load_model``,
+``growpage.engine.loading.tokenizer.load_tokenizer``,
+``growpage.engine.modeling.step_context.use_context``.
 """
 
 from __future__ import annotations

@@ -134,7 +134,8 @@ class LLM:
         recording = engine.get("record_traces") is not None
         if recording and getattr(policy_obj, "name", "") != "fullkv":
             raise EngineError("trace recording needs policy='fullkv' (traces hold full KV)")
-        # Per-slot H2O sums cannot live in shared prompt pages (growpage.engine.modeling.accumulation).
+        # Per-slot H2O sums cannot live in shared prompt pages
+        # (growpage.engine.modeling.accumulation).
         sums = bool(getattr(policy_obj, "needs_accumulated_attention", False))
         # A non-bool goes through as given, for the config to refuse.
         if (recording or sums) and isinstance(engine.get("enable_prefix_caching", True), bool):

@@ -6,8 +6,8 @@ Measurements are rows of ``num_seqs, kv_tokens, prefill_tokens, step_s`` (a deco
 tokens; ``step_s`` seconds), from a CSV file with that header or a JSON list of objects.
 
 ``measure_engine`` times the local engine's steps for such rows
-(``growpage.engine.profiling.profile.measure_step_times(**options) -> list[dict]``); ``growpage calibrate
---measurements FILE`` fits rows measured elsewhere (another engine, another machine).
+(``growpage.engine.profiling.profile.measure_step_times(**options) -> list[dict]``);
+``growpage calibrate --measurements FILE`` fits rows measured elsewhere (another engine, another machine).
 """
 
 from __future__ import annotations

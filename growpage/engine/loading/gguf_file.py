@@ -3,8 +3,8 @@
 The ``gguf`` package's ``GGUFReader`` builds a numpy view for every part of every metadata
 field: SmolLM2's 49k tokens and 49k merges take it several seconds, on every ``LLM()``. This
 reads the same file with ``struct`` over one memory map (a fraction of a second). The common
-block formats are dequantized by ``growpage.engine.loading.dequant``; the ``gguf`` package is imported
-only for a tensor type this module does not know.
+block formats are dequantized by ``growpage.engine.loading.dequant``; the ``gguf`` package is
+imported only for a tensor type this module does not know.
 
 Layout (GGUF v2/v3, little-endian)::
 

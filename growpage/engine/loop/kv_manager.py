@@ -7,9 +7,9 @@ appendix E.2) registers every full page of prefilled tokens under a chained hash
 acquires the longest cached run of leading pages instead of recomputing it.
 
 For a policy that reads H2O accumulated attention (``needs_accumulated_attention``) it also
-holds the per-slot sums (``growpage.engine.modeling.accumulation``) and turns prefix caching off; for one
-that reads recent queries (``needs_recent_queries``, SnapKV) the ring of each running request's
-last queries (``growpage.engine.loop.recent_queries``).
+holds the per-slot sums (``growpage.engine.modeling.accumulation``) and turns prefix caching
+off; for one that reads recent queries (``needs_recent_queries``, SnapKV) the ring of each
+running request's last queries (``growpage.engine.loop.recent_queries``).
 
 The boundary work that runs beside a decode step's forward (``async_compaction``,
 ``async_decisions``) is filed in ``deferred``, a ``DeferredBoundaries``

@@ -10,11 +10,12 @@ The controller reads keys and query summaries through it at a capacity boundary 
 NOTE: destination slots may overlap source slots (pages not replaced by copy-on-write are
 reused), so all kept entries of a layer are gathered into a temporary before any is written.
 
-With H2O sums (``accumulated [L, num_pages * page_size, Hkv]``, ``growpage.engine.modeling.accumulation``)
-``accumulated_attention`` reads the request's slots and ``compact`` moves each kept slot's sum
-with its key and value; the sums of dropped slots are gone.
-With a recent-query ring (``growpage.engine.loop.recent_queries``, SnapKV) ``recent_queries`` reads
-the request's last queries from its query-state slot and rotates them to their positions.
+With H2O sums (``accumulated [L, num_pages * page_size, Hkv]``,
+``growpage.engine.modeling.accumulation``) ``accumulated_attention`` reads the request's slots
+and ``compact`` moves each kept slot's sum with its key and value; the sums of dropped slots
+are gone. With a recent-query ring (``growpage.engine.loop.recent_queries``, SnapKV)
+``recent_queries`` reads the request's last queries from its query-state slot and rotates them
+to their positions.
 """
 
 from __future__ import annotations

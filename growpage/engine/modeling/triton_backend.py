@@ -9,9 +9,9 @@
   compute-bound, and SDPA dispatches to a fused attention kernel on GPU, so a hand-written
   Triton prefill would buy little; decode is memory-bound and is where paging costs.
 
-Optional fused EMA: when the step context carries ``query_state``
-(a ``growpage.engine.modeling.backends.QueryStateFusion``; read with ``getattr``, default None), decode
-also updates that layer's query summaries in the same launch. See docs/kernels.md.
+Optional fused EMA: when the step context carries ``query_state`` (a
+``growpage.engine.modeling.backends.QueryStateFusion``; read with ``getattr``, default None),
+decode also updates that layer's query summaries in the same launch. See docs/kernels.md.
 
 Optional H2O sums: when the step context carries ``accumulation``, decode launches
 ``growpage.kernels.accumulate_attention`` after attention (it recomputes each row's

@@ -156,8 +156,9 @@ def measure_boundary_costs(
     estimates demand), so price the policy you simulate. Runs ``policy`` (a name or an
     instance) on ``num_requests`` random prompts in a pool with room for 40% of what they
     would need at full length (so that requests both grow and compress) and splits the boundary
-    time by phase (``growpage.engine.profiling.boundary_profile``): ``compaction_s`` is the selection, its
-    check and the compaction per compaction; ``boundary_s`` the rest per decided boundary.
+    time by phase (``growpage.engine.profiling.boundary_profile``): ``compaction_s`` is the
+    selection, its check and the compaction per compaction; ``boundary_s`` the rest per decided
+    boundary.
     Returns ``{"boundary_s", "compaction_s", "decided", "compactions"}``.
     """
     import random
