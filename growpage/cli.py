@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = (
     "growpage.sim.cli",
     "growpage.server.cli",
     "growpage.eval.cli",
+    "growpage.eval.data_cli",
 )
 
 

@@ -8,6 +8,9 @@ Candidate sets over the resident slots ``0..N-1`` (b = page size, R = recent win
     slots:      0 ................................ N-b-1 | N-b ....... N-R-1 | N-R ... N-1
     estimation: [----------- candidates C_t ----------]   (most recent page excluded)
     selection:  [------------------------ candidates -------------------]   (protected R kept)
+
+With ``GrowPageConfig.protect_prompt`` the first ``num_protected_prefix`` slots (the prompt)
+are kept as well: a selection holds them, and chooses among slots ``prefix .. N-R-1``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class BoundaryContext:
         num_free_pages: free pages in the pool right now.
         config: the ``GrowPageConfig`` in force.
         view: the KV view (read it; never change it).
+        num_prompt_tokens: the request's prompt length (0 when unknown).
         batch: the ``BoundaryBatch`` this context shares its top-p sizes and Delta_t with, or
             None.
     """
@@ -52,8 +56,10 @@ class BoundaryContext:
         num_free_pages: int,
         config: GrowPageConfig,
         view: KVView,
+        num_prompt_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = num_tokens
         self.position = position
         self.num_pages = num_pages
@@ -82,6 +88,12 @@ class BoundaryContext:
     def capacity(self) -> int:
         """Tokens the request can hold now, ``num_pages * page_size``."""
         return self.num_pages * self.page_size
+
+    @property
+    def num_protected_prefix(self) -> int:
+        """Leading slots every selection keeps: the prompt with ``config.protect_prompt``,
+        else 0. (Kept through every compression, they still hold the prompt's tokens.)"""
+        return self.num_prompt_tokens if self.config.protect_prompt else 0
 
     @property
     def num_estimation_candidates(self) -> int:

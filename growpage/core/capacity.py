@@ -14,7 +14,7 @@ selection and the compaction later, or is cancelled.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -109,7 +109,15 @@ class PendingCompaction:
 class CapacityController:
     """Runs one policy over any number of requests sharing one ``PagePool``."""
 
-    def __init__(self, policy: CapacityPolicy, pool: PagePool, config: GrowPageConfig) -> None:
+    def __init__(
+        self,
+        policy: CapacityPolicy,
+        pool: PagePool,
+        config: GrowPageConfig,
+        min_kept: Callable[[RequestState], int] | None = None,
+    ) -> None:
+        """``min_kept``: the fewest slots a compression of a request may keep, in place of
+        ``min_kept_tokens`` of ``config`` (the simulator's script mode counts in pages)."""
         if pool.page_size != config.page_size:
             raise ValueError(
                 f"pool page size {pool.page_size} != config page size {config.page_size}"
@@ -118,16 +126,27 @@ class CapacityController:
         self.pool = pool
         self.config = config
         self.events = EventCounters()
+        self._min_kept = min_kept
 
     def needs_decision(self, state: RequestState) -> bool:
         return state.is_at_boundary(self.config.page_size)
 
     def will_decide(self, state: RequestState, view: KVView) -> bool:
         """Whether the policy decides ``state``'s boundary (at one, not forced to grow)."""
-        return (
-            self.needs_decision(state)
-            and state.num_pages >= self.config.min_capacity
-            and view.has_query_state
+        return self.needs_decision(state) and not self.grows_freely(state) and view.has_query_state
+
+    def min_kept(self, state: RequestState) -> int:
+        """Fewest tokens a compression of ``state`` may keep (``min_kept_tokens``)."""
+        if self._min_kept is not None:
+            return self._min_kept(state)
+        return min_kept_tokens(self.config, state.num_prompt_tokens)
+
+    def grows_freely(self, state: RequestState) -> bool:
+        """Below the floor: ``state``'s boundary grows without asking the policy (fewer than
+        ``min_capacity`` pages, or a compression would keep fewer than ``min_kept``)."""
+        pages = state.num_pages
+        return pages < self.config.min_capacity or (pages - 1) * self.config.page_size < (
+            self.min_kept(state)
         )
 
     def prepare(self, items: Iterable[tuple[RequestState, KVView]]) -> BoundaryBatch:
@@ -136,10 +155,11 @@ class CapacityController:
         batch = BoundaryBatch()
         for state, view in items:
             if self.will_decide(state, view):
-                batch.add(self._context(state, view))
+                batch.add(self.context(state, view))
         return batch
 
-    def _context(self, state: RequestState, view: KVView) -> BoundaryContext:
+    def context(self, state: RequestState, view: KVView) -> BoundaryContext:
+        """A fresh ``BoundaryContext`` of ``state`` at its boundary, over ``view``."""
         return BoundaryContext(
             state.request_id,
             state.num_tokens,
@@ -148,6 +168,7 @@ class CapacityController:
             self.pool.num_free_pages,
             self.config,
             view,
+            state.num_prompt_tokens,
         )
 
     def on_boundary(
@@ -187,10 +208,10 @@ class CapacityController:
                 f"KV view holds {view.num_tokens} tokens, request state {state.num_tokens}"
             )
         self._count(state, "boundaries")
-        if state.num_pages < self.config.min_capacity or not view.has_query_state:
+        if self.grows_freely(state) or not view.has_query_state:
             return self._forced_grow(state)
         if ctx is None:
-            ctx = self._context(state, view)
+            ctx = self.context(state, view)
         ctx.num_free_pages = self.pool.num_free_pages  # now, not when the batch was prepared
         decision = _call(self.policy, "decide", ctx)
         if not isinstance(decision, Decision):
@@ -209,7 +230,10 @@ class CapacityController:
                 return self._preempt(state, decision, delta)
             self._count(state, "fallback")
             return self._compress(state, view, ctx, decision, Action.COMPRESS, True, delta, defer)
-        if decision is Decision.SHRINK and state.num_pages - 1 < self.config.min_capacity:
+        if decision is Decision.SHRINK and (
+            state.num_pages - 1 < self.config.min_capacity
+            or (state.num_pages - 2) * self.config.page_size < self.min_kept(state)
+        ):
             self._count(state, "shrink_refused")
             return self._compress(state, view, ctx, decision, Action.COMPRESS, False, delta, defer)
         action = Action.SHRINK if decision is Decision.SHRINK else Action.COMPRESS
@@ -346,6 +370,24 @@ class CapacityController:
             setattr(counters, field, getattr(counters, field) + n)
 
 
+def min_kept_tokens(config: GrowPageConfig, num_prompt_tokens: int) -> int:
+    """Fewest tokens a compression of a request with a ``num_prompt_tokens`` prompt may
+    keep: the prompt plus ``floor_tokens`` when a floor is set, and with ``protect_prompt`` the
+    prompt plus the recent window (both kept by every compression); 0 when neither is set."""
+    c = config
+    least = 0 if c.floor_tokens is None else num_prompt_tokens + c.floor_tokens
+    if c.protect_prompt:
+        least = max(least, num_prompt_tokens + c.recent_window)
+    return least
+
+
+def forced_growth_pages(config: GrowPageConfig, num_prompt_tokens: int) -> int:
+    """Pages a request grows to without asking its policy (``grows_freely``): at least
+    ``min_capacity``, and enough that a compression keeps ``min_kept_tokens``."""
+    least = min_kept_tokens(config, num_prompt_tokens)
+    return max(config.min_capacity, -(-least // config.page_size) + 1 if least else 0)
+
+
 def selection_problem(indices: object, ctx: BoundaryContext, keep: int) -> str | None:
     """Why ``indices`` is not a valid selection of ``keep`` slots, or None when it is."""
     return _check_selection(indices, ctx, keep)[0]
@@ -374,15 +416,20 @@ def _check_selection(
     if tuple(indices.shape) != expected:
         return f"wrong shape {tuple(indices.shape)}, expected {expected} (exact kept count)", None
     slots = indices.to(torch.long)
-    n, recent = ctx.num_tokens, ctx.recent_window
+    n, recent, prefix = ctx.num_tokens, ctx.recent_window, ctx.num_protected_prefix
     if keep < recent:
         return f"protected recent window (last {recent} slots) not fully kept", None
+    if keep < prefix + recent:
+        return (
+            f"cannot keep {keep} slots with the protected prompt ({prefix} slots) and the "
+            f"recent window ({recent})"
+        ), None
     if not keep:
         return None, slots
-    if not bool(_invalid(slots, n, recent).any()):
+    if not bool(_invalid(slots, n, recent, prefix).any()):
         return None, slots
     ordered = slots.sort(dim=-1).values
-    if not bool(_invalid(ordered, n, recent).any()):
+    if not bool(_invalid(ordered, n, recent, prefix).any()):
         return None, ordered
     outside = (ordered < 0) | (ordered >= n)
     if bool(outside.any()):
@@ -398,6 +445,16 @@ def _check_selection(
             f"duplicate slot indices within a layer/KV head: slot "
             f"{int(ordered[layer, head, i])} twice in layer {layer}, KV head {head}"
         ), None
+    if prefix:
+        lacking = ordered[..., prefix - 1] != prefix - 1
+        if bool(lacking.any()):
+            layer, head = _first(lacking)
+            row = ordered[layer, head, :prefix]  # ascending from 0: slot i is missing at i
+            missing = int((row != torch.arange(prefix, device=row.device)).nonzero()[0])
+            return (
+                f"protected prompt (first {prefix} slots, GrowPageConfig.protect_prompt) not "
+                f"fully kept: slot {missing} missing in layer {layer}, KV head {head}"
+            ), None
     # Sorted, unique and in range, a row lacks the window iff its last `recent` slots are not
     # the window (and recent > 0, else nothing is wrong and this is not reached).
     window = torch.arange(n - recent, n, device=ordered.device)
@@ -414,14 +471,17 @@ def _first(flags: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in flags.nonzero()[0])
 
 
-def _invalid(slots: torch.Tensor, n: int, recent: int) -> torch.Tensor:
-    """Per layer and KV head: not strictly ascending, out of ``[0, n)``, or without the last
-    ``recent`` slots. Strictly ascending and below ``n``, the window is there iff the R-th last
-    entry is ``n - R``, so every rule is one flag (and one sync for all of them)."""
+def _invalid(slots: torch.Tensor, n: int, recent: int, prefix: int = 0) -> torch.Tensor:
+    """Per layer and KV head: not strictly ascending, out of ``[0, n)``, without the last
+    ``recent`` slots or without the first ``prefix``. Strictly ascending and within
+    ``[0, n)``, the window is there iff the R-th last entry is ``n - R`` and the prefix iff
+    entry ``prefix - 1`` is ``prefix - 1``, so every rule is one flag (one sync for all)."""
     bad = (slots[..., 0] < 0) | (slots[..., -1] >= n)
     bad |= (slots[..., 1:] <= slots[..., :-1]).any(dim=-1)
     if recent:
         bad |= slots[..., -recent] != n - recent
+    if prefix:
+        bad |= slots[..., prefix - 1] != prefix - 1
     return bad
 
 

@@ -18,6 +18,8 @@ class RequestState:
         block_table: page ids, in order; slot ``i`` lives in page ``block_table[i // b]``.
         num_tokens: resident tokens (used KV slots), ``<= len(block_table) * page_size``.
         position: absolute position of the next token to be written (tokens seen so far).
+        num_prompt_tokens: the request's prompt length (its first ``num_prompt_tokens``
+            positions); 0 when unknown.
         events: this request's boundary events.
         trajectory: ``(position, num_pages, action)`` after every boundary.
     """
@@ -26,6 +28,7 @@ class RequestState:
     block_table: list[int] = attrs.field(factory=list)
     num_tokens: int = 0
     position: int = 0
+    num_prompt_tokens: int = 0
     events: EventCounters = attrs.field(factory=EventCounters)
     trajectory: list[tuple[int, int, str]] = attrs.field(factory=list)
 

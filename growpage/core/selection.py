@@ -22,17 +22,25 @@ def importance(attn_short: torch.Tensor, attn_long: torch.Tensor) -> torch.Tenso
 
 
 def with_protected(
-    chosen: torch.Tensor, num_tokens: int, recent: int, chosen_sorted: bool = False
+    chosen: torch.Tensor,
+    num_tokens: int,
+    recent: int,
+    chosen_sorted: bool = False,
+    prefix: int = 0,
 ) -> torch.Tensor:
-    """Append the protected recent window to chosen historical slots and sort.
+    """Add the protected slots to chosen historical slots and sort: the recent window, and
+    the first ``prefix`` slots (the protected prompt).
 
-    ``chosen [L, Hkv, k]`` (slots < num_tokens - recent) -> ``[L, Hkv, k + recent]`` ascending.
-    ``chosen_sorted``: ``chosen`` is already ascending (the window follows it; no sort).
+    ``chosen [L, Hkv, k]`` (slots in ``[prefix, num_tokens - recent)``) ->
+    ``[L, Hkv, prefix + k + recent]`` ascending.
+    ``chosen_sorted``: ``chosen`` is already ascending (no sort).
     """
     lead = chosen.shape[:-1]
     window = torch.arange(num_tokens - recent, num_tokens, device=chosen.device)
-    window = window.expand(*lead, recent)
-    both = torch.cat([chosen, window], dim=-1)
+    parts = [chosen, window.expand(*lead, recent)]
+    if prefix:
+        parts.insert(0, torch.arange(prefix, device=chosen.device).expand(*lead, prefix))
+    both = torch.cat(parts, dim=-1)
     return both if chosen_sorted else both.sort(dim=-1).values
 
 
@@ -109,15 +117,25 @@ def top_slots(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def growpage_select(
-    scores: torch.Tensor, num_tokens: int, recent: int, keep: int, block: int, k_loc: int
+    scores: torch.Tensor,
+    num_tokens: int,
+    recent: int,
+    keep: int,
+    block: int,
+    k_loc: int,
+    prefix: int = 0,
 ) -> torch.Tensor:
     """Full GrowPage selection: block-local quota + global top-k + protected recent window.
 
     Args:
         scores: ``[L, Hkv, num_tokens - recent]`` importance of the selection candidates.
         keep: total slots kept per head, including the ``recent`` protected ones.
+        prefix: leading slots kept as well (the protected prompt); the quota's blocks then
+            start after them.
     Returns:
         ``[L, Hkv, keep]`` ascending slot indices.
     """
-    chosen = block_local_topk(scores, keep - recent, block, k_loc)  # ascending
-    return with_protected(chosen, num_tokens, recent, chosen_sorted=True)
+    chosen = block_local_topk(scores[..., prefix:], keep - recent - prefix, block, k_loc)
+    if prefix:
+        chosen = chosen + prefix
+    return with_protected(chosen, num_tokens, recent, chosen_sorted=True, prefix=prefix)

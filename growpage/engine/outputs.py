@@ -107,6 +107,8 @@ class EngineStats:
         tpot_s: mean over requests of the time per output token after the first.
         avg_resident: C, the time-averaged number of requests resident (running).
         avg_kv_budget: mean KV capacity (tokens) a decoding request held, over decode steps.
+        avg_kv_above_prompt: the same, of capacity beyond the request's prompt (0 where the
+            capacity is below it).
         events: the controller's event counts (grow, compress, shrink, fallback, ...).
         boundary_s: wall time spent in capacity control (decisions, scoring, compaction).
         deferred_s: of that, the work run beside a decode step's forward: compressions
@@ -140,6 +142,7 @@ class EngineStats:
     num_preemptions: int
     prefix_hit_tokens: int
     events: dict[str, int]
+    avg_kv_above_prompt: float = 0.0
     boundary_s: float = 0.0
     deferred_s: float = 0.0
     deferred_waited_s: float = 0.0
@@ -177,7 +180,10 @@ class EngineStats:
             ("TTFT", f"{1000 * self.ttft_s:.1f} ms"),
             *self._percentile_rows(),
             ("avg resident requests C", f"{self.avg_resident:.2f}"),
-            ("avg KV budget", f"{self.avg_kv_budget:.0f} tokens"),
+            (
+                "avg KV budget",
+                f"{self.avg_kv_budget:.0f} tokens ({self.avg_kv_above_prompt:.0f} above the prompt)",
+            ),
             (
                 "KV pages used (max / total)",
                 f"{self.max_pages_used} / {self.num_pages} x {self.page_size} tokens",

@@ -11,9 +11,19 @@ The runs (``plan``): ``fullkv``, ``growpage``, then the policies matched to grow
 at growpage's grow ratio, the fixed-budget baselines ``h2o``, ``snapkv`` and ``streamingllm`` at
 growpage's budget, ``inverse``, and ``shrink`` (never under half of that budget).
 
+Rows may instead be given one by one (``AccuracySettings.rows``, ``growpage eval accuracy
+--row LABEL=POLICY[:key=value,...]``, ``growpage.eval.rows``): any policy, built-in or a
+policy author's own class, with its hyperparameters and its own capacity settings (a floor, the
+summaries' horizon), and baselines matched to another row's budget or grow ratio.
+
+The regime is explicit: the task (the generated ``maths`` problems or a real benchmark,
+``growpage.eval.datasets``), whether the prompt is kept out of compression
+(``protect_prompt``) and the floor above the prompt below which every request grows
+(``floor_tokens``), for every row alike unless a row sets its own; each row records them.
+
 Each finished run is stored at once (``results.json``, written atomically, and the outputs of
 every problem in ``outputs/<label>.jsonl``), so a run cut short resumes where it stopped
-(``resume=True``) with the same settings; a resumed table may ask for more policies.
+(``resume=True``) with the same settings; a resumed table may ask for more policies or rows.
 """
 
 from __future__ import annotations
@@ -29,9 +39,20 @@ from typing import Any
 
 import attrs
 
+from growpage.core.config import GrowPageConfig
 from growpage.errors import ConfigError
-from growpage.eval.maths import DIFFICULTIES, generate_problems, prompt, score
-from growpage.validators import in_range, items, one_of, optional, positive_int
+from growpage.eval.datasets import TASKS, task_problems
+from growpage.eval.maths import DIFFICULTIES, score
+from growpage.eval.rows import RowSpec, check_rows, parse_row, resolved
+from growpage.validators import (
+    flag,
+    in_range,
+    items,
+    non_negative_int,
+    one_of,
+    optional,
+    positive_int,
+)
 
 ALL_POLICIES = (
     "fullkv",
@@ -61,6 +82,7 @@ class AccuracySettings:
     """
 
     model: str = "qwen2.5-coder-0.5b"
+    task: str = attrs.field(default="maths", validator=one_of(TASKS))
     num_problems: int = attrs.field(default=200, validator=positive_int)
     seed: int = 0
     difficulty: int = attrs.field(default=1, validator=one_of(DIFFICULTIES))
@@ -73,25 +95,57 @@ class AccuracySettings:
     policies: tuple[str, ...] = attrs.field(
         default=ALL_POLICIES, converter=tuple, validator=items(one_of(ALL_POLICIES))
     )
+    protect_prompt: bool = attrs.field(default=False, validator=flag)
+    floor_tokens: int | None = attrs.field(default=None, validator=optional(non_negative_int))
+    #: Rows given one by one (``growpage.eval.rows``); when any, they replace ``policies``.
+    rows: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        check_rows(self.row_specs())
+
+    def row_specs(self) -> list[RowSpec]:
+        return [parse_row(text) for text in self.rows]
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(
             self, value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v
         )
 
+    @classmethod
+    def from_dict(cls, stored: dict[str, Any]) -> AccuracySettings:
+        """The settings of a stored table; a table stored before a setting existed ran with
+        its default."""
+        known = {f.name for f in attrs.fields(cls)}
+        return cls(**{k: v for k, v in stored.items() if k in known})
+
 
 @attrs.frozen
 class Run:
-    """One row of the table: ``policy`` with ``kwargs``, shown as ``label``."""
+    """One row of the table: ``policy`` with ``kwargs`` and the row's own ``GrowPageConfig``
+    settings ``config``, shown as ``label``."""
 
     label: str
     policy: str
     kwargs: dict[str, Any] = attrs.field(factory=dict)
+    config: dict[str, Any] = attrs.field(factory=dict)
 
 
 def round_to_page(tokens: float, page_size: int, min_pages: int = 2) -> int:
     """``tokens`` rounded to whole pages, at least ``min_pages``."""
     return max(min_pages, round(tokens / page_size)) * page_size
+
+
+def plan_rows(settings: AccuracySettings, done: list[dict[str, Any]]) -> list[Run]:
+    """The runs of a table of given rows whose references the rows in ``done`` answer, in the
+    order given (a row waiting for another row's results comes once that row is done)."""
+    results = {r["label"]: r for r in done}
+    runs = []
+    for spec in settings.row_specs():
+        if any(ref.label not in results for ref in spec.references):
+            continue
+        row = resolved(spec, results, settings.page_size)
+        runs.append(Run(row.label, row.policy, row.params, row.config))
+    return runs
 
 
 def plan(settings: AccuracySettings, growpage_row: dict[str, Any] | None) -> list[Run]:
@@ -131,6 +185,16 @@ def plan(settings: AccuracySettings, growpage_row: dict[str, Any] | None) -> lis
     return runs + [run for group, name in later if name in wanted for run in group]
 
 
+def regime(settings: AccuracySettings, run: Run) -> dict[str, Any]:
+    """The ``GrowPageConfig`` settings ``run`` runs with: the table's prompt and floor, then
+    the row's own settings over them."""
+    return {
+        "protect_prompt": settings.protect_prompt,
+        "floor_tokens": settings.floor_tokens,
+        **run.config,
+    }
+
+
 def stats_row(stats: Any) -> dict[str, Any]:
     """The engine stats one row reports (``EngineStats`` of the run)."""
     e = stats.events
@@ -140,6 +204,7 @@ def stats_row(stats: Any) -> dict[str, Any]:
         "total_s": stats.total_s,
         "avg_resident": stats.avg_resident,
         "avg_budget": stats.avg_kv_budget,
+        "avg_above_prompt": stats.avg_kv_above_prompt,
         "grow": e.get("grow", 0),
         "compress": e.get("compress", 0),
         "shrink": e.get("shrink", 0),
@@ -183,15 +248,15 @@ class AccuracyRunner:
             seed=settings.seed,
         )
         self.tokenizer = self.base.tokenizer
-        self.problems = generate_problems(
-            settings.num_problems, seed=settings.seed, difficulty=settings.difficulty
+        self.problems, self.prompts = task_problems(
+            settings.task, settings.num_problems, settings.seed, settings.difficulty
         )
-        self.prompts = [prompt(p) for p in self.problems]
+        self.prompt_lens = [len(self.tokenizer.encode_chat(p)) for p in self.prompts]
         self.kv_pages = settings.kv_pages or self.pool_pages()
 
     def pool_pages(self) -> int:
         s = self.settings
-        longest = max(len(self.tokenizer.encode_chat(p)) for p in self.prompts)
+        longest = max(self.prompt_lens)
         per_request = math.ceil((longest + s.max_tokens + 1) / s.page_size)
         batch = min(s.max_num_seqs, s.num_problems)
         return max(per_request + 1, math.ceil(s.pool_fraction * batch * per_request))
@@ -202,6 +267,7 @@ class AccuracyRunner:
         from growpage.engine.sampling_params import SamplingParams
 
         s = self.settings
+        config = regime(s, run)
         llm = LLM(
             self.base.model,
             policy=run.policy,
@@ -212,7 +278,9 @@ class AccuracyRunner:
             max_num_seqs=s.max_num_seqs,
             dtype=s.dtype,
             seed=s.seed,
+            **config,
         )
+        gp = llm.config.growpage
         load_start = os.getloadavg()[0]
         start = time.perf_counter()
         outs = llm.generate(
@@ -220,7 +288,16 @@ class AccuracyRunner:
         )
         wall_s = time.perf_counter() - start
         graded = score(self.problems, [o.text for o in outs])
-        row: dict[str, Any] = {"label": run.label, "policy": run.policy, "kwargs": run.kwargs}
+        row: dict[str, Any] = {
+            "label": run.label,
+            "policy": run.policy,
+            "kwargs": run.kwargs,
+            "config": run.config,
+            "protect_prompt": gp.protect_prompt,
+            "floor_tokens": gp.floor_tokens,
+            "beta_long": gp.beta_long,
+            "summary_start": gp.summary_start,
+        }
         row.update(
             accuracy=graded.accuracy,
             interval=list(graded.interval),
@@ -230,6 +307,13 @@ class AccuracyRunner:
             num_truncated=sum(o.finish_reason == "length" for o in outs),
             num_no_answer=sum(r.extracted is None for r in graded.records),
             num_boxed=sum(r.form == "boxed" for r in graded.records),
+            # Upper bound on the answers whose KV a recompute rebuilt after a compression:
+            # preempted requests that compressed at some point.
+            num_rebuilt=sum(
+                o.num_preemptions > 0
+                and o.events.get("compress", 0) + o.events.get("shrink", 0) > 0
+                for o in outs
+            ),
             wall_s=wall_s,
             load_avg=[round(load_start, 2), round(os.getloadavg()[0], 2)],
         )
@@ -238,10 +322,12 @@ class AccuracyRunner:
         outputs = [
             {
                 "id": p.id,
-                "template": p.template,
+                "template": getattr(p, "template", s.task),
                 "question": p.question,
                 **{k: v for k, v in record.items() if k not in ("id", "template")},
                 "num_tokens": len(o.token_ids),
+                "num_prompt_tokens": len(o.prompt_token_ids),
+                "num_preemptions": o.num_preemptions,
                 "finish_reason": str(o.finish_reason),
                 "output": o.text,
             }
@@ -265,13 +351,30 @@ def load_results(
         raise ConfigError(f"{path}: not valid JSON ({exc}); move it away to start over") from None
     given = stored.get("settings")
     mine = settings.to_dict()
-    if not isinstance(given, dict) or {**given, "policies": None} != {**mine, "policies": None}:
+    if isinstance(given, dict):  # a setting added since the table was stored: its default
+        given = {**AccuracySettings().to_dict(), **given, "model": given.get("model")}
+    free = {"policies": None, "rows": None}
+    if not isinstance(given, dict) or {**given, **free} != {**mine, **free}:
         raise ConfigError(
-            f"{path} holds results of other settings ({given}); "
-            "use another --out, or the same settings to resume (--policies may differ)"
+            f"{path} holds results of other settings ({given}); use another --out, or the "
+            "same settings to resume (--policies and --row may differ)"
         )
     wanted = set(settings.policies) | set(given.get("policies") or ())
-    merged = AccuracySettings(**{**mine, "policies": [p for p in ALL_POLICIES if p in wanted]})
+    rows = list(given.get("rows") or ())
+    labels = {parse_row(text).label: text for text in rows}
+    for text in settings.rows:
+        label = parse_row(text).label
+        if label in labels and labels[label] != text:
+            raise ConfigError(
+                f"{path} has a row labelled {label!r} given as {labels[label]!r}, not "
+                f"{text!r}: give it another label"
+            )
+        if label not in labels:
+            rows.append(text)
+            labels[label] = text
+    merged = AccuracySettings(
+        **{**mine, "policies": [p for p in ALL_POLICIES if p in wanted], "rows": rows}
+    )
     return list(stored.get("rows", [])), merged
 
 
@@ -299,20 +402,29 @@ def run_table(
     )
     started = time.time()
 
+    lens = runner.prompt_lens
+
     def report() -> dict[str, Any]:
         return {
             "settings": stored_as.to_dict(),
             "kv_pages": runner.kv_pages,
+            "prompt_tokens": {
+                "min": min(lens),
+                "mean": round(sum(lens) / len(lens), 1),
+                "max": max(lens),
+            },
             "date": time.strftime("%Y-%m-%d"),
             "commit": _commit(),
             "rows": rows,
         }
 
     while True:
-        growpage_row = next((r for r in rows if r["policy"] == "growpage"), None)
-        todo = [
-            r for r in plan(settings, growpage_row) if r.label not in {x["label"] for x in rows}
-        ]
+        if stored_as.rows:
+            planned = plan_rows(stored_as, rows)
+        else:
+            growpage_row = next((r for r in rows if r["policy"] == "growpage"), None)
+            planned = plan(settings, growpage_row)
+        todo = [r for r in planned if r.label not in {x["label"] for x in rows}]
         if not todo:
             break
         run = todo[0]
@@ -331,7 +443,7 @@ def run_table(
     final["elapsed_s"] = time.time() - started
     _write_atomic(out / "results.json", json.dumps(final, indent=1))
     _write_atomic(out / "table.md", to_markdown(final))
-    plot(final, out / "accuracy_vs_tps.png")
+    plot(final, out / "accuracy.png")
     return final
 
 
@@ -354,32 +466,63 @@ def _commit() -> str:
 def to_markdown(report: dict[str, Any]) -> str:
     """The table of a report, one row per run."""
     s = report["settings"]
+    task = s.get("task", "maths")
+    what = (
+        f"{s['num_problems']} maths problems (seed {s['seed']}, difficulty {s['difficulty']})"
+        if task == "maths"
+        else f"{s['num_problems']} {task} problems (seed {s['seed']})"
+    )
+    prompts = report.get("prompt_tokens")
+    prompt_text = (
+        f"; prompts {prompts['min']}-{prompts['max']} tokens (mean {prompts['mean']:.0f})"
+        if prompts
+        else ""
+    )
     head = (
-        f"{s['model']}, {s['num_problems']} maths problems (seed {s['seed']}, difficulty "
-        f"{s['difficulty']}), greedy, at most {s['max_tokens']} tokens; pool "
+        f"{s['model']}, {what}, greedy, at most {s['max_tokens']} tokens{prompt_text}; pool "
         f"{report['kv_pages']} pages of {s['page_size']}, up to {s['max_num_seqs']} running, "
         f"{s['dtype']}. {report['date']}, commit {report['commit']}.\n\n"
     )
     cols = (
-        "policy | accuracy [95% CI] | avg budget | mean tokens | TPS | C | grow | compress"
-        " | fallback | preempt | boxed | no answer | truncated | steps | load"
+        "row | regime | accuracy [95% CI] | avg budget | above prompt | mean tokens | steps"
+        " | TPS | C | grow | compress | fallback | preempt | rebuilt | boxed | no answer"
+        " | truncated | load"
     )
     lines = [f"| {cols} |", "|" + "---|" * (cols.count("|") + 1)]
     for r in report["rows"]:
         lo, hi = r["interval"]
+        above = r.get("avg_above_prompt")
         lines.append(
-            f"| {r['label']} | {r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] | {r['avg_budget']:.0f}"
-            f" | {r['mean_tokens']:.0f} | {r['tps']:.1f} | {r['avg_resident']:.1f} | {r['grow']}"
-            f" | {r['compress']} | {r['fallback']} | {r['preemptions']} | {r.get('num_boxed', 0)}"
-            f" | {r['num_no_answer']} | {r['num_truncated']} | {r.get('steps', '-')}"
-            f" | {_load(r.get('load_avg'))} |"
+            f"| {r['label']} | {regime_text(r)} | {r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
+            f" | {r['avg_budget']:.0f} | {'-' if above is None else f'{above:.0f}'}"
+            f" | {r['mean_tokens']:.0f} | {r.get('steps', '-')} | {r['tps']:.1f}"
+            f" | {r['avg_resident']:.1f} | {r['grow']} | {r['compress']} | {r['fallback']}"
+            f" | {r['preemptions']} | {r.get('num_rebuilt', '-')} | {r.get('num_boxed', 0)}"
+            f" | {r['num_no_answer']} | {r['num_truncated']} | {_load(r.get('load_avg'))} |"
         )
     note = (
-        "\nTPS compares across rows only at like loads: `load` is the machine's 1-minute load "
-        "average at the start and end of each run (steps do not depend on it; C, weighted by step "
-        "time, does).\n"
+        "\n`regime`: prompt kept out of compression (`P`) or evictable (`-`); the floor in "
+        "tokens above the prompt (`f64`; none: the paper's two pages); the long summary's decay "
+        "and start where they differ from the paper's (0.999, first query). `above prompt`: KV "
+        "held beyond the request's prompt. `rebuilt`: answers preempted after compressing at "
+        "most (a recompute rebuilds the whole KV). TPS compares across rows only at like "
+        "loads: `load` is the machine's 1-minute load average at the start and end of each run "
+        "(steps do not depend on it; C, weighted by step time, does).\n"
     )
     return head + "\n".join(lines) + "\n" + note
+
+
+def regime_text(row: dict[str, Any]) -> str:
+    """``P f64 bL0.99 avg``: the capacity settings a row ran with (see ``to_markdown``)."""
+    parts = ["P" if row.get("protect_prompt") else "-"]
+    if row.get("floor_tokens") is not None:
+        parts.append(f"f{row['floor_tokens']}")
+    paper = GrowPageConfig()
+    if row.get("beta_long", paper.beta_long) != paper.beta_long:
+        parts.append(f"bL{row['beta_long']:g}")
+    if row.get("summary_start", paper.summary_start) != paper.summary_start:
+        parts.append(str(row["summary_start"]))
+    return " ".join(parts)
 
 
 def _load(load: list[float] | None) -> str:
@@ -387,23 +530,40 @@ def _load(load: list[float] | None) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    """Accuracy (with its interval) against TPS and against C (requests resident, weighted by
-    step time), one point per run."""
+    """Accuracy (with its interval) against the average KV budget, against engine steps and
+    against TPS, one point per run; the fixed-budget rows are joined as the frontier a policy
+    is read against."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    rows = report["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8), sharey=True)
     axes_keys = (
+        ("avg_budget", "average KV budget per request (tokens)"),
+        ("steps", "engine steps (fewer: more requests per step)"),
         ("tps", "throughput (generated tokens/s)"),
-        ("avg_resident", "C (mean requests resident)"),
     )
+    fixed = [r for r in rows if r["policy"] == "fixed" and not r.get("config")]
     for ax, (key, label) in zip(axes, axes_keys, strict=True):
-        for r in report["rows"]:
+        frontier = sorted((r for r in fixed if r.get(key) is not None), key=lambda r: r[key])
+        if len(frontier) > 1:
+            ax.plot(
+                [r[key] for r in frontier],
+                [r["accuracy"] for r in frontier],
+                "-",
+                color="0.6",
+                zorder=0,
+                label="fixed budgets",
+            )
+        for r in rows:
+            if r.get(key) is None:
+                continue
             lo, hi = r["interval"]
             yerr = [[r["accuracy"] - lo], [hi - r["accuracy"]]]
-            ax.errorbar(r[key], r["accuracy"], yerr=yerr, fmt="o", capsize=3)
+            marker = "s" if r in fixed else "o"
+            ax.errorbar(r[key], r["accuracy"], yerr=yerr, fmt=marker, capsize=3)
             ax.annotate(
                 r["label"],
                 (r[key], r["accuracy"]),
@@ -413,9 +573,15 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             )
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
+    if len(fixed) > 1:
+        axes[0].legend(fontsize=8, loc="lower right")
     s = report["settings"]
     axes[0].set_ylabel("accuracy (95% interval)")
-    fig.suptitle(f"{s['model']}: {s['num_problems']} maths problems, one KV pool", fontsize=9)
+    fig.suptitle(
+        f"{s['model']}: {s['num_problems']} {s.get('task', 'maths')} problems, one KV pool of "
+        f"{report['kv_pages']} pages of {s['page_size']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

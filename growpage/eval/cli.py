@@ -12,6 +12,16 @@ from collections.abc import Callable
 from growpage._argtypes import positive_int
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _difficulty(text: str) -> int:
     if text not in ("1", "2", "3"):
         raise argparse.ArgumentTypeError(f"expected 1, 2 or 3, got {text!r}")
@@ -55,15 +65,27 @@ def run_maths(args: argparse.Namespace) -> int:
 
 def _add_accuracy(sub: argparse._SubParsersAction) -> None:
     from growpage.eval.accuracy import ALL_POLICIES, AccuracySettings
+    from growpage.eval.datasets import TASKS
 
     d = AccuracySettings()
     p = sub.add_parser(
         "accuracy",
-        help="accuracy at a KV budget, policy by policy, on the maths task (docs/evaluation.md)",
-        description="Every policy answers the same maths problems in the engine under one KV "
-        "pool; writes results.json, table.md, outputs/<policy>.jsonl and a plot to --out.",
+        help="accuracy at a KV budget, policy by policy, on a maths task (docs/evaluation.md)",
+        description="Every policy (or every --row) answers the same problems in the engine "
+        "under one KV pool; writes results.json, table.md, outputs/<row>.jsonl and a plot to "
+        "--out.",
+        epilog="Example, a policy of your own beside fixed budgets: --row "
+        "mine=my_policy.py:MyPolicy:threshold=0.1 --row fixed-256=fixed:budget_tokens=256 "
+        "--row h2o=h2o:budget_tokens=@mine.budget",
     )
     p.add_argument("--model", default=d.model, help=f"model name or path (default {d.model})")
+    p.add_argument(
+        "--task",
+        choices=TASKS,
+        default=d.task,
+        help=f"the generated maths problems or a real benchmark fetched with "
+        f"'growpage data fetch' (default {d.task})",
+    )
     p.add_argument(
         "--problems",
         type=positive_int,
@@ -114,13 +136,40 @@ def _add_accuracy(sub: argparse._SubParsersAction) -> None:
         default=d.dtype,
         help=f"weights and KV (default {d.dtype})",
     )
-    p.add_argument(
+    rows = p.add_mutually_exclusive_group()
+    rows.add_argument(
         "--policies",
         nargs="+",
         choices=ALL_POLICIES,
         default=list(ALL_POLICIES),
         metavar="POLICY",
-        help=f"among {', '.join(ALL_POLICIES)} (default: all)",
+        help=f"the planned table's policies, among {', '.join(ALL_POLICIES)} (default: all)",
+    )
+    rows.add_argument(
+        "--row",
+        action="append",
+        default=[],
+        metavar="LABEL=POLICY[:k=v,...]",
+        help="a row of your own, instead of the planned table (repeat it): POLICY is a "
+        "built-in name, package.module:Class or file.py:Class; each k=v a hyperparameter of "
+        "it or a GrowPageConfig setting of this row (floor_tokens, beta_long, "
+        "summary_start, ...); a value @LABEL.budget or @LABEL.grow_ratio is taken from an "
+        "earlier row's results",
+    )
+    p.add_argument(
+        "--protect-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=d.protect_prompt,
+        help="keep every prompt token out of compression, for every row alike (default off: "
+        "the paper's, the prompt is evictable)",
+    )
+    p.add_argument(
+        "--floor-tokens",
+        type=_non_negative_int,
+        default=d.floor_tokens,
+        metavar="N",
+        help="every request grows freely until a compression would keep N tokens above its "
+        "prompt (default none: the paper's two pages)",
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--out", required=True, help="output folder")
@@ -137,6 +186,10 @@ def run_accuracy(args: argparse.Namespace) -> int:
 
     settings = AccuracySettings(
         model=args.model,
+        task=args.task,
+        protect_prompt=args.protect_prompt,
+        floor_tokens=args.floor_tokens,
+        rows=tuple(args.row),
         num_problems=args.problems,
         seed=args.seed,
         difficulty=args.difficulty,
@@ -155,8 +208,75 @@ def run_accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_signal(sub: argparse._SubParsersAction) -> None:
+    from growpage._argtypes import path_arg, size_list
+    from growpage.eval.signal_study import StudySettings
+
+    d = StudySettings()
+    p = sub.add_parser(
+        "signal",
+        help="the Delta_t study in the paper's method (Fig. 6 and 7) on recorded traces",
+        description="Replays full-KV traces recorded at every layer (growpage record) and "
+        "measures Delta_t against the next page's demand change and against the growth "
+        "advantage: the reference trajectory's next page teacher-forced under Compress & Hold "
+        "and under Grow. Writes signal.json and report.md to --out.",
+    )
+    p.add_argument("--traces", type=path_arg, required=True, help="trace set (all layers)")
+    p.add_argument("--model", required=True, help="the model the traces were recorded with")
+    p.add_argument(
+        "--page-sizes",
+        type=size_list,
+        default=d.page_sizes,
+        help="page sizes b (default 16,32,64)",
+    )
+    p.add_argument(
+        "--horizons",
+        nargs="+",
+        default=list(d.horizons),
+        choices=("paper", "average", "scaled"),
+        help="query-summary horizons: paper (beta_L 0.999 from the first query), average "
+        "(bias-corrected start), scaled (beta_L scaled to the answers' length, bias-corrected) "
+        "(default paper scaled)",
+    )
+    p.add_argument("--max-traces", type=positive_int, default=None, help="the first N traces")
+    p.add_argument(
+        "--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples (default 1000)"
+    )
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--out", type=path_arg, required=True, help="output folder")
+    p.set_defaults(func=run_signal)
+
+
+def run_signal(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from growpage.eval.signal_study import StudySettings, report_markdown, run_study
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = StudySettings(
+        page_sizes=tuple(args.page_sizes),
+        horizons=tuple(args.horizons),
+        bootstrap=args.bootstrap,
+        max_traces=args.max_traces,
+    )
+    report = run_study(args.traces, args.model, settings)
+    (args.out / "signal.json").write_text(json.dumps(report, indent=1))
+    text = report_markdown(report)
+    (args.out / "report.md").write_text(text)
+    print(text)
+    return 0
+
+
 #: The ``eval`` subcommands, in the order ``growpage eval --help`` lists them.
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_maths, _add_accuracy)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_maths,
+    _add_accuracy,
+    _add_signal,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

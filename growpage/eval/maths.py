@@ -22,6 +22,7 @@ import re
 import statistics
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
 
 import attrs
 
@@ -183,32 +184,40 @@ _ANSWER = re.compile(
 
 
 _BOXED = re.compile(r"\\boxed\{")
+#: Where a final answer is written: after ``####`` (the maths task) or in ``\\boxed{}``.
+ANSWER_MARKS = ("####", "boxed")
 
 
-def extract_answer(text: str) -> Number | None:
+def extract_answer(text: str, prefer: str = "####") -> Number | None:
     """The final answer of ``text``: the number right after the last ``####`` (``#### 1,234``,
     ``#### $12``, ``#### 12.0`` as 12, ``#### -3``, ``#### 3/4``, ``#### 1 3/4``,
     ``#### \\frac{3}{4}``, with markdown or LaTeX around it and a trailing period or unit words
     allowed); when the text has no ``####`` at all, the number that opens the last
     ``\\boxed{...}``, the form Qwen models are trained to answer in. ``None`` when neither gives
-    a number (a ``####`` not followed by one is no answer, whatever is boxed before it)."""
-    return _answer(text)[0]
+    a number (a ``####`` not followed by one is no answer, whatever is boxed before it).
+
+    ``prefer="boxed"`` (the benchmarks, whose prompt asks for a box) reads the last box first
+    and the last ``####`` only when the text has no box."""
+    return _answer(text, prefer)[0]
 
 
-def answer_form(text: str) -> str | None:
+def answer_form(text: str, prefer: str = "####") -> str | None:
     """Where ``extract_answer`` found the answer: ``"####"``, ``"boxed"``, or ``None``."""
-    return _answer(text)[1]
+    return _answer(text, prefer)[1]
 
 
-def _answer(text: str) -> tuple[Number | None, str | None]:
-    marks = list(_MARK.finditer(text))
-    if marks:
-        m, form = _ANSWER.match(text, marks[-1].end()), "####"
-    else:
-        boxes = list(_BOXED.finditer(text))
-        if not boxes:
-            return None, None
-        m, form = _ANSWER.match(text, boxes[-1].start()), "boxed"
+def _answer(text: str, prefer: str = "####") -> tuple[Number | None, str | None]:
+    if prefer not in ANSWER_MARKS:
+        raise ConfigError(f"prefer must be one of {ANSWER_MARKS}, got {prefer!r}")
+    found = {
+        "####": [m.end() for m in _MARK.finditer(text)],
+        "boxed": [m.start() for m in _BOXED.finditer(text)],
+    }
+    order = ANSWER_MARKS if prefer == "####" else ANSWER_MARKS[::-1]
+    form = next((f for f in order if found[f]), None)
+    if form is None:
+        return None, None
+    m = _ANSWER.match(text, found[form][-1])
     if m is None:
         return None, None
     if m["fnum"] is not None:
@@ -225,9 +234,9 @@ def _answer(text: str) -> tuple[Number | None, str | None]:
     return normal(-value if m["sign"] else value), form
 
 
-def is_correct(problem: Problem, text: str) -> bool:
+def is_correct(problem: Problem | Any, text: str) -> bool:
     """Exact match of the number after the last ``####`` (12.0 == 12, 0.75 == 3/4)."""
-    answer = extract_answer(text)
+    answer = extract_answer(text, getattr(problem, "answer_mark", "####"))
     return answer is not None and Fraction(answer) == Fraction(problem.answer)
 
 
@@ -300,8 +309,10 @@ class MathsScore:
         }
 
 
-def score(problems: Sequence[Problem], outputs: Sequence[str]) -> MathsScore:
-    """Accuracy of ``outputs[i]`` on ``problems[i]`` and one record per problem."""
+def score(problems: Sequence[Problem | Any], outputs: Sequence[str]) -> MathsScore:
+    """Accuracy of ``outputs[i]`` on ``problems[i]`` and one record per problem: the generated
+    problems, or any with ``id``, ``template``, ``answer`` and ``answer_mark`` (the
+    benchmarks' ``growpage.eval.datasets.BenchmarkProblem``)."""
     if len(problems) != len(outputs):
         raise WorkloadError(f"{len(problems)} problems but {len(outputs)} outputs")
     if not problems:
@@ -310,7 +321,7 @@ def score(problems: Sequence[Problem], outputs: Sequence[str]) -> MathsScore:
     for problem, text in zip(problems, outputs, strict=True):
         if not isinstance(text, str):
             raise WorkloadError(f"output for {problem.id} is {type(text).__name__}, not text")
-        got, form = _answer(text)
+        got, form = _answer(text, getattr(problem, "answer_mark", "####"))
         right = got is not None and Fraction(got) == Fraction(problem.answer)
         records.append(
             MathsRecord(problem.id, problem.template, problem.answer, got, right, len(text), form)

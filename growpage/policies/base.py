@@ -52,8 +52,9 @@ class CapacityPolicy(abc.ABC):
     def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
         """Slots to keep, ``[L, Hkv, keep]`` int64, ascending per layer and KV head.
 
-        ``keep`` counts the protected recent window (the last ``ctx.recent_window`` slots),
-        which must always be included. Default: GrowPage selection, s = max(a^S, a^L) (Eq. 9)
+        ``keep`` counts the protected recent window (the last ``ctx.recent_window`` slots)
+        and the protected prompt (the first ``ctx.num_protected_prefix`` slots), which must
+        always be included. Default: GrowPage selection, s = max(a^S, a^L) (Eq. 9)
         with a block-local quota of ``ctx.config.local_quota`` per page plus global top-k
         (Eq. 10).
         """
@@ -64,6 +65,7 @@ class CapacityPolicy(abc.ABC):
             keep,
             ctx.page_size,
             ctx.config.local_quota,
+            ctx.num_protected_prefix,
         )
 
     def __init_subclass__(cls, **kwargs: object) -> None:

@@ -152,7 +152,8 @@ class StreamingLLMPolicy(FixedBudgetPolicy):
     num_sinks: int = attrs.field(default=4, validator=positive_int)
 
     def select(self, ctx: BoundaryContext, keep: int) -> torch.Tensor:
-        sinks = min(self.num_sinks, keep - ctx.recent_window)
+        # A protected prompt is the sinks (and more): the first slots are kept either way.
+        sinks = max(min(self.num_sinks, keep - ctx.recent_window), ctx.num_protected_prefix)
         slots = torch.cat(
             [torch.arange(sinks), torch.arange(ctx.num_tokens - keep + sinks, ctx.num_tokens)]
         )
@@ -179,8 +180,9 @@ class H2OPolicy(FixedBudgetPolicy):
             scores = acc[..., : ctx.num_selection_candidates]
         else:
             scores = ctx.scores()
-        chosen = topk_slots(scores, keep - ctx.recent_window)
-        return with_protected(chosen, ctx.num_tokens, ctx.recent_window)
+        prefix = ctx.num_protected_prefix
+        chosen = topk_slots(scores[..., prefix:], keep - ctx.recent_window - prefix) + prefix
+        return with_protected(chosen, ctx.num_tokens, ctx.recent_window, prefix=prefix)
 
 
 @register_policy
@@ -209,5 +211,9 @@ class SnapKVPolicy(FixedBudgetPolicy):
         if attn is None:
             attn = ctx.scores()
         scores = snapkv_scores(attn, ctx.num_selection_candidates, self.kernel_size)
-        chosen = top_slots(scores, keep - ctx.recent_window)  # ties to earlier slots, ascending
-        return with_protected(chosen, ctx.num_tokens, ctx.recent_window, chosen_sorted=True)
+        prefix = ctx.num_protected_prefix
+        # ties to earlier slots, ascending
+        chosen = top_slots(scores[..., prefix:], keep - ctx.recent_window - prefix) + prefix
+        return with_protected(
+            chosen, ctx.num_tokens, ctx.recent_window, chosen_sorted=True, prefix=prefix
+        )

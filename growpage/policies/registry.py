@@ -142,6 +142,23 @@ def resolve_policy(
         if kwargs:
             raise PolicyError("hyperparameters cannot be given with a policy instance")
         return spec
+    cls = policy_class(spec)
+    try:
+        return cls(**kwargs)
+    except GrowPageError as exc:  # the built-ins' validators: their message names the field
+        raise PolicyError(
+            f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}{_fields_hint(cls, kwargs)}"
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - whatever a user's constructor raises
+        hint = _fields_hint(cls, kwargs) if isinstance(exc, TypeError) else ""
+        raise PolicyError(
+            f"cannot build policy {getattr(cls, 'name', cls)!r}: {_constructor_error(exc)}{hint}"
+        ) from exc
+
+
+def policy_class(spec: str | type[CapacityPolicy]) -> type[CapacityPolicy]:
+    """The policy class a registered name, ``"package.module:ClassName"`` or
+    ``"path/file.py:ClassName"`` names (a class is checked and returned)."""
     if isinstance(spec, str):
         if ":" in spec:
             cls = _load_class(spec)
@@ -157,17 +174,7 @@ def resolve_policy(
         cls = spec
     if not (isinstance(cls, type) and issubclass(cls, CapacityPolicy)):
         raise PolicyError(f"{spec!r} is not a CapacityPolicy subclass")
-    try:
-        return cls(**kwargs)
-    except GrowPageError as exc:  # the built-ins' validators: their message names the field
-        raise PolicyError(
-            f"cannot build policy {getattr(cls, 'name', cls)!r}: {exc}{_fields_hint(cls, kwargs)}"
-        ) from exc
-    except Exception as exc:  # noqa: BLE001 - whatever a user's constructor raises
-        hint = _fields_hint(cls, kwargs) if isinstance(exc, TypeError) else ""
-        raise PolicyError(
-            f"cannot build policy {getattr(cls, 'name', cls)!r}: {_constructor_error(exc)}{hint}"
-        ) from exc
+    return cls
 
 
 def _constructor_error(exc: Exception) -> str:

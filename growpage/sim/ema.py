@@ -8,7 +8,9 @@ a few vectorized passes. With ``s_{p0} = q_{p0}`` (the first decode query initia
     s_{g_n} = beta^(g_n - g_{n-1}) * s_{g_{n-1}} + sum_{g_{n-1} < j <= g_n} (1 - beta) beta^(g_n - j) q_j
 
 The inner sums are one weighted ``index_add`` over the tokens; only the short scan over the
-snapshots is sequential.
+snapshots is sequential. With ``zero_start`` (``GrowPageConfig.summary_start == "average"``)
+the EMA starts at zero instead, so the first query weighs ``(1 - beta) beta^age`` like any
+other (the engine's ``QueryStatePool`` with ``zero_start``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ BLOCK_TOKENS = 2048  # tokens weighted at once (bounds the temporary memory)
 
 
 def ema_snapshots(
-    queries: torch.Tensor, first: int, positions: Sequence[int], betas: Sequence[float]
+    queries: torch.Tensor,
+    first: int,
+    positions: Sequence[int],
+    betas: Sequence[float],
+    zero_start: bool = False,
 ) -> torch.Tensor:
     """EMA summaries of ``queries`` at ``positions``.
 
@@ -30,6 +36,7 @@ def ema_snapshots(
         first: first decode position p0 (its query initializes every EMA).
         positions: strictly increasing positions in ``[first, T)``.
         betas: EMA decays, e.g. ``(beta_short, beta_long)``.
+        zero_start: start every EMA at zero (the first query is blended in, not copied).
     Returns:
         ``[n, L, len(betas), Hq, d]`` fp32: the summaries after the update at each position,
         the layout ``DenseKVView.set_queries`` takes per position.
@@ -43,12 +50,12 @@ def ema_snapshots(
         raise ValueError(f"positions must increase strictly within [{first}, {num_tokens})")
     out = torch.empty(n, num_layers, len(betas), num_q, d)
     for i, beta in enumerate(betas):
-        out[:, :, i] = _snapshots_one(queries, first, grid, float(beta))
+        out[:, :, i] = _snapshots_one(queries, first, grid, float(beta), zero_start)
     return out
 
 
 def _snapshots_one(
-    queries: torch.Tensor, first: int, grid: torch.Tensor, beta: float
+    queries: torch.Tensor, first: int, grid: torch.Tensor, beta: float, zero_start: bool
 ) -> torch.Tensor:
     """``[n, L, Hq, d]`` summaries of one decay at the ``grid`` positions."""
     num_layers, _, num_q, d = queries.shape
@@ -60,7 +67,8 @@ def _snapshots_one(
         chunk = torch.searchsorted(grid, pos)  # snapshot each token feeds
         age = (grid[chunk] - pos).double()
         weight = (1.0 - beta) * torch.pow(beta, age)
-        weight[pos == first] = beta ** float(grid[0] - first)  # the initializing query
+        if not zero_start:
+            weight[pos == first] = beta ** float(grid[0] - first)  # the initializing query
         block = queries[:, start:stop].float() * weight.float().view(1, -1, 1, 1)
         sums.index_add_(1, chunk, block)
     decay = torch.pow(beta, grid.diff().double()).float()  # [n - 1]

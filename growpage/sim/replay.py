@@ -16,7 +16,6 @@ import math
 import attrs
 import torch
 
-from growpage.core.boundary_context import BoundaryContext
 from growpage.core.capacity import BoundaryOutcome, CapacityController
 from growpage.core.config import GrowPageConfig
 from growpage.core.decision import Action
@@ -79,7 +78,11 @@ def replay_trace(
         trace, config, track_accumulated=getattr(policy, "needs_accumulated_attention", False)
     )
     state = RequestState(
-        trace.request_id, pool.allocate(math.ceil(prompt / b)), num_tokens=prompt, position=prompt
+        trace.request_id,
+        pool.allocate(math.ceil(prompt / b)),
+        num_tokens=prompt,
+        position=prompt,
+        num_prompt_tokens=prompt,
     )
     try:
         result = _run(trace, policy, view, state, controller, options)
@@ -168,20 +171,12 @@ class _Probe:
         self, state: RequestState
     ) -> tuple[float | None, torch.Tensor | None]:
         """Delta_t and the policy's compress selection (as positions), before anything changes."""
-        # NOTE: the controller's own test for a forced growth: below min_capacity, or before
+        # NOTE: the controller's own test for a forced growth: below the floor, or before
         # any decode query (a prompt ending on a page boundary), where Delta_t of the empty
         # query state would read 0.0 and land in signal_quality's buckets as a decision.
-        if state.num_pages < self.config.min_capacity or not self.view.has_query_state:
+        if not self.controller.will_decide(state, self.view):
             return None, None  # forced growth: no decision to evaluate
-        ctx = BoundaryContext(
-            state.request_id,
-            state.num_tokens,
-            state.position,
-            state.num_pages,
-            self.controller.pool.num_free_pages,
-            self.config,
-            self.view,
-        )
+        ctx = self.controller.context(state, self.view)
         keep = (state.num_pages - 1) * self.config.page_size
         slots = self.controller.checked_selection(ctx, keep)
         return ctx.delta(), torch.gather(self.view.positions(), 2, slots)

@@ -53,7 +53,7 @@ class SimRequest:
         self.request_id = spec.request_id
         self.prompt_tokens = spec.prompt_tokens
         self.output_tokens = spec.output_tokens
-        self.state = RequestState(spec.request_id)
+        self.state = RequestState(spec.request_id, num_prompt_tokens=spec.prompt_tokens)
         self.view: KVView | None = None
         self.num_tokens = self.generated = self.sync_step = self.admit_step = 0
         self.event_step = self.event_tick = self.admit_seq = 0

@@ -29,9 +29,11 @@ from typing import Any, cast
 import torch
 
 from growpage.core.boundary_context import BoundaryContext
+from growpage.core.capacity import min_kept_tokens
 from growpage.core.config import GrowPageConfig
 from growpage.core.decision import Decision
 from growpage.core.kv_view import KVView, QueryState
+from growpage.core.request import RequestState
 from growpage.core.rope import RopeConfig
 from growpage.errors import SimulationError
 from growpage.policies.base import CapacityPolicy
@@ -59,8 +61,23 @@ def signal_key(method: str, *args: Any) -> tuple[Any, ...]:
 
 
 def page_units(config: GrowPageConfig) -> GrowPageConfig:
-    """The controller config of script mode: one slot per page (see the module NOTE)."""
-    return config.replace(page_size=1, recent_window=0, k_loc=0)
+    """The controller config of script mode: one slot per page (see the module NOTE). The
+    prompt and the floor are counted by ``kept_pages``, not by this config."""
+    return config.replace(
+        page_size=1, recent_window=0, k_loc=0, protect_prompt=False, floor_tokens=None
+    )
+
+
+def kept_pages(config: GrowPageConfig) -> Callable[[RequestState], int]:
+    """The script-mode controller's ``min_kept``: pages a compression must keep for
+    ``config``'s prompt and floor rules (a request's ``num_prompt_tokens`` is in tokens).
+    (P - 1) pages keep enough tokens iff P - 1 >= ceil(tokens / b): the same boundaries grow
+    freely as with tokens."""
+
+    def pages(state: RequestState) -> int:
+        return -(-min_kept_tokens(config, state.num_prompt_tokens) // config.page_size)
+
+    return pages
 
 
 class CountingView(KVView):
@@ -178,6 +195,7 @@ class ScriptedContext(BoundaryContext):
             ctx.num_free_pages,
             config,
             ctx.view,
+            ctx.num_prompt_tokens,
         )
         self._signal = signal
 

@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 import simpy
 
+from growpage.core.capacity import forced_growth_pages
 from growpage.core.config import GrowPageConfig
 from growpage.core.events import EventCounters
 from growpage.core.pages import PagePool
@@ -350,7 +351,7 @@ def _check_fits(
     compresses = bool(getattr(policy, "fallback_to_compress", True))
     for r in requests:
         total = math.ceil((r.prompt_tokens + r.output_tokens - 1) / b)  # its KV at the end
-        forced = min(config.min_capacity, total)
+        forced = min(forced_growth_pages(config, r.prompt_tokens), total)
         if compresses:
             # As the engine's Scheduler.add (KVCacheManager.can_ever_fit): the prompt and one
             # more token, whatever the output length.

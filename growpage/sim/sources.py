@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from growpage.core.capacity import CapacityController
+from growpage.core.capacity import CapacityController, forced_growth_pages
 from growpage.core.config import GrowPageConfig
 from growpage.core.kv_view import KVView
 from growpage.core.pages import PagePool
@@ -37,6 +37,7 @@ from growpage.sim.scripted import (
     RecordingPolicy,
     ScriptedPolicy,
     SignalLog,
+    kept_pages,
     page_units,
 )
 from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
@@ -100,7 +101,9 @@ class ScriptSource:
         self.book = ScriptBook(policy, config, requests, num_scripts, seed, spec)
         pool = PagePool(num_pages, 1, watermark=config.watermark)
         adapter = ScriptedPolicy(policy, config, self.book.lookup)
-        self.controller = CapacityController(adapter, pool, page_units(config))
+        self.controller = CapacityController(
+            adapter, pool, page_units(config), min_kept=kept_pages(config)
+        )
 
     def view_for(self, request: WorkloadRequest, num_cached_tokens: int = 0) -> KVView:
         return CountingView()
@@ -200,14 +203,14 @@ def _script_len_for(request: WorkloadRequest, prompt: int, config: GrowPageConfi
     boundary for each of ``request``'s, with one page to spare.
 
     NOTE: boundaries come every page once the prompt's last page is full; the first ones,
-    below ``min_capacity`` pages, are forced growths and decide nothing. A request with a
+    below the floor (``forced_growth_pages``), are forced growths and decide nothing. A request with a
     shorter prompt than the script's can thus have more output, and one with more prompt
     pages fewer forced growths, than the script has boundaries for."""
     b = config.page_size
 
     def first_free_and_forced(prompt_tokens: int) -> tuple[int, int]:
         pages = -(-prompt_tokens // b)
-        return pages * b - prompt_tokens, max(0, config.min_capacity - pages)
+        return pages * b - prompt_tokens, max(0, forced_growth_pages(config, prompt_tokens) - pages)
 
     free, forced = first_free_and_forced(request.prompt_tokens)
     script_free, script_forced = first_free_and_forced(prompt)

@@ -93,11 +93,13 @@ class TraceView(DenseKVView):
     def summaries_at(self, position: int) -> torch.Tensor:
         """Short/long EMA summaries after the update at decode ``position``, ``[L, 2, Hq, d]``."""
         betas = (self.config.beta_short, self.config.beta_long)
+        zero = self.config.summary_start == "average"
         index = self._grid_index.get(position)
+        first = self.trace.prompt_len
         if index is None:
-            return ema_snapshots(self.trace.queries, self.trace.prompt_len, [position], betas)[0]
+            return ema_snapshots(self.trace.queries, first, [position], betas, zero)[0]
         if self._emas is None:
-            self._emas = ema_snapshots(self.trace.queries, self.trace.prompt_len, self._grid, betas)
+            self._emas = ema_snapshots(self.trace.queries, first, self._grid, betas, zero)
         return self._emas[index]
 
     def prepare_boundary(self, position: int, decoded: bool = True) -> None:

@@ -50,6 +50,37 @@ def test_growpage_compresses_on_small_pages_and_output_stays_valid(model):
     assert_all_returned(llm)
 
 
+@attrs.define
+class PositionsAtBoundaries(GrowPagePolicy):
+    """GrowPage that notes, at each boundary it decides, the request's prompt length, its
+    capacity and the positions every slot holds."""
+
+    seen: list = attrs.field(factory=list)
+
+    def decide(self, ctx):
+        self.seen.append((ctx.num_prompt_tokens, ctx.capacity, ctx.positions()))
+        return super().decide(ctx)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_protected_prompt_survives_every_compression_and_the_floor_holds(model, prefix_caching):
+    policy = PositionsAtBoundaries(tau=1.0)  # always compresses once the floor is reached
+    llm = tiny_llm(
+        model, policy, protect_prompt=True, floor_tokens=6, enable_prefix_caching=prefix_caching
+    )
+    outs = llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert llm.last_stats.events["compress"] > 3 * 5
+    lengths = {len(o.prompt_token_ids) for o in outs}
+    for prompt_len, capacity, positions in policy.seen:
+        assert prompt_len in lengths
+        assert (positions[..., :prompt_len] == torch.arange(prompt_len)).all()
+        assert capacity - 4 >= prompt_len + 6  # a compression keeps the prompt and the floor
+    stats = llm.last_stats
+    assert 0 < stats.avg_kv_above_prompt < stats.avg_kv_budget
+    assert stats.avg_kv_budget - stats.avg_kv_above_prompt <= max(lengths)
+    assert_all_returned(llm)
+
+
 def test_generation_longer_than_the_pool_compresses_instead_of_failing(model):
     llm = tiny_llm(model, "growpage", kv_pages=8)  # 32 tokens of KV
     out = llm.generate(
@@ -145,9 +176,18 @@ class LoggingGrowPage(GrowPagePolicy):
         return decision
 
 
-def test_first_decision_equals_the_simulators_on_the_recorded_trace(model, tmp_path):
+SETTINGS = [
+    {},
+    {"summary_start": "average", "beta_long": 0.95},
+    {"protect_prompt": True, "floor_tokens": 6},
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_first_decision_equals_the_simulators_on_the_recorded_trace(model, tmp_path, settings):
     """Engine and simulator see the same KV and query summaries at the first policy boundary
-    (afterwards the engine's future tokens attend to compressed KV, the trace's do not)."""
+    (afterwards the engine's future tokens attend to compressed KV, the trace's do not), with
+    the paper's settings, the bias-corrected summaries, and a protected prompt with a floor."""
     from growpage.core.trace_set import TraceSet
     from growpage.sim.replay import ReplayOptions, replay_trace
 
@@ -158,11 +198,11 @@ def test_first_decision_equals_the_simulators_on_the_recorded_trace(model, tmp_p
     traces = TraceSet(tmp_path / "set")
     for out in outs:
         engine, sim = LoggingGrowPage(), LoggingGrowPage()
-        tiny_llm(model, engine).score([out.prompt_token_ids], [out.token_ids])
+        tiny_llm(model, engine, **settings).score([out.prompt_token_ids], [out.token_ids])
         replay_trace(
             traces.read(out.request_id),
             sim,
-            GrowPageConfig(page_size=4, recent_window=2),
+            GrowPageConfig(page_size=4, recent_window=2, **settings),
             ReplayOptions(fidelity_queries=0),
         )
         (pos, delta, decision), (sim_pos, sim_delta, sim_decision) = engine.log[0], sim.log[0]

@@ -139,6 +139,28 @@ def test_query_state_pool_matches_core_ema():
     assert pool.num_free_slots == 3 and pool.bind() == a
 
 
+def test_a_zero_start_pool_holds_the_bias_corrected_average_up_to_scale():
+    """summary_start="average": each summary is (1 - beta) sum_i beta^(n-i) q_i, the
+    bias-corrected average times (1 - beta^n), whatever the slot held before."""
+    pool = QueryStatePool(2, 2, 3, 8, beta_short=0.9, beta_long=0.99, zero_start=True)
+    slot = pool.bind()
+    pool.summaries[:, slot] = float("nan")  # a previous owner's leftovers: cleared on bind
+    pool.release(slot)
+    slot = pool.bind()
+    gen = torch.Generator().manual_seed(1)
+    queries = [torch.randn(2, 1, 3, 8, generator=gen) for _ in range(6)]
+    for n, q in enumerate(queries):
+        assert not pool.is_first(n)
+        pool.update(torch.tensor([slot]), q, torch.tensor([pool.is_first(n)]))
+    for index, beta in ((0, 0.9), (1, 0.99)):
+        n = len(queries)
+        average = sum(beta ** (n - 1 - i) * q[:, 0] for i, q in enumerate(queries))
+        average = average * (1 - beta) / (1 - beta**n)
+        got = pool.summaries[:, slot, index]
+        torch.testing.assert_close(got / (1 - beta**n), average, rtol=1e-5, atol=1e-6)
+    assert QueryStatePool(1, 1, 1, 2, 0.9, 0.99).is_first(0)  # the paper's start
+
+
 @pytest.mark.parametrize("tables", ["same", "copy_on_write", "shrink", "swapped"])
 def test_kernel_path_matches_torch_path(model, tables):
     """Demand estimation and compaction through the Triton kernels (interpreter on CPU, compiled

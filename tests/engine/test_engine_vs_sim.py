@@ -36,7 +36,7 @@ def model():
     return tiny_model()
 
 
-def engine_run(model, lengths, policy, params, kv_pages, max_num_seqs, chunk=4096):
+def engine_run(model, lengths, policy, params, kv_pages, max_num_seqs, chunk=4096, **config):
     llm = tiny_llm(
         model,
         policy=policy,
@@ -45,6 +45,7 @@ def engine_run(model, lengths, policy, params, kv_pages, max_num_seqs, chunk=409
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=False,
         max_num_batched_tokens=chunk,
+        **config,
     )
     prompts = [prompt(p, 100 + i) for i, (p, _) in enumerate(lengths)]
     outs = llm.generate(
@@ -117,6 +118,38 @@ def test_engine_and_simulator_take_the_same_steps_and_decisions(
     m = result.metrics
     assert m.prefill_steps + m.decode_steps == llm.last_stats.num_steps
     assert m.output_tokens == llm.last_stats.num_output_tokens
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(1, 40)), min_size=1, max_size=4),
+    floor=st.sampled_from([None, 0, 5, 9]),
+    protect=st.booleans(),
+    budget=st.sampled_from([8, 16]),
+    kv_pages=st.sampled_from([256, 14]),
+    decisions=st.sampled_from(["script", "trace"]),
+)
+def test_the_prompt_and_the_floor_step_alike(
+    model, lengths, floor, protect, budget, kv_pages, decisions
+):
+    """Growth below the floor and around a protected prompt: both worlds force the same
+    boundaries and leave the same ones to the policy, also where the pool binds."""
+    params = {"budget_tokens": budget}
+    config = {"floor_tokens": floor, "protect_prompt": protect}
+    llm, engine_events, engine_paths, outputs = engine_run(
+        model, lengths, "fixed", params, kv_pages, 3, **config
+    )
+    assert outputs == [o for _, o in lengths]
+    assert llm.config.growpage.floor_tokens == floor
+    result, sim_events, sim_paths = sim_run(llm, lengths, "fixed", params, kv_pages, 3, decisions)
+    assert sim_events == engine_events
+    assert sim_paths == engine_paths
+    m = result.metrics
+    assert m.prefill_steps + m.decode_steps == llm.last_stats.num_steps
 
 
 @settings(

@@ -6,14 +6,27 @@ from __future__ import annotations
 import json
 import re
 
+import attrs
 import pytest
 
+from growpage import CapacityPolicy, Decision
 from growpage.errors import ConfigError
 from growpage.eval import accuracy
 from growpage.eval.accuracy import AccuracySettings, plan, run_table
 from growpage.eval.maths import generate_problems, is_correct
 
 GROWPAGE_ROW = {"avg_budget": 100.0, "decided_grow": 3, "decided_compress": 9}
+
+
+@attrs.define(slots=False)
+class GrowWhileShort(CapacityPolicy):
+    """A policy author's own: grows while the capacity is below ``limit`` tokens."""
+
+    name = "grow_while_short"
+    limit: int = 16
+
+    def decide(self, ctx):
+        return Decision.GROW if ctx.capacity < self.limit else Decision.COMPRESS
 
 
 def test_plan_matches_the_baselines_to_growpage_s_row() -> None:
@@ -125,5 +138,48 @@ def test_a_table_on_smollm2_scores_what_it_stores_and_resumes(tmp_path, monkeypa
     labels.append("inverse")
     table = (tmp_path / "table.md").read_text()
     assert all(f"| {lab} |" in table for lab in labels)
-    assert "| steps | load |" in table and "at like loads" in table
-    assert (tmp_path / "accuracy_vs_tps.png").stat().st_size > 0
+    assert "| truncated | load |" in table and "at like loads" in table
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_rows_of_any_policy_run_in_one_table_and_record_their_regime(tmp_path) -> None:
+    """A policy class of this test file in a table beside built-ins, with the prompt protected,
+    a row's own floor and horizon, and a baseline matched to its budget (SmolLM2, 2 problems)."""
+    here = f"{__file__}:GrowWhileShort"
+    settings = AccuracySettings(
+        model=None,
+        num_problems=2,
+        max_tokens=24,
+        page_size=8,
+        max_num_seqs=2,
+        pool_fraction=1.0,
+        protect_prompt=True,
+        rows=(
+            f"mine={here}:limit=24",
+            "gp-f8=growpage:floor_tokens=8,beta_long=0.95,summary_start=average",
+            "h2o=h2o:budget_tokens=@mine.budget",
+        ),
+    )
+    report = run_table(settings, tmp_path, progress=False, log=lambda _: None)
+    rows = {r["label"]: r for r in report["rows"]}
+    assert list(rows) == ["mine", "gp-f8", "h2o"]
+    mine, gp, h2o = rows["mine"], rows["gp-f8"], rows["h2o"]
+    assert (mine["policy"], mine["kwargs"], mine["config"]) == (here, {"limit": 24}, {})
+    assert gp["config"] == {"floor_tokens": 8, "beta_long": 0.95, "summary_start": "average"}
+    assert (gp["floor_tokens"], gp["beta_long"], gp["summary_start"]) == (8, 0.95, "average")
+    assert all(r["protect_prompt"] for r in rows.values())
+    assert mine["floor_tokens"] is None and mine["beta_long"] == 0.999
+    budget = max(2, round(mine["avg_budget"] / 8)) * 8
+    assert h2o["kwargs"] == {"budget_tokens": budget}
+    for r in rows.values():
+        assert 0 <= r["avg_above_prompt"] <= r["avg_budget"]
+    table = (tmp_path / "table.md").read_text()
+    assert "| mine | P |" in table and "| gp-f8 | P f8 bL0.95 average |" in table
+    # A resumed table takes one more row; a label given again must mean the same row.
+    more = AccuracySettings(**{**settings.to_dict(), "rows": ["fullkv=fullkv"], "model": None})
+    report = run_table(more, tmp_path, resume=True, progress=False, log=lambda _: None)
+    assert [r["label"] for r in report["rows"]] == ["mine", "gp-f8", "h2o", "fullkv"]
+    clash = AccuracySettings(**{**settings.to_dict(), "rows": ["mine=fullkv"], "model": None})
+    with pytest.raises(ConfigError, match="labelled 'mine' given as"):
+        run_table(clash, tmp_path, resume=True, progress=False, log=lambda _: None)

@@ -64,6 +64,17 @@ def test_ema_snapshots_match_the_sequential_update(random_trace):
         ema_snapshots(q, p0, [p0 + 5, p0 + 5], (0.9,))
 
 
+def test_zero_start_snapshots_are_the_ema_started_at_zero(random_trace):
+    q, p0 = random_trace.queries, random_trace.prompt_len
+    positions = [p0, p0 + 7, 300]
+    got = ema_snapshots(q, p0, positions, (0.9, 0.99), zero_start=True)
+    summaries = torch.zeros(q.shape[0], 2, q.shape[2], q.shape[3])
+    for t in range(p0, 301):
+        update_query_summaries(summaries, q[:, t], 0.9, 0.99, first=False)
+        if t in positions:
+            torch.testing.assert_close(got[positions.index(t)], summaries, rtol=1e-4, atol=1e-5)
+
+
 def test_switch_to_diffuse_makes_growpage_grow_and_inverse_compress(switch_trace):
     options = ReplayOptions(fidelity_queries=0)
     grow = replay_trace(switch_trace, "growpage", CONFIG, options)

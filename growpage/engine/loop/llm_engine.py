@@ -205,6 +205,7 @@ class LLMEngine:
             out = self.scheduler.schedule()
             b = self.kv.page_size
             capacities = [] if out.is_prefill else [len(s.state.block_table) * b for s in out.seqs]
+            prompts = [] if out.is_prefill else [len(s.prompt_token_ids) for s in out.seqs]
             seqs, logits = self.runner.run(out)
         except BaseException:
             self.kv.deferred.cancel()  # their requests are unchanged (still at the boundary)
@@ -223,6 +224,7 @@ class LLMEngine:
             capacities,
             self.kv.pool.num_used_pages,
             len(self.scheduler.running),
+            prompts,
         )
         return finished
 

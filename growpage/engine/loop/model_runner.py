@@ -71,7 +71,7 @@ class DecodeRows:
             ],
             lens,
             query_slots(seqs),
-            [s.num_decode_steps == 0 for s in seqs],
+            [kv.query_pool.is_first(s.num_decode_steps) for s in seqs],
         )
 
     def packed(self, tables: list[list[int]]) -> tuple[list[int], int]:

@@ -8,6 +8,11 @@
 A slot is bound when a request starts running and released when it finishes or is preempted;
 nothing is cleared: the first decode step of a new owner overwrites both EMAs (Eq. 6 with
 ``first``). Queries are pre-RoPE (post q-norm).
+
+With ``zero_start`` (``GrowPageConfig.summary_start == "average"``) a slot's summaries are set
+to zero when it is bound and its first decode step is an ordinary update (no ``first`` flag),
+so each summary is ``(1 - beta) sum_i beta^(n - i) q_i``: the bias-corrected average times
+``1 - beta^n``, a factor the RMS calibration (Eq. 12) removes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class QueryStatePool:
         beta_short: float,
         beta_long: float,
         device: torch.device | str = "cpu",
+        zero_start: bool = False,
     ) -> None:
         self.summaries = torch.zeros(
             num_layers, max_slots, 2, num_q_heads, head_dim, dtype=torch.float32, device=device
@@ -40,6 +46,7 @@ class QueryStatePool:
             num_layers, max_slots, num_q_heads, head_dim, dtype=torch.float32, device=device
         )
         self.beta_short, self.beta_long = beta_short, beta_long
+        self.zero_start = zero_start
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # update's scratch
         self._beta_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -58,7 +65,15 @@ class QueryStatePool:
     def bind(self) -> int:
         if not self._free:
             raise EngineError("no free query-state slot (more running requests than max_num_seqs)")
-        return self._free.pop()
+        slot = self._free.pop()
+        if self.zero_start:
+            self.summaries[:, slot] = 0.0
+        return slot
+
+    def is_first(self, num_decode_steps: int) -> bool:
+        """Whether a decode step sets the summaries to its query (Eq. 6's start) rather than
+        blending it in: the owner's first, unless the slot starts at zero (``zero_start``)."""
+        return num_decode_steps == 0 and not self.zero_start
 
     def release(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.max_slots:

@@ -26,6 +26,7 @@ from collections import deque
 
 import attrs
 
+from growpage.core.capacity import forced_growth_pages
 from growpage.core.residency import defers_beside_step, pick_victim
 from growpage.engine.config import EngineConfig, plural
 from growpage.engine.loop.kv_manager import KVCacheManager
@@ -92,7 +93,14 @@ class Scheduler:
             if reserve:
                 watermark = f", {reserve} of them kept free as the pool's watermark"
         else:
-            fits = self.kv.can_ever_fit(need)  # the prompt and the first decode step's token
+            # The prompt and the first decode step's token, and the growth below the floor
+            # (up to its whole KV, when that is smaller).
+            total = min(need + params.max_tokens, self.kv.model_config.max_position) - 1
+            forced = forced_growth_pages(self.kv.controller.config, num_tokens)
+            fits = (
+                self.kv.can_ever_fit(need)
+                and min(forced, self.kv.pages_for(total)) <= self.kv.num_pages
+            )
         if not fits:
             raise EngineError(
                 f"request {request_id!r}: {need} tokens (prompt {num_tokens}) "

@@ -65,7 +65,7 @@ class Sequence:
         self.detokenizer: IncrementalDetokenizer | None = None  # output text, for stops/streams
         self.stop_searched_len = 0  # settled output text already searched for stop strings
         self.stop_tail = ""  # its last characters, one stop string's length less one
-        self.state = RequestState(request_id)
+        self.state = RequestState(request_id, num_prompt_tokens=len(self.prompt_token_ids))
         self.prefill_target = 0
         self.query_slot: int | None = None
         self.num_decode_steps = 0  # in this residency; EMAs start at the first

@@ -36,6 +36,7 @@ class StatsCollector:
         self.step_s = 0.0
         self.budget_tokens = 0  # sum over decode steps and requests of capacity (tokens)
         self.budget_samples = 0
+        self.above_prompt_tokens = 0  # the same, of capacity beyond the request's prompt
         self.max_pages_used = 0
         self.timeline: list[tuple[float, int, int]] = []
         self.finished: list[Sequence] = []
@@ -47,15 +48,22 @@ class StatsCollector:
         decode_capacities: list[int],
         pages_used: int,
         resident_after: int,
+        prompt_lens: list[int] | None = None,
     ) -> None:
         """One step took ``seconds`` with ``num_running`` requests; ``pages_used`` and
-        ``resident_after`` are the pool's and the batch's state when it ended."""
+        ``resident_after`` are the pool's and the batch's state when it ended;
+        ``decode_capacities`` and ``prompt_lens`` are the decoding requests' capacities and
+        prompt lengths (tokens)."""
         self.timeline.append((time.perf_counter() - self.start, pages_used, resident_after))
         self.num_steps += 1
         self.step_s += seconds
         self.resident_s += seconds * num_running
         self.budget_tokens += sum(decode_capacities)
         self.budget_samples += len(decode_capacities)
+        if prompt_lens:
+            self.above_prompt_tokens += sum(
+                max(0, c - p) for c, p in zip(decode_capacities, prompt_lens, strict=True)
+            )
         self.max_pages_used = max(self.max_pages_used, pages_used)
 
     def on_idle(self, seconds: float) -> None:
@@ -99,6 +107,9 @@ class StatsCollector:
             avg_resident=self.resident_s / self.step_s if self.step_s else 0.0,
             avg_kv_budget=(
                 self.budget_tokens / self.budget_samples if self.budget_samples else 0.0
+            ),
+            avg_kv_above_prompt=(
+                self.above_prompt_tokens / self.budget_samples if self.budget_samples else 0.0
             ),
             max_pages_used=self.max_pages_used,
             num_preemptions=int(grown.get("num_preemptions", 0)),
