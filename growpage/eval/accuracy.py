@@ -483,8 +483,10 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"{report['kv_pages']} pages of {s['page_size']}, up to {s['max_num_seqs']} running, "
         f"{s['dtype']}. {report['date']}, commit {report['commit']}.\n\n"
     )
+    frontier = fixed_frontier(report["rows"])
     cols = (
-        "row | regime | accuracy [95% CI] | avg budget | above prompt | mean tokens | steps"
+        "row | regime | accuracy [95% CI] | vs fixed | avg budget | above prompt | mean tokens"
+        " | steps"
         " | TPS | C | grow | compress | fallback | preempt | rebuilt | boxed | no answer"
         " | truncated | load"
     )
@@ -492,16 +494,19 @@ def to_markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         lo, hi = r["interval"]
         above = r.get("avg_above_prompt")
+        gap = frontier_gap(r, frontier)
         lines.append(
             f"| {r['label']} | {regime_text(r)} | {r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
-            f" | {r['avg_budget']:.0f} | {'-' if above is None else f'{above:.0f}'}"
-            f" | {r['mean_tokens']:.0f} | {r.get('steps', '-')} | {r['tps']:.1f}"
+            f" | {'-' if gap is None else f'{gap:+.3f}'} | {r['avg_budget']:.0f}"
+            f" | {'-' if above is None else f'{above:.0f}'} | {r['mean_tokens']:.0f} | {r.get('steps', '-')} | {r['tps']:.1f}"
             f" | {r['avg_resident']:.1f} | {r['grow']} | {r['compress']} | {r['fallback']}"
             f" | {r['preemptions']} | {r.get('num_rebuilt', '-')} | {r.get('num_boxed', 0)}"
             f" | {r['num_no_answer']} | {r['num_truncated']} | {_load(r.get('load_avg'))} |"
         )
     note = (
-        "\n`regime`: prompt kept out of compression (`P`) or evictable (`-`); the floor in "
+        "\n`vs fixed`: the row's accuracy minus that of the fixed budgets at its average "
+        "budget (linear between the fixed rows; `-` outside them). `regime`: prompt kept out "
+        "of compression (`P`) or evictable (`-`); the floor in "
         "tokens above the prompt (`f64`; none: the paper's two pages); the long summary's decay "
         "and start where they differ from the paper's (0.999, first query). `above prompt`: KV "
         "held beyond the request's prompt. `rebuilt`: answers preempted after compressing at "
@@ -510,6 +515,26 @@ def to_markdown(report: dict[str, Any]) -> str:
         "(steps do not depend on it; C, weighted by step time, does).\n"
     )
     return head + "\n".join(lines) + "\n" + note
+
+
+def fixed_frontier(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """``(average budget, accuracy)`` of the plain fixed-budget rows (no settings of their
+    own), by budget: the frontier other rows are read against."""
+    fixed = [r for r in rows if r["policy"] == "fixed" and not r.get("config")]
+    return sorted((r["avg_budget"], r["accuracy"]) for r in fixed)
+
+
+def frontier_gap(row: dict[str, Any], frontier: list[tuple[float, float]]) -> float | None:
+    """``row``'s accuracy minus the fixed frontier's at its average budget (linear between
+    the fixed rows); None outside the frontier's budgets or for a fixed row itself."""
+    if row["policy"] == "fixed" and not row.get("config") or len(frontier) < 2:
+        return None
+    x = row["avg_budget"]
+    for (x0, y0), (x1, y1) in zip(frontier[:-1], frontier[1:], strict=True):
+        if x0 <= x <= x1:
+            y = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            return row["accuracy"] - y
+    return None
 
 
 def regime_text(row: dict[str, Any]) -> str:

