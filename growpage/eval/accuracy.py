@@ -447,6 +447,46 @@ def run_table(
     return final
 
 
+def rescore(out: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """Read every stored output of the table in ``out`` again with the current answer reader
+    (``growpage.eval.answers``): the rows' accuracy, interval and answer counts, and each
+    output's record, are rewritten, as are ``table.md`` and the plot. Returns the report and,
+    per row, how many verdicts changed."""
+    out = Path(out)
+    path = out / "results.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no accuracy table to rescore")
+    report = json.loads(path.read_text())
+    s = AccuracySettings.from_dict(report["settings"])
+    problems, _ = task_problems(s.task, s.num_problems, s.seed, s.difficulty)
+    changed: dict[str, int] = {}
+    for row in report["rows"]:
+        file = out / "outputs" / f"{_file_label(row['label'])}.jsonl"
+        outputs = [json.loads(line) for line in file.read_text().splitlines()]
+        if [o["id"] for o in outputs] != [p.id for p in problems]:
+            raise ConfigError(f"{file}: its problems are not the table's")
+        graded = score(problems, [o["output"] for o in outputs])
+        records: list[dict[str, Any]] = graded.to_dict()["records"]  # type: ignore[assignment]
+        changed[row["label"]] = sum(
+            o["correct"] != rec["correct"] for o, rec in zip(outputs, records, strict=True)
+        )
+        for o, rec in zip(outputs, records, strict=True):
+            o.update({k: v for k, v in rec.items() if k not in ("id", "template")})
+        row.update(
+            accuracy=graded.accuracy,
+            interval=list(graded.interval),
+            num_correct=graded.num_correct,
+            num_no_answer=sum(r.extracted is None for r in graded.records),
+            num_boxed=sum(r.form == "boxed" for r in graded.records),
+        )
+        _write_atomic(file, "".join(json.dumps(o) + "\n" for o in outputs))
+    report["rescored"] = {"date": time.strftime("%Y-%m-%d"), "commit": _commit()}
+    _write_atomic(path, json.dumps(report, indent=1))
+    _write_atomic(out / "table.md", to_markdown(report))
+    plot(report, out / "accuracy.png")
+    return report, changed
+
+
 def _commit() -> str:
     import subprocess
 

@@ -208,6 +208,30 @@ def run_accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_rescore(sub: argparse._SubParsersAction) -> None:
+    from growpage._argtypes import path_arg
+
+    p = sub.add_parser(
+        "rescore",
+        help="read an accuracy table's stored outputs again with the current answer reader",
+        description="Re-reads every output of an accuracy table (outputs/*.jsonl) with the "
+        "current answer reader and rewrites its rows' accuracy, results.json, table.md and the "
+        "plot; prints how many verdicts changed per row. Generates nothing.",
+    )
+    p.add_argument("out", type=path_arg, help="the table's folder (growpage eval accuracy --out)")
+    p.set_defaults(func=run_rescore)
+
+
+def run_rescore(args: argparse.Namespace) -> int:
+    from growpage.eval.accuracy import rescore, to_markdown
+
+    report, changed = rescore(args.out)
+    print(to_markdown(report))
+    for label, n in changed.items():
+        print(f"[rescore] {label}: {n} verdict(s) changed")
+    return 0
+
+
 def _add_signal(sub: argparse._SubParsersAction) -> None:
     from growpage._argtypes import path_arg, size_list
     from growpage.eval.signal_study import StudySettings
@@ -275,6 +299,7 @@ def run_signal(args: argparse.Namespace) -> int:
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_maths,
     _add_accuracy,
+    _add_rescore,
     _add_signal,
 )
 
