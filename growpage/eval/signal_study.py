@@ -238,7 +238,7 @@ def run_study(
     grid = [(b, h) for b in settings.page_sizes for h in chosen]
     bar = tqdm(total=len(grid) * len(entries), desc="signal study", disable=not progress)
     collected: dict[tuple[int, str], dict[str, list]] = {
-        (b, h.label): {"fig6": [], "fig7": [], "own": []} for b, h in grid
+        (b, h.label): {"fig6": [], "fig7": [], "own": [], "persistence": []} for b, h in grid
     }
     for entry in entries:
         trace = trace_set.read(entry.request_id)
@@ -246,7 +246,11 @@ def run_study(
         ref = reference(lm, list(trace.header.token_ids))
         for b, h in grid:
             rows, own = trace_boundaries(trace, config_for(b, h), settings.fidelity_queries)
-            fig6, fig7 = [], []
+            fig6, fig7, persist = [], [], []
+            for a, nxt in zip(rows[:-1], rows[1:], strict=True):
+                gap = nxt["position"] - a["position"]
+                if gap == b and a["future_change"] is not None and nxt["future_change"] is not None:
+                    persist.append((a["future_change"], nxt["future_change"]))
             for row in rows:
                 t = row["position"]
                 if row["future_change"] is not None:
@@ -258,6 +262,7 @@ def run_study(
             cell = collected[(b, h.label)]
             cell["fig6"].append(fig6)
             cell["fig7"].append(fig7)
+            cell["persistence"].append(persist)
             cell["own"].append(own)
             bar.update()
     bar.close()
@@ -276,6 +281,8 @@ def run_study(
             "page_size": b,
             "horizon": attrs.asdict(h),
             "fig6": summarize(cell["fig6"], settings.bootstrap, settings.seed),
+            # The yardstick: the last page's demand change as the predictor of the next one's.
+            "persistence_spearman": _rho([xy for g in cell["persistence"] for xy in g]),
             "fig7_nll": summarize(cell["fig7"], settings.bootstrap, settings.seed),
             "own_replay": {
                 "spearman": own["spearman"],
@@ -329,11 +336,12 @@ def report_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"{report['num_traces']} traces of {report['model']} ({report['traces']}), answers "
         f"{a['min']}-{a['max']} tokens (mean {a['mean']:.0f}); every layer compressed in the "
-        "counterfactual. Brackets: 95% cluster bootstrap over traces.",
+        "counterfactual. Brackets: 95% cluster bootstrap over traces. Yardstick: rho of the "
+        "last page's demand change with the next one's (a predictor that needs no signal).",
         "",
         "| b | horizon | boundaries | rho(Delta_t, demand change) | sign agreement "
-        "| rho(Delta_t, A_t NLL) | rho(Delta_t, mass adv.), own replay |",
-        "|---|---|---:|---|---|---|---|",
+        "| yardstick rho | rho(Delta_t, A_t NLL) | rho(Delta_t, mass adv.), own replay |",
+        "|---|---|---:|---|---|---:|---|---|",
     ]
     for cell in report["cells"].values():
         f6, f7, own = cell["fig6"], cell["fig7_nll"], cell["own_replay"]["advantage_mass"]
@@ -343,6 +351,7 @@ def report_markdown(report: dict[str, Any]) -> str:
             f"{h['summary_start']}) | {f6['num_boundaries']} "
             f"| {_num(f6['spearman'])}{_ci(f6['spearman_ci95'])} "
             f"| {_num(f6['sign_agreement'])}{_ci(f6['sign_agreement_ci95'])} "
+            f"| {_num(cell.get('persistence_spearman'))} "
             f"| {_num(f7['spearman'])}{_ci(f7['spearman_ci95'])} "
             f"| {_num(own['spearman'])}{_ci(own['spearman_ci95'])} |"
         )
