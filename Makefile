@@ -74,9 +74,11 @@ results-traces: $(STAMP)
 bench-sim: $(STAMP)
 	$(PY) benchmarks/sim_speed.py
 
+# lint-imports: the layer contracts of pyproject.toml's [tool.importlinter] (docs/architecture.md).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) $(LOCK_VENV) build *.egg-info

@@ -105,7 +105,7 @@ def startup_s() -> float:
     """Seconds a fresh ``growpage`` process takes to import what a grid command imports (part
     of every timed command, not of its points)."""
     start = time.perf_counter()
-    code = "import growpage.cli, growpage.sim.commands, growpage.executors.grids"
+    code = "import growpage.cli, growpage.commands.sim, growpage.executors.grids"
     subprocess.run([sys.executable, "-c", code], check=True)
     return time.perf_counter() - start
 

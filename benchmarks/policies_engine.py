@@ -610,7 +610,7 @@ def plot_quality(rows: list[dict], path: Path) -> Path:
     """NLL increase against throughput, one labelled point per run."""
     import matplotlib.pyplot as plt
 
-    from growpage.sim.plots import place_labels
+    from growpage.plots import place_labels
 
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = []

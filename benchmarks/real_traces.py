@@ -338,7 +338,8 @@ def describe_traces(traces: list) -> tuple[str, dict]:
 def write_report(
     out: Path, analysis, extra: dict, traces: list, command: str, wall_s: float
 ) -> Path:
-    from growpage.sim import plots, reports
+    from growpage import plots
+    from growpage.sim import reports
 
     out.mkdir(parents=True, exist_ok=True)
     b = analysis.settings.page_size
@@ -424,7 +425,7 @@ def write_report(
 
 
 def _plot_signals(out: Path, analysis, page_size: int) -> None:
-    from growpage.sim.plots import plot_signal_scatter  # (chooses the Agg backend)
+    from growpage.plots import plot_signal_scatter  # (chooses the Agg backend)
 
     sig = analysis.signals["growpage"]
     plot_signal_scatter(

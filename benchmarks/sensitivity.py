@@ -530,7 +530,7 @@ def plot_tau(result: dict, path: Path) -> Path:
     fidelity-throughput trade-off labelled by τ (the paper's Fig. 9)."""
     import matplotlib.pyplot as plt
 
-    from growpage.sim.plots import place_labels
+    from growpage.plots import place_labels
 
     rows, serve = result["tau"]["replay"], result["tau"].get("serve")
     fig, axes = plt.subplots(2 if serve else 1, 2, figsize=(11, 8 if serve else 4), squeeze=False)

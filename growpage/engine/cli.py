@@ -347,7 +347,7 @@ def _write_generate_results(
     (args.out / "stats.json").write_text(
         json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    from growpage.sim.plots import plot_pool
+    from growpage.plots import plot_pool
 
     plot_pool(
         {stats.policy: stats.pool_timeline},
