@@ -6,8 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.growpage-installed
 CONSTRAINTS := constraints.txt
-# The tests cover the server and the Ray executor too.
-EXTRAS := test,serve,ray
+# The tests cover the server, the load client and the Ray executor too.
+EXTRAS := test,serve,ray,bench
 LOCK_VENV := .lock-venv
 
 .PHONY: demo test install lint lock clean results results-traces bench-sim

@@ -22,6 +22,7 @@ SUBCOMMAND_MODULES = (
     "growpage.commands.cli",
     "growpage.server.cli",
     "growpage.eval.cli",
+    "growpage.bench.cli",
 )
 
 
