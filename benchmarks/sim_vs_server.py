@@ -1,4 +1,4 @@
-"""The serving simulator against ``growpage serve``: latencies under Poisson arrivals, over HTTP.
+"""Does the serving simulator predict the latencies clients of ``growpage serve`` measure?
 
 ``benchmarks/sim_vs_engine.py`` checks the simulator against the engine called in-process;
 this checks it against the server, as a client sees it: requests sent over HTTP at their
@@ -40,7 +40,6 @@ writes ``results/sim_vs_server/report.md``, ``sim_vs_server.json``, ``workload.c
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import csv
@@ -59,6 +58,7 @@ import attrs
 import numpy as np
 import sim_vs_engine
 import torch
+from script_args import ROOT, add_out, add_threads, parser, run_main
 
 from growpage.bench import serve as load
 from growpage.bench.workload import BenchRequest
@@ -69,7 +69,6 @@ from growpage.sim.costmodel import PiecewiseCostModel
 from growpage.sim.sweep import SweepPoint, parse_points
 from growpage.sim.workload_csv import WorkloadRequest
 
-ROOT = Path(__file__).resolve().parent.parent
 TARGET = 0.20  # relative error the simulator should stay within on each gated metric
 MODEL_NAME = "SmolLM2-135M-Instruct"
 #: (key, label, format); every one is gated
@@ -485,7 +484,7 @@ def git_commit() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--page-size", type=int, default=32)
@@ -494,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--points", nargs="+", default=["fullkv", "growpage", "fixed@budget_tokens=128"]
     )
-    ap.add_argument("--threads", type=int, default=1)
+    add_threads(ap, 1)
     ap.add_argument("--repeats", type=int, default=2, help="timings per calibration shape")
     ap.add_argument(
         "--no-http-overhead",
@@ -509,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the in-process engine run after each server run (LLM.generate with the "
         "same arrivals; it shows how far the machine's speed moved between runs)",
     )
-    ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_server"))
+    add_out(ap, "sim_vs_server")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
@@ -653,6 +652,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
     raise SystemExit(run_main(main))
