@@ -116,6 +116,21 @@ def test_bench_serve_sends_text_and_synthetic_prompts(served, tmp_path, capsys):
     assert "all at once" in capsys.readouterr().out
 
 
+def test_failed_requests_are_reported_and_the_run_exits_1(served, tmp_path, capsys):
+    """Prompts past the tiny model's context (512): the server refuses them, the run goes on,
+    writes what it measured and says how many failed."""
+    server, _ = served
+    out = tmp_path / "failed.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--no-progress", "--out", str(out)]
+    assert main([*argv, "--num-prompts", "2", "--input-len", "600", "--output-len", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "0 completed, 2 failed" in captured.out
+    [line] = captured.err.splitlines()
+    assert line.startswith("growpage: 2 of 2 requests failed: BadRequestError")
+    rows = json.loads(out.read_text())["requests"]
+    assert [r["error"] is not None and r["num_tokens"] == 0 for r in rows] == [True, True]
+
+
 class _NotOpenAI(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
         self.send_error(404)
