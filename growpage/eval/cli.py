@@ -9,17 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from growpage._argtypes import positive_int
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+from growpage._argtypes import non_negative_int, positive_int
 
 
 def _difficulty(text: str) -> int:
@@ -165,7 +155,7 @@ def _add_accuracy(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--floor-tokens",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=d.floor_tokens,
         metavar="N",
         help="every request grows freely until a compression would keep N tokens above its "
