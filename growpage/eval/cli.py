@@ -257,7 +257,17 @@ def _add_signal(sub: argparse._SubParsersAction) -> None:
         "--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples (default 1000)"
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    p.add_argument("--out", type=path_arg, required=True, help="output folder")
+    p.add_argument(
+        "--out",
+        type=path_arg,
+        required=True,
+        help="output folder; each measured trace, page size and horizon is kept in OUT/items",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the items an earlier run with the same settings left in OUT/items",
+    )
     p.set_defaults(func=run_signal)
 
 
@@ -277,7 +287,9 @@ def run_signal(args: argparse.Namespace) -> int:
         bootstrap=args.bootstrap,
         max_traces=args.max_traces,
     )
-    report = run_study(args.traces, args.model, settings)
+    report = run_study(
+        args.traces, args.model, settings, items=args.out / "items", resume=args.resume
+    )
     (args.out / "signal.json").write_text(json.dumps(report, indent=1))
     text = report_markdown(report)
     (args.out / "report.md").write_text(text)
