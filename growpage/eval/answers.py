@@ -95,13 +95,7 @@ def read_answer(text: str, prefer: str = "####") -> tuple[Number | None, str | N
 
 def _after_mark(text: str, start: int) -> Number | None:
     m = _AFTER_MARK.match(text, start)
-    if m is None:
-        return None
-    if m["fnum"] is not None:
-        return _value(m["sign"], m["fnum"], m["fden"])
-    if m["bare"] is not None:
-        return _value(m["sign"], "0" + m["bare"])
-    return _value(m["sign"], m["num"] + (m["dec"] or ""), m["den"], m["mnum"], m["mden"])
+    return None if m is None else _matched(m)
 
 
 def _box(text: str, start: int) -> Number | None:
@@ -112,14 +106,22 @@ def _box(text: str, start: int) -> Number | None:
         depth += {"{": 1, "}": -1}.get(text[end], 0)
         end += 1
     m = _BOX_NUMBER.fullmatch(_tidy_box(text[start:end]))
-    if m is None:
-        return None
+    return None if m is None else _matched(m)
+
+
+def _matched(m: re.Match[str]) -> Number | None:
+    """The number of a match of ``_AFTER_MARK`` or ``_BOX_NUMBER``: a LaTeX fraction, a bare
+    decimal (.5), or a number with its decimals, slash denominator or mixed fraction (in a box
+    also written with a space before it)."""
     if m["fnum"] is not None:
         return _value(m["sign"], m["fnum"], m["fden"])
     if m["bare"] is not None:
         return _value(m["sign"], "0" + m["bare"])
+    g = m.groupdict()
     whole = m["num"] + (m["dec"] or "")
-    return _value(m["sign"], whole, m["den"], m["mnum"] or m["snum"], m["mden"] or m["sden"])
+    return _value(
+        m["sign"], whole, m["den"], m["mnum"] or g.get("snum"), m["mden"] or g.get("sden")
+    )
 
 
 def _tidy_box(content: str) -> str:
