@@ -251,6 +251,51 @@ def plot_signal_scatter(
     return _save(fig, path)
 
 
+def plot_by_delta(
+    panels: Mapping[str, Mapping[str, Sequence[Mapping]]],
+    path: str | os.PathLike,
+    ylabel: str,
+) -> Path:
+    """One panel per title of ``panels``, one line per label in it: the mean of a quantity in
+    each Delta_t bucket (``{"low", "high", "mean", "ci95", "count"}``), with its interval
+    (paper Fig. 7's view of the growth advantage). Empty buckets are gaps."""
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False, sharey=True
+    )
+    for ax, (title, lines) in zip(axes[0], panels.items(), strict=True):
+        for offset, (label, buckets) in enumerate(lines.items()):
+            x = [i + 0.12 * (offset - (len(lines) - 1) / 2) for i in range(len(buckets))]
+            y = [b["mean"] if b["mean"] is not None else float("nan") for b in buckets]
+            err = [
+                (b["mean"] - b["ci95"][0], b["ci95"][1] - b["mean"])
+                if b["mean"] is not None and b["ci95"]
+                else (0.0, 0.0)
+                for b in buckets
+            ]
+            ax.errorbar(
+                x,
+                y,
+                yerr=[[e[0] for e in err], [e[1] for e in err]],
+                marker="o",
+                ms=4,
+                capsize=2,
+                label=label,
+            )
+        if lines:
+            first = next(iter(lines.values()))
+            ax.set_xticks(range(len(first)))
+            ax.set_xticklabels(
+                [f"[{b['low']:g}, {b['high']:g})" for b in first], rotation=45, ha="right"
+            )
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_title(title)
+        ax.set_xlabel("Delta_t bucket")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel(ylabel)
+    return _save(fig, path)
+
+
 def _save(fig: Figure, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -233,7 +233,8 @@ def _add_signal(sub: argparse._SubParsersAction) -> None:
         description="Replays full-KV traces recorded at every layer (growpage record) and "
         "measures Delta_t against the next page's demand change and against the growth "
         "advantage: the reference trajectory's next page teacher-forced under Compress & Hold "
-        "and under Grow. Writes signal.json and report.md to --out.",
+        "and under Grow. Writes signal.json, report.md and signal.png (Fig. 7: the advantage "
+        "by Delta_t) to --out.",
     )
     p.add_argument("--traces", type=path_arg, required=True, help="trace set (all layers)")
     p.add_argument("--model", required=True, help="the model the traces were recorded with")
@@ -276,7 +277,7 @@ def run_signal(args: argparse.Namespace) -> int:
 
     import torch
 
-    from growpage.eval.signal_study import StudySettings, report_markdown, run_study
+    from growpage.eval.signal_study import StudySettings, plot_study, report_markdown, run_study
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -293,7 +294,9 @@ def run_signal(args: argparse.Namespace) -> int:
     (args.out / "signal.json").write_text(json.dumps(report, indent=1))
     text = report_markdown(report)
     (args.out / "report.md").write_text(text)
+    plot_study(report, args.out / "signal.png")
     print(text)
+    print(f"wrote {args.out / 'signal.json'}, report.md and signal.png")
     return 0
 
 

@@ -405,6 +405,19 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def plot_study(report: dict[str, Any], path: Path) -> Path:
+    """Fig. 7 as the study measures it: the growth advantage A_t (nats per token) by Delta_t
+    bucket, one panel per page size, one line per horizon, with 95% intervals over traces."""
+    from growpage.plots import plot_by_delta
+
+    panels: dict[str, dict[str, list]] = {}
+    for cell in report["cells"].values():
+        h = cell["horizon"]
+        label = f"{h['label']} (beta_L {h['beta_long']}, {h['summary_start']})"
+        panels.setdefault(f"b = {cell['page_size']}", {})[label] = cell["fig7_nll"]["buckets"]
+    return plot_by_delta(panels, path, "A_t = NLL(compress) - NLL(grow)")
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     """The study's tables: one row per page size and horizon; then the Fig. 7 buckets."""
     a = report["answer_tokens"]

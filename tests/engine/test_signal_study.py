@@ -142,3 +142,42 @@ def test_a_study_cut_short_resumes_from_its_stored_items(model, traces, tmp_path
     other = StudySettings(page_sizes=(4, 8), horizons=("paper",), bootstrap=20, fidelity_queries=4)
     run_study(traces, model, other, progress=False, log=lambda _: None, items=items, resume=True)
     assert len(calls) == 6
+
+
+def test_the_command_writes_its_report_and_plot_and_resumes(tmp_path, capsys):
+    """``growpage eval signal`` on a model directory: signal.json, report.md and the Fig. 7
+    plot; a second run into the same folder needs --resume and then measures nothing again."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from growpage.cli import main
+    from growpage.engine.llm import LLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+    from server_helpers import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    traces = tmp_path / "traces"
+    llm = LLM(
+        str(model_dir), "fullkv", page_size=4, recent_window=2, kv_pages=64, record_traces=traces
+    )
+    llm.generate(
+        [prompt(9, 5), prompt(12, 6)],
+        SamplingParams(max_tokens=24, ignore_eos=True),
+        use_tqdm=False,
+    )
+    out = tmp_path / "study"
+    args = ["eval", "signal", "--traces", str(traces), "--model", str(model_dir)]
+    args += ["--page-sizes", "4", "--horizons", "paper", "--bootstrap", "10", "--out", str(out)]
+    assert main(args) == 0
+    report = json.loads((out / "signal.json").read_text())
+    assert report["num_traces"] == 2 and set(report["cells"]) == {"b4-paper"}
+    assert "| 4 | paper (beta_L 0.999, first) |" in (out / "report.md").read_text()
+    assert (out / "signal.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(list((out / "items").glob("*.pkl"))) == 2
+    assert main(args) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+    again = json.loads((out / "signal.json").read_text())
+    assert again["cells"] == report["cells"]
