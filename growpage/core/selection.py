@@ -272,10 +272,14 @@ def _kept_slots(
     device = kept.device
     span = width + most_prefix + recent
     slot = torch.arange(span, device=device)
-    index = (slot - prefix).clamp(0, width - 1).expand(-1, num_layers, num_kv, -1)
     window = num_tokens - recent
-    candidate = (slot >= prefix) & (slot < window) & kept.gather(-1, index)
-    mask = (slot < prefix) | candidate | ((slot >= window) & (slot < num_tokens))
+    if most_prefix:  # each row's candidates start at its prefix
+        index = (slot - prefix).clamp(0, width - 1).expand(-1, num_layers, num_kv, -1)
+        candidate = (slot >= prefix) & (slot < window) & kept.gather(-1, index)
+        mask = (slot < prefix) | candidate
+    else:  # candidates are slots 0.. (a row keeps none past its own)
+        mask = torch.nn.functional.pad(kept, (0, span - width))
+    mask = mask | ((slot >= window) & (slot < num_tokens))
     # Kept slot s goes to column (kept before it); the others to a spare column, cut off.
     # No masked_select: its output size would be a host sync on a GPU.
     column = torch.where(mask, mask.cumsum(dim=-1) - 1, most)
