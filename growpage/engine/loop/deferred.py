@@ -127,26 +127,15 @@ class DeferredBoundaries:
         if streams is not None:
             forward_done = torch.cuda.Event(enable_timing=True)
             forward_done.record()  # after everything queued on the main stream: the forward
-        done = 0
+        done = [0]
         try:
             side = contextlib.nullcontext() if streams is None else torch.cuda.stream(streams[0])
             with side, self.kv.one_thread():
                 if streams is not None and self._ready is not None:
                     streams[0].wait_event(self._ready)
-                batch = self.kv.shared_batch(late)
-                compactions = self._compaction_batch(len(items))
-                try:
-                    for _, pending in items:
-                        done += 1
-                        if isinstance(pending, LateBoundary):
-                            pending.run(batch, compactions)
-                        else:
-                            pending.run(compactions)
-                finally:
-                    if compactions is not None:
-                        compactions.run()  # those booked, failure or not
+                self._run_items(items, late, done)
         except BaseException:
-            for _, pending in items[done:]:
+            for _, pending in items[done[0] :]:
                 pending.cancel()
             raise
         finally:
@@ -166,6 +155,28 @@ class DeferredBoundaries:
         self.num_compactions += len(items) - len(late)
         self.num_decisions += len(late)
         return [seq for seq, _ in items]
+
+    def _run_items(
+        self,
+        items: list[tuple[Sequence, PendingCompaction | LateBoundary]],
+        late: list[Sequence],
+        done: list[int],
+    ) -> None:
+        """Decide the late boundaries (sharing a batch) and run the compressions, in order;
+        two or more items book theirs and run them together. ``done[0]`` counts the items
+        started (those after it are cancelled when one fails)."""
+        batch = self.kv.shared_batch(late)
+        compactions = self._compaction_batch(len(items))
+        try:
+            for _, pending in items:
+                done[0] += 1
+                if isinstance(pending, LateBoundary):
+                    pending.run(batch, compactions)
+                else:
+                    pending.run(compactions)
+        finally:
+            if compactions is not None:
+                compactions.run()  # those booked, failure or not
 
     def _compaction_batch(self, num_items: int) -> CompactionBatch | None:
         """The run's compressions booked and run together (two or more items and

@@ -163,27 +163,10 @@ def measure_boundary_costs(
     squares over the steps (``fit_step_prices``).
     Returns the four prices and ``decided``, ``compactions`` and ``steps`` counts.
     """
-    import random
-
-    from growpage.engine.llm import LLM
     from growpage.engine.profiling.boundary_profile import profile_boundaries
     from growpage.engine.sampling_params import SamplingParams
 
-    rng = random.Random(0)
-    llm = LLM(
-        model,
-        policy=policy,
-        page_size=page_size,
-        max_num_seqs=num_requests,
-        kv_pages=max(num_requests * -(-(max_tokens + 48) // page_size) * 2 // 5, 8),
-        min_capacity=2,
-        enable_prefix_caching=False,
-        warmup=False,
-    )
-    vocab = llm.engine.model.config.vocab_size
-    prompts = [
-        [rng.randrange(3, vocab) for _ in range(rng.randrange(16, 48))] for _ in range(num_requests)
-    ]
+    llm, prompts = _squeezed(model, num_requests, max_tokens, page_size, policy)
     with profile_boundaries(llm) as phases:
         steps = _boundary_steps(llm, phases)
         llm.generate(
@@ -202,6 +185,37 @@ def measure_boundary_costs(
         "compactions": sum(compacted),
         "steps": sum(1 for d in decided if d),
     }
+
+
+def _squeezed(
+    model: str | Path | CausalLM | None,
+    num_requests: int,
+    max_tokens: int,
+    page_size: int,
+    policy: str | CapacityPolicy,
+) -> tuple[Any, list[list[int]]]:
+    """An ``LLM`` whose pool holds 40% of what ``num_requests`` requests of ``max_tokens``
+    need (so that they both grow and compress), and their random prompts."""
+    import random
+
+    from growpage.engine.llm import LLM
+
+    rng = random.Random(0)
+    llm = LLM(
+        model,
+        policy=policy,
+        page_size=page_size,
+        max_num_seqs=num_requests,
+        kv_pages=max(num_requests * -(-(max_tokens + 48) // page_size) * 2 // 5, 8),
+        min_capacity=2,
+        enable_prefix_caching=False,
+        warmup=False,
+    )
+    vocab = llm.engine.model.config.vocab_size
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(rng.randrange(16, 48))] for _ in range(num_requests)
+    ]
+    return llm, prompts
 
 
 COMPACTION_PHASES = ("select", "check", "compact")
