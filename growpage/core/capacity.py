@@ -326,10 +326,12 @@ class CapacityController:
         except BaseException:
             self.pool.free(p.fresh)
             raise
-        return self._book(p)
+        return self.book(p)
 
-    def _book(self, p: PendingCompaction) -> BoundaryOutcome:
-        """The pages and the request as after ``p``'s compaction (done or to be done)."""
+    def book(self, p: PendingCompaction) -> BoundaryOutcome:
+        """The pages and the request as after ``p``'s compaction (done, or to be run by a
+        ``CompactionBatch``): pages invalidated and released, block table and token count,
+        events and trajectory."""
         state, before = p.state, p.state.num_pages
         for page in p.target:
             self.pool.invalidate(page)  # compaction rewrites content: no longer a prefix page

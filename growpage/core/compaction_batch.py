@@ -30,8 +30,8 @@ from growpage.core.capacity import (
     BoundaryOutcome,
     CapacityController,
     PendingCompaction,
-    _check_selection,
     invalid_rows,
+    selection_problem,
 )
 from growpage.core.kv_view import CompactionJob
 from growpage.core.request import RequestState
@@ -68,7 +68,7 @@ class CompactionBatch:
             except BaseException:
                 self.controller.pool.free(pending.fresh)
                 raise
-        outcome = self.controller._book(pending)
+        outcome = self.controller.book(pending)
         self._booked.append(_Booked(pending, keep))
         return outcome
 
@@ -129,7 +129,7 @@ def select_together(
     bad = invalid_rows(keep, num_kept, num_tokens, config.recent_window, prefixes)
     for i, (ctx, wrong) in enumerate(zip(contexts, bad, strict=True)):
         if wrong:  # never for GrowPage's selection: a bug, named as a policy's would be
-            problem = _check_selection(keep[i, :, :, : num_kept[i]], ctx, num_kept[i])[0]
+            problem = selection_problem(keep[i, :, :, : num_kept[i]], ctx, num_kept[i])
             raise PolicyError(
                 f"policy {getattr(controller.policy, 'name', 'custom')} select(): {problem} "
                 f"(request {ctx.request_id!r} at position {ctx.position})",
