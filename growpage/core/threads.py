@@ -3,7 +3,7 @@
 A capacity boundary runs dozens of small operations. With torch's intra-op pool on several
 threads each of them may wake the others and wait for them, which on a machine whose cores are
 busy costs milliseconds per operation (a Qwen2.5-0.5B boundary's signals took 57 ms on two
-threads against 2.5 ms on one, 2-core machine under load, 2026-12-05). A boundary's operations
+threads against 2.5 ms on one, 2-core machine under load, 2026-12-06). A boundary's operations
 give the same bits on one thread as on several, because each output is computed by one thread
 either way (rows of a softmax, a sort, a cumsum; the matrices of a batched product), except a
 lone matrix product, which a BLAS may split across threads: a model whose layers times KV heads
