@@ -6,8 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.growpage-installed
 CONSTRAINTS := constraints.txt
-# The tests cover the server and the Ray executor too.
-EXTRAS := test,serve,ray
+# The tests cover the server, the load client and the Ray executor too.
+EXTRAS := test,serve,ray,bench
 LOCK_VENV := .lock-venv
 
 .PHONY: demo test install lint lock clean results results-traces bench-sim
@@ -74,9 +74,11 @@ results-traces: $(STAMP)
 bench-sim: $(STAMP)
 	$(PY) benchmarks/sim_speed.py
 
+# lint-imports: the layer contracts of pyproject.toml's [tool.importlinter] (docs/architecture.md).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) $(LOCK_VENV) build *.egg-info

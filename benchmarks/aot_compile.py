@@ -1,5 +1,6 @@
-"""Compile every kernel for NVIDIA GPUs on a machine without one, and read what the compiler
-made of it (Triton's bundled ptxas and cuobjdump).
+"""Do the kernels compile for NVIDIA GPUs (sm_90, sm_80) without spills, on a machine with none?
+
+Every kernel compiled, and read back with Triton's bundled ptxas and cuobjdump.
 
 Catches GPU-only failures in CPU-only CI: ops the interpreter accepts but the compiler rejects,
 shared memory over the device limit, and two kinds of slow code the interpreter cannot show:
@@ -23,7 +24,6 @@ exits with 3 when those are not as expected, 1 when a kernel fails to compile or
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from script_args import parser, run_main
 
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=256)
@@ -314,7 +315,7 @@ def _short(constexprs: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="SM versions")
     p.add_argument(
         "--quick",
@@ -371,6 +372,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

@@ -1,4 +1,4 @@
-"""Host-side work of one capacity boundary in the engine: torch ops, Triton launches, syncs.
+"""What host work (torch ops, Triton launches, syncs) does one capacity boundary cost the engine?
 
 On a GPU a boundary of a small model costs launch overhead and host syncs, not FLOPs, so this
 counts them, per outcome, on any machine (on CPU the Triton path runs under the interpreter):
@@ -37,11 +37,11 @@ import collections
 import contextlib
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
+from script_args import parser, run_main
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 # NOTE: first, before anything imports triton: growpage.kernels turns Triton's interpreter on
@@ -385,7 +385,7 @@ def _prompt_len(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--path", choices=("triton", "torch"), default="triton")
     p.add_argument("--model", default="tiny", help="tiny (random), smollm2, or a GGUF path")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -471,6 +471,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

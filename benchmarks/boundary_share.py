@@ -1,4 +1,4 @@
-"""The engine run of the GPU check, host side only: what share of it capacity boundaries take.
+"""What share of the GPU check's engine run do capacity boundaries take, host side only?
 
 On the H200 the engine section (SmolLM2, 64 requests x 512 tokens, pages of 64, 40% of the pool
 fullkv needs) is host-bound: every kernel is tiny, so a decode step costs what its Python,
@@ -35,10 +35,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import torch
+from script_args import add_threads, parser, run_main
 
 # NOTE: first, before anything imports triton: growpage.kernels turns Triton's interpreter on
 # when there is no CUDA device.
@@ -161,13 +161,13 @@ def _ms(ms: float | None) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--policies", nargs="+", default=["fullkv", "growpage"])
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    add_threads(p, 1)
     p.add_argument(
         "--prompt-len",
         default="80-159",
@@ -226,6 +226,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

@@ -1,4 +1,4 @@
-"""Engine (fullkv) vs Hugging Face ``generate``: output tokens/s at batch 1 and 16 on CPU.
+"""How fast is the engine (fullkv) against Hugging Face ``generate``, at batch 1 and 16 on CPU?
 
 Same model weights, same chat prompts, greedy, fp32. Two modes: ``fixed`` makes every request
 exactly ``--max-tokens`` long (EOS ignored on our side, ``min_new_tokens`` on HF's); ``eos``
@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from script_args import ROOT, add_out, add_threads, parser, run_main
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -46,8 +48,6 @@ from growpage.core.traces import atomic_write  # noqa: E402
 from growpage.engine.llm import LLM  # noqa: E402
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 from growpage.errors import EngineError  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 
 QUESTIONS = [
     "What is 2+2?",
@@ -204,7 +204,7 @@ def batch_sizes(values: list[str]) -> list[int]:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: SmolLM2)")
     ap.add_argument("--batch-sizes", nargs="+", default=["1", "16"])
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -216,8 +216,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="best of N timed runs")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "engine_vs_hf")
+    add_threads(ap, None)
+    add_out(ap, "engine_vs_hf")
     ap.add_argument("--side", choices=["engine", "hf"], help=argparse.SUPPRESS)  # a child's
     ap.add_argument("--side-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -464,6 +464,4 @@ def _commit() -> str | None:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
     raise SystemExit(run_main(main))

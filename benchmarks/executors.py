@@ -1,4 +1,4 @@
-"""Ray against local processes for the simulator's grids, side by side on this machine.
+"""What does Ray cost per point against local processes, for the simulator's grids, here?
 
     .venv/bin/python benchmarks/executors.py            # ~40 min on 2 busy cores
     .venv/bin/python benchmarks/executors.py --smoke    # ~2 min: checks the pipeline
@@ -29,7 +29,6 @@ of a grid must be identical (the script fails otherwise). Writes ``<out>/executo
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -40,11 +39,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from script_args import add_out, parser, run_main
+
 from growpage.core.traces import atomic_write
 from growpage.eval.machine import describe_machine
 from growpage.executors.options import FINISHED_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
 GROWPAGE = Path(sys.executable).parent / "growpage"
 JOBS = 2
 STARTUP = [0.0]  # seconds of a fresh process's imports (startup_s), measured first
@@ -105,7 +105,7 @@ def startup_s() -> float:
     """Seconds a fresh ``growpage`` process takes to import what a grid command imports (part
     of every timed command, not of its points)."""
     start = time.perf_counter()
-    code = "import growpage.cli, growpage.sim.commands, growpage.executors.grids"
+    code = "import growpage.cli, growpage.commands.sim, growpage.executors.grids"
     subprocess.run([sys.executable, "-c", code], check=True)
     return time.perf_counter() - start
 
@@ -169,14 +169,9 @@ def commit() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="tiny grids: checks the pipeline")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=ROOT / "results" / "executors",
-        help="folder of executors.json (default: results/executors)",
-    )
+    add_out(p, "executors")
     args = p.parse_args(argv)
     import ray
 
@@ -235,4 +230,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main(main))

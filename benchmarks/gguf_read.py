@@ -1,5 +1,7 @@
-"""Reading a GGUF file: ``GGUFFile`` vs ``gguf.GGUFReader``, the weights' dequantization:
-``growpage.engine.loading.dequant`` vs ``gguf.quants.dequantize``, and ``load_model``'s wall time.
+"""How fast do we read a GGUF file and dequantize its weights, against the ``gguf`` package?
+
+``GGUFFile`` vs ``gguf.GGUFReader``, ``growpage.engine.loading.dequant`` vs
+``gguf.quants.dequantize``, and ``load_model``'s wall time.
 
     python benchmarks/gguf_read.py [--repeat 3] [--path model.gguf] [--threads N] [--no-load]
 
@@ -17,15 +19,14 @@ on a core another process holds). Exit status 1 when any tensor's bits differ.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
+from script_args import add_threads, parser, run_main
 
 from growpage.engine.loading.gguf_file import GGUFFile, GGUFTensor  # noqa: E402
 from growpage.engine.loading.loader import default_model_path, load_model  # noqa: E402
@@ -111,11 +112,11 @@ def time_load(path: Path, repeat: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--path", type=Path, default=None)
     p.add_argument("--no-load", action="store_true", help="skip timing load_model")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_threads(p, None)
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -159,6 +160,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

@@ -1,4 +1,6 @@
-"""GPU check in one command: kernel tests on CUDA, then the numbers issue 4 asks for.
+"""Do the kernels pass on a CUDA GPU, and what do decode, the EMA and boundaries cost there?
+
+One command: the kernel tests on CUDA, then the numbers issue 4 asks for.
 
     python benchmarks/gpu_check.py                  # one GPU, ~5 min: tests + benchmarks
     python benchmarks/gpu_check.py --smoke          # tiny shapes, CPU, Triton interpreter
@@ -22,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_args import ROOT, parser, run_main
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TARGET_BW_PCT, TARGET_EMA_PCT = 70.0, 3.0
 SECTIONS = "tests,sweep,decode,ema,boundary,hostwork,engine,paper"
@@ -30,7 +33,7 @@ PAPER_BOUNDARY_PCT = 0.32  # paper: boundary work under 0.32% of decode (8B mode
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET")
     p.add_argument("--out", default="results/gpu_check", help="report path without extension")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -743,6 +746,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

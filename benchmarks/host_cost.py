@@ -1,4 +1,4 @@
-"""The engine's host cost per decode step, before and after a change, side by side in one run.
+"""What does a decode step cost the engine's host, before and after a change, in one run?
 
 Each point runs the engine on the CPU with the model's forward stubbed (``FixedForward``: it
 records fixed queries for the query summaries and returns fixed logits), so what a decode step
@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from script_args import ROOT, add_out, add_threads, parser, run_main
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BEFORE = "a0f52d9"  # the engine before the host-cost work (issue 30)
 PHASES = (
     "schedule",
@@ -634,7 +634,7 @@ def profile_point(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--backends", nargs="+", choices=["triton", "torch"], default=None)
     p.add_argument("--policies", nargs="+", default=["fullkv", "growpage"])
     p.add_argument("--batches", nargs="+", type=int, default=None)
@@ -645,12 +645,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=8)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    add_threads(p, 1)
     p.add_argument("--real", action="store_true", help="SmolLM2-135M with its real forward")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama with its real forward")
     p.add_argument("--profile", default=None, metavar="BACKEND:POLICY:BATCH")
     p.add_argument("--profile-top", type=int, default=30)
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "host_cost")
+    add_out(p, "host_cost")
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.max_batched_tokens = 4096  # LLM's default max_num_batched_tokens
@@ -696,6 +696,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

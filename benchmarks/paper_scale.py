@@ -1,4 +1,4 @@
-"""Paper-scale serving in the simulator: GrowPage against fixed budgets (paper Fig. 5).
+"""Does the simulator at paper scale reproduce Fig. 5, GrowPage against fixed budgets?
 
 Setup: the paper's mixed workload (Table 6: 1280 AMC23-like + 960 AIME24-like + 1319
 GSM8K-like requests, all at t = 0, outputs up to 32768 tokens; ``sim.workloads.WORKLOADS
@@ -26,7 +26,6 @@ tolerance, up to 3 more for the search); writes ``results/paper_scale/report.md`
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 
 import attrs
 import torch
+from script_args import add_out, parser, run_main
 from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig
@@ -49,7 +49,6 @@ from growpage.sim.synthetic import SyntheticSpec
 from growpage.sim.workload_csv import WorkloadRequest
 from growpage.sim.workloads import resolve_workload
 
-ROOT = Path(__file__).resolve().parent.parent
 PAPER_BUDGET = 3442  # tokens: GrowPage's average KV budget in Fig. 5 (Qwen3-8B, mixed workload)
 # Fig. 5 / section 5.2: GrowPage 2213 tok/s at C = 121; Zipage-4096 1690 at C = 100; GrowPage
 # has "nearly 1.9x" the throughput and "1.8x" the resident requests of Zipage-8192, whose
@@ -339,7 +338,7 @@ def plot_bars(rows: dict[str, dict], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--cost", default="a100-qwen3-8b")
     ap.add_argument("--page-size", type=int, default=256)
@@ -354,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--max-evals", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "results" / "paper_scale"))
+    add_out(ap, "paper_scale")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     start, started, machine = (
@@ -436,6 +435,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
     raise SystemExit(run_main(main))

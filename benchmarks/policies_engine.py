@@ -1,4 +1,4 @@
-"""Engine policy table: one workload, one KV page pool, every policy side by side (real model).
+"""How do the policies compare in the real engine, on one workload and one KV page pool?
 
     python benchmarks/policies_engine.py                          # CPU preset, ~12 min here
     python benchmarks/policies_engine.py --preset full --device cuda   # ~4.5 min on one H200
@@ -37,14 +37,12 @@ import itertools
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_args import ROOT, add_threads, parser, run_main
 
 from growpage.engine.config import check_device  # noqa: E402
 from growpage.engine.llm import LLM  # noqa: E402
@@ -68,7 +66,7 @@ PRESETS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default SmolLM2)")
     p.add_argument("--device", default="cpu")
@@ -100,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time every row this many times, in rotated order, and report the "
         "median TPS (runs one after another drift: one pass is noisy to +-20%%)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_threads(p, None)
     add_executor_arguments(p, jobs=1, what="policy runs")
     p.add_argument(
         "--out",
@@ -610,7 +608,7 @@ def plot_quality(rows: list[dict], path: Path) -> Path:
     """NLL increase against throughput, one labelled point per run."""
     import matplotlib.pyplot as plt
 
-    from growpage.sim.plots import place_labels
+    from growpage.plots import place_labels
 
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = []
@@ -689,6 +687,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

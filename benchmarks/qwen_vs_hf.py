@@ -1,5 +1,6 @@
-"""Our engine against transformers on a real Qwen2 GGUF file: tokenizer, chat template, end
-tokens and greedy tokens, at fp32.
+"""Does our engine read a real Qwen2 GGUF file as transformers does, token for token (fp32)?
+
+Tokenizer, chat template, end tokens and greedy tokens.
 
     python benchmarks/qwen_vs_hf.py --model ~/.cache/growpage/models/qwen2.5-coder-0.5b.gguf
         [--prompts 8] [--max-tokens 32] [--threads N] [--out results/qwen_vs_hf]
@@ -24,7 +25,6 @@ Prints one line per check and per prompt; writes ``<out>/<model file stem>.json`
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from script_args import ROOT, add_out, add_threads, parser, run_main
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -44,7 +46,6 @@ from growpage.engine.modeling.step_context import prefill_context, use_context  
 from growpage.engine.sampling_params import SamplingParams  # noqa: E402
 from growpage.errors import EngineError  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 PROBLEMS = [
     "A baker makes 14 loaves a day. How many loaves does she make in 3 weeks?",
@@ -179,12 +180,12 @@ def commit() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", type=Path, required=True, help="a Qwen2 GGUF file")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "qwen_vs_hf")
+    add_threads(ap, None)
+    add_out(ap, "qwen_vs_hf")
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -272,6 +273,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

@@ -1,5 +1,6 @@
-"""Real traces (SmolLM2, or a Qwen2.5-Coder on the maths task): record them, and measure the
-Delta_t signal and the policies on them.
+"""How good is the Delta_t signal, and how do the policies do, on real traces (recorded here)?
+
+SmolLM2's, or a Qwen2.5-Coder's on the maths task.
 
     .venv/bin/python benchmarks/real_traces.py --record DIR [--num 16] [--max-tokens 1100]
     .venv/bin/python benchmarks/real_traces.py --record DIR --model qwen2.5-coder-1.5b --task maths
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import attrs
 import torch
+from script_args import add_threads, parser, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "data" / "traces" / "smollm2"
@@ -338,7 +340,8 @@ def describe_traces(traces: list) -> tuple[str, dict]:
 def write_report(
     out: Path, analysis, extra: dict, traces: list, command: str, wall_s: float
 ) -> Path:
-    from growpage.sim import plots, reports
+    from growpage import plots
+    from growpage.sim import reports
 
     out.mkdir(parents=True, exist_ok=True)
     b = analysis.settings.page_size
@@ -424,7 +427,7 @@ def write_report(
 
 
 def _plot_signals(out: Path, analysis, page_size: int) -> None:
-    from growpage.sim.plots import plot_signal_scatter  # (chooses the Agg backend)
+    from growpage.plots import plot_signal_scatter  # (chooses the Agg backend)
 
     sig = analysis.signals["growpage"]
     plot_signal_scatter(
@@ -542,7 +545,7 @@ def default_out(traces: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument(
         "--record",
         type=Path,
@@ -610,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         help="report directory (default results/real_traces/committed for the "
         "committed set, results/real_traces for any other)",
     )
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    add_threads(p, 1)
     args = p.parse_args(argv)
     args.argv = argv
     if args.out is None:
@@ -647,6 +650,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

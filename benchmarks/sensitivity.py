@@ -1,4 +1,4 @@
-"""Hyperparameter sensitivity (paper appendix D): the demand threshold τ and the local quota k_loc.
+"""How sensitive is GrowPage to its demand threshold τ and local quota k_loc (paper appendix D)?
 
     python benchmarks/sensitivity.py                  # committed traces + the mixed workload
     python benchmarks/sensitivity.py --no-serve       # the real traces only (seconds)
@@ -38,6 +38,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 import torch
+from script_args import ROOT, add_out, add_threads, parser, run_main
 from tqdm import tqdm
 
 from growpage.core.boundary_context import BoundaryContext  # noqa: E402
@@ -67,7 +68,6 @@ from growpage.sim.synthetic import synthetic_trace  # noqa: E402
 from growpage.sim.workload_csv import WorkloadRequest  # noqa: E402
 from growpage.sim.workloads import resolve_workload  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "data" / "traces" / "smollm2"
 TAUS = (-0.003, -0.002, -0.001, 0.0, 0.001, 0.002, 0.003)  # paper appendix D.1
 KLOC_AT_256 = (16, 32, 64, 128)  # paper Table 4, pages of 256
@@ -530,7 +530,7 @@ def plot_tau(result: dict, path: Path) -> Path:
     fidelity-throughput trade-off labelled by τ (the paper's Fig. 9)."""
     import matplotlib.pyplot as plt
 
-    from growpage.sim.plots import place_labels
+    from growpage.plots import place_labels
 
     rows, serve = result["tau"]["replay"], result["tau"].get("serve")
     fig, axes = plt.subplots(2 if serve else 1, 2, figsize=(11, 8 if serve else 4), squeeze=False)
@@ -651,7 +651,7 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument(
         "--traces",
         type=Path,
@@ -727,13 +727,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve the k_loc points too (default on)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload and synthetic seed (default 0)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=ROOT / "results" / "sensitivity",
-        help="report directory (default results/sensitivity)",
-    )
+    add_threads(p, 1)
+    add_out(p, "sensitivity")
     p.add_argument(
         "--json", action="store_true", help="print the results as JSON instead of markdown tables"
     )
@@ -870,6 +865,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

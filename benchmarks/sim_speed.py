@@ -1,4 +1,4 @@
-"""Simulator speed, side by side with its targets (a benchmark that prints, not a test).
+"""Is the simulator as fast as its targets (a benchmark that prints, not a test)?
 
     .venv/bin/python benchmarks/sim_speed.py [--quick] [--threads N]
 
@@ -16,13 +16,12 @@ Times are the best of ``--repeat`` runs for the short measurements (the machine 
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 
 import attrs
 import torch
+from script_args import add_threads, parser, run_main
 
 from growpage.core.config import GrowPageConfig  # noqa: E402
 from growpage.sim.costmodel import load_cost_model  # noqa: E402
@@ -97,11 +96,11 @@ def bench_serving(workload: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="serve 'amc23' instead of 'mixed'")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    add_threads(p, 1)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="serve 'amc23' instead of 'mixed'")
+    args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(
         f"torch threads {torch.get_num_threads()}, load average "
@@ -114,6 +113,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
-    sys.exit(run_main(main))
+    raise SystemExit(run_main(main))

@@ -1,4 +1,4 @@
-"""The serving simulator against the engine it models, on this machine's CPU.
+"""Does the serving simulator, calibrated on this machine's CPU, predict the engine it models?
 
 Scenario: 16 chat prompts from ``growpage.eval.workload.reasoning_prompts()``, every request
 generating exactly ``--max-tokens`` tokens (``ignore_eos``), all submitted at once to the engine
@@ -45,7 +45,6 @@ thread; 15 minutes of wall time when the 2-core machine is loaded by other jobs)
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -57,6 +56,7 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+from script_args import add_out, add_threads, parser, run_main
 from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig
@@ -70,7 +70,6 @@ from growpage.sim.serving import ServingResult, SimConfig, simulate
 from growpage.sim.sweep import SweepPoint, parse_points
 from growpage.sim.workload_csv import WorkloadRequest
 
-ROOT = Path(__file__).resolve().parent.parent
 TARGET = 0.15  # relative error the simulator should stay within on TPS, C and total time
 
 
@@ -456,7 +455,7 @@ def markdown(rows: list[dict], meta: dict, linear_rows: Sequence[dict] = ()) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--page-size", type=int, default=32)
@@ -465,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         "--points", nargs="+", default=["fullkv", "growpage", "fixed@budget_tokens=128"]
     )
     ap.add_argument("--layers", default="all", help="recorded layers: 'all' or 0,15,29")
-    ap.add_argument("--threads", type=int, default=1)
+    add_threads(ap, 1)
     ap.add_argument("--repeats", type=int, default=2, help="timings per calibration shape")
     ap.add_argument(
         "--no-boundaries",
@@ -482,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         "at once) on both sides: LLM.generate(arrival_s=...) over wall-clock "
         "time, the simulator over simulated time (default: all at t = 0)",
     )
-    ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_engine"))
+    add_out(ap, "sim_vs_engine")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
@@ -620,6 +619,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
     raise SystemExit(run_main(main))

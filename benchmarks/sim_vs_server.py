@@ -1,8 +1,8 @@
-"""The serving simulator against ``growpage serve``: latencies under Poisson arrivals, over HTTP.
+"""Does the serving simulator predict the latencies clients of ``growpage serve`` measure?
 
 ``benchmarks/sim_vs_engine.py`` checks the simulator against the engine called in-process;
 this checks it against the server, as a client sees it: requests sent over HTTP at their
-Poisson arrival times, streamed, and timed on the client (``benchmarks/serve_load.py``), so
+Poisson arrival times, streamed, and timed on the client (``growpage bench serve``'s client), so
 HTTP, the event loop, per-step detokenization and the engine thread's hand-offs are all in the
 measurement and none of them in the simulator. Steps:
 
@@ -40,7 +40,6 @@ writes ``results/sim_vs_server/report.md``, ``sim_vs_server.json``, ``workload.c
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import csv
@@ -57,17 +56,19 @@ from typing import Any
 
 import attrs
 import numpy as np
-import serve_load
 import sim_vs_engine
 import torch
+from script_args import ROOT, add_out, add_threads, parser, run_main
 
+from growpage.bench import serve as load
+from growpage.bench.workload import BenchRequest
+from growpage.core.traces import atomic_write
 from growpage.eval.machine import describe_machine
 from growpage.sim.calibrate import fit_piecewise
 from growpage.sim.costmodel import PiecewiseCostModel
 from growpage.sim.sweep import SweepPoint, parse_points
 from growpage.sim.workload_csv import WorkloadRequest
 
-ROOT = Path(__file__).resolve().parent.parent
 TARGET = 0.20  # relative error the simulator should stay within on each gated metric
 MODEL_NAME = "SmolLM2-135M-Instruct"
 #: (key, label, format); every one is gated
@@ -152,10 +153,8 @@ def http_overhead(url: str, ids: list[int], repeats: int = 5) -> float:
     excess = []
     for i in range(repeats + 1):  # the first warms the server up
         before = engine_ttft_total(url)
-        request = WorkloadRequest(f"probe-{i}", 0.0, len(ids), 1)
-        [result], _ = asyncio.run(
-            serve_load.run_load(url, [request], [0.0], [ids], MODEL_NAME, progress=False)
-        )
+        request = BenchRequest(f"probe-{i}", ids, 1)
+        [result] = asyncio.run(load.run_load(url, [request], [0.0], MODEL_NAME, progress=False))
         after = engine_ttft_total(url)
         assert result.ok and after[1] == before[1] + 1, result.error
         if i:
@@ -180,7 +179,11 @@ def serve_point(
         overhead = http_overhead(url, ids[0][:64])
         time.sleep(1.0)
         cpu, steps = thread_cpu_s(proc.pid), server_counts(url)["step_s"]
-        results, _ = asyncio.run(serve_load.run_load(url, requests, send_s, ids, MODEL_NAME))
+        sent = [
+            BenchRequest(r.request_id, p, r.output_tokens)
+            for r, p in zip(requests, ids, strict=True)
+        ]
+        results = asyncio.run(load.run_load(url, sent, send_s, MODEL_NAME))
         counts = server_counts(url)
         counts["cpu_share"] = engine_cpu_share(
             cpu, thread_cpu_s(proc.pid), counts["step_s"] - steps
@@ -189,7 +192,7 @@ def serve_point(
         status = stop_server(proc)
     if status != 0:
         raise RuntimeError(f"growpage serve exited with status {status} after SIGTERM")
-    summary = serve_load.summarize(results)
+    summary = load.summarize(results)
     if summary["num_failed"]:
         raise RuntimeError(f"{summary['num_failed']} requests failed: {summary['errors']}")
     summary["engine"] = counts
@@ -241,9 +244,12 @@ def write_load(path: Path, summary: dict, overhead: float, results: list) -> Non
         }
         for r in results
     ]
-    serve_load.write_json(
-        path, {"summary": summary, "http_overhead_s": overhead, "requests": requests}
-    )
+    write_json(path, {"summary": summary, "http_overhead_s": overhead, "requests": requests})
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """``payload`` as JSON at ``path``, atomically."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=1) + "\n"))
 
 
 def server_row(summary: dict) -> dict:
@@ -436,7 +442,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"arrivals at {meta['arrival_rate']:g} requests/s (seed 0, the first at t = 0); "
             f"`growpage serve` with a pool of {meta['kv_pages']} pages x {meta['page_size']} "
             f"tokens, max_num_seqs {meta['max_num_seqs']}, prefix caching off, one torch "
-            "thread. Latencies are timed on the client (`benchmarks/serve_load.py`).",
+            "thread. Latencies are timed on the client (`growpage bench serve`'s).",
             "",
             "Simulator: `growpage sim serve` in trace mode on `workload.csv` (the arrival times "
             "sent, the recorded traces), with a piecewise cost model fitted on the calibration "
@@ -481,7 +487,7 @@ def git_commit() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--page-size", type=int, default=32)
@@ -490,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--points", nargs="+", default=["fullkv", "growpage", "fixed@budget_tokens=128"]
     )
-    ap.add_argument("--threads", type=int, default=1)
+    add_threads(ap, 1)
     ap.add_argument("--repeats", type=int, default=2, help="timings per calibration shape")
     ap.add_argument(
         "--no-http-overhead",
@@ -505,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the in-process engine run after each server run (LLM.generate with the "
         "same arrivals; it shows how far the machine's speed moved between runs)",
     )
-    ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_server"))
+    add_out(ap, "sim_vs_server")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
@@ -566,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             point, scenario, requests, send_s, ids, out, args.threads
         )
         write_load(out / f"load-{_slug(point)}.json", summary, overhead, results)
-        print(serve_load.table(summary), flush=True)
+        print(load.table(summary), flush=True)
         print(f"HTTP term (client TTFT - engine TTFT, idle server): {1e3 * overhead:.1f} ms")
         calibration_pass()
         print(f"[{next(step)}/{steps}] pricing capacity control", flush=True)
@@ -640,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     report = markdown(rows, meta)
     (out / "report.md").write_text(report)
-    serve_load.write_json(
+    write_json(
         out / "sim_vs_server.json",
         {"meta": meta, "rows": rows, "calibration": [p.tolist() for p in passes]},
     )
@@ -649,6 +655,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_main
-
     raise SystemExit(run_main(main))

@@ -1,7 +1,8 @@
 """The ``growpage`` command line.
 
-Each world adds its own subcommands through a ``register(subparsers)`` function in its own
-module (``growpage/engine/cli.py``, ``growpage/sim/cli.py``), so this file stays a dispatcher.
+Each face adds its own subcommands through a ``register(subparsers)`` function in its own
+module (``growpage/engine/cli.py``, ``growpage/commands/cli.py``, ...), so this file stays a
+dispatcher.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ SUBCOMMAND_MODULES = (
     "growpage.testing.cli",
     "growpage.engine.cli",
     "growpage.engine.loading.catalog_cli",
-    "growpage.sim.cli",
+    "growpage.commands.cli",
     "growpage.server.cli",
     "growpage.eval.cli",
     "growpage.eval.data_cli",
+    "growpage.bench.cli",
 )
 
 

@@ -102,7 +102,7 @@ def serving_table(
 
 def run(args: argparse.Namespace) -> int:
     from growpage.errors import ConfigError
-    from growpage.sim.plots import plot_capacity, plot_pareto, plot_pool
+    from growpage.plots import plot_capacity, plot_pareto, plot_pool
     from growpage.sim.reports import (
         REPLAY_COLUMNS,
         SERVING_COLUMNS,

@@ -15,7 +15,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` as the module ``<name>_script`` (loaded once per session)."""
+    """``benchmarks/<name>.py`` as the module ``<name>_script`` (loaded once per session), with
+    ``benchmarks/`` on the path for what the scripts import by name (``script_args``)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
     key = f"{name}_script"
     if key not in sys.modules:
         spec = importlib.util.spec_from_file_location(key, BENCHMARKS / f"{name}.py")

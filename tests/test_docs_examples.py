@@ -297,6 +297,20 @@ def test_simulator_guide_commands_parse_and_name_real_policies() -> None:
             resolve_policy(point.policy, **dict(point.params))
 
 
+def test_serving_guide_bench_commands_parse() -> None:
+    """The ``growpage bench`` commands of the serving guide are ones the parser takes."""
+    import shlex
+
+    from growpage.cli import build_parser
+
+    text = (ROOT / "docs/serving.md").read_text()
+    shell = "".join(part.split("```", 1)[0] for part in text.split("```bash\n")[1:])
+    commands = re.findall(r"^growpage (bench .+?)(?:\s+#.*)?$", shell.replace("\\\n", " "), re.M)
+    assert {shlex.split(c)[1] for c in commands} == {"serve", "throughput", "latency"}
+    for command in commands:
+        assert build_parser().parse_args(shlex.split(command)).func is not None, command
+
+
 def test_simulator_guide_lists_every_serving_metric() -> None:
     import attrs
 

@@ -15,7 +15,7 @@ selection and the compaction later, or is cancelled.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic
 
 import attrs
 import torch
@@ -26,12 +26,12 @@ from growpage.core.decision import Action, Decision
 from growpage.core.events import EventCounters
 from growpage.core.kv_view import KVView
 from growpage.core.pages import PagePool
+from growpage.core.policy import PolicyT
 from growpage.core.request import RequestState
 from growpage.errors import ConfigError, GrowPageError, PolicyError
 
 if TYPE_CHECKING:
     from growpage.core.compaction_batch import CompactionBatch
-    from growpage.policies.base import CapacityPolicy
 
 
 @attrs.frozen
@@ -109,12 +109,12 @@ class PendingCompaction:
             )
 
 
-class CapacityController:
+class CapacityController(Generic[PolicyT]):
     """Runs one policy over any number of requests sharing one ``PagePool``."""
 
     def __init__(
         self,
-        policy: CapacityPolicy,
+        policy: PolicyT,
         pool: PagePool,
         config: GrowPageConfig,
         min_kept: Callable[[RequestState], int] | None = None,

@@ -177,6 +177,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _common(
     p: argparse.ArgumentParser, default_policy: str | None, default_max_tokens: int
 ) -> None:
+    _model_flags(p, default_policy)
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=default_max_tokens,
+        help=f"most tokens to generate per prompt (default {default_max_tokens})",
+    )
+    _kv_flags(p)
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="apply the model's chat template (default on)",
+    )
+    add_engine_flags(p, NO_FLAG)
+
+
+def add_llm_flags(p: argparse.ArgumentParser, default_policy: str = "growpage") -> None:
+    """The flags of an ``LLM`` as ``generate`` takes them: ``--model``, ``--policy`` and
+    ``--param``, ``--page-size``, ``--threads``, ``--recent-window`` and one per engine setting
+    (``llm_kwargs`` reads them back)."""
+    _model_flags(p, default_policy)
+    _kv_flags(p)
+    add_engine_flags(p, NO_FLAG)
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``LLM`` arguments of the flags ``add_llm_flags`` gave (``--threads`` is applied here,
+    to torch)."""
+    return {
+        "policy": args.policy,
+        "policy_kwargs": parse_policy_params(args.policy_arg, "--param"),
+        **_engine_kwargs(args),
+    }
+
+
+def _model_flags(p: argparse.ArgumentParser, default_policy: str | None) -> None:
     p.add_argument(
         "--model",
         default=None,
@@ -199,12 +236,9 @@ def _common(
             help="policy hyperparameter, e.g. tau=0.01 (repeatable; read as the "
             "simulator's --param)",
         )
-    p.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        default=default_max_tokens,
-        help=f"most tokens to generate per prompt (default {default_max_tokens})",
-    )
+
+
+def _kv_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--page-size",
         type=int,
@@ -225,13 +259,6 @@ def _common(
         help="protected recent tokens (default 16, or page size / 4 for pages of 16 "
         "tokens or fewer, as the simulator's)",
     )
-    p.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="apply the model's chat template (default on)",
-    )
-    add_engine_flags(p, NO_FLAG)
 
 
 def _build_llm(**kwargs: Any) -> LLM:
@@ -298,11 +325,7 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     if args.out is not None:
         _make_out_dir(args.out, "an output directory")
-    llm = _build_llm(
-        policy=args.policy,
-        policy_kwargs=parse_policy_params(args.policy_arg, "--param"),
-        **_engine_kwargs(args),
-    )
+    llm = _build_llm(**llm_kwargs(args))
     if args.stream:
         out = _print_stream(
             llm.stream(prompts, params, chat=args.chat, use_tqdm=bool(args.progress))
@@ -347,7 +370,7 @@ def _write_generate_results(
     (args.out / "stats.json").write_text(
         json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    from growpage.sim.plots import plot_pool
+    from growpage.plots import plot_pool
 
     plot_pool(
         {stats.policy: stats.pool_timeline},

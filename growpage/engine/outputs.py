@@ -122,7 +122,7 @@ class EngineStats:
             ``ServingMetrics`` names them (whose TPOT is in ms).
         pool_timeline: ``(seconds since the call started, KV pages in use, running requests)``
             at the end of every step, as the simulator's ``ServingResult.pool_timeline()``
-            (``growpage.sim.plots.plot_pool`` draws either).
+            (``growpage.plots.plot_pool`` draws either).
     """
 
     policy: str

@@ -447,6 +447,46 @@ def run_table(
     return final
 
 
+def rescore(out: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """Read every stored output of the table in ``out`` again with the current answer reader
+    (``growpage.eval.answers``): the rows' accuracy, interval and answer counts, and each
+    output's record, are rewritten, as are ``table.md`` and the plot. Returns the report and,
+    per row, how many verdicts changed."""
+    out = Path(out)
+    path = out / "results.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no accuracy table to rescore")
+    report = json.loads(path.read_text())
+    s = AccuracySettings.from_dict(report["settings"])
+    problems, _ = task_problems(s.task, s.num_problems, s.seed, s.difficulty)
+    changed: dict[str, int] = {}
+    for row in report["rows"]:
+        file = out / "outputs" / f"{_file_label(row['label'])}.jsonl"
+        outputs = [json.loads(line) for line in file.read_text().splitlines()]
+        if [o["id"] for o in outputs] != [p.id for p in problems]:
+            raise ConfigError(f"{file}: its problems are not the table's")
+        graded = score(problems, [o["output"] for o in outputs])
+        records: list[dict[str, Any]] = graded.to_dict()["records"]  # type: ignore[assignment]
+        changed[row["label"]] = sum(
+            o["correct"] != rec["correct"] for o, rec in zip(outputs, records, strict=True)
+        )
+        for o, rec in zip(outputs, records, strict=True):
+            o.update({k: v for k, v in rec.items() if k not in ("id", "template")})
+        row.update(
+            accuracy=graded.accuracy,
+            interval=list(graded.interval),
+            num_correct=graded.num_correct,
+            num_no_answer=sum(r.extracted is None for r in graded.records),
+            num_boxed=sum(r.form == "boxed" for r in graded.records),
+        )
+        _write_atomic(file, "".join(json.dumps(o) + "\n" for o in outputs))
+    report["rescored"] = {"date": time.strftime("%Y-%m-%d"), "commit": _commit()}
+    _write_atomic(path, json.dumps(report, indent=1))
+    _write_atomic(out / "table.md", to_markdown(report))
+    plot(report, out / "accuracy.png")
+    return report, changed
+
+
 def _commit() -> str:
     import subprocess
 
@@ -483,8 +523,10 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"{report['kv_pages']} pages of {s['page_size']}, up to {s['max_num_seqs']} running, "
         f"{s['dtype']}. {report['date']}, commit {report['commit']}.\n\n"
     )
+    frontier = fixed_frontier(report["rows"])
     cols = (
-        "row | regime | accuracy [95% CI] | avg budget | above prompt | mean tokens | steps"
+        "row | regime | accuracy [95% CI] | vs fixed | avg budget | above prompt | mean tokens"
+        " | steps"
         " | TPS | C | grow | compress | fallback | preempt | rebuilt | boxed | no answer"
         " | truncated | load"
     )
@@ -492,16 +534,19 @@ def to_markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         lo, hi = r["interval"]
         above = r.get("avg_above_prompt")
+        gap = frontier_gap(r, frontier)
         lines.append(
             f"| {r['label']} | {regime_text(r)} | {r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
-            f" | {r['avg_budget']:.0f} | {'-' if above is None else f'{above:.0f}'}"
-            f" | {r['mean_tokens']:.0f} | {r.get('steps', '-')} | {r['tps']:.1f}"
+            f" | {'-' if gap is None else f'{gap:+.3f}'} | {r['avg_budget']:.0f}"
+            f" | {'-' if above is None else f'{above:.0f}'} | {r['mean_tokens']:.0f} | {r.get('steps', '-')} | {r['tps']:.1f}"
             f" | {r['avg_resident']:.1f} | {r['grow']} | {r['compress']} | {r['fallback']}"
             f" | {r['preemptions']} | {r.get('num_rebuilt', '-')} | {r.get('num_boxed', 0)}"
             f" | {r['num_no_answer']} | {r['num_truncated']} | {_load(r.get('load_avg'))} |"
         )
     note = (
-        "\n`regime`: prompt kept out of compression (`P`) or evictable (`-`); the floor in "
+        "\n`vs fixed`: the row's accuracy minus that of the fixed budgets at its average "
+        "budget (linear between the fixed rows; `-` outside them). `regime`: prompt kept out "
+        "of compression (`P`) or evictable (`-`); the floor in "
         "tokens above the prompt (`f64`; none: the paper's two pages); the long summary's decay "
         "and start where they differ from the paper's (0.999, first query). `above prompt`: KV "
         "held beyond the request's prompt. `rebuilt`: answers preempted after compressing at "
@@ -510,6 +555,26 @@ def to_markdown(report: dict[str, Any]) -> str:
         "(steps do not depend on it; C, weighted by step time, does).\n"
     )
     return head + "\n".join(lines) + "\n" + note
+
+
+def fixed_frontier(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """``(average budget, accuracy)`` of the plain fixed-budget rows (no settings of their
+    own), by budget: the frontier other rows are read against."""
+    fixed = [r for r in rows if r["policy"] == "fixed" and not r.get("config")]
+    return sorted((r["avg_budget"], r["accuracy"]) for r in fixed)
+
+
+def frontier_gap(row: dict[str, Any], frontier: list[tuple[float, float]]) -> float | None:
+    """``row``'s accuracy minus the fixed frontier's at its average budget (linear between
+    the fixed rows); None outside the frontier's budgets or for a fixed row itself."""
+    if row["policy"] == "fixed" and not row.get("config") or len(frontier) < 2:
+        return None
+    x = row["avg_budget"]
+    for (x0, y0), (x1, y1) in zip(frontier[:-1], frontier[1:], strict=True):
+        if x0 <= x <= x1:
+            y = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            return row["accuracy"] - y
+    return None
 
 
 def regime_text(row: dict[str, Any]) -> str:

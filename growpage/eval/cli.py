@@ -9,17 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from growpage._argtypes import positive_int
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+from growpage._argtypes import non_negative_int, positive_int
 
 
 def _difficulty(text: str) -> int:
@@ -165,7 +155,7 @@ def _add_accuracy(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--floor-tokens",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=d.floor_tokens,
         metavar="N",
         help="every request grows freely until a compression would keep N tokens above its "
@@ -208,6 +198,30 @@ def run_accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_rescore(sub: argparse._SubParsersAction) -> None:
+    from growpage._argtypes import path_arg
+
+    p = sub.add_parser(
+        "rescore",
+        help="read an accuracy table's stored outputs again with the current answer reader",
+        description="Re-reads every output of an accuracy table (outputs/*.jsonl) with the "
+        "current answer reader and rewrites its rows' accuracy, results.json, table.md and the "
+        "plot; prints how many verdicts changed per row. Generates nothing.",
+    )
+    p.add_argument("out", type=path_arg, help="the table's folder (growpage eval accuracy --out)")
+    p.set_defaults(func=run_rescore)
+
+
+def run_rescore(args: argparse.Namespace) -> int:
+    from growpage.eval.accuracy import rescore, to_markdown
+
+    report, changed = rescore(args.out)
+    print(to_markdown(report))
+    for label, n in changed.items():
+        print(f"[rescore] {label}: {n} verdict(s) changed")
+    return 0
+
+
 def _add_signal(sub: argparse._SubParsersAction) -> None:
     from growpage._argtypes import path_arg, size_list
     from growpage.eval.signal_study import StudySettings
@@ -243,7 +257,17 @@ def _add_signal(sub: argparse._SubParsersAction) -> None:
         "--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples (default 1000)"
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    p.add_argument("--out", type=path_arg, required=True, help="output folder")
+    p.add_argument(
+        "--out",
+        type=path_arg,
+        required=True,
+        help="output folder; each measured trace, page size and horizon is kept in OUT/items",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the items an earlier run with the same settings left in OUT/items",
+    )
     p.set_defaults(func=run_signal)
 
 
@@ -263,7 +287,9 @@ def run_signal(args: argparse.Namespace) -> int:
         bootstrap=args.bootstrap,
         max_traces=args.max_traces,
     )
-    report = run_study(args.traces, args.model, settings)
+    report = run_study(
+        args.traces, args.model, settings, items=args.out / "items", resume=args.resume
+    )
     (args.out / "signal.json").write_text(json.dumps(report, indent=1))
     text = report_markdown(report)
     (args.out / "report.md").write_text(text)
@@ -275,6 +301,7 @@ def run_signal(args: argparse.Namespace) -> int:
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_maths,
     _add_accuracy,
+    _add_rescore,
     _add_signal,
 )
 

@@ -28,6 +28,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=run_fetch)
 
+    p = sub.add_parser(
+        "prompts",
+        help="write a data set's problems as JSONL prompts (for growpage record, generate)",
+    )
+    p.add_argument("name", choices=names, metavar="NAME", help=", ".join(names))
+    p.add_argument("--num", type=int, default=None, help="the first N problems (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="0: the file's order (default)")
+    p.set_defaults(func=run_prompts)
+
 
 def _row(dataset: datasets.DataSet) -> dict:
     src = dataset.source
@@ -66,4 +75,15 @@ def run_fetch(args: argparse.Namespace) -> int:
             print(f"[data] {name}: already cached at {path} (sha256 checked)")
         count = len(datasets.load_problems(name))
         print(f"[data] {name}: {count} problems")
+    return 0
+
+
+def run_prompts(args: argparse.Namespace) -> int:
+    """One JSON object per line: ``id``, ``prompt`` (the user message the accuracy table sends)
+    and the exact ``answer``."""
+    for problem in datasets.load_problems(args.name, args.num, args.seed):
+        answer = problem.answer
+        text = answer if isinstance(answer, int) else str(answer)
+        line = {"id": problem.id, "prompt": datasets.prompt(problem), "answer": text}
+        print(json.dumps(line))
     return 0

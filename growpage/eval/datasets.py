@@ -103,7 +103,7 @@ class BenchmarkProblem:
     question: str
     answer: Number
     #: Where the scorer looks first for the model's final answer (``growpage.eval.maths``).
-    answer_mark: str = "boxed"
+    prompt_form: str = "boxed"
 
     @property
     def template(self) -> str:  # the accuracy table's outputs name the problem's source

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import statistics
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Protocol
 
 import attrs
 
 from growpage.errors import ConfigError, WorkloadError
-from growpage.eval.maths_templates import TEMPLATES, Number, Step, Template, format_number, normal
+from growpage.eval.answers import answer_form, extract_answer, read_answer
+from growpage.eval.maths_templates import TEMPLATES, Number, Step, Template, format_number
 from growpage.validators import is_int, non_negative_int
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "Problem",
     "Step",
     "Template",
+    "answer_form",
     "extract_answer",
     "format_number",
     "generate_problems",
@@ -46,6 +47,7 @@ __all__ = [
     "make_problem",
     "prompt",
     "score",
+    "ScoredProblem",
     "template_names",
     "wilson_interval",
 ]
@@ -69,6 +71,30 @@ class Problem:
     @property
     def num_steps(self) -> int:
         return len(self.steps)
+
+    @property
+    def prompt_form(self) -> str:
+        """The answer form ``prompt`` asks for, read first by the scorer."""
+        return "####"
+
+
+class ScoredProblem(Protocol):
+    """What ``score`` needs of a problem: a maths ``Problem`` or a benchmark's
+    (``growpage.eval.datasets.BenchmarkProblem``). ``template`` labels the records: the
+    maths template, or the benchmark's task name; ``prompt_form`` is the answer form the
+    problem's prompt asks for (``"####"`` or ``"boxed"``, see ``growpage.eval.answers``)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def template(self) -> str: ...
+
+    @property
+    def answer(self) -> Number: ...
+
+    @property
+    def prompt_form(self) -> str: ...
 
 
 _BY_NAME = {t.name: t for t in TEMPLATES}
@@ -169,74 +195,10 @@ def prompt(problem: Problem) -> str:
     )
 
 
-_MARK = re.compile(r"#{4,}")
-_ANSWER = re.compile(
-    r"""(?:\s|\*|_|\$|\\\$|\\\(|\\\[|\\boxed\{|\\text(?:bf)?\{|\{)*   # space, markdown, LaTeX
-    (?P<sign>[-\N{MINUS SIGN}])?\s*(?:\\?\$)?\s*
-    (?:\\d?frac\{(?P<fnum>\d+)\}\{(?P<fden>\d+)\}                 # \frac{3}{4}
-      |(?P<num>\d{1,3}(?:,\d{3})+(?!\d)|\d+)
-       (?:[ \t]+(?P<mnum>\d+)/(?P<mden>\d+)                     # 1 3/4
-         |(?P<dec>\.\d+)?(?:\s*/\s*(?P<den>\d+))?)              # 1,234.5 or 3/4
-      |(?P<bare>\.\d+))                                                       # .75
-    """,
-    re.VERBOSE,
-)
-
-
-_BOXED = re.compile(r"\\boxed\{")
-#: Where a final answer is written: after ``####`` (the maths task) or in ``\\boxed{}``.
-ANSWER_MARKS = ("####", "boxed")
-
-
-def extract_answer(text: str, prefer: str = "####") -> Number | None:
-    """The final answer of ``text``: the number right after the last ``####`` (``#### 1,234``,
-    ``#### $12``, ``#### 12.0`` as 12, ``#### -3``, ``#### 3/4``, ``#### 1 3/4``,
-    ``#### \\frac{3}{4}``, with markdown or LaTeX around it and a trailing period or unit words
-    allowed); when the text has no ``####`` at all, the number that opens the last
-    ``\\boxed{...}``, the form Qwen models are trained to answer in. ``None`` when neither gives
-    a number (a ``####`` not followed by one is no answer, whatever is boxed before it).
-
-    ``prefer="boxed"`` (the benchmarks, whose prompt asks for a box) reads the last box first
-    and the last ``####`` only when the text has no box."""
-    return _answer(text, prefer)[0]
-
-
-def answer_form(text: str, prefer: str = "####") -> str | None:
-    """Where ``extract_answer`` found the answer: ``"####"``, ``"boxed"``, or ``None``."""
-    return _answer(text, prefer)[1]
-
-
-def _answer(text: str, prefer: str = "####") -> tuple[Number | None, str | None]:
-    if prefer not in ANSWER_MARKS:
-        raise ConfigError(f"prefer must be one of {ANSWER_MARKS}, got {prefer!r}")
-    found = {
-        "####": [m.end() for m in _MARK.finditer(text)],
-        "boxed": [m.start() for m in _BOXED.finditer(text)],
-    }
-    order = ANSWER_MARKS if prefer == "####" else ANSWER_MARKS[::-1]
-    form = next((f for f in order if found[f]), None)
-    if form is None:
-        return None, None
-    m = _ANSWER.match(text, found[form][-1])
-    if m is None:
-        return None, None
-    if m["fnum"] is not None:
-        num, den = m["fnum"], m["fden"]
-    elif m["bare"] is not None:
-        num, den = "0" + m["bare"], None
-    else:
-        num, den = m["num"].replace(",", "") + (m["dec"] or ""), m["den"]
-    if den is not None and int(den) == 0 or m["mden"] is not None and int(m["mden"]) == 0:
-        return None, None
-    value = Fraction(num) / int(den or 1)
-    if m["mnum"] is not None:
-        value += Fraction(int(m["mnum"]), int(m["mden"]))
-    return normal(-value if m["sign"] else value), form
-
-
-def is_correct(problem: Problem | Any, text: str) -> bool:
-    """Exact match of the number after the last ``####`` (12.0 == 12, 0.75 == 3/4)."""
-    answer = extract_answer(text, getattr(problem, "answer_mark", "####"))
+def is_correct(problem: ScoredProblem, text: str) -> bool:
+    """Exact match of the final answer (``extract_answer`` in the problem's ``prompt_form``)
+    with the problem's: 12.0 == 12, 0.75 == 3/4."""
+    answer = extract_answer(text, problem.prompt_form)
     return answer is not None and Fraction(answer) == Fraction(problem.answer)
 
 
@@ -266,7 +228,8 @@ def wilson_interval(
 
 @attrs.frozen
 class MathsRecord:
-    """How one output was scored; ``extracted`` is None when it gave no ``#### <number>``."""
+    """How one output was scored; ``extracted`` is None when it gave no answer. ``template``:
+    the maths template, or the benchmark's task name."""
 
     id: str
     template: str
@@ -309,10 +272,9 @@ class MathsScore:
         }
 
 
-def score(problems: Sequence[Problem | Any], outputs: Sequence[str]) -> MathsScore:
-    """Accuracy of ``outputs[i]`` on ``problems[i]`` and one record per problem: the generated
-    problems, or any with ``id``, ``template``, ``answer`` and ``answer_mark`` (the
-    benchmarks' ``growpage.eval.datasets.BenchmarkProblem``)."""
+def score(problems: Sequence[ScoredProblem], outputs: Sequence[str]) -> MathsScore:
+    """Accuracy of ``outputs[i]`` on ``problems[i]`` and one record per problem; each output
+    is read in the form its problem's prompt asks for (``is_correct``)."""
     if len(problems) != len(outputs):
         raise WorkloadError(f"{len(problems)} problems but {len(outputs)} outputs")
     if not problems:
@@ -321,7 +283,7 @@ def score(problems: Sequence[Problem | Any], outputs: Sequence[str]) -> MathsSco
     for problem, text in zip(problems, outputs, strict=True):
         if not isinstance(text, str):
             raise WorkloadError(f"output for {problem.id} is {type(text).__name__}, not text")
-        got, form = _answer(text, getattr(problem, "answer_mark", "####"))
+        got, form = read_answer(text, problem.prompt_form)
         right = got is not None and Fraction(got) == Fraction(problem.answer)
         records.append(
             MathsRecord(problem.id, problem.template, problem.answer, got, right, len(text), form)

@@ -19,6 +19,9 @@ Intervals are 95% cluster bootstraps over traces (a request's boundaries are not
 from __future__ import annotations
 
 import math
+import os
+import pickle
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -214,9 +217,15 @@ def run_study(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    items: Path | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """The study's report (JSON-ready): per page size and horizon, Fig. 6's rho and sign
-    agreement, Fig. 7's NLL growth advantage, and the replay column of section 10.1."""
+    agreement, Fig. 7's NLL growth advantage, and the replay column of section 10.1.
+
+    With ``items``, each (trace, page size, horizon) is stored there as it finishes, so that a
+    run cut short loses at most one; ``resume`` reads back those measured with the same
+    settings and measures the rest. Without ``resume`` a folder holding items is refused."""
     from growpage.engine.counterfactual import reference
     from growpage.engine.loading.loader import load_model
 
@@ -238,15 +247,30 @@ def run_study(
     grid = [(b, h) for b in settings.page_sizes for h in chosen]
     bar = tqdm(total=len(grid) * len(entries), desc="signal study", disable=not progress)
     collected: dict[tuple[int, str], dict[str, list]] = {
-        (b, h.label): {"fig6": [], "fig7": [], "own": []} for b, h in grid
+        (b, h.label): {"fig6": [], "fig7": [], "own": [], "persistence": []} for b, h in grid
     }
+    store = _ItemStore(items, resume, settings.fidelity_queries, model) if items else None
+    if store is not None and store.reused:
+        log(f"[signal] resuming: {store.reused} items already in {items}")
     for entry in entries:
         trace = trace_set.read(entry.request_id)
         _check_layers(trace, lm.config.num_layers)
-        ref = reference(lm, list(trace.header.token_ids))
+        ref = None
         for b, h in grid:
+            stored = store.get(trace, b, h) if store is not None else None
+            if stored is not None:
+                fig6, fig7, persist, own = stored
+                _collect(collected[(b, h.label)], fig6, fig7, persist, own)
+                bar.update()
+                continue
+            if ref is None:
+                ref = reference(lm, list(trace.header.token_ids))
             rows, own = trace_boundaries(trace, config_for(b, h), settings.fidelity_queries)
-            fig6, fig7 = [], []
+            fig6, fig7, persist = [], [], []
+            for a, nxt in zip(rows[:-1], rows[1:], strict=True):
+                gap = nxt["position"] - a["position"]
+                if gap == b and a["future_change"] is not None and nxt["future_change"] is not None:
+                    persist.append((a["future_change"], nxt["future_change"]))
             for row in rows:
                 t = row["position"]
                 if row["future_change"] is not None:
@@ -255,10 +279,9 @@ def run_study(
                     compress = float(ref.nll_kept(t, row["kept"], b).mean())
                     grow = float(ref.nlls[t : t + b].mean())
                     fig7.append((row["delta"], compress - grow))
-            cell = collected[(b, h.label)]
-            cell["fig6"].append(fig6)
-            cell["fig7"].append(fig7)
-            cell["own"].append(own)
+            if store is not None:
+                store.put(trace, b, h, (fig6, fig7, persist, own))
+            _collect(collected[(b, h.label)], fig6, fig7, persist, own)
             bar.update()
     bar.close()
     for b, h in grid:
@@ -276,6 +299,8 @@ def run_study(
             "page_size": b,
             "horizon": attrs.asdict(h),
             "fig6": summarize(cell["fig6"], settings.bootstrap, settings.seed),
+            # The yardstick: the last page's demand change as the predictor of the next one's.
+            "persistence_spearman": _rho([xy for g in cell["persistence"] for xy in g]),
             "fig7_nll": summarize(cell["fig7"], settings.bootstrap, settings.seed),
             "own_replay": {
                 "spearman": own["spearman"],
@@ -294,6 +319,63 @@ def run_study(
         "cells": cells,
         "elapsed_s": time.time() - start,
     }
+
+
+def _collect(cell: dict[str, list], fig6: list, fig7: list, persist: list, own: Any) -> None:
+    cell["fig6"].append(fig6)
+    cell["fig7"].append(fig7)
+    cell["persistence"].append(persist)
+    cell["own"].append(own)
+
+
+class _ItemStore:
+    """One pickle per measured (trace, page size, horizon), written atomically, keyed by
+    everything that changes its numbers."""
+
+    def __init__(self, folder: Path, resume: bool, fidelity_queries: int, model: Any) -> None:
+        self.folder = folder
+        self.fidelity_queries = fidelity_queries
+        self.model = model if isinstance(model, str) else None
+        present = sorted(folder.glob("*.pkl")) if folder.is_dir() else []
+        if present and not resume:
+            raise ConfigError(
+                f"{folder} holds {len(present)} measured items of an earlier run: pass "
+                "--resume to reuse them, or choose another --out"
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+        self.reused = len(present)
+
+    def _path(self, trace: Trace, b: int, h: Horizon) -> Path:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", trace.header.request_id)
+        return self.folder / f"{name}-b{b}-{h.label}.pkl"
+
+    def _key(self, trace: Trace, b: int, h: Horizon) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "model": self.model,
+            "token_ids": list(trace.header.token_ids),
+            "page_size": b,
+            "horizon": attrs.asdict(h),
+            "fidelity_queries": self.fidelity_queries,
+        }
+
+    def get(self, trace: Trace, b: int, h: Horizon) -> tuple | None:
+        path = self._path(trace, b, h)
+        if not path.exists():
+            return None
+        try:
+            with path.open("rb") as f:
+                key, value = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError) as exc:
+            raise ConfigError(f"{path}: unreadable stored item ({exc}); delete it") from exc
+        return value if key == self._key(trace, b, h) else None
+
+    def put(self, trace: Trace, b: int, h: Horizon, value: tuple) -> None:
+        path = self._path(trace, b, h)
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("wb") as f:
+            pickle.dump((self._key(trace, b, h), value), f)
+        os.replace(tmp, path)
 
 
 def _model_path(model: str) -> str:
@@ -329,11 +411,12 @@ def report_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"{report['num_traces']} traces of {report['model']} ({report['traces']}), answers "
         f"{a['min']}-{a['max']} tokens (mean {a['mean']:.0f}); every layer compressed in the "
-        "counterfactual. Brackets: 95% cluster bootstrap over traces.",
+        "counterfactual. Brackets: 95% cluster bootstrap over traces. Yardstick: rho of the "
+        "last page's demand change with the next one's (a predictor that needs no signal).",
         "",
         "| b | horizon | boundaries | rho(Delta_t, demand change) | sign agreement "
-        "| rho(Delta_t, A_t NLL) | rho(Delta_t, mass adv.), own replay |",
-        "|---|---|---:|---|---|---|---|",
+        "| yardstick rho | rho(Delta_t, A_t NLL) | rho(Delta_t, mass adv.), own replay |",
+        "|---|---|---:|---|---|---:|---|---|",
     ]
     for cell in report["cells"].values():
         f6, f7, own = cell["fig6"], cell["fig7_nll"], cell["own_replay"]["advantage_mass"]
@@ -343,6 +426,7 @@ def report_markdown(report: dict[str, Any]) -> str:
             f"{h['summary_start']}) | {f6['num_boundaries']} "
             f"| {_num(f6['spearman'])}{_ci(f6['spearman_ci95'])} "
             f"| {_num(f6['sign_agreement'])}{_ci(f6['sign_agreement_ci95'])} "
+            f"| {_num(cell.get('persistence_spearman'))} "
             f"| {_num(f7['spearman'])}{_ci(f7['spearman_ci95'])} "
             f"| {_num(own['spearman'])}{_ci(own['spearman_ci95'])} |"
         )

@@ -5,15 +5,15 @@ Measurements are rows of ``num_seqs, kv_tokens, prefill_tokens, step_s`` (a deco
 ``num_seqs`` sequences reading ``kv_tokens`` KV tokens in total, plus ``prefill_tokens`` prompt
 tokens; ``step_s`` seconds), from a CSV file with that header or a JSON list of objects.
 
-``measure_engine`` times the local engine's steps for such rows
-(``growpage.engine.profiling.profile.measure_step_times(**options) -> list[dict]``);
-``growpage calibrate --measurements FILE`` fits rows measured elsewhere (another engine, another machine).
+``growpage calibrate`` times the local engine's steps for such rows
+(``growpage.engine.profiling.profile.measure_step_times(**options) -> list[dict]``, read by
+``measured_rows``); ``growpage calibrate --measurements FILE`` fits rows measured elsewhere
+(another engine, another machine).
 """
 
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 import math
 import os
@@ -23,11 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from growpage.errors import ConfigError, EngineError
+from growpage.errors import ConfigError
 from growpage.sim.costmodel import STEP_COEFFICIENTS, LinearCostModel, PiecewiseCostModel
 
 COLUMNS = ("num_seqs", "kv_tokens", "prefill_tokens", "step_s")
-ENGINE_PROFILER = "growpage.engine.profiling.profile"
 
 
 def _fields_problem(d: Any) -> str:
@@ -291,23 +290,6 @@ def _piecewise_warnings(rows: np.ndarray) -> list[str]:
     return warnings
 
 
-def measure_engine(**options: Any) -> np.ndarray:
-    """Step-time measurements of the local engine (see the module docstring)."""
-    try:
-        profiler = importlib.import_module(ENGINE_PROFILER)
-    except ModuleNotFoundError as e:
-        if e.name not in (ENGINE_PROFILER, "growpage.engine.profiling", "growpage.engine"):
-            raise
-        raise EngineError(
-            f"the engine cannot be measured yet: {ENGINE_PROFILER}."
-            "measure_step_times is missing; pass --measurements FILE with columns "
-            f"{', '.join(COLUMNS)}"
-        ) from None
-    items = profiler.measure_step_times(**options)
-    return np.array([_row(d, f"{ENGINE_PROFILER} row {i}") for i, d in enumerate(items)])
-
-
-def engine_pads_kv() -> bool:
-    """Whether the local engine's decode steps, as ``measure_engine`` times them, pad every
-    sequence's KV to the longest (``growpage.engine.profiling.profile.decode_pads_kv``)."""
-    return bool(importlib.import_module(ENGINE_PROFILER).decode_pads_kv())
+def measured_rows(items: list[Any], source: str) -> np.ndarray:
+    """``[n, 4]`` float64 rows (``COLUMNS``) of measurements that ``source`` gave as dicts."""
+    return np.array([_row(d, f"{source} row {i}") for i, d in enumerate(items)])

@@ -152,7 +152,9 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
     """Run the conformance rules (``RULES``) on ``max_examples`` random small boundaries.
 
     Raises ``PolicyConformanceError`` naming the rule, with the shrunk (smallest) failing
-    example. ``strategy_kwargs`` go to ``growpage.testing.boundary_cases``; a policy with
+    example. ``strategy_kwargs`` go to ``growpage.testing.boundary_cases``
+    (``protected_prompt=True`` checks the policy with the prompt kept out of compression, as
+    ``growpage eval accuracy --protect-prompt`` runs it); a policy with
     ``needs_accumulated_attention`` gets the accumulated sums in every example, and one with
     ``needs_recent_queries`` the recent queries, as the simulator and the engine give them. ``TypeError`` when ``policy`` is not a policy
     object (a class, a name: see ``resolve_policy``).

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 RULES = {
     "valid-decision": "decide() returns a growpage.Decision",
     "exact-selection": "select() returns an integer tensor [L, Hkv, keep] of unique slot "
-    "indices within the resident tokens, the protected recent window included",
+    "indices within the resident tokens, the protected recent window (and a protected prompt, "
+    "ctx.num_protected_prefix) included",
     "deterministic": "the same context gives the same decision and selection",
     "order-independent": "a boundary gets the same decision and selection when another "
     "request's decide() and select() come between its own (asynchronous "

@@ -50,6 +50,9 @@ class BoundaryCase:
     sharpness: float  # scale of the queries: larger means more concentrated attention
     track_accumulated: bool
     keeps_recent_queries: bool = True
+    #: Leading slots kept out of compression (``GrowPageConfig.protect_prompt`` with a prompt
+    #: of this many tokens); 0: the paper's setting, nothing protected but the recent window.
+    protected_prefix: int = attrs.field(default=0, validator=non_negative_int)
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +64,11 @@ class BoundaryCase:
 
     @property
     def config(self) -> GrowPageConfig:
-        return GrowPageConfig(page_size=self.page_size, recent_window=self.recent_window)
+        return GrowPageConfig(
+            page_size=self.page_size,
+            recent_window=self.recent_window,
+            protect_prompt=self.protected_prefix > 0,
+        )
 
     def view(self) -> DenseKVView:
         """A fresh view of this boundary (its tensors are the case's own copies)."""
@@ -77,6 +84,7 @@ class BoundaryCase:
             num_free_pages=self.num_free_pages,
             config=self.config,
             view=view,
+            num_prompt_tokens=self.protected_prefix,
         )
 
 
@@ -257,9 +265,14 @@ def boundary_cases(
     accumulated: bool | None = None,
     max_compressions: int = 4,
     recent_queries: bool | None = None,
+    protected_prompt: bool | None = False,
 ) -> st.SearchStrategy[BoundaryCase]:
     """Small random boundaries: shapes, page size, recent window, pool state and a history of
     up to ``max_compressions`` earlier compressions (each dropped one page of tokens).
+
+    ``protected_prompt``: True gives every boundary a protected prompt
+    (``GrowPageConfig.protect_prompt``, ``ctx.num_protected_prefix`` leading slots a selection
+    keeps), None draws it, False (default) gives none.
 
     ``accumulated``: whether the view tracks H2O's accumulated attention (True for a policy
     with ``needs_accumulated_attention``, which always gets it); None draws it.
@@ -292,7 +305,11 @@ def boundary_cases(
                     f"boundary_cases: {knob} must hold even integers (RoPE "
                     f"rotates pairs), got {v!r}"
                 )
-    for knob, flag in (("accumulated", accumulated), ("recent_queries", recent_queries)):
+    for knob, flag in (
+        ("accumulated", accumulated),
+        ("recent_queries", recent_queries),
+        ("protected_prompt", protected_prompt),
+    ):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{knob} must be True, False or None, got {flag!r}")
     return _boundary_cases(
@@ -305,6 +322,7 @@ def boundary_cases(
         accumulated,
         max_compressions,
         recent_queries,
+        protected_prompt,
     )
 
 
@@ -338,9 +356,10 @@ def _boundary_cases(
     accumulated: bool | None,
     max_compressions: int,
     recent_queries: bool | None,
+    protected_prompt: bool | None,
 ) -> BoundaryCase:
     page_size = draw(st.sampled_from(page_sizes))
-    return BoundaryCase(
+    case = BoundaryCase(
         num_layers=draw(st.integers(1, max_layers)),
         num_kv_heads=draw(st.integers(1, max_kv_heads)),
         group_size=draw(st.integers(1, max_group)),
@@ -355,6 +374,18 @@ def _boundary_cases(
         track_accumulated=draw(st.booleans()) if accumulated is None else accumulated,
         keeps_recent_queries=draw(st.booleans()) if recent_queries is None else recent_queries,
     )
+    if protected_prompt is False:
+        return case
+    # Drawn last, so the draws above are those of a kit without it. A protected prompt that
+    # the smallest keep asked for (a shrink's, from 3 pages) still holds with the window.
+    pages = case.num_pages
+    least_keep = (pages - 2 if pages >= 3 else pages - 1) * page_size
+    most = least_keep - case.recent_window
+    if most < 1:
+        return case
+    sizes = st.integers(1, most)
+    prefix = draw(sizes if protected_prompt else st.one_of(st.just(0), sizes))
+    return attrs.evolve(case, protected_prefix=prefix)
 
 
 def boundary_contexts(**kwargs: Any) -> st.SearchStrategy[BoundaryContext]:

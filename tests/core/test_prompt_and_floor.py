@@ -173,3 +173,19 @@ def test_the_context_tells_the_policy_the_prompt():
     assert (ctx.num_prompt_tokens, ctx.num_protected_prefix) == (13, 0)
     ctrl, state, view = setup(Scripted(), 4, prompt=13, protect_prompt=True)
     assert ctrl.context(state, view).num_protected_prefix == 13
+
+
+@pytest.mark.parametrize("name", ["growpage", "fixed", "streamingllm", "h2o", "snapkv", "random"])
+def test_the_builtins_conform_with_a_protected_prompt(name):
+    from growpage.testing import check_policy
+
+    check_policy(resolve_policy(name), max_examples=15, protected_prompt=True)
+
+
+def test_the_kit_catches_a_selection_that_drops_the_protected_prompt():
+    from growpage.testing import PolicyConformanceError, check_policy
+
+    check_policy(IgnoresPrompt(), max_examples=15)  # fine where nothing is protected
+    with pytest.raises(PolicyConformanceError, match="protected prompt") as info:
+        check_policy(IgnoresPrompt(), max_examples=15, protected_prompt=True)
+    assert info.value.rule == "exact-selection"

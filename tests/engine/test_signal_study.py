@@ -103,3 +103,42 @@ def test_traces_without_every_layer_are_refused(model, tmp_path):
     llm.generate([prompt(9, 1)], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
     with pytest.raises(ConfigError, match="record all 2"):
         run_study(tmp_path / "set", model, StudySettings(page_sizes=(4,)), progress=False)
+
+
+def test_a_study_cut_short_resumes_from_its_stored_items(model, traces, tmp_path, monkeypatch):
+    """Each (trace, page size, horizon) is stored as it finishes; a resumed run measures only
+    what is missing and reports what one uninterrupted run reports."""
+    import growpage.eval.signal_study as study
+
+    settings = StudySettings(page_sizes=(4, 8), horizons=("paper",), bootstrap=20)
+    whole = run_study(traces, model, settings, progress=False, log=lambda _: None)
+    items = tmp_path / "items"
+    real, calls = study.trace_boundaries, []
+
+    def dies_on_the_fourth(*args, **kwargs):
+        calls.append(args[1].page_size)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(study, "trace_boundaries", dies_on_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        run_study(traces, model, settings, progress=False, log=lambda _: None, items=items)
+    assert len(list(items.glob("*.pkl"))) == 3
+    with pytest.raises(ConfigError, match="--resume"):
+        run_study(traces, model, settings, progress=False, log=lambda _: None, items=items)
+    calls.clear()
+    monkeypatch.setattr(
+        study, "trace_boundaries", lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    )
+    resumed = run_study(
+        traces, model, settings, progress=False, log=lambda _: None, items=items, resume=True
+    )
+    assert len(calls) == 6 - 3
+    assert resumed["cells"] == whole["cells"]
+    # Other settings do not reuse an item: the same files measured with fewer fidelity
+    # queries are measured again.
+    calls.clear()
+    other = StudySettings(page_sizes=(4, 8), horizons=("paper",), bootstrap=20, fidelity_queries=4)
+    run_study(traces, model, other, progress=False, log=lambda _: None, items=items, resume=True)
+    assert len(calls) == 6

@@ -183,3 +183,80 @@ def test_rows_of_any_policy_run_in_one_table_and_record_their_regime(tmp_path) -
     clash = AccuracySettings(**{**settings.to_dict(), "rows": ["mine=fullkv"], "model": None})
     with pytest.raises(ConfigError, match="labelled 'mine' given as"):
         run_table(clash, tmp_path, resume=True, progress=False, log=lambda _: None)
+
+
+def test_the_fixed_frontier_reads_a_row_against_fixed_budgets() -> None:
+    def row(label, policy, budget, acc, config=None):
+        return {
+            "label": label,
+            "policy": policy,
+            "avg_budget": budget,
+            "accuracy": acc,
+            "config": config or {},
+        }
+
+    rows = [
+        row("fixed-128", "fixed", 120.0, 0.2),
+        row("fixed-256", "fixed", 220.0, 0.6),
+        row("fixed-f", "fixed", 150.0, 0.9, {"floor_tokens": 64}),  # a row of its own: not on it
+        row("gp", "growpage", 170.0, 0.5),
+        row("small", "growpage", 100.0, 0.5),
+    ]
+    frontier = accuracy.fixed_frontier(rows)
+    assert frontier == [(120.0, 0.2), (220.0, 0.6)]
+    assert accuracy.frontier_gap(rows[3], frontier) == pytest.approx(0.5 - 0.4)
+    assert accuracy.frontier_gap(rows[4], frontier) is None  # below the frontier's budgets
+    assert accuracy.frontier_gap(rows[0], frontier) is None
+    assert accuracy.frontier_gap(rows[2], frontier) == pytest.approx(0.9 - (0.2 + 0.4 * 0.3))
+
+
+def test_rescore_reads_the_stored_outputs_again(tmp_path) -> None:
+    """A table whose outputs were scored by an older reader: rescoring rewrites the verdicts,
+    the row and the table from the outputs alone (no model)."""
+    settings = AccuracySettings(num_problems=2, rows=("a=fullkv",))
+    problems = generate_problems(2, seed=0)
+    texts = [f"so \\boxed{{{problems[0].answer}}}", "#### 1e9 apples"]
+    (tmp_path / "outputs").mkdir()
+    stale = [
+        {"id": p.id, "template": p.template, "correct": False, "output": t, "num_tokens": 5}
+        for p, t in zip(problems, texts, strict=True)
+    ]
+    (tmp_path / "outputs" / "a.jsonl").write_text("".join(json.dumps(o) + "\n" for o in stale))
+    row = {
+        "label": "a",
+        "policy": "fullkv",
+        "kwargs": {},
+        "config": {},
+        "accuracy": 0.0,
+        "interval": [0.0, 0.5],
+        "num_correct": 0,
+        "num_problems": 2,
+        "avg_budget": 10.0,
+        "mean_tokens": 5,
+        "tps": 1.0,
+        "avg_resident": 1.0,
+        "grow": 0,
+        "compress": 0,
+        "fallback": 0,
+        "preemptions": 0,
+        "num_no_answer": 2,
+        "num_truncated": 0,
+    }
+    report = {
+        "settings": settings.to_dict(),
+        "kv_pages": 8,
+        "date": "d",
+        "commit": "c",
+        "rows": [row],
+    }
+    (tmp_path / "results.json").write_text(json.dumps(report))
+    new, changed = accuracy.rescore(tmp_path)
+    assert changed == {"a": 1}
+    [r] = new["rows"]
+    assert (r["num_correct"], r["accuracy"], r["num_boxed"]) == (1, 0.5, 1)
+    lines = (tmp_path / "outputs" / "a.jsonl").read_text().splitlines()
+    assert [json.loads(line)["correct"] for line in lines] == [True, False]
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][0]["num_correct"] == 1
+    assert "| a | - | 0.500" in (tmp_path / "table.md").read_text()
+    with pytest.raises(ConfigError, match="no accuracy table"):
+        accuracy.rescore(tmp_path / "nothing")

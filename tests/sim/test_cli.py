@@ -138,7 +138,7 @@ def test_parse_sweep_points():
     ],
 )
 def test_param_and_sweep_values_are_read_alike(text, value):
-    from growpage.sim.commands import parse_params
+    from growpage.commands.sim import parse_params
 
     assert parse_params([f"tau={text}"]) == {"tau": value}
     assert parse_points([f"growpage@tau={text},0.5"]) == [
@@ -238,7 +238,7 @@ def test_replay_of_an_empty_trace_set_is_an_error_and_writes_nothing(capsys, tmp
     ],
 )
 def test_an_unusable_out_dir_fails_before_the_work(capsys, tmp_path, monkeypatch, command):
-    import growpage.sim.commands as commands
+    import growpage.commands.sim as commands
 
     def no_work(*args, **kwargs):
         raise AssertionError("the work started before --out was checked")
@@ -377,7 +377,7 @@ def test_traces_without_trace_mode_is_an_error(capsys, tmp_path, command):
 
 
 def test_sweep_without_fidelity_plots_the_budget(capsys, tmp_path, monkeypatch):
-    import growpage.sim.plots as plots
+    import growpage.plots as plots
 
     calls = []
     monkeypatch.setattr(
@@ -845,7 +845,7 @@ def test_record_refuses_a_max_tokens_below_one_before_loading_the_model(tmp_path
 
 
 def test_replay_capacity_plot_draws_each_trace_to_its_last_token(capsys, tmp_path, monkeypatch):
-    import growpage.sim.plots as plots
+    import growpage.plots as plots
 
     drawn = {}
     real = plots.plot_capacity

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from growpage.cli import main
+from growpage.commands.calibrate import measure_engine
 from growpage.errors import ConfigError
 from growpage.sim.calibrate import (
     COLUMNS,
     fit_linear,
     fit_warnings,
     load_measurements,
-    measure_engine,
 )
 from growpage.sim.costmodel import (
     CostModel,

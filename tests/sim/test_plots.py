@@ -9,7 +9,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.text import Text
 
-from growpage.sim import plots
+from growpage import plots
 
 
 def test_capacity_plot_gives_twelve_requests_twelve_colours(tmp_path, monkeypatch):

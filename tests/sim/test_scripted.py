@@ -177,7 +177,12 @@ def test_a_boundary_decided_again_after_a_preemption_reads_the_same_script_bound
     for rid, position in (("a", 64), ("a", 64), ("b", 64), ("a", 96), ("a", 96), ("a", 128)):
         policy.decide(
             SimpleNamespace(
-                request_id=rid, position=position, num_pages=2, num_free_pages=3, view=None
+                request_id=rid,
+                position=position,
+                num_pages=2,
+                num_free_pages=3,
+                view=None,
+                num_prompt_tokens=0,
             )
         )
     assert read == [("a", 0), ("a", 0), ("b", 0), ("a", 1), ("a", 1), ("a", 2)]

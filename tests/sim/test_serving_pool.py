@@ -8,9 +8,8 @@ from types import SimpleNamespace
 import attrs
 import pytest
 
-from growpage import GrowPageConfig
+from growpage import GrowPageConfig, plots
 from growpage.cli import main
-from growpage.sim import plots
 from growpage.sim.costmodel import LinearCostModel, load_cost_model
 from growpage.sim.serving import ServingResult, SimConfig, simulate
 from growpage.sim.workload_csv import WorkloadRequest

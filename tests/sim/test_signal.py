@@ -76,7 +76,7 @@ def test_signal_quality_sign_agreement_and_buckets():
 
 def test_the_printed_signal_line_says_why_rho_is_missing():
     """Until 2026-12 it printed 'Spearman rho = nan, sign agreement = nan%'."""
-    from growpage.sim.commands import _signal_table
+    from growpage.commands.sim import _signal_table
     from growpage.sim.signal import SignalQuality
 
     def head(q: SignalQuality) -> str:

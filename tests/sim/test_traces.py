@@ -680,7 +680,7 @@ def test_replay_json_records_the_synthetic_settings_it_used(capsys, tmp_path):
     """Left to their defaults, --gen-len, --schedule and --seed used to be recorded as null in
     replay.json's source: the file did not say which traces the numbers came from."""
     from growpage.cli import main
-    from growpage.sim.commands import REPLAY_GEN_LEN, REPLAY_SCHEDULE
+    from growpage.commands.sim import REPLAY_GEN_LEN, REPLAY_SCHEDULE
 
     small = ["--page-size", "16", "--recent-window", "4", "--fidelity-queries", "0"]
     assert main(["sim", "replay", "--synthetic", "1", *small, "--out", str(tmp_path)]) == 0

@@ -1,4 +1,5 @@
-"""The ``growpage sim ...`` and ``growpage calibrate`` commands (options in ``sim.cli``)."""
+"""The ``growpage sim ...`` commands (options in ``commands.cli``): faces over the simulator, whose
+grids run through ``growpage.executors``."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def _note(args: argparse.Namespace, text: str) -> None:
     print(text, file=sys.stderr if args.json else sys.stdout)
 
 
-def _warn(text: str, kind: str = "warning") -> None:
+def warning(text: str, kind: str = "warning") -> None:
     """Something the user should know about their input, on stderr."""
     print(f"growpage: {kind}: {text}", file=sys.stderr)
 
@@ -98,7 +99,7 @@ def _note_layer_subset(directory: str, headers: list[TraceHeader]) -> None:
     }
     if counts:
         held = ", ".join(f"{n} of {total}" for n, total in sorted(counts))
-        _warn(
+        warning(
             f"{directory}: traces hold {held} model layers; Delta_t, scores and "
             "fidelity are computed over those layers only (the engine reads every layer)",
             kind="note",
@@ -198,7 +199,7 @@ def run_replay(args: argparse.Namespace) -> int:
     if out is not None:
         reports.write_json(out / "replay.json", payload)
         reports.write_csv(out / "replay.csv", rows)
-        from growpage.sim.plots import plot_capacity, plot_signal_scatter
+        from growpage.plots import plot_capacity, plot_signal_scatter
 
         # Each line runs from the prompt to the trace's last token (a replay stopped by a
         # full pool, to its last boundary): a trace with no boundary is a flat line.
@@ -340,13 +341,13 @@ def _serving_setup(
         positive_number.require("--arrival-rate (requests per second)", rate)
     requests = resolve_workload(args.workload, args.seed, rate)
     if not args.traces and any(r.trace for r in requests):
-        _warn(
+        warning(
             f"{args.workload}: the trace column is ignored; it names traces of the set given "
             "with --decisions trace --traces DIR"
         )
     batch = min(sim.max_num_seqs, len(requests))  # the most sequences a decode step can hold
     if warn and isinstance(cost, PiecewiseCostModel) and batch > cost.batch_sizes[-1]:
-        _warn(
+        warning(
             f"{args.cost} measured decode steps of up to {cost.batch_sizes[-1]} sequences; "
             f"steps of more (up to {batch}: --max-num-seqs {sim.max_num_seqs}, "
             f"{len(requests)} requests) are priced by extrapolation "
@@ -355,7 +356,7 @@ def _serving_setup(
         )
     longest = max(r.prompt_tokens + r.output_tokens for r in requests)
     if warn and longest > LONG_REQUEST_TOKENS and not args.traces:
-        _warn(
+        warning(
             f"{args.workload}: the longest request has {longest} tokens; a policy that reads "
             "attention signals first replays a synthetic trace that long (script mode: once "
             "per script; trace mode: once per request), and that time grows about as the "
@@ -380,7 +381,7 @@ def _trace_requests(
         for a, b in zip(requests, traced, strict=True)
     )
     if changed:
-        _warn(
+        warning(
             f"{changed} of {len(requests)} requests take their prompt and output lengths from "
             f"their traces in {args.traces}, not from the workload",
             kind="note",
@@ -451,7 +452,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if out is not None:
         reports.write_json(out / "metrics.json", payload)
         reports.write_csv(out / "requests.csv", [_request_row(r) for r in result.requests])
-        from growpage.sim.plots import plot_capacity, plot_pool
+        from growpage.plots import plot_capacity, plot_pool
 
         trajectories = dict(list(result.capacity_trajectories().items())[:12])
         plot_capacity(
@@ -488,7 +489,7 @@ def _request_row(r: Any) -> dict:
     }
 
 
-# ---- sweep and calibrate ---------------------------------------------------------------------
+# ---- sweep ---------------------------------------------------------------------
 def run_sweep(args: argparse.Namespace) -> int:
     from growpage.executors.options import jobs_of, make_executor
     from growpage.sim.sweep import SweepError, SweepSettings, parse_points, run_sweep
@@ -569,7 +570,7 @@ def _at_rate(row: dict, rate: float) -> dict:
 
 
 def _plot_sweep(rows: list[dict], path: Path, workload: str) -> None:
-    from growpage.sim.plots import plot_pareto
+    from growpage.plots import plot_pareto
 
     if any(r.get("mass_mean") is not None for r in rows):
         plot_pareto(
@@ -601,115 +602,3 @@ def _failures(failed: list[dict], total: int, out: Path | None) -> str:
             f" and written to {out}/)" if out is not None else ")"
         )
     return "\n".join([head + ":"] + [f"  {r['label']}: {r['error']}" for r in failed])
-
-
-def _model_path(text: str) -> Path:
-    """``calibrate --out FILE``, checked before measuring (its folder is created)."""
-    path = Path(text)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {path}: cannot create its folder ({e.strerror or e})") from None
-    if path.is_dir():
-        raise ConfigError(
-            f"--out {path}: is a directory; give a file name such as {path / 'costmodel.json'}"
-        )
-    return path
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    """Whether ``a`` and ``b`` name one existing file (through links and ``..`` too)."""
-    try:
-        return a.samefile(b)
-    except OSError:  # one is missing: writing ``a`` cannot clobber ``b``
-        return False
-
-
-def run_calibrate(args: argparse.Namespace) -> int:
-    from growpage.sim.calibrate import (
-        FITS,
-        engine_pads_kv,
-        fit_warnings,
-        load_measurements,
-        measure_engine,
-    )
-
-    out = _model_path(args.out)
-    if args.measurements and _same_file(out, Path(args.measurements)):
-        raise ConfigError(
-            f"--out {args.out}: is the measurements file {args.measurements}; "
-            "give another name for the model"
-        )
-    engine_only = [
-        flag
-        for flag, value in (
-            ("--boundary-policy", args.boundary_policy),
-            ("--batch-sizes", args.batch_sizes),
-            ("--contexts", args.contexts),
-        )
-        if value is not None
-    ]
-    if args.measurements and engine_only:
-        hint = (
-            " (serve and sweep take --boundary-ms / --compaction-ms and their --*-step-ms for prices"
-            " measured elsewhere)"
-            if args.boundary_policy is not None
-            else ""
-        )
-        raise ConfigError(
-            f"{', '.join(engine_only)} set how the local engine is measured, "
-            f"which --measurements does not run; drop one of them{hint}"
-        )
-    if args.measurements:
-        rows = load_measurements(args.measurements)
-    else:
-        shapes = {
-            "batch_sizes": args.batch_sizes
-            or (tuple(range(1, 17)) if args.kind == "piecewise" else (1, 4, 16))
-        }
-        if args.contexts:
-            shapes["contexts"] = args.contexts
-        rows = measure_engine(**shapes)
-    padded = args.padded_kv
-    if padded is None:  # as the measured engine's attention does (--measurements: summed)
-        padded = False if args.measurements else engine_pads_kv()
-    try:
-        model = FITS[args.kind](rows, padded_kv=padded)
-    except ConfigError as e:  # a measurement the kind cannot use: say which file holds it
-        raise ConfigError(f"{args.measurements}, {e}" if args.measurements else str(e)) from None
-    for text in fit_warnings(rows, args.kind):
-        _warn(text)
-    if not args.measurements and args.boundaries:  # capacity control on the same engine
-        from growpage.engine.profiling.profile import measure_boundary_costs
-
-        costs = measure_boundary_costs(policy=args.boundary_policy or "growpage")
-        model = with_boundary_costs(
-            model,
-            costs["boundary_s"],
-            costs["compaction_s"],
-            costs.get("boundary_step_s"),
-            costs.get("compaction_step_s"),
-        )
-        print(
-            f"capacity control: {costs['decided']} decisions, {costs['compactions']} "
-            "compactions measured"
-        )
-    predicted = model.step_time(rows[:, 0], rows[:, 1], rows[:, 2])
-    rms = float(((predicted - rows[:, 3]) ** 2).mean() ** 0.5)
-    try:
-        path = model.save(out)
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot write the cost model ({e.strerror or e})") from None
-    print(f"fitted on {len(rows)} measurements (rms error {rms * 1e3:.3f} ms):")
-    for key, value in attrs.asdict(model).items():
-        if key == "padded_kv":
-            print(f"  {key:20s} {str(value).lower()}")
-        elif key != "name":
-            shown = (
-                ", ".join(f"{v:.6g}" for v in value)
-                if isinstance(value, (list, tuple))
-                else f"{value:.6g}"
-            )
-            print(f"  {key:20s} {shown}")
-    print(f"wrote {path}")
-    return 0

@@ -1,8 +1,7 @@
 """``growpage sim replay|serve|sweep|check-traces`` and ``growpage calibrate``: argument parsing.
 
-The commands themselves are in ``sim.commands``; this module only declares their options. With
-``sim.commands`` it is part of the ``growpage`` command line, a face over the simulator, which
-is why it may take the executor flags from ``growpage.executors``.
+The commands themselves are in ``commands.sim`` and ``commands.calibrate``; this module only
+declares their options.
 """
 
 from __future__ import annotations
@@ -186,13 +185,15 @@ def _check_traces_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
-    """The command ``name`` of ``sim.commands``, imported only when it runs."""
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The command ``name`` of ``growpage.commands.<module>``, imported only when it runs."""
 
     def run(args: argparse.Namespace) -> int:
-        from growpage.sim import commands
+        from growpage.commands import calibrate, sim
 
-        command: Callable[[argparse.Namespace], int] = getattr(commands, name)
+        command: Callable[[argparse.Namespace], int] = getattr(
+            {"sim": sim, "calibrate": calibrate}[module], name
+        )
         return command(args)
 
     return run
@@ -221,7 +222,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_executor_arguments(p, jobs=1, what="traces")
     _common(p)
-    p.set_defaults(func=_lazy("run_replay"), seed=None)  # None: not given (--synthetic only)
+    p.set_defaults(func=_lazy("sim", "run_replay"), seed=None)  # None: not given (--synthetic only)
 
     _check_traces_flag(p)
 
@@ -229,7 +230,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _serving(p)
     _check_traces_flag(p)
     _common(p)
-    p.set_defaults(func=_lazy("run_serve"))
+    p.set_defaults(func=_lazy("sim", "run_serve"))
 
     p = sub.add_parser("sweep", help="policies x parameters: serving and fidelity, in parallel")
     _serving(p, sweep=True)
@@ -251,7 +252,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _check_traces_flag(p)
     _common(p, policy=False)
-    p.set_defaults(func=_lazy("run_sweep"))
+    p.set_defaults(func=_lazy("sim", "run_sweep"))
 
     p = sub.add_parser(
         "check-traces",
@@ -280,7 +281,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="torch CPU threads (default 1, as the other sim commands)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a line")
-    p.set_defaults(func=_lazy("run_check_traces"))
+    p.set_defaults(func=_lazy("sim", "run_check_traces"))
 
     p = subparsers.add_parser("calibrate", help="fit a step-time model to the engine")
     p.add_argument(
@@ -342,4 +343,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a decision costs depends on it; default growpage; not with "
         "--measurements)",
     )
-    p.set_defaults(func=_lazy("run_calibrate"))
+    p.set_defaults(func=_lazy("calibrate", "run_calibrate"))

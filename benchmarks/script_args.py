@@ -1,0 +1,62 @@
+"""What every script here shares: its argument parser, the flags most of them take, its end.
+
+    from script_args import ROOT, add_out, add_threads, parser, run_main
+
+    def main(argv=None):
+        p = parser(__doc__)        # --help: the docstring (its first line: the question answered)
+        add_threads(p, default=1)
+        args = p.parse_args(argv)
+        ...
+
+    if __name__ == "__main__":
+        raise SystemExit(run_main(main))
+
+A mistake the user can fix (the library's own errors, ``GrowPageError``, such as ``--device
+cuda`` where torch sees no CUDA device) ends the run as one line, ``<script>: error: ...``, and
+exit status 2, as argparse and the ``growpage`` command do; anything else keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from growpage.errors import GrowPageError
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A parser whose ``--help`` shows the script's docstring as written."""
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def add_threads(p: argparse.ArgumentParser, default: int | None = 1) -> None:
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=default,
+        help="torch CPU threads (default " + ("torch's" if default is None else str(default)) + ")",
+    )
+
+
+def add_out(p: argparse.ArgumentParser, name: str) -> None:
+    """``--out DIR``, by default ``results/<name>`` of the checkout."""
+    p.add_argument(
+        "--out", type=Path, default=ROOT / "results" / name, help=f"default results/{name}"
+    )
+
+
+def run_main(main: Callable[[], object]) -> int:
+    """``main()``'s exit status (0 when it returns something else); 2 after a one-line error."""
+    try:
+        status = main()
+    except GrowPageError as exc:
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+        return 2
+    return status if isinstance(status, int) else 0
