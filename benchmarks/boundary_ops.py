@@ -276,16 +276,35 @@ def _run(
         async_compaction=False,
     )
     kv = llm.engine.kv
-    make_room, prepare = kv.make_room, kv.prepare_boundaries
+    make_room, prepare, run_compactions = kv.make_room, kv.prepare_boundaries, kv.run_compactions
     buckets: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     seconds: dict[str, float] = collections.defaultdict(float)
     shared_steps: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    step = {"id": 0, "shared": False}
+    step: dict = {"id": 0, "shared": False, "booked": None}
 
     def prepared(seqs):
         prepare(seqs)
         step["id"] += 1
         step["shared"] = kv._batch is not None  # two or more decided boundaries this step
+        step["booked"] = None  # the kind of a lone compression booked this step
+
+    def compacted(compactions):
+        # The step's booked compressions (their selections, check and compaction): a lone
+        # one's work is its boundary's, a shared step's the step's.
+        start = time.perf_counter()
+        if counter is None:
+            run_compactions(compactions)
+        else:
+            counter.counts.clear()
+            with counter:
+                run_compactions(compactions)
+        elapsed = time.perf_counter() - start
+        counts = counter.counts if counter is not None else collections.Counter()
+        if step["shared"]:
+            shared_steps[step["id"]].update(counts)
+        elif step["booked"] is not None:
+            buckets[step["booked"]].update(counts)
+            seconds[step["booked"]] += elapsed
 
     def counted(seq):
         if not kv.controller.needs_decision(seq.state):
@@ -299,6 +318,8 @@ def _run(
                 outcome = make_room(seq)
         elapsed = time.perf_counter() - start
         kind = outcome_kind(outcome) if outcome is not None else "none"
+        if kind in ("compress", "shrink") and not step["shared"]:
+            step["booked"] = kind
         if step["shared"] and kind != "forced grow":
             shared_steps[step["id"]].update(counter.counts if counter is not None else {})
             shared_steps[step["id"]][kind] += 1
@@ -311,6 +332,7 @@ def _run(
 
     kv.make_room = counted  # type: ignore[method-assign]
     kv.prepare_boundaries = prepared  # type: ignore[method-assign]
+    kv.run_compactions = compacted  # type: ignore[method-assign]
     rng = random.Random(0)
     lo, hi = args.prompt_len
     prompts = [

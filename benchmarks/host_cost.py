@@ -19,13 +19,18 @@ temporary folder; "after" is the working tree. Worker processes alternate betwee
     python benchmarks/host_cost.py                           # fullkv, growpage x 1/16/64/256
     python benchmarks/host_cost.py --batches 64 --repeats 5 --policies growpage
     python benchmarks/host_cost.py --real --batches 16 64    # SmolLM2's real forward, CPU
+    python benchmarks/host_cost.py --tiny --before 5af9401   # a tiny Llama's real forward
     python benchmarks/host_cost.py --profile triton:growpage:64   # cProfile of one point
 
 Per point it prints ms per decode step (mean over the decode steps, boundary work included)
 before and after, their ratio, and the breakdown into phases; and whether before and after
 produced the same tokens, boundary decisions and trajectories (they must). ``--real`` runs
 SmolLM2-135M itself (real forward, 32 generated tokens per request): the forward dominates there,
-and the other phases show what is left around it on a CPU.
+and the other phases show what is left around it on a CPU. ``--tiny`` runs a tiny random Llama
+with its real forward (2 layers, 4 query and 2 KV heads of 16, 128 logits: the tests' shapes),
+as a new user tries the engine: 256 tokens per request, pages of 16, and both policies get
+the pages fullkv needs, so each decodes the whole batch in every step; its table gives the ms
+of whole decode steps (CPU time), forward included, and growpage's against fullkv's.
 
 NOTE: the CPU is shared with other jobs: before and after run alternately and the medians of
 several runs are compared, never one run against a number from another time.
@@ -181,10 +186,44 @@ def text_tokens(tokenizer: Any, vocab: int) -> list[int]:
     return ids
 
 
-def pool_pages(policy: str, lengths: list[int], page: int) -> int:
-    """fullkv: every page it needs; others: 40% of those (the GPU check's pool)."""
+def tiny_model() -> Any:
+    """A tiny random Llama (the tests' shapes), weights seeded and large enough that attention
+    is peaked and the logits far from uniform."""
+    from growpage.core.rope import RopeConfig
+    from growpage.engine.loading.loader import build_model, meta_shapes
+    from growpage.engine.modeling.model import ModelConfig
+
+    cfg = ModelConfig(
+        arch="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope=RopeConfig(head_dim=16),
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="tiny-llama",
+    )
+    gen = torch.Generator().manual_seed(1234)
+    weights = {}
+    for name, shape in meta_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.2 * torch.randn(shape, generator=gen)
+        elif "embed_tokens" in name:
+            weights[name] = torch.randn(shape, generator=gen)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * (1.5 / shape[-1] ** 0.5)
+    return build_model(cfg, weights)
+
+
+def pool_pages(policy: str, lengths: list[int], page: int, same: bool = False) -> int:
+    """fullkv (and every policy with ``same``): every page it needs; others: 40% of those
+    (the GPU check's pool)."""
     need = sum(-(-n // page) for n in lengths)
-    if policy == "fullkv":
+    if policy == "fullkv" or same:
         return need
     return max(need * 2 // 5, max(lengths) // page + 2)
 
@@ -241,7 +280,7 @@ def _measure(
         policy=policy,
         tokenizer=tokenizer,
         page_size=args.page_size,
-        kv_pages=pool_pages(policy, lengths, args.page_size),
+        kv_pages=pool_pages(policy, lengths, args.page_size, same=args.tiny),
         max_num_seqs=batch,
         device="cpu",
         attention_backend=backend,
@@ -249,7 +288,7 @@ def _measure(
     )
     engine = llm.engine
     runner = engine.runner
-    if not args.real:
+    if not args.real_forward:
         gen = torch.Generator().manual_seed(2)
         engine.kv.cache.normal_(generator=gen)  # keys and values to decide on
         runner.model = FixedForward(
@@ -271,10 +310,10 @@ def _measure(
         clock.wrap(runner, "_update_query_state", "query state")
         clock.wrap(engine.sampler, "sample", "sampling")
         clock.wrap(engine, "_cut_at_stop", "detokenize")
-        if args.real:
+        if args.real_forward:
             clock.wrap(model, "forward", "forward")
             clock.wrap(model, "compute_logits", "forward")
-    elif args.real:
+    elif args.real_forward:
         clock.wrap(model, "forward", "forward", time.thread_time)
         clock.wrap(model, "compute_logits", "forward", time.thread_time)
     else:
@@ -284,7 +323,7 @@ def _measure(
     totals = dict.fromkeys(PHASES, 0.0)
     around = parts.get("around")
     with around(llm) if around is not None else contextlib.nullcontext():
-        num_steps, wall_s, cpu_s = _decode_all(engine, clock, last, totals, args.real)
+        num_steps, wall_s, cpu_s = _decode_all(engine, clock, last, totals, args.real_forward)
     clock.restore()
     per_step = 1000 / max(num_steps, 1)
     return {
@@ -353,6 +392,8 @@ def worker(args: argparse.Namespace) -> int:
         from growpage.engine.loading.loader import load_model
 
         model = load_model(None, dtype=torch.float32, device="cpu")
+    elif args.tiny:
+        model = tiny_model()
     else:
         model = narrow_model(args.head_dim, args.vocab, args.layers)
     parts = {"model": model, "tokenizer": load_tokenizer(None)}
@@ -415,7 +456,7 @@ def _point_flags(args: argparse.Namespace) -> list[str]:
         "--threads",
         str(args.threads),
     ]
-    return flags + (["--real"] if args.real else [])
+    return flags + (["--real"] if args.real else []) + (["--tiny"] if args.tiny else [])
 
 
 def compare(args: argparse.Namespace) -> dict:
@@ -471,7 +512,7 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict:
 
 def markdown(report: dict, args: argparse.Namespace) -> str:
     pts = report["points"]
-    forward = "the real forward" if args.real else "the stubbed forward"
+    forward = "the real forward" if args.real_forward else "the stubbed forward"
     lines = [
         f"Host ms per decode step: this thread's CPU time per decode step (mean over a run's "
         f"decode steps, boundary work included) less {forward}; medians of {args.repeats} "
@@ -509,7 +550,40 @@ def markdown(report: dict, args: argparse.Namespace) -> str:
     growth = _growth(pts)
     if growth:
         lines += ["", "after, host ms from batch 64 to 256 (4x the requests): " + growth]
+    if args.real_forward:
+        lines += ["", *_whole_steps(pts)]
     return "\n".join(lines)
+
+
+def _whole_steps(points: list[dict]) -> list[str]:
+    """ms of whole decode steps (CPU, forward included): growpage against fullkv at each batch,
+    and each policy from batch 64 to 256, before and after."""
+    ms = {
+        (name, p["backend"], p["policy"], p["batch"]): p[name]["ms_per_step"]
+        for p in points
+        for name in ("before", "after")
+    }
+    lines = [
+        "ms per decode step, forward included (CPU time; steps: decode steps of the run)",
+        "",
+        "| backend | policy | batch | steps | ms before | ms after | after / before |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for p in points:
+        b, a = p["before"]["ms_per_step"], p["after"]["ms_per_step"]
+        lines.append(
+            f"| {p['backend']} | {p['policy']} | {p['batch']} | {p['after']['steps']} | "
+            f"{b:.3f} | {a:.3f} | {a / b:.2f} |"
+        )
+    ratios = []
+    for (name, backend, policy, batch), value in ms.items():
+        full = ms.get((name, backend, "fullkv", batch))
+        if policy != "fullkv" and full:
+            ratios.append(f"{name} {backend} {policy} / fullkv at {batch}: {value / full:.2f}x")
+        wide = ms.get((name, backend, policy, 256))
+        if batch == 64 and wide:
+            ratios.append(f"{name} {backend} {policy} from 64 to 256: {wide / value:.2f}x")
+    return lines + [""] + [f"- {r}" for r in ratios]
 
 
 def _growth(points: list[dict]) -> str:
@@ -573,18 +647,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=30)
     add_threads(p, 1)
     p.add_argument("--real", action="store_true", help="SmolLM2-135M with its real forward")
+    p.add_argument("--tiny", action="store_true", help="a tiny random Llama with its real forward")
     p.add_argument("--profile", default=None, metavar="BACKEND:POLICY:BATCH")
     p.add_argument("--profile-top", type=int, default=30)
     add_out(p, "host_cost")
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.max_batched_tokens = 4096  # LLM's default max_num_batched_tokens
+    if args.real and args.tiny:
+        p.error("--real and --tiny are two models: give one")
+    args.real_forward = args.real or args.tiny
     if args.backends is None:
-        args.backends = ["torch"] if args.real else ["triton", "torch"]
+        args.backends = ["torch"] if args.real_forward else ["triton", "torch"]
     if args.batches is None:
-        args.batches = [16, 64] if args.real else [1, 16, 64, 256]
+        args.batches = [16, 64] if args.real else [64, 256] if args.tiny else [1, 16, 64, 256]
     if args.max_tokens is None:
         args.max_tokens = 32 if args.real else 256
+    if args.tiny and "--page-size" not in (argv if argv is not None else sys.argv):
+        args.page_size = 16
     return args
 
 
@@ -609,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     from growpage.core.traces import atomic_write
 
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "real" if args.real else "stubbed"
+    name = "real" if args.real else "tiny" if args.tiny else "stubbed"
     atomic_write(args.out / f"{name}.json", lambda tmp: Path(tmp).write_text(json.dumps(report)))
     atomic_write(args.out / f"{name}.md", lambda tmp: Path(tmp).write_text(text + "\n"))
     return 0 if all(p["identical"] is not False for p in report["points"]) else 1

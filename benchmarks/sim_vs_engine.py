@@ -34,9 +34,10 @@ Modelling choices that make both sides count the same thing:
   pages the chat template's shared system prompt would fill at most one page anyway);
 * the simulator's ``admission_reserve`` is 0 (the engine admits greedily; its watermark is 0);
 * the engine's boundary work (capacity control: scoring and compaction) is measured by the
-  engine (``EngineStats.boundary_s``); the simulator prices it per decision and per
-  compaction as a separate growpage run measured it (``measure_boundary_costs``; off with
-  ``--no-boundaries``), and both sides report it (``boundary s``).
+  engine (``EngineStats.boundary_s``); the simulator prices it as the engine runs it, a step's
+  boundaries together (per step that decides plus per decision, per step that compacts plus
+  per compaction), as a separate run of the policy measured it (``measure_boundary_costs``;
+  off with ``--no-boundaries``), and both sides report it (``boundary s``).
 
 Run: ``.venv/bin/python benchmarks/sim_vs_engine.py`` (about 5 minutes of CPU time, one
 thread; 15 minutes of wall time when the 2-core machine is loaded by other jobs); writes ``results/sim_vs_engine/report.md`` and ``sim_vs_engine.json``.
@@ -263,6 +264,16 @@ def boundary_prices(model: Any, point: SweepPoint, scenario: Scenario) -> dict:
     )
 
 
+def _prices(label: str, p: dict) -> str:
+    """``label`` and its capacity-control prices in ms: decisions, then compactions, each as
+    per step + per request."""
+    step_d, step_c = p.get("boundary_step_s", 0.0), p.get("compaction_step_s", 0.0)
+    return (
+        f"{label} {1e3 * step_d:.2f} + {1e3 * p['boundary_s']:.2f}, "
+        f"{1e3 * step_c:.2f} + {1e3 * p['compaction_s']:.2f}"
+    )
+
+
 # ---- comparison ------------------------------------------------------------------------------
 def engine_row(stats: Any) -> dict:
     e = stats.events
@@ -427,13 +438,11 @@ def markdown(rows: list[dict], meta: dict, linear_rows: Sequence[dict] = ()) -> 
                 if c.get("padded_kv")
                 else "are the sum of its contexts"
             )
-            + ". Capacity control, ms per "
-            "decision + ms per compaction, measured per policy in runs of their own "
-            "(`measure_boundary_costs`; 0 with `--no-boundaries`): "
-            + "; ".join(
-                f"{label} {1e3 * p['boundary_s']:.2f} + {1e3 * p['compaction_s']:.2f}"
-                for label, p in meta.get("boundary_prices", {}).items()
-            )
+            + ". Capacity control, ms per step "
+            "that decides + per decision, and per step that compacts + per compaction, measured "
+            "per policy in runs of their own (`measure_boundary_costs`; 0 with "
+            "`--no-boundaries`): "
+            + "; ".join(_prices(label, p) for label, p in meta.get("boundary_prices", {}).items())
             + ".",
             "",
             *lines,
@@ -554,8 +563,13 @@ def main(argv: list[str] | None = None) -> int:
         list(zip(points, engine_stats, strict=True)), desc="simulate", unit="point"
     ):
         for kind, cost in costs.items():
+            price = prices[point.label]
             priced = with_boundary_costs(
-                cost, prices[point.label]["boundary_s"], prices[point.label]["compaction_s"]
+                cost,
+                price["boundary_s"],
+                price["compaction_s"],
+                price.get("boundary_step_s"),
+                price.get("compaction_step_s"),
             )
             result = run_sim(requests, by_id, point, config, scenario, priced)
             rows[kind].append(compare(point.label, engine_row(stats), sim_row(result)))

@@ -309,6 +309,9 @@ def sim_command(
         command += ["--param", f"{key}={json.dumps(value)}"]
     command += ["--boundary-ms", f"{1e3 * prices['boundary_s']:.4f}"]
     command += ["--compaction-ms", f"{1e3 * prices['compaction_s']:.4f}"]
+    for key in ("boundary_step_s", "compaction_step_s"):  # per step, as the engine batches
+        if key in prices:
+            command += [f"--{key[:-2].replace('_', '-')}-ms", f"{1e3 * prices[key]:.4f}"]
     command += ["--page-size", str(scenario.page_size), "--kv-pages", str(scenario.kv_pages)]
     command += ["--max-num-seqs", str(scenario.max_num_seqs)]
     command += ["--max-num-batched-tokens", str(scenario.max_num_batched_tokens)]

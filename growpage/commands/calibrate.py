@@ -77,7 +77,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     ]
     if args.measurements and engine_only:
         hint = (
-            " (serve and sweep take --boundary-ms / --compaction-ms for prices measured elsewhere)"
+            " (serve and sweep take --boundary-ms / --compaction-ms and their --*-step-ms for prices"
+            " measured elsewhere)"
             if args.boundary_policy is not None
             else ""
         )
@@ -108,7 +109,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
         from growpage.engine.profiling.profile import measure_boundary_costs
 
         costs = measure_boundary_costs(policy=args.boundary_policy or "growpage")
-        model = with_boundary_costs(model, costs["boundary_s"], costs["compaction_s"])
+        model = with_boundary_costs(
+            model,
+            costs["boundary_s"],
+            costs["compaction_s"],
+            costs.get("boundary_step_s"),
+            costs.get("compaction_step_s"),
+        )
         print(
             f"capacity control: {costs['decided']} decisions, {costs['compactions']} "
             "compactions measured"

@@ -94,6 +94,20 @@ def _serving(p: argparse.ArgumentParser, sweep: bool = False) -> None:
         help="charge MS per KV compaction (default: the cost model's)",
     )
     p.add_argument(
+        "--boundary-step-ms",
+        type=float,
+        metavar="MS",
+        help="charge MS per step with policy decisions, beside --boundary-ms per decision "
+        "(the engine decides a step's boundaries in one pass; default: the cost model's)",
+    )
+    p.add_argument(
+        "--compaction-step-ms",
+        type=float,
+        metavar="MS",
+        help="charge MS per step with compactions, beside --compaction-ms per compaction "
+        "(default: the cost model's)",
+    )
+    p.add_argument(
         "--async-compaction",
         action="store_true",
         help="as the engine's: a compacting request sits the next decode step out "

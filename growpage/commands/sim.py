@@ -389,14 +389,18 @@ def _trace_requests(
     return traced, trace_of
 
 
-def _boundary_prices(args: argparse.Namespace) -> tuple[float | None, float | None]:
-    """``--boundary-ms`` / ``--compaction-ms`` in seconds (None where not given)."""
+def _boundary_prices(
+    args: argparse.Namespace,
+) -> tuple[float | None, float | None, float | None, float | None]:
+    """``--boundary-ms`` / ``--compaction-ms`` / ``--boundary-step-ms`` /
+    ``--compaction-step-ms`` in seconds (None where not given)."""
     prices = []
-    for flag, ms in (("--boundary-ms", args.boundary_ms), ("--compaction-ms", args.compaction_ms)):
+    for flag in ("--boundary-ms", "--compaction-ms", "--boundary-step-ms", "--compaction-step-ms"):
+        ms = getattr(args, flag[2:].replace("-", "_"), None)
         if ms is not None:
             non_negative_number.require(flag, ms)
         prices.append(None if ms is None else ms / 1000.0)
-    return prices[0], prices[1]
+    return prices[0], prices[1], prices[2], prices[3]
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -502,7 +506,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     ]
     points = parse_points(args.points)
     out = _out_dir(args)
-    boundary_s, compaction_s = _boundary_prices(args)
+    boundary_s, compaction_s, boundary_step_s, compaction_step_s = _boundary_prices(args)
     if args.traces:
         _trace_requests(args, setups[0][2])  # a bad set or trace name fails before the work
     rows = []
@@ -519,6 +523,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 boundary_s=boundary_s,
                 compaction_s=compaction_s,
+                boundary_step_s=boundary_step_s,
+                compaction_step_s=compaction_step_s,
                 traces=args.traces,
                 threads=args.threads,
             )

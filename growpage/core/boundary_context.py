@@ -20,7 +20,7 @@ from collections.abc import Hashable
 
 import torch
 
-from growpage.core import demand, observation
+from growpage.core import boundary_signals, demand, observation
 from growpage.core.config import GrowPageConfig
 from growpage.core.kv_view import KVView
 from growpage.core.rope import rope_at
@@ -304,8 +304,8 @@ class BoundaryBatch:
 
     #: Most padded attention entries sorted at once; more members are split into groups.
     max_elements: int = 1 << 24
-    #: Sort members of different candidate counts together, zero-padded; None: off the CPU
-    #: only (on a GPU the sort is one launch either way; on the CPU padding is arithmetic).
+    #: Sort members of different candidate counts together, zero-padded (None: yes). False
+    #: sorts only equal counts together: fewer padded entries, one sort per count.
     pad: bool | None = None
 
     def __init__(self) -> None:
@@ -334,6 +334,7 @@ class BoundaryBatch:
             for c in self._contexts
             if p not in getattr(c, cache) and (c is asking or _still_at_boundary(c))
         ]
+        boundary_signals.fill_estimation([c for c in todo if p not in c._counts])
         groups = self._groups(todo)
         stacked = []
         for group in groups:
@@ -355,7 +356,7 @@ class BoundaryBatch:
         """``todo`` in groups sorted together, by candidate count, each within ``max_elements``
         padded entries; without ``pad`` only equal candidate counts share a group."""
         groups: list[list[BoundaryContext]] = []
-        pad = self.pad if self.pad is not None else bool(todo) and todo[0].device.type != "cpu"
+        pad = self.pad is not False
         widest = 0
         for c in sorted(todo, key=lambda c: c.num_estimation_candidates):
             n = c.num_estimation_candidates

@@ -15,7 +15,7 @@ selection and the compaction later, or is cancelled.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Generic
+from typing import TYPE_CHECKING, Any, Generic
 
 import attrs
 import torch
@@ -29,6 +29,9 @@ from growpage.core.pages import PagePool
 from growpage.core.policy import PolicyT
 from growpage.core.request import RequestState
 from growpage.errors import ConfigError, GrowPageError, PolicyError
+
+if TYPE_CHECKING:
+    from growpage.core.compaction_batch import CompactionBatch
 
 
 @attrs.frozen
@@ -78,8 +81,10 @@ class PendingCompaction:
     source: list[int]  # the block table now
     done: bool = False
 
-    def run(self) -> BoundaryOutcome:
-        """Select and compact; the request then holds ``tokens_after`` tokens in ``target``."""
+    def run(self, compactions: CompactionBatch | None = None) -> BoundaryOutcome:
+        """Select and compact; the request then holds ``tokens_after`` tokens in ``target``.
+        With ``compactions`` it is booked there instead (``CompactionBatch.book``): the
+        request's pages and state as after it at once, its KV when the batch runs."""
         self._check_open()
         if self.state.block_table != self.source or self.state.num_tokens != self.ctx.num_tokens:
             self.cancel()
@@ -88,7 +93,7 @@ class PendingCompaction:
                 "was pending (run or cancel it before the request moves on)"
             )
         self.done = True
-        return self.controller._execute(self)
+        return self.controller._execute(self, compactions)
 
     def cancel(self) -> None:
         """Drop the compression: its copy-on-write pages go back to the pool."""
@@ -175,6 +180,7 @@ class CapacityController(Generic[PolicyT]):
         view: KVView,
         batch: BoundaryBatch | None = None,
         defer: bool = False,
+        compactions: CompactionBatch | None = None,
     ) -> BoundaryOutcome:
         """Make room for one more token of ``state``; see ``BoundaryOutcome``.
 
@@ -182,6 +188,9 @@ class CapacityController(Generic[PolicyT]):
         context (and its view, of the same request) is used, so its signals are shared.
         ``defer``: a compression is settled but not run: the outcome's ``pending`` runs it
         (``PendingCompaction``); grow, preempt and forced growth happen at once either way.
+        ``compactions``: this step's ``CompactionBatch``; a compression is booked in it (the
+        pages and the request as after it, now) and its selection and compaction run with
+        the step's others (``CompactionBatch.run``), before the request's next token.
         """
         ctx = batch.take(state.request_id) if batch is not None else None
         if ctx is not None:
@@ -227,15 +236,19 @@ class CapacityController(Generic[PolicyT]):
             if not getattr(self.policy, "fallback_to_compress", True):
                 return self._preempt(state, decision, delta)
             self._count(state, "fallback")
-            return self._compress(state, view, ctx, decision, Action.COMPRESS, True, delta, defer)
+            return self._compress(
+                state, view, ctx, decision, Action.COMPRESS, True, delta, defer, compactions
+            )
         if decision is Decision.SHRINK and (
             state.num_pages - 1 < self.config.min_capacity
             or (state.num_pages - 2) * self.config.page_size < self.min_kept(state)
         ):
             self._count(state, "shrink_refused")
-            return self._compress(state, view, ctx, decision, Action.COMPRESS, False, delta, defer)
+            return self._compress(
+                state, view, ctx, decision, Action.COMPRESS, False, delta, defer, compactions
+            )
         action = Action.SHRINK if decision is Decision.SHRINK else Action.COMPRESS
-        return self._compress(state, view, ctx, decision, action, False, delta, defer)
+        return self._compress(state, view, ctx, decision, action, False, delta, defer, compactions)
 
     # ---- actions --------------------------------------------------------------------------
     def _forced_grow(self, state: RequestState) -> BoundaryOutcome:
@@ -262,9 +275,11 @@ class CapacityController(Generic[PolicyT]):
         fallback: bool,
         delta: float | None,
         defer: bool = False,
+        compactions: CompactionBatch | None = None,
     ) -> BoundaryOutcome:
         """Settle the pages of a compression (copy-on-write pages for shared ones: preempt
-        when there are none), then run it, or with ``defer`` hand it back pending."""
+        when there are none), then run it (or book it in ``compactions``), or with ``defer``
+        hand it back pending."""
         b, before = self.config.page_size, state.num_pages
         drop = 2 if action is Action.SHRINK else 1
         dst, released = _target_pages(
@@ -293,20 +308,31 @@ class CapacityController(Generic[PolicyT]):
             list(state.block_table),
         )
         if not defer:
-            return pending.run()
+            return pending.run(compactions)
         return BoundaryOutcome(
             decision, action, fallback, before, len(dst), pending.tokens_after, delta, pending
         )
 
-    def _execute(self, p: PendingCompaction) -> BoundaryOutcome:
-        """Selection and compaction of a settled compression; all or nothing."""
-        state, before = p.state, p.state.num_pages
+    def _execute(
+        self, p: PendingCompaction, compactions: CompactionBatch | None = None
+    ) -> BoundaryOutcome:
+        """Selection and compaction of a settled compression; all or nothing. With
+        ``compactions`` booked there instead."""
+        if compactions is not None:
+            return compactions.book(p)
         try:
             indices = self._checked_selection(p.ctx, p.tokens_after)
             p.view.compact(indices, p.source, p.target)
         except BaseException:
             self.pool.free(p.fresh)
             raise
+        return self.book(p)
+
+    def book(self, p: PendingCompaction) -> BoundaryOutcome:
+        """The pages and the request as after ``p``'s compaction (done, or to be run by a
+        ``CompactionBatch``): pages invalidated and released, block table and token count,
+        events and trajectory."""
+        state, before = p.state, p.state.num_pages
         for page in p.target:
             self.pool.invalidate(page)  # compaction rewrites content: no longer a prefix page
         self.pool.free(p.released)
@@ -481,6 +507,40 @@ def _invalid(slots: torch.Tensor, n: int, recent: int, prefix: int = 0) -> torch
     if prefix:
         bad |= slots[..., prefix - 1] != prefix - 1
     return bad
+
+
+def invalid_rows(
+    keep: torch.Tensor,
+    num_kept: list[int],
+    num_tokens: list[int],
+    recent: int,
+    prefixes: list[int],
+) -> list[bool]:
+    """``_invalid`` of several selections at once, one host sync for all: row r of ``keep
+    [R, L, Hkv, K_max]`` holds ``num_kept[r]`` slots (the rest padding) of a request with
+    ``num_tokens[r]`` slots and ``prefixes[r]`` protected leading ones; True where some layer
+    or KV head of the row breaks a rule (``_check_selection`` then says which).
+
+    The same rules as ``_invalid``: strictly ascending within ``[0, n)``, so the first entry is
+    at least 0 and the last below n; then the window is there iff entry ``K - R`` is ``n - R``
+    and the prefix iff entry ``p - 1`` is ``p - 1``. Those four entries of each row are read in
+    one gather and held to their bounds."""
+    num, device = keep.shape[0], keep.device
+    rows = []
+    for k, n, p in zip(num_kept, num_tokens, prefixes, strict=True):
+        window = (k - recent, n - recent, n - recent) if recent else (0, 0, n - 1)
+        prefix = (p - 1, p - 1, p - 1) if p else (0, 0, n - 1)
+        # (column, lowest, highest) of: first, last, window start, prefix end; then K.
+        rows.append([0, 0, n - 1, k - 1, 0, n - 1, *window, *prefix, k])
+    meta = torch.tensor(rows, device=device).view(num, 13, 1, 1)
+    bounds = meta[:, :12].view(num, 4, 3, 1, 1).unbind(2)  # column, lowest, highest
+    columns = bounds[0].view(num, 1, 1, 4).expand(-1, *keep.shape[1:3], -1)
+    entries = keep.gather(-1, columns.clamp(min=0))
+    lowest, highest = bounds[1].view(num, 1, 1, 4), bounds[2].view(num, 1, 1, 4)
+    bad = ((entries < lowest) | (entries > highest)).any(dim=-1)
+    pairs = torch.arange(1, keep.shape[-1], device=device) < meta[:, 12].view(num, 1, 1, 1)
+    bad |= (pairs & (keep[..., 1:] <= keep[..., :-1])).any(dim=-1)
+    return bad.flatten(1).any(dim=1).tolist()
 
 
 def _target_pages(pages: list[int], pool: PagePool, shrink: bool) -> tuple[list[int], list[int]]:

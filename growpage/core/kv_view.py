@@ -25,6 +25,20 @@ class QueryState:
     current: torch.Tensor
 
 
+@attrs.frozen
+class CompactionJob:
+    """One compaction of a step's batch (``KVView.compact_batch``): keep slots ``keep
+    [L, Hkv, K]`` (ascending) of the ``num_tokens`` slots in pages ``source``, moved to slots
+    ``0..K-1`` of pages ``target``, at the boundary of the token at ``position``."""
+
+    view: KVView
+    keep: torch.Tensor
+    source: list[int]
+    target: list[int]
+    num_tokens: int
+    position: int
+
+
 class KVView(abc.ABC):
     """One request's KV content over its participating layers.
 
@@ -108,14 +122,61 @@ class KVView(abc.ABC):
 
     @staticmethod
     def batch_boundary_signals(
-        views: list[KVView], positions: list[int], num_candidates: list[int]
+        views: list[KVView],
+        positions: list[int],
+        num_candidates: list[int],
+        tables: list[list[int]] | None = None,
+        queries: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Optional fast path: ``boundary_queries`` and ``summary_attention`` of several
         requests' views (of one class) at once: ``[R, 2, L, Hq, d]`` queries rotated to
-        ``positions[r]`` and ``[R, 2, L, Hkv, max(num_candidates)]`` fp32 attention, request r's
-        distributions over its ``num_candidates[r]`` candidates then zeros. Used by
-        ``BoundaryBatch``; None (the default) computes each request on its own."""
+        ``positions[r]`` (``queries`` when given) and ``[R, 2, L, Hkv, max(num_candidates)]``
+        fp32 attention, request r's distributions over its ``num_candidates[r]`` candidates
+        then zeros. ``tables``: the block tables to read the keys through (as
+        ``batch_keys``'). Used by ``BoundaryBatch`` and a step's batched selection; None (the
+        default) computes each request on its own."""
         return None
+
+    @property
+    def has_fast_signals(self) -> bool:
+        """Whether ``boundary_queries`` and ``summary_attention`` answer (the engine's kernels);
+        else ``BoundaryContext`` computes the signals in torch from ``query_state()`` and
+        ``keys()``, for several requests at once through ``batch_query_states`` and
+        ``batch_keys``."""
+        return False
+
+    @staticmethod
+    def batch_query_states(views: list[KVView]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query_state()`` of several views: ``[R, 2, L, Hq, d]`` short and long summaries
+        and ``[R, L, Hq, d]`` current queries (a view class may read them in one pass)."""
+        states = [v.query_state() for v in views]
+        short = torch.stack([s.short for s in states])
+        long = torch.stack([s.long for s in states])
+        return torch.stack([short, long], dim=1), torch.stack([s.current for s in states])
+
+    @staticmethod
+    def batch_keys(
+        views: list[KVView], tables: list[list[int]] | None, num_tokens: list[int]
+    ) -> list[torch.Tensor]:
+        """``keys()`` of several views, ``[L, Hkv, num_tokens[r], d]`` each, laid out as
+        ``keys()`` lays them out (a view class may read them in one pass).
+
+        ``tables``: the views' block tables at their boundary, when their requests may have
+        been booked since (a view over pages reads through them; others ignore them); None:
+        the views' own."""
+        return [v.keys()[:, :, :n] for v, n in zip(views, num_tokens, strict=True)]
+
+    @staticmethod
+    def compact_batch(jobs: list[CompactionJob], keep: torch.Tensor) -> None:
+        """Run several compactions of one step (``job.view`` of this class each), as if one
+        after the other in order; every job reads its slots before any job writes. ``keep``:
+        the jobs' slots in one tensor ``[R, L, Hkv, K_max]``, -1 past each job's.
+
+        The default calls each view's ``compact``, which suits a view that holds its own
+        slots (its ``num_tokens`` is still the job's); the engine's view, which reads its
+        request's state, moves every job's slots in one gather and one scatter."""
+        for job in jobs:
+            job.view.compact(job.keep, job.source, job.target)
 
     @abc.abstractmethod
     def compact(self, keep: torch.Tensor, src_pages: list[int], dst_pages: list[int]) -> None:

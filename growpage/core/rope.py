@@ -109,3 +109,14 @@ def rope_at(cfg: RopeConfig, x: torch.Tensor, position: int) -> torch.Tensor:
     angles = inv_frequencies_on(cfg, x.device) * float(position)
     angles = torch.cat([angles, angles])
     return apply_rope(x, angles.cos(), angles.sin())
+
+
+def rope_at_each(cfg: RopeConfig, x: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """``x [R, ..., head_dim]`` with row r rotated to ``positions[r]``: row r is bitwise
+    ``rope_at(cfg, x[r], positions[r])`` (the same fp32 products, one pass for all rows)."""
+    inv = inv_frequencies_on(cfg, x.device)
+    at = torch.tensor(positions, dtype=torch.float32, device=x.device).unsqueeze(-1)
+    angles = at * inv
+    angles = torch.cat([angles, angles], dim=-1)
+    shape = (len(positions),) + (1,) * (x.dim() - 2) + (cfg.head_dim,)
+    return apply_rope(x, angles.cos().view(shape), angles.sin().view(shape))

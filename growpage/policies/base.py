@@ -68,6 +68,13 @@ class CapacityPolicy(abc.ABC):
             ctx.num_protected_prefix,
         )
 
+    @property
+    def has_default_selection(self) -> bool:
+        """Whether ``select`` is this class's (GrowPage selection): the engine then selects
+        for all of a step's compressions in one pass (``core.compaction_batch``), with the
+        same slots; a policy's own ``select`` runs request by request."""
+        return type(self).select is CapacityPolicy.select
+
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__ and getattr(cls, "name", "custom") == "custom":

@@ -15,8 +15,10 @@ tokens. Three models:
 * ``RooflineCostModel``: ``t = overhead + max(flops / (peak * mfu), bytes / (bandwidth * mbu))``
   from hardware and model specs (``sim.hardware`` has the paper's presets).
 
-All may also price capacity control (``boundary_time``): seconds per policy decision and per
-compaction, 0 by default (the paper's asynchronous pipeline).
+All may also price capacity control (``boundary_time``), as the engine runs it: one pass for
+a step's decisions and one for its compactions, each a fixed cost per step plus a cost per
+request (``boundary_step_s`` + ``boundary_s`` per decision, ``compaction_step_s`` +
+``compaction_s`` per compaction); 0 by default (the paper's asynchronous pipeline).
 
 All arguments may be numpy arrays (broadcast), so a run of decode steps is priced in one call.
 """
@@ -116,14 +118,20 @@ class CostModel(abc.ABC):
         """Seconds of capacity control between two steps: ``decided`` policy decisions, of
         which ``compactions`` compacted KV (Compress & Hold, Shrink, a refused GROW).
 
-        ``boundary_s`` per decision plus ``compaction_s`` per compaction; both 0 unless set,
-        which is the paper's asynchronous pipeline (appendix E.3: compaction overlaps decoding
-        and the decision's cost is not modelled). ``growpage calibrate`` measures both on the
-        local engine (``growpage.engine.profiling.profile.measure_boundary_costs``).
+        The engine handles a step's boundaries together (``core.compaction_batch``): one pass
+        for the decisions' signals, one for the compactions' selections and KV moves. So a
+        step that decides costs ``boundary_step_s`` plus ``boundary_s`` per decision, and one
+        that compacts ``compaction_step_s`` plus ``compaction_s`` per compaction. All 0 unless
+        set, which is the paper's asynchronous pipeline (appendix E.3: compaction overlaps
+        decoding and the decision's cost is not modelled). ``growpage calibrate`` measures them
+        on the local engine (``growpage.engine.profiling.profile.measure_boundary_costs``).
         """
-        return decided * getattr(self, "boundary_s", 0.0) + compactions * getattr(
-            self, "compaction_s", 0.0
-        )
+        price = functools.partial(getattr, self)
+        decisions = decided * price("boundary_s", 0.0)
+        decisions += price("boundary_step_s", 0.0) if decided else 0.0
+        compacting = compactions * price("compaction_s", 0.0)
+        compacting += price("compaction_step_s", 0.0) if compactions else 0.0
+        return decisions + compacting
 
     def describe(self) -> dict[str, Any]:
         """The model's kind (class name) and, for an attrs class, its fields."""
@@ -159,6 +167,16 @@ class _FittedCostModel(CostModel):
     compaction_s: float = attrs.field(
         default=0.0,
         converter=_plain_number,  # per compaction
+        validator=non_negative_number,
+    )
+    boundary_step_s: float = attrs.field(
+        default=0.0,
+        converter=_plain_number,  # per step that decides
+        validator=non_negative_number,
+    )
+    compaction_step_s: float = attrs.field(
+        default=0.0,
+        converter=_plain_number,  # per step that compacts
         validator=non_negative_number,
     )
     padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=flag)
@@ -388,6 +406,16 @@ class RooflineCostModel(CostModel):
         converter=_plain_number,  # per compaction
         validator=non_negative_number,
     )
+    boundary_step_s: float = attrs.field(
+        default=0.0,
+        converter=_plain_number,  # per step that decides
+        validator=non_negative_number,
+    )
+    compaction_step_s: float = attrs.field(
+        default=0.0,
+        converter=_plain_number,  # per step that compacts
+        validator=non_negative_number,
+    )
     name: str = "roofline"
 
     def step_time(
@@ -441,14 +469,20 @@ def _sum_of_max(lines: list[tuple[float, float]], kv0: float, step: float, n: in
 
 
 def with_boundary_costs(
-    cost: CostModelT, boundary_s: float | None = None, compaction_s: float | None = None
+    cost: CostModelT,
+    boundary_s: float | None = None,
+    compaction_s: float | None = None,
+    boundary_step_s: float | None = None,
+    compaction_step_s: float | None = None,
 ) -> CostModelT:
     """``cost`` with its capacity-control prices replaced where given (None keeps them)."""
-    changes = {
-        k: v
-        for k, v in (("boundary_s", boundary_s), ("compaction_s", compaction_s))
-        if v is not None
+    given = {
+        "boundary_s": boundary_s,
+        "compaction_s": compaction_s,
+        "boundary_step_s": boundary_step_s,
+        "compaction_step_s": compaction_step_s,
     }
+    changes = {k: v for k, v in given.items() if v is not None}
     if not changes:
         return cost
     fields: dict[str, attrs.Attribute[Any]] = (

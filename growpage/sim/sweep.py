@@ -95,6 +95,8 @@ class SweepSettings:
     seed: int = 0
     boundary_s: float | None = None  # capacity-control prices over the cost model's (None: its)
     compaction_s: float | None = None
+    boundary_step_s: float | None = None
+    compaction_step_s: float | None = None
     traces: str | None = None  # trace set for decisions="trace" (None: synthetic traces)
     threads: int = 1  # torch CPU threads of each point's process
 
@@ -120,7 +122,13 @@ def run_point(point: SweepPoint, settings: SweepSettings) -> dict:
         resolve_policy(point.policy, **kwargs),
         settings.config,
         settings.sim,
-        with_boundary_costs(_cost_model(settings.cost), settings.boundary_s, settings.compaction_s),
+        with_boundary_costs(
+            _cost_model(settings.cost),
+            settings.boundary_s,
+            settings.compaction_s,
+            settings.boundary_step_s,
+            settings.compaction_step_s,
+        ),
         trace_of,
     )
     replays = [

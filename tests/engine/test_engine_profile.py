@@ -1,6 +1,7 @@
 """``growpage calibrate`` on the engine: measured rows fit a cost model that predicts them."""
 
 import numpy as np
+import pytest
 from engine_helpers import random_state_dict, tiny_config
 
 from growpage.engine.loading.loader import build_model
@@ -43,15 +44,24 @@ def test_measure_boundary_costs_prices_decisions_and_compactions():
         model, num_requests=3, max_tokens=48, page_size=4, progress=False
     )
     assert costs["decided"] > 0 and costs["compactions"] > 0, costs
-    assert costs["boundary_s"] > 0 and costs["compaction_s"] > 0
+    assert 0 < costs["steps"] <= costs["decided"]
+    assert costs["boundary_s"] + costs["boundary_step_s"] > 0
+    assert costs["compaction_s"] + costs["compaction_step_s"] > 0
     priced = with_boundary_costs(
         fit_linear(
             np.array([[1, 16, 0, 0.01], [4, 64, 0, 0.02], [1, 0, 8, 0.03], [2, 32, 0, 0.015]])
         ),
         costs["boundary_s"],
         costs["compaction_s"],
+        costs["boundary_step_s"],
+        costs["compaction_step_s"],
     )
-    assert priced.boundary_time(2, 1) == 2 * costs["boundary_s"] + costs["compaction_s"]
+    assert priced.boundary_time(2, 1) == pytest.approx(
+        costs["boundary_step_s"]
+        + 2 * costs["boundary_s"]
+        + costs["compaction_step_s"]
+        + costs["compaction_s"]
+    )
 
 
 def test_a_batched_prefill_is_timed_as_that_many_prompts(monkeypatch):
@@ -99,3 +109,16 @@ def test_prefill_rows_are_priced_as_the_simulator_prices_a_prefill_step():
         assert cost.prefill_time(r["prefill_tokens"]) == cost.step_time(
             r["num_seqs"], r["kv_tokens"], r["prefill_tokens"]
         )
+
+
+def test_step_prices_are_fitted_per_step_and_per_request():
+    from growpage.engine.profiling.profile import fit_step_prices
+
+    counts = [1, 2, 3, 4, 0, 2]
+    seconds = [0.003 + 0.001 * n if n else 0.5 for n in counts]  # a step without any: ignored
+    step, each = fit_step_prices(counts, seconds)
+    assert step == pytest.approx(0.003) and each == pytest.approx(0.001)
+    assert fit_step_prices([2, 2, 2], [0.004, 0.004, 0.004]) == (0.0, pytest.approx(0.002))
+    # A fit that would give a step a negative price gives it none.
+    assert fit_step_prices([1, 4], [0.001, 0.008]) == (0.0, pytest.approx(0.009 / 5))
+    assert fit_step_prices([], []) == (0.0, 0.0)

@@ -178,3 +178,30 @@ def test_a_synchronous_boundary_is_paid_before_the_step_beside_late_ones(decisio
     assert (free.total_s, free.compresses, free.prefix_hit_tokens) == (16.0, 9, 4)
     assert paid.total_s == pytest.approx(16.2)
     assert paid.boundary_s == pytest.approx(0.1 * (9 + 9))
+
+
+def test_a_steps_compactions_pay_the_step_price_once():
+    """As the engine runs them, a step's compactions are one pass: ``compaction_step_s`` once
+    per step that compacts, however many compact in it."""
+    requests = [attrs.evolve(r, arrival_s=0.0) for r in resolve_workload("tiny", seed=1)]
+    free = simulate(requests, "growpage", CONFIG, SIM, COST)
+    priced = simulate(
+        requests, "growpage", CONFIG, SIM, with_boundary_costs(COST, compaction_step_s=0.01)
+    )
+    assert [e[1:] for e in priced.events] == [e[1:] for e in free.events]
+    steps = {t for t, kind, _, _ in free.events if kind in ("compress", "shrink")}
+    compactions = decided_and_compactions(free)[1]
+    assert 0 < len(steps) < compactions  # some steps compact several requests
+    assert priced.metrics.boundary_s == pytest.approx(0.01 * len(steps), rel=1e-9)
+
+
+def test_step_prices_add_to_the_per_request_ones_and_are_kept_in_the_file(tmp_path):
+    cost = with_boundary_costs(COST, 0.001, 0.002, boundary_step_s=0.01, compaction_step_s=0.02)
+    assert cost.boundary_time(0, 0) == 0.0
+    assert cost.boundary_time(3, 0) == pytest.approx(0.01 + 0.003)
+    assert cost.boundary_time(3, 1) == pytest.approx(0.01 + 0.003 + 0.02 + 0.002)
+    assert LinearCostModel.load(cost.save(tmp_path / "c.json")) == cost
+    with pytest.raises(ValueError, match="compaction_step_s must be a finite number >= 0"):
+        LinearCostModel(compaction_step_s=-1.0)
+    roofline = with_boundary_costs(load_cost_model("a100-qwen3-8b"), boundary_step_s=0.004)
+    assert roofline.boundary_time(2, 0) == pytest.approx(0.004)

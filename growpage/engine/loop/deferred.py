@@ -23,6 +23,7 @@ import torch
 from growpage.core import residency
 from growpage.core.boundary_context import BoundaryBatch
 from growpage.core.capacity import BoundaryOutcome, PendingCompaction
+from growpage.core.compaction_batch import CompactionBatch
 from growpage.engine.loop.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -37,11 +38,15 @@ class LateBoundary:
     def __init__(self, kv: KVCacheManager, seq: Sequence) -> None:
         self.kv, self.seq = kv, seq
 
-    def run(self, batch: BoundaryBatch | None) -> BoundaryOutcome:
-        """Decide and act (grow, or compress at once); never a preemption (see
-        ``DeferredBoundaries.decides_late``)."""
+    def run(
+        self, batch: BoundaryBatch | None, compactions: CompactionBatch | None = None
+    ) -> BoundaryOutcome:
+        """Decide and act (grow, or compress: at once, or booked in ``compactions``); never a
+        preemption (see ``DeferredBoundaries.decides_late``)."""
         seq = self.seq
-        outcome = self.kv.controller.on_boundary(seq.state, self.kv.view(seq), batch)
+        outcome = self.kv.controller.on_boundary(
+            seq.state, self.kv.view(seq), batch, compactions=compactions
+        )
         if outcome.needs_preemption:  # decides_late rules it out; a broken rule is a bug
             raise RuntimeError(
                 f"request {seq.request_id!r}: a late boundary asked for a preemption"
@@ -122,21 +127,15 @@ class DeferredBoundaries:
         if streams is not None:
             forward_done = torch.cuda.Event(enable_timing=True)
             forward_done.record()  # after everything queued on the main stream: the forward
-        done = 0
+        done = [0]
         try:
             side = contextlib.nullcontext() if streams is None else torch.cuda.stream(streams[0])
-            with side:
+            with side, self.kv.one_thread():
                 if streams is not None and self._ready is not None:
                     streams[0].wait_event(self._ready)
-                batch = self.kv.shared_batch(late)
-                for _, pending in items:
-                    done += 1
-                    if isinstance(pending, LateBoundary):
-                        pending.run(batch)
-                    else:
-                        pending.run()
+                self._run_items(items, late, done)
         except BaseException:
-            for _, pending in items[done:]:
+            for _, pending in items[done[0] :]:
                 pending.cancel()
             raise
         finally:
@@ -156,6 +155,35 @@ class DeferredBoundaries:
         self.num_compactions += len(items) - len(late)
         self.num_decisions += len(late)
         return [seq for seq, _ in items]
+
+    def _run_items(
+        self,
+        items: list[tuple[Sequence, PendingCompaction | LateBoundary]],
+        late: list[Sequence],
+        done: list[int],
+    ) -> None:
+        """Decide the late boundaries (sharing a batch) and run the compressions, in order;
+        two or more items book theirs and run them together. ``done[0]`` counts the items
+        started (those after it are cancelled when one fails)."""
+        batch = self.kv.shared_batch(late)
+        compactions = self._compaction_batch(len(items))
+        try:
+            for _, pending in items:
+                done[0] += 1
+                if isinstance(pending, LateBoundary):
+                    pending.run(batch, compactions)
+                else:
+                    pending.run(compactions)
+        finally:
+            if compactions is not None:
+                compactions.run()  # those booked, failure or not
+
+    def _compaction_batch(self, num_items: int) -> CompactionBatch | None:
+        """The run's compressions booked and run together (two or more items and
+        ``KVCacheManager.compacts_together``), or None: each at its turn."""
+        kv = self.kv
+        together = num_items > 1 and kv.compacts_together
+        return CompactionBatch(kv.controller) if together else None
 
     def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
         """(compaction stream, an idle stream to read the device clock on); None on the CPU."""

@@ -18,6 +18,7 @@ The boundary work that runs beside a decode step's forward (``async_compaction``
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -25,7 +26,9 @@ import torch
 from growpage.core import residency
 from growpage.core.boundary_context import BoundaryBatch
 from growpage.core.capacity import BoundaryOutcome, CapacityController
+from growpage.core.compaction_batch import CompactionBatch
 from growpage.core.pages import PagePool
+from growpage.core.threads import one_thread
 from growpage.engine.config import EngineConfig
 from growpage.engine.loop.deferred import DeferredBoundaries, LateBoundary
 from growpage.engine.loop.paged_kv_view import EngineKVView
@@ -45,6 +48,12 @@ from growpage.policies.base import CapacityPolicy
 
 class KVCacheManager:
     """Pages, slots and capacity control of all sequences of one engine."""
+
+    #: The compressions of a decode step with a shared ``BoundaryBatch`` (two or more
+    #: decided boundaries) are booked at their turn, and their selections and compactions run
+    #: together at the end of scheduling (``core.compaction_batch``); False runs each at its
+    #: turn (the same decisions, slots and tokens; the reference in tests).
+    compacts_together: bool = True
 
     def __init__(
         self, model_config: ModelConfig, config: EngineConfig, policy: CapacityPolicy
@@ -110,6 +119,7 @@ class KVCacheManager:
         self.prefix_hit_tokens = 0
         self.boundary_s = 0.0  # wall time spent in capacity control (running total)
         self._batch: BoundaryBatch | None = None  # this decode step's (prepare_boundaries)
+        self._compactions: CompactionBatch | None = None  # this decode step's booked ones
         self.shared_steps = 0  # decode steps whose decided boundaries shared a batch
         self.shared_boundaries = 0  # the boundaries prepared in those batches (running totals)
         # This step's deferred compressions (async_compaction) and late boundaries
@@ -157,6 +167,8 @@ class KVCacheManager:
         """Return ``seq``'s pages (tail first, so cached heads stay longest) and its slot; a
         compression of it still pending is cancelled."""
         self.deferred.cancel(seq)
+        if self._compactions is not None:
+            self._compactions.drop(seq.state)
         self.pool.free(list(reversed(seq.state.block_table)))
         if seq.query_slot is not None:
             self.query_pool.release(seq.query_slot)
@@ -185,10 +197,12 @@ class KVCacheManager:
             at = [seq for seq in at if not self.deferred.decides_late(seq)]
             self.boundary_s += time.perf_counter() - start  # the filter is boundary work
             start = time.perf_counter()
-        self._batch = None
+        self._batch = self._compactions = None
         if len(at) < 2:
             return
         self._batch = self.shared_batch(at)
+        if self._batch is not None and self.compacts_together:
+            self._compactions = CompactionBatch(self.controller)
         self.boundary_s += time.perf_counter() - start
 
     def shared_batch(self, seqs: list[Sequence]) -> BoundaryBatch | None:
@@ -205,8 +219,25 @@ class KVCacheManager:
         return batch
 
     def end_boundaries(self) -> None:
-        self._batch = None
-        self.deferred.mark_ready()
+        """After a decode step's scheduling (also when it failed): the step's booked
+        compressions run (their selections and compactions, together)."""
+        compactions, self._compactions, self._batch = self._compactions, None, None
+        try:
+            if compactions:
+                self.run_compactions(compactions)
+        finally:
+            self.deferred.mark_ready()
+
+    def run_compactions(self, compactions: CompactionBatch) -> None:
+        """``compactions.run()``, counted as boundary time."""
+        start = time.perf_counter()
+        try:
+            with self.one_thread():
+                compactions.run()
+        finally:
+            if self.cache.is_cuda:
+                torch.cuda.synchronize(self.cache.device)  # count the kernels it launched
+            self.boundary_s += time.perf_counter() - start
 
     def make_room(self, seq: Sequence, defer: bool | None = None) -> BoundaryOutcome | None:
         """Run capacity control when ``seq`` is at a boundary (None when it has a free slot).
@@ -230,9 +261,10 @@ class KVCacheManager:
         try:
             if defer is None:
                 defer = bool(self.config.async_compaction)  # None: not resolved, off
-            outcome = self.controller.on_boundary(
-                seq.state, self.view(seq), self._batch, defer=defer
-            )
+            with self.one_thread():
+                outcome = self.controller.on_boundary(
+                    seq.state, self.view(seq), self._batch, defer, self._compactions
+                )
             if outcome.pending is not None:
                 self.deferred.add(seq, outcome.pending)
             return outcome
@@ -240,6 +272,11 @@ class KVCacheManager:
             if self.cache.is_cuda:
                 torch.cuda.synchronize(self.cache.device)  # count the kernels it launched
             self.boundary_s += time.perf_counter() - start
+
+    def one_thread(self) -> contextlib.AbstractContextManager[None]:
+        """Boundary work on one CPU thread (``core.threads.one_thread``)."""
+        c = self.model_config
+        return one_thread(self.cache.device, c.num_layers * c.num_kv_heads)
 
     def view(self, seq: Sequence, use_kernels: bool | None = None) -> EngineKVView:
         """``seq``'s KV view over the cache (``use_kernels`` None: the config's choice)."""

@@ -21,12 +21,14 @@ to their positions.
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 
-from growpage.core.kv_view import KVView, QueryState
+from growpage.core.kv_view import CompactionJob, KVView, QueryState
 from growpage.core.observation import rotate_queries
 from growpage.core.rope import RopeConfig
+from growpage.engine.loop import paged_kv_batch
 from growpage.engine.loop.query_state import QueryStatePool
 from growpage.engine.loop.recent_queries import RecentQueryRing
 from growpage.engine.loop.sequence import Sequence
@@ -87,6 +89,29 @@ class EngineKVView(KVView):
     @property
     def has_query_state(self) -> bool:
         return self.seq.has_query_state
+
+    @property
+    def has_fast_signals(self) -> bool:
+        return self.use_kernels
+
+    @staticmethod
+    def batch_query_states(views: list[KVView]) -> tuple[torch.Tensor, torch.Tensor]:
+        return paged_kv_batch.query_states(cast("list[EngineKVView]", views))
+
+    @staticmethod
+    def batch_keys(
+        views: list[KVView], tables: list[list[int]] | None, num_tokens: list[int]
+    ) -> list[torch.Tensor]:
+        engine_views = cast("list[EngineKVView]", views)
+        if tables is None:
+            tables = [v.seq.state.block_table for v in engine_views]
+        return paged_kv_batch.keys(engine_views, tables, num_tokens)
+
+    @staticmethod
+    def compact_batch(jobs: list[CompactionJob], keep: torch.Tensor) -> None:
+        """All of a step's compactions in one gather and one scatter (one ``compact_kv``
+        launch with kernels), then their positions (``paged_kv_batch.compact``)."""
+        paged_kv_batch.compact(jobs, keep)
 
     def _slots(self, pages: list[int], n: int) -> torch.Tensor:
         return page_slots(pages, n, self.page_size, self.device)
@@ -153,13 +178,20 @@ class EngineKVView(KVView):
         n = self.num_tokens
         return n - self.page_size, n - self.recent_window
 
-    def _row(self, width: int, counts: tuple[int, ...], position: int) -> list[int]:
-        """One row of the kernels' boundary table: the pages (``-1`` padded to ``width``), then
-        ``[Nc, splits]`` per count (``demand_attention_batch``'s meta at ``width + 2 i``), then
-        ``[slot, position]`` (``boundary_queries_batch``'s at ``width + 2 len(counts)``)."""
+    def _row(
+        self,
+        width: int,
+        counts: tuple[int, ...],
+        position: int,
+        table: list[int] | None = None,
+    ) -> list[int]:
+        """One row of the kernels' boundary table: the pages (``table``, else the request's
+        own; ``-1`` padded to ``width``), then ``[Nc, splits]`` per count
+        (``demand_attention_batch``'s meta at ``width + 2 i``), then ``[slot, position]``
+        (``boundary_queries_batch``'s at ``width + 2 len(counts)``)."""
         if self.seq.query_slot is None:
             raise RuntimeError(f"{self.seq.request_id!r} has no query-state slot")
-        table = self.seq.state.block_table
+        table = self.seq.state.block_table if table is None else table
         row = list(table) + [-1] * (width - len(table))
         for n in counts:
             row += self._meta(max(n, 1))
@@ -221,33 +253,42 @@ class EngineKVView(KVView):
 
     @staticmethod
     def batch_boundary_signals(
-        views: list[KVView], positions: list[int], num_candidates: list[int]
+        views: list[KVView],
+        positions: list[int],
+        num_candidates: list[int],
+        tables: list[list[int]] | None = None,
+        queries: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """With kernels: every request's table in one copy, their calibrated, rotated
-        summaries in one launch and their attention in two."""
+        summaries in one launch (none when ``queries`` are given) and their attention in
+        two."""
         kernel_views = [v for v in views if isinstance(v, EngineKVView) and v.use_kernels]
         if not views or len(kernel_views) != len(views):
             return None
         from growpage.kernels import boundary_queries_batch, demand_attention_batch
 
         first = kernel_views[0]
-        width = max(v.seq.state.num_pages for v in kernel_views)
+        pages = tables if tables is not None else [v.seq.state.block_table for v in kernel_views]
+        width = max(len(t) for t in pages)
         rows = [
-            v._row(width, (n,), position)
-            for v, n, position in zip(kernel_views, num_candidates, positions, strict=True)
+            v._row(width, (n,), position, table)
+            for v, n, position, table in zip(
+                kernel_views, num_candidates, positions, pages, strict=True
+            )
         ]
-        tables = first._table(rows)
-        queries = boundary_queries_batch(
-            first.query_pool.summaries,
-            first.query_pool.current,
-            tables,
-            width + 2,
-            first._inv_freq(),
-        )
+        device_rows = first._table(rows)
+        if queries is None:
+            queries = boundary_queries_batch(
+                first.query_pool.summaries,
+                first.query_pool.current,
+                device_rows,
+                width + 2,
+                first._inv_freq(),
+            )
         attention = demand_attention_batch(
             queries,
             first.kv_cache[0],
-            tables,
+            device_rows,
             width,
             max(num_candidates),
             max(row[width + 1] for row in rows),

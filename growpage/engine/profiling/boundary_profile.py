@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
+import growpage.core.boundary_signals as boundary_signals_module
 import growpage.core.capacity as capacity_module
+import growpage.core.compaction_batch as compaction_module
 from growpage.core import demand as demand_module
 from growpage.engine.loop.paged_kv_view import EngineKVView
 
@@ -49,8 +51,11 @@ class BoundaryPhases:
         self.decided = 0  # of those, boundaries where the policy decided
         self._stack: list[list[float]] = []  # [start, time spent in children]
 
-    def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` wrapped so that its exclusive time is charged to ``phase``."""
+    def timed(
+        self, phase: str, fn: Callable[..., Any], count: Callable[..., int] | None = None
+    ) -> Callable[..., Any]:
+        """``fn`` wrapped so that its exclusive time is charged to ``phase``; each call counts
+        one, or ``count(*args)`` (the requests a call of a step's batch serves)."""
         if phase not in self.seconds:
             raise ValueError(f"unknown boundary phase {phase!r}; expected one of {PHASES}")
 
@@ -65,7 +70,7 @@ class BoundaryPhases:
                 self._stack.pop()
                 elapsed = time.perf_counter() - frame[0]
                 self.seconds[phase] += elapsed - frame[1]
-                self.calls[phase] += 1
+                self.calls[phase] += 1 if count is None else count(*args)
                 if self._stack:
                     self._stack[-1][1] += elapsed
 
@@ -155,6 +160,9 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
             return prepare(seqs)  # nothing to share: no batch is built
         return timed_prepare(seqs)
 
+    # A step's booked compressions (CompactionBatch.run): the selections, their check and the
+    # compactions are charged to those phases (counted per request), the rest to ``control``.
+    timed_run_compactions = phases.timed("control", kv.run_compactions)
     deferred = kv.deferred
     run_deferred = deferred.run
     timed_run_deferred = phases.timed("control", run_deferred)
@@ -169,34 +177,45 @@ def profile_boundaries(llm: Any, sync: bool = False) -> Iterator[BoundaryPhases]
         return decide(*args, **kwargs)
 
     # A step's shared batch gets its members' queries and attention in one call
-    # (batch_boundary_signals): charged to ``attention``.
-    patches: list[tuple[object, str, Any]] = [
-        (EngineKVView, "boundary_queries", "queries"),
-        (EngineKVView, "summary_attention", "attention"),
-        (EngineKVView, "batch_boundary_signals", "attention"),
-        (EngineKVView, "compact", "compact"),
-        (demand_module, "working_set_counts", "demand"),
-        (demand_module, "demand_trends", "demand"),
-        (capacity_module, "_check_selection", "check"),
+    # (batch_boundary_signals; on the torch path the step's signal pass): charged to
+    # ``attention``. A step's batched selections, checks and compactions count their requests.
+    patches: list[tuple[object, str, str, Callable[..., int] | None]] = [
+        (EngineKVView, "boundary_queries", "queries", None),
+        (EngineKVView, "summary_attention", "attention", None),
+        (EngineKVView, "batch_boundary_signals", "attention", None),
+        (boundary_signals_module, "_fill", "attention", None),
+        (EngineKVView, "compact", "compact", None),
+        (EngineKVView, "compact_batch", "compact", lambda jobs, keep: len(jobs)),
+        (demand_module, "working_set_counts", "demand", None),
+        (demand_module, "demand_trends", "demand", None),
+        (capacity_module, "_check_selection", "check", None),
+        (compaction_module, "select_slots", "select", lambda scores, *rest: len(scores)),
+        (compaction_module, "invalid_rows", "check", lambda keep, kept, *rest: len(kept)),
     ]
-    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _, _ in patches]
     # Instance-level wrappers already there (a benchmark's counters) are put back afterwards.
     own = [
         (owner, name, owner.__dict__.get(name))
-        for owner, name in ((kv, "make_room"), (kv, "prepare_boundaries"), (deferred, "run"))
+        for owner, name in (
+            (kv, "make_room"),
+            (kv, "prepare_boundaries"),
+            (kv, "run_compactions"),
+            (deferred, "run"),
+        )
     ]
     policy = controller.policy
     timed_policy = _TimedPolicy(policy, phases)
     decide = timed_policy.decide
     timed_policy.decide = counted_decide
     try:
-        for owner, name, phase in patches:
-            timed = phases.timed(phase, getattr(owner, name))
+        for owner, name, phase, count in patches:
+            timed = phases.timed(phase, getattr(owner, name), count)
             static = isinstance(owner.__dict__[name], staticmethod)
             setattr(owner, name, staticmethod(timed) if static else timed)
         controller.policy = timed_policy
         kv.make_room = counted_make_room
         kv.prepare_boundaries = counted_prepare
+        kv.run_compactions = timed_run_compactions
         deferred.run = counted_run_deferred
         yield phases
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -149,23 +149,56 @@ def measure_boundary_costs(
     policy: str | CapacityPolicy = "growpage",
     progress: bool = True,
 ) -> dict[str, float]:
-    """Seconds per capacity decision and per compaction on the local engine, for the
-    simulator's cost model (``CostModel.boundary_time``).
+    """Seconds of capacity control on the local engine, for the simulator's cost model
+    (``CostModel.boundary_time``): per decode step that decides, ``boundary_step_s`` plus
+    ``boundary_s`` per decision; per step that compacts, ``compaction_step_s`` plus
+    ``compaction_s`` per compaction (the engine handles a step's boundaries together).
 
     What a decision costs depends on the policy (``fullkv`` reads nothing, ``growpage``
     estimates demand), so price the policy you simulate. Runs ``policy`` (a name or an
     instance) on ``num_requests`` random prompts in a pool with room for 40% of what they
-    would need at full length (so that requests both grow and compress) and splits the boundary
-    time by phase (``growpage.engine.profiling.boundary_profile``): ``compaction_s`` is the
-    selection, its check and the compaction per compaction; ``boundary_s`` the rest per decided
-    boundary.
-    Returns ``{"boundary_s", "compaction_s", "decided", "compactions"}``.
+    would need at full length (so that requests both grow and compress), splits each step's
+    boundary time by phase (``growpage.engine.profiling.boundary_profile``: the selections,
+    their check and the compactions are the compaction part) and fits both parts by least
+    squares over the steps (``fit_step_prices``).
+    Returns the four prices and ``decided``, ``compactions`` and ``steps`` counts.
     """
+    from growpage.engine.profiling.boundary_profile import profile_boundaries
+    from growpage.engine.sampling_params import SamplingParams
+
+    llm, prompts = _squeezed(model, num_requests, max_tokens, page_size, policy)
+    with profile_boundaries(llm) as phases:
+        steps = _boundary_steps(llm, phases)
+        llm.generate(
+            prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=progress
+        )
+    decided = [row[0] for row in steps]
+    compacted = [row[1] for row in steps]
+    deciding = fit_step_prices(decided, [row[2] for row in steps])
+    compacting = fit_step_prices(compacted, [row[3] for row in steps])
+    return {
+        "boundary_s": deciding[1],
+        "boundary_step_s": deciding[0],
+        "compaction_s": compacting[1],
+        "compaction_step_s": compacting[0],
+        "decided": sum(decided),
+        "compactions": sum(compacted),
+        "steps": sum(1 for d in decided if d),
+    }
+
+
+def _squeezed(
+    model: str | Path | CausalLM | None,
+    num_requests: int,
+    max_tokens: int,
+    page_size: int,
+    policy: str | CapacityPolicy,
+) -> tuple[Any, list[list[int]]]:
+    """An ``LLM`` whose pool holds 40% of what ``num_requests`` requests of ``max_tokens``
+    need (so that they both grow and compress), and their random prompts."""
     import random
 
     from growpage.engine.llm import LLM
-    from growpage.engine.profiling.boundary_profile import profile_boundaries
-    from growpage.engine.sampling_params import SamplingParams
 
     rng = random.Random(0)
     llm = LLM(
@@ -182,15 +215,57 @@ def measure_boundary_costs(
     prompts = [
         [rng.randrange(3, vocab) for _ in range(rng.randrange(16, 48))] for _ in range(num_requests)
     ]
-    with profile_boundaries(llm) as phases:
-        llm.generate(
-            prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=progress
-        )
-    compacting = sum(phases.seconds[p] for p in ("select", "check", "compact"))
-    compactions = phases.calls["compact"]
-    return {
-        "boundary_s": (phases.total_s - compacting) / max(phases.decided, 1),
-        "compaction_s": compacting / compactions if compactions else 0.0,
-        "decided": phases.decided,
-        "compactions": compactions,
-    }
+    return llm, prompts
+
+
+COMPACTION_PHASES = ("select", "check", "compact")
+
+
+def _boundary_steps(llm: Any, phases: Any) -> list[tuple[int, int, float, float]]:
+    """Wraps ``llm``'s engine step: each step's ``(decided, compactions, decision seconds,
+    compaction seconds)`` is appended to the returned list (steps with no boundary work
+    left out)."""
+    engine = llm.engine
+    step = engine.step
+    rows: list[tuple[int, int, float, float]] = []
+    events = engine.kv.controller.events
+
+    def counted() -> Any:
+        before = (_decided(events), events.compress + events.shrink, dict(phases.seconds))
+        try:
+            return step()
+        finally:
+            seconds = {k: v - before[2][k] for k, v in phases.seconds.items()}
+            compacting = sum(seconds[p] for p in COMPACTION_PHASES)
+            decided = _decided(events) - before[0]
+            compactions = events.compress + events.shrink - before[1]
+            if decided or compactions:
+                rows.append((decided, compactions, sum(seconds.values()) - compacting, compacting))
+
+    engine.step = counted
+    return rows
+
+
+def _decided(events: Any) -> int:
+    return int(events.decided_grow + events.decided_compress + events.decided_shrink)
+
+
+def fit_step_prices(counts: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """``(per_step, per_item)`` seconds, both >= 0, that best give ``seconds[i]`` as
+    ``per_step + per_item * counts[i]`` over the steps with ``counts[i] > 0`` (least squares;
+    one price alone where the counts cannot tell them apart or the other would be negative).
+    """
+    import numpy as np
+
+    rows = [(n, t) for n, t in zip(counts, seconds, strict=True) if n > 0]
+    if not rows:
+        return 0.0, 0.0
+    n = np.array([r[0] for r in rows], dtype=np.float64)
+    t = np.array([r[1] for r in rows], dtype=np.float64)
+    if len(set(n.tolist())) > 1:
+        (per_step, per_item), *_ = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), t)
+        if per_step >= 0 and per_item >= 0:
+            return float(per_step), float(per_item)
+        if per_item < 0:
+            return float(max(t.mean(), 0.0)), 0.0
+    return 0.0, float(max(t.sum() / n.sum(), 0.0))
