@@ -341,7 +341,9 @@ def load_results(
 ) -> tuple[list[dict[str, Any]], AccuracySettings]:
     """The rows already stored in ``out`` for ``settings``, and the settings the table goes on
     with: ``settings`` with the stored table's policies added (a resumed table may ask for more
-    policies, and keeps the rows of the others). Refuses results of other settings."""
+    policies, and keeps the rows of the others) and its rows, those ``settings`` names first
+    and in its order (a resumed table may ask for more rows, or run the stored ones in another
+    order). Refuses results of other settings."""
     path = Path(out) / "results.json"
     if not path.is_file():
         return [], settings
@@ -360,18 +362,19 @@ def load_results(
             "same settings to resume (--policies and --row may differ)"
         )
     wanted = set(settings.policies) | set(given.get("policies") or ())
-    rows = list(given.get("rows") or ())
-    labels = {parse_row(text).label: text for text in rows}
+    stored_rows = {parse_row(text).label: text for text in given.get("rows") or ()}
+    named = {}
     for text in settings.rows:
         label = parse_row(text).label
-        if label in labels and labels[label] != text:
+        if label in stored_rows and stored_rows[label] != text:
             raise ConfigError(
-                f"{path} has a row labelled {label!r} given as {labels[label]!r}, not "
+                f"{path} has a row labelled {label!r} given as {stored_rows[label]!r}, not "
                 f"{text!r}: give it another label"
             )
-        if label not in labels:
-            rows.append(text)
-            labels[label] = text
+        named[label] = text
+    # The rows still to run go in the order this command names them, then the stored table's
+    # others in theirs.
+    rows = list(named.values()) + [t for lab, t in stored_rows.items() if lab not in named]
     merged = AccuracySettings(
         **{**mine, "policies": [p for p in ALL_POLICIES if p in wanted], "rows": rows}
     )

@@ -166,7 +166,8 @@ def _add_accuracy(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the table in --out (same settings), skipping finished runs",
+        help="continue the table in --out (same settings), skipping finished runs; the rows "
+        "this command names run first, in its order",
     )
     p.set_defaults(func=run_accuracy)
 

@@ -12,7 +12,7 @@ import pytest
 from growpage import CapacityPolicy, Decision
 from growpage.errors import ConfigError
 from growpage.eval import accuracy
-from growpage.eval.accuracy import AccuracySettings, plan, run_table
+from growpage.eval.accuracy import AccuracySettings, plan, plan_rows, run_table
 from growpage.eval.maths import generate_problems, is_correct
 
 GROWPAGE_ROW = {"avg_budget": 100.0, "decided_grow": 3, "decided_compress": 9}
@@ -260,3 +260,27 @@ def test_rescore_reads_the_stored_outputs_again(tmp_path) -> None:
     assert "| a | - | 0.500" in (tmp_path / "table.md").read_text()
     with pytest.raises(ConfigError, match="no accuracy table"):
         accuracy.rescore(tmp_path / "nothing")
+
+
+def test_a_resumed_table_runs_its_rows_in_the_order_the_command_names_them(tmp_path) -> None:
+    """The stored rows the command does not name keep their place after the named ones; a
+    finished row is never planned again."""
+    from growpage.eval.accuracy import load_results
+
+    settings = AccuracySettings(
+        model=None, rows=("a=fullkv", "b=fixed:budget_tokens=64", "c=fixed:budget_tokens=32")
+    )
+    stored = {"settings": settings.to_dict(), "rows": [{"label": "a"}]}
+    (tmp_path / "results.json").write_text(json.dumps(stored))
+    again = AccuracySettings(
+        model=None, rows=("c=fixed:budget_tokens=32", "d=fixed:budget_tokens=16")
+    )
+    rows, merged = load_results(tmp_path, again)
+    assert rows == [{"label": "a"}]
+    assert list(merged.rows) == [
+        "c=fixed:budget_tokens=32",
+        "d=fixed:budget_tokens=16",
+        "a=fullkv",
+        "b=fixed:budget_tokens=64",
+    ]
+    assert [r.label for r in plan_rows(merged, rows) if r.label != "a"] == ["c", "d", "b"]
