@@ -63,6 +63,11 @@ def _plain_number(value: Any) -> Any:
     return float(value) if isinstance(value, np.floating) else value
 
 
+def _seconds(default: float = 0.0) -> Any:
+    """A price in seconds: a plain non-negative number (numpy scalars converted)."""
+    return attrs.field(default=default, converter=_plain_number, validator=non_negative_number)
+
+
 def _plain_bool(value: Any) -> Any:
     return bool(value) if isinstance(value, np.bool_) else value
 
@@ -159,26 +164,10 @@ class _FittedCostModel(CostModel):
     per_prefill_token_s: float = attrs.field(
         default=0.0, converter=_plain_number, validator=non_negative_number
     )
-    boundary_s: float = attrs.field(
-        default=0.0,
-        converter=_plain_number,  # per decision
-        validator=non_negative_number,
-    )
-    compaction_s: float = attrs.field(
-        default=0.0,
-        converter=_plain_number,  # per compaction
-        validator=non_negative_number,
-    )
-    boundary_step_s: float = attrs.field(
-        default=0.0,
-        converter=_plain_number,  # per step that decides
-        validator=non_negative_number,
-    )
-    compaction_step_s: float = attrs.field(
-        default=0.0,
-        converter=_plain_number,  # per step that compacts
-        validator=non_negative_number,
-    )
+    boundary_s: float = _seconds()  # per decision
+    compaction_s: float = _seconds()  # per compaction
+    boundary_step_s: float = _seconds()  # per step that decides
+    compaction_step_s: float = _seconds()  # per step that compacts
     padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=flag)
 
 
@@ -396,26 +385,10 @@ class RooflineCostModel(CostModel):
         converter=_plain_number,  # per step
         validator=non_negative_number,
     )
-    boundary_s: float = attrs.field(
-        default=0.0,
-        converter=_plain_number,  # per decision
-        validator=non_negative_number,
-    )
-    compaction_s: float = attrs.field(
-        default=0.0,
-        converter=_plain_number,  # per compaction
-        validator=non_negative_number,
-    )
-    boundary_step_s: float = attrs.field(
-        default=0.0,
-        converter=_plain_number,  # per step that decides
-        validator=non_negative_number,
-    )
-    compaction_step_s: float = attrs.field(
-        default=0.0,
-        converter=_plain_number,  # per step that compacts
-        validator=non_negative_number,
-    )
+    boundary_s: float = _seconds()  # per decision
+    compaction_s: float = _seconds()  # per compaction
+    boundary_step_s: float = _seconds()  # per step that decides
+    compaction_step_s: float = _seconds()  # per step that compacts
     name: str = "roofline"
 
     def step_time(
