@@ -383,20 +383,24 @@ def fingerprint(seqs: list[Any]) -> str:
     return h.hexdigest()[:16]
 
 
+def chosen_model(args: argparse.Namespace) -> Any:
+    """The model the flags name: SmolLM2 (``--real``), the tiny Llama (``--tiny``) or the
+    narrow stubbed one."""
+    if args.real:
+        from growpage.engine.loading.loader import load_model
+
+        return load_model(None, dtype=torch.float32, device="cpu")
+    if args.tiny:
+        return tiny_model()
+    return narrow_model(args.head_dim, args.vocab, args.layers)
+
+
 def worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     import growpage.kernels  # noqa: F401  (first: it turns Triton's interpreter on)
     from growpage.engine.loading.tokenizer import load_tokenizer
 
-    if args.real:
-        from growpage.engine.loading.loader import load_model
-
-        model = load_model(None, dtype=torch.float32, device="cpu")
-    elif args.tiny:
-        model = tiny_model()
-    else:
-        model = narrow_model(args.head_dim, args.vocab, args.layers)
-    parts = {"model": model, "tokenizer": load_tokenizer(None)}
+    parts = {"model": chosen_model(args), "tokenizer": load_tokenizer(None)}
     rows = []
     for backend in args.backends:
         for policy in args.policies:
@@ -603,10 +607,7 @@ def profile_point(args: argparse.Namespace) -> int:
     import growpage.kernels  # noqa: F401  (first: it turns Triton's interpreter on)
     from growpage.engine.loading.tokenizer import load_tokenizer
 
-    parts = {
-        "model": narrow_model(args.head_dim, args.vocab, args.layers),
-        "tokenizer": load_tokenizer(None),
-    }
+    parts = {"model": chosen_model(args), "tokenizer": load_tokenizer(None)}
     from growpage.engine.profiling.boundary_profile import profile_boundaries
 
     boundary: list[Any] = []
