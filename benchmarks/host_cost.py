@@ -625,7 +625,7 @@ def profile_point(args: argparse.Namespace) -> int:
     prof.disable()
     print(
         f"{backend} {policy} batch {row['batch']}: {row['ms_per_step']:.3f} CPU ms per decode "
-        f"step, {row['forward_ms']:.3f} of it the stubbed forward"
+        f"step, {row['forward_ms']:.3f} of it the forward"
     )
     print(" | ".join(f"{k} {v:.3f}" for k, v in row["phases_ms"].items()))
     if boundary and boundary[0].boundaries:
