@@ -228,6 +228,23 @@ def _file_label(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
 
 
+def outputs_path(out: Path, label: str) -> Path:
+    """The file of the table in ``out`` that holds row ``label``'s outputs (JSON lines, one
+    per problem in the table's order)."""
+    return Path(out) / "outputs" / f"{_file_label(label)}.jsonl"
+
+
+def read_outputs(out: Path, label: str) -> list[dict[str, Any]]:
+    """Row ``label``'s stored outputs in the table in ``out``."""
+    path = outputs_path(out, label)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no outputs of row {label!r}")
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not JSON lines ({exc})") from None
+
+
 class AccuracyRunner:
     """Loads the model once and runs one ``LLM`` per policy over the same pool and problems."""
 
@@ -434,7 +451,8 @@ def run_table(
         log(f"[accuracy] {run.label} ...")
         row, outputs = runner.run(run, progress)
         lines = "".join(json.dumps(o) + "\n" for o in outputs)
-        _write_atomic(out / "outputs" / f"{_file_label(run.label)}.jsonl", lines)
+        _write_atomic(outputs_path(out, run.label), lines)
+        row["commit"] = _commit()  # a resumed table's rows may come from several commits
         rows.append(row)
         _write_atomic(out / "results.json", json.dumps(report(), indent=1))
         log(
@@ -464,8 +482,8 @@ def rescore(out: Path) -> tuple[dict[str, Any], dict[str, int]]:
     problems, _ = task_problems(s.task, s.num_problems, s.seed, s.difficulty)
     changed: dict[str, int] = {}
     for row in report["rows"]:
-        file = out / "outputs" / f"{_file_label(row['label'])}.jsonl"
-        outputs = [json.loads(line) for line in file.read_text().splitlines()]
+        file = outputs_path(out, row["label"])
+        outputs = read_outputs(out, row["label"])
         if [o["id"] for o in outputs] != [p.id for p in problems]:
             raise ConfigError(f"{file}: its problems are not the table's")
         graded = score(problems, [o["output"] for o in outputs])
@@ -524,7 +542,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     head = (
         f"{s['model']}, {what}, greedy, at most {s['max_tokens']} tokens{prompt_text}; pool "
         f"{report['kv_pages']} pages of {s['page_size']}, up to {s['max_num_seqs']} running, "
-        f"{s['dtype']}. {report['date']}, commit {report['commit']}.\n\n"
+        f"{s['dtype']}. {report['date']}, commit {report['commit']}.{_row_commits(report)}\n\n"
     )
     frontier = fixed_frontier(report["rows"])
     cols = (
@@ -558,6 +576,20 @@ def to_markdown(report: dict[str, Any]) -> str:
         "(steps do not depend on it; C, weighted by step time, does).\n"
     )
     return head + "\n".join(lines) + "\n" + note
+
+
+def _row_commits(report: dict[str, Any]) -> str:
+    """Which commit ran which rows, for the rows that recorded it (a table resumed across
+    commits)."""
+    by: dict[str, list[str]] = {}
+    for r in report["rows"]:
+        if r.get("commit"):
+            by.setdefault(r["commit"], []).append(r["label"])
+    if not by:
+        return ""
+    return (
+        " Rows ran at " + "; ".join(f"{c}: {', '.join(labels)}" for c, labels in by.items()) + "."
+    )
 
 
 def fixed_frontier(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
