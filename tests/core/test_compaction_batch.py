@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_boundary_batch import case
 
 from growpage import CapacityController, Decision, GrowPageConfig, PagePool, RequestState
 from growpage.core import boundary_signals, compaction_batch, selection
@@ -333,7 +334,7 @@ def _fixed(cases):
 
 
 def test_a_policy_that_decides_without_signals_gets_them_in_one_pass(monkeypatch):
-    cases = [_case(seed, pages) for seed, pages in ((1, 3), (2, 5), (3, 3))]
+    cases = [case(seed, pages) for seed, pages in ((1, 3), (2, 5), (3, 3))]
     passes = []
     fill = boundary_signals._fill
     monkeypatch.setattr(
@@ -366,7 +367,7 @@ class OwnSelection(GrowPagePolicy):
 
 
 def test_a_policys_own_selection_runs_at_its_turn_and_its_error_leaves_the_request():
-    cases = [_case(seed, 4) for seed in (1, 2)]
+    cases = [case(seed, 4) for seed in (1, 2)]
     policy = OwnSelection(fails="req-2")
     assert not policy.has_default_selection
     controller, states, views = _controllers(cases, policy)
@@ -384,7 +385,7 @@ def test_a_policys_own_selection_runs_at_its_turn_and_its_error_leaves_the_reque
 
 
 def test_a_dropped_request_is_not_compacted():
-    cases = [_case(seed, 4) for seed in (1, 2)]
+    cases = [case(seed, 4) for seed in (1, 2)]
     script = {f"req-{c.seed}": Decision.COMPRESS for c in cases}
     controller, states, views = _controllers(cases, Scripted(script=script))
     compactions = CompactionBatch(controller)
@@ -397,7 +398,7 @@ def test_a_dropped_request_is_not_compacted():
 
 
 def test_a_broken_batched_selection_is_a_policy_error_naming_its_request(monkeypatch):
-    cases = [_case(seed, 4) for seed in (1, 2)]
+    cases = [case(seed, 4) for seed in (1, 2)]
     script = {f"req-{c.seed}": Decision.COMPRESS for c in cases}
     controller, states, views = _controllers(cases, Scripted(script=script))
     compactions = CompactionBatch(controller)
@@ -414,20 +415,3 @@ def test_a_broken_batched_selection_is_a_policy_error_naming_its_request(monkeyp
     with pytest.raises(PolicyError, match="duplicate slot") as err:
         compactions.run()
     assert err.value.request_id == "req-2"
-
-
-def _case(seed: int, pages: int) -> BoundaryCase:
-    return BoundaryCase(
-        num_layers=2,
-        num_kv_heads=2,
-        group_size=2,
-        head_dim=8,
-        page_size=8,
-        recent_window=3,
-        num_pages=pages,
-        num_free_pages=4,
-        gap=5,
-        seed=seed,
-        sharpness=1.0,
-        track_accumulated=False,
-    )
