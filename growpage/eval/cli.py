@@ -223,6 +223,34 @@ def run_rescore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_paired(sub: argparse._SubParsersAction) -> None:
+    from growpage._argtypes import path_arg
+
+    p = sub.add_parser(
+        "paired",
+        help="one row of an accuracy table against others, problem by problem (McNemar)",
+        description="Compares row ROW of the accuracy table in OUT with each row AGAINST on "
+        "the same problems: both right, only ROW right, only AGAINST right, the difference in "
+        "accuracy and McNemar's exact two-sided p-value. Reads the stored outputs; generates "
+        "nothing.",
+    )
+    p.add_argument("out", type=path_arg, help="the table's folder (growpage eval accuracy --out)")
+    p.add_argument("row", help="the row's label")
+    p.add_argument("against", nargs="+", help="labels of the rows to compare it with")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_paired)
+
+
+def run_paired(args: argparse.Namespace) -> int:
+    import json
+
+    from growpage.eval.paired import pair, to_dict, to_markdown
+
+    results = [pair(args.out, args.row, other) for other in args.against]
+    print(json.dumps(to_dict(results), indent=1) if args.json else to_markdown(results, args.out))
+    return 0
+
+
 def _add_signal(sub: argparse._SubParsersAction) -> None:
     from growpage._argtypes import path_arg, size_list
     from growpage.eval.signal_study import StudySettings
@@ -306,6 +334,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_maths,
     _add_accuracy,
     _add_rescore,
+    _add_paired,
     _add_signal,
 )
 
