@@ -421,6 +421,7 @@ def run_table(
         f"running, {settings.max_tokens} tokens at most"
     )
     started = time.time()
+    code = _commit()  # what this process runs: HEAD may move while it does
 
     lens = runner.prompt_lens
 
@@ -452,7 +453,7 @@ def run_table(
         row, outputs = runner.run(run, progress)
         lines = "".join(json.dumps(o) + "\n" for o in outputs)
         _write_atomic(outputs_path(out, run.label), lines)
-        row["commit"] = _commit()  # a resumed table's rows may come from several commits
+        row["commit"] = code  # a resumed table's rows may come from several commits
         rows.append(row)
         _write_atomic(out / "results.json", json.dumps(report(), indent=1))
         log(
