@@ -75,19 +75,21 @@ def report_markdown(
 ) -> str:
     old_rows = {r["label"]: r for r in stored["rows"]}
     head = (
-        f"Rerun of {table} (stored {stored['date']}, last commit {stored['commit']}) at commit "
+        f"Rerun of {table} (stored {stored['date']}, last written at commit {stored['commit']}; "
+        "a row's own commit where it recorded one) at commit "
         f"{rerun['commit']}, {rerun['date']}; the rerun rows ran one after the other in one "
         "process.\n\n"
-        "| row | outputs identical | steps stored | steps now | TPS stored | TPS now "
-        "| load stored | load now | accuracy stored | accuracy now |\n"
-        "|---|---|---:|---:|---:|---:|---|---|---:|---:|\n"
+        "| row | outputs identical | commit stored | steps stored | steps now | TPS stored "
+        "| TPS now | load stored | load now | accuracy stored | accuracy now |\n"
+        "|---|---|---|---:|---:|---:|---:|---|---|---:|---:|\n"
     )
     lines = []
     for r in rerun["rows"]:
         o = old_rows[r["label"]]
         n, differ = same[r["label"]]
         lines.append(
-            f"| {r['label']} | {n} of {n + len(differ)} | {o.get('steps', '-')} | "
+            f"| {r['label']} | {n} of {n + len(differ)} | {o.get('commit', '-')} "
+            f"| {o.get('steps', '-')} | "
             f"{r.get('steps', '-')} | {o['tps']:.1f} | {r['tps']:.1f} | {_load(o)} | {_load(r)} "
             f"| {o['accuracy']:.3f} | {r['accuracy']:.3f} |"
         )
