@@ -644,8 +644,11 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     axes_keys = (
         ("avg_budget", "average KV budget per request (tokens)"),
         ("steps", "engine steps (fewer: more requests per step)"),
-        ("tps", "throughput (generated tokens/s)"),
+        ("tps", "throughput (generated tokens/s; compare at like loads)"),
     )
+    # one colour per row, the same in every panel (tab10 repeats after ten rows)
+    palette = plt.get_cmap("tab10" if len(rows) <= 10 else "tab20")
+    colours = {r["label"]: palette(i % palette.N) for i, r in enumerate(rows)}
     fixed = [r for r in rows if r["policy"] == "fixed" and not r.get("config")]
     for ax, (key, label) in zip(axes, axes_keys, strict=True):
         frontier = sorted((r for r in fixed if r.get(key) is not None), key=lambda r: r[key])
@@ -664,7 +667,9 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             lo, hi = r["interval"]
             yerr = [[r["accuracy"] - lo], [hi - r["accuracy"]]]
             marker = "s" if r in fixed else "o"
-            ax.errorbar(r[key], r["accuracy"], yerr=yerr, fmt=marker, capsize=3)
+            ax.errorbar(
+                r[key], r["accuracy"], yerr=yerr, fmt=marker, capsize=3, color=colours[r["label"]]
+            )
             ax.annotate(
                 r["label"],
                 (r[key], r["accuracy"]),
