@@ -199,17 +199,26 @@ def run_accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_rescore(sub: argparse._SubParsersAction) -> None:
+def _table_command(
+    sub: argparse._SubParsersAction, name: str, help: str, description: str
+) -> argparse.ArgumentParser:
+    """A command that reads a stored accuracy table: its parser, with the table's folder."""
     from growpage._argtypes import path_arg
 
-    p = sub.add_parser(
-        "rescore",
-        help="read an accuracy table's stored outputs again with the current answer reader",
-        description="Re-reads every output of an accuracy table (outputs/*.jsonl) with the "
-        "current answer reader and rewrites its rows' accuracy, results.json, table.md and the "
-        "plot; prints how many verdicts changed per row. Generates nothing.",
-    )
+    p = sub.add_parser(name, help=help, description=description)
     p.add_argument("out", type=path_arg, help="the table's folder (growpage eval accuracy --out)")
+    return p
+
+
+def _add_rescore(sub: argparse._SubParsersAction) -> None:
+    p = _table_command(
+        sub,
+        "rescore",
+        "read an accuracy table's stored outputs again with the current answer reader",
+        "Re-reads every output of an accuracy table (outputs/*.jsonl) with the current answer "
+        "reader and rewrites its rows' accuracy, results.json, table.md and the plot; prints "
+        "how many verdicts changed per row. Generates nothing.",
+    )
     p.set_defaults(func=run_rescore)
 
 
@@ -224,17 +233,14 @@ def run_rescore(args: argparse.Namespace) -> int:
 
 
 def _add_paired(sub: argparse._SubParsersAction) -> None:
-    from growpage._argtypes import path_arg
-
-    p = sub.add_parser(
+    p = _table_command(
+        sub,
         "paired",
-        help="one row of an accuracy table against others, problem by problem (McNemar)",
-        description="Compares row ROW of the accuracy table in OUT with each row AGAINST on "
-        "the same problems: both right, only ROW right, only AGAINST right, the difference in "
-        "accuracy and McNemar's exact two-sided p-value. Reads the stored outputs; generates "
-        "nothing.",
+        "one row of an accuracy table against others, problem by problem (McNemar)",
+        "Compares row ROW of the accuracy table in OUT with each row AGAINST on the same "
+        "problems: both right, only ROW right, only AGAINST right, the difference in accuracy "
+        "and McNemar's exact two-sided p-value. Reads the stored outputs; generates nothing.",
     )
-    p.add_argument("out", type=path_arg, help="the table's folder (growpage eval accuracy --out)")
     p.add_argument("row", help="the row's label")
     p.add_argument("against", nargs="+", help="labels of the rows to compare it with")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
