@@ -24,7 +24,7 @@ from typing import Any
 from script_args import add_out, add_threads, parser, run_main
 
 from growpage.errors import ConfigError
-from growpage.eval.accuracy import AccuracySettings, read_outputs, run_table
+from growpage.eval.accuracy import AccuracySettings, load_text, read_outputs, run_table
 from growpage.eval.rows import parse_row
 
 
@@ -38,9 +38,7 @@ def rerun_settings(stored: dict[str, Any], labels: list[str]) -> AccuracySetting
                 f"row {label!r} is not a finished row of the stored table (rows: "
                 f"{', '.join(r['label'] for r in stored['rows'])})"
             )
-    for label in labels:
-        spec = parse_row(texts[label])
-        missing = {ref.label for ref in spec.references} - set(labels)
+        missing = {ref.label for ref in parse_row(texts[label]).references} - set(labels)
         if missing:
             raise ConfigError(
                 f"row {label!r} reads row(s) {', '.join(sorted(missing))}: rerun them with it"
@@ -60,11 +58,6 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> tuple[int, 
         if (a["output"], a.get("num_tokens")) != (b["output"], b.get("num_tokens"))
     ]
     return len(old) - len(differ), differ
-
-
-def _load(row: dict[str, Any]) -> str:
-    load = row.get("load_avg")
-    return "-" if not load else "-".join(f"{x:.1f}" for x in load)
 
 
 def report_markdown(
@@ -90,7 +83,7 @@ def report_markdown(
         lines.append(
             f"| {r['label']} | {n} of {n + len(differ)} | {o.get('commit', '-')} "
             f"| {o.get('steps', '-')} | "
-            f"{r.get('steps', '-')} | {o['tps']:.1f} | {r['tps']:.1f} | {_load(o)} | {_load(r)} "
+            f"{r.get('steps', '-')} | {o['tps']:.1f} | {r['tps']:.1f} | {load_text(o.get('load_avg'))} | {load_text(r.get('load_avg'))} "
             f"| {o['accuracy']:.3f} | {r['accuracy']:.3f} |"
         )
     first = rerun["rows"][0]

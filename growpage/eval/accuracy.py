@@ -563,7 +563,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             f" | {'-' if above is None else f'{above:.0f}'} | {r['mean_tokens']:.0f} | {r.get('steps', '-')} | {r['tps']:.1f}"
             f" | {r['avg_resident']:.1f} | {r['grow']} | {r['compress']} | {r['fallback']}"
             f" | {r['preemptions']} | {r.get('num_rebuilt', '-')} | {r.get('num_boxed', 0)}"
-            f" | {r['num_no_answer']} | {r['num_truncated']} | {_load(r.get('load_avg'))} |"
+            f" | {r['num_no_answer']} | {r['num_truncated']} | {load_text(r.get('load_avg'))} |"
         )
     note = (
         "\n`vs fixed`: the row's accuracy minus that of the fixed budgets at its average "
@@ -626,7 +626,8 @@ def regime_text(row: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _load(load: list[float] | None) -> str:
+def load_text(load: list[float] | None) -> str:
+    """A run's load averages at its start and end, as the table prints them."""
     return "-" if not load else f"{load[0]:.1f}-{load[1]:.1f}"
 
 
