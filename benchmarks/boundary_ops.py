@@ -71,6 +71,7 @@ VIEW_OPS = {
     "t",
     "alias",
     "detach",
+    "detach_",
     "as_strided",
     "unbind",
     "split",
@@ -120,6 +121,15 @@ class _Counter(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # In inference mode (the engine's step) ``Tensor.to`` reaches this mode whole, also
+        # where it returns its input: run its decomposition through the mode, so that only a
+        # conversion or a copy (``_to_copy``) counts, as outside inference mode.
+        if func.overloadpacket is torch.ops.aten.to:
+            TorchDispatchMode.__enter__(self)  # the mode again, not this class's tolist patch
+            try:
+                return func.decompose(*args, **(kwargs or {}))
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
         kind = _kind(func)
         self.counts[kind] += 1
         if kind != "views":

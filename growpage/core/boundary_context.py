@@ -128,10 +128,10 @@ class BoundaryContext:
     @functools.cached_property
     def _logits(self) -> torch.Tensor:
         """``[2, L, Hkv, G, N]`` scaled logits of the calibrated, rotated short/long summaries."""
-        keys = self.view.keys().float()
-        views, num_layers, _, d = self._queries.shape
-        q = self._queries.reshape(views, num_layers, self.view.num_kv_heads, -1, d)
-        return torch.einsum("vlhgd,lhnd->vlhgn", q, keys) * self.view.softmax_scale
+        keys = self.view.keys()
+        return boundary_signals.summary_logits(
+            self._queries[None], keys[None], self.view.softmax_scale
+        )[0]
 
     def _group_softmax(self, num_candidates: int) -> torch.Tensor:
         # Mean over the query group of each query head's softmax (see core.demand docstring).

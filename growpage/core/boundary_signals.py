@@ -5,15 +5,17 @@
 current position, the logits of both over the resident keys, and the group softmax over the
 estimation or the selection candidates. Here the summaries of all requests go through one
 pass (elementwise maths and per-row reductions over the head dimension: the same result per
-row), and so does the gather of their keys. Each request's logits are its own einsum over keys
-laid out as its view lays them out (a batch of the products, or another layout, may take
-another kernel). The softmaxes and the group means go per group of requests with the same
-number of resident slots: a row padded to another length would be summed in another order,
-and the decisions must not move by a rounding. Each context then holds its own slices, so what
-it answers (and what the policy reads) is what it would have computed::
+row), and so does the gather of their keys. The logits, the softmaxes and the group means go
+per group of requests with the same number of resident slots: one batched matrix product
+(``summary_logits``, which ``BoundaryContext`` computes its own logits with) over the group's
+(request, layer, KV head) matrices. Nothing is padded: a BLAS may take another kernel for
+another width (on the CPU, below a few dozen columns it does, and the dot products are then
+summed in another order), and a softmax row padded to another length is summed in another
+order; the decisions must not move by a rounding. Each context then holds its own slices, so
+what it answers (and what the policy reads) is what it would have computed::
 
     contexts  A(N=96) B(N=128) C(N=96)   ->  queries [3, 2, L, Hq, d], keys: one gather
-              (sorted: A C B)                softmaxes: rows {A, C} and {B}
+              (sorted: A C B)                products and softmaxes: {A, C} and {B}
 
 A step's pass computes the selection scores (Eq. 9) of its requests too, so that those which
 compress need no second pass.
@@ -93,25 +95,48 @@ def _fill_fast(contexts: list[BoundaryContext], tables: list[list[int]]) -> None
 def _fill(
     contexts: list[BoundaryContext], tables: list[list[int]] | None, estimation: bool
 ) -> None:
-    """Queries and keys of ``contexts`` in one pass each, each request's logits as it computes
-    them alone, then per group of equal slot counts the selection scores and
-    (``estimation``) the estimation attention."""
+    """Queries and keys of ``contexts`` in one pass each, then per group of equal slot counts
+    their logits (as each computes them alone), selection scores and (``estimation``)
+    estimation attention."""
     order = sorted(range(len(contexts)), key=lambda i: contexts[i].num_tokens)
     contexts = [contexts[i] for i in order]
     tables = None if tables is None else [tables[i] for i in order]
     view = contexts[0].view
     counts = [c.num_tokens for c in contexts]
     _queries(contexts)
-    keys = type(view).batch_keys([c.view for c in contexts], tables, counts)
-    for c, k in zip(contexts, keys, strict=True):
-        if "_logits" not in vars(c):
-            c.__dict__["_logits"] = _logits(c, k)
-    start = 0
+    fresh = ["_logits" not in vars(c) for c in contexts]
+    todo = [c for c, f in zip(contexts, fresh, strict=True) if f]  # in the same order
+    if todo:
+        keys = type(view).batch_keys(
+            [c.view for c in todo],
+            None if tables is None else [t for t, f in zip(tables, fresh, strict=True) if f],
+            [c.num_tokens for c in todo],
+        )
+        queries = torch.stack([c._queries for c in todo])
+    start = first = 0  # first: the group's first row of ``keys``
     while start < len(contexts):
-        end = start + counts.count(counts[start])
+        n = counts[start]
+        end = start + counts.count(n)
         group = contexts[start:end]
-        logits = torch.stack([c._logits for c in group]) if len(group) > 1 else None
-        _cache(group, logits if logits is not None else group[0]._logits[None], estimation)
+        new = sum(fresh[start:end])
+        if new:  # one product for the group: nothing padded
+            logits = summary_logits(
+                queries[first : first + new],
+                keys[first : first + new, :, :, :n],
+                view.softmax_scale,
+            )
+            first += new
+            if new < len(group):
+                rows = iter(logits)
+                logits = torch.stack(
+                    [
+                        next(rows) if f else c._logits
+                        for c, f in zip(group, fresh[start:end], strict=True)
+                    ]
+                )
+        else:
+            logits = torch.stack([c._logits for c in group])
+        _cache(group, logits, estimation)
         start = end
 
 
@@ -129,18 +154,25 @@ def _queries(contexts: list[BoundaryContext]) -> None:
         c.__dict__["_queries"] = rotated[i]
 
 
-def _logits(ctx: BoundaryContext, keys: torch.Tensor) -> torch.Tensor:
-    """``BoundaryContext._logits`` of ``ctx`` over ``keys [L, Hkv, N, d]`` (laid out as its
-    view's ``keys()``): the same einsum on the same operands. (One einsum per request: a
-    batch of the matrix products may take another kernel, by layout or thread count.)"""
-    view = ctx.view
-    views, num_layers, _, d = ctx._queries.shape
-    q = ctx._queries.reshape(views, num_layers, view.num_kv_heads, -1, d)
-    return torch.einsum("vlhgd,lhnd->vlhgn", q, keys.float()) * view.softmax_scale
+def summary_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scaled logits ``[R, 2, L, Hkv, G, N]`` of the calibrated, rotated summaries ``queries
+    [R, 2, L, Hq, d]`` over ``keys [R, L, Hkv, N, d]`` (any float dtype), in one ``bmm`` of
+    ``R * L * Hkv`` matrices, each the same product whatever R (``BoundaryContext._logits``
+    is this with R = 1)."""
+    num, views, num_layers, num_q, d = queries.shape
+    num_kv, most = keys.shape[2], keys.shape[3]
+    group = num_q // num_kv
+    # Matrix (r, l, h): the 2 * G summary rows of that KV head against its keys.
+    q = queries.reshape(num, views, num_layers, num_kv, group, d).permute(0, 2, 3, 1, 4, 5)
+    q = q.reshape(num * num_layers * num_kv, views * group, d)
+    k = keys.float().reshape(num * num_layers * num_kv, most, d).transpose(1, 2)
+    out = torch.bmm(q, k).view(num, num_layers, num_kv, views, group, most)
+    return out.permute(0, 3, 1, 2, 4, 5) * scale
 
 
 def _cache(group: list[BoundaryContext], logits: torch.Tensor, estimation: bool) -> None:
-    """Each context's slices of its group's logits and signals (``_group_softmax``'s maths)."""
+    """Each context's slices of its group's signals (``_group_softmax``'s maths), ``logits``
+    the group's stacked."""
     first = group[0]
     selection = logits[..., : first.num_selection_candidates].softmax(dim=-1).mean(dim=4)
     scores = importance(selection[:, 0], selection[:, 1])

@@ -157,14 +157,20 @@ class KVView(abc.ABC):
     @staticmethod
     def batch_keys(
         views: list[KVView], tables: list[list[int]] | None, num_tokens: list[int]
-    ) -> list[torch.Tensor]:
-        """``keys()`` of several views, ``[L, Hkv, num_tokens[r], d]`` each, laid out as
-        ``keys()`` lays them out (a view class may read them in one pass).
+    ) -> torch.Tensor:
+        """``keys()`` of several views in one tensor ``[R, L, Hkv, max(num_tokens), d]``:
+        request r's first ``num_tokens[r]`` slots, then padding of any value (nothing reads
+        it; zeros here). A view class may read them in one pass.
 
         ``tables``: the views' block tables at their boundary, when their requests may have
         been booked since (a view over pages reads through them; others ignore them); None:
         the views' own."""
-        return [v.keys()[:, :, :n] for v, n in zip(views, num_tokens, strict=True)]
+        keys = [v.keys()[:, :, :n] for v, n in zip(views, num_tokens, strict=True)]
+        num_layers, num_kv, _, d = keys[0].shape
+        out = keys[0].new_zeros(len(keys), num_layers, num_kv, max(num_tokens), d)
+        for r, k in enumerate(keys):
+            out[r, :, :, : k.shape[2]] = k
+        return out
 
     @staticmethod
     def compact_batch(jobs: list[CompactionJob], keep: torch.Tensor) -> None:

@@ -210,18 +210,18 @@ def test_the_fixed_frontier_reads_a_row_against_fixed_budgets() -> None:
     assert accuracy.frontier_gap(rows[2], frontier) == pytest.approx(0.9 - (0.2 + 0.4 * 0.3))
 
 
-def test_rescore_reads_the_stored_outputs_again(tmp_path) -> None:
-    """A table whose outputs were scored by an older reader: rescoring rewrites the verdicts,
-    the row and the table from the outputs alone (no model)."""
+def _stale_table(folder) -> None:
+    """A one-row table of two problems whose outputs an older reader scored wrong: the first
+    holds the right answer boxed, the second a wrong one."""
     settings = AccuracySettings(num_problems=2, rows=("a=fullkv",))
     problems = generate_problems(2, seed=0)
     texts = [f"so \\boxed{{{problems[0].answer}}}", "#### 1e9 apples"]
-    (tmp_path / "outputs").mkdir()
+    (folder / "outputs").mkdir()
     stale = [
         {"id": p.id, "template": p.template, "correct": False, "output": t, "num_tokens": 5}
         for p, t in zip(problems, texts, strict=True)
     ]
-    (tmp_path / "outputs" / "a.jsonl").write_text("".join(json.dumps(o) + "\n" for o in stale))
+    (folder / "outputs" / "a.jsonl").write_text("".join(json.dumps(o) + "\n" for o in stale))
     row = {
         "label": "a",
         "policy": "fullkv",
@@ -249,7 +249,13 @@ def test_rescore_reads_the_stored_outputs_again(tmp_path) -> None:
         "commit": "c",
         "rows": [row],
     }
-    (tmp_path / "results.json").write_text(json.dumps(report))
+    (folder / "results.json").write_text(json.dumps(report))
+
+
+def test_rescore_reads_the_stored_outputs_again(tmp_path) -> None:
+    """A table whose outputs were scored by an older reader: rescoring rewrites the verdicts,
+    the row and the table from the outputs alone (no model)."""
+    _stale_table(tmp_path)
     new, changed = accuracy.rescore(tmp_path)
     assert changed == {"a": 1}
     [r] = new["rows"]
@@ -260,6 +266,20 @@ def test_rescore_reads_the_stored_outputs_again(tmp_path) -> None:
     assert "| a | - | 0.500" in (tmp_path / "table.md").read_text()
     with pytest.raises(ConfigError, match="no accuracy table"):
         accuracy.rescore(tmp_path / "nothing")
+
+
+def test_the_rescore_command_prints_the_table_and_the_changed_verdicts(tmp_path, capsys) -> None:
+    from growpage.cli import main
+
+    _stale_table(tmp_path)
+    assert main(["eval", "rescore", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| a | - | 0.500" in out
+    assert "[rescore] a: 1 verdict(s) changed" in out
+    assert main(["eval", "rescore", str(tmp_path)]) == 0  # nothing left to change
+    assert "[rescore] a: 0 verdict(s) changed" in capsys.readouterr().out
+    assert main(["eval", "rescore", str(tmp_path / "nothing")]) != 0
+    assert "no accuracy table" in capsys.readouterr().err
 
 
 def test_a_resumed_table_runs_its_rows_in_the_order_the_command_names_them(tmp_path) -> None:

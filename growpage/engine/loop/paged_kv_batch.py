@@ -44,20 +44,17 @@ def query_states(views: list[EngineKVView]) -> tuple[torch.Tensor, torch.Tensor]
     return summaries, current
 
 
-def keys(
-    views: list[EngineKVView], tables: list[list[int]], num_tokens: list[int]
-) -> list[torch.Tensor]:
-    """Post-RoPE keys ``[L, Hkv, num_tokens[r], d]`` of each request, read through ``tables``
-    in one gather; each laid out as ``EngineKVView.keys()`` lays out its own (slots, then the
-    heads of a slot, per layer)."""
+def keys(views: list[EngineKVView], tables: list[list[int]], num_tokens: list[int]) -> torch.Tensor:
+    """Post-RoPE keys ``[R, L, Hkv, max(num_tokens), d]`` of the requests, read through
+    ``tables`` in one gather: request r's first ``num_tokens[r]`` slots, then what page 0
+    holds (``KVView.batch_keys``)."""
     first = views[0]
     most = max(num_tokens)
     slots = flat_slots(tables, most, first.page_size, first.device)  # [R, N_max]
     flat = first.kv_cache[0].flatten(1, 2)  # [L, slots, Hkv, d]
-    gathered = flat[:, slots.flatten()]  # [L, R * N_max, Hkv, d]
+    gathered = flat.index_select(1, slots.flatten())  # [L, R * N_max, Hkv, d]
     num_layers, _, num_kv, d = gathered.shape
-    per_request = gathered.view(num_layers, len(views), most, num_kv, d).permute(1, 0, 3, 2, 4)
-    return [per_request[r, :, :, :n] for r, n in enumerate(num_tokens)]
+    return gathered.view(num_layers, len(views), most, num_kv, d).permute(1, 0, 3, 2, 4)
 
 
 def flat_slots(

@@ -101,7 +101,7 @@ class EngineKVView(KVView):
     @staticmethod
     def batch_keys(
         views: list[KVView], tables: list[list[int]] | None, num_tokens: list[int]
-    ) -> list[torch.Tensor]:
+    ) -> torch.Tensor:
         engine_views = cast("list[EngineKVView]", views)
         if tables is None:
             tables = [v.seq.state.block_table for v in engine_views]
