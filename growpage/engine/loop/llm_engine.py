@@ -200,8 +200,8 @@ class LLMEngine:
         """Run one step; returns the sequences that finished in it.
 
         In ``torch.inference_mode``: a step's host work is hundreds of small tensor
-        operations (the capacity boundaries above all), and outside autograd's bookkeeping
-        each costs about half (the tensors it makes are inference tensors)."""
+        operations (the capacity boundaries above all), each of which costs less outside
+        autograd's bookkeeping; the tensors a step makes are inference tensors."""
         start = time.perf_counter()
         out: SchedulerOutput | None = None
         try:
