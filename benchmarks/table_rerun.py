@@ -60,6 +60,12 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> tuple[int, 
     return len(old) - len(differ), differ
 
 
+def ran_at(rerun: dict[str, Any]) -> str:
+    """The commit(s) whose code ran the rerun's rows (each row records the code its process
+    loaded; the report's own ``commit`` is the checkout's when it was last written)."""
+    return ", ".join(sorted({r.get("commit", rerun["commit"]) for r in rerun["rows"]}))
+
+
 def report_markdown(
     table: Path,
     stored: dict[str, Any],
@@ -69,8 +75,8 @@ def report_markdown(
     old_rows = {r["label"]: r for r in stored["rows"]}
     head = (
         f"Rerun of {table} (stored {stored['date']}, last written at commit {stored['commit']}; "
-        "a row's own commit where it recorded one) at commit "
-        f"{rerun['commit']}, {rerun['date']}; the rerun rows ran one after the other in one "
+        "a row's own commit where it recorded one) with the code of commit "
+        f"{ran_at(rerun)}, {rerun['date']}; the rerun rows ran one after the other in one "
         "process.\n\n"
         "| row | outputs identical | commit stored | steps stored | steps now | TPS stored "
         "| TPS now | load stored | load now | accuracy stored | accuracy now |\n"
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "table": str(args.table),
-                "commit": rerun["commit"],
+                "commit": ran_at(rerun),
                 "elapsed_s": time.time() - started,
                 "rows": {
                     label: {"identical": n, "differ": differ} for label, (n, differ) in same.items()

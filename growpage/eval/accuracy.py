@@ -509,20 +509,26 @@ def rescore(out: Path) -> tuple[dict[str, Any], dict[str, int]]:
     return report, changed
 
 
-def _commit() -> str:
+def _commit(package: Path | None = None) -> str:
+    """The short commit of the checkout holding ``package`` (default: growpage's own folder),
+    with ``+changes`` when tracked files under ``package`` differ from it (what runs is then
+    not that commit alone); ``unknown`` outside a git checkout."""
     import subprocess
 
-    try:
+    folder = package or Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
         done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=10,
+            ["git", *args], capture_output=True, text=True, cwd=folder, timeout=10
         )
-    except OSError:
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        changed = head and git("status", "--porcelain", "--untracked-files=no", "--", ".")
+    except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    return done.stdout.strip() or "unknown"
+    return (head + ("+changes" if changed else "")) or "unknown"
 
 
 def to_markdown(report: dict[str, Any]) -> str:

@@ -162,11 +162,13 @@ def test_boundary_share_estimates_the_gpu_check_run_host_side():
     assert grow["decision_pct"] == grow["boundary_pct"] and grow["deferred_s"] == 0
     assert grow["deferred_decisions"] == deferred["deferred_decisions"] == 0
     # Whole boundaries beside the forward: every decided one is late (growpage falls back to
-    # compressing, no prefix cache), so almost nothing is left on the critical path.
+    # compressing, no prefix cache), and its work is counted as deferred. How much that takes
+    # off the critical path is timing, which the benchmark prints (two runs' shares compared
+    # here flipped on a loaded machine).
     late = report["rows"]["growpage+async-decisions"]
     assert late["deferred_decisions"] == late["decided"] > 0
     assert late["deferred_compactions"] == 0  # a late compression runs with its decision
-    assert 0 <= late["decision_pct"] < deferred["decision_pct"]
+    assert late["deferred_s"] > 0 and 0 <= late["decision_pct"] < late["boundary_pct"]
     # 40% of what fullkv needs for all requests, but room for the longest one.
     assert bench.gpu_check_pool([100] * 10, 412, 64) == 36  # 10 x 9 pages -> 36
     assert bench.gpu_check_pool([100], 60, 8) == 22  # 161 tokens: 21 pages, 8 < 161 // 8 + 2

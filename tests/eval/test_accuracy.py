@@ -304,3 +304,33 @@ def test_a_resumed_table_runs_its_rows_in_the_order_the_command_names_them(tmp_p
         "b=fixed:budget_tokens=64",
     ]
     assert [r.label for r in plan_rows(merged, rows) if r.label != "a"] == ["c", "d", "b"]
+
+
+def test_the_commit_a_row_records_says_when_the_package_differs_from_it(tmp_path) -> None:
+    import subprocess
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text("x = 1\n")
+    (tmp_path / "results.json").write_text("{}\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "one")
+    head = git("rev-parse", "--short", "HEAD")
+    assert accuracy._commit(package) == head
+    (tmp_path / "results.json").write_text('{"rows": []}\n')  # a table written beside: no change
+    (package / "new.py").write_text("")  # untracked: not what a commit names either
+    assert accuracy._commit(package) == head
+    (package / "a.py").write_text("x = 2\n")
+    assert accuracy._commit(package) == head + "+changes"
+    assert accuracy._commit(tmp_path.parent) == "unknown"  # no checkout

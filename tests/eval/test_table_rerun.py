@@ -38,6 +38,12 @@ def test_compare_counts_outputs_with_the_same_text_and_tokens() -> None:
         rerun.compare(old, old[::-1])
 
 
+def test_the_report_names_the_code_its_rows_ran_not_the_checkout_at_writing() -> None:
+    report = {"commit": "c9", "rows": [{"label": "a", "commit": "c1"}, {"label": "b"}]}
+    assert rerun.ran_at(report) == "c1, c9"  # b recorded none: the report's own
+    assert rerun.ran_at({"commit": "c9", "rows": [{"commit": "c1"}, {"commit": "c1"}]}) == "c1"
+
+
 @pytest.mark.slow
 def test_a_rerun_of_a_smollm2_table_finds_its_outputs_and_a_changed_one(tmp_path) -> None:
     table = tmp_path / "table"
