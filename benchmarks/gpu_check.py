@@ -10,7 +10,9 @@ bandwidth (GB/s, % of peak) for batch {1,16,64,256} x context {1k,4k,16k} with L
 heads, the fused EMA cost, compaction and demand-estimation time per boundary event, and the
 engine's SmolLM2 throughput with ``fullkv`` vs ``growpage`` under one page pool (with the share
 of time spent at capacity boundaries), and the host work of one boundary (torch ops, Triton
-launches, syncs, ms; ``benchmarks/boundary_ops.py``). ``--sections`` picks a subset.
+launches, syncs, ms; ``benchmarks/boundary_ops.py``), and where a decode step of SmolLM2 with
+CUDA graphs goes (``step``: phases, the device's busy share, top kernels and a Chrome trace;
+``benchmarks/step_profile.py``). ``--sections`` picks a subset.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from script_args import ROOT, parser, run_main
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TARGET_BW_PCT, TARGET_EMA_PCT = 70.0, 3.0
-SECTIONS = "tests,sweep,decode,ema,boundary,hostwork,engine,paper"
+SECTIONS = "tests,sweep,decode,ema,boundary,hostwork,engine,step,paper"
 PAPER_BOUNDARY_PCT = 0.32  # paper: boundary work under 0.32% of decode (8B model, pages of 256)
 
 
@@ -406,6 +408,23 @@ def _engine_run(llm, prompts: list[str], max_tokens: int, warm_tokens: int) -> d
     }
 
 
+def step_split(smoke: bool, model: str | None, attention_backend: str, out: Path) -> dict:
+    """``benchmarks/step_profile.py`` on the engine section's workload: fullkv, CUDA graphs where
+    they run; the trace goes to ``<out>.step.trace.json.gz``."""
+    import step_profile
+
+    argv = ["--out", str(out.with_name(out.name + ".step")), "--attention-backend"]
+    argv.append("torch" if smoke else attention_backend)  # smoke: not the slow interpreter
+    if smoke:
+        argv += ["--device", "cpu", "--requests", "2", "--max-tokens", "8"]
+        argv += ["--page-size", "16", "--window", "2", "--kv-pages", "32"]
+    else:
+        argv += ["--device", "cuda"]
+    if model:
+        argv += ["--model", model]
+    return step_profile.profile_steps(step_profile.parse_args(argv))
+
+
 def host_work(smoke: bool, model: str | None) -> dict:
     """Torch ops, Triton launches, host syncs and milliseconds per boundary outcome on the
     device (``benchmarks/boundary_ops.py`` with the real model)."""
@@ -521,6 +540,18 @@ def run(args: argparse.Namespace) -> dict:
             args.smoke,
             args.model,
             args.attention_backend,
+            partial=partial,
+        )
+    if "step" in sections:
+        stem = out.with_suffix("") if out.suffix in (".json", ".md") else out
+        timed(
+            report,
+            "step",
+            step_split,
+            args.smoke,
+            args.model,
+            args.attention_backend,
+            stem,
             partial=partial,
         )
     if "paper" in sections:
@@ -664,6 +695,13 @@ def to_markdown(r: dict) -> str:
         lines += _phase_table(engine)
     else:
         lines += ["", f"Engine: {json.dumps(engine)}"]
+    step = r.get("step")
+    if isinstance(step, dict) and "window" in step:
+        import step_profile
+
+        lines += ["", step_profile.to_markdown(step).rstrip()]
+    elif step is not None:
+        lines += ["", f"Decode step: {json.dumps(step)}"]
     paper = r.get("paper")
     if isinstance(paper, dict) and "growpage" in paper:
         lines += [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -32,7 +33,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     report = json.loads(out.with_suffix(".json").read_text())
     # Written after every section, so a run cut short by a timeout keeps what it measured.
     partial = json.loads(out.with_suffix(".partial.json").read_text())
-    assert {"decode", "ema", "boundary", "hostwork", "engine", "paper"} <= set(partial)
+    assert {"decode", "ema", "boundary", "hostwork", "engine", "step", "paper"} <= set(partial)
     assert "[gpu_check] engine growpage+async: " in proc.stdout  # each engine row as it ends
     assert "[gpu_check] engine growpage+async-decisions: " in proc.stdout
     assert report["smoke"] and report["tests"] == {"skipped": "--smoke/--skip-tests/--sections"}
@@ -72,6 +73,16 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         row["boundary_critical_pct"] for row in rows
     )
     assert report["targets"]["no_compiles_met"]
+    # Where a decode step goes: phases (adding up to the step), a profiled window, a trace.
+    step = report["step"]
+    assert step["policy"] == "fullkv" and not step["cuda_graphs"] and step["kv_pages"] == 32
+    assert step["plain"]["decode_steps"] == step["phases"]["decode_steps"] == 7  # 8 tokens
+    assert sum(step["phases"]["ms"].values()) == pytest.approx(step["phases"]["ms_per_step"])
+    window = step["window"]
+    assert window["decode_steps"] == 2 and window["device_busy_ms_per_step"] is None
+    assert any(row["name"] == "aten::mm" for row in window["top_host"])
+    trace = out.with_name(out.name + ".step.trace.json.gz")
+    assert window["trace"] == trace.name and json.loads(gzip.decompress(trace.read_bytes()))
     # The paper's scale, shrunk: a random Llama-shaped model built in place, both policies with
     # the engine's defaults, the boundary share set against the paper's.
     paper = report["paper"]
@@ -90,3 +101,4 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     markdown = out.with_suffix(".md").read_text()
     assert "| batch | context |" in markdown and "Boundary event" in markdown
     assert "| growpage |" in markdown and "Host work per boundary" in markdown
+    assert "Profiled window: 2 decode" in markdown and "| `aten::mm` |" in markdown
