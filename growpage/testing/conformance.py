@@ -176,15 +176,7 @@ def check_policy(policy: object, max_examples: int = 40, **strategy_kwargs: Any)
     pristine = copy_policy(policy, HISTORY)
     pristine = NO_COPY if pristine is None else pristine
 
-    @settings(
-        max_examples=max_examples,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-        report_multiple_bugs=False,
-    )
+    @kit_settings(max_examples)
     @given(boundary_cases(**strategy_kwargs))
     def run(case: BoundaryCase) -> None:
         try:
@@ -203,6 +195,21 @@ def refuse_a_class(policy: object, caller: str) -> None:
             f"{caller} takes a policy object, got the class {policy.__name__}: "
             f"call {caller}({policy.__name__}())"
         )
+
+
+def kit_settings(max_examples: int) -> settings:
+    """The kit's hypothesis settings: the same examples on every run (derandomized, no example
+    database), no deadline or health checks (a policy may be slow), and the smallest failure
+    alone."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        report_multiple_bugs=False,
+    )
 
 
 def raise_smallest_failure(

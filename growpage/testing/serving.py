@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from growpage.core.config import GrowPageConfig
@@ -32,6 +32,7 @@ from growpage.sim.workload_csv import WorkloadRequest
 from growpage.testing.conformance import (
     PolicyConformanceError,
     global_rngs_seeded,
+    kit_settings,
     raise_smallest_failure,
     refuse_a_class,
 )
@@ -226,15 +227,7 @@ def check_serving(policy: CapacityPolicy, max_examples: int = 15, **strategy_kwa
     failure: list[PolicyConformanceError] = []
     copies = copy_policy(policy, SERVED_COPIES) is not None
 
-    @settings(
-        max_examples=max_examples,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-        report_multiple_bugs=False,
-    )
+    @kit_settings(max_examples)
     @given(serving_cases(**strategy_kwargs))
     def run(case: ServingCase) -> None:
         try:
