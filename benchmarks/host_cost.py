@@ -59,7 +59,17 @@ from typing import Any
 import torch
 from script_args import ROOT, add_out, add_threads, parser, run_main
 
-DEFAULT_BEFORE = "a0f52d9"  # the engine before the host-cost work (issue 30)
+DEFAULT_BEFORE = "756fc51"  # the engine before a step's boundaries were batched (issue 36)
+# Modules the worker imports: a "before" tree must have them (growpage/engine in sub-packages
+# since d9c3893).
+WORKER_MODULES = (
+    "growpage/engine/loading/loader.py",
+    "growpage/engine/loading/tokenizer.py",
+    "growpage/engine/modeling/model.py",
+    "growpage/engine/modeling/step_context.py",
+    "growpage/engine/llm.py",
+    "growpage/core/rope.py",
+)
 PHASES = (
     "schedule",
     "inputs",
@@ -416,16 +426,31 @@ def export_tree(ref: str, into: Path) -> Path:
     ``PYTHONPATH`` that holds only the ``growpage`` package (never the checkout root)."""
     tree = into / "tree"
     tree.mkdir(parents=True)
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", ref, "growpage", "kernels"],
-        check=True,
-        capture_output=True,
-    ).stdout
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref, "growpage", "kernels"], capture_output=True
+    )
+    if done.returncode != 0:
+        why = done.stderr.decode(errors="replace").strip()
+        raise SystemExit(f"--before {ref}: git archive cannot export it ({why})")
+    archive = done.stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    check_tree(ref, tree)
     path = into / "path"
     path.mkdir()
     (path / "growpage").symlink_to(tree / "growpage")
     return path
+
+
+def check_tree(ref: str, tree: Path) -> None:
+    """Refuse a ``before`` tree whose package the worker cannot import (``WORKER_MODULES``),
+    naming what it lacks, before any worker starts."""
+    missing = [m for m in WORKER_MODULES if not (tree / m).is_file()]
+    if missing:
+        raise SystemExit(
+            f"--before {ref}: its tree lacks {', '.join(missing)}, which this script's worker "
+            "imports; pick a commit from d9c3893 (growpage/engine in sub-packages) on, e.g. "
+            f"the default {DEFAULT_BEFORE}"
+        )
 
 
 def run_worker(args: argparse.Namespace, pythonpath: Path | None, out: Path) -> list[dict]:

@@ -202,3 +202,17 @@ def test_host_cost_report_compares_medians_and_flags_differences(bench):
         for rep in reps:
             rep[0]["backend"] = "triton"
     assert bench.summarize(runs)["points"][0]["identical"] is None  # stubbed kernels
+
+
+def test_a_before_tree_the_worker_cannot_import_is_refused_by_name(bench, tmp_path):
+    from script_args import ROOT
+
+    bench.check_tree("HEAD", ROOT)  # this checkout has every module the worker imports
+    old = tmp_path / "tree"  # the layout before growpage/engine's sub-packages
+    for module in ("growpage/engine/loader.py", "growpage/engine/llm.py", "growpage/core/rope.py"):
+        (old / module).parent.mkdir(parents=True, exist_ok=True)
+        (old / module).write_text("")
+    with pytest.raises(SystemExit, match=r"--before OLD: its tree lacks .*loading/loader\.py"):
+        bench.check_tree("OLD", old)
+    with pytest.raises(SystemExit, match=r"--before no-such-ref: git archive cannot export it"):
+        bench.export_tree("no-such-ref", tmp_path / "missing")
