@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from script_args import ROOT, parser, run_main
+from script_args import ROOT, out_stem, parser, run_main
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TARGET_BW_PCT, TARGET_EMA_PCT = 70.0, 3.0
@@ -494,9 +494,7 @@ def run(args: argparse.Namespace) -> dict:
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}")
     out = Path(args.out)
-    partial = (out.with_suffix("") if out.suffix in (".json", ".md") else out).with_suffix(
-        ".partial.json"
-    )
+    partial = out_stem(out).with_suffix(".partial.json")
     if args.skip_tests or args.smoke or "tests" not in sections:
         report["tests"] = {"skipped": "--smoke/--skip-tests/--sections"}
     else:
@@ -543,7 +541,6 @@ def run(args: argparse.Namespace) -> dict:
             partial=partial,
         )
     if "step" in sections:
-        stem = out.with_suffix("") if out.suffix in (".json", ".md") else out
         timed(
             report,
             "step",
@@ -551,7 +548,7 @@ def run(args: argparse.Namespace) -> dict:
             args.smoke,
             args.model,
             args.attention_backend,
-            stem,
+            out_stem(out),
             partial=partial,
         )
     if "paper" in sections:
@@ -772,8 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     report = run(args)
     report["total_s"] = round(time.perf_counter() - start, 2)
-    out = Path(args.out)
-    out = out.with_suffix("") if out.suffix in (".json", ".md") else out
+    out = out_stem(Path(args.out))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
     markdown = to_markdown(report)

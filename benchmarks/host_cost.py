@@ -157,6 +157,33 @@ class PhaseClock:
         setattr(owner, name, timed)
         self._wrapped.append((owner, name))
 
+    def wrap_host_phases(self, engine: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+        """The schedule, inputs, query state, sampling and detokenize phases of ``engine``'s
+        decode step (the forward is wrapped on the model; the boundary and bookkeeping phases
+        are worked out after each step)."""
+        runner = engine.runner
+        self.wrap(engine.scheduler, "schedule", "schedule", clock)
+        self.wrap(runner, "_prepare_decode", "inputs", clock)
+        self.wrap(runner, "_update_query_state", "query state", clock)
+        self.wrap(engine.sampler, "sample", "sampling", clock)
+        self.wrap(engine, "_cut_at_stop", "detokenize", clock)
+
+
+def watch_schedule(engine: Any) -> dict[str, Any]:
+    """What ``engine``'s scheduler scheduled last, kept current in the returned dict by a
+    wrapper around its ``schedule``: ``prefill`` (the step's kind) and ``batch`` (its
+    sequences)."""
+    last: dict[str, Any] = {"prefill": True, "batch": 0}
+    schedule = engine.scheduler.schedule
+
+    def scheduled() -> Any:
+        out = schedule()
+        last["prefill"], last["batch"] = out.is_prefill, len(out.seqs)
+        return out
+
+    engine.scheduler.schedule = scheduled
+    return last
+
 
 def narrow_model(head_dim: int, vocab: int, layers: int) -> Any:
     from growpage.core.rope import RopeConfig
@@ -305,21 +332,9 @@ def _measure(
             model, args.max_batched_tokens, batch, text_tokens(tokenizer, vocab)
         )
     clock = PhaseClock()
-    last = {"prefill": True}
-    schedule = engine.scheduler.schedule
-
-    def scheduled() -> Any:
-        out = schedule()
-        last["prefill"] = out.is_prefill
-        return out
-
-    engine.scheduler.schedule = scheduled  # type: ignore[method-assign]
+    last = watch_schedule(engine)
     if phases:
-        clock.wrap(engine.scheduler, "schedule", "schedule")
-        clock.wrap(runner, "_prepare_decode", "inputs")
-        clock.wrap(runner, "_update_query_state", "query state")
-        clock.wrap(engine.sampler, "sample", "sampling")
-        clock.wrap(engine, "_cut_at_stop", "detokenize")
+        clock.wrap_host_phases(engine)
         if args.real_forward:
             clock.wrap(model, "forward", "forward")
             clock.wrap(model, "compute_logits", "forward")

@@ -52,6 +52,12 @@ def add_out(p: argparse.ArgumentParser, name: str) -> None:
     )
 
 
+def out_stem(out: Path) -> Path:
+    """``out`` without a ``.json`` or ``.md`` suffix: the stem a script writes ``<stem>.json``,
+    ``<stem>.md`` and its other files beside."""
+    return out.with_suffix("") if out.suffix in (".json", ".md") else out
+
+
 def run_main(main: Callable[[], object]) -> int:
     """``main()``'s exit status (0 when it returns something else); 2 after a one-line error."""
     try:

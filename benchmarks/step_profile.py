@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from host_cost import PHASES, PhaseClock, _decode_all
-from script_args import ROOT, parser, run_main
+from host_cost import PHASES, PhaseClock, _decode_all, watch_schedule
+from script_args import ROOT, out_stem, parser, run_main
 
 TOP = 12  # kernels and operators listed
 
@@ -98,15 +98,7 @@ def profile_steps(args: argparse.Namespace) -> dict[str, Any]:
     )
     engine = llm.engine
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    last: dict[str, Any] = {"prefill": True, "batch": 0}
-    schedule = engine.scheduler.schedule
-
-    def scheduled() -> Any:
-        out = schedule()
-        last["prefill"], last["batch"] = out.is_prefill, len(out.seqs)
-        return out
-
-    engine.scheduler.schedule = scheduled  # type: ignore[method-assign]
+    last = watch_schedule(engine)
     run = [0]
 
     def add_all() -> None:
@@ -169,11 +161,7 @@ def _phases(engine: Any, add_all: Any, last: dict, cuda: bool) -> dict[str, Any]
         return time.perf_counter()
 
     timer = PhaseClock()
-    timer.wrap(engine.scheduler, "schedule", "schedule", clock)
-    timer.wrap(runner, "_prepare_decode", "inputs", clock)
-    timer.wrap(runner, "_update_query_state", "query state", clock)
-    timer.wrap(engine.sampler, "sample", "sampling", clock)
-    timer.wrap(engine, "_cut_at_stop", "detokenize", clock)
+    timer.wrap_host_phases(engine, clock)
     timer.wrap(runner.model, "forward", "forward", clock)
     timer.wrap(runner.model, "compute_logits", "forward", clock)
     if runner.graphs is not None:  # a replay (its static inputs filled): the forward
@@ -278,7 +266,7 @@ def _top(prof: Any, kind: str, steps: int) -> list[dict[str, Any]]:
 
 def _write_trace(prof: Any, out: Path) -> Path:
     """``prof``'s Chrome trace, gzipped, at ``<out>.trace.json.gz``."""
-    stem = out.with_suffix("") if out.suffix in (".json", ".md") else out
+    stem = out_stem(out)
     stem.parent.mkdir(parents=True, exist_ok=True)
     raw = stem.with_name(stem.name + ".trace.json")
     prof.export_chrome_trace(str(raw))
@@ -335,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     report = profile_steps(args)
     text = to_markdown(report)
     print(text)
-    stem = args.out.with_suffix("") if args.out.suffix in (".json", ".md") else args.out
+    stem = out_stem(args.out)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     stem.with_suffix(".md").write_text(text)
     return 0
