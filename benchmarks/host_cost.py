@@ -602,8 +602,8 @@ def markdown(report: dict, args: argparse.Namespace) -> str:
 def _whole_steps(points: list[dict]) -> list[str]:
     """ms of whole decode steps (CPU, forward included): growpage against fullkv at each batch,
     and each policy from batch 64 to 256, before and after."""
-    ms = {
-        (name, p["backend"], p["policy"], p["batch"]): p[name]["ms_per_step"]
+    runs = {
+        (name, p["backend"], p["policy"], p["batch"]): p[name]["runs_ms"]
         for p in points
         for name in ("before", "after")
     }
@@ -620,14 +620,30 @@ def _whole_steps(points: list[dict]) -> list[str]:
             f"{b:.3f} | {a:.3f} | {a / b:.2f} |"
         )
     ratios = []
-    for (name, backend, policy, batch), value in ms.items():
-        full = ms.get((name, backend, "fullkv", batch))
+    for (name, backend, policy, batch), values in runs.items():
+        full = runs.get((name, backend, "fullkv", batch))
         if policy != "fullkv" and full:
-            ratios.append(f"{name} {backend} {policy} / fullkv at {batch}: {value / full:.2f}x")
-        wide = ms.get((name, backend, policy, 256))
+            ratios.append(
+                f"{name} {backend} {policy} / fullkv at {batch}: {run_ratios(values, full)}"
+            )
+        wide = runs.get((name, backend, policy, 256))
         if batch == 64 and wide:
-            ratios.append(f"{name} {backend} {policy} from 64 to 256: {wide / value:.2f}x")
-    return lines + [""] + [f"- {r}" for r in ratios]
+            ratios.append(f"{name} {backend} {policy} from 64 to 256: {run_ratios(wide, values)}")
+    return lines + ["", RATIOS_NOTE, ""] + [f"- {r}" for r in ratios]
+
+
+RATIOS_NOTE = (
+    "Each ratio is taken within one worker run (both points measured by the same process, "
+    "minutes apart at most), then the median over runs, with the lowest and highest run."
+)
+
+
+def run_ratios(top: list[float], bottom: list[float]) -> str:
+    """``top[i] / bottom[i]`` of each worker run i: their median, and their range."""
+    ratios = sorted(a / b for a, b in zip(top, bottom, strict=True))
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}x"
+    return f"{statistics.median(ratios):.2f}x (runs {ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def _growth(points: list[dict]) -> str:

@@ -11,6 +11,7 @@ places on each cached token, which is what evicting that token from the KV head 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -106,12 +107,26 @@ def working_set_counts(attns: list[torch.Tensor] | torch.Tensor, p: float) -> to
 def _sorted_coverage(attn: torch.Tensor, p: float) -> torch.Tensor:
     """Fewest largest entries of each row of ``attn`` (fp32, possibly zero-padded) whose sum
     reaches ``p`` of the row's total."""
-    cum = attn.sort(dim=-1, descending=True).values.cumsum(dim=-1)
+    cum = descending(attn).cumsum(dim=-1)
     # The last running sum is the row's total (padding adds exact zeros), so the count never
     # passes the row's own length; the relative tolerance guards against fp32 round-off just
     # below p (e.g. p = 1).
     target = p * cum[..., -1:] * (1.0 - 1e-6)
     return (cum < target).sum(dim=-1) + 1
+
+
+def descending(values: torch.Tensor) -> torch.Tensor:
+    """``values.sort(dim=-1, descending=True).values``; fp32 on the CPU through numpy's sort,
+    several times faster there on rows of hundreds (SIMD sorting networks).
+
+    The same tensor: a sorted row is unique but for the order of entries that compare equal,
+    and those are equal values (``-0.0`` beside ``0.0`` sums alike), so a running sum over it
+    is the same bits; NaN comes first, as torch puts it (numpy sorts it last, and the
+    ascending row is read backwards)."""
+    if values.device.type != "cpu" or values.dtype != torch.float32 or values.ndim == 0:
+        return values.sort(dim=-1, descending=True).values
+    ascending = np.sort(values.detach().contiguous().numpy(), axis=-1)
+    return torch.from_numpy(ascending[..., ::-1].copy())
 
 
 def demand_trends(

@@ -153,3 +153,43 @@ def test_group_attention_is_mean_of_group_softmaxes():
             assert torch.allclose(out[:, h // 2], (acc + ref) / 2, atol=1e-6)
     assert torch.allclose(out.sum(-1), torch.ones(2, 3))
     assert math.isclose(float(out.min()), float(out.min()))  # finite
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(0, 10**6),
+    st.integers(1, 700),
+    st.sampled_from(["plain", "ties", "zeros", "signed zeros", "nan", "inf"]),
+    st.sampled_from([0.5, 0.9, 0.99, 1.0]),
+)
+def test_descending_rows_and_their_counts_are_torchs_sort(seed, n, kind, p):
+    """numpy's sort on the CPU gives the rows torch's descending sort gives (NaN first), so
+    the top-p counts taken from them are torch's, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(3, 2, n, generator=g)
+    if kind == "ties":
+        x = (x * 4).floor() / 4
+    elif kind == "zeros":
+        x[x < 0.5] = 0.0
+    elif kind == "signed zeros":
+        x[x < 0.5] = -0.0
+        x[x > 0.8] = 0.0
+    elif kind == "nan":
+        x[1, 0, seed % n] = float("nan")
+    elif kind == "inf":
+        x[0, 1, seed % n] = float("inf")
+    with torch.inference_mode():
+        got = demand.descending(x)
+        want = x.sort(dim=-1, descending=True).values
+    assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(nan=0.0), want.nan_to_num(nan=0.0))
+    cum = want.cumsum(dim=-1)
+    torchs = (cum < p * cum[..., -1:] * (1.0 - 1e-6)).sum(dim=-1) + 1
+    assert torch.equal(demand.working_set_counts(x, p), torchs)
+
+
+def test_descending_leaves_other_dtypes_to_torch():
+    x = torch.tensor([[0.25, 1.0, 0.5]], dtype=torch.float64)
+    assert torch.equal(demand.descending(x), torch.tensor([[1.0, 0.5, 0.25]], dtype=torch.float64))
+    assert demand.descending(x.half()).dtype == torch.float16

@@ -204,6 +204,32 @@ def test_host_cost_report_compares_medians_and_flags_differences(bench):
     assert bench.summarize(runs)["points"][0]["identical"] is None  # stubbed kernels
 
 
+def test_whole_step_ratios_pair_the_points_of_one_worker_run(bench):
+    """growpage against fullkv, and 64 against 256, are divided within each worker run: a run
+    that was slow throughout cancels out, where a ratio of medians would mix runs."""
+
+    def point(policy, batch, before, after):
+        return {
+            "backend": "torch",
+            "policy": policy,
+            "batch": batch,
+            "before": {"ms_per_step": sorted(before)[1], "runs_ms": before, "steps": 9},
+            "after": {"ms_per_step": sorted(after)[1], "runs_ms": after, "steps": 9},
+        }
+
+    points = [
+        point("fullkv", 64, [4.0, 8.0, 5.0], [4.0, 8.0, 4.0]),
+        point("growpage", 64, [6.0, 10.0, 7.5], [5.0, 9.6, 4.4]),
+        point("growpage", 256, [18.0, 30.0, 22.5], [15.0, 25.0, 13.2]),
+    ]
+    lines = bench._whole_steps(points)
+    assert "- after torch growpage / fullkv at 64: 1.20x (runs 1.10-1.25)" in lines
+    assert "- before torch growpage / fullkv at 64: 1.50x (runs 1.25-1.50)" in lines
+    assert "- after torch growpage from 64 to 256: 3.00x (runs 2.60-3.00)" in lines
+    assert bench.RATIOS_NOTE in lines
+    assert bench.run_ratios([3.0], [2.0]) == "1.50x"
+
+
 def test_a_before_tree_the_worker_cannot_import_is_refused_by_name(bench, tmp_path):
     from script_args import ROOT
 
