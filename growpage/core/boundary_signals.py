@@ -26,6 +26,7 @@ their ``BoundaryBatch`` asks them for all members at once.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from growpage.core import demand
 from growpage.core.rope import rope_at_each
 from growpage.core.selection import importance
+from growpage.core.threads import one_thread
 
 if TYPE_CHECKING:
     from growpage.core.boundary_context import BoundaryContext
@@ -166,7 +168,10 @@ def summary_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> t
     q = queries.reshape(num, views, num_layers, num_kv, group, d).permute(0, 2, 3, 1, 4, 5)
     q = q.reshape(num * num_layers * num_kv, views * group, d)
     k = keys.float().reshape(num * num_layers * num_kv, most, d).transpose(1, 2)
-    out = torch.bmm(q, k).view(num, num_layers, num_kv, views, group, most)
+    # A lone matrix on one CPU thread: in a product of several each is one thread's, and a
+    # BLAS may split a lone one across threads and sum it in another order.
+    with one_thread(q.device) if len(q) == 1 else contextlib.nullcontext():
+        out = torch.bmm(q, k).view(num, num_layers, num_kv, views, group, most)
     return out.permute(0, 3, 1, 2, 4, 5) * scale
 
 

@@ -126,7 +126,9 @@ def descending(values: torch.Tensor) -> torch.Tensor:
     if values.device.type != "cpu" or values.dtype != torch.float32 or values.ndim == 0:
         return values.sort(dim=-1, descending=True).values
     ascending = np.sort(values.detach().contiguous().numpy(), axis=-1)
-    return torch.from_numpy(ascending[..., ::-1].copy())
+    out = torch.empty(values.shape, dtype=values.dtype)  # numpy writes it: no tensor to lift
+    out.numpy()[...] = ascending[..., ::-1]
+    return out
 
 
 def demand_trends(

@@ -5,9 +5,10 @@ threads each of them may wake the others and wait for them, which on a machine w
 busy costs milliseconds per operation (a Qwen2.5-0.5B boundary's signals took 57 ms on two
 threads against 2.5 ms on one, 2-core machine under load, 2026-12-06). A boundary's operations
 give the same bits on one thread as on several, because each output is computed by one thread
-either way (rows of a softmax, a sort, a cumsum; the matrices of a batched product), except a
-lone matrix product, which a BLAS may split across threads: a model whose layers times KV heads
-is one runs its boundaries on the threads it has (``tests/core/test_compaction_batch.py``
+either way (rows of a softmax, a sort, a cumsum; the matrices of a batched product). A lone
+matrix product, which a BLAS may split across threads, runs on one thread wherever it is
+(``boundary_signals.summary_logits``), so a model whose layers times KV heads is one, which runs
+its boundaries on the threads it has, gets the same bits too (``tests/core/test_compaction_batch.py``
 checks the bits on one and two threads).
 """
 

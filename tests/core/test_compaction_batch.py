@@ -7,7 +7,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_boundary_batch import case
 
@@ -177,8 +177,17 @@ def steps(draw, max_requests: int = 5):
     ]
 
 
+LONE = dict(
+    num_layers=1, num_kv_heads=1, group_size=3, head_dim=8, page_size=8, recent_window=1,
+    num_pages=3, num_free_pages=4, gap=0, sharpness=0.3, track_accumulated=False,
+)  # fmt: skip
+
+
 @settings(max_examples=60, deadline=None)
 @given(steps(), st.sampled_from([1, 2]))
+# One layer and one KV head on two threads: alone, the logits are a lone matrix product, which
+# a BLAS splits across threads; two such requests of one slot count share one product of two.
+@example([BoundaryCase(**LONE, seed=0), BoundaryCase(**LONE, seed=1)], 2)
 def test_one_pass_gives_each_request_its_own_signals(cases, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
