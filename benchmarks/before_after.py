@@ -35,11 +35,10 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from script_args import ROOT, parser, run_main
+from script_args import ROOT, parser, run_main, tree_only_command
 
 EXPORTED = ("growpage", "kernels", "benchmarks")
 DEFAULT_KEYS = r"tokens_per_s|ms_per_step|busy|boundary_pct|boundary_critical_pct|_vs_"
@@ -111,11 +110,11 @@ def check_tree(tree: Path, script: str) -> None:
 
 
 def run_side(root: Path, script: list[str], out: Path) -> dict[str, Any]:
-    """The script from ``root`` with ``root``'s package first on the path (run in the
-    checkout, so relative paths among its arguments mean the same on both sides); its
-    report."""
+    """The script from ``root`` on ``root``'s package alone (``tree_only_command``: a module
+    the tree lacks fails, it does not come from the checkout), run in the checkout, so relative
+    paths among its arguments mean the same on both sides; its report."""
     env = dict(os.environ, PYTHONPATH=str(root))
-    cmd = [sys.executable, str(root / script[0]), *script[1:], "--out", str(out)]
+    cmd = tree_only_command(root / script[0], [*script[1:], "--out", str(out)])
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     (out.parent / f"{out.name}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:

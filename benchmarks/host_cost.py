@@ -46,6 +46,7 @@ import json
 import os
 import pstats
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from script_args import ROOT, add_out, add_threads, parser, run_main
+from script_args import ROOT, add_out, add_threads, parser, run_main, tree_only_command
 
 DEFAULT_BEFORE = "756fc51"  # the engine before a step's boundaries were batched (issue 36)
 # Modules the worker imports: a "before" tree must have them (growpage/engine in sub-packages
@@ -469,13 +470,29 @@ def check_tree(ref: str, tree: Path) -> None:
 
 
 def run_worker(args: argparse.Namespace, pythonpath: Path | None, out: Path) -> list[dict]:
-    cmd = [sys.executable, __file__, "--worker-out", str(out), *_point_flags(args)]
+    """One worker process (the ``before`` tree's package when ``pythonpath`` is given); a
+    worker that fails ends the run, and one that cannot import a module of the ``before``
+    tree (``WORKER_MODULES`` lists the ones checked up front) names it and the ref."""
+    flags = ["--worker-out", str(out), *_point_flags(args)]
+    cmd = [sys.executable, __file__, *flags]
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
+        cmd = tree_only_command(__file__, flags)  # the tree's modules, or an import error
     else:
         env.pop("PYTHONPATH", None)
-    subprocess.run(cmd, check=True, env=env, cwd=tempfile.gettempdir())
+    done = subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), stderr=subprocess.PIPE)
+    err = done.stderr.decode(errors="replace")
+    sys.stderr.write(err)
+    if done.returncode != 0:
+        side = "the working tree's" if pythonpath is None else f"the --before {args.before}"
+        missing = re.search(r"No module named '([^']+)'", err)
+        if missing and pythonpath is not None:
+            raise SystemExit(
+                f"--before {args.before}: the worker imports {missing.group(1)}, which that "
+                f"tree lacks; pick a later commit (from d9c3893 on, e.g. {DEFAULT_BEFORE})"
+            )
+        raise SystemExit(f"{side} worker failed (exit {done.returncode}); its output is above")
     return json.loads(out.read_text())
 
 

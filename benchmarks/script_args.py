@@ -66,3 +66,24 @@ def run_main(main: Callable[[], object]) -> int:
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
         return 2
     return status if isinstance(status, int) else 0
+
+
+# Runs a script as ``python SCRIPT ARGS`` would, with the import finders of editable installs
+# dropped first: such a finder maps ``growpage.*`` by name to the checkout it was installed from,
+# so a module that a tree on PYTHONPATH lacks would silently come from that checkout instead.
+_TREE_ONLY = """\
+import os, runpy, sys
+sys.meta_path[:] = [
+    f for f in sys.meta_path if "editable" not in getattr(f, "__name__", type(f).__name__).lower()
+]
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def tree_only_command(script: Path | str, args: list[str]) -> list[str]:
+    """The command that runs ``script`` with ``args`` on the package of the tree on
+    ``PYTHONPATH`` alone: a module the tree lacks fails to import (``ModuleNotFoundError``)
+    instead of coming from the checkout of an editable install."""
+    return [sys.executable, "-c", _TREE_ONLY, str(script), *args]

@@ -66,6 +66,11 @@ def test_a_run_imports_the_package_of_its_own_tree(tmp_path):
     assert report["side"] == "before" and report["file"].startswith(str(tree))
     assert report["argv"][:2] == ["--x", "1"]  # its arguments, then --out
     assert (tmp_path / "b-0.log").is_file()
+    # growpage.errors exists in the installed checkout but not in this tree: an import error,
+    # not the checkout's module slipped in by the editable install's finder.
+    (tree / "benchmarks" / "probe.py").write_text("import growpage.errors\n")
+    with pytest.raises(SystemExit, match=r"No module named 'growpage\.errors'"):
+        before_after.run_side(tree, ["benchmarks/probe.py"], tmp_path / "b-e")
     (tree / "benchmarks" / "probe.py").write_text("raise SystemExit('broken on purpose')\n")
     with pytest.raises(SystemExit, match=r"the b-1 run failed \(exit 1\):\nbroken on purpose"):
         before_after.run_side(tree, ["benchmarks/probe.py"], tmp_path / "b-1")

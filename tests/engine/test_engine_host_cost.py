@@ -242,3 +242,14 @@ def test_a_before_tree_the_worker_cannot_import_is_refused_by_name(bench, tmp_pa
         bench.check_tree("OLD", old)
     with pytest.raises(SystemExit, match=r"--before no-such-ref: git archive cannot export it"):
         bench.export_tree("no-such-ref", tmp_path / "missing")
+
+
+def test_a_worker_that_cannot_import_a_module_of_the_before_tree_names_it(bench, tmp_path):
+    """A module outside ``WORKER_MODULES`` that the before tree lacks: the worker's import
+    error becomes one line naming the module and the ref, not a traceback to read."""
+    tree = tmp_path / "path" / "growpage"
+    tree.mkdir(parents=True)
+    (tree / "__init__.py").write_text("")  # a package without growpage.errors
+    args = bench.parse_args(["--tiny", "--before", "OLD", "--batches", "64"])
+    with pytest.raises(SystemExit, match=r"--before OLD: the worker imports growpage\.errors, "):
+        bench.run_worker(args, tmp_path / "path", tmp_path / "out.json")
