@@ -38,7 +38,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from script_args import ROOT, parser, run_main, tree_only_command
+from script_args import ROOT, git_export, parser, run_main, tree_only_command
 
 EXPORTED = ("growpage", "kernels", "benchmarks")
 DEFAULT_KEYS = r"tokens_per_s|ms_per_step|busy|boundary_pct|boundary_critical_pct|_vs_"
@@ -78,14 +78,11 @@ def export_tree(ref: str, into: Path) -> Path:
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", sha, *EXPORTED], capture_output=True, check=False
-    )
-    if archive.returncode != 0:
+    try:
+        git_export(sha, list(EXPORTED), tree, f"export {ref}")
+    except SystemExit:
         shutil.rmtree(tree)
-        why = archive.stderr.decode(errors="replace").strip()
-        raise SystemExit(f"export {ref}: git archive cannot export it ({why})")
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        raise
     (tree / "EXPORTED").write_text(f"{ref} {sha}\n")
     return tree
 

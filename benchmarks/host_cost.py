@@ -58,7 +58,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from script_args import ROOT, add_out, add_threads, parser, run_main, tree_only_command
+from script_args import (
+    ROOT,
+    add_out,
+    add_threads,
+    git_export,
+    parser,
+    run_main,
+    tree_only_command,
+)
 
 DEFAULT_BEFORE = "756fc51"  # the engine before a step's boundaries were batched (issue 36)
 # Modules the worker imports: a "before" tree must have them (growpage/engine in sub-packages
@@ -442,14 +450,7 @@ def export_tree(ref: str, into: Path) -> Path:
     ``PYTHONPATH`` that holds only the ``growpage`` package (never the checkout root)."""
     tree = into / "tree"
     tree.mkdir(parents=True)
-    done = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", ref, "growpage", "kernels"], capture_output=True
-    )
-    if done.returncode != 0:
-        why = done.stderr.decode(errors="replace").strip()
-        raise SystemExit(f"--before {ref}: git archive cannot export it ({why})")
-    archive = done.stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    git_export(ref, ["growpage", "kernels"], tree, f"--before {ref}")
     check_tree(ref, tree)
     path = into / "path"
     path.mkdir()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,16 @@ def out_stem(out: Path) -> Path:
     """``out`` without a ``.json`` or ``.md`` suffix: the stem a script writes ``<stem>.json``,
     ``<stem>.md`` and its other files beside."""
     return out.with_suffix("") if out.suffix in (".json", ".md") else out
+
+
+def git_export(ref: str, paths: list[str], into: Path, label: str) -> None:
+    """``paths`` of git ref ``ref`` in the checkout, extracted under ``into`` (which must
+    exist); a ref git cannot export ends the script naming it (``label``) and git's reason."""
+    done = subprocess.run(["git", "-C", str(ROOT), "archive", ref, *paths], capture_output=True)
+    if done.returncode != 0:
+        why = done.stderr.decode(errors="replace").strip()
+        raise SystemExit(f"{label}: git archive cannot export it ({why})")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=done.stdout, check=True)
 
 
 def run_main(main: Callable[[], object]) -> int:
