@@ -57,6 +57,11 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers.Tokenizer`` underneath (``.save(path)`` writes a ``tokenizer.json``)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
