@@ -47,6 +47,21 @@ def is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and is_finite(value)
 
 
+def unencodable_at(text: str) -> int | None:
+    """Index of the first character of ``text`` that UTF-8 cannot encode (a lone surrogate, as
+    a command-line argument of undecodable bytes or a JSON ``"\\ud800"`` gives), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def is_text(value: object) -> bool:
+    """A ``str`` that UTF-8 can encode (tokenizers refuse lone surrogates)."""
+    return isinstance(value, str) and unencodable_at(value) is None
+
+
 def message(name: str, what: str, value: object) -> str:
     """The one message shape: ``"<name> must be <what>, got <value!r:.80>"``, ``name`` being
     ``<Class>.<field>`` for a config class."""

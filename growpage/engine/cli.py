@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import json
-from collections.abc import Iterator, Mapping
+import shutil
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,10 +18,12 @@ from growpage._argtypes import path_arg, positive_int
 from growpage.engine.config import SETTINGS, plural
 from growpage.errors import ConfigError, EngineError
 from growpage.policies.registry import parse_policy_params
+from growpage.validators import unencodable_at
 
 if TYPE_CHECKING:
     from growpage.engine.llm import LLM
     from growpage.engine.outputs import EngineStats, RequestOutput, StreamChunk
+    from growpage.engine.sampling_params import SamplingParams
 
 
 #: Engine settings ``generate`` and ``record`` have no flag for, and why.
@@ -323,8 +328,18 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--stream prints one answer as it comes: give a single prompt (got {len(prompts)})"
         )
-    if args.out is not None:
-        _make_out_dir(args.out, "an output directory")
+    if args.out is None:
+        return _generate(args, prompts, arrivals, params)
+    with _out_dir(args.out, "an output directory", keep=lambda: False):
+        return _generate(args, prompts, arrivals, params)
+
+
+def _generate(
+    args: argparse.Namespace,
+    prompts: list[str],
+    arrivals: list[float] | None,
+    params: SamplingParams,
+) -> int:
     llm = _build_llm(**llm_kwargs(args))
     if args.stream:
         out = _print_stream(
@@ -455,6 +470,10 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[float] | None]:
     return prompts, [a for a in arrivals if a is not None]
 
 
+#: The keys a JSONL prompt file's lines are read for.
+JSONL_KEYS = ("prompt", "arrival_s")
+
+
 def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
     try:
         record = json.loads(line)
@@ -471,6 +490,20 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
         raise EngineError(
             f"{where}: 'prompt' must be a string, got {type(prompt).__name__} ({line[:60]!r})"
         )
+    if not prompt:
+        raise EngineError(f"{where}: empty prompt")
+    bad = unencodable_at(prompt)
+    if bad is not None:
+        raise EngineError(
+            f"{where}: 'prompt' is not valid Unicode text ({prompt[bad]!r} at character {bad} "
+            "is a lone surrogate)"
+        )
+    # Other keys are allowed (a data set's answer, an id), but one spelled like a known key is
+    # a typo whose value would be lost without a word (arrival times, say).
+    for key in record:
+        near = difflib.get_close_matches(key, JSONL_KEYS, n=1, cutoff=0.85)
+        if key not in JSONL_KEYS and near:
+            raise EngineError(f"{where}: unknown key {key!r}; did you mean {near[0]!r}?")
     from growpage.engine.inputs import seconds_of
 
     if "arrival_s" not in record:
@@ -487,11 +520,24 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
 
 
 def run_record(args: argparse.Namespace) -> int:
-    from growpage.engine.sampling_params import SamplingParams
+    from growpage.core.trace_set import INDEX_NAME
 
     prompts = read_prompts(args.prompts)
     layers = None if args.layers is None else _layers(args.layers)
-    _make_out_dir(args.out, "a trace-set directory")
+    index = args.out / INDEX_NAME
+    had_index = index.is_file()
+    with _out_dir(args.out, "a trace-set directory", keep=lambda: _num_traces(args.out) > 0):
+        try:
+            return _record(args, prompts, layers)
+        except BaseException:
+            if not had_index and index.is_file() and not _num_traces(args.out):
+                index.unlink()  # the empty set this run began: later commands would refuse it
+            raise
+
+
+def _record(args: argparse.Namespace, prompts: list[str], layers: list[int] | None) -> int:
+    from growpage.engine.sampling_params import SamplingParams
+
     before = _num_traces(args.out)
     llm = _build_llm(
         policy="fullkv",
@@ -526,11 +572,27 @@ def _num_traces(out: Path) -> int:
     return len(TraceSet(out)) if (out / INDEX_NAME).is_file() else 0
 
 
-def _make_out_dir(out: Path, what: str) -> None:
-    """``--out``, created before the model loads, so a bad path fails at once."""
+@contextlib.contextmanager
+def _out_dir(out: Path, what: str, keep: Callable[[], bool]) -> Iterator[None]:
+    """``--out``, created before the model loads, so a bad path fails at once; when the run
+    inside fails, the folders it created go again, unless ``keep()`` says they hold results."""
+    made = _make_out_dir(out, what)
+    try:
+        yield
+    except BaseException:
+        if made is not None and not keep():
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+def _make_out_dir(out: Path, what: str) -> Path | None:
+    """Create ``out`` (and missing parents); the topmost folder created, None when ``out``
+    was there."""
     if out.exists() and not out.is_dir():
         raise EngineError(f"--out {out} is a file, not {what}")
+    made = next((p for p in reversed((out, *out.parents)) if not p.exists()), None)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise EngineError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
+    return made

@@ -300,6 +300,11 @@ class EngineConfig:
                 f"hold one request, which grows to min_capacity = {least} pages "
                 f"before its policy may compress; give at least {least}"
             )
+        if self.record_layers is not None and self.record_traces is None:
+            raise ConfigError(
+                f"EngineConfig.record_layers ({list(self.record_layers)}) picks the layers that "
+                "record_traces records: give record_traces too"
+            )
         if self.cuda_graphs:
             self._check_cuda_graphs()
 

@@ -19,7 +19,7 @@ import torch
 from growpage.engine.config import plural
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError
-from growpage.validators import is_finite
+from growpage.validators import is_finite, unencodable_at
 
 Prompt = str | list[int]
 ARRAYS = (torch.Tensor, np.ndarray)  # token ids: [N] one prompt, [B, N] B of them
@@ -85,6 +85,7 @@ def encode_prompt(
             raise EngineError(f"text {what}s need a tokenizer; pass token ids instead")
         if not prompt:
             raise EngineError(f"empty {what}{at}")
+        _require_text(prompt, what, at)
         ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
         return ids, prompt
     if not isinstance(prompt, (Seq, *ARRAYS)) or isinstance(prompt, (bytes, bytearray)):
@@ -105,9 +106,22 @@ def encode_prompt(
     return [int(t) for t in ids], None
 
 
+def _require_text(text: str, what: str, at: str) -> None:
+    """``EngineError`` when ``text`` holds a character UTF-8 cannot encode, named with its
+    position (a lone surrogate: undecodable bytes in a command-line argument, or JSON's
+    ``"\\ud800"``), instead of the tokenizer's ``TypeError``."""
+    bad = unencodable_at(text)
+    if bad is not None:
+        raise EngineError(
+            f"the {what} is not valid Unicode text: {text[bad]!r} at character {bad} is a lone "
+            f"surrogate (undecodable bytes?){at}"
+        )
+
+
 def encode_continuation(cont: Prompt, tokenizer: Any, at: str = "") -> list[int]:
     """Token ids of a continuation to score (text without special tokens, or token ids)."""
     if isinstance(cont, str) and tokenizer is not None:
+        _require_text(cont, "continuation", at)
         ids = tokenizer.encode(cont, add_special_tokens=False)
     else:
         ids, _ = encode_prompt(cont, tokenizer, chat=False, at=at, what="continuation")

@@ -14,6 +14,7 @@ from growpage.validators import (
     flag,
     in_range,
     is_int,
+    is_text,
     non_negative_number,
     optional,
     positive_int,
@@ -63,7 +64,11 @@ def _plain(value: Any) -> Any:
 SEED = Check(  # EngineConfig.seed's too
     "an integer in [-2**63, 2**64)", lambda v: is_int(v) and SEED_RANGE[0] <= v < SEED_RANGE[1]
 )
-_STOP = Check("non-empty strings", lambda v: all(isinstance(s, str) and s for s in v), EngineError)
+_STOP = Check(
+    "non-empty strings of valid Unicode text",
+    lambda v: all(is_text(s) and s for s in v),
+    EngineError,
+)
 _STOP_IDS = Check(
     "non-negative integers", lambda v: all(is_int(i) and i >= 0 for i in v), EngineError
 )

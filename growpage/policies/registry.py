@@ -72,6 +72,8 @@ def _load_class(spec: str) -> type:
     else:
         try:
             module = importlib.import_module(target)
+        except SystemExit as exc:
+            raise PolicyError(f"cannot import policy module {target!r}: {_exited(exc)}") from exc
         except Exception as exc:  # noqa: BLE001 - whatever the module raised while importing
             raise PolicyError(
                 f"cannot import policy module {target!r}: "
@@ -125,10 +127,21 @@ def _load_file(path: Path) -> ModuleType:
         loader.exec_module(module)
     except BaseException as exc:
         del sys.modules[mod_name]  # no half-run module: a fixed file loads next time
+        if isinstance(exc, SystemExit):
+            raise PolicyError(f"cannot load policy file {path}: {_exited(exc)}") from exc
         if not isinstance(exc, Exception):
             raise
         raise PolicyError(f"cannot load policy file {path}: {type(exc).__name__}: {exc}") from exc
     return module
+
+
+def _exited(exc: SystemExit) -> str:
+    """Why a policy module that ended the process at import (``sys.exit``, a script's
+    ``argparse`` reading growpage's own arguments) is refused, in place of that exit."""
+    return (
+        f"it exited at import (SystemExit({exc.code!r})); run a script's main only under "
+        "`if __name__ == \"__main__\":`"
+    )
 
 
 def resolve_policy(

@@ -221,6 +221,9 @@ def test_names_resolve_to_cache_files_and_missing_ones_name_the_fetch_command(ca
         resolve_model_path("qwen-9000")
     with pytest.raises(EngineError, match="unknown model name 'qwen-9000': known models are"):
         catalog.get_model("qwen-9000")
+    for nothing in ("", "  ", 123):  # not the current folder, not a TypeError
+        with pytest.raises(EngineError, match=r"a model is a GGUF file, .*, got (''|'  '|123)$"):
+            resolve_model_path(nothing)  # type: ignore[arg-type]
 
     parts = make_parts()
     entry, _ = install(monkeypatch, parts)

@@ -308,3 +308,96 @@ def test_generate_out_must_be_a_directory_it_can_create(tmp_path, capsys, no_mod
     file.write_text("")
     err = error_of(["generate", "--prompt", "hi", "--out", str(file)], capsys)
     assert f"--out {file} is a file, not an output directory" in err
+
+
+@pytest.mark.parametrize(
+    "line,words",
+    [
+        ('{"prompt": ""}', "empty prompt"),
+        (r'{"prompt": "a\ud800"}', r"'prompt' is not valid Unicode text ('\ud800' at character 1"),
+        ('{"prompt": "hi", "arival_s": 2}', "unknown key 'arival_s'; did you mean 'arrival_s'?"),
+        ('{"promt": "hi", "prompt": "hi"}', "unknown key 'promt'; did you mean 'prompt'?"),
+    ],
+)
+def test_a_jsonl_prompt_mistake_names_its_line(tmp_path, capsys, no_model, line, words):
+    path = tmp_path / "p.jsonl"
+    path.write_text(f'{{"prompt": "fine"}}\n{line}\n')
+    err = error_of(["generate", "--prompts", str(path)], capsys)
+    assert f"{path}:2: {words}" in err
+
+
+def test_a_jsonl_prompt_may_carry_other_keys(tmp_path):
+    """A data set's own fields (growpage data prompts writes id and answer) are not typos."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a-1", "prompt": "hi", "answer": 5, "prompt_id": 3, "n": 2}\n')
+    assert engine_cli.read_prompt_file(path) == (["hi"], None)
+
+
+def failing_engine(made: list):
+    """A ``_build_llm`` that starts a trace set in its ``--out`` (as the recorder does) and
+    then fails, as a model that cannot load or a pool too small would."""
+
+    def build(**kwargs):
+        out = kwargs.get("record_traces")
+        if out is not None:
+            from growpage.core.trace_set import TraceSet
+
+            TraceSet(out, create=True)
+            made.append(out)
+        raise EngineError("the engine cannot be built")
+
+    return build
+
+
+def test_a_failed_record_leaves_no_folder_or_empty_trace_set(tmp_path, capsys, monkeypatch):
+    made: list = []
+    monkeypatch.setattr(engine_cli, "_build_llm", failing_engine(made))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    new = tmp_path / "new" / "traces"
+    err = error_of(["record", "--prompts", str(prompts), "--out", str(new)], capsys)
+    assert "the engine cannot be built" in err and made == [new]
+    assert not (tmp_path / "new").exists()  # the parent it created goes too
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    error_of(["record", "--prompts", str(prompts), "--out", str(empty)], capsys)
+    assert empty.is_dir() and not list(empty.iterdir())
+
+
+def test_a_failed_record_keeps_a_trace_set_that_was_there(tmp_path, capsys, monkeypatch):
+    from growpage.core.trace_set import INDEX_NAME
+
+    monkeypatch.setattr(engine_cli, "_build_llm", failing_engine([]))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    there = tmp_path / "set"
+    there.mkdir()
+    (there / INDEX_NAME).write_text('{"traces": []}')
+    (there / "notes.txt").write_text("mine")
+    error_of(["record", "--prompts", str(prompts), "--out", str(there)], capsys)
+    assert sorted(p.name for p in there.iterdir()) == [INDEX_NAME, "notes.txt"]
+
+
+def test_a_failed_generate_removes_the_out_folder_it_made(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(engine_cli, "_build_llm", failing_engine([]))
+    new = tmp_path / "a" / "b"
+    error_of(["generate", "--prompt", "hi", "--out", str(new)], capsys)
+    assert not (tmp_path / "a").exists()
+    there = tmp_path / "there"
+    there.mkdir()
+    error_of(["generate", "--prompt", "hi", "--out", str(there)], capsys)
+    assert there.is_dir()
+
+
+def test_a_prompt_that_is_not_unicode_text_is_named():
+    from growpage.engine.inputs import encode_continuation, encode_prompt
+    from growpage.engine.loading.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    with pytest.raises(EngineError, match=r"^the prompt is not valid Unicode text: '\\udcff' at"):
+        encode_prompt("ok \udcff", tok, chat=False)  # argv's undecodable byte 0xff
+    with pytest.raises(EngineError, match=r"not valid Unicode text.* \(prompts\[2\]\)$"):
+        encode_prompt("\ud800", tok, chat=True, at=" (prompts[2])")
+    with pytest.raises(EngineError, match=r"^the continuation is not valid Unicode text"):
+        encode_continuation("x\ud800", tok)
+    assert encode_prompt("ok", tok, chat=False) == (tok.encode("ok"), "ok")

@@ -419,6 +419,7 @@ def test_inputs_the_engine_audit_found_are_refused_by_name_and_the_llm_stays_usa
         ),
         ({"warmup": "yes"}, "warmup must be True, False or None"),
         ({"record_values": 1}, "record_values must be True or False"),
+        ({"record_layers": [0]}, "record_layers ([0]) picks the layers that record_traces"),
     ]
     for kwargs, message in bad_llms:
         with pytest.raises(ConfigError) as info:

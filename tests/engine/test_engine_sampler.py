@@ -49,6 +49,7 @@ def test_greedy_ties_go_to_the_first_index():
         ("seed", -(2**63) - 1, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
         ("stop", 5, "stop must be a string or a list of strings, got 5"),
         ("stop", [5], "stop must be non-empty strings"),
+        ("stop", ["ok", "\udcff"], "stop must be non-empty strings of valid Unicode text"),
         ("stop_token_ids", 5, "stop_token_ids must be a list of token ids, got 5"),
         ("ignore_eos", "no", "ignore_eos must be True or False, got 'no'"),
     ],

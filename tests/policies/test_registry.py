@@ -73,6 +73,11 @@ def test_files_with_the_same_name_stay_apart(tmp_path):
         ("def (:\n", "SyntaxError"),
         ("import no_such_module_for_growpage_tests\n", "ModuleNotFoundError"),
         ("raise RuntimeError('setup failed')\n", "RuntimeError: setup failed"),
+        ("import sys\nsys.exit(3)\n", r"it exited at import \(SystemExit\(3\)\)"),
+        (
+            "import argparse\nargparse.ArgumentParser().parse_args(['--nope'])\n",
+            r"exited at import \(SystemExit\(2\)\); run a script's main only under",
+        ),
     ],
 )
 def test_a_file_that_fails_to_load_is_a_policy_error(tmp_path, source, says):
@@ -82,6 +87,13 @@ def test_a_file_that_fails_to_load_is_a_policy_error(tmp_path, source, says):
     with pytest.raises(PolicyError, match=f"cannot load policy file .*broken_policy.py.*{says}"):
         resolve_policy(f"{path}:Mine")
     assert set(sys.modules) == before  # no half-run module left behind
+
+
+def test_a_module_that_exits_at_import_is_a_policy_error(tmp_path, monkeypatch):
+    (tmp_path / "exiting_policy_module.py").write_text("raise SystemExit('bye')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PolicyError, match=r"cannot import policy module .*exited at import"):
+        resolve_policy("exiting_policy_module:Mine")
 
 
 def test_a_file_fixed_after_a_failed_load_resolves(tmp_path):

@@ -58,6 +58,11 @@ def resolve_model_path(path: str | Path | None) -> Path:
     it; a path that does not exist and is no known name lists the known names."""
     if path is None:
         return default_model_path()
+    if not isinstance(path, (str, Path)) or not str(path).strip():
+        raise EngineError(
+            f"a model is a GGUF file, a Hugging Face folder or a known name "
+            f"({', '.join(catalog.CATALOG)}), got {path!r:.80}"
+        )
     p = Path(path).expanduser()
     if not p.exists() and isinstance(path, str) and path in catalog.CATALOG:
         return catalog.model_path(catalog.CATALOG[path])
