@@ -449,7 +449,7 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[float] | None]:
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        if path.suffix == ".jsonl":
+        if path.suffix in (".jsonl", ".ndjson"):
             prompt, arrival = _jsonl_prompt(line, f"{path}:{number}")
             if arrivals and (arrival is None) != (arrivals[0] is None):
                 raise EngineError(

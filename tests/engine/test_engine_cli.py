@@ -326,9 +326,10 @@ def test_a_jsonl_prompt_mistake_names_its_line(tmp_path, capsys, no_model, line,
     assert f"{path}:2: {words}" in err
 
 
-def test_a_jsonl_prompt_may_carry_other_keys(tmp_path):
+@pytest.mark.parametrize("suffix", [".jsonl", ".ndjson"])
+def test_a_jsonl_prompt_may_carry_other_keys(tmp_path, suffix):
     """A data set's own fields (growpage data prompts writes id and answer) are not typos."""
-    path = tmp_path / "p.jsonl"
+    path = tmp_path / f"p{suffix}"
     path.write_text('{"id": "a-1", "prompt": "hi", "answer": 5, "prompt_id": 3, "n": 2}\n')
     assert engine_cli.read_prompt_file(path) == (["hi"], None)
 
