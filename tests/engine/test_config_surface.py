@@ -83,9 +83,12 @@ def test_llm_defaults_are_engine_config_defaults(monkeypatch):
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_llm_takes_each_setting_to_the_config(monkeypatch, gpu_seen, name):
     given, _, want = SAMPLES[name]
-    config = _config_of_llm(monkeypatch, **{name: given})
-    also = {"enable_prefix_caching": False} if name == "record_traces" else {}  # LLM's rule
-    assert config == EngineConfig(**{name: want, **also})
+    # record_layers picks what record_traces records: it comes with a trace set (the config's
+    # rule), and recording turns the prefix cache off (LLM's rule).
+    needs = {"record_traces": "set-dir"} if name == "record_layers" else {}
+    config = _config_of_llm(monkeypatch, **{name: given}, **needs)
+    also = {"enable_prefix_caching": False} if "record_traces" in {name, *needs} else {}
+    assert config == EngineConfig(**{name: want, **needs, **also})
 
 
 def _subparser(command: str):
