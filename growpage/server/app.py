@@ -233,12 +233,13 @@ class _Handlers:
         default_max_tokens: int,
     ) -> Response:
         arrival = time.perf_counter()
+        prompt_param = "messages" if kind == "chatcmpl" else "prompt"
         if len(ids) >= self.max_position:
             raise ServerError(
                 400,
                 f"the prompt has {len(ids)} tokens; the model's context of "
                 f"{self.max_position} tokens leaves no room to generate",
-                param="messages" if kind == "chatcmpl" else "prompt",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         params = body.sampling_params(min(default_max_tokens, self.max_position - len(ids)))
@@ -254,7 +255,7 @@ class _Handlers:
             self.loop.abort(request_id)
             events.put_nowait(_DISCONNECTED)
 
-        self.loop.submit(EngineRequest(request_id, ids, params, text, arrival), sink)
+        self.loop.submit(EngineRequest(request_id, ids, params, text, arrival, prompt_param), sink)
         watcher = asyncio.create_task(_watch_disconnect(request, disconnected))
         try:
             first = await events.get()

@@ -1,5 +1,9 @@
 """``growpage serve``: the engine behind an OpenAI-compatible HTTP server (uvicorn).
 
+The address is taken before the model loads: the command binds and listens on every address
+``--host`` names, so a port in use or a host that does not resolve ends it at once with
+``cannot listen on HOST:PORT (reason)``; connections that come while the model loads wait.
+
 SIGTERM (or Ctrl-C) drains: new requests get a 503 and the listening socket closes, requests
 in flight run on for up to ``--shutdown-timeout`` seconds, those still running are then aborted
 (their streams end with finish reason ``abort``), and the command exits with status 0.
@@ -8,7 +12,10 @@ in flight run on for up to ``--shutdown-timeout`` seconds, those still running a
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +28,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install 'growpage[serve]'"
+MAX_PORT = 65535
 SHUTDOWN_BACKSTOP_S = 5.0  # after the shutdown timeout, how long uvicorn waits for the streams
 #: Engine settings ``serve`` has no flag for, and why.
 NO_FLAG = dict.fromkeys(
@@ -61,7 +69,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "simulator's --param)",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument(
+        "--port",
+        type=port_number,
+        default=8000,
+        help="port to listen on, 0 to 65535 (0: one the system picks; default 8000)",
+    )
     s.add_argument(
         "--max-waiting",
         type=positive_int,
@@ -106,6 +119,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="uvicorn's log level (default info: one line per request)",
     )
     s.set_defaults(func=run_serve)
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 to ``MAX_PORT`` (argparse reports anything else naming the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_PORT:
+        raise argparse.ArgumentTypeError(
+            f"expected a port number from 0 to {MAX_PORT}, got {text!r}"
+        )
+    return value
 
 
 def _require_serve_extras() -> None:
@@ -158,26 +184,65 @@ def run_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    app = create_app(build_llm(args), config)
-    serve_app(app, args.host, args.port, args.log_level)
+    sockets = listen(args.host, args.port)
+    try:
+        app = create_app(build_llm(args), config)
+        serve_app(app, sockets, args.log_level)
+    finally:
+        for sock in sockets:
+            sock.close()
     return 0
 
 
-def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    """Run ``app`` under uvicorn until SIGTERM or SIGINT, then drain (module docstring)."""
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` names, bound as asyncio's ``create_server``
+    binds them (``SO_REUSEADDR``; IPv6 sockets IPv6 only); ``GrowPageError`` ``cannot listen on
+    HOST:PORT (reason)`` when one cannot be, with none left open."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            if os.name == "posix":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen()
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a host name IDNA cannot encode
+        for sock in sockets:
+            sock.close()
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise GrowPageError(f"cannot listen on {where} ({reason})") from None
+    return sockets
+
+
+def serve_app(app: FastAPI, sockets: list[socket.socket], log_level: str = "info") -> None:
+    """Run ``app`` under uvicorn on ``sockets`` (``listen``'s) until SIGTERM or SIGINT, then
+    drain (module docstring)."""
     import uvicorn
 
     from growpage.server.app import begin_draining
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # uvicorn says where it runs only on sockets it bound itself
+                for sock in sockets or []:
+                    logging.getLogger("uvicorn.error").info(
+                        "Uvicorn running on %s (Press CTRL+C to quit)", _url(sock)
+                    )
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             begin_draining(app)
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level=log_level,
         # The engine aborts what still runs at the shutdown timeout, and the streams end;
         # uvicorn's own timeout (it cancels the handlers) is a backstop behind it.
@@ -188,6 +253,11 @@ def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> No
     # it found installed; this one ignores it, so a drained server exits with status 0.
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
-        DrainingServer(config).run()
+        DrainingServer(config).run(sockets)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"

@@ -46,13 +46,15 @@ STATS_RESET_STEPS = 10_000  # EngineStats keeps per-step rows: dropped this ofte
 @attrs.frozen
 class EngineRequest:
     """A request for the engine thread: tokens, params, and its arrival at the server
-    (``time.perf_counter()`` seconds, what TTFT counts from)."""
+    (``time.perf_counter()`` seconds, what TTFT counts from). ``prompt_param``: the body's
+    field that held the prompt, named by an error the engine finds in it."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
     arrival_s: float
+    prompt_param: str = "prompt"
 
 
 @attrs.frozen
@@ -208,7 +210,7 @@ class EngineLoop:
                 arrival_s=request.arrival_s,
             )
         except EngineError as exc:  # cannot fit the KV pool, a token id out of range...
-            self._reject(sink, "invalid", ServerError(400, str(exc)))
+            self._reject(sink, "invalid", ServerError(400, str(exc), param=request.prompt_param))
             return
         self._active[request.request_id] = _Active(seq, StreamProgress(), sink)
         self._num_prompt_tokens += len(request.prompt_token_ids)

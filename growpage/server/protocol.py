@@ -4,18 +4,36 @@ Only what the server serves is modelled: ``/v1/completions`` and ``/v1/chat/comp
 ``n = 1``. Fields the engine cannot honour (``logprobs``, ``echo``, penalties, tools...) are
 refused with a 400 when set to anything but their default; fields the format has and that do
 not change the output (``user``, ``metadata``...) are accepted and ignored.
+
+The request models are strict where the format is typed: an integer is a JSON integer (not
+``5.0``, ``"5"`` or ``true``), a boolean a JSON boolean, a token id an integer; a number may be
+an integer. Text must be valid Unicode (JSON can escape a lone surrogate, UTF-8 cannot encode
+it). A field that may hold one of several shapes (``prompt``, ``stop``, ``content``) fails with
+one message naming the shapes, under the field's name.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError
+from growpage.validators import unencodable_at
 
 DONE = "data: [DONE]\n\n"  # the last server-sent event of a stream
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -29,6 +47,7 @@ class ServerError(Exception):
         self,
         status: int,
         message: str,
+        *,
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
@@ -57,21 +76,60 @@ def internal_error(message: str) -> ServerError:
     return ServerError(500, message, type="server_error", code="internal_error")
 
 
-class StreamOptions(BaseModel):
+def _valid_unicode(text: str) -> str:
+    """``text``, or a validation error naming its first lone surrogate."""
+    bad = unencodable_at(text)
+    if bad is not None:
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "not valid Unicode text: {char} at character {index} is a lone surrogate",
+            {"char": ascii(text[bad]), "index": bad},
+        )
+    return text
+
+
+def _one_of(shapes: str) -> WrapValidator:
+    """A union field's errors as one, ``expected {shapes}`` (a member's text that is not valid
+    Unicode keeps its own, more precise, message)."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            for error in exc.errors():
+                if error["type"] == "invalid_unicode":
+                    raise PydanticCustomError(
+                        "invalid_unicode", "{reason}", {"reason": error["msg"]}
+                    ) from None
+            raise PydanticCustomError(
+                "invalid_type", "expected {shapes}", {"shapes": shapes}
+            ) from None
+
+    return WrapValidator(validate)
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+class _Body(BaseModel):
+    """A JSON object of a request: strict types, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Body):
     """Fields both endpoints share. ``ignore_eos`` is an extension (as vLLM's)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    stop: str | list[str] | None = None
+    stop: Annotated[Text | list[Text] | None, _one_of("a string or a list of strings")] = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -92,7 +150,9 @@ class _GenerationRequest(BaseModel):
             raise ServerError(400, "logit_bias is not supported", param="logit_bias")
         stops = self.stop_list()
         if len(stops) > MAX_STOPS:
-            raise ServerError(400, f"at most {MAX_STOPS} stop sequences, got {len(stops)}", "stop")
+            raise ServerError(
+                400, f"at most {MAX_STOPS} stop sequences, got {len(stops)}", param="stop"
+            )
         if any(not s for s in stops):
             raise ServerError(400, "stop sequences must be non-empty strings", param="stop")
 
@@ -127,7 +187,10 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one prompt, text or token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[
+        Text | list[Text] | list[int] | list[list[int]],
+        _one_of("a string or a list of token ids (integers), or a list holding one of those"),
+    ]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -155,16 +218,32 @@ class CompletionRequest(_GenerationRequest):
         return p  # type: ignore[return-value]
 
 
-class TextPart(BaseModel):
+class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Body):
+    """One message; only an assistant's may leave out its content. Tool messages and tool
+    calls are refused: the server has no tool calling (``tools`` is refused too)."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[
+        Text | list[TextPart] | None, _one_of("a string or a list of text parts")
+    ] = Field(default=None, validate_default=True)
+    tool_calls: list[Any] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if content is None and role not in (None, "assistant"):
+            raise PydanticCustomError(
+                "missing_content",
+                "a {role} message needs content: a string or a list of text parts",
+                {"role": role},
+            )
+        return content
 
     def as_template_message(self) -> dict[str, str]:
         """``{"role", "content"}`` for the chat template (``developer`` is the system role)."""
@@ -189,6 +268,11 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ServerError(400, "logprobs is not supported", param="logprobs")
         if self.tools:
             raise ServerError(400, "tools are not supported", param="tools")
+        for i, message in enumerate(self.messages):
+            if message.tool_calls:
+                raise ServerError(
+                    400, "tool calls are not supported", param=f"messages.{i}.tool_calls"
+                )
 
     def requested_max_tokens(self) -> int | None:
         """``max_tokens``, or its newer name ``max_completion_tokens``."""

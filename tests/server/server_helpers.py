@@ -7,6 +7,8 @@ import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -81,6 +83,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def post_json(url: str, path: str, body: bytes | dict) -> tuple[int, dict]:
+    """``(status, JSON body)`` of a POST of ``body`` (a dict is sent as JSON)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url + path, data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 class ServerThread:

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import attrs
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import MODEL_NAME, ServerThread, free_port, write_tiny_model
+from server_helpers import MODEL_NAME, ServerThread, free_port, post_json, write_tiny_model
 
 from growpage.core.capacity import Decision
 from growpage.engine.llm import LLM
@@ -90,18 +89,6 @@ def _metrics(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
-
-
-def _post(url: str, path: str, body: bytes | dict) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url + path, data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def _open_stream(port: int, body: dict, path: str = "/v1/completions") -> http.client.HTTPResponse:
@@ -227,12 +214,12 @@ def _error(status: int, body: dict, code: str | None = None, param: str | None =
 def test_bad_requests_get_4xx_openai_error_bodies(served, client):
     server, llm = served
     url, ok = server.url, {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4}
-    status, body = _post(url, "/v1/completions", b'{"model": "tiny", "prompt": ')
+    status, body = post_json(url, "/v1/completions", b'{"model": "tiny", "prompt": ')
     assert status == 400 and "not valid JSON" in _error(status, body, "invalid_json")
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="Hi")
     assert info.value.code == "model_not_found" and "'gpt-4' does not exist" in str(info.value)
-    status, body = _post(url, "/v1/completions", {**ok, "max_tokens": -1})
+    status, body = post_json(url, "/v1/completions", {**ok, "max_tokens": -1})
     assert status == 400 and body["error"]["param"] == "max_tokens"
     assert "greater than or equal to 1" in body["error"]["message"]
     with pytest.raises(openai.BadRequestError) as info:  # 600 tokens > the context of 512
@@ -242,13 +229,13 @@ def test_bad_requests_get_4xx_openai_error_bodies(served, client):
         client.chat.completions.create(  # within the context, beyond the pool's 384 tokens
             model=MODEL_NAME, messages=[{"role": "user", "content": "y" * 400}]
         )
-    status, body = _post(url, "/v1/completions", {**ok, "n": 2})
+    status, body = post_json(url, "/v1/completions", {**ok, "n": 2})
     assert status == 400 and body["error"]["param"] == "n"
-    status, body = _post(url, "/v1/completions", {**ok, "stop": ["x", ""]})  # SamplingParams'
+    status, body = post_json(url, "/v1/completions", {**ok, "stop": ["x", ""]})  # SamplingParams'
     assert status == 400 and body["error"]["param"] == "stop"
-    status, body = _post(url, "/v1/chat/completions", {"model": MODEL_NAME, "messages": []})
+    status, body = post_json(url, "/v1/chat/completions", {"model": MODEL_NAME, "messages": []})
     assert status == 400 and body["error"]["param"] == "messages"
-    status, body = _post(url, "/v1/nothing", ok)
+    status, body = post_json(url, "/v1/nothing", ok)
     assert status == 404 and body["error"]["type"] == "not_found_error"
     assert client.completions.create(**ok).choices[0].finish_reason in ("stop", "length")
     _wait_all_returned(llm)
@@ -409,7 +396,7 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(model_dir):
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
-        status, _ = _try_post(port)
+        status, _ = _trypost_json(port)
         assert status != 200  # 503 while draining, or the socket is already closed
         for reader in readers:
             reader.join(20)
@@ -425,7 +412,7 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(model_dir):
         proc.stderr.close()
 
 
-def _try_post(port: int) -> tuple[int | None, str]:
+def _trypost_json(port: int) -> tuple[int | None, str]:
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         body = {"model": MODEL_NAME, "prompt": "late", "max_tokens": 2}
