@@ -39,14 +39,15 @@ from typing import Any
 
 import attrs
 
-from growpage.core.config import GrowPageConfig
+from growpage.core.config import GrowPageConfig, fitted_recent_window
 from growpage.errors import ConfigError
 from growpage.eval.datasets import TASKS, task_problems
 from growpage.eval.maths import DIFFICULTIES, score
-from growpage.eval.rows import RowSpec, check_rows, parse_row, resolved
+from growpage.eval.rows import RowSpec, check_buildable, check_rows, parse_row, resolved
 from growpage.validators import (
     flag,
     in_range,
+    integer,
     items,
     non_negative_int,
     one_of,
@@ -84,7 +85,7 @@ class AccuracySettings:
     model: str = "qwen2.5-coder-0.5b"
     task: str = attrs.field(default="maths", validator=one_of(TASKS))
     num_problems: int = attrs.field(default=200, validator=positive_int)
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=integer)
     difficulty: int = attrs.field(default=1, validator=one_of(DIFFICULTIES))
     max_tokens: int = attrs.field(default=512, validator=positive_int)
     page_size: int = attrs.field(default=16, validator=positive_int)
@@ -101,7 +102,18 @@ class AccuracySettings:
     rows: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
-        check_rows(self.row_specs())
+        rows = self.row_specs()
+        check_rows(rows)
+        # Every row is built here, before a model loads or anything is written: a bad row
+        # fails the table at once, not after the rows before it have run.
+        table = GrowPageConfig(
+            page_size=self.page_size,
+            recent_window=fitted_recent_window(GrowPageConfig().recent_window, self.page_size),
+            protect_prompt=self.protect_prompt,
+            floor_tokens=self.floor_tokens,
+        )
+        for row in rows:
+            check_buildable(row, table)
 
     def row_specs(self) -> list[RowSpec]:
         return [parse_row(text) for text in self.rows]
@@ -228,6 +240,10 @@ def _file_label(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
 
 
+#: What every stored output holds, at least (``read_outputs``).
+OUTPUT_KEYS = ("id", "correct", "output")
+
+
 def outputs_path(out: Path, label: str) -> Path:
     """The file of the table in ``out`` that holds row ``label``'s outputs (JSON lines, one
     per problem in the table's order)."""
@@ -240,9 +256,40 @@ def read_outputs(out: Path, label: str) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ConfigError(f"{path}: no outputs of row {label!r}")
     try:
-        return [json.loads(line) for line in path.read_text().splitlines()]
+        outputs = [json.loads(line) for line in path.read_text().splitlines()]
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not JSON lines ({exc})") from None
+    for i, o in enumerate(outputs, 1):
+        if not (isinstance(o, dict) and all(k in o for k in OUTPUT_KEYS)):
+            raise ConfigError(
+                f"{path}, line {i}: not a stored output (a JSON object with "
+                f"{', '.join(OUTPUT_KEYS)})"
+            )
+    return outputs
+
+
+def read_results(out: Path) -> dict[str, Any]:
+    """The report stored in ``out``'s ``results.json`` (``ConfigError`` naming the file when
+    it is missing, not JSON or not an accuracy table's)."""
+    path = Path(out) / "results.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no accuracy table")
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not JSON ({exc})") from None
+    rows = report.get("rows") if isinstance(report, dict) else None
+    if not (
+        isinstance(report, dict)
+        and isinstance(report.get("settings"), dict)
+        and isinstance(rows, list)
+        and all(isinstance(r, dict) and isinstance(r.get("label"), str) for r in rows)
+    ):
+        raise ConfigError(
+            f"{path}: not an accuracy table's results (a JSON object with settings and rows, "
+            "each row with its label)"
+        )
+    return report
 
 
 class AccuracyRunner:
@@ -252,6 +299,11 @@ class AccuracyRunner:
         from growpage.engine.llm import LLM
 
         self.settings = settings
+        # The problems first: a benchmark that is not cached, or has fewer problems than
+        # asked for, is refused before the model loads.
+        self.problems, self.prompts = task_problems(
+            settings.task, settings.num_problems, settings.seed, settings.difficulty
+        )
         if threads:
             import torch
 
@@ -265,9 +317,6 @@ class AccuracyRunner:
             seed=settings.seed,
         )
         self.tokenizer = self.base.tokenizer
-        self.problems, self.prompts = task_problems(
-            settings.task, settings.num_problems, settings.seed, settings.difficulty
-        )
         self.prompt_lens = [len(self.tokenizer.encode_chat(p)) for p in self.prompts]
         self.kv_pages = settings.kv_pages or self.pool_pages()
 
@@ -365,21 +414,25 @@ def load_results(
     if not path.is_file():
         return [], settings
     try:
-        stored = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc}); move it away to start over") from None
-    given = stored.get("settings")
+        stored = read_results(out)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; move it away to start over") from None
     mine = settings.to_dict()
-    if isinstance(given, dict):  # a setting added since the table was stored: its default
-        given = {**AccuracySettings().to_dict(), **given, "model": given.get("model")}
+    # a setting added since the table was stored: its default
+    given = {**AccuracySettings().to_dict(), **stored["settings"]}
+    given["model"] = stored["settings"].get("model")
     free = {"policies": None, "rows": None}
-    if not isinstance(given, dict) or {**given, **free} != {**mine, **free}:
+    if {**given, **free} != {**mine, **free}:
         raise ConfigError(
             f"{path} holds results of other settings ({given}); use another --out, or the "
             "same settings to resume (--policies and --row may differ)"
         )
-    wanted = set(settings.policies) | set(given.get("policies") or ())
-    stored_rows = {parse_row(text).label: text for text in given.get("rows") or ()}
+    stored_policies, stored_texts = given.get("policies") or [], given.get("rows") or []
+    for what in (stored_policies, stored_texts):
+        if not (isinstance(what, list) and all(isinstance(x, str) for x in what)):
+            raise ConfigError(f"{path}: its settings' policies and rows are not lists of text")
+    wanted = set(settings.policies) | set(stored_policies)
+    stored_rows = {parse_row(text).label: text for text in stored_texts}
     named = {}
     for text in settings.rows:
         label = parse_row(text).label
@@ -395,7 +448,24 @@ def load_results(
     merged = AccuracySettings(
         **{**mine, "policies": [p for p in ALL_POLICIES if p in wanted], "rows": rows}
     )
-    return list(stored.get("rows", [])), merged
+    return list(stored["rows"]), merged
+
+
+def _check_matched(
+    settings: AccuracySettings, stored_as: AccuracySettings, rows: list[dict[str, Any]]
+) -> None:
+    """Refuse planned policies that would never run: all but fullkv and growpage are matched
+    to growpage's row, which neither this table nor the stored one has."""
+    if stored_as.rows or "growpage" in settings.policies:
+        return
+    if any(r.get("policy") == "growpage" for r in rows):
+        return
+    matched = [p for p in settings.policies if p not in ("fullkv", "growpage")]
+    if matched:
+        raise ConfigError(
+            f"policies {', '.join(matched)} run at growpage's budget or grow ratio: add "
+            "growpage to the policies, or resume a table that has its row"
+        )
 
 
 def run_table(
@@ -406,14 +476,18 @@ def run_table(
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Runs every row of ``plan`` not yet stored in ``out`` and returns the report."""
+    """Runs every row of ``plan`` not yet stored in ``out`` and returns the report. ``out``
+    (and ``out/outputs``) is made when the first row is stored: a table refused, or one whose
+    model cannot load, leaves nothing behind."""
     out = Path(out)
-    (out / "outputs").mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file, not a folder for the table")
     rows, stored_as = load_results(out, settings) if resume else ([], settings)
     if not resume and (out / "results.json").exists():
         raise ConfigError(
             f"{out / 'results.json'} exists: pass resume to continue it, or another output folder"
         )
+    _check_matched(settings, stored_as, rows)
     runner = AccuracyRunner(settings, threads)
     log(
         f"[accuracy] {settings.model}: {len(runner.problems)} problems, pool "
@@ -452,6 +526,7 @@ def run_table(
         log(f"[accuracy] {run.label} ...")
         row, outputs = runner.run(run, progress)
         lines = "".join(json.dumps(o) + "\n" for o in outputs)
+        (out / "outputs").mkdir(parents=True, exist_ok=True)
         _write_atomic(outputs_path(out, run.label), lines)
         row["commit"] = code  # a resumed table's rows may come from several commits
         rows.append(row)
@@ -473,15 +548,18 @@ def rescore(out: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """Read every stored output of the table in ``out`` again with the current answer reader
     (``growpage.eval.answers``): the rows' accuracy, interval and answer counts, and each
     output's record, are rewritten, as are ``table.md`` and the plot. Returns the report and,
-    per row, how many verdicts changed."""
+    per row, how many verdicts changed. Every row is read and scored before anything is
+    rewritten: a table that cannot be rescored is left as it was."""
     out = Path(out)
     path = out / "results.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: no accuracy table to rescore")
-    report = json.loads(path.read_text())
-    s = AccuracySettings.from_dict(report["settings"])
+    report = read_results(out)
+    try:
+        s = AccuracySettings.from_dict(report["settings"])
+    except (TypeError, ValueError) as exc:  # ConfigError is a ValueError
+        raise ConfigError(f"{path}: its settings are not an accuracy table's ({exc})") from None
     problems, _ = task_problems(s.task, s.num_problems, s.seed, s.difficulty)
     changed: dict[str, int] = {}
+    rewritten: dict[Path, list[dict[str, Any]]] = {}
     for row in report["rows"]:
         file = outputs_path(out, row["label"])
         outputs = read_outputs(out, row["label"])
@@ -501,10 +579,18 @@ def rescore(out: Path) -> tuple[dict[str, Any], dict[str, int]]:
             num_no_answer=sum(r.extracted is None for r in graded.records),
             num_boxed=sum(r.form == "boxed" for r in graded.records),
         )
-        _write_atomic(file, "".join(json.dumps(o) + "\n" for o in outputs))
+        rewritten[file] = outputs
     report["rescored"] = {"date": time.strftime("%Y-%m-%d"), "commit": _commit()}
+    try:
+        table = to_markdown(report)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{path}: not a whole accuracy table ({type(exc).__name__}: {exc})"
+        ) from None
+    for file, outputs in rewritten.items():
+        _write_atomic(file, "".join(json.dumps(o) + "\n" for o in outputs))
     _write_atomic(path, json.dumps(report, indent=1))
-    _write_atomic(out / "table.md", to_markdown(report))
+    _write_atomic(out / "table.md", table)
     plot(report, out / "accuracy.png")
     return report, changed
 

@@ -259,7 +259,7 @@ def run_paired(args: argparse.Namespace) -> int:
 
 def _add_signal(sub: argparse._SubParsersAction) -> None:
     from growpage._argtypes import path_arg, size_list
-    from growpage.eval.signal_study import StudySettings
+    from growpage.eval.signal_study import HORIZONS, StudySettings
 
     d = StudySettings()
     p = sub.add_parser(
@@ -283,14 +283,18 @@ def _add_signal(sub: argparse._SubParsersAction) -> None:
         "--horizons",
         nargs="+",
         default=list(d.horizons),
-        choices=("paper", "average", "scaled"),
+        choices=HORIZONS,
         help="query-summary horizons: paper (beta_L 0.999 from the first query), average "
         "(bias-corrected start), scaled (beta_L scaled to the answers' length, bias-corrected) "
         "(default paper scaled)",
     )
     p.add_argument("--max-traces", type=positive_int, default=None, help="the first N traces")
     p.add_argument(
-        "--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples (default 1000)"
+        "--bootstrap",
+        type=non_negative_int,
+        default=d.bootstrap,
+        metavar="N",
+        help=f"bootstrap resamples of each interval, 0 for no intervals (default {d.bootstrap})",
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument(
@@ -312,20 +316,24 @@ def run_signal(args: argparse.Namespace) -> int:
 
     import torch
 
+    from growpage.errors import ConfigError
     from growpage.eval.signal_study import StudySettings, plot_study, report_markdown, run_study
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
     settings = StudySettings(
         page_sizes=tuple(args.page_sizes),
         horizons=tuple(args.horizons),
         bootstrap=args.bootstrap,
         max_traces=args.max_traces,
     )
+    if args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out} is a file, not a folder")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # OUT/items (and OUT) are made by the first measured item: a refused study leaves nothing.
     report = run_study(
         args.traces, args.model, settings, items=args.out / "items", resume=args.resume
     )
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "signal.json").write_text(json.dumps(report, indent=1))
     text = report_markdown(report)
     (args.out / "report.md").write_text(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from growpage._argtypes import positive_int
 from growpage.eval import datasets
 
 
@@ -33,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write a data set's problems as JSONL prompts (for growpage record, generate)",
     )
     p.add_argument("name", choices=names, metavar="NAME", help=", ".join(names))
-    p.add_argument("--num", type=int, default=None, help="the first N problems (default: all)")
+    p.add_argument(
+        "--num", type=positive_int, default=None, help="the first N problems, N >= 1 (default: all)"
+    )
     p.add_argument("--seed", type=int, default=0, help="0: the file's order (default)")
     p.set_defaults(func=run_prompts)
 

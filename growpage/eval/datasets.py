@@ -34,6 +34,7 @@ import attrs
 
 from growpage.errors import ConfigError, WorkloadError
 from growpage.eval.maths_templates import Number, normal
+from growpage.validators import integer, optional, positive_int
 
 TASKS = ("maths", "gsm8k", "math500", "aime24", "aime25")
 
@@ -204,6 +205,8 @@ def load_problems(
 ) -> list[BenchmarkProblem]:
     """The first ``num_problems`` problems of data set ``name`` (all when None): in the file's
     order for seed 0, in an order shuffled by ``seed`` otherwise."""
+    optional(positive_int).require("num_problems", num_problems)
+    integer.require("seed", seed)
     dataset = get_dataset(name)
     records = _records(dataset)
     problems = [
@@ -236,6 +239,7 @@ def task_problems(
 ) -> tuple[list[Any], list[str]]:
     """The problems of ``task`` (``TASKS``) and the user message of each: the generated maths
     problems (``difficulty`` applies to them only) or a benchmark's."""
+    positive_int.require("num_problems", num_problems)
     if task == "maths":
         from growpage.eval.maths import generate_problems
         from growpage.eval.maths import prompt as maths_prompt

@@ -23,8 +23,13 @@ from typing import Any
 import attrs
 
 from growpage.core.config import GrowPageConfig
-from growpage.errors import ConfigError
-from growpage.policies.registry import parse_policy_value, policy_class, registered_policies
+from growpage.errors import ConfigError, GrowPageError
+from growpage.policies.registry import (
+    parse_policy_value,
+    policy_class,
+    registered_policies,
+    resolve_policy,
+)
 
 #: GrowPageConfig settings a row may not change: the table's pool shares one page size.
 TABLE_WIDE = ("page_size",)
@@ -154,6 +159,56 @@ def check_rows(rows: list[RowSpec]) -> None:
                     f"row {row.to_text()!r} reads {ref} of a row that is not given before it"
                 )
         seen.add(row.label)
+
+
+def check_buildable(row: RowSpec, base: GrowPageConfig) -> None:
+    """Build what ``row`` runs with, before any model loads: its policy and its settings over
+    the table's ``base`` (``ConfigError`` naming the row). A part that holds a ``Reference`` is
+    only partly known until that row has run: each of its literal values is checked alone."""
+    # NOTE: a check across fields (beta_short < beta_long, a policy's constructor) needs the
+    # referenced value too; it runs when the row is built, after the row it reads.
+    try:
+        if _is_known(row.params):
+            resolve_policy(row.policy, **row.params)
+        else:
+            _check_alone(policy_class(row.policy), row.params)
+        if _is_known(row.config):
+            base.replace(**row.config)
+        else:
+            _check_alone(GrowPageConfig, row.config)
+    except (GrowPageError, TypeError, ValueError) as exc:
+        raise ConfigError(f"row {row.to_text()!r}: {_first_line(exc)}") from exc
+
+
+def _is_known(values: dict[str, Any]) -> bool:
+    return not any(isinstance(v, Reference) for v in values.values())
+
+
+def _check_alone(cls: type, values: dict[str, Any]) -> None:
+    """Each literal value of ``values`` through its attrs field's converter and validator (a
+    class that is not attrs checks its arguments together in its constructor: nothing here)."""
+    if not attrs.has(cls):
+        return
+    fields = attrs.fields_dict(cls)
+    blank = object.__new__(cls)  # validators name the class; they get no other field of it
+    for key, value in values.items():
+        field = fields[key]
+        if isinstance(value, Reference) or isinstance(field.converter, attrs.Converter):
+            continue  # an attrs.Converter may read the other fields
+        if field.converter is not None:
+            value = field.converter(value)
+        if field.validator is not None:
+            try:
+                field.validator(blank, field, value)
+            except AttributeError:  # the validator reads another field: it waits with them
+                continue
+
+
+def _first_line(exc: BaseException) -> str:
+    """attrs' ``instance_of`` raises ``TypeError(message, attribute, type, value)``: its
+    message; any other error its text."""
+    args = exc.args
+    return args[0] if len(args) > 1 and isinstance(args[0], str) else str(exc)
 
 
 def resolved(row: RowSpec, results: dict[str, dict[str, Any]], page_size: int) -> RowSpec:

@@ -43,11 +43,21 @@ from growpage.policies.builtin import FullKVPolicy
 from growpage.sim.realtrace import signal_summary
 from growpage.sim.replay import ReplayOptions, replay_trace
 from growpage.sim.signal import DELTA_EDGES, spearman
-from growpage.validators import in_range, one_of
+from growpage.validators import (
+    in_range,
+    integer,
+    items,
+    non_negative_int,
+    one_of,
+    optional,
+    positive_int,
+)
 
 #: The paper's long summary remembers ~1/(1 - 0.999) = 1000 tokens of its 8k-token answers:
 #: a scaled horizon keeps that share of the answers at hand.
 PAPER_ANSWER_TOKENS = 8000
+#: The query-summary horizons a study can measure (``horizons``).
+HORIZONS = ("paper", "average", "scaled")
 
 
 @attrs.frozen
@@ -198,16 +208,31 @@ def summarize(
     }
 
 
+def _each_once(values: Any) -> Any:
+    """A list or tuple without repeats (the first kept); anything else as given, for the
+    validator to refuse."""
+    try:
+        return tuple(dict.fromkeys(values)) if isinstance(values, (list, tuple)) else values
+    except TypeError:  # an unhashable item
+        return values
+
+
 @attrs.frozen(kw_only=True)
 class StudySettings:
-    """What ``run_study`` measures."""
+    """What ``run_study`` measures. ``bootstrap``: resamples of the cluster bootstrap over
+    traces (0: no intervals); ``max_traces``: the first N traces (None: all). A page size or
+    horizon named twice is measured once (twice would pool each trace's boundaries twice)."""
 
-    page_sizes: tuple[int, ...] = (16, 32, 64)
-    horizons: tuple[str, ...] = ("paper", "scaled")
-    fidelity_queries: int = 8
-    bootstrap: int = 1000
-    seed: int = 0
-    max_traces: int | None = None
+    page_sizes: tuple[int, ...] = attrs.field(
+        default=(16, 32, 64), converter=_each_once, validator=items(positive_int)
+    )
+    horizons: tuple[str, ...] = attrs.field(
+        default=("paper", "scaled"), converter=_each_once, validator=items(one_of(HORIZONS))
+    )
+    fidelity_queries: int = attrs.field(default=8, validator=non_negative_int)
+    bootstrap: int = attrs.field(default=1000, validator=non_negative_int)
+    seed: int = attrs.field(default=0, validator=integer)
+    max_traces: int | None = attrs.field(default=None, validator=optional(positive_int))
 
 
 def run_study(
@@ -241,6 +266,9 @@ def run_study(
         f"{mean_answer:.0f}); horizons "
         + ", ".join(f"{h.label} (beta_L {h.beta_long}, {h.summary_start})" for h in chosen)
     )
+    store = _ItemStore(items, resume, settings.fidelity_queries, model) if items else None
+    if store is not None and store.reused:
+        log(f"[signal] resuming: {store.reused} items already in {items}")
     lm = model if isinstance(model, CausalLM) else load_model(_model_path(model), dtype=dtype)
     start = time.time()
     cells: dict[str, dict[str, Any]] = {}
@@ -249,9 +277,6 @@ def run_study(
     collected: dict[tuple[int, str], dict[str, list]] = {
         (b, h.label): {"fig6": [], "fig7": [], "own": [], "persistence": []} for b, h in grid
     }
-    store = _ItemStore(items, resume, settings.fidelity_queries, model) if items else None
-    if store is not None and store.reused:
-        log(f"[signal] resuming: {store.reused} items already in {items}")
     for entry in entries:
         trace = trace_set.read(entry.request_id)
         _check_layers(trace, lm.config.num_layers)
@@ -330,7 +355,8 @@ def _collect(cell: dict[str, list], fig6: list, fig7: list, persist: list, own: 
 
 class _ItemStore:
     """One pickle per measured (trace, page size, horizon), written atomically, keyed by
-    everything that changes its numbers."""
+    everything that changes its numbers; the folder is made by the first one (a study refused
+    before it measures anything leaves none)."""
 
     def __init__(self, folder: Path, resume: bool, fidelity_queries: int, model: Any) -> None:
         self.folder = folder
@@ -342,7 +368,6 @@ class _ItemStore:
                 f"{folder} holds {len(present)} measured items of an earlier run: pass "
                 "--resume to reuse them, or choose another --out"
             )
-        folder.mkdir(parents=True, exist_ok=True)
         self.reused = len(present)
 
     def _path(self, trace: Trace, b: int, h: Horizon) -> Path:
@@ -372,6 +397,7 @@ class _ItemStore:
 
     def put(self, trace: Trace, b: int, h: Horizon, value: tuple) -> None:
         path = self._path(trace, b, h)
+        self.folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         with tmp.open("wb") as f:
             pickle.dump((self._key(trace, b, h), value), f)

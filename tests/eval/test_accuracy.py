@@ -334,3 +334,116 @@ def test_the_commit_a_row_records_says_when_the_package_differs_from_it(tmp_path
     (package / "a.py").write_text("x = 2\n")
     assert accuracy._commit(package) == head + "+changes"
     assert accuracy._commit(tmp_path.parent) == "unknown"  # no checkout
+
+
+@pytest.fixture
+def no_model(monkeypatch) -> list[str]:
+    """``AccuracyRunner`` replaced by one that fails the test if it is built (it loads the
+    model); the list records the attempts."""
+    loads: list[str] = []
+
+    def load(settings, threads=None):
+        loads.append(settings.model)
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(accuracy, "AccuracyRunner", load)
+    return loads
+
+
+@pytest.mark.parametrize(
+    "row, says",
+    [
+        (
+            "b=fixed:budget_tokens=-1",
+            "row 'b=fixed:budget_tokens=-1': cannot build policy 'fixed': "
+            "FixedBudgetPolicy.budget_tokens must be a positive integer, got -1",
+        ),
+        ("b=growpage:beta_long=2", "row 'b=growpage:beta_long=2': GrowPageConfig.beta_long"),
+        ("b=growpage:recent_window=16", "recent_window must be < page_size (16), got 16"),
+        ("b=growpage:beta_short=0.99,beta_long=0.9", "beta_short must be < beta_long (0.9)"),
+        # a row reading another row's results: its literal values are checked alone
+        ("b=h2o:budget_tokens=@a.budget,beta_long=2", "GrowPageConfig.beta_long must be"),
+        ("b=random:grow_prob=@a.grow_ratio,seed=1.5", "RandomPolicy.seed must be an integer"),
+        # ... and a part without a reference is built whole
+        ("b=h2o:budget_tokens=@a.budget,recent_window=16", "recent_window must be < page_size"),
+    ],
+)
+def test_every_row_is_built_before_the_table_runs(row: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        AccuracySettings(rows=("a=fullkv", row))
+
+
+def test_a_rows_check_across_fields_waits_for_the_value_it_reads() -> None:
+    """beta_short < beta_long cannot be checked until @a.grow_ratio is known: not refused."""
+    rows = ("a=fullkv", "b=growpage:beta_short=@a.grow_ratio,beta_long=0.5")
+    assert AccuracySettings(rows=rows).rows == rows
+
+
+def test_a_bad_row_fails_the_command_before_the_model_loads_and_writes_nothing(
+    tmp_path, capsys, no_model
+) -> None:
+    from growpage.cli import main
+
+    rows = ["--row", "a=fullkv", "--row", "b=fixed:budget_tokens=-1"]
+    new, empty = tmp_path / "new", tmp_path / "empty"
+    empty.mkdir()
+    for out in (new, empty):
+        assert main(["eval", "accuracy", *rows, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "growpage: error: row 'b=fixed:budget_tokens=-1'" in err and "got -1" in err
+    assert not no_model and not new.exists() and list(empty.iterdir()) == []
+
+
+def test_a_table_refused_at_its_model_or_its_policies_writes_nothing(tmp_path, no_model) -> None:
+    settings = AccuracySettings(num_problems=2, rows=("a=fullkv",))
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        run_table(settings, tmp_path / "new", progress=False, log=lambda _: None)
+    assert not (tmp_path / "new").exists()  # made when the first row is stored
+    # Baselines matched to growpage's row never run without it: refused, not skipped.
+    alone = AccuracySettings(num_problems=2, policies=("fullkv", "h2o"))
+    with pytest.raises(ConfigError, match="policies h2o run at growpage's budget"):
+        run_table(alone, tmp_path / "new", progress=False, log=lambda _: None)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        run_table(settings, tmp_path / "file", progress=False, log=lambda _: None)
+    assert len(no_model) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("{bad", "results.json: not JSON (Expecting property name"),
+        ("[1]", "results.json: not an accuracy table's results"),
+        ('{"settings": {}, "rows": [{"no": "label"}]}', "not an accuracy table's results"),
+        ('{"settings": {"policies": 5}, "rows": []}', "its settings are not an accuracy table's"),
+    ],
+)
+def test_a_results_file_that_is_not_a_table_is_refused_as_it_is(
+    tmp_path, capsys, no_model, text: str, says: str
+) -> None:
+    from growpage.cli import main
+
+    (tmp_path / "results.json").write_text(text)
+    assert main(["eval", "rescore", str(tmp_path)]) == 2
+    assert f"growpage: error: {tmp_path / 'results.json'}" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        accuracy.rescore(tmp_path)
+    if "settings are not" not in says:  # resume reads the file before the settings
+        with pytest.raises(ConfigError, match=re.escape(says) + ".*move it away"):
+            run_table(AccuracySettings(), tmp_path, resume=True, log=lambda _: None)
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    assert (tmp_path / "results.json").read_text() == text
+
+
+def test_rescore_rewrites_nothing_when_a_row_cannot_be_read(tmp_path) -> None:
+    _stale_table(tmp_path)
+    report = json.loads((tmp_path / "results.json").read_text())
+    report["rows"].append({**report["rows"][0], "label": "b"})  # no outputs/b.jsonl
+    (tmp_path / "results.json").write_text(json.dumps(report))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="no outputs of row 'b'"):
+        accuracy.rescore(tmp_path)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    (tmp_path / "outputs" / "b.jsonl").write_text('["not", "an", "output"]\n')
+    with pytest.raises(ConfigError, match=r"b.jsonl, line 1: not a stored output"):
+        accuracy.rescore(tmp_path)

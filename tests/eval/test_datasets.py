@@ -204,3 +204,22 @@ def test_the_maths_task_still_reads_its_hash_mark_first():
     assert extract_answer(BOX_THEN_HEADING, prefer="boxed") == 1234
     with pytest.raises(ValueError, match="prefer must be one of"):
         extract_answer("x", prefer="last")
+
+
+@pytest.mark.parametrize("num", [0, -1, True, 2.0])
+def test_a_count_below_one_is_refused_not_sliced(num):
+    """``problems[:-1]`` would drop the last problem, ``[:0]`` give none: refused, cached or
+    not."""
+    with pytest.raises(ConfigError, match="num_problems must be a positive integer or None"):
+        load_problems("gsm8k", num)
+    with pytest.raises(ConfigError, match="num_problems must be a positive integer"):
+        task_problems("maths", num)
+
+
+@pytest.mark.parametrize("num", ["-1", "-5", "0", "two"])
+def test_the_prompts_command_refuses_a_count_below_one(num, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["data", "prompts", "aime24", "--num", num])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert "argument --num: expected an integer >= 1" in captured.err and captured.out == ""

@@ -7,8 +7,16 @@ import attrs
 import pytest
 
 from growpage import CapacityPolicy, Decision
+from growpage.core.config import GrowPageConfig
 from growpage.errors import ConfigError, PolicyError
-from growpage.eval.rows import Reference, RowSpec, check_rows, parse_row, resolved
+from growpage.eval.rows import (
+    Reference,
+    RowSpec,
+    check_buildable,
+    check_rows,
+    parse_row,
+    resolved,
+)
 
 
 @attrs.define(slots=False)
@@ -92,3 +100,28 @@ def test_duplicate_labels_and_forward_references_are_refused():
         check_rows([parse_row("a=fullkv"), parse_row("a=growpage")])
     with pytest.raises(ConfigError, match="reads @gp.budget of a row that is not given before"):
         check_rows([parse_row("h=h2o:budget_tokens=@gp.budget"), parse_row("gp=growpage")])
+
+
+def test_a_row_is_built_whole_or_its_literal_values_alone(tmp_path):
+    """A row of literal values is built as its run builds it; one reading another row's results
+    has each literal value checked against its own field, and a class that is not attrs checks
+    its arguments only when built whole."""
+    table = GrowPageConfig(page_size=16, recent_window=4)
+    check_buildable(parse_row(f"mine={__name__}:HalfWay:limit=96,floor_tokens=32"), table)
+    with pytest.raises(ConfigError, match=r"row 'x=growpage:k_loc=17': GrowPageConfig.k_loc"):
+        check_buildable(parse_row("x=growpage:k_loc=17"), table)  # > page_size 16
+    with pytest.raises(ConfigError, match="ShrinkPolicy.min_capacity_tokens must be a positive"):
+        check_buildable(parse_row("x=shrink:tau=@gp.grow_ratio,min_capacity_tokens=0"), table)
+    policy_file = tmp_path / "pol.py"
+    policy_file.write_text(
+        "from growpage import CapacityPolicy, Decision\n"
+        "class Limited(CapacityPolicy):\n"
+        "    def __init__(self, limit=64, scale=1.0):\n"
+        "        if limit < 1:\n"
+        "            raise ValueError(f'limit must be >= 1, got {limit}')\n"
+        "    def decide(self, ctx):\n"
+        "        return Decision.GROW\n"
+    )
+    with pytest.raises(ConfigError, match="limit must be >= 1, got 0"):
+        check_buildable(parse_row(f"x={policy_file}:Limited:limit=0"), table)
+    check_buildable(parse_row(f"x={policy_file}:Limited:limit=0,scale=@gp.grow_ratio"), table)
