@@ -24,7 +24,13 @@ from typing import Any
 from script_args import add_out, add_threads, parser, run_main
 
 from growpage.errors import ConfigError
-from growpage.eval.accuracy import AccuracySettings, load_text, read_outputs, run_table
+from growpage.eval.accuracy import (
+    AccuracySettings,
+    load_text,
+    read_outputs,
+    read_results,
+    run_table,
+)
 from growpage.eval.rows import parse_row
 
 
@@ -109,10 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     add_threads(p, None)
     add_out(p, "table_rerun")
     args = p.parse_args(argv)
-    path = args.table / "results.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: no stored accuracy table")
-    stored = json.loads(path.read_text())
+    stored = read_results(args.table)  # names a missing, malformed or foreign results.json
     settings = rerun_settings(stored, args.rows)
     out = args.out / args.table.name
     started = time.time()

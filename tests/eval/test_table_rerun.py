@@ -77,3 +77,12 @@ def test_a_rerun_of_a_smollm2_table_finds_its_outputs_and_a_changed_one(tmp_path
     found = json.loads((out / "table" / "report.json").read_text())["rows"]
     assert found["gp"] == {"identical": 1, "differ": [outputs[1]["id"]]}
     assert found["fullkv"] == {"identical": 2, "differ": []}
+
+
+def test_a_table_whose_results_are_not_json_is_named(tmp_path, capsys) -> None:
+    (tmp_path / "results.json").write_text("{bad")
+    assert rerun.run_main(lambda: rerun.main([str(tmp_path), "--rows", "a"])) == 2
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'results.json'}: not JSON" in err
+    assert rerun.run_main(lambda: rerun.main([str(tmp_path / "none"), "--rows", "a"])) == 2
+    assert "results.json: no accuracy table" in capsys.readouterr().err
