@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from growpage._argtypes import path_arg, path_text, positive_int
+from growpage._argtypes import non_negative_int, path_arg, path_text, positive_int
 from growpage.bench.workload import DEFAULT_INPUT_LEN, DEFAULT_NUM_PROMPTS, DEFAULT_OUTPUT_LEN
 from growpage.engine.cli import add_llm_flags
 from growpage.latency import PERCENTILES
@@ -82,7 +82,10 @@ def _requests(p: argparse.ArgumentParser, dataset: bool = True) -> None:
         "workload file has its own)",
     )
     p.add_argument(
-        "--seed", type=int, default=0, help="seed of the random prompts and arrivals (default 0)"
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="seed of the random prompts and arrivals (default 0)",
     )
 
 

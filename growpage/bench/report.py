@@ -12,8 +12,13 @@ from typing import Any
 import numpy as np
 
 from growpage.core.traces import atomic_write
-from growpage.errors import ConfigError
-from growpage.sim.reports import SIGNIFICANT, Column, format_table
+from growpage.sim.reports import (
+    SIGNIFICANT,
+    Column,
+    check_output_file,
+    format_table,
+    make_output_dir,
+)
 
 #: A latency of a summary: (key, unit, label, scale from seconds).
 Latency = tuple[str, str, str, float]
@@ -56,17 +61,9 @@ def lines(rows: Sequence[tuple[str, str]]) -> str:
 
 
 def out_path(text: str | None) -> Path | None:
-    """``--out FILE``, checked before the benchmark runs (its folder is created)."""
-    if text is None:
-        return None
-    path = Path(text)
-    if path.is_dir():
-        raise ConfigError(f"--out {path}: is a directory; give a file name such as {path}/x.json")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {path}: cannot create its folder ({e.strerror or e})") from None
-    return path
+    """``--out FILE``, checked before the benchmark runs (its folder is made when it is
+    written)."""
+    return None if text is None else check_output_file(text)
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,5 +80,6 @@ def write_result(path: Path, args: argparse.Namespace, payload: dict[str, Any]) 
     (atomically)."""
     record = {"date": time.strftime("%Y-%m-%d %H:%M"), "settings": settings(args), **payload}
     text = json.dumps(record, indent=1, default=str) + "\n"
+    make_output_dir(path.parent)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     print(f"results in {path}")

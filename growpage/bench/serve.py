@@ -37,6 +37,7 @@ from growpage.bench.report import (
 from growpage.bench.workload import BenchRequest, bench_requests, send_times
 from growpage.errors import ConfigError
 from growpage.latency import PERCENTILES
+from growpage.validators import positive_number
 
 LATENCIES: list[Latency] = [
     ("ttft", "s", "TTFT (s)", 1.0),
@@ -262,11 +263,14 @@ def table(summary: dict[str, Any], percentiles: Sequence[float] = PERCENTILES) -
 
 def run_serve(args: argparse.Namespace) -> int:
     url = check_url(args.base_url)
-    out = out_path(args.out)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.request_rate is not None and not (args.request_rate > 0):
         raise ConfigError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+    for flag, slo_ms in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        if slo_ms is not None:  # -1 or NaN: no request meets it, and goodput would read 0
+            positive_number.require(flag, slo_ms)
+    out = out_path(args.out)
     cards: list[Any] = []
 
     def card() -> Any:

@@ -72,13 +72,15 @@ def read_dataset(
     """The requests of a dataset file (see the module docstring); ``output_len`` is the output
     length of prompt lines without ``output_tokens``, and must not be given for a workload,
     which has its own."""
+    if not path.exists():
+        raise ConfigError(f"--dataset-path {path}: no such file")
+    if path.is_dir():
+        raise ConfigError(f"--dataset-path {path}: is a directory; give a file in it")
     if path.suffix not in (".csv", ".jsonl", ".ndjson"):
         raise ConfigError(
             f"--dataset-path {path}: expected a .jsonl file of prompts, or a simulator workload "
             f"(.csv or .jsonl), got a {path.suffix or 'file without a suffix'}"
         )
-    if not path.is_file():
-        raise ConfigError(f"--dataset-path {path}: no such file")
     if path.suffix != ".csv" and _holds_prompts(path):
         return _prompt_lines(path, output_len)
     if output_len is not None:

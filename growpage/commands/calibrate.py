@@ -17,6 +17,7 @@ from growpage.commands.sim import warning
 from growpage.errors import ConfigError
 from growpage.sim.calibrate import FITS, fit_warnings, load_measurements, measured_rows
 from growpage.sim.costmodel import with_boundary_costs
+from growpage.sim.reports import check_output_file, make_output_dir
 
 ENGINE_PROFILER = "growpage.engine.profiling.profile"
 
@@ -38,17 +39,9 @@ def engine_pads_kv() -> bool:
 
 
 def _model_path(text: str) -> Path:
-    """``calibrate --out FILE``, checked before measuring (its folder is created)."""
-    path = Path(text)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {path}: cannot create its folder ({e.strerror or e})") from None
-    if path.is_dir():
-        raise ConfigError(
-            f"--out {path}: is a directory; give a file name such as {path / 'costmodel.json'}"
-        )
-    return path
+    """``calibrate --out FILE``, checked before measuring (its folder is made when it is
+    written)."""
+    return check_output_file(text, example="costmodel.json")
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -122,6 +115,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         )
     predicted = model.step_time(rows[:, 0], rows[:, 1], rows[:, 2])
     rms = float(((predicted - rows[:, 3]) ** 2).mean() ** 0.5)
+    make_output_dir(out.parent)
     try:
         path = model.save(out)
     except OSError as e:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from growpage.core.config import GrowPageConfig, fitted_recent_window
 from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace, TraceHeader
+from growpage.engine.modeling.host_memory import available_memory
 from growpage.errors import ConfigError
 from growpage.policies.registry import parse_policy_params, resolve_policy
 from growpage.sim import reports
@@ -29,7 +30,7 @@ from growpage.sim.costmodel import (
     with_boundary_costs,
 )
 from growpage.sim.replay import ReplayOptions
-from growpage.sim.serving import SimConfig
+from growpage.sim.serving import SimConfig, check_pool_memory
 from growpage.sim.signal import signal_quality
 from growpage.sim.sources import traces_for
 from growpage.sim.synthetic import SyntheticSpec
@@ -39,6 +40,7 @@ from growpage.validators import at_least, non_negative_number, positive_number
 
 REPLAY_GEN_LEN, REPLAY_SCHEDULE = 4096, "random"  # replay --synthetic's defaults (tokens)
 LONG_REQUEST_TOKENS = 1 << 16  # beyond this, replaying a synthetic trace takes a while
+BOUNDARY_FLAGS = ("--boundary-ms", "--compaction-ms", "--boundary-step-ms", "--compaction-step-ms")
 SWEEP_COLUMNS: list[reports.Column] = [
     ("label", "point", ""),
     ("tps", "TPS", ".0f"),
@@ -315,7 +317,7 @@ def _serving_setup(
     """The simulator's settings, cost model and requests of ``args`` at arrival ``rate``;
     ``warn``: say what in them deserves a warning (a sweep's rates share all of it but the
     arrival times, so it warns once)."""
-    cost = with_boundary_costs(load_cost_model(args.cost), *_boundary_prices(args))
+    cost = _cost_model(args)
     pages = args.kv_pages
     if pages is None:
         pages = cost.kv_pages(config.page_size) if isinstance(cost, RooflineCostModel) else 1500
@@ -332,6 +334,9 @@ def _serving_setup(
         async_compaction=args.async_compaction,
         async_decisions=args.async_decisions,
     )
+    # NOTE: the engine's figure (the memory available, under cgroup limits too), which the
+    # simulator cannot import: simulate() itself checks against the physical memory only.
+    check_pool_memory(pages, available_memory(), "--kv-pages")
     if args.traces and args.decisions != "trace":
         raise ConfigError(
             "--traces is used only with --decisions trace (script mode draws synthetic traces)"
@@ -389,13 +394,24 @@ def _trace_requests(
     return traced, trace_of
 
 
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    """``--cost`` with the capacity-control prices of the flags over its own."""
+    cost = load_cost_model(args.cost)
+    prices = _boundary_prices(args)
+    try:
+        return with_boundary_costs(cost, *prices)
+    except ConfigError as e:  # a price that takes the model out of scale: name the flags
+        given = [f for f, v in zip(BOUNDARY_FLAGS, prices, strict=True) if v is not None]
+        raise ConfigError(f"{', '.join(given)}: {e}") from None
+
+
 def _boundary_prices(
     args: argparse.Namespace,
 ) -> tuple[float | None, float | None, float | None, float | None]:
     """``--boundary-ms`` / ``--compaction-ms`` / ``--boundary-step-ms`` /
     ``--compaction-step-ms`` in seconds (None where not given)."""
     prices = []
-    for flag in ("--boundary-ms", "--compaction-ms", "--boundary-step-ms", "--compaction-step-ms"):
+    for flag in BOUNDARY_FLAGS:
         ms = getattr(args, flag[2:].replace("-", "_"), None)
         if ms is not None:
             non_negative_number.require(flag, ms)
@@ -404,7 +420,7 @@ def _boundary_prices(
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from growpage.sim.serving import simulate
+    from growpage.sim.serving import check_simulation, simulate
 
     config = _setup(args)
     sim, cost, requests = _serving_setup(args, config, args.arrival_rate)
@@ -412,7 +428,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.decisions == "trace" and args.traces:
         requests, trace_of = _trace_requests(args, requests)
     kwargs = parse_params(args.param)
-    policy = resolve_policy(args.policy, **kwargs)
+    policy = check_simulation(requests, resolve_policy(args.policy, **kwargs), config, sim, cost)
     out = _out_dir(args)
     with tqdm(total=len(requests), desc="serve", unit="req", disable=args.json) as bar:
         result = simulate(
@@ -492,7 +508,13 @@ def _request_row(r: Any) -> dict:
 # ---- sweep ---------------------------------------------------------------------
 def run_sweep(args: argparse.Namespace) -> int:
     from growpage.executors.options import jobs_of, make_executor
-    from growpage.sim.sweep import SweepError, SweepSettings, parse_points, run_sweep
+    from growpage.sim.sweep import (
+        SweepError,
+        SweepSettings,
+        check_points,
+        parse_points,
+        run_sweep,
+    )
 
     config = _setup(args)
     at_least(1).require("--jobs", jobs_of(args))
@@ -505,6 +527,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         for i, rate in enumerate(rates)
     ]
     points = parse_points(args.points)
+    check_points(points, "--points")
     out = _out_dir(args)
     boundary_s, compaction_s, boundary_step_s, compaction_step_s = _boundary_prices(args)
     if args.traces:

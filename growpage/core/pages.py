@@ -25,6 +25,16 @@ from collections.abc import Iterable, Sequence
 from growpage.errors import ConfigError, PoolExhaustedError
 from growpage.validators import is_int, positive_int
 
+#: Bytes a fresh pool takes per page: its refcount slot, its free-list entry and the page id's
+#: int (131 measured on CPython 3.11; rounded up). The prefix cache's tables add to it as pages
+#: are cached.
+BOOKKEEPING_BYTES_PER_PAGE = 160
+
+
+def bookkeeping_bytes(num_pages: int) -> int:
+    """Bytes ``PagePool(num_pages, ...)`` takes when built: to check before building one."""
+    return num_pages * BOOKKEEPING_BYTES_PER_PAGE
+
 
 def chain_hash(prev_hash: int | None, token_ids: Sequence[int]) -> int:
     """Hash of one full page, chained with the previous page's hash."""

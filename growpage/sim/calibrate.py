@@ -24,7 +24,13 @@ from typing import Any
 import numpy as np
 
 from growpage.errors import ConfigError
-from growpage.sim.costmodel import STEP_COEFFICIENTS, LinearCostModel, PiecewiseCostModel
+from growpage.sim.costmodel import (
+    STEP_COEFFICIENTS,
+    FittedT,
+    LinearCostModel,
+    PiecewiseCostModel,
+    check_step_times,
+)
 
 COLUMNS = ("num_seqs", "kv_tokens", "prefill_tokens", "step_s")
 
@@ -140,7 +146,10 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             passive &= x > tol
             x[~passive] = 0.0
     out = np.zeros(a.shape[1])
-    out[usable] = x * b_peak / norms
+    # NOTE: divided first, as ``x * b_peak`` overflows for step times near the largest float;
+    # a coefficient past it is inf, which the cost model's validators refuse by name.
+    with np.errstate(over="ignore"):
+        out[usable] = x / norms * b_peak
     return out
 
 
@@ -171,13 +180,25 @@ def fit_linear(rows: np.ndarray, padded_kv: bool = False) -> LinearCostModel:
     """
     rows = _checked(rows)
     base, per_seq, per_kv, per_prefill = (float(c) for c in nnls(_design_linear(rows), rows[:, 3]))
-    return LinearCostModel(
+    return _usable(
+        LinearCostModel,
         base_s=base,
         per_seq_s=per_seq,
         per_kv_token_s=per_kv,
         per_prefill_token_s=per_prefill,
         padded_kv=padded_kv,
     )
+
+
+def _usable(cls: type[FittedT], **fields: Any) -> FittedT:
+    """``cls(**fields)`` when it prices steps as ``check_step_times`` asks, else a
+    ``ConfigError`` saying that the measurements fit no usable model."""
+    try:
+        model = cls(**fields)
+        check_step_times(model)
+    except ConfigError as e:
+        raise ConfigError(f"the measurements fit no usable model: {e}") from None
+    return model
 
 
 def _design_piecewise(rows: np.ndarray) -> tuple[list[int], np.ndarray]:
@@ -201,7 +222,8 @@ def fit_piecewise(rows: np.ndarray, padded_kv: bool = False) -> PiecewiseCostMod
     rows = _checked(rows)
     sizes, x = _design_piecewise(rows)
     coef = nnls(x, rows[:, 3])
-    return PiecewiseCostModel(
+    return _usable(
+        PiecewiseCostModel,
         batch_sizes=tuple(sizes),
         batch_s=tuple(float(c) for c in coef[: len(sizes)]),
         per_kv_token_s=float(coef[-2]),

@@ -150,6 +150,44 @@ def _is_attrs(cost: object) -> TypeIs[attrs.AttrsInstance]:
 
 CostModelT = TypeVar("CostModelT", bound=CostModel)
 
+#: The yardstick step of ``check_step_times``, heavy but real: ``SimConfig``'s default 256
+#: running sequences, each reading 131072 KV tokens, beside a prefill of its default 16384-token
+#: budget, and a decision and a compaction per sequence at the step's boundary.
+REFERENCE_NUM_SEQS = 256
+REFERENCE_CONTEXT_TOKENS = 131072
+REFERENCE_PREFILL_TOKENS = 16384
+#: Most seconds the yardstick step may take (about 32 years). No machine takes that long over
+#: one step, so a model pricing it higher holds a coefficient out of any scale (a broken
+#: timer's 1e308 fitted by ``growpage calibrate``); below it a run's clock, a sum of steps, and
+#: what is derived from it (milliseconds, tokens per second) stay finite even over 1e9 steps.
+MAX_STEP_S = 1e9
+
+
+def check_step_times(cost: CostModel, needs_progress: bool = True) -> None:
+    """A ``ConfigError`` unless ``cost`` prices the yardstick step (``REFERENCE_*``) at a finite
+    time of at most ``MAX_STEP_S``, and (``needs_progress``) a decode step of one request
+    reading one KV token at more than 0 s, without which simulated time would not advance.
+
+    NOTE: the built-in models check the bound alone when built: a free model is a fine part
+    (``LinearCostModel()``, boundary prices alone). ``load_cost_model``, ``simulate`` and the
+    fits of ``growpage calibrate`` ask for both."""
+    n, context, prefill = REFERENCE_NUM_SEQS, REFERENCE_CONTEXT_TOKENS, REFERENCE_PREFILL_TOKENS
+    with np.errstate(over="ignore", invalid="ignore"):
+        step_s = float(cost.step_time(n, n * context, prefill)) + cost.boundary_time(n, n)
+        one_s = float(cost.decode_time(1, 1, 1)) if needs_progress else 1.0
+    if not step_s <= MAX_STEP_S:  # NaN too
+        raise ConfigError(
+            f"cost model {cost.name!r} prices a step of {n} sequences of {context} KV tokens, "
+            f"a {prefill}-token prefill and a decision and a compaction per sequence at "
+            f"{step_s:.3g} s, more than the {MAX_STEP_S:g} s any machine would take: a "
+            "coefficient is out of scale"
+        )
+    if not (math.isfinite(one_s) and one_s > 0):
+        raise ConfigError(
+            f"cost model {cost.name!r} prices a decode step at {one_s:g} s: simulated time "
+            "would not advance and throughput is undefined"
+        )
+
 
 STEP_COEFFICIENTS = ("base_s", "per_seq_s", "per_kv_token_s", "per_prefill_token_s")
 
@@ -169,6 +207,9 @@ class _FittedCostModel(CostModel):
     boundary_step_s: float = _seconds()  # per step that decides
     compaction_step_s: float = _seconds()  # per step that compacts
     padded_kv: bool = attrs.field(default=False, converter=_plain_bool, validator=flag)
+
+    def __attrs_post_init__(self) -> None:
+        check_step_times(self, needs_progress=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -391,6 +432,9 @@ class RooflineCostModel(CostModel):
     compaction_step_s: float = _seconds()  # per step that compacts
     name: str = "roofline"
 
+    def __attrs_post_init__(self) -> None:
+        check_step_times(self, needs_progress=False)
+
     def step_time(
         self, num_seqs: ArrayLike, kv_tokens: ArrayLike, prefill_tokens: ArrayLike = 0
     ) -> ArrayLike:
@@ -479,7 +523,8 @@ FITTED_KINDS: dict[str, type[LinearCostModel] | type[PiecewiseCostModel]] = {
 
 def load_cost_model(spec: str) -> CostModel:
     """A roofline preset by name (``sim.hardware.PRESETS``) or a fitted model's JSON file
-    (linear or piecewise, as its ``"kind"`` says)."""
+    (linear or piecewise, as its ``"kind"`` says), which prices steps as ``check_step_times``
+    asks (a ``ConfigError`` naming the file, else)."""
     if spec in PRESETS:
         hardware, model = PRESETS[spec]
         return RooflineCostModel(hardware=hardware, model=model)
@@ -491,7 +536,12 @@ def load_cost_model(spec: str) -> CostModel:
                 f"{spec}: unknown cost model kind {kind!r} (expected "
                 f"{' or '.join(map(repr, FITTED_KINDS))})"
             )
-        return FITTED_KINDS[kind].load(spec)
+        cost = FITTED_KINDS[kind].load(spec)
+        try:
+            check_step_times(cost)
+        except ConfigError as e:
+            raise ConfigError(f"{spec}: {e}") from None
+        return cost
     raise ConfigError(
         f"unknown cost model {spec!r}: give a preset ({', '.join(PRESETS)}) or a "
         "JSON file written by `growpage calibrate`"

@@ -170,6 +170,9 @@ def make_output_dir(path: str | Path, flag: str = "--out") -> Path:
     from growpage.errors import ConfigError
 
     out = Path(path)
+    blocker = _not_a_folder([out, *out.parents])
+    if blocker is not None:
+        raise ConfigError(f"{flag} {out}: {blocker} is not a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -177,3 +180,34 @@ def make_output_dir(path: str | Path, flag: str = "--out") -> Path:
             f"{flag} {out}: cannot create the output directory ({e.strerror or e})"
         ) from None
     return out
+
+
+def check_output_file(path: str | Path, flag: str = "--out", example: str = "results.json") -> Path:
+    """``path``, a file written after the work, checked before it and creating nothing: a
+    ``ConfigError`` when it is a directory (the message suggests ``example`` in it), or when
+    the nearest of its folders that exists is not a folder (``/dev/null/x.json``) or cannot
+    be written in. The writer makes its missing folders (``make_output_dir(path.parent)``),
+    so that a run that fails leaves none."""
+    from growpage.errors import ConfigError
+
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"{flag} {out}: is a directory; give a file name such as {out / example}")
+    blocker = _not_a_folder(list(out.parents))
+    if blocker is not None:
+        raise ConfigError(f"{flag} {out}: {blocker} is not a folder")
+    nearest = next((p for p in out.parents if p.exists()), Path("."))
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {out}: cannot write in {nearest} (permission denied)")
+    return out
+
+
+def _not_a_folder(paths: Sequence[Path]) -> Path | None:
+    """The nearest of ``paths`` (a path and its parents, nearest first) that exists, when it is
+    not a folder (a file, a device, a link to nothing)."""
+    for p in paths:
+        if p.is_dir():
+            return None
+        if p.exists() or p.is_symlink():
+            return p
+    return None

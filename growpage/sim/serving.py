@@ -18,6 +18,7 @@ and its KV ends at ``prompt + N - 1`` tokens (the last token is never fed back).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Generator, Sequence
 
 import attrs
@@ -27,13 +28,13 @@ import simpy
 from growpage.core.capacity import forced_growth_pages
 from growpage.core.config import GrowPageConfig
 from growpage.core.events import EventCounters
-from growpage.core.pages import PagePool
+from growpage.core.pages import PagePool, bookkeeping_bytes
 from growpage.core.residency import defers_beside_step
 from growpage.core.traces import Trace
 from growpage.errors import ConfigError, WorkloadError
 from growpage.policies.base import CapacityPolicy
 from growpage.policies.registry import resolve_policy
-from growpage.sim.costmodel import CostModel
+from growpage.sim.costmodel import CostModel, check_step_times
 from growpage.sim.metrics import ServingMetrics, compute_metrics
 from growpage.sim.requests import SimRequest
 from growpage.sim.scheduler import Scheduler
@@ -397,6 +398,56 @@ def _check_types(config: object, sim: object, cost: object) -> None:
             )
 
 
+def physical_memory() -> tuple[int, str] | None:
+    """The host's physical memory in bytes and what says so; None where it cannot be read.
+
+    NOTE: the simulator's own bound. The engine reads the memory still available, under the
+    process's cgroup limits too (``growpage.engine.modeling.host_memory``), which the layers
+    keep out of reach here: ``growpage sim`` passes that figure to ``check_pool_memory``."""
+    try:
+        num_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
+        return None
+    return (num_bytes, "physical memory") if num_bytes > 0 else None
+
+
+def check_pool_memory(
+    num_pages: int, available: tuple[int, str] | None, name: str = "SimConfig.num_kv_pages"
+) -> None:
+    """A ``ConfigError`` naming ``name`` when the bookkeeping of a pool of ``num_pages`` pages
+    (``core.pages.bookkeeping_bytes``) is more than ``available``: bytes, and the limit that
+    says so (None: unknown, nothing checked)."""
+    num_bytes = bookkeeping_bytes(num_pages)
+    if available is not None and num_bytes > available[0]:
+        raise ConfigError(
+            f"{name} {num_pages}: the page pool's bookkeeping would take {_size(num_bytes)}, "
+            f"more than the {_size(available[0])} available ({available[1]}); give fewer pages"
+        )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes} bytes ({num_bytes / 2**30:.2f} GiB)"
+
+
+def check_simulation(
+    requests: Sequence[WorkloadRequest],
+    policy: str | CapacityPolicy,
+    config: GrowPageConfig,
+    sim: SimConfig,
+    cost: CostModel,
+) -> CapacityPolicy:
+    """What ``simulate`` checks before it allocates anything, a ``ConfigError`` (or
+    ``WorkloadError``) saying what is wrong; the policy resolved. A command calls it before
+    it creates its output folder."""
+    _check_requests(requests)
+    _check_types(config, sim, cost)
+    policy = resolve_policy(policy)
+    _check_fits(requests, policy, config, sim)
+    check_step_times(cost)
+    check_pool_memory(sim.num_kv_pages, physical_memory())
+    return policy
+
+
 def simulate(
     requests: Sequence[WorkloadRequest],
     policy: str | CapacityPolicy,
@@ -415,15 +466,7 @@ def simulate(
     lengths are set per script or request; ``benchmarks/paper_scale.py`` tunes it).
     ``on_progress(num_finished)`` is called whenever requests finish.
     """
-    _check_requests(requests)
-    _check_types(config, sim, cost)
-    policy = resolve_policy(policy)
-    _check_fits(requests, policy, config, sim)
-    if not cost.decode_time(1, 1, 1) > 0:
-        raise ConfigError(
-            f"cost model {cost.name!r} prices a decode step at 0 s: simulated time "
-            "would not advance and throughput is undefined"
-        )
+    policy = check_simulation(requests, policy, config, sim, cost)
     if sim.decisions == "trace":
         source: TraceSource | ScriptSource = TraceSource(
             policy, config, sim.num_kv_pages, trace_of or synthetic_trace_of(demand, sim.seed)

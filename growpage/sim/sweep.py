@@ -78,6 +78,19 @@ def parse_points(specs: Sequence[str]) -> list[SweepPoint]:
     return points
 
 
+def check_points(points: Sequence[SweepPoint], name: str = "sweep") -> None:
+    """A ``ConfigError`` before any point runs: a bad policy name or hyperparameter, or a point
+    given twice (``name``: what the message names, such as the flag that gave the points)."""
+    for i, p in enumerate(points):
+        resolve_policy(p.policy, **dict(p.params))
+        earlier = next((q for q in points[:i] if q == p), None)
+        if earlier is not None:
+            again = "" if earlier.label == p.label else f" (as {earlier.label!r})"
+            raise ConfigError(
+                f"{name}: the point {p.label!r} is given twice{again}; give each point once"
+            )
+
+
 def _requests(values: Iterable[WorkloadRequest]) -> tuple[WorkloadRequest, ...]:
     return tuple(values)  # converter=tuple, typed (growpage._convert says why)
 
@@ -221,8 +234,7 @@ def run_sweep(
     order of ``points``.
 
     A point that fails gives a row with ``error`` (``try_point``); the others run on."""
-    for p in points:  # fail fast on a bad policy name or hyperparameter
-        resolve_policy(p.policy, **dict(p.params))
+    check_points(points)
     if executor is not None:
         identities = [_identity(p) for p in points]
         return executor.run(try_point, points, settings, identities, desc="sweep")

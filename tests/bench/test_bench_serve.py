@@ -163,6 +163,14 @@ def foreign_server():
         (["--request-rate", "0"], "--request-rate must be > 0"),
         (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
         (["--out", "."], "--out .: is a directory"),
+        (["--out", "load.txt/x.json"], "--out load.txt/x.json: load.txt is not a folder"),
+        (["--out", "/dev/null/x.json"], "--out /dev/null/x.json: /dev/null is not a folder"),
+        (["--dataset-path", "nowhere"], "--dataset-path nowhere: no such file"),
+        (["--dataset-path", "."], "--dataset-path .: is a directory"),
+        (["--slo-ttft-ms", "-1"], "--slo-ttft-ms must be a finite number > 0, got -1.0"),
+        (["--slo-ttft-ms", "0"], "--slo-ttft-ms must be a finite number > 0, got 0.0"),
+        (["--slo-tpot-ms", "nan"], "--slo-tpot-ms must be a finite number > 0, got nan"),
+        (["--slo-tpot-ms", "inf"], "--slo-tpot-ms must be a finite number > 0, got inf"),
     ],
 )
 def test_bad_input_ends_in_one_line(argv, says, tmp_path, monkeypatch, capsys):
@@ -175,6 +183,19 @@ def test_bad_input_ends_in_one_line(argv, says, tmp_path, monkeypatch, capsys):
     assert main(["bench", "serve", *url, *argv, "--no-progress"]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("growpage: error: ") and says in line
+
+
+def test_a_run_that_fails_leaves_no_out_folder(tmp_path, capsys):
+    """``--out``'s missing folders are made when the results are written: a bad flag, or a
+    server that cannot be reached, leaves none."""
+    out = tmp_path / "new" / "run.json"
+    url = f"http://127.0.0.1:{free_port()}"
+    for argv in (["--slo-ttft-ms", "nan"], ["--vocab-size", "100"], ["--max-concurrency", "0"]):
+        assert main(["bench", "serve", "--base-url", url, *argv, "--out", str(out)]) == 2
+        assert not (tmp_path / "new").exists()
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--base-url", url, "--seed", "-1"])
+    assert "--seed: expected an integer >= 0, got -1" in capsys.readouterr().err
 
 
 def test_an_unreachable_or_foreign_server_is_named(foreign_server, capsys):

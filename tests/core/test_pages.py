@@ -10,6 +10,7 @@ with the model and with the holders' block tables.
 from __future__ import annotations
 
 import itertools
+import tracemalloc
 from collections import Counter
 
 import pytest
@@ -23,7 +24,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from growpage.core.pages import PagePool, chain_hash
+from growpage.core.pages import PagePool, bookkeeping_bytes, chain_hash
 from growpage.errors import ConfigError, GrowPageError, PoolExhaustedError
 
 ALPHABET = (0, 1)  # tiny alphabet: equal page contents (and equal keys) happen all the time
@@ -801,3 +802,16 @@ def test_registering_a_hit_s_pages_again_keeps_the_other_branches():
     # both branches below the shared page are cached
     assert len(pool.match_prefix(a)) == 2 and len(pool.match_prefix(b)) == 2
     pool.check_invariants()
+
+
+def test_bookkeeping_bytes_bounds_what_a_fresh_pool_takes():
+    # The simulator checks a pool's size against memory with it before building one.
+    num_pages = 100_000
+    tracemalloc.start()
+    try:
+        pool = PagePool(num_pages, 4)
+        taken, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert pool.num_free_pages == num_pages
+    assert bookkeeping_bytes(num_pages) / 2 < taken <= bookkeeping_bytes(num_pages)
