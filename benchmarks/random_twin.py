@@ -9,7 +9,7 @@ rows run), so those runs can use a twin: the same architecture, shapes and token
 drawn from a seed. ``export`` writes the small part here; ``weights`` draws the rest there::
 
     python benchmarks/random_twin.py export smollm2-135m .twin/smollm2   # here (about 3 MB)
-    python benchmarks/random_twin.py weights .twin/smollm2 --dtype bfloat16   # on the device
+    PYTHONPATH=. python benchmarks/random_twin.py weights .twin/smollm2   # on the device
     python benchmarks/gpu_check.py --sections step --model .twin/smollm2 --skip-tests
 
 The folder is a Hugging Face model directory (``config.json``, ``tokenizer.json``,
