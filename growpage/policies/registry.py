@@ -140,7 +140,7 @@ def _exited(exc: SystemExit) -> str:
     ``argparse`` reading growpage's own arguments) is refused, in place of that exit."""
     return (
         f"it exited at import (SystemExit({exc.code!r})); run a script's main only under "
-        "`if __name__ == \"__main__\":`"
+        '`if __name__ == "__main__":`'
     )
 
 
