@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import difflib
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -328,10 +329,28 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--stream prints one answer as it comes: give a single prompt (got {len(prompts)})"
         )
-    if args.out is None:
-        return _generate(args, prompts, arrivals, params)
-    with _out_dir(args.out, "an output directory", keep=lambda: False):
-        return _generate(args, prompts, arrivals, params)
+    with _named_by_line(args.prompts):
+        if args.out is None:
+            return _generate(args, prompts, arrivals, params)
+        with _out_dir(args.out, "an output directory", keep=lambda: False):
+            return _generate(args, prompts, arrivals, params)
+
+
+@contextlib.contextmanager
+def _named_by_line(path: Path | None) -> Iterator[None]:
+    """An engine error about one of several prompts read from ``path`` names the file's line
+    (``p.jsonl:7``) where the engine names the prompt's index (``prompts[5]``)."""
+    try:
+        yield
+    except EngineError as exc:
+        found = re.search(r" \(prompts\[(\d+)\]\)", str(exc))
+        if path is None or found is None:
+            raise
+        lines = [
+            n for n, line in enumerate(path.read_text("utf-8").splitlines(), 1) if line.strip()
+        ]
+        where = f" ({path}:{lines[int(found[1])]})"
+        raise EngineError(str(exc).replace(found[0], where, 1)) from None
 
 
 def _generate(
@@ -526,7 +545,10 @@ def run_record(args: argparse.Namespace) -> int:
     layers = None if args.layers is None else _layers(args.layers)
     index = args.out / INDEX_NAME
     had_index = index.is_file()
-    with _out_dir(args.out, "a trace-set directory", keep=lambda: _num_traces(args.out) > 0):
+    with (
+        _named_by_line(args.prompts),
+        _out_dir(args.out, "a trace-set directory", keep=lambda: _num_traces(args.out) > 0),
+    ):
         try:
             return _record(args, prompts, layers)
         except BaseException:

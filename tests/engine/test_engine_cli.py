@@ -402,3 +402,22 @@ def test_a_prompt_that_is_not_unicode_text_is_named():
     with pytest.raises(EngineError, match=r"^the continuation is not valid Unicode text"):
         encode_continuation("x\ud800", tok)
     assert encode_prompt("ok", tok, chat=False) == (tok.encode("ok"), "ok")
+
+
+class _RefusingLLM:
+    """Refuses the second prompt as the engine names it: by its index among the prompts."""
+
+    def generate(self, prompts, *args, **kwargs):
+        raise EngineError("the request cannot fit the KV pool (prompts[1])")
+
+
+@pytest.mark.parametrize("name", ["p.txt", "p.jsonl"])
+def test_an_engine_error_about_a_file_prompt_names_its_line(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.setattr(engine_cli, "_build_llm", lambda **kw: _RefusingLLM())
+    path = tmp_path / name
+    lines = ["one", "", "two"] if name == "p.txt" else ['{"prompt": "one"}', "", '{"prompt": "2"}']
+    path.write_text("\n".join(lines) + "\n")
+    err = error_of(["generate", "--prompts", str(path)], capsys)
+    assert err.strip().endswith(f"the request cannot fit the KV pool ({path}:3)")
+    err = error_of(["generate", "--prompt", "a", "--prompt", "b"], capsys)
+    assert err.strip().endswith("(prompts[1])")  # no file: the index, as the API says it
