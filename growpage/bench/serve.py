@@ -267,6 +267,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.request_rate is not None and not (args.request_rate > 0):
         raise ConfigError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+    if args.request_rate is not None and math.isinf(1.0 / args.request_rate):
+        raise ConfigError(  # a subnormal rate: its mean gap passes the largest float
+            f"--request-rate {args.request_rate} is too small: the mean gap between requests, "
+            "1 / rate, passes the largest float"
+        )
     for flag, slo_ms in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
         if slo_ms is not None:  # -1 or NaN: no request meets it, and goodput would read 0
             positive_number.require(flag, slo_ms)

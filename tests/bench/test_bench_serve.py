@@ -161,6 +161,7 @@ def foreign_server():
         (["--dataset-path", "load.csv", "--output-len", "4"], "--output-len: "),
         (["--dataset-path", "load.csv", "--input-len", "4"], "--input-len: for synthetic"),
         (["--request-rate", "0"], "--request-rate must be > 0"),
+        (["--request-rate", "1e-320"], "--request-rate 1e-320 is too small: the mean gap"),
         (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
         (["--out", "."], "--out .: is a directory"),
         (["--out", "load.txt/x.json"], "--out load.txt/x.json: load.txt is not a folder"),
