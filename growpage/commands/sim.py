@@ -16,9 +16,9 @@ import torch
 from tqdm import tqdm
 
 from growpage.core.config import GrowPageConfig, fitted_recent_window
+from growpage.core.host_memory import available_memory
 from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace, TraceHeader
-from growpage.engine.modeling.host_memory import available_memory
 from growpage.errors import ConfigError
 from growpage.policies.registry import parse_policy_params, resolve_policy
 from growpage.sim import reports
@@ -334,8 +334,7 @@ def _serving_setup(
         async_compaction=args.async_compaction,
         async_decisions=args.async_decisions,
     )
-    # NOTE: the engine's figure (the memory available, under cgroup limits too), which the
-    # simulator cannot import: simulate() itself checks against the physical memory only.
+    # simulate() checks it too; here, before any output folder, the error names the flag.
     check_pool_memory(pages, available_memory(), "--kv-pages")
     if args.traces and args.decisions != "trace":
         raise ConfigError(

@@ -18,7 +18,6 @@ and its KV ends at ``prompt + N - 1`` tokens (the last token is never fed back).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Generator, Sequence
 
 import attrs
@@ -28,6 +27,7 @@ import simpy
 from growpage.core.capacity import forced_growth_pages
 from growpage.core.config import GrowPageConfig
 from growpage.core.events import EventCounters
+from growpage.core.host_memory import available_memory
 from growpage.core.pages import PagePool, bookkeeping_bytes
 from growpage.core.residency import defers_beside_step
 from growpage.core.traces import Trace
@@ -398,25 +398,14 @@ def _check_types(config: object, sim: object, cost: object) -> None:
             )
 
 
-def physical_memory() -> tuple[int, str] | None:
-    """The host's physical memory in bytes and what says so; None where it cannot be read.
-
-    NOTE: the simulator's own bound. The engine reads the memory still available, under the
-    process's cgroup limits too (``growpage.engine.modeling.host_memory``), which the layers
-    keep out of reach here: ``growpage sim`` passes that figure to ``check_pool_memory``."""
-    try:
-        num_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
-        return None
-    return (num_bytes, "physical memory") if num_bytes > 0 else None
-
-
 def check_pool_memory(
     num_pages: int, available: tuple[int, str] | None, name: str = "SimConfig.num_kv_pages"
 ) -> None:
     """A ``ConfigError`` naming ``name`` when the bookkeeping of a pool of ``num_pages`` pages
     (``core.pages.bookkeeping_bytes``) is more than ``available``: bytes, and the limit that
-    says so (None: unknown, nothing checked)."""
+    says so (None: unknown, nothing checked). ``available``: ``core.host_memory``'s figure,
+    the memory a new allocation may take (the host's and its cgroup's), as the engine checks
+    its KV cache."""
     num_bytes = bookkeeping_bytes(num_pages)
     if available is not None and num_bytes > available[0]:
         raise ConfigError(
@@ -444,7 +433,7 @@ def check_simulation(
     policy = resolve_policy(policy)
     _check_fits(requests, policy, config, sim)
     check_step_times(cost)
-    check_pool_memory(sim.num_kv_pages, physical_memory())
+    check_pool_memory(sim.num_kv_pages, available_memory())
     return policy
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from growpage.core.host_memory import MemoryFigure, available_memory
 from growpage.engine.modeling.attention import check_kv_cache_fits
-from growpage.engine.modeling.host_memory import MemoryFigure, available_memory
 from growpage.errors import EngineError
 
 GiB = 2**30

@@ -13,9 +13,9 @@ from engine_helpers import random_state_dict, tiny_config
 from llm_helpers import GREEDY, assert_all_returned, prompt, tiny_llm, tiny_models
 
 from growpage.core.decision import Decision
+from growpage.core.host_memory import MemoryFigure
 from growpage.engine.llm import LLM
 from growpage.engine.loading.loader import build_model
-from growpage.engine.modeling.host_memory import MemoryFigure
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError, PolicyError
 from growpage.policies import CapacityPolicy, GrowPagePolicy

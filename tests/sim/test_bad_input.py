@@ -14,7 +14,7 @@ import pytest
 
 from growpage.cli import main
 from growpage.core.config import GrowPageConfig
-from growpage.engine.modeling.host_memory import MemoryFigure
+from growpage.core.host_memory import MemoryFigure
 from growpage.errors import ConfigError
 from growpage.sim.costmodel import (
     MAX_STEP_S,
@@ -66,7 +66,8 @@ def test_simulate_refuses_a_pool_larger_than_the_host_before_allocating(monkeypa
     requests = resolve_workload("tiny")
     with pytest.raises(ConfigError, match=r"^SimConfig.num_kv_pages 1000000000000: the page pool"):
         simulate(requests, "fullkv", GrowPageConfig(), SimConfig(num_kv_pages=10**12), COST)
-    monkeypatch.setattr("growpage.sim.serving.physical_memory", lambda: (1000, "a small host"))
+    small = MemoryFigure(1000, "a small host")
+    monkeypatch.setattr("growpage.sim.serving.available_memory", lambda: small)
     with pytest.raises(ConfigError, match=r"available \(a small host\); give fewer pages"):
         simulate(requests, "fullkv", GrowPageConfig(), SimConfig(), COST)
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from growpage.core.host_memory import available_memory
 from growpage.engine.modeling.accumulation import DecodeIndex, add_decode, add_prefill, table_slots
-from growpage.engine.modeling.host_memory import available_memory
 from growpage.engine.modeling.step_context import StepContext
 from growpage.errors import EngineError
 
@@ -56,7 +56,7 @@ def check_kv_cache_fits(
 ) -> None:
     """``EngineError`` naming the limit hit when a cache of ``num_bytes`` is more than the
     host's available memory or the room left under its cgroup (container) memory limit
-    (``growpage.engine.modeling.host_memory``; ``root`` lets a test give a fake /proc and /sys).
+    (``growpage.core.host_memory``; ``root`` lets a test give a fake /proc and /sys).
 
     NOTE: on the CPU a cache larger than the free memory may still be granted (overcommit), and
     zero-filling it then gets the process killed, so it is refused before it is allocated.
