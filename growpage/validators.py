@@ -47,19 +47,20 @@ def is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and is_finite(value)
 
 
-def unencodable_at(text: str) -> int | None:
-    """Index of the first character of ``text`` that UTF-8 cannot encode (a lone surrogate, as
-    a command-line argument of undecodable bytes or a JSON ``"\\ud800"`` gives), or None."""
+def lone_surrogate(text: str) -> str | None:
+    """``"'\\ud800' at character 3 is a lone surrogate"``: the first character of ``text`` that
+    UTF-8 cannot encode (as a command-line argument of undecodable bytes or a JSON ``"\\ud800"``
+    gives), for an error message; None when there is none."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        return exc.start
+        return f"{text[exc.start]!r} at character {exc.start} is a lone surrogate"
     return None
 
 
 def is_text(value: object) -> bool:
     """A ``str`` that UTF-8 can encode (tokenizers refuse lone surrogates)."""
-    return isinstance(value, str) and unencodable_at(value) is None
+    return isinstance(value, str) and lone_surrogate(value) is None
 
 
 def message(name: str, what: str, value: object) -> str:

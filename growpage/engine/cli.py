@@ -19,7 +19,7 @@ from growpage._argtypes import path_arg, positive_int
 from growpage.engine.config import SETTINGS, plural
 from growpage.errors import ConfigError, EngineError
 from growpage.policies.registry import parse_policy_params
-from growpage.validators import unencodable_at
+from growpage.validators import lone_surrogate
 
 if TYPE_CHECKING:
     from growpage.engine.llm import LLM
@@ -511,12 +511,9 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
         )
     if not prompt:
         raise EngineError(f"{where}: empty prompt")
-    bad = unencodable_at(prompt)
-    if bad is not None:
-        raise EngineError(
-            f"{where}: 'prompt' is not valid Unicode text ({prompt[bad]!r} at character {bad} "
-            "is a lone surrogate)"
-        )
+    problem = lone_surrogate(prompt)
+    if problem is not None:
+        raise EngineError(f"{where}: 'prompt' is not valid Unicode text ({problem})")
     # Other keys are allowed (a data set's answer, an id), but one spelled like a known key is
     # a typo whose value would be lost without a word (arrival times, say).
     for key in record:

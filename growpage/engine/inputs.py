@@ -19,7 +19,7 @@ import torch
 from growpage.engine.config import plural
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError
-from growpage.validators import is_finite, unencodable_at
+from growpage.validators import is_finite, lone_surrogate
 
 Prompt = str | list[int]
 ARRAYS = (torch.Tensor, np.ndarray)  # token ids: [N] one prompt, [B, N] B of them
@@ -110,11 +110,10 @@ def _require_text(text: str, what: str, at: str) -> None:
     """``EngineError`` when ``text`` holds a character UTF-8 cannot encode, named with its
     position (a lone surrogate: undecodable bytes in a command-line argument, or JSON's
     ``"\\ud800"``), instead of the tokenizer's ``TypeError``."""
-    bad = unencodable_at(text)
-    if bad is not None:
+    problem = lone_surrogate(text)
+    if problem is not None:
         raise EngineError(
-            f"the {what} is not valid Unicode text: {text[bad]!r} at character {bad} is a lone "
-            f"surrogate (undecodable bytes?){at}"
+            f"the {what} is not valid Unicode text: {problem} (undecodable bytes?){at}"
         )
 
 

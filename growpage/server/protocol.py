@@ -33,7 +33,7 @@ from pydantic_core import PydanticCustomError
 
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError
-from growpage.validators import unencodable_at
+from growpage.validators import lone_surrogate
 
 DONE = "data: [DONE]\n\n"  # the last server-sent event of a stream
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -78,12 +78,10 @@ def internal_error(message: str) -> ServerError:
 
 def _valid_unicode(text: str) -> str:
     """``text``, or a validation error naming its first lone surrogate."""
-    bad = unencodable_at(text)
-    if bad is not None:
+    problem = lone_surrogate(text)
+    if problem is not None:
         raise PydanticCustomError(
-            "invalid_unicode",
-            "not valid Unicode text: {char} at character {index} is a lone surrogate",
-            {"char": ascii(text[bad]), "index": bad},
+            "invalid_unicode", "not valid Unicode text: {problem}", {"problem": problem}
         )
     return text
 
