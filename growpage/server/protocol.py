@@ -1,43 +1,19 @@
-"""The OpenAI wire format: request bodies (pydantic), response and chunk bodies, errors.
-
-Only what the server serves is modelled: ``/v1/completions`` and ``/v1/chat/completions`` with
-``n = 1``. Fields the engine cannot honour (``logprobs``, ``echo``, penalties, tools...) are
-refused with a 400 when set to anything but their default; fields the format has and that do
-not change the output (``user``, ``metadata``...) are accepted and ignored.
-
-The request models are strict where the format is typed: an integer is a JSON integer (not
-``5.0``, ``"5"`` or ``true``), a boolean a JSON boolean, a token id an integer; a number may be
-an integer. Text must be valid Unicode (JSON can escape a lone surrogate, UTF-8 cannot encode
-it). A field that may hold one of several shapes (``prompt``, ``stop``, ``content``) fails with
-one message naming the shapes, under the field's name.
-"""
+"""The OpenAI wire format's replies: response and chunk bodies, server-sent events and error
+bodies (the request bodies are in ``growpage.server.request_models``)."""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Any
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    ValidatorFunctionWrapHandler,
-    WrapValidator,
-    field_validator,
-)
-from pydantic_core import PydanticCustomError
+import attrs
 
-from growpage.engine.sampling_params import SamplingParams
-from growpage.errors import EngineError
-from growpage.validators import lone_surrogate
+from growpage.engine.outputs import StreamChunk
 
 DONE = "data: [DONE]\n\n"  # the last server-sent event of a stream
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-MAX_STOPS = 4  # OpenAI's limit on stop sequences
 
 
 class ServerError(Exception):
@@ -76,208 +52,6 @@ def internal_error(message: str) -> ServerError:
     return ServerError(500, message, type="server_error", code="internal_error")
 
 
-def _valid_unicode(text: str) -> str:
-    """``text``, or a validation error naming its first lone surrogate."""
-    problem = lone_surrogate(text)
-    if problem is not None:
-        raise PydanticCustomError(
-            "invalid_unicode", "not valid Unicode text: {problem}", {"problem": problem}
-        )
-    return text
-
-
-def _one_of(shapes: str) -> WrapValidator:
-    """A union field's errors as one, ``expected {shapes}`` (a member's text that is not valid
-    Unicode keeps its own, more precise, message)."""
-
-    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError as exc:
-            for error in exc.errors():
-                if error["type"] == "invalid_unicode":
-                    raise PydanticCustomError(
-                        "invalid_unicode", "{reason}", {"reason": error["msg"]}
-                    ) from None
-            raise PydanticCustomError(
-                "invalid_type", "expected {shapes}", {"shapes": shapes}
-            ) from None
-
-    return WrapValidator(validate)
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-
-
-class _Body(BaseModel):
-    """A JSON object of a request: strict types, unknown fields ignored."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _GenerationRequest(_Body):
-    """Fields both endpoints share. ``ignore_eos`` is an extension (as vLLM's)."""
-
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    stop: Annotated[Text | list[Text] | None, _one_of("a string or a list of strings")] = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-
-    def check_supported(self) -> None:
-        """``ServerError`` 400 for what the engine cannot do."""
-        if self.n != 1:
-            raise ServerError(400, f"only n = 1 is supported, got n = {self.n}", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ServerError(400, f"{name} is not supported (leave it 0)", param=name)
-        if self.logit_bias:
-            raise ServerError(400, "logit_bias is not supported", param="logit_bias")
-        stops = self.stop_list()
-        if len(stops) > MAX_STOPS:
-            raise ServerError(
-                400, f"at most {MAX_STOPS} stop sequences, got {len(stops)}", param="stop"
-            )
-        if any(not s for s in stops):
-            raise ServerError(400, "stop sequences must be non-empty strings", param="stop")
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's ``SamplingParams``; ``max_tokens`` when the body gives none. OpenAI's
-        defaults: temperature 1, top_p 1."""
-        try:
-            return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                max_tokens=self.requested_max_tokens() or max_tokens,
-                seed=self.seed,
-                stop=self.stop_list(),
-                ignore_eos=self.ignore_eos,
-            )
-        except EngineError as exc:  # "SamplingParams.top_p must be a number in (0, 1], got 0"
-            field = str(exc).removeprefix("SamplingParams.").split(" ", 1)[0]
-            raise ServerError(400, str(exc), param=field) from None
-
-
-class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: one prompt, text or token ids."""
-
-    prompt: Annotated[
-        Text | list[Text] | list[int] | list[list[int]],
-        _one_of("a string or a list of token ids (integers), or a list holding one of those"),
-    ]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        for name, default in (("echo", False), ("logprobs", None), ("suffix", None)):
-            if getattr(self, name) != default:
-                raise ServerError(400, f"{name} is not supported", param=name)
-        if self.best_of not in (None, 1):
-            raise ServerError(400, "only best_of = 1 is supported", param="best_of")
-
-    def single_prompt(self) -> str | list[int]:
-        """The request's one prompt (a list of one prompt is that prompt)."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ServerError(
-                    400, f"one prompt per request (n = 1), got {len(p)}", param="prompt"
-                )
-            return p[0]
-        if isinstance(p, list) and not p:
-            raise ServerError(400, "the prompt is empty", param="prompt")
-        return p  # type: ignore[return-value]
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: Text
-
-
-class ChatMessage(_Body):
-    """One message; only an assistant's may leave out its content. Tool messages and tool
-    calls are refused: the server has no tool calling (``tools`` is refused too)."""
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[
-        Text | list[TextPart] | None, _one_of("a string or a list of text parts")
-    ] = Field(default=None, validate_default=True)
-    tool_calls: list[Any] | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _content_given(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> Any:
-        role = info.data.get("role")
-        if content is None and role not in (None, "assistant"):
-            raise PydanticCustomError(
-                "missing_content",
-                "a {role} message needs content: a string or a list of text parts",
-                {"role": role},
-            )
-        return content
-
-    def as_template_message(self) -> dict[str, str]:
-        """``{"role", "content"}`` for the chat template (``developer`` is the system role)."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
-
-
-class ChatCompletionRequest(_GenerationRequest):
-    """``POST /v1/chat/completions``: messages through the model's chat template."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    tools: list[Any] | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs:
-            raise ServerError(400, "logprobs is not supported", param="logprobs")
-        if self.tools:
-            raise ServerError(400, "tools are not supported", param="tools")
-        for i, message in enumerate(self.messages):
-            if message.tool_calls:
-                raise ServerError(
-                    400, "tool calls are not supported", param=f"messages.{i}.tool_calls"
-                )
-
-    def requested_max_tokens(self) -> int | None:
-        """``max_tokens``, or its newer name ``max_completion_tokens``."""
-        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
-
-
-# ---- responses ----------------------------------------------------------------------------
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": num_prompt_tokens,
@@ -366,3 +140,71 @@ def chat_chunk(
 def sse(body: dict[str, Any]) -> str:
     """One server-sent event holding ``body`` as JSON."""
     return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def from_lines(events: list[dict[str, Any]]) -> str:
+    """The server-sent events of ``events``, one after another."""
+    return "".join(sse(e) for e in events)
+
+
+@attrs.define
+class Reply:
+    """Builds one request's response bodies (``kind``: ``cmpl`` or ``chatcmpl``)."""
+
+    request_id: str
+    kind: str
+    model: str
+    num_prompt_tokens: int
+    created: int = attrs.field(factory=now_s)
+    num_tokens: int = 0
+
+    @property
+    def is_chat(self) -> bool:
+        return self.kind == "chatcmpl"
+
+    def _usage(self) -> dict[str, int]:
+        return usage(self.num_prompt_tokens, self.num_tokens)
+
+    def whole(self, last: StreamChunk) -> dict[str, Any]:
+        """The non-streamed response, from the request's last chunk."""
+        assert last.output is not None
+        out = last.output
+        self.num_tokens = len(out.token_ids)
+        build: Callable[..., dict[str, Any]] = chat_body if self.is_chat else completion_body
+        return build(
+            self.request_id, self.created, self.model, out.text, out.finish_reason, self._usage()
+        )
+
+    def opening(self) -> list[dict[str, Any]]:
+        """A chat stream opens with the assistant's role."""
+        if not self.is_chat:
+            return []
+        delta = {"role": "assistant", "content": ""}
+        return [chat_chunk(self.request_id, self.created, self.model, delta)]
+
+    def chunk(self, chunk: StreamChunk) -> list[dict[str, Any]]:
+        """The events of one engine chunk: its text, and on the last one the finish reason."""
+        self.num_tokens += len(chunk.token_ids)
+        reason = None if chunk.output is None else chunk.output.finish_reason
+        if self.is_chat:
+            bodies = []
+            if chunk.text:
+                delta = {"content": chunk.text}
+                bodies.append(chat_chunk(self.request_id, self.created, self.model, delta))
+            if reason is not None:
+                bodies.append(chat_chunk(self.request_id, self.created, self.model, {}, reason))
+            return bodies
+        if not chunk.text and reason is None:
+            return []
+        return [
+            completion_body(
+                self.request_id, self.created, self.model, chunk.text, reason, None, chunk=True
+            )
+        ]
+
+    def usage_chunk(self) -> dict[str, Any]:
+        if self.is_chat:
+            return chat_chunk(self.request_id, self.created, self.model, None, None, self._usage())
+        return completion_body(
+            self.request_id, self.created, self.model, "", None, self._usage(), chunk=True
+        )
