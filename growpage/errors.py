@@ -73,3 +73,16 @@ def policy_raised_at(exc: BaseException) -> str:
 
     paths = sysconfig.get_paths()
     return raised_at(exc, (str(pathlib.Path(__file__).parent), paths["purelib"], paths["stdlib"]))
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message (file:line, in function)``, for a failed point of a grid or sweep: the
+    line of the policy author's code that raised, else, for an error that is not a policy's,
+    the frame that raised first. A ``PolicyError`` without a line of the policy's (a wrong
+    return value, a call its signature refuses) gets none: its message names the policy, the
+    method and the boundary, and a frame of the controller that found the problem would point
+    at the library instead."""
+    where = policy_raised_at(exc)
+    if not where and not isinstance(exc, PolicyError):
+        where = raised_at(exc)
+    return f"{type(exc).__name__}: {exc}{where}"

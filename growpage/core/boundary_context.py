@@ -45,6 +45,9 @@ class BoundaryContext:
         num_prompt_tokens: the request's prompt length (0 when unknown).
         batch: the ``BoundaryBatch`` this context shares its top-p sizes and Delta_t with, or
             None.
+        num_recent_queries: the policy's ``needs_recent_queries``: ``recent_queries(w)`` and
+            ``window_attention(w)`` are None when it is 0, and refuse a ``w`` above it (in both
+            worlds alike, whatever the view keeps); None: the view decides.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class BoundaryContext:
         config: GrowPageConfig,
         view: KVView,
         num_prompt_tokens: int = 0,
+        num_recent_queries: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -66,6 +70,9 @@ class BoundaryContext:
         self.num_free_pages = num_free_pages
         self.config = config
         self.view = view
+        #: The most recent queries the policy may read (its ``needs_recent_queries``, as the
+        #: controller builds the context); None: as many as the view keeps.
+        self.num_recent_queries = num_recent_queries
         #: The ``BoundaryBatch`` this context shares its top-p sizes and Delta_t with, if any.
         self.batch: BoundaryBatch | None = None
         self._counts: dict[float, torch.Tensor] = {}  # p -> [2, L, Hkv] top-p sizes (int64)
@@ -230,8 +237,7 @@ class BoundaryContext:
         residency, ``[L, W', Hq, d]`` fp32, and their positions ``[W']`` (ascending, the last
         t - 1; ``W' < window`` early on or after a prefix hit); None when the view keeps none
         (both worlds keep them for a policy with ``needs_recent_queries >= window``)."""
-        got = self.view.recent_queries(_window(window, "recent_queries"))
-        self._read_missing_queries |= got is None
+        got = self._recent_queries(_window(window, "recent_queries"), "recent_queries")
         return None if got is None else (got[0].clone(), got[1].clone())
 
     def window_attention(self, window: int) -> torch.Tensor | None:
@@ -241,8 +247,7 @@ class BoundaryContext:
         view keeps no recent queries."""
         window = _window(window, "window_attention")
         if window not in self._windows:
-            got = self.view.recent_queries(window)
-            self._read_missing_queries |= got is None
+            got = self._recent_queries(window, "window_attention")
             self._windows[window] = (
                 None
                 if got is None
@@ -256,6 +261,22 @@ class BoundaryContext:
             )
         attn = self._windows[window]
         return None if attn is None else attn.clone()
+
+    def _recent_queries(self, window: int, method: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The view's last ``window`` queries, within what the policy declared.
+
+        NOTE: the simulator's trace views hold every query and the engine keeps only the
+        declared ring: the declaration, not the view, says what a policy gets."""
+        declared = self.num_recent_queries
+        if declared is not None and 0 < declared < window:
+            raise ConfigError(
+                f"BoundaryContext.{method}({window}): the policy's needs_recent_queries is "
+                f"{declared}, so both worlds keep only its last {declared} queries; a policy "
+                f"that reads {window} sets needs_recent_queries to at least {window}"
+            )
+        got = None if declared == 0 else self.view.recent_queries(window)
+        self._read_missing_queries |= got is None
+        return got
 
     def positions(self) -> torch.Tensor:
         """Absolute positions held by each slot, ``[L, Hkv, N]``."""

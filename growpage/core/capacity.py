@@ -172,6 +172,7 @@ class CapacityController(Generic[PolicyT]):
             self.config,
             view,
             state.num_prompt_tokens,
+            num_recent_queries=_declared_window(self.policy),
         )
 
     def on_boundary(
@@ -552,6 +553,13 @@ def _target_pages(pages: list[int], pool: PagePool, shrink: bool) -> tuple[list[
     shared = [i for i, page in enumerate(dst) if pool.is_shared(page)]
     victim = shared[-1] if shared else len(dst) - 1
     return dst, [dst.pop(victim)]
+
+
+def _declared_window(policy: object) -> int | None:
+    """The policy's ``needs_recent_queries`` (0 without one); None when it is no count (the
+    engine refuses it when it is built; the context then asks the view)."""
+    window = getattr(policy, "needs_recent_queries", 0)
+    return window if type(window) is int and window >= 0 else None
 
 
 def _name(policy: object) -> str:

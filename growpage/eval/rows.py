@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from growpage.core.config import GrowPageConfig
-from growpage.errors import ConfigError, GrowPageError
+from growpage.errors import ConfigError, GrowPageError, PolicyError
 from growpage.policies.registry import (
     parse_policy_value,
     policy_class,
@@ -99,7 +99,10 @@ def parse_row(text: str) -> RowSpec:
             raise ConfigError(
                 f"row {text!r}: expected key=value after {head.strip()}:, got {tail!r}"
             )
-    cls = policy_class(spec)
+    try:
+        cls = policy_class(spec)
+    except PolicyError as exc:
+        raise ConfigError(f"row {text!r}: {exc}") from exc
     fields = _fields_of(cls)
     settings = {f.name for f in attrs.fields(GrowPageConfig)}
     params: dict[str, Any] = {}

@@ -12,11 +12,11 @@ grid is a function and its points; every executor returns the same rows in the s
 actors that keep one engine per worker. The command-line flags are in ``executors.options``.
 """
 
+from growpage.errors import describe_error
 from growpage.executors.base import (
     Executor,
     GridError,
     call_point,
-    describe_error,
     worker_state,
 )
 from growpage.executors.local import LocalExecutor

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import attrs
 from tqdm import tqdm
 
-from growpage.errors import ConfigError, GrowPageError, policy_raised_at, raised_at
+from growpage.errors import ConfigError, GrowPageError, describe_error
 from growpage.executors.store import Row, RowStore, fingerprint, point_key
 from growpage.validators import non_negative_int
 
@@ -49,12 +49,6 @@ class Task:
     index: int
     item: Any
     identity: Row
-
-
-def describe_error(exc: BaseException) -> str:
-    """``Type: message (file:line, in function)``: the policy author's line when the error
-    came through one, else the frame that raised first (as ``growpage sim sweep`` reports)."""
-    return f"{type(exc).__name__}: {exc}{policy_raised_at(exc) or raised_at(exc)}"
 
 
 def call_point(fn: PointFn, item: Any, shared: Any, identity: Row) -> Row:

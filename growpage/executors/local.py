@@ -17,12 +17,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from growpage.errors import describe_error
 from growpage.executors.base import (
     Completion,
     Executor,
     PointFn,
     Task,
-    describe_error,
     died_row,
     timed_point,
 )

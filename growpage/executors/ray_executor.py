@@ -25,13 +25,12 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
-from growpage.errors import ConfigError
+from growpage.errors import ConfigError, describe_error
 from growpage.executors.base import (
     Completion,
     Executor,
     PointFn,
     Task,
-    describe_error,
     died_row,
     timed_point,
 )

@@ -28,6 +28,7 @@ class CapacityPolicy(abc.ABC):
     #: the engine keeps a per-slot fp32 sum beside the KV cache, adds every step's attention
     #: into it and turns prefix caching off (``growpage.engine.modeling.accumulation``).
     needs_accumulated_attention: ClassVar[bool] = False
+    _named_by_class: ClassVar[bool] = False  # ``name`` is the class name, no written one
 
     @property
     def needs_recent_queries(self) -> int:
@@ -77,8 +78,12 @@ class CapacityPolicy(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        if "name" not in cls.__dict__ and getattr(cls, "name", "custom") == "custom":
-            cls.name = cls.__name__  # errors and reports name an unnamed policy by its class
+        # Errors and reports name an unnamed policy by its class: its own, not the name a base
+        # class got the same way (a subclass of an unnamed helper base is not that base).
+        if "name" in cls.__dict__:
+            cls._named_by_class = cls.__dict__.get("_named_by_class", False)
+        elif cls._named_by_class or getattr(cls, "name", "custom") == "custom":
+            cls.name, cls._named_by_class = cls.__name__, True
 
     def __str__(self) -> str:
         return self.name

@@ -82,7 +82,22 @@ def _load_class(spec: str) -> type:
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise PolicyError(f"{target!r} has no attribute {attr!r}") from None
+        raise PolicyError(f"{target!r} has no attribute {attr!r}{_classes_hint(module)}") from None
+
+
+def _classes_hint(module: ModuleType) -> str:
+    """The policy classes ``module`` defines, for a name that is not one of them."""
+    names = [
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, type)
+        and issubclass(value, CapacityPolicy)
+        and not name.startswith("_")
+        and value.__module__ == module.__name__
+    ]
+    return (
+        f" (its policy classes: {', '.join(names)})" if names else " (it defines no policy class)"
+    )
 
 
 def _file_hint(exc: Exception, target: str, attr: str) -> str:
@@ -186,8 +201,15 @@ def policy_class(spec: str | type[CapacityPolicy]) -> type[CapacityPolicy]:
     else:
         cls = spec
     if not (isinstance(cls, type) and issubclass(cls, CapacityPolicy)):
-        raise PolicyError(f"{spec!r} is not a CapacityPolicy subclass")
+        raise PolicyError(f"{spec!r} is not a CapacityPolicy subclass{_what(cls)}")
     return cls
+
+
+def _what(value: object) -> str:
+    """What a policy spec named instead of a policy class."""
+    if isinstance(value, type) or hasattr(value, "decide"):
+        return " (a policy class subclasses growpage.CapacityPolicy)"
+    return f" (got {type(value).__name__}; give a policy class or instance)"
 
 
 def _constructor_error(exc: Exception) -> str:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from growpage.core.config import GrowPageConfig
 from growpage.core.trace_set import TraceSet
 from growpage.core.traces import Trace
-from growpage.errors import ConfigError, GrowPageError, policy_raised_at, raised_at
+from growpage.errors import ConfigError, GrowPageError, describe_error
 from growpage.policies.registry import parse_policy_value, resolve_policy
 from growpage.sim.costmodel import CostModel, load_cost_model, with_boundary_costs
 from growpage.sim.replay import ReplayOptions, replay_trace
@@ -193,12 +193,6 @@ def fidelity_source(settings: SweepSettings) -> str:
     return f"{settings.fidelity_traces} synthetic traces of {settings.fidelity_gen_len} tokens"
 
 
-def _describe(exc: BaseException) -> str:
-    """``Type: message (file:line, in function)``: the line of the policy's own code that
-    raised (as ``growpage sim serve`` says), else the frame that raised first."""
-    return f"{type(exc).__name__}: {exc}{policy_raised_at(exc) or raised_at(exc)}"
-
-
 def try_point(point: SweepPoint, settings: SweepSettings) -> dict:
     """``run_point``, or, when it raises, the point's label, params and ``error``.
 
@@ -207,7 +201,7 @@ def try_point(point: SweepPoint, settings: SweepSettings) -> dict:
     try:
         return run_point(point, settings)
     except Exception as exc:  # noqa: BLE001 - whatever the policy raised; the sweep goes on
-        return {**_identity(point), "error": _describe(exc)}
+        return {**_identity(point), "error": describe_error(exc)}
 
 
 class GridRunner(Protocol):
