@@ -168,7 +168,7 @@ def cli_options(command: str) -> set[str]:
 
 
 def test_engine_guide_cli_synopsis_matches_the_parsers() -> None:
-    from growpage.engine.cli import NO_FLAG, flag_name
+    from growpage.engine.cli_flags import NO_FLAG, flag_name
     from growpage.engine.config import SETTINGS
 
     text = (ROOT / "docs/engine.md").read_text()

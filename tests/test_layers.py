@@ -79,9 +79,9 @@ def package_copy(tmp_path_factory) -> Path:
         ),
         (
             "engine/loop/leak.py",
-            "from growpage.engine.cli import add_engine_flags\n",
+            "from growpage.engine.cli_flags import add_engine_flags\n",
             FACES,
-            "growpage.engine.loop.leak -> growpage.engine.cli",
+            "growpage.engine.loop.leak -> growpage.engine.cli_flags",
         ),
         ("unplaced.py", "import growpage.errors\n", LAYERS, "growpage.unplaced"),
     ],

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from growpage._argtypes import non_negative_int, path_arg, path_text, positive_int
 from growpage.bench.workload import DEFAULT_INPUT_LEN, DEFAULT_NUM_PROMPTS, DEFAULT_OUTPUT_LEN
-from growpage.engine.cli import add_llm_flags
+from growpage.engine.cli_flags import add_llm_flags
 from growpage.latency import PERCENTILES
 
 

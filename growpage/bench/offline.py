@@ -26,7 +26,7 @@ from growpage.bench.report import (
     write_result,
 )
 from growpage.bench.workload import BenchRequest, bench_requests, synthetic_requests
-from growpage.engine.cli import llm_kwargs
+from growpage.engine.cli_flags import llm_kwargs
 from growpage.engine.llm import LLM
 from growpage.engine.outputs import EngineStats, RequestOutput
 from growpage.engine.sampling_params import SamplingParams

@@ -4,69 +4,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
 from growpage._argtypes import path_arg, positive_int
-from growpage.engine.config import SETTINGS, plural
+from growpage.engine.cli_flags import (
+    NO_FLAG,
+    add_engine_flags,
+    engine_kwargs,
+    kv_flags,
+    llm_kwargs,
+    model_flags,
+)
+from growpage.engine.config import plural
+from growpage.engine.prompt_files import read_prompt_file, read_prompts
 from growpage.errors import ConfigError, EngineError
-from growpage.policies.registry import parse_policy_params
-from growpage.validators import lone_surrogate
 
 if TYPE_CHECKING:
     from growpage.engine.llm import LLM
     from growpage.engine.outputs import EngineStats, RequestOutput, StreamChunk
     from growpage.engine.sampling_params import SamplingParams
-
-
-#: Engine settings ``generate`` and ``record`` have no flag for, and why.
-NO_FLAG = {
-    "seed": "--seed seeds the requests' sampling here (the engine's generator starts from 0)",
-    "record_traces": "record's --out (generate does not record)",
-    "record_layers": "record's --layers",
-    "record_values": "record's --no-values",
-}
-
-
-def add_engine_flags(p: argparse.ArgumentParser, skip: Mapping[str, str]) -> None:
-    """A flag for each engine setting (``EngineConfig``'s fields, ``SETTINGS``) but those in
-    ``skip`` (name: why not), named, typed, defaulted and explained by the field."""
-    for field in SETTINGS:
-        if field.name in skip:
-            continue
-        options = dict(field.metadata["flag"])
-        options.pop("name", None)
-        flag = flag_name(field)
-        default = options.pop("default", field.default)
-        if isinstance(default, torch.dtype):
-            default = str(default).removeprefix("torch.")  # its name among the choices
-        text = field.metadata["help"]
-        if str(field.type).startswith("bool"):
-            options["action"] = argparse.BooleanOptionalAction
-            default_text = {True: "on", False: "off", None: None}[default]
-        else:
-            default_text = default
-        if default_text is not None:
-            text += f" (default {default_text})"
-        p.add_argument(flag, dest=field.name, default=default, help=text, **options)
-
-
-def flag_name(field: attrs.Attribute) -> str:
-    """``--max-num-seqs`` for ``max_num_seqs``, unless the field's metadata names another."""
-    return "--" + field.metadata["flag"].get("name", field.name.replace("_", "-"))
-
-
-def engine_settings(args: argparse.Namespace, skip: Mapping[str, str]) -> dict[str, Any]:
-    """The ``LLM`` keywords of the flags ``add_engine_flags(p, skip)`` gave ``p``."""
-    return {f.name: getattr(args, f.name) for f in SETTINGS if f.name not in skip}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -183,14 +146,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _common(
     p: argparse.ArgumentParser, default_policy: str | None, default_max_tokens: int
 ) -> None:
-    _model_flags(p, default_policy)
+    model_flags(p, default_policy)
     p.add_argument(
         "--max-tokens",
         type=positive_int,
         default=default_max_tokens,
         help=f"most tokens to generate per prompt (default {default_max_tokens})",
     )
-    _kv_flags(p)
+    kv_flags(p)
     p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -200,92 +163,11 @@ def _common(
     add_engine_flags(p, NO_FLAG)
 
 
-def add_llm_flags(p: argparse.ArgumentParser, default_policy: str = "growpage") -> None:
-    """The flags of an ``LLM`` as ``generate`` takes them: ``--model``, ``--policy`` and
-    ``--param``, ``--page-size``, ``--threads``, ``--recent-window`` and one per engine setting
-    (``llm_kwargs`` reads them back)."""
-    _model_flags(p, default_policy)
-    _kv_flags(p)
-    add_engine_flags(p, NO_FLAG)
-
-
-def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``LLM`` arguments of the flags ``add_llm_flags`` gave (``--threads`` is applied here,
-    to torch)."""
-    return {
-        "policy": args.policy,
-        "policy_kwargs": parse_policy_params(args.policy_arg, "--param"),
-        **_engine_kwargs(args),
-    }
-
-
-def _model_flags(p: argparse.ArgumentParser, default_policy: str | None) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file, Hugging Face directory, or a model name from `growpage models list` "
-        "(qwen2.5-coder-0.5b...; default: smollm2-135m, SmolLM2-135M-Instruct)",
-    )
-    if default_policy is not None:
-        p.add_argument(
-            "--policy",
-            default=default_policy,
-            help="policy name, 'module:Class' or 'file.py:Class' (default growpage)",
-        )
-        p.add_argument(
-            "--param",
-            "--policy-arg",
-            dest="policy_arg",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="policy hyperparameter, e.g. tau=0.01 (repeatable; read as the "
-            "simulator's --param)",
-        )
-
-
-def _kv_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--page-size",
-        type=int,
-        default=64,
-        help="tokens per KV page (default 64 for short CPU runs; the paper uses 256)",
-    )
-    p.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        help="torch CPU threads (default: torch's, one per core; on a machine other "
-        "jobs share, 1 or 2 avoids oversubscription)",
-    )
-    p.add_argument(
-        "--recent-window",
-        type=int,
-        default=None,
-        help="protected recent tokens (default 16, or page size / 4 for pages of 16 "
-        "tokens or fewer, as the simulator's)",
-    )
-
-
 def _build_llm(**kwargs: Any) -> LLM:
     """Build the ``LLM`` (tests replace this to reuse a loaded model)."""
     from growpage.engine.llm import LLM
 
     return LLM(**kwargs)
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``LLM`` arguments of the engine flags (``--threads`` is applied here, to torch)."""
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-
-    window = {} if args.recent_window is None else {"recent_window": args.recent_window}
-    return {
-        "model": args.model,
-        "page_size": args.page_size,
-        **window,
-        **engine_settings(args, NO_FLAG),
-    }
 
 
 def _layers(text: str) -> list[int]:
@@ -388,7 +270,6 @@ def _write_generate_results(
 ) -> None:
     """``outputs.jsonl`` (one line per prompt, in prompt order), ``stats.json`` and
     ``pool.png`` (the KV pool over the run's steps)."""
-    import attrs
 
     with open(args.out / "outputs.jsonl", "w", encoding="utf-8") as f:
         for i, out in enumerate(outs):
@@ -442,99 +323,6 @@ def _clip(text: str, width: int = 70) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts of a text file (one per line) or a JSONL file (``{"prompt": ...}`` per line)."""
-    return read_prompt_file(path)[0]
-
-
-def read_prompt_file(path: Path) -> tuple[list[str], list[float] | None]:
-    """Prompts of a text file (one per line) or a JSONL file (``{"prompt": ...}`` per line),
-    and their arrival times: a JSONL file's ``arrival_s`` (seconds), on every line or on none
-    (then None)."""
-    if path.is_dir():
-        raise EngineError(f"prompt file {path} is a directory")
-    if not path.is_file():
-        raise EngineError(f"prompt file {path} not found")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise EngineError(
-            f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
-        ) from None
-    except OSError as exc:
-        raise EngineError(f"prompt file {path}: cannot read it ({exc.strerror})") from None
-    prompts: list[str] = []
-    arrivals: list[float | None] = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix in (".jsonl", ".ndjson"):
-            prompt, arrival = _jsonl_prompt(line, f"{path}:{number}")
-            if arrivals and (arrival is None) != (arrivals[0] is None):
-                raise EngineError(
-                    f"{path}:{number}: 'arrival_s' must be on every line or on "
-                    f"none (line {number} "
-                    + ("lacks it" if arrival is None else "has it")
-                    + ", the first "
-                    "prompt's line " + ("has it)" if arrival is None else "does not)")
-                )
-            prompts.append(prompt)
-            arrivals.append(arrival)
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise EngineError(f"{path} holds no prompts")
-    if not arrivals or arrivals[0] is None:
-        return prompts, None
-    return prompts, [a for a in arrivals if a is not None]
-
-
-#: The keys a JSONL prompt file's lines are read for.
-JSONL_KEYS = ("prompt", "arrival_s")
-
-
-def _jsonl_prompt(line: str, where: str) -> tuple[str, float | None]:
-    try:
-        record = json.loads(line)
-    except ValueError as exc:
-        raise EngineError(f"{where}: bad JSONL line {line[:60]!r} (not JSON: {exc})") from None
-    if not isinstance(record, dict) or "prompt" not in record:
-        what = "no 'prompt' key" if isinstance(record, dict) else "not a JSON object"
-        raise EngineError(
-            f"{where}: bad JSONL line {line[:60]!r} ({what}; each line holds "
-            f'an object such as {{"prompt": "..."}})'
-        )
-    prompt = record["prompt"]
-    if not isinstance(prompt, str):
-        raise EngineError(
-            f"{where}: 'prompt' must be a string, got {type(prompt).__name__} ({line[:60]!r})"
-        )
-    if not prompt:
-        raise EngineError(f"{where}: empty prompt")
-    problem = lone_surrogate(prompt)
-    if problem is not None:
-        raise EngineError(f"{where}: 'prompt' is not valid Unicode text ({problem})")
-    # Other keys are allowed (a data set's answer, an id), but one spelled like a known key is
-    # a typo whose value would be lost without a word (arrival times, say).
-    for key in record:
-        near = difflib.get_close_matches(key, JSONL_KEYS, n=1, cutoff=0.85)
-        if key not in JSONL_KEYS and near:
-            raise EngineError(f"{where}: unknown key {key!r}; did you mean {near[0]!r}?")
-    from growpage.engine.inputs import seconds_of
-
-    if "arrival_s" not in record:
-        return prompt, None
-    # NOTE: a null is refused as any other non-number, not read as no time: pandas writes a
-    # missing (NaN) time as null, and a file of nulls would run all at once without a word.
-    arrival = record["arrival_s"]
-    seconds = seconds_of(arrival)
-    if seconds is None:
-        raise EngineError(
-            f"{where}: 'arrival_s' must be a number of seconds >= 0, got {arrival!r:.40}"
-        )
-    return prompt, seconds
-
-
 def run_record(args: argparse.Namespace) -> int:
     from growpage.core.trace_set import INDEX_NAME
 
@@ -563,7 +351,7 @@ def _record(args: argparse.Namespace, prompts: list[str], layers: list[int] | No
         record_traces=args.out,
         record_layers=layers,
         record_values=args.values,
-        **_engine_kwargs(args),
+        **engine_kwargs(args),
     )
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=args.max_tokens), chat=args.chat, use_tqdm=args.progress

@@ -121,7 +121,7 @@ def _help(text: str, **flag: Any) -> dict[str, Any]:
     """attrs metadata of an engine setting: its one-line ``help`` (the ``growpage`` flag's, and
     ``LLM``'s docstring's) and the ``flag`` options its type does not give (``type``,
     ``choices``; ``name``: a flag name other than the field's; ``default``: the commands'
-    default where it differs from the field's), read by ``growpage.engine.cli.add_engine_flags``."""
+    default where it differs from the field's), read by ``growpage.engine.cli_flags.add_engine_flags``."""
     return {"help": text, "flag": flag}
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from growpage._argtypes import positive_int
-from growpage.engine.cli import add_engine_flags, engine_settings
+from growpage.engine.cli_flags import add_engine_flags, engine_settings
 from growpage.errors import GrowPageError
 
 if TYPE_CHECKING:

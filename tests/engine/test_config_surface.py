@@ -12,6 +12,7 @@ import torch
 import growpage.engine.llm as llm_module
 from growpage import cli
 from growpage.engine import cli as engine_cli
+from growpage.engine import cli_flags
 from growpage.engine.config import SETTINGS, EngineConfig
 from growpage.server import cli as server_cli
 
@@ -40,8 +41,8 @@ SAMPLES = {
 }
 # command: (its arguments before any engine flag, its NO_FLAG)
 COMMANDS = {
-    "generate": (["--prompt", "x"], engine_cli.NO_FLAG),
-    "record": (["--prompts", "PROMPTS", "--out", "OUT"], engine_cli.NO_FLAG),
+    "generate": (["--prompt", "x"], cli_flags.NO_FLAG),
+    "record": (["--prompts", "PROMPTS", "--out", "OUT"], cli_flags.NO_FLAG),
     "serve": ([], server_cli.NO_FLAG),
 }
 
@@ -111,7 +112,7 @@ def test_flag_defaults_are_engine_config_defaults(command):
     argv, skip = COMMANDS[command]
     args = _subparser(command).parse_args(argv)
     # device: the commands run where torch sees a GPU ("auto"); LLM's default stays "cpu"
-    assert EngineConfig(**engine_cli.engine_settings(args, skip)) == EngineConfig(device="auto")
+    assert EngineConfig(**cli_flags.engine_settings(args, skip)) == EngineConfig(device="auto")
 
 
 def _llm_keywords(monkeypatch, tmp_path, command: str, flags: list[str]) -> dict:
@@ -138,7 +139,7 @@ def test_each_flag_carries_its_setting_to_the_llm(monkeypatch, tmp_path, gpu_see
     base = _llm_keywords(monkeypatch, tmp_path, command, [])
     for name in sorted(NAMES - set(skip)):
         _, text, want = SAMPLES[name]
-        flag = engine_cli.flag_name(attrs.fields_dict(EngineConfig)[name])
+        flag = cli_flags.flag_name(attrs.fields_dict(EngineConfig)[name])
         flags = [flag if text else "--no-" + flag[2:]] if isinstance(text, bool) else [flag, text]
         seen = _llm_keywords(monkeypatch, tmp_path, command, flags)
         assert seen == {**base, name: seen[name]}  # it changes its own keyword only

@@ -14,6 +14,7 @@ from llm_helpers import assert_all_returned, prompt, tiny_llm, tiny_models
 
 from growpage import cli
 from growpage.engine import cli as engine_cli
+from growpage.engine import prompt_files
 from growpage.engine.inputs import arrival_offsets, poisson_arrivals
 from growpage.engine.sampling_params import SamplingParams
 from growpage.errors import EngineError
@@ -308,7 +309,7 @@ def test_cli_arrival_rate_and_jsonl_arrival_times(monkeypatch, capsys, tmp_path)
     path.write_text('{"prompt": "a", "arrival_s": 1.5}\n\n{"prompt": "b", "arrival_s": 0}\n')
     kwargs = _generate_kwargs(monkeypatch, capsys, ["--prompts", str(path)])
     assert kwargs["prompts"] == ["a", "b"] and kwargs["arrival_s"] == [1.5, 0.0]
-    assert engine_cli.read_prompts(path) == ["a", "b"]  # record ignores the times
+    assert prompt_files.read_prompts(path) == ["a", "b"]  # record ignores the times
 
 
 @pytest.mark.parametrize(

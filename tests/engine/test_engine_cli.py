@@ -7,6 +7,7 @@ import pytest
 
 from growpage import cli
 from growpage.engine import cli as engine_cli
+from growpage.engine import prompt_files
 from growpage.errors import EngineError
 
 
@@ -52,7 +53,7 @@ def test_jsonl_prompts_must_be_strings(tmp_path, capsys, no_model, line, words):
     err = error_of(["generate", "--prompts", str(path)], capsys)
     assert f"{path}:3: " in err and words in err
     path.write_text('{"prompt": "fine"}\n\n{"prompt": "[1]", "n": 2}\n')
-    assert engine_cli.read_prompts(path) == ["fine", "[1]"]
+    assert prompt_files.read_prompts(path) == ["fine", "[1]"]
 
 
 def test_record_out_must_be_a_directory_it_can_create(tmp_path, capsys, no_model):
@@ -331,7 +332,7 @@ def test_a_jsonl_prompt_may_carry_other_keys(tmp_path, suffix):
     """A data set's own fields (growpage data prompts writes id and answer) are not typos."""
     path = tmp_path / f"p{suffix}"
     path.write_text('{"id": "a-1", "prompt": "hi", "answer": 5, "prompt_id": 3, "n": 2}\n')
-    assert engine_cli.read_prompt_file(path) == (["hi"], None)
+    assert prompt_files.read_prompt_file(path) == (["hi"], None)
 
 
 def failing_engine(made: list):
