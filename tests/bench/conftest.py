@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from server_helpers import write_tiny_model  # noqa: E402
@@ -19,9 +18,5 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: a tiny model's steps are faster without two contending threads."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+def _one_thread_everywhere(one_thread):
+    """Every bench test with one intra-op thread (``one_thread``, tests/conftest.py)."""

@@ -8,18 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from engine_helpers import TINY_VARIANTS, tiny_pair  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matrices (and the Triton interpreter): one intra-op thread beats two that contend
-    for a loaded CPU. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(params=list(TINY_VARIANTS), scope="module")

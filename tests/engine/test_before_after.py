@@ -110,6 +110,7 @@ def test_a_head_export_and_the_working_tree_profile_a_step_side_by_side(tmp_path
         "benchmarks/step_profile.py",
         "--device", "cpu", "--requests", "2", "--max-tokens", "6", "--page-size", "16",
         "--window", "2", "--kv-pages", "32", "--attention-backend", "torch",
+        "--threads", "1",  # two threads contend for a loaded CPU (both trees take the flag)
     ]  # fmt: skip
     done = subprocess.run(
         [sys.executable, "benchmarks/before_after.py", "run", "--tree", str(tree),

@@ -61,7 +61,8 @@ def kernel_llm(graphs: bool, model, policy: str = "growpage", kv_pages: int = 40
 def test_static_decode_matches_the_ordinary_path():
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
-    params = [SamplingParams(max_tokens=rng.randrange(12, 30), ignore_eos=True) for _ in prompts]
+    # 10, 13, 15, 12 and 12 tokens: 5 running, then 4, 2, 1 (fewer tokens keep that order).
+    params = [SamplingParams(max_tokens=rng.randrange(6, 16), ignore_eos=True) for _ in prompts]
     eager = kernel_llm(False, tiny_model())
     static = kernel_llm(True, tiny_model())
     want = eager.generate(prompts, params, use_tqdm=False)
@@ -83,7 +84,9 @@ def test_static_decode_matches_the_ordinary_path():
     # block tables in power-of-two width buckets.
     buckets = {bucket for bucket, _ in graphs._entries}
     assert 6 in buckets and buckets <= {1, 2, 4, 6} and len(buckets) > 1
-    assert {width for _, width in graphs._entries} <= {1, 2, 4, 8}
+    assert buckets == {1, 2, 4, 6}, graphs._entries  # every bucket the batch shrinks through
+    widths = {width for _, width in graphs._entries}
+    assert widths <= {1, 2, 4, 8} and len(widths) > 1, graphs._entries
     assert [graphs.width(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     assert graphs.width(10**6) == graphs.max_width <= static.engine.kv.num_pages
     if ON_CUDA:
@@ -96,7 +99,7 @@ def test_static_decode_with_async_compaction_matches_the_ordinary_path():
     smaller bucket, more padding rows); the tokens and the cache stay the eager path's."""
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
     eager = kernel_llm(False, tiny_model(), async_compaction=True)
     static = kernel_llm(True, tiny_model(), async_compaction=True)
     want = eager.generate(prompts, params, use_tqdm=False)
@@ -104,6 +107,9 @@ def test_static_decode_with_async_compaction_matches_the_ordinary_path():
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert static.engine.kv.deferred.num_compactions == eager.engine.kv.deferred.num_compactions > 0
     torch.testing.assert_close(static.engine.kv.cache, eager.engine.kv.cache, atol=1e-5, rtol=0)
+    # Three requests of equal length fill a bucket of 4: a smaller one means one sat a step out.
+    buckets = {bucket for bucket, _ in static.engine.runner.graphs._entries}
+    assert 4 in buckets and min(buckets) < 4, buckets
     assert_all_returned(static)
 
 
@@ -119,9 +125,9 @@ def test_static_decode_through_preemption_and_prefix_hits():
     new query slots, cached prefix pages) and decode in the static buffers again."""
     shared = [5, 9, 11, 3, 7, 13, 17, 19, 23]  # a common prefix: one full page and a bit
     prompts = [shared + [30 + i] * (3 + i) for i in range(5)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    eager = kernel_llm(False, tiny_model(), policy="fullkv", kv_pages=14)
-    static = kernel_llm(True, tiny_model(), policy="fullkv", kv_pages=14)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)  # the longest needs 4 of 11 pages
+    eager = kernel_llm(False, tiny_model(), policy="fullkv", kv_pages=11)
+    static = kernel_llm(True, tiny_model(), policy="fullkv", kv_pages=11)
     want = eager.generate(prompts, params, use_tqdm=False)
     got = static.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

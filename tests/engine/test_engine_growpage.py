@@ -229,7 +229,7 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
     from growpage.engine.loop.kv_manager import KVCacheManager
 
     prompts = [prompt(11, 40 + i) for i in range(4)]
-    params = SamplingParams(max_tokens=30 if kernels else 60, ignore_eos=True)
+    params = SamplingParams(max_tokens=20 if kernels else 60, ignore_eos=True)
 
     engines = []
 
@@ -271,6 +271,7 @@ def test_boundaries_of_one_step_share_a_batch_and_decide_as_alone(model, monkeyp
     monkeypatch.setattr(boundary_signals, "_fill", counted_pass)
     shared, shared_events, shared_deltas = run()
     assert max(sizes) >= 3 and shared_events["compress"] > 0, (sizes, shared_events)
+    assert shared_events["decided_grow"] > 0, shared_events  # both decisions, shared
     # A step's requests get their queries and attention together: with kernels those of equal
     # candidate count (one launch each), on the torch path all of them (one pass).
     assert max(batched if kernels else in_torch) >= 3, (batched, in_torch)

@@ -46,7 +46,8 @@ def kernel_llm(policy: str = "growpage", warmup: bool = True, **kwargs) -> LLM:
 def workload(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(5, 30))] for _ in range(4)]
-    params = [SamplingParams(max_tokens=rng.randrange(16, 36), ignore_eos=True) for _ in prompts]
+    # Enough tokens for both boundary outcomes; the tests assert that they occur.
+    params = [SamplingParams(max_tokens=rng.randrange(8, 18), ignore_eos=True) for _ in prompts]
     return prompts, params
 
 
@@ -78,6 +79,9 @@ def test_warm_up_launches_every_variant_a_run_needs(monkeypatch):
     events = llm.last_stats.events
     assert events["compress"] > 0 and events["grow"] > 0, events  # both boundary paths ran
     assert serving.new_since(at_start) == {}, serving.new_since(at_start)
+    # The run met every kernel of the warm-up, and both decode-attention variants.
+    assert set(serving.counts()) == set(at_start.counts()), serving.counts()
+    assert serving.counts()["decode_attention"] == 2, serving.counts()
     assert compiled_variants() == compiled  # nothing compiled while serving
     assert_all_returned(llm)
 
@@ -97,6 +101,8 @@ def test_warm_up_changes_nothing_the_engine_serves_with():
     outs_warm = warm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs_warm] == [o.token_ids for o in outs_cold]
     assert warm.last_stats.events == cold.last_stats.events
+    events = warm.last_stats.events
+    assert events["compress"] > 0 and events["grow"] > 0, events  # both boundary paths ran
 
 
 def test_no_warm_up_without_kernels():

@@ -80,6 +80,7 @@ def test_bad_settings_are_refused(bad: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_a_table_on_smollm2_scores_what_it_stores_and_resumes(tmp_path, monkeypatch) -> None:
     settings = AccuracySettings(
         model=None,  # the default real model, SmolLM2
@@ -143,6 +144,7 @@ def test_a_table_on_smollm2_scores_what_it_stores_and_resumes(tmp_path, monkeypa
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_rows_of_any_policy_run_in_one_table_and_record_their_regime(tmp_path) -> None:
     """A policy class of this test file in a table beside built-ins, with the prompt protected,
     a row's own floor and horizon, and a baseline matched to its budget (SmolLM2, 2 problems)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,8 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
             str(out),
         ],
         cwd=ROOT,
+        # One intra-op thread: tiny matrices, and two threads contend for a loaded CPU.
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=300,
