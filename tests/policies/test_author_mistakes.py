@@ -9,7 +9,7 @@ from growpage import CapacityPolicy, Decision, GrowPageConfig
 from growpage.cli import main
 from growpage.errors import ConfigError, PolicyError, describe_error
 from growpage.eval.rows import parse_row
-from growpage.policies import registry, resolve_policy
+from growpage.policies import resolve_policy
 from growpage.sim import replay_trace
 from growpage.sim.synthetic import SyntheticSpec, synthetic_trace
 
@@ -41,12 +41,7 @@ POLICIES = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(autouse=True)
-def _restore_registry():
-    saved = dict(registry._REGISTRY)
-    yield
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
+pytestmark = pytest.mark.usefixtures("restore_registry")
 
 
 @pytest.fixture

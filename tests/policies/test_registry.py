@@ -6,15 +6,9 @@ import textwrap
 import pytest
 
 from growpage.errors import PolicyError
-from growpage.policies import registered_policies, registry, resolve_policy
+from growpage.policies import registered_policies, resolve_policy
 
-
-@pytest.fixture(autouse=True)
-def _restore_registry():
-    saved = dict(registry._REGISTRY)
-    yield
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
+pytestmark = pytest.mark.usefixtures("restore_registry")
 
 
 REGISTERING = textwrap.dedent("""
