@@ -32,7 +32,7 @@ def available_memory(root: str | Path = "/") -> MemoryFigure | None:
     """The smallest of the figures below ``root`` (``/``; a test passes a fake tree); None
     when none can be read."""
     root = Path(root)
-    figures = [_meminfo(root), *_cgroup_v2(root), *_cgroup_v1(root)]
+    figures = [_meminfo(root), *_cgroups(root)]
     known = [f for f in figures if f is not None]
     return min(known, key=lambda f: f.num_bytes) if known else None
 
@@ -66,24 +66,20 @@ def _cgroup_paths(root: Path) -> tuple[str | None, str | None]:
     return v2, v1
 
 
-def _cgroup_v2(root: Path) -> list[MemoryFigure | None]:
-    path = _cgroup_paths(root)[0]
-    if path is None:
-        return []
-    return [
-        _room(root, directory, "memory.max", "memory.current", "cgroup v2")
-        for directory in _ancestors("sys/fs/cgroup", path)
-    ]
+#: Per cgroup version: where its hierarchy is mounted, its limit and usage files.
+_CGROUP_FILES = (
+    ("sys/fs/cgroup", "memory.max", "memory.current", "cgroup v2"),
+    ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "cgroup v1"),
+)
 
 
-def _cgroup_v1(root: Path) -> list[MemoryFigure | None]:
-    path = _cgroup_paths(root)[1]
-    if path is None:
-        return []
-    return [
-        _room(root, directory, "memory.limit_in_bytes", "memory.usage_in_bytes", "cgroup v1")
-        for directory in _ancestors("sys/fs/cgroup/memory", path)
-    ]
+def _cgroups(root: Path) -> list[MemoryFigure | None]:
+    """The room under each cgroup limit of the process and its ancestors, v2 then v1."""
+    figures: list[MemoryFigure | None] = []
+    for path, (mount, limit, usage, label) in zip(_cgroup_paths(root), _CGROUP_FILES, strict=True):
+        if path is not None:
+            figures += [_room(root, d, limit, usage, label) for d in _ancestors(mount, path)]
+    return figures
 
 
 def _ancestors(mount: str, path: str) -> list[str]:
